@@ -1,0 +1,108 @@
+"""``pbstk update-endpoint``, ``env``, ``tunnel``."""
+
+from __future__ import annotations
+
+import click
+
+from pbs_toolkit.cli.options import echo_json
+
+
+def _ready(job: str | None, timeout: float, quiet: bool):  # type: ignore[no-untyped-def]
+    """(store, status) of JOB once its server is ready."""
+    from pbs_toolkit.cli.job_cmds import progress_printer
+    from pbs_toolkit.jobstore import JobStore
+    from pbs_toolkit.readiness import wait_until_ready
+
+    store = JobStore()
+    record = store.find(job)
+    return store, wait_until_ready(record, timeout=timeout, store=store, on_progress=progress_printer(quiet))
+
+
+@click.command("update-endpoint")
+@click.argument("job", required=False)
+@click.option("--registry", type=click.Path(dir_okay=False),
+              help="Registry file (default: pbstk's own endpoints.yaml in the XDG data dir).")
+@click.option("--format", "fmt", type=click.Choice(["auto", "py", "toml", "yaml", "json"]), default="auto",
+              show_default=True, help="py = verifiers endpoints.py, toml = verifiers endpoints.toml.")
+@click.option("--alias", help="Entry name (default: the job's --name).")
+@click.option("--timeout", type=float, default=3600.0, show_default=True, help="Seconds to wait for readiness.")
+@click.option("--via-tunnel", is_flag=True, help="Register a local tunnel's URL and keep the tunnel open.")
+@click.option("--local-port", type=int, default=0, help="Local port for --via-tunnel (default: any free one).")
+@click.option("--json", "as_json", is_flag=True)
+def update_endpoint(job: str | None, registry: str | None, fmt: str, alias: str | None, timeout: float,
+                    via_tunnel: bool, local_port: int, as_json: bool) -> None:
+    """Wait until JOB (default: the newest) is ready, then write its endpoint into a registry."""
+    from pbs_toolkit.endpoints import update_endpoint as do_update
+    from pbs_toolkit.registries import detect_format
+
+    if registry:
+        detect_format(registry, fmt)  # refuse a bad suffix before waiting an hour
+    _, st = _ready(job, timeout, as_json)
+    tunnel = None
+    if via_tunnel:
+        from pbs_toolkit.transports import open_runner
+        from pbs_toolkit.tunnel import start_tunnel
+
+        runner = open_runner(st.record.transport or None)
+        assert st.address and st.port
+        tunnel = start_tunnel(runner, st.address, st.port, local_port=local_port)
+    result = do_update(st, registry=registry, fmt=fmt, alias=alias, local_url=tunnel.url if tunnel else None)
+    if as_json:
+        echo_json(result.to_dict())
+    else:
+        click.echo(f"{result.registry}: {result.alias} -> {result.url} (model {result.model}, "
+                   f"key in ${result.key_env or '-'})")
+        if result.key_env:
+            click.echo(f"set the key with: eval \"$(pbstk env {st.record.job_id})\"")
+    if tunnel is not None:
+        click.echo(f"tunnel open on {tunnel.url}; Ctrl-C closes it", err=True)
+        tunnel.serve_forever()
+
+
+@click.command("env")
+@click.argument("job", required=False)
+@click.option("--local-url", help="Use this base URL (e.g. a tunnel's) instead of the node's.")
+@click.option("--timeout", type=float, default=0.0, help="Wait up to this many seconds for readiness (0: no wait).")
+def env_cmd(job: str | None, local_url: str | None, timeout: float) -> None:
+    """Print `export` lines (OPENAI_BASE_URL, OPENAI_API_KEY, the registry's key variable) for JOB.
+
+    \b
+      eval "$(pbstk env)"
+    """
+    from pbs_toolkit.endpoints import env_exports
+    from pbs_toolkit.errors import ServerFailed
+    from pbs_toolkit.jobstore import JobStore
+    from pbs_toolkit.status import status
+
+    if timeout > 0:
+        _, st = _ready(job, timeout, True)
+    else:
+        store = JobStore()
+        st = status([store.find(job)], store)[0]
+        if st.state.value != "READY":
+            raise ServerFailed(f"job {st.record.job_id} is {st.state.value}, not READY "
+                               f"(use --timeout S to wait, or `pbstk wait`)")
+    for line in env_exports(st, local_url):
+        click.echo(line)
+
+
+@click.command()
+@click.argument("job", required=False)
+@click.option("--local-port", type=int, default=0, help="Local port (default: any free one).")
+@click.option("--timeout", type=float, default=3600.0, show_default=True, help="Seconds to wait for readiness.")
+def tunnel(job: str | None, local_port: int, timeout: float) -> None:
+    """Forward a local port to JOB's server through the SSH connection; runs until Ctrl-C."""
+    from pbs_toolkit.transports import open_runner
+    from pbs_toolkit.tunnel import start_tunnel
+
+    _, st = _ready(job, timeout, False)
+    assert st.address and st.port
+    runner = open_runner(st.record.transport or None)
+    with start_tunnel(runner, st.address, st.port, local_port=local_port) as t:
+        click.echo(f"{t.url}/v1 -> {st.url} (model {st.record.served_model_name}); Ctrl-C to stop")
+        click.echo(f"clients: eval \"$(pbstk env {st.record.job_id} --local-url {t.url})\"")
+        t.serve_forever()
+    runner.close()
+
+
+COMMANDS = [update_endpoint, env_cmd, tunnel]

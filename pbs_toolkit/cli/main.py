@@ -1,0 +1,63 @@
+"""``pbstk``: the group, the error boundary, and command registration.
+
+Every ``PbstkError`` becomes one line on stderr (plus any detail lines) and its documented exit code;
+Ctrl-C exits 130. Heavy modules are imported inside commands so ``pbstk --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from pbs_toolkit import __version__
+from pbs_toolkit.errors import PbstkError
+
+
+class PbstkGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except PbstkError as exc:
+            click.echo(f"pbstk: error: {exc.message}", err=True)
+            for line in exc.details:
+                click.echo(f"  | {line}", err=True)
+            ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("pbstk: interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=PbstkGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, "--version", prog_name="pbstk")
+def cli() -> None:
+    """Serve models with vLLM on PBS clusters (or this machine) and point evaluations at them.
+
+    \b
+      pbstk launch Qwen/Qwen3-VL-2B-Instruct --preset dp4 --profile polaris
+      pbstk logs -f                      # the newest job's realtime vLLM log
+      pbstk update-endpoint              # wait until ready, then register it
+
+    Settings come, in order, from flags, PBSTK_* variables, ~/.config/pbstk/config.yaml, the site profile,
+    and package defaults. Exit codes: 0 ok, 1 error, 2 bad input, 3 scheduler, 4 SSH, 5 server failed,
+    6 timeout, 7 unknown job, 8 registry.
+    """
+
+
+def _register() -> None:
+    from pbs_toolkit.cli import endpoint_cmds, job_cmds, observe_cmds, render_cmds
+
+    for module in (render_cmds, job_cmds, endpoint_cmds, observe_cmds):
+        for command in module.COMMANDS:
+            cli.add_command(command)
+
+
+_register()
+
+
+def main() -> None:
+    cli(prog_name="pbstk")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

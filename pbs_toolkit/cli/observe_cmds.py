@@ -1,0 +1,233 @@
+"""``pbstk metrics``, ``doctor``, ``bench``, ``tune``."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+
+from pbs_toolkit.cli.options import build_request, echo_json, render_options, table
+
+
+def _ready_status(job: str | None, wait: bool, timeout: float) -> Any:
+    from pbs_toolkit.errors import ServerFailed
+    from pbs_toolkit.jobstore import JobStore
+    from pbs_toolkit.status import status
+
+    store = JobStore()
+    record = store.find(job)
+    if wait:
+        from pbs_toolkit.cli.job_cmds import progress_printer
+        from pbs_toolkit.readiness import wait_until_ready
+
+        return wait_until_ready(record, timeout=timeout, store=store, on_progress=progress_printer())
+    st = status([record], store)[0]
+    if st.state.value != "READY":
+        raise ServerFailed(f"job {record.job_id} is {st.state.value}, not READY"
+                           f"{': ' + st.reason if st.reason else ''} (pass --wait to wait for it)")
+    return st
+
+
+def _int_list(text: str) -> list[int]:
+    from pbs_toolkit.errors import UsageError
+
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v < 1 for v in values):
+        raise UsageError(f"{text!r}: concurrencies must be positive integers")
+    return values
+
+
+def _show_summary(s: dict[str, Any]) -> None:
+    def fmt(v: Any, unit: str = "") -> str:
+        return "-" if v is None else f"{v:.1f}{unit}" if isinstance(v, float) else f"{v}{unit}"
+
+    r = s.get("rates") or {}
+    click.echo(f"{time.strftime('%H:%M:%S', time.localtime(s['timestamp']))}  running {fmt(s['running'])}  "
+               f"waiting {fmt(s['waiting'])}  KV cache {fmt(s['kv_cache_usage_pct'], '%')}  "
+               f"prefix hits {fmt(s['prefix_cache_hit_rate_pct'], '%')}  "
+               f"prompt {fmt(r.get('prompt_tokens_per_s'))} tok/s  gen {fmt(r.get('generation_tokens_per_s'))} tok/s  "
+               f"req {fmt(r.get('requests_per_s'))}/s")
+    click.echo(f"          TTFT p50/p90/p99 {fmt(s.get('ttft_p50_ms'))}/{fmt(s.get('ttft_p90_ms'))}/"
+               f"{fmt(s.get('ttft_p99_ms'))} ms  ITL p50 {fmt(s.get('itl_p50_ms'))} ms  "
+               f"e2e p50/p99 {fmt(s.get('e2e_p50_ms'))}/{fmt(s.get('e2e_p99_ms'))} ms ({s['window']})")
+
+
+@click.command()
+@click.argument("job", required=False)
+@click.option("--watch", "watch", type=float, default=None, is_flag=False, flag_value=5.0,
+              help="Scrape again every N seconds (default 5) and show rates between scrapes.")
+@click.option("--count", type=int, default=0, help="With --watch: stop after this many scrapes (0: until Ctrl-C).")
+@click.option("--export", "export_path", type=click.Path(dir_okay=False), help="Append JSON lines to FILE.")
+@click.option("--interval", type=float, default=1.0, show_default=True,
+              help="Without --watch: seconds between the two scrapes used for rates.")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--wait", "wait_ready", is_flag=True, help="Wait for the job to be ready first.")
+@click.option("--timeout", type=float, default=3600.0)
+def metrics(job: str | None, watch: float | None, count: int, export_path: str | None, interval: float,
+            as_json: bool, wait_ready: bool, timeout: float) -> None:
+    """Throughput, queue, KV cache and latency percentiles of JOB's server (from /metrics and its log)."""
+    from pbs_toolkit.observe.prom import summarize
+    from pbs_toolkit.observe.scrape import engine_history, scrape
+    from pbs_toolkit.transports import open_runner
+
+    st = _ready_status(job, wait_ready, timeout)
+    runner = open_runner(st.record.transport or None)
+    try:
+        prev = scrape(runner, st)
+        scrapes = 1
+        while True:
+            time.sleep(watch if watch else interval)
+            cur = scrape(runner, st)
+            scrapes += 1
+            summary = summarize(prev, cur)
+            summary["job_id"] = st.record.job_id
+            if not watch:
+                summary["engine_log"] = [e.to_dict() for e in engine_history(runner, st)[-10:]]
+            if export_path:
+                with open(export_path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(summary, default=str) + "\n")
+            if as_json:
+                click.echo(json.dumps(summary, default=str))
+            else:
+                _show_summary(summary)
+                if not watch and summary.get("engine_log"):
+                    last = summary["engine_log"][-1]
+                    click.echo(f"          last Engine line: gen {last.get('generation_throughput')} tok/s, "
+                               f"running {last.get('running')}, KV {last.get('kv_cache_usage_pct')}%")
+            prev = cur
+            if not watch or (count and scrapes > count):
+                return
+    finally:
+        runner.close()
+
+
+@click.command()
+@click.argument("job", required=False)
+@click.option("--json", "as_json", is_flag=True)
+def doctor(job: str | None, as_json: bool) -> None:
+    """Diagnose JOB's server from its flags, log and metrics; end with the preset to use and how."""
+    from pbs_toolkit.jobstore import JobStore
+    from pbs_toolkit.observe.doctor import diagnose
+    from pbs_toolkit.observe.scrape import doctor_context, scrape
+    from pbs_toolkit.presets import auto_layout
+    from pbs_toolkit.status import status
+    from pbs_toolkit.transports import open_runner
+
+    store = JobStore()
+    st = status([store.find(job)], store)[0]
+    runner = open_runner(st.record.transport or None)
+    try:
+        snapshot = scrape(runner, st) if st.state.value == "READY" else None
+        ctx = doctor_context(runner, st, snapshot)
+    finally:
+        runner.close()
+    findings = diagnose(ctx)
+    gpus = ctx.gpus
+    recommended, launch_line = None, None
+    if gpus:
+        tp, dp, why = auto_layout(ctx.model_params_b, gpus)
+        recommended = {(1, 4): "dp4", (4, 1): "tp4", (2, 2): "tp2dp2", (1, 1): "single", (1, 2): "dp2",
+                       (2, 1): "tp2"}.get((tp, dp), "auto")
+        launch_line = (f"pbstk launch {st.record.model} --preset {recommended} --profile {st.record.profile}"
+                       + (f" --name {st.record.name}" if st.record.name else ""))
+    if as_json:
+        echo_json({"job_id": st.record.job_id, "state": st.state.value,
+                   "findings": [f.to_dict() for f in findings],
+                   "recommended_preset": recommended, "launch": launch_line})
+        return
+    click.echo(f"{st.record.job_id} ({st.record.preset}, {st.state.value}): {len(findings)} finding(s)")
+    for f in findings:
+        click.echo(f"\n[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  fix:      {f.fix}")
+    if recommended:
+        click.echo(f"\nrecommended preset: {recommended} ({why})\n  {launch_line}")
+    elif not findings:
+        click.echo("nothing to report")
+
+
+@click.command()
+@click.argument("job", required=False)
+@click.option("--concurrency", "-c", default="1,8,64", show_default=True, help="Comma-separated levels.")
+@click.option("--input-len", default=128, show_default=True)
+@click.option("--output-len", default=256, show_default=True, help="Fixed (ignore_eos) output tokens.")
+@click.option("--num-prompts", type=int, help="Requests per level (default: 4 x concurrency, at least 8).")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--wait", "wait_ready", is_flag=True, help="Wait for the job to be ready first.")
+@click.option("--timeout", type=float, default=3600.0)
+def bench(job: str | None, concurrency: str, input_len: int, output_len: int, num_prompts: int | None,
+          as_json: bool, wait_ready: bool, timeout: float) -> None:
+    """Drive load against JOB's endpoint: output tokens/s, requests/s, TTFT and TPOT per concurrency."""
+    from pbs_toolkit.tune import benchmark_ready_job
+
+    levels = _int_list(concurrency)
+    st = _ready_status(job, wait_ready, timeout)
+    results = benchmark_ready_job(st, levels, input_len=input_len, output_len=output_len, num_prompts=num_prompts)
+    if as_json:
+        echo_json({"job_id": st.record.job_id, "preset": st.record.preset, "results": results})
+        return
+
+    def f(v: Any) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    rows = [[str(r["concurrency"]), str(r["completed"]), str(r["failed"]), f(r["output_throughput"]),
+             f(r["request_throughput"]), f(r["median_ttft_ms"]), f(r["p99_ttft_ms"]), f(r["median_tpot_ms"]),
+             f(r["p99_tpot_ms"])] for r in results]
+    click.echo(f"{st.record.job_id} ({st.record.preset}), {input_len} in / {output_len} out tokens")
+    click.echo(table(rows, ["CONC", "OK", "FAILED", "OUT TOK/S", "REQ/S", "TTFT P50", "TTFT P99",
+                            "TPOT P50", "TPOT P99"]))
+    for r in results:
+        for err in r.get("errors", [])[:3]:
+            click.echo(f"c={r['concurrency']}: {err}", err=True)
+
+
+@click.command()
+@click.argument("model", required=False)
+@click.option("--presets", "preset_list", default="dp4,tp4,tp2dp2,baseline-eager", show_default=True)
+@render_options
+@click.option("--concurrency", "-c", default="1,8,64", show_default=True)
+@click.option("--input-len", default=128, show_default=True)
+@click.option("--output-len", default=256, show_default=True)
+@click.option("--num-prompts", type=int)
+@click.option("--baseline", help="Preset to compare against (default: the eager one).")
+@click.option("--timeout", type=float, default=3600.0, help="Seconds to wait for each server.")
+@click.option("--output", "output", type=click.Path(dir_okay=False), help="Where to save the result JSON.")
+@click.option("--save-default", is_flag=True, help="Make the winner your default preset for MODEL.")
+@click.option("--report", type=click.Path(exists=True, dir_okay=False), help="Re-render a saved result.")
+@click.option("--png", type=click.Path(dir_okay=False), help="Also draw a bar chart (needs matplotlib).")
+@click.option("--json", "as_json", is_flag=True)
+def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, output_len: int,
+         num_prompts: int | None, baseline: str | None, timeout: float, output: str | None, save_default: bool,
+         report: str | None, png: str | None, as_json: bool, **kw: Any) -> None:
+    """Launch each preset for MODEL, benchmark them identically, and recommend the fastest."""
+    from pbs_toolkit.errors import UsageError
+    from pbs_toolkit.tune import load_result, plot, render_table, run_tune, save_result
+
+    if report:
+        doc = load_result(report)
+    else:
+        if not model:
+            raise UsageError("tune needs a MODEL (or --report FILE)")
+        names = [p.strip() for p in preset_list.split(",") if p.strip()]
+        doc = run_tune(build_request(model, **kw), names, concurrencies=_int_list(concurrency),
+                       input_len=input_len, output_len=output_len, num_prompts=num_prompts, timeout=timeout,
+                       baseline=baseline, progress=lambda m: click.echo(m, err=True))
+        path = save_result(doc, output)
+        click.echo(f"saved {path}", err=True)
+    if as_json:
+        echo_json(doc)
+    else:
+        click.echo(render_table(doc))
+    if png:
+        click.echo(f"chart: {plot(doc, png)}", err=True)
+    if save_default and doc.get("recommended") and not report:
+        from pbs_toolkit.config import save_default_preset
+
+        click.echo(f"default preset for {doc['model']} is now {doc['recommended']} "
+                   f"({save_default_preset(doc['model'], doc['recommended'])})")
+
+
+COMMANDS = [metrics, doctor, bench, tune]

@@ -1,0 +1,81 @@
+"""The last mile: register a ready server where evaluation tools look, and print shell exports for it."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+from pbs_toolkit.errors import UsageError
+from pbs_toolkit.jobstore import JobRecord
+from pbs_toolkit.status import JobStatus
+
+
+@dataclass
+class EndpointUpdate:
+    registry: str
+    format: str
+    alias: str
+    model: str
+    url: str
+    key_env: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def default_alias(record: JobRecord) -> str:
+    """The job's ``--name`` (which defaults to a slug of the model)."""
+    return record.name
+
+
+def endpoint_url(st: JobStatus, local_url: str | None = None) -> str:
+    if local_url:
+        return local_url.rstrip("/") + "/v1"
+    if not st.url:
+        raise UsageError(f"job {st.record.job_id} has no address yet (state {st.state.value})")
+    return st.url
+
+
+def update_endpoint(
+    st: JobStatus,
+    *,
+    registry: str | None = None,
+    fmt: str = "auto",
+    alias: str | None = None,
+    local_url: str | None = None,
+) -> EndpointUpdate:
+    """Write ``{alias: model, url, key}`` for a READY job into the registry (atomic, locked)."""
+    from pbs_toolkit.registries import EndpointEntry, default_registry_path, detect_format, write_endpoint
+
+    record = st.record
+    alias = alias or default_alias(record)
+    url = endpoint_url(st, local_url)
+    key_env = record.api_key_env or "PBSTK_NO_KEY"
+    path = registry or str(default_registry_path())
+    kind = detect_format(path, fmt)
+    entry = EndpointEntry(alias=alias, model=record.served_model_name, url=url, key_env=key_env)
+    written = write_endpoint(registry, entry, fmt=kind)
+    return EndpointUpdate(str(written), kind, alias, record.served_model_name, url, record.api_key_env)
+
+
+def env_exports(st: JobStatus, local_url: str | None = None) -> list[str]:
+    """``export`` lines for shells and clients (OpenAI SDK, verifiers 0.4, lm-eval, vllm bench)."""
+    record = st.record
+    base = endpoint_url(st, local_url)
+    root = base[: -len("/v1")]
+    lines = [
+        f"export OPENAI_BASE_URL={shlex.quote(base)}",
+        f"export OPENAI_API_BASE={shlex.quote(base)}",
+        f"export PBSTK_BASE_URL={shlex.quote(base)}",
+        f"export PBSTK_COMPLETIONS_URL={shlex.quote(base + '/completions')}",
+        f"export PBSTK_SERVER_ROOT={shlex.quote(root)}",
+        f"export PBSTK_MODEL={shlex.quote(record.served_model_name)}",
+    ]
+    if record.api_key:
+        lines.append(f"export OPENAI_API_KEY={shlex.quote(record.api_key)}")
+        if record.api_key_env:
+            lines.append(f"export {record.api_key_env}={shlex.quote(record.api_key)}")
+    else:
+        lines.append("export OPENAI_API_KEY=EMPTY")
+    return lines

@@ -1,0 +1,271 @@
+"""vLLM V1 Prometheus metrics: parse ``/metrics`` text, compute rates and latency quantiles.
+
+The text is parsed with ``prometheus_client.parser``; values are summed over label sets (several engines,
+several served model names). Metric names follow FACTS.md section 2, with fallbacks for older servers:
+``vllm:gpu_cache_usage_perc`` (before ``kv_cache_usage_perc``), ``vllm:time_per_output_token_seconds``
+(before ``inter_token_latency_seconds``) and ``vllm:gpu_prefix_cache_*`` (before ``prefix_cache_*``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from pbs_toolkit.errors import ServerFailed, UsageError
+
+#: snapshot field -> sample names, preferred first
+_GAUGES: dict[str, tuple[str, ...]] = {
+    "running": ("vllm:num_requests_running",),
+    "waiting": ("vllm:num_requests_waiting",),
+}
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_COUNTERS: dict[str, tuple[str, ...]] = {
+    "prompt_tokens": ("vllm:prompt_tokens_total",),
+    "generation_tokens": ("vllm:generation_tokens_total",),
+    "requests_success": ("vllm:request_success_total",),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    "preemptions": ("vllm:num_preemptions_total",),
+}
+_HISTOGRAMS: dict[str, tuple[str, ...]] = {
+    "ttft": ("vllm:time_to_first_token_seconds",),
+    "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "e2e": ("vllm:e2e_request_latency_seconds",),
+    "tpot": ("vllm:request_time_per_output_token_seconds",),
+}
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+@dataclass
+class Histogram:
+    """A cumulative histogram: ``buckets`` are ``(upper bound, count <= bound)`` sorted, ending at +Inf."""
+
+    buckets: list[tuple[float, float]] = field(default_factory=list)
+    sum: float = 0.0
+    count: float = 0.0
+
+    def quantile(self, q: float) -> float | None:
+        """See :func:`histogram_quantile`."""
+        return histogram_quantile(self.buckets, q)
+
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count > 0 else None
+
+
+@dataclass
+class MetricsSnapshot:
+    """One scrape of ``/metrics``, summed over engines and model names.
+
+    ``kv_cache_usage`` is a fraction 0..1 averaged over engines (each engine has its own cache);
+    ``kv_cache_usage_max`` is the fullest engine. ``None`` means the server did not export the metric.
+    """
+
+    timestamp: float
+    running: float | None = None
+    waiting: float | None = None
+    kv_cache_usage: float | None = None
+    kv_cache_usage_max: float | None = None
+    prompt_tokens: float | None = None
+    generation_tokens: float | None = None
+    requests_success: float | None = None
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+    preemptions: float | None = None
+    ttft: Histogram | None = None
+    itl: Histogram | None = None
+    e2e: Histogram | None = None
+    tpot: Histogram | None = None
+    engines: list[str] = field(default_factory=list)
+    model_names: list[str] = field(default_factory=list)
+
+
+def _le(text: str) -> float:
+    return math.inf if text in ("+Inf", "Inf", "inf") else float(text)
+
+
+def parse_metrics(text: str, timestamp: float) -> MetricsSnapshot:
+    """Parse a ``/metrics`` body taken at ``timestamp`` (seconds since the epoch, or any monotonic clock).
+
+    Raises ``ServerFailed`` when the text is not Prometheus exposition format.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, list[float]] = defaultdict(list)
+    buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    engines: set[str] = set()
+    models: set[str] = set()
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not sample.name.startswith("vllm:"):
+                    continue
+                if "engine" in sample.labels:
+                    engines.add(sample.labels["engine"])
+                if "model_name" in sample.labels:
+                    models.add(sample.labels["model_name"])
+                if sample.name.endswith("_bucket") and "le" in sample.labels:
+                    name = sample.name[: -len("_bucket")]
+                    buckets[name][_le(sample.labels["le"])] += sample.value
+                else:
+                    values[sample.name].append(sample.value)
+    except ValueError as exc:
+        raise ServerFailed(f"/metrics is not in Prometheus text format: {exc}") from exc
+
+    def total(names: tuple[str, ...]) -> float | None:
+        for name in names:
+            if name in values:
+                return sum(values[name])
+        return None
+
+    def histogram(names: tuple[str, ...]) -> Histogram | None:
+        for name in names:
+            if name in buckets:
+                return Histogram(
+                    buckets=sorted(buckets[name].items()),
+                    sum=sum(values.get(name + "_sum", [0.0])),
+                    count=sum(values.get(name + "_count", [0.0])),
+                )
+        return None
+
+    snapshot = MetricsSnapshot(timestamp=timestamp, engines=sorted(engines), model_names=sorted(models))
+    for attr, names in _GAUGES.items():
+        setattr(snapshot, attr, total(names))
+    for attr, names in _COUNTERS.items():
+        setattr(snapshot, attr, total(names))
+    for attr, names in _HISTOGRAMS.items():
+        setattr(snapshot, attr, histogram(names))
+    for name in _KV_USAGE:
+        if values.get(name):
+            snapshot.kv_cache_usage = sum(values[name]) / len(values[name])
+            snapshot.kv_cache_usage_max = max(values[name])
+            break
+    return snapshot
+
+
+def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """The ``q``-quantile (0..1) of cumulative ``buckets``, interpolated linearly as Prometheus does.
+
+    ``None`` when the histogram holds no observations. A quantile that falls in the +Inf bucket returns the
+    largest finite bound, as Prometheus does.
+    """
+    if not 0.0 <= q <= 1.0:
+        raise UsageError(f"quantile must be between 0 and 1, got {q}")
+    ordered = sorted(buckets)
+    if not ordered or ordered[-1][1] <= 0:
+        return None
+    total = ordered[-1][1]
+    rank = q * total
+    previous_bound, previous_count = 0.0, 0.0
+    for bound, count in ordered:
+        if count >= rank and count > previous_count:
+            if math.isinf(bound):
+                return previous_bound
+            if bound <= 0:
+                return bound
+            return previous_bound + (bound - previous_bound) * (rank - previous_count) / (
+                count - previous_count
+            )
+        previous_bound, previous_count = bound, count
+    return previous_bound
+
+
+def delta(prev: Histogram, cur: Histogram) -> Histogram:
+    """Observations made between two scrapes. A server restart (counts going down) yields ``cur``."""
+    before = dict(prev.buckets)
+    if cur.count < prev.count or any(count < before.get(bound, 0.0) for bound, count in cur.buckets):
+        return cur
+    return Histogram(
+        buckets=[(bound, count - before.get(bound, 0.0)) for bound, count in cur.buckets],
+        sum=cur.sum - prev.sum,
+        count=cur.count - prev.count,
+    )
+
+
+def _increase(prev: float | None, cur: float | None) -> float | None:
+    if cur is None:
+        return None
+    if prev is None or cur < prev:  # counter reset: the server restarted and counts from zero
+        return cur
+    return cur - prev
+
+
+def rates(prev: MetricsSnapshot, cur: MetricsSnapshot) -> dict[str, float | None]:
+    """Per-second rates over the interval between two snapshots (``None`` where a counter is missing)."""
+    interval = cur.timestamp - prev.timestamp
+    if interval <= 0:
+        raise UsageError(f"snapshots are not in time order (interval {interval:.3f} s)")
+
+    def rate(attr: str) -> float | None:
+        increase = _increase(getattr(prev, attr), getattr(cur, attr))
+        return None if increase is None else increase / interval
+
+    return {
+        "interval_s": interval,
+        "prompt_tokens_per_s": rate("prompt_tokens"),
+        "generation_tokens_per_s": rate("generation_tokens"),
+        "requests_per_s": rate("requests_success"),
+        "preemptions_per_s": rate("preemptions"),
+    }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000.0, 3)
+
+
+def _round(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def summarize(prev: MetricsSnapshot | None, cur: MetricsSnapshot) -> dict[str, Any]:
+    """A JSON-ready summary of ``cur``; with ``prev``, hit rate, rates and latencies cover only the interval.
+
+    Latency keys are ``ttft_p50_ms``, ``ttft_p90_ms``, ``ttft_p99_ms`` and the same for ``itl``, ``e2e`` and
+    ``tpot`` (``None`` when no request finished in the window).
+    """
+    queries = cur.prefix_cache_queries
+    hits = cur.prefix_cache_hits
+    if prev is not None:
+        queries = _increase(prev.prefix_cache_queries, cur.prefix_cache_queries)
+        hits = _increase(prev.prefix_cache_hits, cur.prefix_cache_hits)
+    hit_rate = 100.0 * hits / queries if queries and hits is not None else None
+    result: dict[str, Any] = {
+        "timestamp": cur.timestamp,
+        "window": "interval" if prev is not None else "cumulative",
+        "running": cur.running,
+        "waiting": cur.waiting,
+        "kv_cache_usage_pct": _round(None if cur.kv_cache_usage is None else 100.0 * cur.kv_cache_usage),
+        "prefix_cache_hit_rate_pct": _round(hit_rate),
+        "preemptions": cur.preemptions,
+        "rates": rates(prev, cur) if prev is not None else None,
+        "engines": len(cur.engines),
+    }
+    for name in _HISTOGRAMS:
+        hist: Histogram | None = getattr(cur, name)
+        before: Histogram | None = getattr(prev, name) if prev is not None else None
+        if hist is not None and before is not None:
+            hist = delta(before, hist)
+        for q in QUANTILES:
+            result[f"{name}_p{round(q * 100)}_ms"] = _ms(hist.quantile(q)) if hist is not None else None
+    return result
+
+
+def fetch_snapshot(base_url: str, *, timeout: float = 5.0, transport: Any = None) -> MetricsSnapshot:
+    """GET ``{base_url}/metrics`` (open even when the server has an API key) and parse it.
+
+    Raises ``ServerFailed`` when the server does not answer or answers with an error.
+    """
+    import time
+
+    import httpx
+
+    url = base_url.rstrip("/") + "/metrics"
+    try:
+        with httpx.Client(timeout=timeout, transport=transport) as client:
+            response = client.get(url)
+    except httpx.HTTPError as exc:
+        raise ServerFailed(f"cannot read {url}: {exc}") from exc
+    if response.status_code != 200:
+        raise ServerFailed(f"{url} answered HTTP {response.status_code}")
+    return parse_metrics(response.text, time.time())

@@ -1,0 +1,62 @@
+"""Observing one job through its transport: ``/metrics`` snapshots, ``Engine NNN:`` history, doctor inputs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pbs_toolkit import probe
+from pbs_toolkit.errors import ServerFailed
+from pbs_toolkit.observe.doctor import DoctorContext
+from pbs_toolkit.observe.engine_log import EngineStats, iter_engine_stats
+from pbs_toolkit.observe.prom import MetricsSnapshot, parse_metrics
+from pbs_toolkit.status import JobStatus
+from pbs_toolkit.transports import Runner
+
+
+def scrape(runner: Runner, st: JobStatus, timeout: float = 5.0) -> MetricsSnapshot:
+    """One ``/metrics`` snapshot of a READY job (``/metrics`` needs no key, but sending it does no harm)."""
+    if not st.address or not st.port:
+        raise ServerFailed(f"job {st.record.job_id} is {st.state.value}: no server address to scrape yet")
+    try:
+        answer = probe.http_request(runner, st.address, st.port, "/metrics", api_key=st.record.api_key,
+                                    timeout=timeout)
+    except OSError as exc:
+        raise ServerFailed(f"cannot reach {st.address}:{st.port}/metrics: {exc}") from exc
+    if answer.status != 200:
+        raise ServerFailed(f"{st.address}:{st.port}/metrics answered HTTP {answer.status}")
+    return parse_metrics(answer.body.decode("utf-8", "replace"), time.time())
+
+
+def engine_history(runner: Runner, st: JobStatus, lines: int = 5000) -> list[EngineStats]:
+    """The periodic ``Engine NNN:`` stats lines from the job's vLLM log (newest last)."""
+    from pbs_toolkit.logs import tail_lines
+
+    return list(iter_engine_stats(tail_lines(runner, f"{st.record.run_dir}/vllm.log", lines)))
+
+
+def doctor_context(runner: Runner, st: JobStatus, snapshot: MetricsSnapshot | None) -> DoctorContext:
+    """Everything ``diagnose`` needs for one job: its flags, layout, log and metrics."""
+    from pbs_toolkit.logs import tail_lines
+    from pbs_toolkit.presets import params_from_name
+
+    record = st.record
+    extra: dict[str, Any] = record.extra
+    log = tail_lines(runner, f"{record.run_dir}/vllm.log", 5000)
+    args = list(extra.get("vllm_args") or [])
+    if extra.get("eager") or st.eager_fallback:
+        args.append("--enforce-eager")
+    cache_root = extra.get("vllm_cache_root")
+    return DoctorContext(
+        vllm_args=args,
+        tensor_parallel=int(extra.get("tensor_parallel") or 1),
+        data_parallel=int(extra.get("data_parallel") or 1),
+        pipeline_parallel=int(extra.get("pipeline_parallel") or 1),
+        gpus=int(extra.get("gpus") or 0),
+        model_params_b=extra.get("params_b") or params_from_name(record.model),
+        log_lines=log,
+        snapshot=snapshot,
+        engine_stats=list(iter_engine_stats(log)),
+        vllm_version=str(extra.get("vllm_version") or ""),
+        vllm_cache_root_shared=bool(cache_root) if cache_root is not None else False,
+    )

@@ -1,0 +1,219 @@
+"""Startup phases, timings and fatal errors read from a vLLM server log.
+
+vLLM starts in a fixed order: load weights, ``torch.compile`` (skipped with ``--enforce-eager``), profile
+memory and allocate the KV cache, capture CUDA graphs (skipped in eager mode), then start the HTTP server.
+Each step leaves a marker line (FACTS.md section 2); this module maps the newest marker seen to a phase.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from pbs_toolkit.observe.logline import split_log_line
+
+STARTING = "starting"
+LOADING_WEIGHTS = "loading weights"
+COMPILING = "compiling"
+INITIALIZING_ENGINE = "initializing engine"
+CAPTURING_GRAPHS = "capturing CUDA graphs"
+STARTING_API_SERVER = "starting API server"
+READY = "ready"
+FAILED = "failed"
+
+#: every value :func:`current_phase` returns, in startup order (``failed`` may follow any of them)
+PHASES = (
+    STARTING,
+    LOADING_WEIGHTS,
+    COMPILING,
+    INITIALIZING_ENGINE,
+    CAPTURING_GRAPHS,
+    STARTING_API_SERVER,
+    READY,
+    FAILED,
+)
+
+# (substring of the message, phase entered when it appears); first match wins for a line
+_PHASE_MARKERS: tuple[tuple[str, str], ...] = (
+    ("Application startup complete", READY),
+    ("Starting vLLM server on http", READY),
+    ("Starting vLLM API server", READY),
+    ("init engine (profile, create kv cache, warmup model) took", STARTING_API_SERVER),
+    ("Graph capturing finished", INITIALIZING_ENGINE),
+    ("Capturing CUDA graph", CAPTURING_GRAPHS),
+    ("Capturing cudagraphs", CAPTURING_GRAPHS),
+    ("torch.compile takes", INITIALIZING_ENGINE),
+    ("Available KV cache memory", INITIALIZING_ENGINE),
+    ("KV cache size:", INITIALIZING_ENGINE),
+    ("Maximum concurrency for", INITIALIZING_ENGINE),
+    ("Memory profiling takes", INITIALIZING_ENGINE),
+    ("Compiling a graph", COMPILING),
+    ("Dynamo bytecode transform time", COMPILING),
+    ("Directly load the compiled graph", COMPILING),
+    ("for vLLM's torch.compile", COMPILING),
+    ("Model loading took", INITIALIZING_ENGINE),
+    ("Loading weights took", INITIALIZING_ENGINE),
+    ("Loading model weights took", INITIALIZING_ENGINE),
+    ("Starting to load model", LOADING_WEIGHTS),
+    ("Loading safetensors checkpoint shards", LOADING_WEIGHTS),
+    ("Loading weights", LOADING_WEIGHTS),
+    ("Loading model", LOADING_WEIGHTS),
+)
+
+# root causes, most specific first; each is searched in the whole log
+_FATAL_MARKERS = (
+    "CUDA out of memory",
+    "No available memory for the cache blocks",
+    "is less than desired GPU memory utilization",
+    "unrecognized arguments",
+    "EngineDeadError",
+    "Engine core initialization failed",
+)
+_EXCEPTION = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception):|^Error:")
+_NUMBER = r"(\d+(?:\.\d+)?)"
+_TIMINGS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("weights_load_s", re.compile(r"Loading weights took " + _NUMBER + r"\s*s")),
+    ("model_load_s", re.compile(r"Model loading took .*?" + _NUMBER + r"\s*s(?:ec|econds)?\b")),
+    ("compile_graph_s", re.compile(r"Compiling a graph for .*? takes " + _NUMBER + r"\s*s")),
+    ("compile_cache_load_s", re.compile(r"Directly load the compiled graph.*?took " + _NUMBER + r"\s*s")),
+    ("torch_compile_s", re.compile(r"torch\.compile takes " + _NUMBER + r"\s*s in total")),
+    ("graph_capture_s", re.compile(r"Graph capturing finished in " + _NUMBER + r"\s*sec")),
+    ("init_engine_s", re.compile(r"init engine \(profile, create kv cache, warmup model\) took " + _NUMBER)),
+)
+_MAX_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request:\s*" + _NUMBER + "x")
+_KV_TOKENS = re.compile(r"KV cache size:\s*([\d,]+) tokens")
+_SERVER_URL = re.compile(r"Starting vLLM (?:API )?server(?: \d+)? on (http\S+)")
+_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+def _messages(lines: Iterable[str]) -> list[str]:
+    return [split_log_line(line).message for line in lines]
+
+
+def _first_ready_index(messages: Sequence[str]) -> int | None:
+    for index, message in enumerate(messages):
+        if any(marker in message for marker, phase in _PHASE_MARKERS if phase == READY):
+            return index
+    return None
+
+
+def current_phase(lines: Iterable[str]) -> str:
+    """The phase the server is in according to ``lines`` (one of :data:`PHASES`).
+
+    ``failed`` wins over everything once :func:`find_fatal` finds a fatal error.
+    """
+    lines = list(lines)
+    if find_fatal(lines) is not None:
+        return FAILED
+    phase = STARTING
+    for message in _messages(lines):
+        for marker, marker_phase in _PHASE_MARKERS:
+            if marker in message:
+                phase = marker_phase
+                break
+    return phase
+
+
+def _fatal_index(messages: Sequence[str]) -> int | None:
+    for marker in _FATAL_MARKERS:
+        for index, message in enumerate(messages):
+            if marker in message:
+                return index
+    # A traceback only counts before the server became ready: afterwards vLLM logs request errors with
+    # tracebacks and keeps serving.
+    ready = _first_ready_index(messages)
+    end = len(messages) if ready is None else ready
+    for index in range(end):
+        if messages[index].startswith("Traceback (most recent call last)"):
+            for later in range(index + 1, end):
+                if _EXCEPTION.match(messages[later]):
+                    return later
+            return index
+    for index in range(end):
+        if _EXCEPTION.match(messages[index]):
+            return index
+    return None
+
+
+def find_fatal(lines: Iterable[str], context: int = 2) -> list[str] | None:
+    """The error that stopped the server, or ``None``.
+
+    The first element is the fatal message (the root cause, e.g. the ``CUDA out of memory`` line rather
+    than the ``Engine core initialization failed`` that follows it); the rest are up to ``context`` lines
+    before and after it, in log order, without log metadata.
+    """
+    messages = _messages(lines)
+    index = _fatal_index(messages)
+    if index is None:
+        return None
+    around = [
+        messages[i]
+        for i in range(max(0, index - context), min(len(messages), index + context + 1))
+        if i != index and messages[i]
+    ]
+    return [messages[index], *around]
+
+
+def _log_datetime(time_text: str | None) -> datetime | None:
+    # vLLM prints no year; any fixed leap year keeps Feb 29 valid and differences right within a year
+    if not time_text:
+        return None
+    try:
+        return datetime.strptime("2000-" + time_text.split(".")[0], _TIME_FORMAT)
+    except ValueError:
+        return None
+
+
+def startup_timings(lines: Iterable[str]) -> dict[str, Any]:
+    """Durations and facts from the startup markers, JSON-ready.
+
+    Keys (absent durations are ``None``): ``weights_load_s``, ``model_load_s``, ``compile_graph_s``,
+    ``compile_cache_load_s``, ``torch_compile_s``, ``graph_capture_s``, ``init_engine_s``,
+    ``ready_after_s`` (first to ready line, from log timestamps), ``max_concurrency`` (the ``X.XXx``),
+    ``max_concurrency_tokens``, ``kv_cache_tokens``, ``compile_cache_hit``, ``eager``,
+    ``custom_allreduce_disabled``, ``server_url``, ``phase``, ``fatal`` (first fatal message or ``None``).
+    """
+    raw = list(lines)
+    parsed = [split_log_line(line) for line in raw]
+    messages = [p.message for p in parsed]
+    result: dict[str, Any] = {key: None for key, _ in _TIMINGS}
+    result.update(
+        ready_after_s=None,
+        max_concurrency=None,
+        max_concurrency_tokens=None,
+        kv_cache_tokens=None,
+        compile_cache_hit=False,
+        eager=False,
+        custom_allreduce_disabled=False,
+        server_url=None,
+    )
+    for message in messages:
+        for key, pattern in _TIMINGS:
+            match = pattern.search(message)
+            if match and result[key] is None:
+                result[key] = float(match.group(1))
+        if (match := _MAX_CONCURRENCY.search(message)) and result["max_concurrency"] is None:
+            result["max_concurrency_tokens"] = int(match.group(1).replace(",", ""))
+            result["max_concurrency"] = float(match.group(2))
+        if (match := _KV_TOKENS.search(message)) and result["kv_cache_tokens"] is None:
+            result["kv_cache_tokens"] = int(match.group(1).replace(",", ""))
+        if (match := _SERVER_URL.search(message)) and result["server_url"] is None:
+            result["server_url"] = match.group(1).rstrip(".,")
+        if "Directly load the compiled graph" in message:
+            result["compile_cache_hit"] = True
+        if "Cudagraph is disabled under eager mode" in message or "enforce_eager=True" in message:
+            result["eager"] = True
+        if "Custom allreduce is disabled" in message:
+            result["custom_allreduce_disabled"] = True
+    ready = _first_ready_index(messages)
+    if ready is not None:
+        start = next((_log_datetime(p.time) for p in parsed if p.time), None)
+        end = _log_datetime(parsed[ready].time)
+        if start is not None and end is not None and end >= start:
+            result["ready_after_s"] = (end - start).total_seconds()
+    fatal = find_fatal(raw)
+    result["fatal"] = fatal[0] if fatal else None
+    result["phase"] = current_phase(raw)
+    return result

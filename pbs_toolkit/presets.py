@@ -1,0 +1,202 @@
+"""Presets: named vLLM layouts and flags, shipped as YAML data (``pbs_toolkit/presets/*.yaml``).
+
+Users add their own in ``$XDG_CONFIG_HOME/pbstk/presets/NAME.yaml`` (same schema; a user preset with a
+shipped name replaces it). ``auto`` is resolved at render time from the model size and the GPUs granted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from pbs_toolkit import paths
+from pbs_toolkit.errors import ConfigError, UsageError
+from pbs_toolkit.yamlio import Fields, load_yaml_mapping
+
+_KEYS = {
+    "name", "summary", "rationale", "tensor_parallel", "data_parallel", "pipeline_parallel",
+    "eager", "device", "vllm_args", "env", "auto",
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    summary: str
+    rationale: str
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+    pipeline_parallel: int = 1
+    eager: bool = False
+    device: str = "gpu"  # "gpu" or "cpu"
+    #: flag -> value as written in YAML; ``True`` renders a bare flag, ``False`` the ``--no-`` form
+    vllm_args: dict[str, object] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    auto: bool = False
+    source: str = "builtin"
+
+    @property
+    def gpus(self) -> int:
+        """GPUs this layout occupies (0 on CPU)."""
+        if self.device == "cpu":
+            return 0
+        return self.tensor_parallel * self.data_parallel * self.pipeline_parallel
+
+    def layout(self) -> str:
+        if self.device == "cpu":
+            return "cpu"
+        parts = []
+        if self.tensor_parallel > 1:
+            parts.append(f"TP{self.tensor_parallel}")
+        if self.pipeline_parallel > 1:
+            parts.append(f"PP{self.pipeline_parallel}")
+        if self.data_parallel > 1 or not parts:
+            parts.append(f"DP{self.data_parallel}")
+        return "x".join(parts)
+
+    def flag_args(self) -> list[str]:
+        """The preset's own flags as an argument list (parallelism and eager mode excluded)."""
+        out: list[str] = []
+        for flag, value in self.vllm_args.items():
+            if value is True:
+                out.append(flag)
+            elif value is False:
+                out.append("--no-" + flag[2:])
+            else:
+                out.extend([flag, str(value)])
+        return out
+
+
+def _builtin_dir() -> Path:
+    return Path(__file__).parent / "presets"
+
+
+def _parse(data: dict[str, object], source: Path) -> Preset:
+    f = Fields(data, str(source), _KEYS)
+    name = f.get_str("name", source.stem) or source.stem
+    args = data.get("vllm_args") or {}
+    if not isinstance(args, dict):
+        raise ConfigError(f"{source}: key 'vllm_args' must be a mapping of --flag: value")
+    for flag, value in args.items():
+        if not isinstance(flag, str) or not flag.startswith("--"):
+            raise ConfigError(f"{source}: vllm_args key {flag!r} must start with '--'")
+        if not isinstance(value, (str, int, float, bool)):
+            raise ConfigError(f"{source}: vllm_args.{flag} must be a string, number or true/false")
+    device = f.get_str("device", "gpu") or "gpu"
+    if device not in ("gpu", "cpu"):
+        raise ConfigError(f"{source}: key 'device' must be 'gpu' or 'cpu', got {device!r}")
+    return Preset(
+        name=name,
+        summary=f.get_str("summary", "") or "",
+        rationale=" ".join((f.get_str("rationale", "") or "").split()),
+        tensor_parallel=f.get_int("tensor_parallel", 1, minimum=1),
+        data_parallel=f.get_int("data_parallel", 1, minimum=1),
+        pipeline_parallel=f.get_int("pipeline_parallel", 1, minimum=1),
+        eager=f.get_bool("eager", False),
+        device=device,
+        vllm_args=dict(args),
+        env=f.get_str_map("env"),
+        auto=f.get_bool("auto", False),
+        source=str(source),
+    )
+
+
+def _preset_files() -> dict[str, Path]:
+    files = {p.stem: p for p in sorted(_builtin_dir().glob("*.yaml"))}
+    user_dir = paths.user_config_dir() / "presets"
+    if user_dir.is_dir():
+        files.update({p.stem: p for p in sorted(user_dir.glob("*.yaml"))})
+    return files
+
+
+def list_presets() -> list[Preset]:
+    """Every preset, shipped and the user's, sorted by name."""
+    return [load_preset(name) for name in sorted(_preset_files())]
+
+
+def load_preset(name_or_path: str) -> Preset:
+    """Load a preset by name (user presets first) or from a YAML file path."""
+    path = Path(name_or_path)
+    if name_or_path.endswith((".yaml", ".yml")):
+        if not path.is_file():
+            raise ConfigError(f"preset file {name_or_path} does not exist")
+        return _parse(load_yaml_mapping(path), path)
+    files = _preset_files()
+    if name_or_path not in files:
+        raise UsageError(f"unknown preset {name_or_path!r} (known: {', '.join(sorted(files))})")
+    return _parse(load_yaml_mapping(files[name_or_path]), files[name_or_path])
+
+
+# --- auto -------------------------------------------------------------------------------------------
+
+
+def auto_layout(params_b: float | None, gpus: int) -> tuple[int, int, str]:
+    """(tensor_parallel, data_parallel, why) for a model of ``params_b`` billion parameters on ``gpus``.
+
+    Rule of thumb, checked against FACTS.md section 5 (on NVLink DP and TP differ by ~10%; eager costs
+    4-8x): below 7B every GPU holds a full replica (pure DP); 7-20B TP2 x DP; 20-70B TP4 x DP; above 70B TP8.
+    Unknown size: one GPU per replica as well, since data parallelism never needs cross-GPU traffic.
+    """
+    if gpus < 1:
+        raise UsageError("preset auto needs at least one GPU; use --preset cpu on a machine without GPUs")
+    if params_b is None:
+        tp, why = 1, "model size unknown: one replica per GPU"
+    elif params_b < 7:
+        tp, why = 1, f"{params_b:.1f}B < 7B fits one GPU: pure data parallelism"
+    elif params_b < 20:
+        tp, why = 2, f"{params_b:.1f}B in 7-20B: tensor parallel 2 per replica"
+    elif params_b <= 70:
+        tp, why = 4, f"{params_b:.1f}B in 20-70B: tensor parallel 4 per replica"
+    else:
+        tp, why = 8, f"{params_b:.1f}B > 70B: tensor parallel 8"
+    if tp > gpus:
+        raise UsageError(
+            f"preset auto: a {params_b:.0f}B model needs tensor parallel {tp} but only {gpus} GPU(s) are requested"
+        )
+    return tp, max(1, gpus // tp), why
+
+
+def resolve_auto(preset: Preset, params_b: float | None, gpus: int) -> Preset:
+    """Turn the ``auto`` preset into a concrete layout."""
+    tp, dp, why = auto_layout(params_b, gpus)
+    name = f"auto ({f'TP{tp} x ' if tp > 1 else ''}DP{dp})"
+    return replace(preset, name=name, tensor_parallel=tp, data_parallel=dp, auto=False,
+                   summary=f"{preset.summary} -> {why}")
+
+
+def params_from_name(model: str) -> float | None:
+    """Parameter count in billions from names like ``Qwen3-VL-2B-Instruct``, ``Llama-3.1-70B``, ``0.5B``."""
+    import re
+
+    found = re.findall(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)\s*([BbMm])(?![A-Za-z])", model.split("/")[-1])
+    for number, unit in reversed(found):
+        value = float(number)
+        return value if unit in "Bb" else value / 1000.0
+    # mixture-of-experts names such as 8x7B
+    moe = re.search(r"(\d+)x(\d+(?:\.\d+)?)B", model)
+    if moe:
+        return float(moe.group(1)) * float(moe.group(2))
+    return None
+
+
+def params_from_config(config: dict[str, object]) -> float | None:
+    """Approximate parameter count (billions) of a decoder-only transformer from its ``config.json``."""
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    assert isinstance(cfg, dict)
+    try:
+        h = int(cfg["hidden_size"])
+        layers = int(cfg["num_hidden_layers"])
+        vocab = int(cfg.get("vocab_size", 32000))
+        inter = int(cfg.get("intermediate_size", 4 * h))
+        heads = int(cfg.get("num_attention_heads", 1))
+        kv = int(cfg.get("num_key_value_heads", heads))
+        head_dim = int(cfg.get("head_dim") or h // heads)
+    except (KeyError, TypeError, ValueError):
+        return None
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1)
+    attn = h * head_dim * (heads + 2 * kv) + heads * head_dim * h
+    mlp = 3 * h * inter * experts
+    embed = vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    total = layers * (attn + mlp) + embed
+    return round(total / 1e9, 3) if math.isfinite(total) else None

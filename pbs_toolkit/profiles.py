@@ -1,0 +1,181 @@
+"""Site profiles: everything about a cluster that a job script needs, as YAML data.
+
+Shipped profiles live in ``pbs_toolkit/profiles/``; users add or override them in
+``$XDG_CONFIG_HOME/pbstk/profiles/NAME.yaml`` or pass a path. No cluster is hard-coded in code.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from pbs_toolkit import paths
+from pbs_toolkit.errors import ConfigError, UsageError
+from pbs_toolkit.vllm_flags import DEFAULT_VLLM_VERSION, version_tuple
+from pbs_toolkit.yamlio import Fields, load_yaml_mapping
+
+SCHEDULERS = ("pbs", "local")
+ADDRESS_RULES = ("short", "fqdn", "ip", "loopback")
+ENTRYPOINTS = ("serve", "api_server")
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str = ""
+    scheduler: str = "pbs"
+    queue: str | None = None
+    account: str | None = None
+    account_required: bool = False
+    #: PBS select statement; ``{nodes}``, ``{gpus_per_node}``, ``{cpus_per_node}`` are filled in
+    select: str = "{nodes}:ncpus={cpus_per_node}:ngpus={gpus_per_node}"
+    place: str | None = None
+    filesystems: str | None = None
+    walltime: str = "01:00:00"
+    nodes: int = 1
+    gpus_per_node: int = 4
+    cpus_per_node: int = 32
+    keep_files: str | None = "doe"
+    extra_directives: list[str] = field(default_factory=list)
+    #: shell lines run before vLLM starts (modules, conda); trusted site configuration, rendered as written
+    setup: list[str] = field(default_factory=list)
+    venv: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    hf_home: str | None = None
+    hf_hub_offline: bool = False
+    vllm_cache_root: str | None = None
+    runs_root: str = "~/pbstk-runs"
+    ssh_host: str | None = None
+    address: str = "short"
+    address_suffix: str = ""
+    bind_host: str = "0.0.0.0"
+    port: int = 8000
+    vllm_version: str = DEFAULT_VLLM_VERSION
+    vllm_entrypoint: str = "serve"
+    source: str = "builtin"
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def select_statement(self) -> str:
+        try:
+            return self.select.format(
+                nodes=self.nodes, gpus_per_node=self.gpus_per_node, cpus_per_node=self.cpus_per_node
+            )
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(f"{self.source}: key 'select' has an unknown placeholder: {exc}") from exc
+
+    def with_overrides(self, overrides: dict[str, Any]) -> Profile:
+        """A copy with ``overrides`` applied (flag, env and user-config values), validated again."""
+        clean = {k: v for k, v in overrides.items() if v is not None}
+        unknown = set(clean) - {f.name for f in fields(self)}
+        if unknown:
+            raise UsageError(f"unknown profile setting {sorted(unknown)[0]!r}")
+        return validate(replace(self, **clean))
+
+
+_KEYS = {f.name for f in fields(Profile)} - {"source"}
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.@-]+$")
+_WALLTIME_RE = re.compile(r"^(?:(\d+):)?([0-5]?\d):([0-5]\d)$")
+
+
+def walltime_seconds(text: str) -> int:
+    """``HH:MM:SS`` (hours may exceed 24) or ``MM:SS`` -> seconds; ``UsageError`` otherwise."""
+    match = _WALLTIME_RE.match(str(text).strip())
+    if not match:
+        raise UsageError(f"bad walltime {text!r}: expected HH:MM:SS with minutes and seconds below 60")
+    hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
+    total = hours * 3600 + minutes * 60 + seconds
+    if total <= 0:
+        raise UsageError(f"bad walltime {text!r}: must be positive")
+    return total
+
+
+def validate(p: Profile) -> Profile:
+    """Check values that reach ``#PBS`` lines (no shell there, so refuse instead of quoting)."""
+    where = p.source
+    if p.scheduler not in SCHEDULERS:
+        raise ConfigError(f"{where}: key 'scheduler' must be one of {', '.join(SCHEDULERS)}, got {p.scheduler!r}")
+    if p.address not in ADDRESS_RULES:
+        raise ConfigError(f"{where}: key 'address' must be one of {', '.join(ADDRESS_RULES)}, got {p.address!r}")
+    if p.vllm_entrypoint not in ENTRYPOINTS:
+        raise ConfigError(f"{where}: key 'vllm_entrypoint' must be one of {', '.join(ENTRYPOINTS)}")
+    for key in ("queue", "account"):
+        value = getattr(p, key)
+        if value is not None and not _NAME_RE.match(value):
+            raise UsageError(f"bad {key} {value!r}: only letters, digits and _ . @ - are allowed")
+    for key in ("select", "place", "filesystems", "keep_files"):
+        value = getattr(p, key)
+        if value is not None and (not value or any(c.isspace() for c in value)):
+            raise ConfigError(f"{where}: key {key!r} must be a non-empty value without spaces, got {value!r}")
+    for line in p.extra_directives:
+        if "\n" in line or not line.startswith("-"):
+            raise ConfigError(f"{where}: extra_directives entry {line!r} must be one qsub option like '-l foo=bar'")
+    walltime_seconds(p.walltime)
+    if p.nodes < 1:
+        raise UsageError(f"bad node count {p.nodes}: must be at least 1")
+    if p.gpus_per_node < 0:
+        raise UsageError(f"bad GPU count {p.gpus_per_node}: must not be negative")
+    if not 1 <= p.port <= 65535:
+        raise UsageError(f"bad port {p.port}: must be between 1 and 65535")
+    try:
+        version_tuple(p.vllm_version)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: key 'vllm_version': {exc}") from exc
+    for key in ("runs_root", "venv", "hf_home", "vllm_cache_root"):
+        value = getattr(p, key)
+        if value is not None and ("\n" in value or not value.strip()):
+            raise ConfigError(f"{where}: key {key!r} must be a path on one line")
+    if any(c.isspace() for c in p.runs_root):
+        raise ConfigError(f"{where}: key 'runs_root' must not contain spaces (PBS -o/-e paths cannot)")
+    return p
+
+
+def _parse(data: dict[str, Any], source: Path) -> Profile:
+    f = Fields(data, str(source), _KEYS)
+    default = Profile(name=source.stem)
+    kwargs: dict[str, Any] = {"source": str(source), "name": f.get_str("name", source.stem)}
+    for fld in fields(Profile):
+        key = fld.name
+        if key in ("name", "source") or key not in data:
+            continue
+        current = getattr(default, key)
+        if isinstance(current, bool):
+            kwargs[key] = f.get_bool(key, current)
+        elif isinstance(current, int):
+            kwargs[key] = f.get_int(key, current, minimum=0)
+        elif isinstance(current, list):
+            kwargs[key] = f.get_str_list(key)
+        elif isinstance(current, dict):
+            kwargs[key] = f.get_str_map(key)
+        else:
+            kwargs[key] = f.get_str(key, current)
+    return validate(Profile(**kwargs))
+
+
+def _profile_files() -> dict[str, Path]:
+    files = {p.stem: p for p in sorted((Path(__file__).parent / "profiles").glob("*.yaml"))}
+    user_dir = paths.user_config_dir() / "profiles"
+    if user_dir.is_dir():
+        files.update({p.stem: p for p in sorted(user_dir.glob("*.yaml"))})
+    return files
+
+
+def list_profiles() -> list[Profile]:
+    return [load_profile(name) for name in sorted(_profile_files())]
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """Load a profile by name (the user's first) or from a YAML path."""
+    if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ConfigError(f"profile file {name_or_path} does not exist")
+        return _parse(load_yaml_mapping(path), path)
+    files = _profile_files()
+    if name_or_path not in files:
+        raise UsageError(f"unknown profile {name_or_path!r} (known: {', '.join(sorted(files))})")
+    return _parse(load_yaml_mapping(files[name_or_path]), files[name_or_path])

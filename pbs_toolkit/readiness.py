@@ -1,0 +1,121 @@
+"""``wait_until_ready``: returns the moment the server answers, fails fast with the cause when it cannot.
+
+Scheduler queries follow FACTS.md (2, 4, 8 s, then every 30 s); once the job runs, the run directory and
+the server's HTTP endpoints are polled quickly, since they cost the PBS server nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+
+from pbs_toolkit import probe
+from pbs_toolkit.errors import SchedulerUnavailable, ServerFailed, WaitTimeout
+from pbs_toolkit.jobstore import JobRecord, JobStore
+from pbs_toolkit.schedulers import SchedState, SchedulerJob
+from pbs_toolkit.status import JobStatus, ServerState, observe, query_group
+from pbs_toolkit.transports import Runner, open_runner
+
+DEFAULT_SCHEDULER_INTERVALS = (2.0, 4.0, 8.0, 30.0)
+#: how long a fatal log line must stand (with the server not restarting) before we give up
+FATAL_GRACE_S = 3.0
+
+
+def scheduler_intervals() -> tuple[float, ...]:
+    """``PBSTK_POLL_INTERVALS=2,4,8,30`` overrides the ramp (the last value repeats)."""
+    raw = os.environ.get("PBSTK_POLL_INTERVALS")
+    if not raw:
+        return DEFAULT_SCHEDULER_INTERVALS
+    try:
+        values = tuple(float(v) for v in raw.split(",") if v.strip())
+    except ValueError:
+        return DEFAULT_SCHEDULER_INTERVALS
+    return values or DEFAULT_SCHEDULER_INTERVALS
+
+
+def _failure(st: JobStatus) -> ServerFailed:
+    where = f" (log: {st.record.run_dir}/vllm.log)"
+    return ServerFailed(f"job {st.record.job_id} is {st.state.value}: {st.reason or 'no reason given'}{where}",
+                        details=st.log_excerpt)
+
+
+def check_models(runner: Runner, st: JobStatus) -> None:
+    """``/v1/models`` must answer with the served name, using the job's key."""
+    assert st.address and st.port
+    code, models = probe.served_models(runner, st.address, st.port, st.record.api_key)
+    if code == 401:
+        raise ServerFailed(f"the server at {st.url} rejected the API key (401): is this the right job?")
+    if code != 200:
+        raise OSError(f"/v1/models answered {code}")
+    if st.record.served_model_name not in models:
+        raise ServerFailed(
+            f"the server at {st.url} serves {', '.join(models) or 'nothing'}, not {st.record.served_model_name}"
+        )
+
+
+def wait_until_ready(
+    record: JobRecord,
+    *,
+    timeout: float = 3600.0,
+    store: JobStore | None = None,
+    runner: Runner | None = None,
+    on_progress: Callable[[JobStatus, float], None] | None = None,
+    poll: float = 0.5,
+    intervals: Sequence[float] | None = None,
+) -> JobStatus:
+    """Block until ``record``'s server is READY; return its status. Raises ``ServerFailed``/``WaitTimeout``."""
+    intervals = tuple(intervals or scheduler_intervals())
+    own = runner is None
+    runner = runner or open_runner(record.transport or None)
+    start = time.monotonic()
+    next_query, query_index = start, 0
+    sched: SchedulerJob | None = None
+    fatal_since: float | None = None
+    last_key: tuple[object, ...] | None = None
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= next_query:
+                try:
+                    sched = query_group(runner, [record])[record.job_id]
+                except SchedulerUnavailable:
+                    pass  # transient: keep the last known state
+                running = sched is not None and sched.state in (SchedState.RUNNING, SchedState.EXITING)
+                next_query = now + intervals[min(query_index, len(intervals) - 1)]
+                query_index += 1
+                if running:  # the job's own files now tell us more than the scheduler
+                    next_query = now + max(intervals[-1], 10.0)
+            st = observe(runner, record, sched)
+            elapsed = now - start
+            key = (st.state, st.phase, st.comment, st.scheduler_state)
+            if on_progress and key != last_key:
+                on_progress(st, elapsed)
+            last_key = key
+            if st.state is ServerState.READY:
+                try:
+                    check_models(runner, st)
+                    if store is not None:
+                        store.update_extra(record, ready_after_s=round(elapsed, 1))
+                    return st
+                except OSError:
+                    pass  # /health answered but the API is not up yet
+            elif st.state is ServerState.FAILED and not st.confirmed:
+                fatal_since = fatal_since or now
+                if now - fatal_since >= FATAL_GRACE_S:
+                    raise _failure(st)
+            elif st.state.final:
+                if store is not None:
+                    store.set_final_state(record, st.state.value)
+                raise _failure(st)
+            else:
+                fatal_since = None
+            if elapsed > timeout:
+                raise WaitTimeout(
+                    f"job {record.job_id} was not ready after {timeout:g} s (state {st.state.value}"
+                    f"{', ' + st.phase if st.phase else ''}); `pbstk logs {record.job_id}` shows why"
+                )
+            time.sleep(poll)
+    finally:
+        if own:
+            runner.close()

@@ -1,0 +1,178 @@
+"""Endpoint registries: write one endpoint entry into the file an evaluation tool reads, safely.
+
+Formats (one module each):
+
+* ``py``   verifiers 0.1.x ``configs/endpoints.py`` (``py_dict``)
+* ``toml`` verifiers 0.3.x ``configs/endpoints.toml`` (``verifiers_toml``)
+* ``yaml``/``json`` pbstk's own registry (``data_file``), the only formats that may hold an API key
+
+Every write is a read-modify-write under ``<file>.lock`` followed by an atomic rename (``atomic``), so
+concurrent writers never lose each other's entries and readers never see a half-written file. A file that
+does not parse is never touched. libcst, tomlkit, yaml and filelock are imported only when a function
+needs them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pbs_toolkit.errors import RegistryError
+from pbs_toolkit.registries.entry import EndpointEntry, validate_entry
+
+__all__ = [
+    "FORMATS",
+    "EndpointEntry",
+    "default_registry_path",
+    "detect_format",
+    "read_endpoints",
+    "remove_endpoint",
+    "write_endpoint",
+]
+
+FORMATS = ("py", "toml", "yaml", "json")
+_SUFFIXES = {".py": "py", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}
+_SECRET_FORMATS = ("yaml", "json")
+
+
+def detect_format(path: str | os.PathLike[str], fmt: str = "auto") -> str:
+    """The registry format of ``path``: ``fmt`` if given, else by suffix (.py/.toml/.yaml/.yml/.json)."""
+    if fmt != "auto":
+        if fmt not in FORMATS:
+            raise RegistryError(
+                f"{path}: unknown registry format {fmt!r} (known: {', '.join(FORMATS)}, auto)"
+            )
+        return fmt
+    suffix = Path(path).suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise RegistryError(
+            f"{path}: cannot tell the registry format from the suffix {suffix or '(none)'!r}; "
+            f"use one of {', '.join(_SUFFIXES)} or name the format ({', '.join(FORMATS)})"
+        )
+    return _SUFFIXES[suffix]
+
+
+def default_registry_path() -> Path:
+    """pbstk's own registry: ``<user data dir>/pbstk/endpoints.yaml`` (``$XDG_DATA_HOME`` is honoured)."""
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("pbstk")) / "endpoints.yaml"
+
+
+def _resolve(path: str | os.PathLike[str] | None, *, create_default_dir: bool) -> Path:
+    """The file to edit; a symlinked registry is edited where it points, so the link survives."""
+    default = default_registry_path()
+    target = Path(os.path.realpath(default if path is None else Path(path).expanduser()))
+    parent = target.parent
+    if not parent.is_dir():
+        if create_default_dir and target == Path(os.path.realpath(default)):
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise RegistryError(f"{parent}: cannot create directory: {exc.strerror or exc}") from exc
+        else:
+            raise RegistryError(f"{parent} does not exist")
+    return target
+
+
+def write_endpoint(
+    path: str | os.PathLike[str] | None,
+    entry: EndpointEntry,
+    fmt: str = "auto",
+    *,
+    api_key: str | None = None,
+) -> Path:
+    """Insert or replace the entry for ``entry.alias`` in the registry at ``path``; every other entry is kept.
+
+    ``path=None`` means :func:`default_registry_path` (its directory is created if needed; a directory
+    named by the user never is). ``api_key`` is accepted by the yaml/json formats only; a file holding one
+    gets mode 0600. A new file otherwise gets 0644; an existing file keeps its mode. Returns the path written.
+    """
+    from pbs_toolkit.registries import atomic
+
+    target = _resolve(path, create_default_dir=True)
+    kind = detect_format(target if path is None else path, fmt)
+    validate_entry(entry, kind, target)
+    if api_key is not None and kind not in _SECRET_FORMATS:
+        raise RegistryError(
+            f"{target}: {kind} registries name the key's environment variable ({entry.key_env}); "
+            "they never hold the key itself"
+        )
+    if api_key is not None and (not api_key or any(c in api_key for c in "\r\n")):
+        raise RegistryError(f"{target}: api_key for {entry.alias!r} must be non-empty and on one line")
+    with atomic.locked(target):
+        text = atomic.read_text(target)
+        holds_secret = False
+        if kind == "py":
+            from pbs_toolkit.registries import py_dict
+
+            new_text = py_dict.upsert(text, entry, target)
+        elif kind == "toml":
+            from pbs_toolkit.registries import verifiers_toml
+
+            new_text = verifiers_toml.upsert(text, entry, target)
+        else:
+            from pbs_toolkit.registries import data_file
+
+            new_text, holds_secret = data_file.upsert(text, entry, target, kind, api_key)
+        mode = atomic.existing_mode(target)
+        if mode is None:
+            mode = atomic.MODE_SECRET if holds_secret else atomic.MODE_PLAIN
+        elif holds_secret:
+            mode = (mode & ~0o077) | 0o600  # a key must not stay readable by group or others
+        atomic.replace_atomically(target, new_text, mode)
+    return target
+
+
+def read_endpoints(path: str | os.PathLike[str] | None, fmt: str = "auto") -> dict[str, EndpointEntry]:
+    """Every entry in the registry at ``path`` (None: the default registry) by alias; {} if there is no file.
+
+    Takes no lock: writers replace the file atomically, so a read sees either the old or the new file.
+    """
+    from pbs_toolkit.registries import atomic
+
+    target = Path(default_registry_path() if path is None else path).expanduser()
+    kind = detect_format(target, fmt)
+    text = atomic.read_text(target)
+    if text is None:
+        return {}
+    if kind == "py":
+        from pbs_toolkit.registries import py_dict
+
+        return py_dict.parse(text, target)
+    if kind == "toml":
+        from pbs_toolkit.registries import verifiers_toml
+
+        return verifiers_toml.parse(text, target)
+    from pbs_toolkit.registries import data_file
+
+    return data_file.parse(text, target, kind)
+
+
+def remove_endpoint(path: str | os.PathLike[str] | None, alias: str, fmt: str = "auto") -> bool:
+    """Remove the entry for ``alias``; True if it was there. The file keeps its mode and everything else."""
+    from pbs_toolkit.registries import atomic
+
+    target = _resolve(path, create_default_dir=False)
+    kind = detect_format(target if path is None else path, fmt)
+    with atomic.locked(target):
+        text = atomic.read_text(target)
+        if text is None:
+            return False
+        if kind == "py":
+            from pbs_toolkit.registries import py_dict
+
+            new_text = py_dict.remove(text, alias, target)
+        elif kind == "toml":
+            from pbs_toolkit.registries import verifiers_toml
+
+            new_text = verifiers_toml.remove(text, alias, target)
+        else:
+            from pbs_toolkit.registries import data_file
+
+            new_text = data_file.remove(text, alias, target, kind)
+        if new_text is None:
+            return False
+        mode = atomic.existing_mode(target)
+        atomic.replace_atomically(target, new_text, atomic.MODE_PLAIN if mode is None else mode)
+    return True

@@ -1,0 +1,312 @@
+"""Turn *model + preset + profile + options* into the job script and ``start_vllm.sh``.
+
+This module only computes text; writing files, submitting and recording live in ``launch.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from pbs_toolkit import __version__
+from pbs_toolkit.config import resolve_settings
+from pbs_toolkit.errors import UsageError
+from pbs_toolkit.presets import Preset, load_preset, params_from_config, params_from_name, resolve_auto
+from pbs_toolkit.profiles import Profile, load_profile, walltime_seconds
+from pbs_toolkit.transports.base import Runner
+from pbs_toolkit.vllm_flags import check_env, check_flag, flag_name, is_automatic, version_tuple
+
+#: Hugging Face repository ids: ``org/name`` or ``name``
+_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_JOB_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: flags pbstk sets itself; passing them through --vllm-arg would fight the start script
+_OWNED_FLAGS = {"--host", "--port", "--model", "--api-key"}
+PORT_SPAN = 100
+
+
+@dataclass
+class RenderRequest:
+    """Everything ``render`` needs. ``None`` means "take it from env / user config / profile / preset"."""
+
+    model: str
+    preset: str | None = None
+    profile: str | None = None
+    name: str | None = None
+    served_model_name: str | None = None
+    port: int | str | None = None  # a number, "auto", or None (profile's port, auto-advance)
+    queue: str | None = None
+    account: str | None = None
+    walltime: str | None = None
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    venv: str | None = None
+    runs_root: str | None = None
+    vllm_version: str | None = None
+    scheduler: str | None = None
+    ssh_host: str | None = None
+    eager: bool | None = None
+    vllm_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    run_dir: str | None = None
+
+
+@dataclass
+class RenderedJob:
+    job_script: str
+    start_script: str
+    run_dir: str
+    job_name: str
+    model: str
+    served_model_name: str
+    preset: Preset
+    profile: Profile
+    port: int
+    fixed_port: bool
+    vllm_args: list[str]
+    notes: list[str]
+    params_b: float | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "served_model_name": self.served_model_name, "job_name": self.job_name,
+            "preset": self.preset.name, "layout": self.preset.layout(), "profile": self.profile.name,
+            "scheduler": self.profile.scheduler, "run_dir": self.run_dir, "port": self.port,
+            "vllm_args": self.vllm_args, "notes": self.notes,
+        }
+
+
+def _environment() -> Any:
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+    env.filters["sh"] = lambda value: shlex.quote(str(value))
+    return env
+
+
+def slug(text: str) -> str:
+    """``Qwen/Qwen3-VL-2B-Instruct`` -> ``qwen3-vl-2b-instruct`` (usable as job name and alias)."""
+    base = text.rstrip("/").split("/")[-1].lower()
+    base = re.sub(r"[^a-z0-9_.-]+", "-", base).strip("-.") or "model"
+    if not base[0].isalpha():
+        base = "m-" + base
+    return base[:60]
+
+
+def resolve_model(model: str, runner: Runner | None) -> tuple[str, dict[str, Any] | None]:
+    """Return (what vLLM receives, config.json when readable). Local directories become absolute paths."""
+    if not model or "\n" in model or "\0" in model:
+        raise UsageError("model name is empty or contains a newline")
+    looks_like_path = model.startswith(("/", "./", "../", "~")) or os.sep in model and not _HF_ID.match(model)
+    local = Path(os.path.expanduser(model))
+    remote = runner is not None and runner.name != "local"
+    if not remote and (local.is_dir() or looks_like_path):
+        if not local.is_dir():
+            raise UsageError(f"model directory {model} does not exist")
+        config = local / "config.json"
+        if not config.is_file():
+            raise UsageError(f"model directory {model} has no config.json")
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{config}: not valid JSON: {exc}") from exc
+        return str(local.resolve()), data if isinstance(data, dict) else None
+    if remote and looks_like_path:
+        assert runner is not None
+        path = runner.expanduser(model)
+        try:
+            data = json.loads(runner.read_bytes(path.rstrip("/") + "/config.json"))
+        except FileNotFoundError:
+            raise UsageError(f"model directory {model} (on {runner.name}) has no config.json") from None
+        except ValueError as exc:
+            raise UsageError(f"{model}/config.json: not valid JSON: {exc}") from exc
+        return path, data if isinstance(data, dict) else None
+    if not _HF_ID.match(model):
+        raise UsageError(
+            f"model {model!r} is neither a Hugging Face id (org/name) nor an existing directory"
+        )
+    return model, _hf_cache_config(model)
+
+
+def _hf_cache_config(model: str) -> dict[str, Any] | None:
+    """config.json of ``model`` if it is already in the local Hugging Face cache."""
+    hf_home = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
+    snapshots = hf_home / "hub" / ("models--" + model.replace("/", "--")) / "snapshots"
+    for config in sorted(snapshots.glob("*/config.json")) if snapshots.is_dir() else []:
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+            return data if isinstance(data, dict) else None
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def resolve_profile(req: RenderRequest) -> tuple[Profile, str | None, bool]:
+    settings = resolve_settings({
+        "profile": req.profile, "preset": req.preset, "queue": req.queue, "account": req.account,
+        "walltime": req.walltime, "nodes": req.nodes, "gpus_per_node": req.gpus_per_node,
+        "venv": req.venv, "runs_root": req.runs_root, "vllm_version": req.vllm_version,
+        "scheduler": req.scheduler, "ssh_host": req.ssh_host,
+        "port": req.port if isinstance(req.port, int) else None,
+    })
+    profile = load_profile(settings.profile).with_overrides(settings.profile_overrides)
+    preset = settings.preset or settings.default_presets.get(req.model)
+    return profile, preset, "gpus_per_node" in settings.profile_overrides
+
+
+def _default_preset(profile: Profile) -> str:
+    return "cpu" if profile.gpus == 0 else "auto"
+
+
+def check_vllm_args(args: list[str], version: tuple[int, ...]) -> None:
+    for arg in args:
+        if "\n" in arg:
+            raise UsageError(f"--vllm-arg {arg!r} contains a newline")
+        if not arg.startswith("-"):
+            continue
+        name = flag_name(arg)
+        if name in _OWNED_FLAGS:
+            raise UsageError(f"--vllm-arg {name} is set by pbstk itself; use --port / --name / the API key options")
+        problem = check_flag(arg, version)
+        if problem:
+            raise UsageError(f"--vllm-arg {name}: {problem} (the profile targets vLLM {version[0]}.{version[1]})")
+
+
+def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
+    """Validate ``req`` and render both scripts. Raises ``UsageError``/``ConfigError`` on bad input."""
+    profile, preset_name, gpus_given = resolve_profile(req)
+    if profile.account_required and not profile.account:
+        raise UsageError(
+            f"profile {profile.name} needs an account: pass --account, set PBSTK_ACCOUNT, "
+            "or add 'account:' to your pbstk config.yaml"
+        )
+    if profile.nodes > 1:
+        raise UsageError("multi-node servers are not supported yet: use --nodes 1 (up to one node's GPUs)")
+    walltime = profile.walltime
+    secs = walltime_seconds(walltime)
+    walltime = f"{secs // 3600:02d}:{secs % 3600 // 60:02d}:{secs % 60:02d}"
+    model_path, config = resolve_model(req.model, runner)
+    preset = load_preset(preset_name or _default_preset(profile))
+    params = params_from_config(config) if config else None
+    if params is None:
+        params = params_from_name(req.model)
+    if preset.auto:
+        preset = resolve_auto(preset, params, profile.gpus)
+    if req.eager is not None:
+        preset = replace(preset, eager=req.eager)
+    if preset.device == "cpu" and profile.gpus:
+        raise UsageError(f"preset {preset.name} runs on CPU but profile {profile.name} requests GPUs")
+    if preset.device == "gpu" and not gpus_given and preset.gpus < profile.gpus and profile.nodes == 1:
+        # A preset smaller than the node: request only the GPUs it uses (the user did not ask for more).
+        profile = replace(profile, gpus_per_node=preset.gpus)
+    if preset.device == "gpu" and preset.gpus != profile.gpus:
+        raise UsageError(
+            f"preset {preset.name} ({preset.layout()}) needs {preset.gpus} GPU(s) but profile {profile.name} "
+            f"requests {profile.gpus} ({profile.nodes} node(s) x {profile.gpus_per_node}); "
+            f"pass --gpus-per-node {preset.gpus} or pick another preset"
+        )
+
+    version = version_tuple(profile.vllm_version)
+    notes: list[str] = []
+    job_name = req.name or slug(req.model)
+    if not _JOB_NAME.match(job_name):
+        raise UsageError(
+            f"bad name {job_name!r}: start with a letter, then letters, digits, _ . - (at most 63 characters)"
+        )
+    served = req.served_model_name or (req.model if _HF_ID.match(req.model) and "/" in req.model else job_name)
+
+    args: list[str] = ["--served-model-name", served]
+    if preset.tensor_parallel > 1:
+        args += ["--tensor-parallel-size", str(preset.tensor_parallel)]
+    if preset.pipeline_parallel > 1:
+        args += ["--pipeline-parallel-size", str(preset.pipeline_parallel)]
+    if preset.data_parallel > 1:
+        args += ["--data-parallel-size", str(preset.data_parallel)]
+    preset_args = preset.flag_args()
+    i = 0
+    while i < len(preset_args):
+        flag = preset_args[i]
+        has_value = i + 1 < len(preset_args) and not preset_args[i + 1].startswith("--")
+        chunk = preset_args[i : i + (2 if has_value else 1)]
+        i += len(chunk)
+        problem = check_flag(flag, version)
+        if problem:
+            notes.append(f"dropped {flag} from preset {preset.name}: {problem}")
+        elif is_automatic(flag, version):
+            notes.append(f"dropped {flag}: automatic in vLLM {profile.vllm_version}")
+        else:
+            args += chunk
+    check_vllm_args(req.vllm_args, version)
+    args += req.vllm_args
+
+    env = dict(profile.env)
+    env.update(preset.env)
+    env.update(req.env)
+    for key in env:
+        if not _ENV_NAME.match(key):
+            raise UsageError(f"bad environment variable name {key!r}")
+        if key == "VLLM_API_KEY":
+            raise UsageError("VLLM_API_KEY is set by pbstk from the job's key file; use --api-key-env or --no-api-key")
+        problem = check_env(key, version)
+        if problem:
+            raise UsageError(problem)
+
+    fixed_port = isinstance(req.port, int) or (isinstance(req.port, str) and req.port.isdigit())
+    port = int(req.port) if fixed_port and req.port is not None else profile.port
+    if not 1 <= port <= 65535:
+        raise UsageError(f"bad port {port}: must be between 1 and 65535")
+
+    run_dir = req.run_dir or _default_run_dir(profile, job_name, runner)
+    if not run_dir.startswith("/") or any(c.isspace() for c in run_dir):
+        raise UsageError(f"run directory {run_dir!r} must be an absolute path without spaces")
+
+    vllm_cache_root = profile.vllm_cache_root
+    if vllm_cache_root and runner is not None:
+        vllm_cache_root = runner.expanduser(vllm_cache_root)
+    elif vllm_cache_root:
+        vllm_cache_root = os.path.expanduser(vllm_cache_root)
+
+    context = {
+        "version": __version__, "model": req.model, "model_path": model_path, "preset": preset,
+        "profile": profile, "job_name": job_name, "run_dir": run_dir, "select": profile.select_statement(),
+        "walltime": walltime, "env": env, "vllm_args": args, "port": port, "fixed_port": fixed_port,
+        "vllm_arg_lines": _pair_flags(args), "port_span": PORT_SPAN, "vllm_cache_root": vllm_cache_root,
+        "proxy": any(k.lower() in ("http_proxy", "https_proxy") for k in env),
+    }
+    jenv = _environment()
+    return RenderedJob(
+        job_script=jenv.get_template("job.pbs.j2").render(**context),
+        start_script=jenv.get_template("start_vllm.sh.j2").render(**context),
+        run_dir=run_dir, job_name=job_name, model=req.model, served_model_name=served, preset=preset,
+        profile=profile, port=port, fixed_port=fixed_port, vllm_args=args, notes=notes, params_b=params,
+    )
+
+
+def _pair_flags(args: list[str]) -> list[list[str]]:
+    """Group ``--flag value`` pairs so the script lists one flag a line."""
+    lines: list[list[str]] = []
+    for arg in args:
+        if lines and not arg.startswith("-") and len(lines[-1]) == 1 and lines[-1][0].startswith("--"):
+            lines[-1].append(arg)
+        else:
+            lines.append([arg])
+    return lines
+
+
+def _default_run_dir(profile: Profile, job_name: str, runner: Runner | None) -> str:
+    root = runner.expanduser(profile.runs_root) if runner is not None else os.path.expanduser(profile.runs_root)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return f"{root.rstrip('/')}/{job_name}-{stamp}-{os.urandom(2).hex()}"

@@ -1,0 +1,91 @@
+"""The scheduler interface. A backend builds argument lists and parses output; the sequence with side
+effects (render, write, submit, record) lives once in ``launch.py``."""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pbs_toolkit.errors import SchedulerError, SchedulerUnavailable
+from pbs_toolkit.transports.base import Result, Runner
+
+
+class SchedState(enum.Enum):
+    """What the scheduler says, reduced to what pbstk acts on."""
+
+    QUEUED = "queued"      # Q, W, T, M, B
+    HELD = "held"          # H, S, U
+    RUNNING = "running"    # R
+    EXITING = "exiting"    # E: not final yet
+    FINISHED = "finished"  # F, X
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """Identifies a job to its scheduler; ``run_dir`` is where its markers live."""
+
+    job_id: str
+    run_dir: str
+
+
+@dataclass
+class SchedulerJob:
+    job_id: str
+    state: SchedState
+    raw_state: str
+    comment: str | None = None
+    exit_status: int | None = None
+    exec_host: str | None = None
+    walltime_used: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+class Scheduler(abc.ABC):
+    name: str = ""
+
+    @abc.abstractmethod
+    def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str) -> str:
+        """Submit the job script; return the full job id. Raises ``SchedulerError`` with the scheduler's words."""
+
+    @abc.abstractmethod
+    def query(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, SchedulerJob]:
+        """State of all ``refs`` in one call. Jobs the scheduler does not know are absent from the result."""
+
+    @abc.abstractmethod
+    def cancel(self, runner: Runner, ref: JobRef) -> bool:
+        """Stop the job. ``True`` when it was stopped now, ``False`` when it was already gone."""
+
+
+def run_with_retry(
+    runner: Runner,
+    argv: Sequence[str],
+    is_transient: Callable[[Result], bool],
+    *,
+    attempts: int = 4,
+    first_delay: float = 1.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Result:
+    """Run ``argv``; retry with exponential backoff while ``is_transient`` says the failure is temporary."""
+    delay = first_delay
+    for attempt in range(attempts):
+        result = runner.run(argv)
+        if result.rc == 127:
+            where = "" if runner.name == "local" else f" on {runner.name.split(':', 1)[-1]}"
+            raise SchedulerError(f"{argv[0]} not found on PATH{where}: is this a PBS login node?")
+        if not is_transient(result):
+            return result
+        if attempt + 1 < attempts:
+            sleep(delay)
+            delay *= 2
+    raise SchedulerUnavailable(
+        f"{argv[0]} could not reach the PBS server after {attempts} tries: {first_line(result.stderr)}"
+    )
+
+
+def first_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return "; ".join(lines[:3]) if lines else "(no message)"

@@ -1,0 +1,136 @@
+"""``local``: run the very same job script on this machine (or the SSH host), no scheduler.
+
+The job runs detached in its own session (``setsid``) under a small supervisor that sets the PBS
+variables the script expects, enforces the walltime and leaves markers in ``RUN_DIR/.local-job/``:
+``pid`` (= process group), ``exit_status`` (written at the end), ``cancelled`` (written by ``cancel``).
+Job ids look like ``1732243108123.local``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+
+from pbs_toolkit.errors import SchedulerError
+from pbs_toolkit.schedulers.base import JobRef, SchedState, Scheduler, SchedulerJob, first_line
+from pbs_toolkit.transports.base import Runner
+
+SPOOL = ".local-job"
+WALLTIME_EXIT = -29  # PBS's code for "walltime exceeded"
+
+# Constant scripts; every value arrives as a positional parameter, never spliced into the text.
+_SUPERVISOR = r"""
+spool=$1 script=$2
+exec </dev/null >"$spool/supervisor.log" 2>&1
+echo "$$" >"$spool/pid"
+hostname >"$spool/nodefile"
+export PBS_JOBID=$3 PBS_JOBNAME=$4 PBS_O_WORKDIR=$5 PBS_NODEFILE="$spool/nodefile"
+export PBS_ENVIRONMENT=PBS_BATCH PBS_O_HOST="$(hostname)" PBS_QUEUE=local
+cd "$HOME" || exit 1
+# --foreground keeps the job in this process group, so cancelling the group reaches every process.
+timeout --foreground --signal=TERM --kill-after=30 "$6" bash "$script" >"$spool/stdout" 2>"$spool/stderr" &
+child=$!
+trap 'kill -TERM "$child" 2>/dev/null' TERM INT HUP
+while :; do
+  wait "$child"; rc=$?
+  if ! kill -0 "$child" 2>/dev/null; then
+    # a trap may have interrupted wait just as the child ended: collect the real status if it is pending
+    wait "$child" 2>/dev/null; r=$?; [ "$r" != 127 ] && rc=$r
+    break
+  fi
+done
+[ "$rc" = 124 ] && [ ! -e "$spool/cancelled" ] && rc=-29
+echo "$rc" >"$spool/exit_status.tmp" && mv -f "$spool/exit_status.tmp" "$spool/exit_status"
+"""
+_STATUS = r"""
+for d in "$@"; do
+  s="$d/.local-job"
+  pid=$(cat "$s/pid" 2>/dev/null || echo -)
+  alive=0; [ "$pid" != - ] && kill -0 "$pid" 2>/dev/null && alive=1
+  ex=$(cat "$s/exit_status" 2>/dev/null || echo -)
+  c=0; [ -e "$s/cancelled" ] && c=1
+  [ -d "$s" ] || pid=missing
+  printf '%s\t%s\t%s\t%s\n' "$pid" "$alive" "$ex" "$c"
+done
+"""
+_CANCEL = r"""
+s=$1/.local-job
+pid=$(cat "$s/pid" 2>/dev/null) || exit 3
+[ -e "$s/exit_status" ] && exit 2
+: >"$s/cancelled"
+kill -TERM -- "-$pid" 2>/dev/null || exit 2
+for _ in $(seq 1 100); do kill -0 -- "-$pid" 2>/dev/null || exit 0; sleep 0.1; done
+kill -KILL -- "-$pid" 2>/dev/null
+sleep 0.2
+[ -e "$s/exit_status" ] || echo 271 >"$s/exit_status"
+exit 0
+"""
+
+
+class LocalScheduler(Scheduler):
+    name = "local"
+
+    def __init__(self, walltime_seconds: int = 4 * 3600) -> None:
+        self.walltime_seconds = walltime_seconds
+
+    def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str) -> str:
+        job_id = f"{time.time_ns() // 1_000_000}.local"
+        spool = f"{run_dir}/{SPOOL}"
+        runner.makedirs(spool, 0o700)
+        walltime = _walltime_from_script(runner, script_path) or self.walltime_seconds
+        argv = ["setsid", "-f", "bash", "-c", _SUPERVISOR, "pbstk-local", spool, script_path, job_id,
+                job_name, run_dir, f"{walltime}s"]
+        result = runner.run(argv, timeout=30)
+        if result.rc != 0:
+            raise SchedulerError(f"could not start the local job: {first_line(result.stderr)}")
+        for _ in range(50):  # the pid marker proves the supervisor started
+            if runner.size(f"{spool}/pid"):
+                return job_id
+            time.sleep(0.05)
+        raise SchedulerError(f"the local job did not start (see {spool}/supervisor.log)")
+
+    def query(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, SchedulerJob]:
+        if not refs:
+            return {}
+        result = runner.run(["bash", "-c", _STATUS, "pbstk-status", *[r.run_dir for r in refs]], timeout=60)
+        lines = result.stdout.splitlines()
+        if result.rc != 0 or len(lines) != len(refs):
+            raise SchedulerError(f"could not read local job markers: {first_line(result.stderr)}")
+        jobs: dict[str, SchedulerJob] = {}
+        for ref, line in zip(refs, lines):
+            pid, alive, exit_text, cancelled = line.split("\t")
+            if pid == "missing":
+                continue  # like a job PBS has forgotten
+            exit_status = int(exit_text) if re.fullmatch(r"-?\d+", exit_text) else None
+            if exit_status is not None:
+                if cancelled == "1" and exit_status != WALLTIME_EXIT:
+                    exit_status = 271  # what PBS records for a job killed by qdel (256 + SIGTERM)
+                job = SchedulerJob(ref.job_id, SchedState.FINISHED, "F", exit_status=exit_status)
+            elif alive == "1":
+                job = SchedulerJob(ref.job_id, SchedState.RUNNING, "R", exec_host="localhost")
+            else:
+                # no exit marker and no process: killed hard (machine reboot, kill -9 of the group)
+                job = SchedulerJob(ref.job_id, SchedState.FINISHED, "F", exit_status=265,
+                                   comment="the job's processes are gone without an exit status")
+            jobs[ref.job_id] = job
+        return jobs
+
+    def cancel(self, runner: Runner, ref: JobRef) -> bool:
+        result = runner.run(["bash", "-c", _CANCEL, "pbstk-cancel", ref.run_dir], timeout=60)
+        if result.rc == 0:
+            return True
+        if result.rc in (2, 3):
+            return False
+        raise SchedulerError(f"could not cancel local job {ref.job_id}: {first_line(result.stderr)}")
+
+
+def _walltime_from_script(runner: Runner, script_path: str) -> int | None:
+    from pbs_toolkit.profiles import walltime_seconds
+
+    try:
+        head = runner.read_bytes(script_path, 0, 4096).decode("utf-8", "replace")
+    except FileNotFoundError:
+        raise SchedulerError(f"job script {script_path} does not exist") from None
+    match = re.search(r"^#PBS -l walltime=(\S+)$", head, re.M)
+    return walltime_seconds(match.group(1)) if match else None

@@ -1,0 +1,120 @@
+"""PBS Pro / OpenPBS: ``qsub``, one batched ``qstat -x -f -F json`` per poll, ``qdel``.
+
+Exit codes are data (FACTS.md section 1): 153 = some id unknown (stdout still valid), 35 = finished,
+255 or "cannot connect to server" = transient (retried, no state change).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from pbs_toolkit.errors import SchedulerError
+from pbs_toolkit.schedulers.base import (
+    JobRef,
+    SchedState,
+    Scheduler,
+    SchedulerJob,
+    first_line,
+    run_with_retry,
+)
+from pbs_toolkit.transports.base import Result, Runner
+
+STATES: dict[str, SchedState] = {
+    "Q": SchedState.QUEUED, "W": SchedState.QUEUED, "T": SchedState.QUEUED, "M": SchedState.QUEUED,
+    "B": SchedState.RUNNING, "H": SchedState.HELD, "S": SchedState.HELD, "U": SchedState.HELD,
+    "R": SchedState.RUNNING, "E": SchedState.EXITING, "F": SchedState.FINISHED, "X": SchedState.FINISHED,
+}
+_JOB_ID = re.compile(r"^\d+(\[\d*\])?(\.[A-Za-z0-9_.-]+)?$")
+_GONE = (153, 35)
+
+
+def submit_argv(script_path: str) -> list[str]:
+    return ["qsub", script_path]
+
+
+def parse_job_id(stdout: str) -> str:
+    job_id = stdout.strip()
+    if not _JOB_ID.match(job_id):
+        raise SchedulerError(f"qsub printed something that is not a job id: {first_line(stdout)}")
+    return job_id
+
+
+def status_argv(job_ids: Sequence[str]) -> list[str]:
+    return ["qstat", "-x", "-f", "-F", "json", *job_ids]
+
+
+def is_transient(result: Result) -> bool:
+    return result.rc == 255 or "cannot connect to server" in result.stderr.lower()
+
+
+def parse_status(stdout: str) -> dict[str, SchedulerJob]:
+    """Jobs from ``qstat -f -F json`` output (``Jobs`` is absent when nothing matched)."""
+    if not stdout.strip():
+        return {}
+    try:
+        data = json.loads(stdout)
+    except ValueError as exc:
+        raise SchedulerError(f"qstat -F json printed invalid JSON: {exc}") from exc
+    jobs: dict[str, SchedulerJob] = {}
+    for job_id, info in (data.get("Jobs") or {}).items():
+        raw_state = str(info.get("job_state", "?"))
+        exit_status = info.get("Exit_status")
+        exec_host = info.get("exec_host")
+        jobs[job_id] = SchedulerJob(
+            job_id=job_id,
+            state=STATES.get(raw_state, SchedState.QUEUED),
+            raw_state=raw_state,
+            comment=info.get("comment"),
+            exit_status=int(exit_status) if exit_status is not None else None,
+            exec_host=str(exec_host).split("/", 1)[0] if exec_host else None,
+            walltime_used=(info.get("resources_used") or {}).get("walltime"),
+            raw=info,
+        )
+    return jobs
+
+
+def cancel_argv(job_id: str) -> list[str]:
+    return ["qdel", job_id]
+
+
+def match_id(wanted: str, known: dict[str, Any]) -> str | None:
+    """qstat may print a longer server name than we stored (or the reverse): match on the sequence part."""
+    if wanted in known:
+        return wanted
+    seq = wanted.split(".", 1)[0]
+    for job_id in known:
+        if job_id.split(".", 1)[0] == seq:
+            return job_id
+    return None
+
+
+class PBSScheduler(Scheduler):
+    name = "pbs"
+
+    def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str) -> str:
+        result = run_with_retry(runner, submit_argv(script_path), is_transient)
+        if result.rc != 0:
+            raise SchedulerError(f"qsub refused the job: {first_line(result.stderr or result.stdout)}")
+        return parse_job_id(result.stdout)
+
+    def query(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, SchedulerJob]:
+        if not refs:
+            return {}
+        ids = [ref.job_id for ref in refs]
+        result = run_with_retry(runner, status_argv(ids), is_transient)
+        if result.rc not in (0, *_GONE):
+            raise SchedulerError(f"qstat failed (exit {result.rc}): {first_line(result.stderr)}")
+        found = parse_status(result.stdout)
+        return {job_id: found[m] for job_id in ids if (m := match_id(job_id, found))}
+
+    def cancel(self, runner: Runner, ref: JobRef) -> bool:
+        result = run_with_retry(runner, cancel_argv(ref.job_id), is_transient)
+        if result.rc == 0:
+            return True
+        text = (result.stderr + result.stdout).lower()
+        if result.rc in _GONE or "unknown job id" in text or "job has finished" in text:
+            return False
+        raise SchedulerError(f"qdel {ref.job_id} failed (exit {result.rc}): {first_line(result.stderr)}")

@@ -1,0 +1,86 @@
+"""``LocalRunner``: commands and files on this machine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pbs_toolkit.errors import TransportError
+from pbs_toolkit.transports.base import Result, Runner, tcp_connect
+
+
+class LocalRunner(Runner):
+    name = "local"
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        stdin: str | None = None,
+        timeout: float | None = 60.0,
+        cwd: str | None = None,
+    ) -> Result:
+        full_env = None
+        if env:
+            full_env = dict(os.environ)
+            full_env.update(env)
+        try:
+            proc = subprocess.run(  # noqa: S603 - argument list, no shell
+                list(argv),
+                input=stdin,
+                capture_output=True,
+                text=True,
+                env=full_env,
+                timeout=timeout,
+                cwd=cwd,
+                stdin=None if stdin is not None else subprocess.DEVNULL,
+            )
+        except FileNotFoundError:
+            return Result(127, "", f"{argv[0]}: command not found")
+        except subprocess.TimeoutExpired as exc:
+            raise TransportError(f"{argv[0]} did not finish within {timeout:g} s") from exc
+        except OSError as exc:
+            raise TransportError(f"cannot run {argv[0]}: {exc.strerror or exc}") from exc
+        return Result(proc.returncode, proc.stdout, proc.stderr)
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        with open(path, "rb") as fh:
+            if offset:
+                fh.seek(offset)
+            return fh.read() if length is None else fh.read(length)
+
+    def size(self, path: str) -> int | None:
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            return None
+
+    def write_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        try:
+            os.fchmod(fd, mode)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+    def makedirs(self, path: str, mode: int = 0o755) -> None:
+        os.makedirs(path, mode=mode, exist_ok=True)
+
+    def home(self) -> str:
+        return os.path.expanduser("~")
+
+    def open_connection(self, host: str, port: int, timeout: float = 5.0) -> Any:
+        return tcp_connect(host, port, timeout)

@@ -1,0 +1,581 @@
+"""``SSHRunner``: commands, files and TCP connections on a login node over ONE paramiko connection.
+
+Login nodes of most sites ask for MFA on every new connection, so a runner opens a single connection
+lazily and reuses it for every exec channel, the SFTP session and ``direct-tcpip`` forwards. Only this
+module imports paramiko (``open_runner`` imports it lazily), which keeps ``pbstk --help`` fast.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import getpass
+import os
+import re
+import secrets
+import select
+import shlex
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import paramiko
+from paramiko.auth_strategy import AuthStrategy
+
+from pbs_toolkit.errors import TransportError
+from pbs_toolkit.transports.base import Result, Runner
+
+#: ``password_prompt(prompt, echo) -> answer``: asks the user one keyboard-interactive question
+PasswordPrompt = Callable[[str, bool], str]
+
+CONNECT_TIMEOUT_S = 10.0
+#: keyboard-interactive waits for a person (MFA codes, push approvals): give them time
+AUTH_TIMEOUT_S = 180.0
+KEEPALIVE_S = 30
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_DEFAULT_KEYS = ("id_ed25519", "id_ecdsa", "id_rsa")
+_T = TypeVar("_T")
+
+
+def build_remote_command(
+    argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None
+) -> str:
+    """The shell line run on the login node: every value quoted; env set through ``env`` (no AcceptEnv)."""
+    if not argv:
+        raise ValueError("argv must not be empty")
+    parts = []
+    if cwd:
+        parts.append(f"cd {shlex.quote(cwd)} && ")
+    if env:
+        for key in env:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"invalid environment variable name: {key!r}")
+        parts.append("env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()) + " ")
+    parts.append(shlex.join(argv))
+    return "".join(parts)
+
+
+def terminal_prompt(prompt: str, echo: bool) -> str:
+    """Default ``password_prompt``: ask on the terminal (hidden input unless the server says ``echo``)."""
+    if echo:
+        sys.stderr.write(prompt)
+        sys.stderr.flush()
+        return sys.stdin.readline().rstrip("\n")
+    return getpass.getpass(prompt)
+
+
+def split_destination(destination: str) -> tuple[str | None, str, int | None]:
+    """``user@host:port`` -> (user, host, port); host may be an ``~/.ssh/config`` alias or ``[v6]:port``."""
+    user = None
+    if "@" in destination:
+        user, destination = destination.rsplit("@", 1)
+    match = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?", destination) or re.fullmatch(
+        r"([^:]+):(\d+)", destination
+    )
+    if match:
+        return user or None, match.group(1), int(match.group(2)) if match.group(2) else None
+    return user or None, destination, None
+
+
+class SSHRunner(Runner):
+    """A :class:`Runner` on ``host`` (config alias, or ``user@host:port``) over one reused SSH connection."""
+
+    def __init__(
+        self,
+        host: str,
+        *,
+        accept_unknown_host: bool = False,
+        config_path: str | os.PathLike[str] | None = None,
+        known_hosts_path: str | os.PathLike[str] | None = None,
+        password_prompt: PasswordPrompt | None = None,
+    ) -> None:
+        self.host = host
+        self.name = f"ssh:{host}"
+        self.accept_unknown_host = accept_unknown_host
+        self.password_prompt = password_prompt
+        #: how many SSH connections this runner opened (1 unless the connection dropped)
+        self.connections_opened = 0
+        self._lock = threading.RLock()
+        self._sftp_lock = threading.Lock()
+        self._client: paramiko.SSHClient | None = None
+        self._sftp: paramiko.SFTPClient | None = None
+        self._home: str | None = None
+        self._jump: SSHRunner | None = None
+
+        config_file = Path(config_path or os.environ.get("PBSTK_SSH_CONFIG") or "~/.ssh/config").expanduser()
+        self.config_path = config_file
+        try:
+            self._ssh_config = (
+                paramiko.SSHConfig.from_path(str(config_file))
+                if config_file.exists()
+                else paramiko.SSHConfig()
+            )
+        except (OSError, paramiko.ssh_exception.ConfigParseError) as exc:
+            raise TransportError(f"cannot read SSH config {config_file}: {exc}") from exc
+        user, alias, port = split_destination(host)
+        cfg = self._ssh_config.lookup(alias)
+        self.hostname: str = cfg.get("hostname", alias)
+        self.port: int = port or int(cfg.get("port", 22))
+        self.user: str = user or cfg.get("user") or getpass.getuser()
+        self.identity_files: list[str] = list(cfg.get("identityfile", []))
+        self.identities_only = cfg.get("identitiesonly", "no").lower() == "yes"
+        self.proxy_command: str | None = (
+            cfg.get("proxycommand") if cfg.get("proxycommand", "none") != "none" else None
+        )
+        self.proxy_jump: str | None = cfg.get("proxyjump") if cfg.get("proxyjump", "none") != "none" else None
+        self.connect_timeout = float(cfg.get("connecttimeout", CONNECT_TIMEOUT_S))
+        user_known = cfg.get("userknownhostsfile", "").split()
+        self.known_hosts_path = Path(
+            known_hosts_path
+            or os.environ.get("PBSTK_KNOWN_HOSTS")
+            or (user_known[0] if user_known else "")
+            or "~/.ssh/known_hosts"
+        ).expanduser()
+
+    # -- connection -------------------------------------------------------------------------------
+
+    def _connect(self) -> paramiko.SSHClient:
+        client = paramiko.SSHClient()
+        if os.path.exists("/etc/ssh/ssh_known_hosts"):
+            client.load_system_host_keys("/etc/ssh/ssh_known_hosts")
+        if self.known_hosts_path.exists():
+            client.load_host_keys(str(self.known_hosts_path))
+        client.set_missing_host_key_policy(_HostKeyPolicy(self))
+        where = f"{self.hostname}:{self.port}"
+        sock: Any = None
+        try:
+            if self.proxy_jump:
+                # ProxyJump a,b: reach b through a, then this host through b (one connection per hop)
+                hops = [hop.strip() for hop in self.proxy_jump.split(",")]
+                self._jump = SSHRunner(
+                    hops[-1],
+                    accept_unknown_host=self.accept_unknown_host,
+                    config_path=self.config_path,
+                    known_hosts_path=self.known_hosts_path,
+                    password_prompt=self.password_prompt,
+                )
+                if len(hops) > 1:
+                    self._jump.proxy_jump = ",".join(hops[:-1])
+                sock = self._jump.open_connection(self.hostname, self.port, self.connect_timeout)
+            elif self.proxy_command:
+                sock = paramiko.ProxyCommand(self.proxy_command)
+            client.connect(
+                self.hostname,
+                port=self.port,
+                username=self.user,
+                sock=sock,
+                timeout=self.connect_timeout,
+                banner_timeout=self.connect_timeout,
+                auth_timeout=AUTH_TIMEOUT_S,
+                auth_strategy=_Authenticator(self),
+            )
+        except TransportError:
+            client.close()
+            raise
+        except paramiko.BadHostKeyException as exc:
+            client.close()
+            raise TransportError(
+                f"host key for {self.hostname}:{self.port} has CHANGED: {self.known_hosts_path} has "
+                f"{exc.expected_key.get_name()} {exc.expected_key.fingerprint}, the server sent "
+                f"{exc.key.get_name()} {exc.key.fingerprint}. This may be an attack; if the key was "
+                f"changed on purpose, remove the old line (ssh-keygen -R {_known_hosts_name(self)}) "
+                "and connect once with ssh"
+            ) from exc
+        except (socket.gaierror, paramiko.ssh_exception.NoValidConnectionsError) as exc:
+            client.close()
+            reason = exc.strerror if isinstance(exc, socket.gaierror) else "connection refused"
+            raise TransportError(f"cannot reach {where}: {reason}") from exc
+        except TimeoutError as exc:
+            client.close()
+            raise TransportError(f"cannot reach {where}: timed out after {self.connect_timeout:g} s") from exc
+        except (paramiko.ProxyCommandFailure, ConnectionRefusedError) as exc:
+            client.close()
+            raise TransportError(f"cannot reach {where}: {exc}") from exc
+        except paramiko.AuthenticationException as exc:
+            client.close()
+            raise TransportError(f"authentication to {self.host} failed: {exc}") from exc
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            client.close()
+            raise TransportError(f"cannot reach {where}: {exc or type(exc).__name__}") from exc
+        transport = client.get_transport()
+        assert transport is not None
+        transport.set_keepalive(KEEPALIVE_S)
+        self.connections_opened += 1
+        return client
+
+    def _transport(self) -> paramiko.Transport:
+        """The live transport; opens the connection on first use and again once after a drop."""
+        with self._lock:
+            if self._client is not None:
+                transport = self._client.get_transport()
+                if transport is not None and transport.is_active():
+                    return transport
+                self._close_client()
+            self._client = self._connect()
+            transport = self._client.get_transport()
+            assert transport is not None
+            return transport
+
+    def _with_reconnect(self, operation: Callable[[paramiko.Transport], _T]) -> _T:
+        """Run ``operation``; if the connection died under it, reconnect once and run it again.
+
+        Only for operations that are safe to repeat (channel opens, SFTP reads, atomic writes).
+        """
+        transport = self._transport()
+        try:
+            return operation(transport)
+        except (paramiko.SSHException, EOFError, OSError):
+            if transport.is_active():
+                raise
+        return operation(self._transport())
+
+    def _close_client(self) -> None:
+        if self._sftp is not None:
+            try:
+                self._sftp.close()
+            except Exception:  # noqa: S110 - closing a dead session may fail in many ways
+                pass
+            self._sftp = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._jump is not None:
+            self._jump.close()
+            self._jump = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_client()
+
+    # -- commands ---------------------------------------------------------------------------------
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        stdin: str | None = None,
+        timeout: float | None = 60.0,
+        cwd: str | None = None,
+    ) -> Result:
+        command = build_remote_command(argv, env, cwd)
+
+        def start(transport: paramiko.Transport) -> paramiko.Channel:
+            channel = transport.open_session(timeout=self.connect_timeout)
+            channel.exec_command(command)
+            return channel
+
+        try:
+            channel = self._with_reconnect(start)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise TransportError(f"cannot run {argv[0]} on {self.host}: {exc}") from exc
+        try:
+            rc, out, err = _collect(channel, stdin, timeout)
+        except TimeoutError as exc:
+            raise TransportError(f"{argv[0]} on {self.host} did not finish within {timeout:g} s") from exc
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise TransportError(
+                f"lost the connection to {self.host} while running {argv[0]}: {exc}"
+            ) from exc
+        finally:
+            channel.close()
+        return Result(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+
+    # -- files ------------------------------------------------------------------------------------
+
+    def _sftp_call(self, operation: Callable[[paramiko.SFTPClient], _T]) -> _T:
+        def call(transport: paramiko.Transport) -> _T:
+            with self._sftp_lock:
+                sftp = self._sftp
+                channel = sftp.get_channel() if sftp is not None else None
+                if sftp is None or channel is None or channel.get_transport() is not transport:
+                    sftp = self._sftp = paramiko.SFTPClient.from_transport(transport)
+                    assert sftp is not None
+                return operation(sftp)
+
+        try:
+            return self._with_reconnect(call)
+        except (FileNotFoundError, PermissionError, FileExistsError):
+            raise
+        except (paramiko.SSHException, EOFError) as exc:
+            raise TransportError(f"SFTP on {self.host} failed: {exc}") from exc
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        def read(sftp: paramiko.SFTPClient) -> bytes:
+            with sftp.open(path, "rb") as fh:
+                if offset:
+                    fh.seek(offset)
+                if length is None:
+                    fh.prefetch()
+                    return fh.read()
+                return fh.read(length)
+
+        return self._sftp_call(read)
+
+    def size(self, path: str) -> int | None:
+        def stat(sftp: paramiko.SFTPClient) -> int | None:
+            try:
+                return sftp.stat(path).st_size
+            except FileNotFoundError:
+                return None
+
+        return self._sftp_call(stat)
+
+    def write_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        directory, base = os.path.split(path)
+        tmp = os.path.join(directory, f".tmp-{base}-{secrets.token_hex(4)}")
+
+        def write(sftp: paramiko.SFTPClient) -> None:
+            try:
+                with sftp.open(tmp, "wb") as fh:
+                    fh.chmod(mode)
+                    fh.write(data)
+                sftp.posix_rename(tmp, path)
+            except BaseException:
+                try:
+                    sftp.remove(tmp)
+                except (OSError, paramiko.SSHException):
+                    pass
+                raise
+
+        self._sftp_call(write)
+
+    def makedirs(self, path: str, mode: int = 0o755) -> None:
+        def makedirs(sftp: paramiko.SFTPClient) -> None:
+            missing = []
+            current = path.rstrip("/") or "/"
+            while current not in ("", "/", "."):
+                try:
+                    sftp.stat(current)
+                    break
+                except FileNotFoundError:
+                    missing.append(current)
+                    current = os.path.dirname(current)
+            for directory in reversed(missing):
+                try:
+                    sftp.mkdir(directory, mode)
+                except OSError:
+                    sftp.stat(directory)  # created meanwhile by someone else: fine; else raise
+
+        self._sftp_call(makedirs)
+
+    def home(self) -> str:
+        if self._home is None:
+            self._home = self._sftp_call(lambda sftp: sftp.normalize("."))
+        return self._home
+
+    # -- TCP --------------------------------------------------------------------------------------
+
+    def open_connection(self, host: str, port: int, timeout: float = 5.0) -> Any:
+        """A ``direct-tcpip`` channel to ``host:port`` as the login node sees it (socket-like)."""
+
+        def open_channel(transport: paramiko.Transport) -> paramiko.Channel:
+            return transport.open_channel("direct-tcpip", (host, port), ("127.0.0.1", 0), timeout=timeout)
+
+        try:
+            channel = self._with_reconnect(open_channel)
+        except paramiko.ChannelException as exc:
+            if exc.code == 1:
+                raise TransportError(
+                    f"{self.host} does not allow TCP forwarding (AllowTcpForwarding): {exc.text}"
+                ) from exc
+            # code 2 'Connect failed' covers refused, unreachable and unknown names on the far side
+            raise ConnectionRefusedError(
+                errno.ECONNREFUSED, f"connection to {host}:{port} from {self.host} failed: {exc.text}"
+            ) from exc
+        except paramiko.SSHException as exc:
+            if "Timeout" in str(exc):
+                raise TimeoutError(f"opening {host}:{port} through {self.host} timed out") from exc
+            raise TransportError(f"cannot open {host}:{port} through {self.host}: {exc}") from exc
+        channel.settimeout(timeout)
+        return channel
+
+
+def _collect(channel: paramiko.Channel, stdin: str | None, timeout: float | None) -> tuple[int, bytes, bytes]:
+    """Feed stdin and drain stdout and stderr together (no deadlock on large outputs); return rc and both."""
+    if stdin is not None:
+        data = stdin.encode()
+
+        def feed() -> None:
+            try:
+                channel.sendall(data)
+                channel.shutdown_write()
+            except OSError:
+                pass
+
+        threading.Thread(target=feed, daemon=True, name="pbstk-ssh-stdin").start()
+    else:
+        channel.shutdown_write()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    out: list[bytes] = []
+    err: list[bytes] = []
+    stdout_open = True
+    while stdout_open:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([channel], [], [], remaining)
+        if not ready:
+            raise TimeoutError
+        while channel.recv_stderr_ready():
+            err.append(channel.recv_stderr(65536))
+        if channel.recv_ready() or channel.eof_received or channel.closed:
+            chunk = channel.recv(65536)
+            if chunk:
+                out.append(chunk)
+            elif not channel.recv_ready():
+                stdout_open = False
+    while True:  # EOF covers both streams: what is left of stderr is already buffered
+        chunk = channel.recv_stderr(65536) if channel.recv_stderr_ready() else b""
+        if not chunk:
+            break
+        err.append(chunk)
+    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+    if not channel.status_event.wait(remaining):
+        raise TimeoutError
+    return channel.recv_exit_status(), b"".join(out), b"".join(err)
+
+
+def _known_hosts_name(runner: SSHRunner) -> str:
+    return runner.hostname if runner.port == 22 else f"[{runner.hostname}]:{runner.port}"
+
+
+class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
+    """Unknown host: refuse, or (opt-in) append its key to known_hosts. Changed keys never get here."""
+
+    def __init__(self, runner: SSHRunner) -> None:
+        self.runner = runner
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        path = self.runner.known_hosts_path
+        if not self.runner.accept_unknown_host:
+            raise TransportError(
+                f"host key for {hostname} is not known (not in {path}); connect once with ssh, "
+                "or pass --accept-new-host-key"
+            )
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        line = paramiko.hostkeys.HostKeyEntry([hostname], key).to_line() or ""
+        with open(path, "a", encoding="utf-8") as fh:  # append: keep the user's comments and entries
+            fh.write(line)
+
+
+class _Authenticator(AuthStrategy):
+    """Keys (agent and files, like OpenSSH), then keyboard-interactive/password prompts for MFA."""
+
+    def __init__(self, runner: SSHRunner) -> None:
+        super().__init__(ssh_config=runner._ssh_config)
+        self.runner = runner
+        self.prompt_error: BaseException | None = None
+
+    def get_sources(self) -> Iterator[Any]:  # unused: authenticate() below picks the order itself
+        return iter(())
+
+    def _prompt(self) -> PasswordPrompt:
+        if self.runner.password_prompt is not None:
+            return self.runner.password_prompt
+        if not sys.stdin.isatty():
+            raise TransportError(
+                f"SSH host {self.runner.host} needs interactive authentication (password or MFA) and there "
+                "is no terminal to ask on; run it from a terminal, or use a key the host accepts alone"
+            )
+        return terminal_prompt
+
+    def _keys(self) -> list[tuple[str, paramiko.PKey]]:
+        runner = self.runner
+        try:
+            agent_keys = list(paramiko.Agent().get_keys())
+        except paramiko.SSHException:
+            agent_keys = []
+        files = [os.path.expanduser(p) for p in runner.identity_files]
+        if not files:
+            files = [os.path.expanduser(f"~/.ssh/{name}") for name in _DEFAULT_KEYS]
+        keys: list[tuple[str, paramiko.PKey]] = []
+        for path in files:
+            blob = _public_blob(path)
+            agent_match = [k for k in agent_keys if blob is not None and k.asbytes() == blob]
+            if agent_match:
+                keys.append((f"{path} (agent)", agent_match[0]))
+                continue
+            if not os.path.isfile(path):
+                continue
+            try:
+                keys.append((path, paramiko.PKey.from_path(path)))
+            except paramiko.PasswordRequiredException:
+                try:
+                    passphrase = self._prompt()(f"Enter passphrase for key '{path}': ", False)
+                    keys.append((path, paramiko.PKey.from_path(path, passphrase)))
+                except (TransportError, paramiko.SSHException):
+                    continue
+            except (paramiko.SSHException, ValueError, OSError):
+                continue
+        if not runner.identities_only:
+            offered = {key.asbytes() for _, key in keys}
+            keys.extend(("agent key", k) for k in agent_keys if k.asbytes() not in offered)
+        return keys
+
+    def _interactive(self, title: str, instructions: str, prompts: list[tuple[str, bool]]) -> list[str]:
+        # called on paramiko's transport thread: keep exceptions to re-raise them on ours
+        answers = []
+        try:
+            ask = self._prompt()
+            for index, (prompt, echo) in enumerate(prompts):
+                header = "\n".join(x for x in (title, instructions) if x) if index == 0 else ""
+                answers.append(ask(f"{header}\n{prompt}" if header else prompt, echo))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in authenticate()
+            self.prompt_error = exc
+            return [""] * len(prompts)
+        return answers
+
+    def authenticate(self, transport: paramiko.Transport) -> list[Any]:
+        runner = self.runner
+        user = runner.user
+        try:
+            transport.auth_none(user)
+            return []
+        except paramiko.BadAuthenticationType as exc:
+            allowed = list(exc.allowed_types)
+        except paramiko.AuthenticationException:
+            allowed = ["publickey", "keyboard-interactive", "password"]
+        tried: list[str] = []
+        if "publickey" in allowed:
+            for label, key in self._keys():
+                tried.append(label)
+                try:
+                    remaining = transport.auth_publickey(user, key)
+                except paramiko.BadAuthenticationType as exc:
+                    allowed = list(exc.allowed_types)
+                    break
+                except paramiko.AuthenticationException:
+                    continue
+                if transport.is_authenticated():
+                    return []
+                allowed = list(remaining)  # partial success: a second factor follows
+                break
+        try:
+            if "keyboard-interactive" in allowed:
+                transport.auth_interactive(user, self._interactive)
+            elif "password" in allowed:
+                password = self._prompt()(f"{user}@{runner.hostname}'s password: ", False)
+                transport.auth_password(user, password)
+        except paramiko.AuthenticationException:
+            pass
+        if self.prompt_error is not None:
+            raise self.prompt_error
+        if transport.is_authenticated():
+            return []
+        keys = ", ".join(tried) if tried else "none found"
+        raise paramiko.AuthenticationException(
+            f"keys tried: {keys}; the server allows: {', '.join(allowed) or 'nothing'}"
+        )
+
+
+def _public_blob(private_key_path: str) -> bytes | None:
+    """The key blob of ``PATH.pub`` (to match agent keys without decrypting the private key)."""
+    try:
+        fields = Path(private_key_path + ".pub").read_text(encoding="utf-8").split()
+        return base64.b64decode(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None

@@ -1,0 +1,241 @@
+"""``tune``: launch each preset, benchmark it identically, compare against the eager baseline.
+
+One job per preset, one after another (each frees its GPUs before the next starts). Results are JSON, so
+``pbstk tune --report FILE`` can re-render a table or a bar chart later.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pbs_toolkit import __version__, paths
+from pbs_toolkit.errors import PbstkError, UsageError
+from pbs_toolkit.jobstore import JobStore
+from pbs_toolkit.render import RenderRequest, render, slug
+
+Progress = Callable[[str], None]
+
+
+def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int, output_len: int,
+                        num_prompts: int | None, warmup: int = 2) -> list[dict[str, Any]]:
+    """Run the built-in load generator against a READY job at each concurrency (a tunnel over SSH)."""
+    from pbs_toolkit.observe.bench import run_benchmark_sync
+    from pbs_toolkit.transports import open_runner
+    from pbs_toolkit.tunnel import start_tunnel
+
+    record = st.record
+    runner = open_runner(record.transport or None)
+    tunnel = None
+    try:
+        base = st.url[: -len("/v1")]
+        if record.transport:  # compute nodes are not routable from here: go through the login node
+            tunnel = start_tunnel(runner, st.address, st.port)
+            base = tunnel.url
+        if warmup:
+            run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=1,
+                               num_prompts=warmup, input_len=input_len, output_len=min(output_len, 16))
+        results = []
+        for c in concurrencies:
+            n = num_prompts or max(4 * c, 8)
+            res = run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=c,
+                                     num_prompts=n, input_len=input_len, output_len=output_len)
+            results.append({"concurrency": c, "num_prompts": n, **res.to_dict()})
+        return results
+    finally:
+        if tunnel is not None:
+            tunnel.close()
+        runner.close()
+
+
+def check_presets(base: RenderRequest, presets: Sequence[str]) -> None:
+    """Render every preset first: unknown presets or GPU mismatches are refused before anything is submitted."""
+    if not presets:
+        raise UsageError("tune needs at least one preset")
+    problems = []
+    for name in presets:
+        try:
+            render(replace(base, preset=name, run_dir="/tmp/pbstk-tune-check"))
+        except PbstkError as exc:
+            problems.append(f"{name}: {exc}")
+    if problems:
+        raise UsageError("cannot tune: " + "; ".join(problems))
+
+
+def run_tune(
+    base: RenderRequest,
+    presets: Sequence[str],
+    *,
+    concurrencies: Sequence[int] = (1, 8, 64),
+    input_len: int = 128,
+    output_len: int = 256,
+    num_prompts: int | None = None,
+    timeout: float = 3600.0,
+    baseline: str | None = None,
+    progress: Progress = lambda _msg: None,
+    store: JobStore | None = None,
+) -> dict[str, Any]:
+    """Launch, wait, benchmark and cancel each preset in turn. Returns the result document."""
+    from pbs_toolkit.launch import cancel, launch
+    from pbs_toolkit.readiness import wait_until_ready
+
+    check_presets(base, presets)
+    store = store or JobStore()
+    started = time.time()
+    runs: list[dict[str, Any]] = []
+    for name in presets:
+        req = replace(base, preset=name, name=f"{base.name or slug(base.model)}-{slug(name)}"[:63])
+        progress(f"[{name}] launching")
+        result = launch(req, store=store)
+        record = result.record
+        entry: dict[str, Any] = {"preset": name, "layout": result.rendered.preset.layout(),
+                                 "eager": result.rendered.preset.eager, "job_id": record.job_id,
+                                 "run_dir": record.run_dir}
+        try:
+            t0 = time.monotonic()
+            def show(s: Any, elapsed: float, n: str = name) -> None:
+                progress(f"[{n}] {elapsed:5.0f}s {s.state.value} {s.phase or s.comment or ''}")
+
+            st = wait_until_ready(record, timeout=timeout, store=store, on_progress=show)
+            entry["ready_s"] = round(time.monotonic() - t0, 1)
+            entry["eager_fallback"] = st.eager_fallback
+            progress(f"[{name}] ready after {entry['ready_s']} s; benchmarking at {list(concurrencies)}")
+            entry["results"] = benchmark_ready_job(st, concurrencies, input_len=input_len,
+                                                   output_len=output_len, num_prompts=num_prompts)
+        except PbstkError as exc:
+            entry["error"] = str(exc)
+            progress(f"[{name}] failed: {exc}")
+        finally:
+            cancel(record)
+            _wait_gone(record, store)
+        runs.append(entry)
+    doc = {
+        "pbstk_version": __version__, "model": base.model, "profile": base.profile,
+        "started": started, "duration_s": round(time.time() - started, 1),
+        "input_len": input_len, "output_len": output_len, "concurrencies": list(concurrencies),
+        "baseline": baseline or pick_baseline(runs), "runs": runs,
+    }
+    doc["recommended"] = recommend(doc)
+    return doc
+
+
+def _wait_gone(record: Any, store: JobStore, timeout: float = 120.0) -> None:
+    from pbs_toolkit.status import status
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if status([record], store)[0].state.final:
+            return
+        time.sleep(1.0)
+
+
+def pick_baseline(runs: Sequence[dict[str, Any]]) -> str | None:
+    """The eager preset if one ran (the seed baseline), else the first."""
+    for run in runs:
+        if run.get("eager") and run.get("results"):
+            return str(run["preset"])
+    return str(runs[0]["preset"]) if runs else None
+
+
+def _throughput(run: dict[str, Any], concurrency: int) -> float | None:
+    for r in run.get("results") or []:
+        if r["concurrency"] == concurrency and r.get("completed"):
+            return float(r["output_throughput"])
+    return None
+
+
+def recommend(doc: dict[str, Any]) -> str | None:
+    """Highest output tokens/s at the highest concurrency measured."""
+    top = max(doc["concurrencies"]) if doc["concurrencies"] else None
+    best, best_value = None, -1.0
+    for run in doc["runs"]:
+        value = _throughput(run, top) if top is not None else None
+        if value is not None and value > best_value:
+            best, best_value = run["preset"], value
+    return best
+
+
+def render_table(doc: dict[str, Any]) -> str:
+    """Side-by-side table: ready time, output tok/s per concurrency, ratio against the baseline."""
+    concurrencies = doc["concurrencies"]
+    baseline = next((r for r in doc["runs"] if r["preset"] == doc.get("baseline")), None)
+    headers = ["preset", "layout", "ready s"]
+    for c in concurrencies:
+        headers += [f"c={c} tok/s", f"c={c} x"]
+    headers += ["TTFT p50 ms (c=1)"]
+    rows = []
+    for run in doc["runs"]:
+        row = [run["preset"] + (" (baseline)" if run is baseline else ""), run.get("layout", "?"),
+               str(run.get("ready_s", "-"))]
+        for c in concurrencies:
+            value = _throughput(run, c)
+            base = _throughput(baseline, c) if baseline else None
+            row.append(f"{value:.1f}" if value is not None else "failed" if run.get("error") else "-")
+            row.append(f"{value / base:.2f}" if value is not None and base else "-")
+        first = [r for r in run.get("results") or [] if r["concurrency"] == min(concurrencies)]
+        ttft = first[0].get("median_ttft_ms") if first else None
+        row.append(f"{ttft:.1f}" if isinstance(ttft, (int, float)) else "-")
+        rows.append(row)
+    from pbs_toolkit.cli.options import table
+
+    lines = [f"model {doc['model']}, {doc['input_len']} in / {doc['output_len']} out tokens, "
+             f"output tokens/s (single runs); x = ratio to {doc.get('baseline') or '-'}", "",
+             table(rows, headers)]
+    for run in doc["runs"]:
+        if run.get("error"):
+            lines.append(f"{run['preset']}: {run['error']}")
+    if doc.get("recommended"):
+        lines += ["", f"recommended: {doc['recommended']} (highest output tokens/s at c={max(concurrencies)})"]
+    return "\n".join(lines)
+
+
+def save_result(doc: dict[str, Any], path: str | None) -> Path:
+    if path is None:
+        out_dir = paths.user_data_dir() / "tune"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        target = out_dir / f"{slug(doc['model'])}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    else:
+        target = Path(path)
+    target.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return target
+
+
+def load_result(path: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path}: not a tune result: {exc}") from exc
+    if not isinstance(doc, dict) or "runs" not in doc or "concurrencies" not in doc:
+        raise UsageError(f"{path}: not a tune result (no 'runs')")
+    return doc
+
+
+def plot(doc: dict[str, Any], out: str) -> str:
+    """A grouped bar chart of output tokens/s per preset and concurrency (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--png needs matplotlib: pip install 'pbs-toolkit[plot]'") from None
+    runs = doc["runs"]
+    concurrencies = doc["concurrencies"]
+    width = 0.8 / max(1, len(runs))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, run in enumerate(runs):
+        values = [_throughput(run, c) or 0.0 for c in concurrencies]
+        ax.bar([x + i * width for x in range(len(concurrencies))], values, width, label=run["preset"])
+    ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(concurrencies))])
+    ax.set_xticklabels([f"c={c}" for c in concurrencies])
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{doc['model']} ({doc['input_len']} in / {doc['output_len']} out)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,381 @@
+"""Tests for the fake OpenPBS in tests/fakepbs: it must behave like the real tools, quirks included."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BIN = Path(__file__).parent / "fakepbs" / "bin"
+
+
+class FakePbs:
+    """A fake PBS server in a temp directory, with helpers that poll with a deadline."""
+
+    def __init__(self, root: Path) -> None:
+        self.home = root / "pbshome"
+        self.user_home = root / "userhome"
+        self.submit_dir = root / "submit"
+        for d in (self.home, self.user_home, self.submit_dir):
+            d.mkdir()
+        self.env = {
+            **os.environ,
+            "PATH": f"{BIN}:{os.environ['PATH']}",
+            "FAKEPBS_HOME": str(self.home),
+            "HOME": str(self.user_home),
+            "FAKEPBS_EXITING_DELAY": "0.1",
+            "FAKEPBS_KILL_DELAY": "0.5",
+            "FAKEPBS_HOLD_DELAY": "0.1",
+        }
+        self.env.pop("FAKEPBS_SERVER", None)
+
+    def run(self, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(  # noqa: S603 - fixed argv of the fake tools
+            list(argv), cwd=self.submit_dir, env={**self.env, **(env or {})},
+            capture_output=True, text=True, timeout=20, check=False,
+        )
+
+    def script(self, body: str, name: str = "job.sh") -> Path:
+        path = self.submit_dir / name
+        path.write_text("#!/bin/bash\n" + body)
+        return path
+
+    def submit(self, body: str, *opts: str, env: dict[str, str] | None = None) -> str:
+        path = self.script(body)
+        res = self.run("qsub", *opts, path.name, env=env)
+        assert res.returncode == 0, res.stderr
+        assert res.stderr == ""
+        return res.stdout.strip()
+
+    def status(self, *ids: str) -> tuple[int, dict[str, Any], str]:
+        res = self.run("qstat", "-x", "-f", "-F", "json", *ids)
+        return res.returncode, json.loads(res.stdout), res.stderr
+
+    def job(self, jobid: str) -> dict[str, Any]:
+        rc, doc, err = self.status(jobid)
+        assert rc == 0, err
+        return doc["Jobs"][jobid]
+
+    def wait_for(self, check: Callable[[], bool], timeout: float = 8.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise AssertionError("condition not met before the deadline")
+            time.sleep(0.05)
+
+    def wait_state(self, jobid: str, state: str, timeout: float = 8.0) -> dict[str, Any]:
+        self.wait_for(lambda: self.job(jobid)["job_state"] == state, timeout)
+        return self.job(jobid)
+
+    def faults(self, **faults: Any) -> None:
+        (self.home / "faults.json").write_text(json.dumps(faults))
+
+    def calls(self, tool: str) -> list[list[str]]:
+        lines = (self.home / "calls.log").read_text().splitlines()
+        return [rec["argv"] for rec in map(json.loads, lines) if rec["tool"] == tool]
+
+
+@pytest.fixture
+def pbs(tmp_path: Path) -> Iterator[FakePbs]:
+    fake = FakePbs(tmp_path)
+    yield fake
+    (fake.home / "faults.json").unlink(missing_ok=True)
+    seqs = [path.stem for path in (fake.home / "jobs").glob("*.json")]
+    if seqs:
+        fake.run("qdel", *seqs)  # stop leftover jobs; errors for finished ones are fine
+
+
+def test_requires_fakepbs_home(pbs: FakePbs) -> None:
+    env = {k: v for k, v in pbs.env.items() if k != "FAKEPBS_HOME"}
+    res = subprocess.run(["qstat"], env=env, capture_output=True, text=True, check=False)
+    assert res.returncode == 1 and "FAKEPBS_HOME" in res.stderr
+
+
+def test_qsub_prints_only_the_id_and_job_runs(pbs: FakePbs) -> None:
+    first = pbs.submit("true\n")
+    second = pbs.submit("true\n")
+    assert re.fullmatch(r"\d+\.fakepbs", first)
+    assert int(second.split(".")[0]) == int(first.split(".")[0]) + 1
+    job = pbs.wait_state(second, "F")
+    assert job["Exit_status"] == 0
+    assert pbs.calls("qsub")[0] == ["job.sh"]
+
+
+def test_server_name_and_short_id(pbs: FakePbs) -> None:
+    long_server = "polaris-pbs-01.hsn.cm.polaris.alcf.anl.gov"
+    pbs.env["FAKEPBS_SERVER"] = long_server
+    jobid = pbs.submit("true\n")
+    assert jobid == f"1.{long_server}"
+    pbs.wait_state(jobid, "F")
+    rc, doc, _ = pbs.status("1")  # PBS appends the default server
+    assert rc == 0 and list(doc["Jobs"]) == [jobid] and doc["pbs_server"] == long_server
+    table = pbs.run("qstat", "-x").stdout
+    assert "1.polaris-pbs-0*" in table  # the plain listing truncates ids
+
+
+def test_json_shape(pbs: FakePbs) -> None:
+    jobid = pbs.submit(
+        "#PBS -N fromdirective\n#PBS -l walltime=00:05:00\n#PBS -A ignored\necho hi\n",
+        "-A", "proj", "-q", "debug", "-l", "select=2:ncpus=8:ngpus=4,filesystems=home:eagle",
+        "-l", "place=scatter", "-r", "n", "-k", "doe", "-j", "oe", "-v", "FOO=bar",
+    )
+    job = pbs.wait_state(jobid, "F")
+    rc, doc, _ = pbs.status(jobid)
+    assert set(doc) == {"timestamp", "pbs_version", "pbs_server", "Jobs"}
+    assert isinstance(doc["timestamp"], int)
+    assert job["Job_Name"] == "fromdirective"
+    assert job["Account_Name"] == "proj"  # command line wins over #PBS
+    assert job["queue"] == "debug"
+    assert re.fullmatch(r".+@.+", job["Job_Owner"])
+    assert job["Output_Path"].endswith(f":{pbs.submit_dir}/fromdirective.o1")
+    assert job["Error_Path"].startswith(job["Output_Path"].split(":")[0] + ":/")
+    res = job["Resource_List"]
+    assert res["walltime"] == "00:05:00" and res["select"] == "2:ncpus=8:ngpus=4"
+    assert res["nodect"] == 2 and res["ncpus"] == 16 and res["ngpus"] == 8
+    assert res["place"] == "scatter" and res["filesystems"] == "home:eagle"
+    assert job["exec_host"].split("+")[0].endswith("/0*8") and job["exec_host"].count("+") == 1
+    assert job["Rerunable"] == "False" and job["Keep_Files"] == "doe" and job["Join_Path"] == "oe"
+    assert job["Variable_List"]["FOO"] == "bar"
+    assert job["Variable_List"]["PBS_O_WORKDIR"] == str(pbs.submit_dir)
+    assert re.fullmatch(r"\w{3} \w{3} \d\d \d\d:\d\d:\d\d \d{4}", job["qtime"])
+    assert "stime" in job and "walltime" in job["resources_used"]
+    assert job["Exit_status"] == 0
+
+
+def test_jobs_absent_when_nothing_matches(pbs: FakePbs) -> None:
+    rc, doc, err = pbs.status("42")
+    assert rc == 153 and "Jobs" not in doc
+    assert err.strip() == "qstat: Unknown Job Id 42.fakepbs"
+
+
+def test_unknown_id_keeps_partial_output(pbs: FakePbs) -> None:
+    jobid = pbs.submit("sleep 30\n")
+    rc, doc, err = pbs.status(jobid, "999.fakepbs")
+    assert rc == 153 and list(doc["Jobs"]) == [jobid]
+    assert "Unknown Job Id 999.fakepbs" in err
+
+
+def test_finished_job_needs_x(pbs: FakePbs) -> None:
+    jobid = pbs.submit("exit 3\n")
+    assert pbs.wait_state(jobid, "F")["Exit_status"] == 3
+    res = pbs.run("qstat", "-f", "-F", "json", jobid)
+    assert res.returncode == 35 and "Jobs" not in json.loads(res.stdout)
+    assert res.stderr.strip() == (
+        f"qstat: {jobid} Job has finished, use -x or -H to obtain historical job information"
+    )
+
+
+def test_job_environment_and_cwd(pbs: FakePbs) -> None:
+    out = pbs.submit_dir / "env.txt"
+    jobid = pbs.submit(
+        f"pwd > {out}\nenv >> {out}\n", "-N", "envjob", "-l", "select=3",
+        env={"SECRET_LOGIN_VAR": "x", "PBSTK_TEST_HOOK": "1"},
+    )
+    pbs.wait_state(jobid, "F")
+    lines = out.read_text().splitlines()
+    assert lines[0] == str(pbs.user_home)  # jobs start in $HOME, not the submit dir
+    env = dict(line.split("=", 1) for line in lines[1:] if "=" in line)
+    assert env["PBS_JOBID"] == jobid and env["PBS_JOBNAME"] == "envjob"
+    assert env["PBS_O_WORKDIR"] == str(pbs.submit_dir)
+    assert env["PBS_ENVIRONMENT"] == "PBS_BATCH" and env["PBS_QUEUE"] == "workq"
+    assert "PBS_O_HOST" in env and "TMPDIR" in env and "PBS_O_PATH" in env
+    assert "SECRET_LOGIN_VAR" not in env  # no -V
+    assert env["PBSTK_TEST_HOOK"] == "1"
+
+
+def test_nodefile_has_one_line_per_chunk(pbs: FakePbs) -> None:
+    out = pbs.submit_dir / "nodes.txt"
+    jobid = pbs.submit(f'cp "$PBS_NODEFILE" {out}\n', "-l", "select=3:ncpus=4")
+    pbs.wait_state(jobid, "F")
+    assert len(out.read_text().splitlines()) == 3
+
+
+def test_spooled_output_appears_only_at_end(pbs: FakePbs) -> None:
+    flag = pbs.submit_dir / "go"
+    body = f"echo started\nwhile [ ! -e {flag} ]; do sleep 0.05; done\necho bye >&2\n"
+    jobid = pbs.submit(body, "-N", "sp")
+    pbs.wait_state(jobid, "R")
+    time.sleep(0.3)
+    assert not (pbs.submit_dir / "sp.o1").exists()
+    flag.touch()
+    pbs.wait_state(jobid, "F")
+    assert (pbs.submit_dir / "sp.o1").read_text() == "started\n"
+    assert (pbs.submit_dir / "sp.e1").read_text() == "bye\n"
+
+
+def test_keep_doe_writes_in_place(pbs: FakePbs) -> None:
+    logs = pbs.submit_dir / "logs"
+    logs.mkdir()
+    flag = pbs.submit_dir / "go"
+    jobid = pbs.submit(
+        f"echo started\nwhile [ ! -e {flag} ]; do sleep 0.05; done\n",
+        "-k", "doe", "-j", "oe", "-o", "logs/out.log",
+    )
+    pbs.wait_for(lambda: (logs / "out.log").exists() and (logs / "out.log").read_text() == "started\n")
+    assert pbs.job(jobid)["job_state"] == "R"
+    flag.touch()
+    pbs.wait_state(jobid, "F")
+    assert sorted(p.name for p in logs.iterdir()) == ["out.log"]  # -j oe: no error file
+
+
+def test_missing_output_dir_holds_the_job(pbs: FakePbs) -> None:
+    marker = pbs.submit_dir / "ran"
+    jobid = pbs.submit(f"touch {marker}\n", "-o", "nope/out.log")
+    job = pbs.wait_state(jobid, "H")
+    assert job["comment"] == "job held, too many failed attempts to run"
+    assert "Exit_status" not in job and not marker.exists()
+    assert pbs.run("qdel", jobid).returncode == 0
+    assert pbs.wait_state(jobid, "F")["comment"] == "Job deleted"
+
+
+def test_queue_delay_and_comment(pbs: FakePbs) -> None:
+    jobid = pbs.submit("true\n", env={"FAKEPBS_QUEUE_DELAY": "1"})
+    job = pbs.job(jobid)
+    assert job["job_state"] == "Q" and job["comment"] == "Not Running: Not enough free nodes available"
+    assert "exec_host" not in job and "Exit_status" not in job
+    job = pbs.wait_state(jobid, "F")
+    assert job["comment"].startswith("Job run at")
+
+
+def test_walltime_kill(pbs: FakePbs) -> None:
+    jobid = pbs.submit("trap '' TERM\nsleep 30\n", "-l", "walltime=1")
+    job = pbs.wait_state(jobid, "F", timeout=10)
+    assert job["Exit_status"] == -29
+    assert re.fullmatch(r"job killed: walltime \d+ exceeded limit 1", job["comment"])
+
+
+def test_qdel_running_and_finished(pbs: FakePbs) -> None:
+    jobid = pbs.submit("sleep 30\n")
+    pbs.wait_state(jobid, "R")
+    res = pbs.run("qdel", jobid)
+    assert (res.returncode, res.stdout, res.stderr) == (0, "", "")
+    assert pbs.wait_state(jobid, "F")["Exit_status"] == 271
+    res = pbs.run("qdel", jobid)
+    assert res.returncode == 35 and res.stderr.strip() == f"qdel: Job has finished {jobid}"
+    res = pbs.run("qdel", "77")
+    assert res.returncode == 153 and res.stderr.strip() == "qdel: Unknown Job Id 77.fakepbs"
+
+
+def test_qdel_queued_job(pbs: FakePbs) -> None:
+    marker = pbs.submit_dir / "ran"
+    submitted = time.monotonic()
+    jobid = pbs.submit(f"touch {marker}\n", env={"FAKEPBS_QUEUE_DELAY": "1.5"})
+    assert pbs.run("qdel", jobid).returncode == 0
+    job = pbs.wait_state(jobid, "F")
+    assert "Exit_status" not in job and job["comment"] == "Job deleted"
+    time.sleep(max(0.0, submitted + 1.8 - time.monotonic()))
+    assert not marker.exists()
+
+
+def test_qdel_escalates_to_sigkill(pbs: FakePbs) -> None:
+    jobid = pbs.submit("trap '' TERM\nsleep 30 & wait; sleep 30\n")
+    pbs.wait_state(jobid, "R")
+    pbs.run("qdel", jobid)
+    assert pbs.wait_state(jobid, "F")["Exit_status"] == 265
+
+
+@pytest.mark.parametrize(
+    ("env", "opts", "message"),
+    [
+        ({"FAKEPBS_REQUIRE_ACCOUNT": "1"}, [], "qsub: Account_Name is required to be set."),
+        ({"FAKEPBS_REQUIRE_FILESYSTEMS": "1"}, [], "qsub: Resource: filesystems is required to be set."),
+        ({}, ["-l", "walltime=1:xx"], "qsub: illegal -l value"),
+        ({"FAKEPBS_MAX_WALLTIME": "3600"}, ["-l", "walltime=02:00:00"],
+         "qsub: Job violates queue and/or server resource limits"),
+        ({"FAKEPBS_QUEUES": "debug,prod"}, ["-q", "nope"], "qsub: Unknown queue"),
+        ({}, ["-k", "x"], "qsub: illegal -k value"),
+    ],
+)
+def test_qsub_validation(pbs: FakePbs, env: dict[str, str], opts: list[str], message: str) -> None:
+    path = pbs.script("true\n")
+    res = pbs.run("qsub", *opts, path.name, env=env)
+    assert res.returncode != 0 and res.stdout == "" and res.stderr.strip() == message
+    assert not list((pbs.home / "jobs").glob("*.json"))
+
+
+def test_qsub_refuses_stdin(pbs: FakePbs) -> None:
+    res = subprocess.run(["qsub"], input="true\n", env=pbs.env, capture_output=True, text=True, check=False)
+    assert res.returncode == 1
+    assert res.stderr.strip() == "qsub: script from standard input is not allowed at this site"
+
+
+def test_fault_qstat_unavailable(pbs: FakePbs) -> None:
+    jobid = pbs.submit("true\n")
+    pbs.faults(qstat_unavailable=2)
+    for _ in range(2):
+        res = pbs.run("qstat", "-x", "-f", "-F", "json", jobid)
+        assert res.returncode == 255 and "cannot connect to server fakepbs" in res.stderr
+        assert res.stdout == ""
+    assert pbs.status(jobid)[0] == 0
+    assert len(pbs.calls("qstat")) == 3
+
+
+def test_fault_vanish_kills_and_hides(pbs: FakePbs) -> None:
+    jobid = pbs.submit("sleep 30\n")
+    pid = pbs.wait_state(jobid, "R")["session_id"]
+    pbs.faults(vanish=[jobid])
+    rc, doc, err = pbs.status(jobid)
+    assert rc == 153 and "Jobs" not in doc
+    pbs.wait_for(lambda: not Path(f"/proc/{pid}").exists())
+    assert pbs.run("qdel", jobid).returncode == 153
+
+
+def test_fault_reject_after_submit(pbs: FakePbs) -> None:
+    pbs.faults(reject_after_submit=True)
+    jobid = pbs.submit(f"touch {pbs.submit_dir / 'ran'}\n")
+    assert re.fullmatch(r"\d+\.fakepbs", jobid)
+    rc, doc, _ = pbs.status(jobid)
+    assert rc == 153 and "Jobs" not in doc
+    time.sleep(0.3)
+    assert not (pbs.submit_dir / "ran").exists()
+
+
+def test_fault_qsub_reject(pbs: FakePbs) -> None:
+    pbs.faults(qsub_reject="qsub: Job rejected by all possible destinations")
+    path = pbs.script("true\n")
+    res = pbs.run("qsub", path.name)
+    assert res.returncode == 1 and res.stderr.strip() == "qsub: Job rejected by all possible destinations"
+
+
+def test_fault_history_off(pbs: FakePbs) -> None:
+    jobid = pbs.submit("true\n")
+    pbs.wait_state(jobid, "F")
+    pbs.faults(history=False)
+    rc, doc, err = pbs.status(jobid)
+    assert rc == 153 and "Jobs" not in doc and "Unknown Job Id" in err
+
+
+def test_fault_slow_qstat(pbs: FakePbs) -> None:
+    pbs.faults(slow_qstat=0.5)
+    start = time.monotonic()
+    pbs.status("1")
+    assert time.monotonic() - start >= 0.5
+
+
+def test_numeric_looking_values_are_numbers(pbs: FakePbs) -> None:
+    jobid = pbs.submit("true\n", "-N", "12345", "-v", "N=7")
+    job = pbs.wait_state(jobid, "F")
+    assert job["Job_Name"] == 12345 and job["Variable_List"]["N"] == 7
+
+
+def test_full_env_with_quotes_breaks_json(pbs: FakePbs) -> None:
+    jobid = pbs.submit("true\n", "-V", env={"NASTY": 'say "hi"'})
+    res = pbs.run("qstat", "-x", "-f", "-F", "json", jobid)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(res.stdout)
+
+
+def test_text_formats(pbs: FakePbs) -> None:
+    jobid = pbs.submit("sleep 30\n", "-N", "textjob")
+    pbs.wait_state(jobid, "R")
+    table = pbs.run("qstat").stdout.splitlines()
+    assert table[0].startswith("Job id") and any(" R " in line and "textjob" in line for line in table[2:])
+    full = pbs.run("qstat", "-f", jobid).stdout
+    assert full.startswith(f"Job Id: {jobid}\n") and "    job_state = R" in full

@@ -1,0 +1,213 @@
+"""The load generator against a small OpenAI-compatible streaming server run in a thread."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from pbs_toolkit.errors import ServerFailed, UsageError
+from pbs_toolkit.observe.bench import (
+    load_vllm_bench_json,
+    make_prompt,
+    run_benchmark_sync,
+    vllm_bench_argv,
+)
+
+
+class FakeVLLM(BaseHTTPRequestHandler):
+    """Streams ``max_tokens`` chunks; ``server.mode`` picks ok / 500 / flaky (every other request 500)."""
+
+    server: FakeServer  # type: ignore[assignment]
+
+    def log_message(self, *args: object) -> None:  # keep pytest output clean
+        pass
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with self.server.lock:
+            self.server.requests.append(body)
+            number = len(self.server.requests)
+        if self.server.api_key and self.headers.get("Authorization") != f"Bearer {self.server.api_key}":
+            return self.reply(401, {"error": {"message": "Unauthorized", "code": 401}})
+        if self.server.mode == "500" or (self.server.mode == "flaky" and number % 2 == 0):
+            return self.reply(500, {"error": {"message": "boom", "code": 500}})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for index in range(body["max_tokens"]):
+            time.sleep(0.002)
+            chunk = {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": f" w{index}"}],
+            }
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        if self.server.send_usage and body.get("stream_options", {}).get("include_usage"):
+            usage = {"prompt_tokens": 7, "completion_tokens": body["max_tokens"], "total_tokens": 0}
+            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def reply(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+class FakeServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, mode: str = "ok", api_key: str | None = None, send_usage: bool = True) -> None:
+        super().__init__(("127.0.0.1", 0), FakeVLLM)
+        self.mode, self.api_key, self.send_usage = mode, api_key, send_usage
+        self.lock = threading.Lock()
+        self.requests: list[dict] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.fixture
+def serve() -> Iterator:
+    servers: list[FakeServer] = []
+
+    def start(**kwargs: object) -> FakeServer:
+        server = FakeServer(**kwargs)  # type: ignore[arg-type]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def bench(server: FakeServer, **kwargs: object):
+    options = dict(api_key=None, concurrency=4, num_prompts=12, input_len=16, output_len=8, timeout=30)
+    options.update(kwargs)
+    return run_benchmark_sync(server.url, "fake", **options)  # type: ignore[arg-type]
+
+
+def test_completed_requests_and_finite_numbers(serve):
+    server = serve()
+    result = bench(server)
+    assert (result.completed, result.failed, result.errors) == (12, 0, [])
+    assert result.total_output_tokens == 12 * 8 and result.total_input_tokens == 12 * 7  # from usage
+    assert result.max_concurrency == 4
+    numbers = {k: v for k, v in result.to_dict().items() if isinstance(v, float)}
+    assert len(numbers) == 12 and all(math.isfinite(v) and v > 0 for v in numbers.values())
+    assert result.mean_tpot_ms >= 1.5 and result.mean_itl_ms >= 1.5  # the server sleeps 2 ms a chunk
+    assert result.mean_e2el_ms > result.mean_ttft_ms
+    sent = server.requests[0]
+    assert sent["stream"] is True and sent["ignore_eos"] is True
+    assert sent["max_tokens"] == sent["min_tokens"] == 8
+    assert sent["stream_options"] == {"include_usage": True}
+    assert len(sent["prompt"].split()) == 16
+    assert len({r["prompt"] for r in server.requests}) == 12  # distinct prompts: no accidental prefix hits
+
+
+def test_tokens_counted_from_chunks_without_usage(serve):
+    result = bench(serve(send_usage=False), num_prompts=3, output_len=5)
+    assert result.total_output_tokens == 15
+    assert result.total_input_tokens == 3 * 16  # estimated from input_len
+
+
+def test_partial_failures_are_counted_not_averaged(serve):
+    result = bench(serve(mode="flaky"), concurrency=1, num_prompts=6)
+    assert (result.completed, result.failed) == (3, 3)
+    assert "HTTP 500" in result.errors[0] and len(result.errors) == 1
+    assert result.mean_ttft_ms is not None and result.mean_ttft_ms > 0
+
+
+def test_all_500_raises(serve):
+    with pytest.raises(ServerFailed, match="500"):
+        bench(serve(mode="500"))
+
+
+def test_unauthorized_mentions_401_and_key_works(serve):
+    server = serve(api_key="secret")
+    with pytest.raises(ServerFailed, match="401"):
+        bench(server, num_prompts=2)
+    assert bench(server, api_key="secret", num_prompts=2).completed == 2
+
+
+def test_connection_refused_is_a_failure():
+    with pytest.raises(ServerFailed, match="ConnectError"):
+        run_benchmark_sync(
+            "http://127.0.0.1:9", "m", concurrency=1, num_prompts=1, input_len=1, output_len=1, timeout=5
+        )
+
+
+def test_bad_arguments():
+    with pytest.raises(UsageError):
+        run_benchmark_sync("http://h:1", "m", concurrency=0, num_prompts=1, input_len=1, output_len=1)
+    with pytest.raises(UsageError):
+        run_benchmark_sync("h:1", "m", concurrency=1, num_prompts=1, input_len=1, output_len=1)
+
+
+def test_prompts_are_seeded():
+    assert make_prompt(32, 1) == make_prompt(32, 1) != make_prompt(32, 2)
+
+
+def test_vllm_bench_argv():
+    argv = vllm_bench_argv(
+        "http://n1:8000/v1/", "qwen3", "/models/qwen3", 64, 640, 128, 256, "/runs/r1", "c64.json"
+    )
+    assert argv[:3] == ["vllm", "bench", "serve"]
+    assert argv[argv.index("--base-url") + 1] == "http://n1:8000"
+    assert argv[argv.index("--tokenizer") + 1] == "/models/qwen3"
+    assert argv[argv.index("--dataset-name") + 1] == "random"
+    assert argv[argv.index("--max-concurrency") + 1] == "64"
+    assert argv[argv.index("--random-output-len") + 1] == "256"
+    assert "--ignore-eos" in argv and "--save-result" in argv
+    assert argv[-4:] == ["--result-dir", "/runs/r1", "--result-filename", "c64.json"]
+    assert "--tokenizer" not in vllm_bench_argv("http://n1:8000", "q", None, 1, 1, 1, 1, "d", "f")
+
+
+def test_load_vllm_bench_json(tmp_path: Path):
+    saved = {
+        "date": "20251120-140000",
+        "backend": "vllm",
+        "model_id": "qwen3",
+        "num_prompts": 640,
+        "duration": 8.9,
+        "completed": 639,
+        "failed": 1,
+        "total_input_tokens": 81792,
+        "total_output_tokens": 163584,
+        "request_throughput": 71.8,
+        "output_throughput": 18380.2,
+        "total_token_throughput": 27570.3,
+        "mean_ttft_ms": 120.5,
+        "median_ttft_ms": 100.1,
+        "p99_ttft_ms": 410.0,
+        "mean_tpot_ms": 3.1,
+        "median_tpot_ms": 3.0,
+        "p99_tpot_ms": 4.2,
+        "mean_itl_ms": 3.1,
+        "mean_e2el_ms": 911.0,
+        "max_concurrency": 64,
+        "errors": ["", "Bad Request"] + [""] * 638,
+        "ttfts": [0.1] * 640,
+    }
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(saved))
+    result = load_vllm_bench_json(path)
+    assert (result.completed, result.failed, result.max_concurrency) == (639, 1, 64)
+    assert result.output_throughput == 18380.2 and result.p99_tpot_ms == 4.2
+    assert result.errors == ["Bad Request"]
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(UsageError):
+        load_vllm_bench_json(tmp_path / "bad.json")
