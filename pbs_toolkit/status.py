@@ -142,6 +142,9 @@ def combine(
         return st
     if sched is not None and sched.state is SchedState.FINISHED:
         state, reason = classify_exit(sched.exit_status)
+        if phase == "cancelled" and sched.exit_status != -29:
+            # the start script trapped the stop signal and exited on its own (PBS then records 143, not 271)
+            state, reason = ServerState.CANCELLED, "stopped by a signal (qdel or pbstk cancel)"
         if state is ServerState.FAILED or (state is ServerState.FINISHED and phase == "failed"):
             if phase == "failed" and fatal:
                 reason = f"vLLM failed before it was ready: {fatal[0]}"

@@ -1,0 +1,78 @@
+"""Shared fixtures: an isolated user (XDG dirs, runs root), the fake PBS on PATH, stand-in executables,
+the real sshd on loopback.
+
+Every test runs with its own XDG config/state/data directories and no PBSTK_* variables from the caller,
+so a developer's ~/.config/pbstk never leaks in.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+FAKEPBS_BIN = TESTS / "fakepbs" / "bin"
+STANDINS = TESTS / "standins"
+sys.path.insert(0, str(TESTS))
+
+from sshd import sshd_server  # noqa: E402,F401  (fixture re-exported for every test module)
+
+
+@pytest.fixture(autouse=True)
+def isolated_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for key in list(os.environ):
+        if key.startswith(("PBSTK_", "FAKEPBS_")) or key in ("VLLM_API_KEY",):
+            monkeypatch.delenv(key)
+    home = tmp_path / "user"
+    for sub in ("config", "state", "data", "runs"):
+        (home / sub).mkdir(parents=True)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(home / "state"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
+    monkeypatch.setenv("PBSTK_RUNS_ROOT", str(home / "runs"))
+    monkeypatch.setenv("PBSTK_POLL_INTERVALS", "0.3,0.5,1")
+    return home
+
+
+@pytest.fixture
+def standins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Stand-in `vllm` and `nvidia-smi` first on PATH; returns the directory where `vllm` records its argv."""
+    record = tmp_path / "record"
+    record.mkdir()
+    monkeypatch.setenv("PATH", f"{STANDINS}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PBSTK_TEST_RECORD", str(record))
+    return record
+
+
+@pytest.fixture
+def fakepbs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """The fake qsub/qstat/qdel first on PATH with a fresh server directory; deletes leftover jobs at the end."""
+    import subprocess
+
+    home = tmp_path / "fakepbs"
+    home.mkdir()
+    monkeypatch.setenv("FAKEPBS_HOME", str(home))
+    monkeypatch.setenv("FAKEPBS_KILL_DELAY", "1")
+    monkeypatch.setenv("FAKEPBS_EXITING_DELAY", "0.2")
+    monkeypatch.setenv("PATH", f"{FAKEPBS_BIN}{os.pathsep}{os.environ['PATH']}")
+    yield home
+    jobs = home / "jobs"
+    if jobs.is_dir():
+        ids = [p.stem for p in jobs.glob("*.json")]
+        if ids:
+            subprocess.run(["qdel", *ids], capture_output=True, check=False)  # noqa: S603,S607
+
+
+def read_calls(home: Path, tool: str) -> list[list[str]]:
+    """argv of every call of ``tool`` that the fake PBS logged."""
+    import json
+
+    path = home / "calls.log"
+    if not path.exists():
+        return []
+    calls = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [c["argv"] for c in calls if c["tool"] == tool]
