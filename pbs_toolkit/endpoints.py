@@ -29,12 +29,55 @@ def default_alias(record: JobRecord) -> str:
     return record.name
 
 
+#: what registries name when the server has no key (clients still want *some* value in the variable)
+NO_KEY_ENV = "PBSTK_NO_KEY"
+_WILDCARD_ADDRESSES = ("0.0.0.0", "::", "[::]")
+
+
 def endpoint_url(st: JobStatus, local_url: str | None = None) -> str:
+    """``http://host:port/v1`` that clients use: a tunnel's local URL, else the node's address.
+
+    Never a wildcard bind address (``0.0.0.0`` is where a server listens, not where clients connect).
+    """
     if local_url:
         return local_url.rstrip("/") + "/v1"
-    if not st.url:
+    if not st.address or not st.port:
         raise UsageError(f"job {st.record.job_id} has no address yet (state {st.state.value})")
-    return st.url
+    if st.address in _WILDCARD_ADDRESSES:
+        if not st.node:
+            raise UsageError(f"job {st.record.job_id} reports the wildcard address {st.address}; "
+                             "set `address:` in the site profile")
+        return f"http://{st.node}:{st.port}/v1"
+    return f"http://{st.address}:{st.port}/v1"
+
+
+def check_registry(record: JobRecord, registry: str | None, fmt: str = "auto", alias: str | None = None) -> str:
+    """Refuse, before waiting for the server, a registry that the write would refuse later.
+
+    Checks the format, that the directory exists, that an existing file parses, and that the alias fits
+    the format. Returns the format. The write itself checks all of this again under the lock.
+    """
+    from pathlib import Path
+
+    from pbs_toolkit.registries import (
+        EndpointEntry,
+        default_registry_path,
+        detect_format,
+        read_endpoints,
+    )
+    from pbs_toolkit.registries.entry import validate_entry
+
+    path = Path(registry).expanduser() if registry else default_registry_path()
+    kind = detect_format(path, fmt)
+    if registry and not path.parent.is_dir():
+        from pbs_toolkit.errors import RegistryError
+
+        raise RegistryError(f"{path.parent} does not exist (registry {path})")
+    read_endpoints(path, kind)  # raises RegistryError when the file does not parse
+    placeholder = EndpointEntry(alias=alias or default_alias(record), model=record.served_model_name,
+                                url="http://node:1/v1", key_env=record.api_key_env or NO_KEY_ENV)
+    validate_entry(placeholder, kind, path)
+    return kind
 
 
 def update_endpoint(
@@ -51,7 +94,7 @@ def update_endpoint(
     record = st.record
     alias = alias or default_alias(record)
     url = endpoint_url(st, local_url)
-    key_env = record.api_key_env or "PBSTK_NO_KEY"
+    key_env = record.api_key_env or NO_KEY_ENV
     path = registry or str(default_registry_path())
     kind = detect_format(path, fmt)
     entry = EndpointEntry(alias=alias, model=record.served_model_name, url=url, key_env=key_env)
@@ -76,6 +119,7 @@ def env_exports(st: JobStatus, local_url: str | None = None) -> list[str]:
         lines.append(f"export OPENAI_API_KEY={shlex.quote(record.api_key)}")
         if record.api_key_env:
             lines.append(f"export {record.api_key_env}={shlex.quote(record.api_key)}")
-    else:
+    else:  # registries name NO_KEY_ENV for such servers; vLLM accepts any key when it has none
         lines.append("export OPENAI_API_KEY=EMPTY")
+        lines.append(f"export {NO_KEY_ENV}=EMPTY")
     return lines

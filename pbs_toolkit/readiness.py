@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pbs_toolkit import probe
 from pbs_toolkit.errors import SchedulerUnavailable, ServerFailed, WaitTimeout
 from pbs_toolkit.jobstore import JobRecord, JobStore
+from pbs_toolkit.logs import tail_lines
 from pbs_toolkit.schedulers import SchedState, SchedulerJob
 from pbs_toolkit.status import JobStatus, ServerState, observe, query_group
 from pbs_toolkit.transports import Runner, open_runner
@@ -20,6 +21,8 @@ from pbs_toolkit.transports import Runner, open_runner
 DEFAULT_SCHEDULER_INTERVALS = (2.0, 4.0, 8.0, 30.0)
 #: how long a fatal log line must stand (with the server not restarting) before we give up
 FATAL_GRACE_S = 3.0
+#: when the run directory says the job ended, ask the scheduler why for at most this long (E -> F)
+CONFIRM_END_S = 5.0
 
 
 def scheduler_intervals() -> tuple[float, ...]:
@@ -34,10 +37,35 @@ def scheduler_intervals() -> tuple[float, ...]:
     return values or DEFAULT_SCHEDULER_INTERVALS
 
 
-def _failure(st: JobStatus) -> ServerFailed:
+def _failure(st: JobStatus, runner: Runner) -> ServerFailed:
     where = f" (log: {st.record.run_dir}/vllm.log)"
+    details = st.log_excerpt
+    if not details:  # cancelled, lost or walltime: the log's last lines still say how far it got
+        details = [line for line in tail_lines(runner, f"{st.record.run_dir}/vllm.log", 8) if line.strip()]
     return ServerFailed(f"job {st.record.job_id} is {st.state.value}: {st.reason or 'no reason given'}{where}",
-                        details=st.log_excerpt)
+                        details=details)
+
+
+def _confirm_end(runner: Runner, record: JobRecord, st: JobStatus, sched: SchedulerJob | None) -> JobStatus:
+    """The run directory says the job ended but the scheduler was last asked while it ran: ask again.
+
+    Only the scheduler knows *why* (``Exit_status`` -29 is walltime, 271 is qdel), and only once the job
+    is ``F``. A few queries, once per job, then the run directory's verdict stands.
+    """
+    if sched is None or sched.state is SchedState.FINISHED:
+        return st
+    deadline = time.monotonic() + CONFIRM_END_S
+    while True:
+        try:
+            fresh = query_group(runner, [record])[record.job_id]
+        except SchedulerUnavailable:
+            fresh = None
+        if fresh is not None and fresh.state is SchedState.FINISHED:
+            confirmed = observe(runner, record, fresh)
+            return confirmed if confirmed.state.final else st
+        if time.monotonic() + 1.0 > deadline:
+            return st
+        time.sleep(1.0)
 
 
 def check_models(runner: Runner, st: JobStatus) -> None:
@@ -73,6 +101,7 @@ def wait_until_ready(
     sched: SchedulerJob | None = None
     fatal_since: float | None = None
     last_key: tuple[object, ...] | None = None
+    marker_seen = False
     try:
         while True:
             now = time.monotonic()
@@ -87,6 +116,12 @@ def wait_until_ready(
                 if running:  # the job's own files now tell us more than the scheduler
                     next_query = now + max(intervals[-1], 10.0)
             st = observe(runner, record, sched)
+            if st.state is ServerState.PENDING and not marker_seen:
+                # The start script wrote its marker: the job runs. Ask the scheduler now rather than at
+                # the end of a 30 s back-off (one extra query per job).
+                marker_seen = runner.size(f"{record.run_dir}/server.json") is not None
+                if marker_seen:
+                    next_query = now + poll
             elapsed = now - start
             key = (st.state, st.phase, st.comment, st.scheduler_state)
             if on_progress and key != last_key:
@@ -103,11 +138,15 @@ def wait_until_ready(
             elif st.state is ServerState.FAILED and not st.confirmed:
                 fatal_since = fatal_since or now
                 if now - fatal_since >= FATAL_GRACE_S:
-                    raise _failure(st)
+                    raise _failure(st, runner)
             elif st.state.final:
+                confirmed = _confirm_end(runner, record, st, sched)
+                if on_progress and (confirmed.state, confirmed.reason) != (st.state, st.reason):
+                    on_progress(confirmed, time.monotonic() - start)
+                st = confirmed
                 if store is not None:
                     store.set_final_state(record, st.state.value)
-                raise _failure(st)
+                raise _failure(st, runner)
             else:
                 fatal_since = None
             if elapsed > timeout:

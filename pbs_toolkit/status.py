@@ -29,6 +29,8 @@ class ServerState(enum.Enum):
     FINISHED = "FINISHED"
     CANCELLED = "CANCELLED"
     LOST = "LOST"
+    #: the scheduler did not answer and neither the run directory nor HTTP tells (transient; not final)
+    UNKNOWN = "UNKNOWN"
 
     @property
     def final(self) -> bool:
@@ -197,6 +199,14 @@ def observe(runner: Runner, record: JobRecord, sched: SchedulerJob | None) -> Jo
     return combine(record, sched, marker, lines, health_status)
 
 
+def _without_scheduler(st: JobStatus, why: str) -> JobStatus:
+    """A status judged while the scheduler was unreachable: what the job did not explain is UNKNOWN, not LOST."""
+    st.scheduler_state, st.comment = "?", why
+    if st.state is ServerState.LOST:
+        st.state, st.reason = ServerState.UNKNOWN, f"the scheduler did not answer ({why}); try again later"
+    return st
+
+
 def query_group(runner: Runner, records: Sequence[JobRecord]) -> dict[str, SchedulerJob | None]:
     """One scheduler call for all ``records`` (same transport and scheduler)."""
     scheduler = get_scheduler(records[0].scheduler)
@@ -225,10 +235,8 @@ def status(records: Iterable[JobRecord], store: JobStore | None = None,
                 sched = query_group(runner, [r for _, r in items])
             except SchedulerUnavailable as exc:
                 # Transient: judge from the run directory and HTTP alone, and record nothing as final.
-                unknown = {r.job_id: SchedulerJob(r.job_id, SchedState.RUNNING, "?", comment=str(exc))
-                           for _, r in items}
                 for index, record in items:
-                    out[index] = observe(runner, record, unknown[record.job_id])
+                    out[index] = _without_scheduler(observe(runner, record, None), str(exc))
                 continue
             for index, record in items:
                 st = observe(runner, record, sched[record.job_id])

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from pbs_toolkit.cli.options import echo_json
 
+if TYPE_CHECKING:
+    from pbs_toolkit.jobstore import JobRecord
+    from pbs_toolkit.status import JobStatus
+    from pbs_toolkit.transports import Runner
 
-def _ready(job: str | None, timeout: float, quiet: bool):  # type: ignore[no-untyped-def]
-    """(store, status) of JOB once its server is ready."""
+
+def _ready(record: JobRecord, timeout: float, quiet: bool, runner: Runner | None = None) -> JobStatus:
+    """JOB's status once its server is ready (``runner``: reuse one SSH connection for what follows)."""
     from pbs_toolkit.cli.job_cmds import progress_printer
     from pbs_toolkit.jobstore import JobStore
     from pbs_toolkit.readiness import wait_until_ready
 
-    store = JobStore()
-    record = store.find(job)
-    return store, wait_until_ready(record, timeout=timeout, store=store, on_progress=progress_printer(quiet))
+    return wait_until_ready(record, timeout=timeout, store=JobStore(), runner=runner,
+                            on_progress=progress_printer(quiet))
+
+
+def _find(job: str | None) -> JobRecord:
+    from pbs_toolkit.jobstore import JobStore
+
+    return JobStore().find(job)
 
 
 @click.command("update-endpoint")
@@ -32,21 +44,27 @@ def _ready(job: str | None, timeout: float, quiet: bool):  # type: ignore[no-unt
 def update_endpoint(job: str | None, registry: str | None, fmt: str, alias: str | None, timeout: float,
                     via_tunnel: bool, local_port: int, as_json: bool) -> None:
     """Wait until JOB (default: the newest) is ready, then write its endpoint into a registry."""
+    from pbs_toolkit.endpoints import check_registry
     from pbs_toolkit.endpoints import update_endpoint as do_update
-    from pbs_toolkit.registries import detect_format
+    from pbs_toolkit.transports import open_runner
 
-    if registry:
-        detect_format(registry, fmt)  # refuse a bad suffix before waiting an hour
-    _, st = _ready(job, timeout, as_json)
+    record = _find(job)
+    fmt = check_registry(record, registry, fmt, alias)  # refuse a bad registry before waiting an hour
+    runner = open_runner(record.transport or None)  # one connection (one MFA prompt) for all of it
     tunnel = None
-    if via_tunnel:
-        from pbs_toolkit.transports import open_runner
-        from pbs_toolkit.tunnel import start_tunnel
+    try:
+        st = _ready(record, timeout, as_json, runner)
+        if via_tunnel:
+            from pbs_toolkit.tunnel import start_tunnel
 
-        runner = open_runner(st.record.transport or None)
-        assert st.address and st.port
-        tunnel = start_tunnel(runner, st.address, st.port, local_port=local_port)
-    result = do_update(st, registry=registry, fmt=fmt, alias=alias, local_url=tunnel.url if tunnel else None)
+            assert st.address and st.port
+            tunnel = start_tunnel(runner, st.address, st.port, local_port=local_port)
+        result = do_update(st, registry=registry, fmt=fmt, alias=alias, local_url=tunnel.url if tunnel else None)
+    except BaseException:
+        if tunnel is not None:
+            tunnel.close()
+        runner.close()
+        raise
     if as_json:
         echo_json(result.to_dict())
     else:
@@ -57,6 +75,7 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, alias: str 
     if tunnel is not None:
         click.echo(f"tunnel open on {tunnel.url}; Ctrl-C closes it", err=True)
         tunnel.serve_forever()
+    runner.close()
 
 
 @click.command("env")
@@ -75,7 +94,7 @@ def env_cmd(job: str | None, local_url: str | None, timeout: float) -> None:
     from pbs_toolkit.status import status
 
     if timeout > 0:
-        _, st = _ready(job, timeout, True)
+        st = _ready(_find(job), timeout, True)
     else:
         store = JobStore()
         st = status([store.find(job)], store)[0]
@@ -95,14 +114,14 @@ def tunnel(job: str | None, local_port: int, timeout: float) -> None:
     from pbs_toolkit.transports import open_runner
     from pbs_toolkit.tunnel import start_tunnel
 
-    _, st = _ready(job, timeout, False)
-    assert st.address and st.port
-    runner = open_runner(st.record.transport or None)
-    with start_tunnel(runner, st.address, st.port, local_port=local_port) as t:
-        click.echo(f"{t.url}/v1 -> {st.url} (model {st.record.served_model_name}); Ctrl-C to stop")
-        click.echo(f"clients: eval \"$(pbstk env {st.record.job_id} --local-url {t.url})\"")
-        t.serve_forever()
-    runner.close()
+    record = _find(job)
+    with open_runner(record.transport or None) as runner:  # the same connection waits and forwards
+        st = _ready(record, timeout, False, runner)
+        assert st.address and st.port
+        with start_tunnel(runner, st.address, st.port, local_port=local_port) as t:
+            click.echo(f"{t.url}/v1 -> {st.url} (model {st.record.served_model_name}); Ctrl-C to stop")
+            click.echo(f"clients: eval \"$(pbstk env {st.record.job_id} --local-url {t.url})\"")
+            t.serve_forever()
 
 
 COMMANDS = [update_endpoint, env_cmd, tunnel]

@@ -18,8 +18,10 @@ def progress_printer(quiet: bool = False) -> Any:
         if quiet:
             return
         detail = st.phase or st.comment or st.reason or ""
-        if st.state.value == "PENDING" and st.comment:
-            detail = st.comment
+        if st.state.value == "PENDING":  # the scheduler's own state and explanation
+            detail = f"(PBS {st.scheduler_state or '?'}) {st.comment or st.reason or ''}".rstrip()
+        elif st.state.final:
+            detail = st.reason or detail
         click.echo(f"[{elapsed:6.0f}s] {st.state.value:<8} {detail}", err=True)
 
     return show
@@ -98,7 +100,9 @@ def launch(model: str, scheduler: str | None, ssh_host: str | None, accept_new_h
 def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
     """State of jobs: PENDING, STARTING, READY, FAILED, FINISHED, CANCELLED, LOST.
 
-    With no JOB: every job that has not ended (``--all`` for all). One scheduler query per call.
+    UNKNOWN means the scheduler did not answer (after retries) and the run directory does not tell;
+    nothing is recorded then. With no JOB: every job that has not ended (``--all`` for all).
+    One scheduler query per call.
     """
     from pbs_toolkit.jobstore import JobStore
     from pbs_toolkit.status import status as do_status

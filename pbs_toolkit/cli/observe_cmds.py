@@ -52,6 +52,9 @@ def _show_summary(s: dict[str, Any]) -> None:
                f"prefix hits {fmt(s['prefix_cache_hit_rate_pct'], '%')}  "
                f"prompt {fmt(r.get('prompt_tokens_per_s'))} tok/s  gen {fmt(r.get('generation_tokens_per_s'))} tok/s  "
                f"req {fmt(r.get('requests_per_s'))}/s")
+    t = s.get("totals") or {}
+    click.echo(f"          since start: {fmt(t.get('requests_success'))} requests, "
+               f"{fmt(t.get('prompt_tokens'))} prompt + {fmt(t.get('generation_tokens'))} generated tokens")
     click.echo(f"          TTFT p50/p90/p99 {fmt(s.get('ttft_p50_ms'))}/{fmt(s.get('ttft_p90_ms'))}/"
                f"{fmt(s.get('ttft_p99_ms'))} ms  ITL p50 {fmt(s.get('itl_p50_ms'))} ms  "
                f"e2e p50/p99 {fmt(s.get('e2e_p50_ms'))}/{fmt(s.get('e2e_p99_ms'))} ms ({s['window']})")
@@ -84,7 +87,13 @@ def metrics(job: str | None, watch: float | None, count: int, export_path: str |
             time.sleep(watch if watch else interval)
             cur = scrape(runner, st)
             scrapes += 1
-            summary = summarize(prev, cur)
+            if watch:
+                summary = summarize(prev, cur)
+            else:  # one-shot: latencies since the server started, rates over the short interval
+                from pbs_toolkit.observe.prom import rates
+
+                summary = summarize(None, cur)
+                summary["rates"] = rates(prev, cur)
             summary["job_id"] = st.record.job_id
             if not watch:
                 summary["engine_log"] = [e.to_dict() for e in engine_history(runner, st)[-10:]]

@@ -240,6 +240,8 @@ def summarize(prev: MetricsSnapshot | None, cur: MetricsSnapshot) -> dict[str, A
         "preemptions": cur.preemptions,
         "rates": rates(prev, cur) if prev is not None else None,
         "engines": len(cur.engines),
+        "totals": {"requests_success": cur.requests_success, "prompt_tokens": cur.prompt_tokens,
+                   "generation_tokens": cur.generation_tokens},
     }
     for name in _HISTOGRAMS:
         hist: Histogram | None = getattr(cur, name)

@@ -1,0 +1,210 @@
+"""``classify_exit`` and ``combine``: the state decision, pure (no processes, files or sockets)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pbs_toolkit.jobstore import JobRecord
+from pbs_toolkit.schedulers import SchedState, SchedulerJob
+from pbs_toolkit.status import ServerState, classify_exit, combine, current_attempt
+
+S = ServerState
+
+OOM_LOG = [
+    "pbstk: 02:38:27 attempt 1: starting vLLM on 127.0.0.1:8000: vllm serve m",
+    "INFO 11-22 02:38:28 [api_server.py:1] vLLM API server version 0.0.0",
+    "INFO 11-22 02:38:29 [default_loader.py:1] Loading weights took 0.05 seconds",
+    "ERROR 11-22 02:38:30 [core.py:1] EngineCore failed to start.",
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    "RuntimeError: Engine core initialization failed. See root cause above.",
+]
+
+
+def record() -> JobRecord:
+    return JobRecord(job_id="7.pbs01", scheduler="pbs", profile="generic-pbspro", model="org/m",
+                     served_model_name="org/m", preset="dp4", name="m", run_dir="/runs/m")
+
+
+def sched(raw: str, exit_status: int | None = None, comment: str | None = None) -> SchedulerJob:
+    states = {"Q": SchedState.QUEUED, "H": SchedState.HELD, "R": SchedState.RUNNING, "E": SchedState.EXITING,
+              "F": SchedState.FINISHED}
+    return SchedulerJob("7.pbs01", states[raw], raw, comment=comment, exit_status=exit_status,
+                        exec_host="x3001c0s1b0n0" if raw != "Q" else None)
+
+
+def marker(phase: str, exit_code: int | None = None, port: int = 8000) -> dict[str, Any]:
+    return {"phase": phase, "job_id": "7.pbs01", "host": "x3001c0s1b0n0", "address": "x3001.site.gov",
+            "port": port, "pid": 4242, "attempt": 1, "eager_fallback": False, "exit_code": exit_code}
+
+
+# -- classify_exit ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("exit_status", "state", "words"),
+    [
+        (0, S.FINISHED, "exited normally"),
+        (1, S.FAILED, "exited with code 1"),
+        (143, S.FAILED, "exited with code 143"),  # the script's own code, below 256
+        (255, S.FAILED, "exited with code 255"),
+        (271, S.CANCELLED, "signal 15 (SIGTERM)"),  # qdel of a running job
+        (265, S.CANCELLED, "signal 9 (SIGKILL)"),
+        (258, S.CANCELLED, "signal 2 (SIGINT)"),
+        (-29, S.FAILED, "walltime exceeded"),
+        (-1, S.FAILED, "execution code -1"),
+        (None, S.CANCELLED, "deleted before it ran"),  # qdel of a queued job leaves no Exit_status
+    ],
+)
+def test_classify_exit(exit_status: int | None, state: ServerState, words: str) -> None:
+    got_state, reason = classify_exit(exit_status)
+    assert got_state is state
+    assert words in reason
+
+
+# -- combine: scheduler says queued / running -------------------------------------------------------
+
+
+def test_queued_is_pending_with_the_schedulers_comment() -> None:
+    st = combine(record(), sched("Q", comment="Not Running: Not enough free nodes available"), None, [], None)
+    assert st.state is S.PENDING
+    assert st.comment == "Not Running: Not enough free nodes available"
+    assert st.scheduler_state == "Q"
+    assert not st.state.final
+
+
+def test_held_is_pending_with_a_reason() -> None:
+    st = combine(record(), sched("H", comment="job held, too many failed attempts to run"), None, [], None)
+    assert st.state is S.PENDING
+    assert st.reason == "held by the scheduler"
+    assert st.comment == "job held, too many failed attempts to run"
+
+
+def test_running_before_the_marker_is_starting() -> None:
+    st = combine(record(), sched("R"), None, [], None)
+    assert st.state is S.STARTING
+    assert st.phase == "job started"
+    assert st.node == "x3001c0s1b0n0"
+
+
+def test_running_and_loading_reports_the_log_phase() -> None:
+    st = combine(record(), sched("R"), marker("starting"), OOM_LOG[:3], None)
+    assert st.state is S.STARTING
+    assert st.phase not in (None, "job started")
+    assert st.url == "http://x3001.site.gov:8000/v1"
+
+
+def test_health_200_is_ready() -> None:
+    st = combine(record(), sched("R"), marker("ready"), OOM_LOG[:3], 200)
+    assert st.state is S.READY
+    assert st.url == "http://x3001.site.gov:8000/v1"
+
+
+def test_health_503_is_not_ready() -> None:
+    st = combine(record(), sched("R"), marker("ready"), OOM_LOG[:3], 503)
+    assert st.state is S.STARTING
+
+
+def test_fatal_line_while_running_is_unconfirmed_failure() -> None:
+    st = combine(record(), sched("R"), marker("starting"), OOM_LOG, None)
+    assert st.state is S.FAILED
+    assert st.confirmed is False  # the start script may still restart it (eager fallback)
+    assert "CUDA out of memory" in (st.reason or "")
+    assert any("CUDA out of memory" in line for line in st.log_excerpt)
+
+
+def test_exiting_is_not_final() -> None:
+    st = combine(record(), sched("E", exit_status=0), marker("exited", 0), OOM_LOG[:3], None)
+    assert not st.state.final
+
+
+# -- combine: scheduler says finished ---------------------------------------------------------------
+
+
+def test_finished_exit_0_is_finished() -> None:
+    st = combine(record(), sched("F", 0), marker("exited", 0), OOM_LOG[:3], None)
+    assert (st.state, st.exit_status) == (S.FINISHED, 0)
+
+
+def test_finished_with_fatal_log_is_failed_with_the_error_lines() -> None:
+    st = combine(record(), sched("F", 1), marker("failed", 1), OOM_LOG, None)
+    assert st.state is S.FAILED
+    assert st.reason == "vLLM failed before it was ready: torch.OutOfMemoryError: CUDA out of memory. " \
+                        "Tried to allocate 2.00 GiB"
+    assert st.log_excerpt[0].startswith("torch.OutOfMemoryError")
+    assert any("Engine core initialization failed" in line for line in st.log_excerpt)
+
+
+def test_failed_marker_with_exit_0_is_still_failed() -> None:
+    st = combine(record(), sched("F", 0), marker("failed", 0), OOM_LOG, None)
+    assert st.state is S.FAILED
+
+
+def test_qdel_of_running_job_is_cancelled() -> None:
+    st = combine(record(), sched("F", 271), marker("ready"), OOM_LOG[:3], None)
+    assert st.state is S.CANCELLED
+
+
+def test_trapped_stop_signal_is_cancelled_not_failed() -> None:
+    # the start script traps SIGTERM and exits 143 itself: PBS records 143, the marker says why
+    st = combine(record(), sched("F", 143), marker("cancelled", 143), OOM_LOG[:3], None)
+    assert st.state is S.CANCELLED
+
+
+def test_walltime_wins_over_the_cancelled_marker() -> None:
+    st = combine(record(), sched("F", -29), marker("cancelled", 143), OOM_LOG[:3], None)
+    assert st.state is S.FAILED
+    assert "walltime exceeded" in (st.reason or "")
+    assert st.exit_status == -29
+
+
+def test_deleted_while_queued_is_cancelled() -> None:
+    st = combine(record(), sched("F", None, comment="Job deleted"), None, [], None)
+    assert st.state is S.CANCELLED
+
+
+# -- combine: the scheduler forgot the job ----------------------------------------------------------
+
+
+def test_forgotten_and_unexplained_is_lost() -> None:
+    st = combine(record(), None, None, [], None)
+    assert st.state is S.LOST
+    st = combine(record(), None, marker("ready"), OOM_LOG[:3], None)  # killed hard: marker still says ready
+    assert st.state is S.LOST
+
+
+@pytest.mark.parametrize(
+    ("mark", "state"),
+    [(marker("exited", 0), S.FINISHED), (marker("exited", 3), S.FAILED), (marker("failed", 1), S.FAILED),
+     (marker("cancelled", 143), S.CANCELLED)],
+)
+def test_forgotten_but_the_marker_explains_it(mark: dict[str, Any], state: ServerState) -> None:
+    st = combine(record(), None, mark, OOM_LOG if mark["phase"] == "failed" else OOM_LOG[:3], None)
+    assert st.state is state
+    assert st.exit_status == mark["exit_code"]
+
+
+def test_forgotten_but_answering_is_ready() -> None:
+    st = combine(record(), None, marker("ready"), OOM_LOG[:3], 200)
+    assert st.state is S.READY
+
+
+# -- attempts ---------------------------------------------------------------------------------------
+
+
+def test_only_the_newest_attempt_counts() -> None:
+    retry = ["pbstk: 02:39:00 vLLM failed ...; restarting once with --enforce-eager",
+             "pbstk: 02:39:00 attempt 2: starting vLLM on 127.0.0.1:8000: vllm serve m --enforce-eager",
+             "INFO 11-22 02:39:01 [default_loader.py:1] Loading weights took 0.05 seconds"]
+    lines = OOM_LOG + retry
+    assert current_attempt(lines) == retry[1:]
+    mark = {**marker("starting"), "eager_fallback": True}
+    st = combine(record(), sched("R"), mark, lines, None)
+    assert st.state is S.STARTING  # the first attempt's OOM no longer counts
+    assert st.eager_fallback and "(eager fallback)" in (st.phase or "")
+
+
+def test_unknown_is_not_final() -> None:
+    assert not S.UNKNOWN.final
+    assert all(s.final for s in (S.FAILED, S.FINISHED, S.CANCELLED, S.LOST))
