@@ -90,9 +90,18 @@ def resolve_settings(flags: dict[str, Any]) -> Settings:
         return env
 
     profile = pick("profile") or cfg.get("profile") or DEFAULT_PROFILE
-    per_profile = (cfg.get("profiles") or {}).get(profile) or {}
-    if not isinstance(per_profile, dict):
-        raise ConfigError(f"{source}: key 'profiles.{profile}' must be a mapping")
+    all_profiles = cfg.get("profiles") or {}
+    if not isinstance(all_profiles, dict):
+        raise ConfigError(f"{source}: key 'profiles' must be a mapping of profile name: settings")
+    per_profile_known = set(ENV_VARS) - {"profile"}
+    for name, section in all_profiles.items():
+        if not isinstance(section, dict):
+            raise ConfigError(f"{source}: key 'profiles.{name}' must be a mapping")
+        for key in section:  # every section, not only the chosen one: a typo should not wait for its profile
+            if key not in per_profile_known:
+                raise ConfigError(f"{source}: unknown key 'profiles.{name}.{key}' "
+                                  f"(known: {', '.join(sorted(per_profile_known))})")
+    per_profile = all_profiles.get(profile) or {}
     overrides: dict[str, Any] = {}
     for key in ENV_VARS:
         if key in SELECTORS:

@@ -94,11 +94,13 @@ class JobStore:
         with self._connect() as conn:
             conn.execute(f"INSERT OR REPLACE INTO jobs ({cols}) VALUES ({marks})", list(data.values()))  # noqa: S608
 
-    def set_final_state(self, record: JobRecord, state: str) -> None:
+    def set_final_state(self, record: JobRecord, state: str, **extra: Any) -> None:
+        """Record the final state (and ``extra`` values such as the reason) in one transaction."""
         record.final_state = state
+        record.extra.update(extra)
         with self._connect() as conn:
-            conn.execute("UPDATE jobs SET final_state = ? WHERE job_id = ? AND transport = ?",
-                         (state, record.job_id, record.transport))
+            conn.execute("UPDATE jobs SET final_state = ?, extra = ? WHERE job_id = ? AND transport = ?",
+                         (state, json.dumps(record.extra), record.job_id, record.transport))
 
     def update_extra(self, record: JobRecord, **values: Any) -> None:
         record.extra.update(values)

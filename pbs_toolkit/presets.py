@@ -131,22 +131,30 @@ def load_preset(name_or_path: str) -> Preset:
 # --- auto -------------------------------------------------------------------------------------------
 
 
+_SEVENTY_B_CLASS = 72.0
+
+
 def auto_layout(params_b: float | None, gpus: int) -> tuple[int, int, str]:
     """(tensor_parallel, data_parallel, why) for a model of ``params_b`` billion parameters on ``gpus``.
 
     Rule of thumb, checked against FACTS.md section 5 (on NVLink DP and TP differ by ~10%; eager costs
     4-8x): below 7B every GPU holds a full replica (pure DP); 7-20B TP2 x DP; 20-70B TP4 x DP; above 70B TP8.
+    "70B" means the 70B class: Llama-70B counts ~70.6B from its config.json (embeddings included) and must
+    get the same layout as its name says, so the upper bound is 72B (Qwen2.5-72B, 72.7B, is above it).
     Unknown size: one GPU per replica as well, since data parallelism never needs cross-GPU traffic.
     """
     if gpus < 1:
-        raise UsageError("preset auto needs at least one GPU; use --preset cpu on a machine without GPUs")
+        raise UsageError(
+            f"preset auto needs at least one GPU but {gpus} GPU(s) are requested; "
+            "use --preset cpu on a machine without GPUs"
+        )
     if params_b is None:
         tp, why = 1, "model size unknown: one replica per GPU"
     elif params_b < 7:
         tp, why = 1, f"{params_b:.1f}B < 7B fits one GPU: pure data parallelism"
     elif params_b < 20:
         tp, why = 2, f"{params_b:.1f}B in 7-20B: tensor parallel 2 per replica"
-    elif params_b <= 70:
+    elif params_b < _SEVENTY_B_CLASS:
         tp, why = 4, f"{params_b:.1f}B in 20-70B: tensor parallel 4 per replica"
     else:
         tp, why = 8, f"{params_b:.1f}B > 70B: tensor parallel 8"

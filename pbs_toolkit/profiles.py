@@ -80,11 +80,16 @@ class Profile:
 _KEYS = {f.name for f in fields(Profile)} - {"source"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.@-]+$")
 _WALLTIME_RE = re.compile(r"^(?:(\d+):)?([0-5]?\d):([0-5]\d)$")
+_SECONDS_RE = re.compile(r"()()(\d+)")  # same groups as _WALLTIME_RE: hours, minutes, seconds
+_DIRECTIVE_RE = re.compile(r"-[A-Za-z]( [^\s]+)?")
 
 
 def walltime_seconds(text: str) -> int:
-    """``HH:MM:SS`` (hours may exceed 24) or ``MM:SS`` -> seconds; ``UsageError`` otherwise."""
-    match = _WALLTIME_RE.match(str(text).strip())
+    """``HH:MM:SS`` (hours may exceed 24), ``MM:SS`` or plain seconds -> seconds; ``UsageError`` otherwise.
+
+    Plain seconds are PBS's own form, and what YAML 1.1 makes of an unquoted ``walltime: 02:00:00`` (7200).
+    """
+    match = _WALLTIME_RE.fullmatch(str(text).strip()) or _SECONDS_RE.fullmatch(str(text).strip())
     if not match:
         raise UsageError(f"bad walltime {text!r}: expected HH:MM:SS with minutes and seconds below 60")
     hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
@@ -105,14 +110,15 @@ def validate(p: Profile) -> Profile:
         raise ConfigError(f"{where}: key 'vllm_entrypoint' must be one of {', '.join(ENTRYPOINTS)}")
     for key in ("queue", "account"):
         value = getattr(p, key)
-        if value is not None and not _NAME_RE.match(value):
+        if value is not None and not _NAME_RE.fullmatch(value):  # ``$`` would accept a trailing newline
             raise UsageError(f"bad {key} {value!r}: only letters, digits and _ . @ - are allowed")
     for key in ("select", "place", "filesystems", "keep_files"):
         value = getattr(p, key)
         if value is not None and (not value or any(c.isspace() for c in value)):
             raise ConfigError(f"{where}: key {key!r} must be a non-empty value without spaces, got {value!r}")
     for line in p.extra_directives:
-        if "\n" in line or not line.startswith("-"):
+        # qsub parses every option on a directive line: "-l a=b -V" would smuggle in -V
+        if not _DIRECTIVE_RE.fullmatch(line) or line.startswith("-V"):
             raise ConfigError(f"{where}: extra_directives entry {line!r} must be one qsub option like '-l foo=bar'")
     walltime_seconds(p.walltime)
     if p.nodes < 1:

@@ -102,6 +102,7 @@ def wait_until_ready(
     fatal_since: float | None = None
     last_key: tuple[object, ...] | None = None
     marker_seen = False
+    foreign: tuple[tuple[str | None, int | None], float] | None = None
     try:
         while True:
             now = time.monotonic()
@@ -135,6 +136,15 @@ def wait_until_ready(
                     return st
                 except OSError:
                     pass  # /health answered but the API is not up yet
+                except ServerFailed:
+                    # A wrong key or model can also be *another* job's server: two jobs on one node may
+                    # pick the same free port, and the loser moves on and rewrites its marker. Only a
+                    # verdict that stands on the same address for a while is ours.
+                    where = (st.address, st.port)
+                    if foreign is None or foreign[0] != where:
+                        foreign = (where, now)
+                    elif now - foreign[1] >= FATAL_GRACE_S:
+                        raise
             elif st.state is ServerState.FAILED and not st.confirmed:
                 fatal_since = fatal_since or now
                 if now - fatal_since >= FATAL_GRACE_S:

@@ -26,6 +26,8 @@ from pbs_toolkit.vllm_flags import check_env, check_flag, flag_name, is_automati
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _JOB_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: run directories appear unquoted in ``#PBS -o/-e`` (qsub parses those lines; ``:`` would read as host:path)
+_RUN_DIR = re.compile(r"/[A-Za-z0-9_./@+~-]+")
 #: flags pbstk sets itself; passing them through --vllm-arg would fight the start script
 _OWNED_FLAGS = {"--host", "--port", "--model", "--api-key"}
 PORT_SPAN = 100
@@ -208,7 +210,10 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
     if req.eager is not None:
         preset = replace(preset, eager=req.eager)
     if preset.device == "cpu" and profile.gpus:
-        raise UsageError(f"preset {preset.name} runs on CPU but profile {profile.name} requests GPUs")
+        raise UsageError(
+            f"preset {preset.name} runs on CPU (0 GPUs) but profile {profile.name} requests {profile.gpus} GPU(s) "
+            f"({profile.nodes} node(s) x {profile.gpus_per_node}); pass --gpus-per-node 0 or pick a GPU preset"
+        )
     if preset.device == "gpu" and not gpus_given and preset.gpus < profile.gpus and profile.nodes == 1:
         # A preset smaller than the node: request only the GPUs it uses (the user did not ask for more).
         profile = replace(profile, gpus_per_node=preset.gpus)
@@ -222,7 +227,7 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
     version = version_tuple(profile.vllm_version)
     notes: list[str] = []
     job_name = req.name or slug(req.model)
-    if not _JOB_NAME.match(job_name):
+    if not _JOB_NAME.fullmatch(job_name):  # fullmatch: ``$`` would let a trailing newline through
         raise UsageError(
             f"bad name {job_name!r}: start with a letter, then letters, digits, _ . - (at most 63 characters)"
         )
@@ -256,7 +261,7 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
     env.update(preset.env)
     env.update(req.env)
     for key in env:
-        if not _ENV_NAME.match(key):
+        if not _ENV_NAME.fullmatch(key):
             raise UsageError(f"bad environment variable name {key!r}")
         if key == "VLLM_API_KEY":
             raise UsageError("VLLM_API_KEY is set by pbstk from the job's key file; use --api-key-env or --no-api-key")
@@ -270,8 +275,11 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
         raise UsageError(f"bad port {port}: must be between 1 and 65535")
 
     run_dir = req.run_dir or _default_run_dir(profile, job_name, runner)
-    if not run_dir.startswith("/") or any(c.isspace() for c in run_dir):
-        raise UsageError(f"run directory {run_dir!r} must be an absolute path without spaces")
+    if not _RUN_DIR.fullmatch(run_dir):
+        raise UsageError(
+            f"run directory {run_dir!r} must be an absolute path of letters, digits and _ . / @ + ~ - "
+            "(PBS reads it unquoted in the -o/-e directives)"
+        )
 
     vllm_cache_root = profile.vllm_cache_root
     if vllm_cache_root and runner is not None:

@@ -142,7 +142,9 @@ def combine(
         if sched.state is SchedState.HELD:
             st.reason = "held by the scheduler"
         return st
-    if sched is not None and sched.state is SchedState.FINISHED:
+    if sched is not None and (sched.state is SchedState.FINISHED
+                              or (sched.state is SchedState.EXITING and sched.exit_status is not None)):
+        # PBS sets Exit_status on entering E; it does not change at F (status() records it only at F)
         state, reason = classify_exit(sched.exit_status)
         if phase == "cancelled" and sched.exit_status != -29:
             # the start script trapped the stop signal and exited on its own (PBS then records 143, not 271)
@@ -153,8 +155,9 @@ def combine(
             return failed(reason)
         st.state, st.reason = state, reason
         return st
-    if sched is None and phase in ("exited", "failed", "cancelled"):
-        # the scheduler forgot the job (history off or expired) but the run directory explains it
+    if phase in ("exited", "failed", "cancelled"):
+        # the run directory explains the end: the scheduler forgot the job (history off or expired), or has
+        # not noticed yet (R/E for a moment after the start script exits)
         code = (marker or {}).get("exit_code")
         st.exit_status = code
         if phase == "cancelled":
@@ -170,11 +173,6 @@ def combine(
         st.reason = "the scheduler no longer knows this job and its run directory does not explain it"
         return st
     # running (or exiting, or forgotten but still answering)
-    if phase in ("failed", "exited", "cancelled"):
-        if phase == "cancelled":
-            st.state, st.reason = ServerState.CANCELLED, "stopped by a signal"
-            return st
-        return failed(f"vLLM failed before it was ready: {fatal[0]}" if fatal else "the vLLM server exited")
     if health_status == 200:
         st.state, st.phase = ServerState.READY, "ready"
         return st
@@ -222,8 +220,11 @@ def status(records: Iterable[JobRecord], store: JobStore | None = None,
     groups: dict[tuple[str, str], list[tuple[int, JobRecord]]] = {}
     for index, record in enumerate(records):
         if record.final_state:
+            extra = record.extra
             out[index] = JobStatus(record=record, state=ServerState(record.final_state),
-                                   reason="(final state recorded earlier)")
+                                   reason=extra.get("final_reason") or "(final state recorded earlier)",
+                                   exit_status=extra.get("exit_status"),
+                                   log_excerpt=list(extra.get("log_excerpt") or []))
         else:
             groups.setdefault((record.transport, record.scheduler), []).append((index, record))
     own_runners = runners is None
@@ -239,10 +240,16 @@ def status(records: Iterable[JobRecord], store: JobStore | None = None,
                     out[index] = _without_scheduler(observe(runner, record, None), str(exc))
                 continue
             for index, record in items:
-                st = observe(runner, record, sched[record.job_id])
+                job = sched[record.job_id]
+                st = observe(runner, record, job)
                 out[index] = st
-                if st.state.final and store is not None:
-                    store.set_final_state(record, st.state.value)
+                # Record only what will not change: the scheduler says F (E is not final yet, and a marker
+                # seen while the job still runs may be overtaken by a walltime kill), or it forgot the job.
+                settled = job is None or job.state is SchedState.FINISHED
+                if st.state.final and settled and store is not None:
+                    # kept so later calls can still say why without asking anyone
+                    store.set_final_state(record, st.state.value, final_reason=st.reason,
+                                          exit_status=st.exit_status, log_excerpt=st.log_excerpt)
     finally:
         if own_runners:
             for runner in runners.values():

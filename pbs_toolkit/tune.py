@@ -22,7 +22,7 @@ Progress = Callable[[str], None]
 
 
 def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int, output_len: int,
-                        num_prompts: int | None, warmup: int = 2) -> list[dict[str, Any]]:
+                        num_prompts: int | None, rounds: int = 4, warmup: int = 2) -> list[dict[str, Any]]:
     """Run the built-in load generator against a READY job at each concurrency (a tunnel over SSH)."""
     from pbs_toolkit.observe.bench import run_benchmark_sync
     from pbs_toolkit.transports import open_runner
@@ -41,7 +41,7 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
                                num_prompts=warmup, input_len=input_len, output_len=min(output_len, 16))
         results = []
         for c in concurrencies:
-            n = num_prompts or max(4 * c, 8)
+            n = num_prompts or max(rounds * c, 8)
             res = run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=c,
                                      num_prompts=n, input_len=input_len, output_len=output_len)
             results.append({"concurrency": c, "num_prompts": n, **res.to_dict()})
@@ -74,12 +74,17 @@ def run_tune(
     input_len: int = 128,
     output_len: int = 256,
     num_prompts: int | None = None,
+    rounds: int = 4,
     timeout: float = 3600.0,
     baseline: str | None = None,
     progress: Progress = lambda _msg: None,
     store: JobStore | None = None,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Launch, wait, benchmark and cancel each preset in turn. Returns the result document."""
+    """Launch, wait, benchmark and cancel each preset in turn. Returns the result document.
+
+    ``checkpoint`` receives the document after every preset, so a run cut short keeps what it measured.
+    """
     from pbs_toolkit.launch import cancel, launch
     from pbs_toolkit.readiness import wait_until_ready
 
@@ -105,7 +110,8 @@ def run_tune(
             entry["eager_fallback"] = st.eager_fallback
             progress(f"[{name}] ready after {entry['ready_s']} s; benchmarking at {list(concurrencies)}")
             entry["results"] = benchmark_ready_job(st, concurrencies, input_len=input_len,
-                                                   output_len=output_len, num_prompts=num_prompts)
+                                                   output_len=output_len, num_prompts=num_prompts,
+                                                   rounds=rounds)
         except PbstkError as exc:
             entry["error"] = str(exc)
             progress(f"[{name}] failed: {exc}")
@@ -113,11 +119,19 @@ def run_tune(
             cancel(record)
             _wait_gone(record, store)
         runs.append(entry)
+        doc = _document(base, started, input_len, output_len, concurrencies, baseline, runs)
+        if checkpoint is not None:
+            checkpoint(doc)
+    return _document(base, started, input_len, output_len, concurrencies, baseline, runs)
+
+
+def _document(base: RenderRequest, started: float, input_len: int, output_len: int,
+              concurrencies: Sequence[int], baseline: str | None, runs: list[dict[str, Any]]) -> dict[str, Any]:
     doc = {
         "pbstk_version": __version__, "model": base.model, "profile": base.profile,
         "started": started, "duration_s": round(time.time() - started, 1),
         "input_len": input_len, "output_len": output_len, "concurrencies": list(concurrencies),
-        "baseline": baseline or pick_baseline(runs), "runs": runs,
+        "vllm_args": list(base.vllm_args), "baseline": baseline or pick_baseline(runs), "runs": list(runs),
     }
     doc["recommended"] = recommend(doc)
     return doc
@@ -131,6 +145,19 @@ def _wait_gone(record: Any, store: JobStore, timeout: float = 120.0) -> None:
         if status([record], store)[0].state.final:
             return
         time.sleep(1.0)
+
+
+def merge(earlier: dict[str, Any], later: dict[str, Any], baseline: str | None = None) -> dict[str, Any]:
+    """Add ``later``'s runs to ``earlier`` (runs split over several allocations); same method required."""
+    for key in ("model", "input_len", "output_len", "concurrencies"):
+        if earlier.get(key) != later.get(key):
+            raise UsageError(f"cannot append: {key} differs ({earlier.get(key)!r} vs {later.get(key)!r})")
+    doc = dict(earlier)
+    doc["runs"] = list(earlier["runs"]) + list(later["runs"])
+    doc["duration_s"] = round(float(earlier.get("duration_s", 0)) + float(later.get("duration_s", 0)), 1)
+    doc["baseline"] = baseline or pick_baseline(doc["runs"])
+    doc["recommended"] = recommend(doc)
+    return doc
 
 
 def pick_baseline(runs: Sequence[dict[str, Any]]) -> str | None:

@@ -58,7 +58,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
-PAD, BOS_CHAT, EOS_CHAT, UNK = SPECIAL_TOKENS
+PAD, IM_START, IM_END, UNK = SPECIAL_TOKENS
 
 # Common English words (lower case), deduplicated at run time.
 WORDS = """
@@ -163,9 +163,9 @@ def build_tokenizer(vocab: dict[str, int]):
         tokenizer_object=tok,
         unk_token=UNK,
         pad_token=PAD,
-        eos_token=EOS_CHAT,
+        eos_token=IM_END,
         bos_token=None,
-        additional_special_tokens=[BOS_CHAT, EOS_CHAT],
+        additional_special_tokens=[IM_START, IM_END],
         model_max_length=2048,
         clean_up_tokenization_spaces=False,
     )
@@ -189,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     vocab = build_vocab()
     tokenizer = build_tokenizer(vocab)
     vocab_size = len(tokenizer)
-    assert vocab_size == len(vocab), (vocab_size, len(vocab))
-    pad_id, im_start_id, eos_id = vocab[PAD], vocab[BOS_CHAT], vocab[EOS_CHAT]
+    if vocab_size != len(vocab):
+        raise SystemExit(f"tokenizer has {vocab_size} tokens, vocabulary {len(vocab)}")
+    pad_id, eos_id = vocab[PAD], vocab[IM_END]
 
     config = Qwen3Config(
         vocab_size=vocab_size,

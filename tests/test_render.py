@@ -13,7 +13,7 @@ import os
 import re
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -28,6 +28,8 @@ from pbs_toolkit.render import RenderedJob, RenderRequest, render
 GOLDEN = Path(__file__).parent / "golden"
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 RUN_DIR = "/scratch/pbstk-runs/golden-run"
+#: read at import: the autouse isolated_user fixture removes every PBSTK_* variable before a test runs
+REGEN_GOLDEN = os.environ.get("PBSTK_REGEN_GOLDEN") == "1"
 
 
 def _shipped_names(lister: Callable[[], list[Any]]) -> list[str]:
@@ -125,9 +127,15 @@ def rendered_matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             files += pair
             syntax = [subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True) for p in pair]
             results[case_id] = {"job": job, "files": pair, "bash_n": syntax}
-    check = subprocess.run(["shellcheck", "-f", "json1", *map(str, files)], capture_output=True, text=True)
-    comments = json.loads(check.stdout)["comments"] if check.stdout.strip() else []
-    assert check.returncode in (0, 1), check.stderr  # 1 = findings (asserted per case below)
+    # shellcheck costs ~0.2 s a file: one call per CPU over a share of the list
+    workers = max(2, min(8, os.cpu_count() or 2))
+    procs = [subprocess.Popen(["shellcheck", "-f", "json1", *map(str, files[i::workers])], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(workers) if files[i::workers]]
+    comments: list[dict[str, Any]] = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode in (0, 1), stderr  # 1 = findings (asserted per case below)
+        comments += json.loads(stdout)["comments"]
     for value in results.values():
         if isinstance(value, dict):
             names = {str(p) for p in value["files"]}
@@ -211,7 +219,7 @@ def test_golden(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     job = _render(str(kw.pop("model", MODEL)), **kw)
     for suffix, text in ((".job.pbs", job.job_script), (".start_vllm.sh", job.start_script)):
         path = GOLDEN / f"{name}{suffix}"
-        if os.environ.get("PBSTK_REGEN_GOLDEN") == "1":
+        if REGEN_GOLDEN:
             path.write_text(text, encoding="utf-8")
             continue
         assert path.is_file(), f"{path} is missing: PBSTK_REGEN_GOLDEN=1 pytest tests/test_render.py -k golden"
@@ -298,7 +306,7 @@ QWEN_1_7B = {"hidden_size": 2048, "num_hidden_layers": 28, "intermediate_size": 
 def test_params_from_config_known_shapes() -> None:
     assert params_from_config(LLAMA_8B) == pytest.approx(8.03, abs=0.05)
     assert params_from_config(LLAMA_70B) == pytest.approx(70.55, abs=0.1)
-    assert params_from_config(QWEN_1_7B) == pytest.approx(2.03, abs=0.05)
+    assert params_from_config(QWEN_1_7B) == pytest.approx(1.72, abs=0.05)  # tied embeddings counted once
     assert params_from_config({"text_config": LLAMA_8B}) == pytest.approx(8.03, abs=0.05)
     assert params_from_config({"architectures": ["X"]}) is None
 
@@ -383,8 +391,7 @@ def test_directives_every_pbs_profile(rendered_matrix: dict[str, Any]) -> None:
             continue
         job: RenderedJob = case["job"]
         lines = _pbs_lines(job)
-        assert "-V" not in job.job_script.replace("-Vm", "")  # not as a directive, not as an option
-        assert not any(re.match(r"#PBS\s+-V\b", line) for line in lines)
+        assert not re.search(r"(^|\s)-V(\s|$)", job.job_script, re.M)  # not as a directive, not as an option
         assert "#PBS -r n" in lines
         assert "#PBS -k doe" in lines
         assert f"#PBS -o {RUN_DIR}/pbs.out" in lines and f"#PBS -e {RUN_DIR}/pbs.err" in lines
@@ -415,7 +422,8 @@ def test_polaris_needs_account() -> None:
         {"name": "x -V"}, {"name": "1abc"}, {"name": "a\nb"}, {"walltime": "1:00:00 -V"}, {"walltime": "99:99"},
         {"run_dir": "relative/dir"}, {"run_dir": "/tmp/with space"}, {"run_dir": "/tmp/a\n#PBS -V"},
         {"run_dir": "/tmp/it's"}, {"run_dir": "/tmp/host:path"}, {"run_dir": "/tmp/$(id)"},
-        {"served_model_name": None, "vllm_args": ["--x\n#PBS -V"]}, {"env": {"A B": "1"}},
+        {"queue": "debug\n"}, {"account": "PROJ\n"}, {"name": "abc\n"}, {"env": {"A\n": "1"}},
+        {"vllm_args": ["--x\n#PBS -V"]}, {"env": {"A B": "1"}},
         {"env": {"VLLM_API_KEY": "k"}},
     ],
 )
@@ -437,7 +445,9 @@ def _user_profile(name: str, body: str) -> Path:
 @pytest.mark.parametrize(
     ("line", "key"),
     [("select: '1:ngpus=4 -V'", "select"), ("place: 'scatter -V'", "place"), ("filesystems: 'a b'", "filesystems"),
-     ("extra_directives: ['-l a=b\\n#PBS -V']", "extra_directives"), ("extra_directives: ['#PBS -V']", "extra_dir"),
+     ("extra_directives: [\"-l a=b\\n#PBS -V\"]", "extra_directives"),
+     ("extra_directives: ['-l a=b -V']", "extra_directives"), ("extra_directives: ['-V']", "extra_directives"),
+     ("extra_directives: ['#PBS -V']", "extra_directives"),
      ("keep_files: ''", "keep_files"), ("scheduler: slurm", "scheduler")],
 )
 def test_hostile_profile_values_refused(line: str, key: str) -> None:
@@ -461,7 +471,6 @@ def test_every_value_reaching_shell_is_quoted() -> None:
     assert "export WEIRD='it'\"'\"'s $(id) `id`'\n" in job.start_script
 
 
-def test_iter_shipped_names() -> Iterator[None] | None:
+def test_shipped_names_collected() -> None:
     assert {"auto", "cpu", "dp4", "baseline-eager"} <= set(PRESETS)
     assert {"local", "local-gpu", "polaris", "generic-pbspro"} <= set(PROFILES)
-    return None

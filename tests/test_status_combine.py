@@ -114,9 +114,21 @@ def test_fatal_line_while_running_is_unconfirmed_failure() -> None:
     assert any("CUDA out of memory" in line for line in st.log_excerpt)
 
 
-def test_exiting_is_not_final() -> None:
+def test_exiting_uses_the_exit_status_already_set() -> None:
+    # PBS sets Exit_status on entering E; status() still waits for F before recording it
     st = combine(record(), sched("E", exit_status=0), marker("exited", 0), OOM_LOG[:3], None)
-    assert not st.state.final
+    assert st.state is S.FINISHED
+    st = combine(record(), sched("E", exit_status=-29), marker("cancelled", 143), OOM_LOG[:3], None)
+    assert st.state is S.FAILED and "walltime" in (st.reason or "")
+
+
+def test_running_but_the_server_ended_follows_the_marker() -> None:
+    st = combine(record(), sched("R"), marker("exited", 0), OOM_LOG[:3], None)
+    assert st.state is S.FINISHED  # not "FAILED: the vLLM server exited"
+    st = combine(record(), sched("R"), marker("exited", 1), OOM_LOG[:3], None)
+    assert st.state is S.FAILED and "code 1" in (st.reason or "")
+    st = combine(record(), sched("R"), marker("failed", 1), OOM_LOG, None)
+    assert st.state is S.FAILED and "CUDA out of memory" in (st.reason or "")
 
 
 # -- combine: scheduler says finished ---------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -200,30 +201,48 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
 @click.option("--concurrency", "-c", default="1,8,64", show_default=True)
 @click.option("--input-len", default=128, show_default=True)
 @click.option("--output-len", default=256, show_default=True)
-@click.option("--num-prompts", type=int)
+@click.option("--num-prompts", type=int, help="Requests per level (default: --rounds x concurrency, at least 8).")
+@click.option("--rounds", type=int, default=4, show_default=True, help="Requests per level = rounds x concurrency.")
 @click.option("--baseline", help="Preset to compare against (default: the eager one).")
 @click.option("--timeout", type=float, default=3600.0, help="Seconds to wait for each server.")
 @click.option("--output", "output", type=click.Path(dir_okay=False), help="Where to save the result JSON.")
+@click.option("--append", is_flag=True, help="Add the runs to an existing --output file (same method).")
 @click.option("--save-default", is_flag=True, help="Make the winner your default preset for MODEL.")
-@click.option("--report", type=click.Path(exists=True, dir_okay=False), help="Re-render a saved result.")
+@click.option("--report", "reports", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Re-render a saved result (repeat to merge results of the same method).")
 @click.option("--png", type=click.Path(dir_okay=False), help="Also draw a bar chart (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True)
 def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, output_len: int,
-         num_prompts: int | None, baseline: str | None, timeout: float, output: str | None, save_default: bool,
-         report: str | None, png: str | None, as_json: bool, **kw: Any) -> None:
+         num_prompts: int | None, rounds: int, baseline: str | None, timeout: float, output: str | None,
+         append: bool, save_default: bool, reports: tuple[str, ...], png: str | None, as_json: bool,
+         **kw: Any) -> None:
     """Launch each preset for MODEL, benchmark them identically, and recommend the fastest."""
     from pbs_toolkit.errors import UsageError
-    from pbs_toolkit.tune import load_result, plot, render_table, run_tune, save_result
+    from pbs_toolkit.tune import load_result, merge, plot, render_table, run_tune, save_result
 
-    if report:
-        doc = load_result(report)
+    if reports:
+        doc = load_result(reports[0])
+        for extra in reports[1:]:
+            doc = merge(doc, load_result(extra), baseline)
+        if baseline:
+            doc["baseline"] = baseline
+        if output:
+            click.echo(f"saved {save_result(doc, output)}", err=True)
     else:
         if not model:
             raise UsageError("tune needs a MODEL (or --report FILE)")
         names = [p.strip() for p in preset_list.split(",") if p.strip()]
+        earlier = load_result(output) if append and output and os.path.exists(output) else None
+
+        def checkpoint(partial: dict[str, Any]) -> None:
+            save_result(merge(earlier, partial, baseline) if earlier else partial, output)
+
         doc = run_tune(build_request(model, **kw), names, concurrencies=_int_list(concurrency),
-                       input_len=input_len, output_len=output_len, num_prompts=num_prompts, timeout=timeout,
-                       baseline=baseline, progress=lambda m: click.echo(m, err=True))
+                       input_len=input_len, output_len=output_len, num_prompts=num_prompts, rounds=rounds,
+                       timeout=timeout, baseline=baseline, progress=lambda m: click.echo(m, err=True),
+                       checkpoint=checkpoint if output else None)
+        if earlier is not None:
+            doc = merge(earlier, doc, baseline)
         path = save_result(doc, output)
         click.echo(f"saved {path}", err=True)
     if as_json:
@@ -232,7 +251,7 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
         click.echo(render_table(doc))
     if png:
         click.echo(f"chart: {plot(doc, png)}", err=True)
-    if save_default and doc.get("recommended") and not report:
+    if save_default and doc.get("recommended") and not reports:
         from pbs_toolkit.config import save_default_preset
 
         click.echo(f"default preset for {doc['model']} is now {doc['recommended']} "

