@@ -77,7 +77,8 @@ def launch(
         if existing and not dry_run:
             from pbs_toolkit.status import status
 
-            live = [s for s in status(existing, store) if not s.state.final]
+            # reuse this connection: a second one would mean a second MFA prompt on most sites
+            live = [s for s in status(existing, store, runners={transport: runner}) if not s.state.final]
             if live:
                 raise UsageError(
                     f"a job named {rendered.job_name!r} is already active ({live[0].record.job_id}, "

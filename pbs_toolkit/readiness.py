@@ -15,12 +15,14 @@ from pbs_toolkit.errors import SchedulerUnavailable, ServerFailed, WaitTimeout
 from pbs_toolkit.jobstore import JobRecord, JobStore
 from pbs_toolkit.logs import tail_lines
 from pbs_toolkit.schedulers import SchedState, SchedulerJob
-from pbs_toolkit.status import JobStatus, ServerState, observe, query_group
+from pbs_toolkit.status import JobStatus, ServerState, observe, query_group, without_scheduler
 from pbs_toolkit.transports import Runner, open_runner
 
 DEFAULT_SCHEDULER_INTERVALS = (2.0, 4.0, 8.0, 30.0)
 #: how long a fatal log line must stand (with the server not restarting) before we give up
 FATAL_GRACE_S = 3.0
+#: ... or, when the start script will restart it in eager mode, until that restart shows up
+FALLBACK_GRACE_S = 120.0
 #: when the run directory says the job ended, ask the scheduler why for at most this long (E -> F)
 CONFIRM_END_S = 5.0
 
@@ -68,6 +70,14 @@ def _confirm_end(runner: Runner, record: JobRecord, st: JobStatus, sched: Schedu
         time.sleep(1.0)
 
 
+def _fatal_grace(record: JobRecord, st: JobStatus) -> float:
+    """How long a fatal log line may stand before we give up: long when an eager restart is coming."""
+    from pbs_toolkit.observe.startup import is_compile_failure
+
+    restart_coming = not record.extra.get("eager") and not st.eager_fallback and is_compile_failure(st.log_excerpt)
+    return FALLBACK_GRACE_S if restart_coming else FATAL_GRACE_S
+
+
 def check_models(runner: Runner, st: JobStatus) -> None:
     """``/v1/models`` must answer with the served name, using the job's key."""
     assert st.address and st.port
@@ -102,6 +112,8 @@ def wait_until_ready(
     fatal_since: float | None = None
     last_key: tuple[object, ...] | None = None
     marker_seen = False
+    unreachable: str | None = None  # set while the scheduler has never answered
+    answered = False
     foreign: tuple[tuple[str | None, int | None], float] | None = None
     try:
         while True:
@@ -109,14 +121,18 @@ def wait_until_ready(
             if now >= next_query:
                 try:
                     sched = query_group(runner, [record])[record.job_id]
-                except SchedulerUnavailable:
-                    pass  # transient: keep the last known state
+                    answered, unreachable = True, None
+                except SchedulerUnavailable as exc:
+                    # transient: keep the last known state; with none yet, judge from the run directory only
+                    unreachable = None if answered else str(exc)
                 running = sched is not None and sched.state in (SchedState.RUNNING, SchedState.EXITING)
                 next_query = now + intervals[min(query_index, len(intervals) - 1)]
                 query_index += 1
                 if running:  # the job's own files now tell us more than the scheduler
                     next_query = now + max(intervals[-1], 10.0)
             st = observe(runner, record, sched)
+            if unreachable is not None:
+                st = without_scheduler(st, unreachable)
             if st.state is ServerState.PENDING and not marker_seen:
                 # The start script wrote its marker: the job runs. Ask the scheduler now rather than at
                 # the end of a 30 s back-off (one extra query per job).
@@ -147,7 +163,7 @@ def wait_until_ready(
                         raise
             elif st.state is ServerState.FAILED and not st.confirmed:
                 fatal_since = fatal_since or now
-                if now - fatal_since >= FATAL_GRACE_S:
+                if now - fatal_since >= _fatal_grace(record, st):
                     raise _failure(st, runner)
             elif st.state.final:
                 confirmed = _confirm_end(runner, record, st, sched)
@@ -155,7 +171,8 @@ def wait_until_ready(
                     on_progress(confirmed, time.monotonic() - start)
                 st = confirmed
                 if store is not None:
-                    store.set_final_state(record, st.state.value)
+                    store.set_final_state(record, st.state.value, final_reason=st.reason,
+                                          exit_status=st.exit_status, log_excerpt=st.log_excerpt)
                 raise _failure(st, runner)
             else:
                 fatal_since = None

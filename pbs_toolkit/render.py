@@ -17,6 +17,7 @@ from typing import Any
 from pbs_toolkit import __version__
 from pbs_toolkit.config import resolve_settings
 from pbs_toolkit.errors import UsageError
+from pbs_toolkit.observe.startup import COMPILE_ERROR_RE, PORT_IN_USE_RE
 from pbs_toolkit.presets import Preset, load_preset, params_from_config, params_from_name, resolve_auto
 from pbs_toolkit.profiles import Profile, load_profile, walltime_seconds
 from pbs_toolkit.transports.base import Runner
@@ -291,7 +292,8 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
         "version": __version__, "model": req.model, "model_path": model_path, "preset": preset,
         "profile": profile, "job_name": job_name, "run_dir": run_dir, "select": profile.select_statement(),
         "walltime": walltime, "env": env, "vllm_args": args, "port": port, "fixed_port": fixed_port,
-        "vllm_arg_lines": _pair_flags(args), "port_span": PORT_SPAN, "vllm_cache_root": vllm_cache_root,
+        "vllm_arg_lines": _pair_flags(args), "port_span": PORT_SPAN,
+        "compile_error_re": COMPILE_ERROR_RE, "port_in_use_re": PORT_IN_USE_RE, "vllm_cache_root": vllm_cache_root,
         "proxy": any(k.lower() in ("http_proxy", "https_proxy") for k in env),
     }
     jenv = _environment()

@@ -197,7 +197,7 @@ def observe(runner: Runner, record: JobRecord, sched: SchedulerJob | None) -> Jo
     return combine(record, sched, marker, lines, health_status)
 
 
-def _without_scheduler(st: JobStatus, why: str) -> JobStatus:
+def without_scheduler(st: JobStatus, why: str) -> JobStatus:
     """A status judged while the scheduler was unreachable: what the job did not explain is UNKNOWN, not LOST."""
     st.scheduler_state, st.comment = "?", why
     if st.state is ServerState.LOST:
@@ -237,7 +237,7 @@ def status(records: Iterable[JobRecord], store: JobStore | None = None,
             except SchedulerUnavailable as exc:
                 # Transient: judge from the run directory and HTTP alone, and record nothing as final.
                 for index, record in items:
-                    out[index] = _without_scheduler(observe(runner, record, None), str(exc))
+                    out[index] = without_scheduler(observe(runner, record, None), str(exc))
                 continue
             for index, record in items:
                 job = sched[record.job_id]

@@ -67,6 +67,9 @@ def main() -> None:
         env = {**os.environ, "XDG_STATE_HOME": str(root / "state"), "XDG_CONFIG_HOME": str(root / "config"),
                "XDG_DATA_HOME": str(root / "data")}
         job = record_job(env, run_dir)
+        # the local scheduler's markers: a live pid makes the job RUNNING, so `logs -f` keeps following
+        (run_dir / ".local-job").mkdir()
+        (run_dir / ".local-job" / "pid").write_text(f"{os.getpid()}\n")
         log = run_dir / "vllm.log"
         small = root / "small.log"
 

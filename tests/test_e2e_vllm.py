@@ -181,7 +181,20 @@ def test_local_launch_register_complete_metrics_doctor_bench(tiny_model: str, tm
         assert r["output_throughput"] > 0 and r["total_output_tokens"] == 16 * 96
         assert 0 < r["median_ttft_ms"] < 60_000 and r["median_tpot_ms"] > 0
 
+    # doctor while 8 long requests compete for 2 sequence slots: requests wait, the KV cache stays idle
+    import threading
+
+    def long_request() -> None:
+        post(entry["url"] + "/completions", {"model": entry["model"], "prompt": "go", "max_tokens": 400,
+                                             "min_tokens": 400, "ignore_eos": True}, key)
+
+    load = [threading.Thread(target=long_request) for _ in range(8)]
+    for t in load:
+        t.start()
+    time.sleep(3)
     findings = {f["code"] for f in json.loads(pbstk("doctor", job, "--json").stdout)["findings"]}
+    for t in load:
+        t.join()
     assert "eager-mode" in findings
     assert "kv-underused-seq-limit" in findings, findings
 

@@ -257,7 +257,8 @@ def test_wait_over_ssh_probes_through_the_connection(login_node: SshdInfo, monke
             self.channels.append((host, port))
             return channel
 
-    with CountingRunner(login_node.alias) as runner:
+    runner = CountingRunner(login_node.alias)
+    with runner:
         st = wait_until_ready(record, timeout=30, runner=runner, poll=0.2)
         assert st.state.value == "READY"
         assert runner.connections_opened == 1

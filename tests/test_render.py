@@ -111,7 +111,9 @@ def rendered_matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 mp.delenv(key)
         mp.setenv("XDG_CONFIG_HOME", str(config))
         mp.setenv("HF_HOME", str(hf))
-        cases = [(f"{pr}@{pf}", MODEL, pr, pf, None) for pr in PRESETS for pf in PROFILES]
+        cases: list[tuple[str, str, str, str, int | None]] = [
+            (f"{pr}@{pf}", MODEL, pr, pf, None) for pr in PRESETS for pf in PROFILES
+        ]
         cases += [(f"var:{cid}", m, pr, pf, g) for cid, m, pr, pf, g in VARIATIONS]
         for case_id, model, preset, profile, gpus in cases:
             try:
@@ -125,12 +127,14 @@ def rendered_matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             pair[0].write_text(job.job_script)
             pair[1].write_text(job.start_script)
             files += pair
-            syntax = [subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True) for p in pair]
+            syntax = [subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True)  # noqa: S603,S607
+                      for p in pair]
             results[case_id] = {"job": job, "files": pair, "bash_n": syntax}
     # shellcheck costs ~0.2 s a file: one call per CPU over a share of the list
     workers = max(2, min(8, os.cpu_count() or 2))
-    procs = [subprocess.Popen(["shellcheck", "-f", "json1", *map(str, files[i::workers])], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(workers) if files[i::workers]]
+    procs = [subprocess.Popen(["shellcheck", "-f", "json1", *map(str, files[i::workers])],  # noqa: S603,S607
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(workers) if files[i::workers]]
     comments: list[dict[str, Any]] = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=120)
@@ -295,12 +299,14 @@ def test_flags_owned_by_pbstk_refused() -> None:
 
 # --- auto ------------------------------------------------------------------------------------------------
 
-LLAMA_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "vocab_size": 128256}
-LLAMA_70B = {"hidden_size": 8192, "num_hidden_layers": 80, "intermediate_size": 28672, "num_attention_heads": 64,
-             "num_key_value_heads": 8, "vocab_size": 128256}
-QWEN_1_7B = {"hidden_size": 2048, "num_hidden_layers": 28, "intermediate_size": 6144, "num_attention_heads": 16,
-             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True}
+Config = dict[str, object]
+LLAMA_8B: Config = {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}
+LLAMA_70B: Config = {"hidden_size": 8192, "num_hidden_layers": 80, "intermediate_size": 28672,
+                     "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}
+QWEN_1_7B: Config = {"hidden_size": 2048, "num_hidden_layers": 28, "intermediate_size": 6144,
+                     "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                     "tie_word_embeddings": True}
 
 
 def test_params_from_config_known_shapes() -> None:

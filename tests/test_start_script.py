@@ -79,7 +79,8 @@ class Job:
         full.pop("CUDA_VISIBLE_DEVICES", None)
         full.update(env)
         # job.pbs is what PBS runs; it starts in $HOME and execs start_vllm.sh (same pid)
-        self.proc = subprocess.Popen(["bash", str(self.run_dir / "job.pbs")], cwd=str(Path.home()), env=full,
+        self.proc = subprocess.Popen(["bash", str(self.run_dir / "job.pbs")], cwd=str(Path.home()),  # noqa: S603,S607
+                                     env=full,
                                      start_new_session=True, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -176,7 +176,6 @@ def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
     from pbs_toolkit.jobstore import JobStore
     from pbs_toolkit.logs import STREAMS, tail_bytes
     from pbs_toolkit.logs import follow as do_follow
-    from pbs_toolkit.status import status as do_status
     from pbs_toolkit.transports import open_runner
 
     if lines < 0:
@@ -193,6 +192,8 @@ def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
                 raise UsageError(f"{path} does not exist yet (job {record.job_id} not started?)") from None
             click.echo(data.decode("utf-8", "replace"), nl=False)
             return
+
+        from pbs_toolkit.status import status as do_status  # only -f needs it (http.client: ~20 ms)
 
         def is_final() -> bool:
             return do_status([record], store, runners={record.transport: runner})[0].state.final

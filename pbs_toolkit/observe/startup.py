@@ -14,6 +14,22 @@ from typing import Any
 
 from pbs_toolkit.observe.logline import split_log_line
 
+#: A start that died with one of these before it was ready is restarted once with --enforce-eager. The start
+#: script greps with it (POSIX ERE, the same text) and ``wait`` uses it to know a restart is coming.
+COMPILE_ERROR_RE = (
+    r"(Error|Exception|[Ff]ailed).*([Dd]ynamo|[Ii]nductor|[Cc]ompil|[Gg]raph|[Cc]apturing|[Tt]riton)"
+    r"|([Dd]ynamo|[Ii]nductor|[Cc]ompil|[Cc]uda[Gg]raph|CUDA graph|[Tt]riton).*(Error|Exception|[Ff]ailed)"
+)
+#: vLLM lost the race for its port: the start script moves to the next free one
+PORT_IN_USE_RE = r"(Address already in use|Errno 98)"
+
+
+def is_compile_failure(lines: Iterable[str]) -> bool:
+    """Whether ``lines`` show a graph/compile failure that an eager restart avoids."""
+    pattern = re.compile(COMPILE_ERROR_RE)
+    return any(pattern.search(line) for line in lines)
+
+
 STARTING = "starting"
 LOADING_WEIGHTS = "loading weights"
 COMPILING = "compiling"

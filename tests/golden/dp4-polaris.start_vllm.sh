@@ -169,13 +169,15 @@ EXTRA=()
 [ "$EAGER" = true ] && EXTRA=(--enforce-eager)
 while true; do
   pbstk_attempt "${EXTRA[@]}"
-  if [ "$READY" = true ]; then
-    break
-  fi
-  if pbstk_attempt_log | grep -Eq "$PORT_IN_USE_RE" && [ "$ATTEMPT" -lt 5 ]; then
+  # Checked before READY: another server may have answered on our port while vLLM was still importing,
+  # and our vLLM then failed to bind it.
+  if [ "$RC" != 0 ] && pbstk_attempt_log | grep -Eq "$PORT_IN_USE_RE" && [ "$ATTEMPT" -lt 5 ]; then
     pbstk_log "port $PORT was taken while vLLM started; trying the next one"
     NEXT_PORT=$((PORT + 1))
     continue
+  fi
+  if [ "$READY" = true ]; then
+    break
   fi
   if [ "$EAGER" = false ] && pbstk_attempt_log | grep -Eq "$COMPILE_ERROR_RE"; then
     pbstk_log "vLLM failed before it was ready with a graph/compile error (exit $RC); restarting once with --enforce-eager"
