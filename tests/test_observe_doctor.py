@@ -46,7 +46,7 @@ def test_eager_from_flag_and_from_log():
     found = codes(DoctorContext(vllm_args=["--enforce-eager"], vllm_version="0.22.1"))
     assert found["eager-mode"].severity == "high"
     assert "--enforce-eager" in found["eager-mode"].evidence
-    assert "4-8x" in found["eager-mode"].fix
+    assert "5.6x" in found["eager-mode"].fix
     from_log = codes(DoctorContext(log_lines=lines("startup-eager.log"), vllm_version="0.11.0"))
     assert "Cudagraph is disabled under eager mode" in from_log["eager-mode"].evidence
 
