@@ -70,12 +70,9 @@ def _confirm_end(runner: Runner, record: JobRecord, st: JobStatus, sched: Schedu
         time.sleep(1.0)
 
 
-def _fatal_grace(record: JobRecord, st: JobStatus) -> float:
+def _fatal_grace(st: JobStatus) -> float:
     """How long a fatal log line may stand before we give up: long when an eager restart is coming."""
-    from pbs_toolkit.observe.startup import is_compile_failure
-
-    restart_coming = not record.extra.get("eager") and not st.eager_fallback and is_compile_failure(st.log_excerpt)
-    return FALLBACK_GRACE_S if restart_coming else FATAL_GRACE_S
+    return FALLBACK_GRACE_S if st.restart_expected else FATAL_GRACE_S
 
 
 def check_models(runner: Runner, st: JobStatus) -> None:
@@ -163,7 +160,7 @@ def wait_until_ready(
                         raise
             elif st.state is ServerState.FAILED and not st.confirmed:
                 fatal_since = fatal_since or now
-                if now - fatal_since >= _fatal_grace(record, st):
+                if now - fatal_since >= _fatal_grace(st):
                     raise _failure(st, runner)
             elif st.state.final:
                 confirmed = _confirm_end(runner, record, st, sched)

@@ -53,6 +53,8 @@ class JobStatus:
     log_excerpt: list[str] = field(default_factory=list)
     #: False when only a log line says FAILED and the process may still restart (eager fallback)
     confirmed: bool = True
+    #: the log shows a graph/compile failure and the start script will restart the server in eager mode
+    restart_expected: bool = False
 
     @property
     def url(self) -> str | None:
@@ -115,7 +117,7 @@ def combine(
     health_status: int | None,
 ) -> JobStatus:
     """The truth about one job from everything we could observe. Pure: tested without any I/O."""
-    from pbs_toolkit.observe.startup import current_phase, find_fatal
+    from pbs_toolkit.observe.startup import current_phase, find_fatal, is_compile_failure
 
     attempt = current_attempt(log_lines)
     st = JobStatus(record=record, state=ServerState.LOST)
@@ -178,6 +180,8 @@ def combine(
         return st
     if fatal:
         st.confirmed = False
+        st.restart_expected = (not record.extra.get("eager") and not st.eager_fallback
+                               and is_compile_failure(attempt))
         return failed(f"vLLM failed: {fatal[0]}")
     st.state = ServerState.STARTING
     st.phase = "job started" if phase in (None, "setup") else current_phase(attempt)

@@ -43,3 +43,18 @@ def test_torch_messages_seen_on_gpus_match() -> None:
         assert is_compile_failure([line]), line
     for line in ("torch.OutOfMemoryError: CUDA out of memory.", "RuntimeError: Engine core initialization failed."):
         assert not is_compile_failure([line]), line
+
+
+@pytest.mark.parametrize(("eager", "expected"), [(False, True), (True, False)])
+def test_wait_expects_the_eager_restart_only_when_one_will_come(eager: bool, expected: bool) -> None:
+    from pbs_toolkit.jobstore import JobRecord
+    from pbs_toolkit.schedulers import SchedulerJob, SchedState
+    from pbs_toolkit.status import ServerState, combine
+
+    record = JobRecord(job_id="1.local", scheduler="local", profile="local", model="m", served_model_name="m",
+                       preset="cpu", name="m", run_dir="/nonexistent", extra={"eager": eager})
+    lines = (Path(__file__).parent / "data" / "vllm-cpu" / "fatal-compile-no-cxx.log").read_text().splitlines()
+    marker = {"phase": "starting", "port": 8000, "address": "127.0.0.1", "attempt": 1, "eager_fallback": False}
+    st = combine(record, SchedulerJob("1.local", SchedState.RUNNING, "R"), marker, lines, None)
+    assert st.state is ServerState.FAILED and not st.confirmed
+    assert st.restart_expected is expected

@@ -272,11 +272,18 @@ def _fake_venv(root: Path) -> Path:
     """A venv whose activate exports a marker and whose ``python`` is the stand-in vLLM."""
     venv = root / "venv"
     (venv / "bin").mkdir(parents=True)
+    (venv / "site" / "vllm").mkdir(parents=True)
+    (venv / "site" / "vllm" / "__init__.py").write_text("")  # what the start script's install check finds
     (venv / "bin" / "activate").write_text(
         f'export PBSTK_TEST_VENV_MARKER=activated\nexport PATH="{venv}/bin:$PATH"\n'
+        f'export PYTHONPATH="{venv}/site"\n'
     )
     python = venv / "bin" / "python"
-    python.write_text(f'#!/bin/sh\nexec python3 {Path(__file__).parent / "standins" / "vllm"} "$@"\n')
+    # `python -c ...` (the install check) is a real Python; `python -m vllm...` is the stand-in server
+    python.write_text(
+        '#!/bin/sh\n[ "$1" = -c ] && exec python3 "$@"\n'
+        f'exec python3 {Path(__file__).parent / "standins" / "vllm"} "$@"\n'
+    )
     python.chmod(0o755)
     return venv
 

@@ -155,26 +155,32 @@ def rule_custom_allreduce(ctx: DoctorContext) -> list[Finding]:
 
 
 def _kv_observations(ctx: DoctorContext) -> tuple[float | None, int, int, str]:
-    """(peak KV usage %, peak running per engine, peak waiting, where the numbers come from)."""
+    """(peak KV usage %, peak running per engine, peak waiting, where the numbers come from).
+
+    The log's ``Engine NNN:`` lines give history; the ``/metrics`` snapshot gives the present. Peaks over
+    both, so a queue that builds up now is seen even when the logged history was quiet.
+    """
+    kv: list[float] = []
+    running: list[int] = []
+    waiting: list[int] = []
+    sources = []
     with_kv = [s for s in ctx.engine_stats if s.kv_cache_usage_pct is not None]
     if with_kv:
-        return (
-            max(s.kv_cache_usage_pct or 0.0 for s in with_kv),
-            max(s.running for s in ctx.engine_stats),
-            max(s.waiting for s in ctx.engine_stats),
-            f"{len(ctx.engine_stats)} engine stats lines",
-        )
+        kv.append(max(s.kv_cache_usage_pct or 0.0 for s in with_kv))
+        running.append(max(s.running for s in ctx.engine_stats))
+        waiting.append(max(s.waiting for s in ctx.engine_stats))
+        sources.append(f"{len(ctx.engine_stats)} engine stats lines")
     snap = ctx.snapshot
     if snap is not None and snap.kv_cache_usage is not None:
         engines = max(len(snap.engines), 1)
         usage = snap.kv_cache_usage_max if snap.kv_cache_usage_max is not None else snap.kv_cache_usage
-        return (
-            100.0 * usage,
-            round((snap.running or 0.0) / engines),
-            int(snap.waiting or 0.0),
-            "/metrics",
-        )
-    return None, 0, 0, ""
+        kv.append(100.0 * usage)
+        running.append(round((snap.running or 0.0) / engines))
+        waiting.append(int(snap.waiting or 0.0))
+        sources.append("/metrics")
+    if not kv:
+        return None, 0, 0, ""
+    return max(kv), max(running), max(waiting), " and ".join(sources)
 
 
 def rule_kv_underused(ctx: DoctorContext) -> list[Finding]:

@@ -96,6 +96,8 @@ VLLM_CMD=(python -m vllm.entrypoints.openai.api_server --model "$MODEL")
 if [ -n "${PBSTK_VLLM_LAUNCHER:-}" ]; then
   # A wrapper that receives the vLLM command as arguments (profiling, containers, tests).
   VLLM_CMD=("$PBSTK_VLLM_LAUNCHER" "${VLLM_CMD[@]}")
+elif ! python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)' 2>/dev/null; then
+  pbstk_fail "vLLM is not installed in the job's environment (python: $(command -v python || echo none)); set the profile's venv or setup lines, or pass --venv" 127
 fi
 VLLM_ARGS=(
   --served-model-name Qwen/Qwen3-0.6B

@@ -108,6 +108,8 @@ VLLM_CMD=(vllm serve "$MODEL")
 if [ -n "${PBSTK_VLLM_LAUNCHER:-}" ]; then
   # A wrapper that receives the vLLM command as arguments (profiling, containers, tests).
   VLLM_CMD=("$PBSTK_VLLM_LAUNCHER" "${VLLM_CMD[@]}")
+elif ! command -v vllm >/dev/null 2>&1; then
+  pbstk_fail "vLLM is not installed in the job's environment (no vllm on PATH); set the profile's venv or setup lines, or pass --venv" 127
 fi
 VLLM_ARGS=(
   --served-model-name Qwen/Qwen3-VL-2B-Instruct

@@ -1,0 +1,122 @@
+"""metrics / bench / doctor / tune through the CLI against the stand-in server, and their refusals.
+
+The real numbers come from the real vLLM in test_e2e_vllm.py; here the commands' plumbing and bad input:
+a job that is not ready, tune presets that cannot run on the profile (refused before anything is submitted),
+a server that rejects the key (reported as failures, not as zero latency), a report re-rendered as a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from pbs_toolkit.cli.main import cli
+from pbs_toolkit.jobstore import JobStore
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "results"
+
+
+def pbstk(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args))
+
+
+def launch_ready(name: str, *extra: str) -> str:
+    res = pbstk("launch", "Qwen/Qwen3-1.7B", "--profile", "local-gpu", "--preset", "single", "--name", name,
+                "--port", "auto", "--wait", "--timeout", "60", "--json", *extra)
+    assert res.exit_code == 0, res.output
+    return str(json.loads(res.stdout)["job_id"])
+
+
+def store_files(home: Path) -> set[str]:
+    return {str(p) for p in (home / "runs").rglob("*")}
+
+
+def test_metrics_and_bench_on_the_stand_in(standins: Path) -> None:
+    job = launch_ready("obs")
+    try:
+        res = pbstk("metrics", job, "--json", "--interval", "0.1")
+        assert res.exit_code == 0, res.output
+        snap = json.loads(res.stdout.splitlines()[-1])
+        assert snap["job_id"] == job and snap["running"] == 0
+        res = pbstk("bench", job, "-c", "1,2", "--num-prompts", "4", "--input-len", "8", "--output-len", "5",
+                    "--json")
+        assert res.exit_code == 0, res.output
+        results = json.loads(res.stdout)["results"]
+        assert [r["completed"] for r in results] == [4, 4]
+        assert all(r["total_output_tokens"] == 20 and r["failed"] == 0 for r in results)
+    finally:
+        pbstk("cancel", job)
+
+
+def test_bench_against_a_server_that_rejects_the_key_reports_failures(standins: Path) -> None:
+    job = launch_ready("badkey")
+    try:
+        store = JobStore()
+        record = store.find(job)
+        record.api_key = "not-the-key"
+        store.add(record)
+        res = pbstk("bench", job, "-c", "1", "--num-prompts", "3", "--output-len", "4")
+        assert res.exit_code == 5
+        assert "401" in res.stderr and res.stderr.count("\n") <= 3
+    finally:
+        pbstk("cancel", job)
+
+
+def test_metrics_on_a_job_that_is_not_ready_is_one_clear_line(standins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_MODE", "hang")
+    res = pbstk("launch", "Qwen/Qwen3-1.7B", "--profile", "local-gpu", "--preset", "single", "--name", "slow",
+                "--port", "auto", "--json")
+    job = json.loads(res.stdout)["job_id"]
+    try:
+        for command in ("metrics", "bench"):
+            res = pbstk(command, job)
+            assert res.exit_code == 5, res.output
+            assert res.stderr.startswith("pbstk: error: job") and "not READY" in res.stderr
+            assert len(res.stderr.strip().splitlines()) == 1
+    finally:
+        pbstk("cancel", job)
+
+
+@pytest.mark.parametrize(
+    ("presets", "message"),
+    [("single,nope", "unknown preset 'nope'"), ("single,dp4", "needs 4 GPU(s)")],
+)
+def test_tune_refuses_before_submitting_anything(standins: Path, isolated_user: Path, presets: str,
+                                                 message: str) -> None:
+    before = store_files(isolated_user)
+    res = pbstk("tune", "Qwen/Qwen3-1.7B", "--profile", "local-gpu", "--presets", presets)
+    assert res.exit_code == 2 and message in res.stderr, res.output
+    assert JobStore().all() == [] and store_files(isolated_user) == before
+    assert not list((Path(standins)).glob("argv.jsonl"))
+
+
+def test_tune_report_rerenders_and_draws_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    saved = RESULTS / "h200x2-tune.json"
+    png = tmp_path / "chart.png"
+    res = pbstk("tune", "--report", str(saved), "--png", str(png))
+    assert res.exit_code == 0, res.output
+    assert "dp2" in res.stdout and "recommended: dp2" in res.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tune_report_merges_results_of_the_same_method(tmp_path: Path) -> None:
+    out = tmp_path / "merged.json"
+    res = pbstk("tune", "--report", str(RESULTS / "h200x2-run-a.json"), "--report", str(RESULTS / "h200x2-run-b.json"),
+                "--baseline", "tp2-eager", "--output", str(out))
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert [r["preset"] for r in doc["runs"]] == ["single", "single-eager", "tp2-eager", "tp2", "dp2"]
+    assert doc["baseline"] == "tp2-eager" and doc["recommended"] == "dp2"
+    assert "tp2-eager (baseline)" in res.stdout
+
+
+def test_missing_vllm_in_the_job_environment_fails_fast_with_the_cause(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the job inherits this PATH: no `vllm` anywhere on it
+    res = pbstk("launch", "Qwen/Qwen3-1.7B", "--profile", "local-gpu", "--preset", "single", "--name", "novllm",
+                "--port", "auto", "--wait", "--timeout", "60")
+    assert res.exit_code == 5, res.output
+    assert "vLLM is not installed in the job's environment" in res.stderr
