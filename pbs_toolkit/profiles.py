@@ -74,7 +74,11 @@ class Profile:
         unknown = set(clean) - {f.name for f in fields(self)}
         if unknown:
             raise UsageError(f"unknown profile setting {sorted(unknown)[0]!r}")
-        return validate(replace(self, **clean))
+        # errors about overridden values must not blame the profile file
+        source = self.source
+        if clean:
+            source = f"{self.source} with {', '.join(sorted(clean))} from flags/PBSTK_*/config.yaml"
+        return validate(replace(self, **clean, source=source))
 
 
 _KEYS = {f.name for f in fields(Profile)} - {"source"}

@@ -207,7 +207,7 @@ def render_table(doc: dict[str, Any]) -> str:
         ttft = first[0].get("median_ttft_ms") if first else None
         row.append(f"{ttft:.1f}" if isinstance(ttft, (int, float)) else "-")
         rows.append(row)
-    from pbs_toolkit.cli.options import table
+    from pbs_toolkit.textutil import table
 
     lines = [f"model {doc['model']}, {doc['input_len']} in / {doc['output_len']} out tokens, "
              f"output tokens/s (single runs); x = ratio to {doc.get('baseline') or '-'}", "",

@@ -185,8 +185,9 @@ def test_local_launch_register_complete_metrics_doctor_bench(tiny_model: str, tm
     import threading
 
     def long_request() -> None:
-        post(entry["url"] + "/completions", {"model": entry["model"], "prompt": "go", "max_tokens": 400,
-                                             "min_tokens": 400, "ignore_eos": True}, key)
+        # ~6 s each on 2 cores, 4 rounds of 2: the queue stands for ~20 s, long after doctor has looked
+        post(entry["url"] + "/completions", {"model": entry["model"], "prompt": "go", "max_tokens": 1500,
+                                             "min_tokens": 1500, "ignore_eos": True}, key)
 
     load = [threading.Thread(target=long_request) for _ in range(8)]
     for t in load:

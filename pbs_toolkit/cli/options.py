@@ -9,6 +9,9 @@ from typing import Any
 import click
 
 from pbs_toolkit.errors import UsageError
+from pbs_toolkit.textutil import table
+
+__all__ = ["build_request", "echo_json", "parse_port", "render_options", "table"]
 
 F = Callable[..., Any]
 
@@ -67,11 +70,3 @@ def build_request(model: str, **kw: Any) -> Any:
 
 def echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
-
-
-def table(rows: list[list[str]], headers: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    for row in rows:
-        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
-    return "\n".join(lines)

@@ -2,12 +2,12 @@
 
 Login nodes of most sites ask for MFA on every new connection, so a runner opens a single connection
 lazily and reuses it for every exec channel, the SFTP session and ``direct-tcpip`` forwards. Only this
-module imports paramiko (``open_runner`` imports it lazily), which keeps ``pbstk --help`` fast.
+module and :mod:`~pbs_toolkit.transports.ssh_auth` (host keys, authentication) import paramiko
+(``open_runner`` imports this one lazily), which keeps ``pbstk --help`` fast.
 """
 
 from __future__ import annotations
 
-import base64
 import errno
 import getpass
 import os
@@ -16,28 +16,40 @@ import secrets
 import select
 import shlex
 import socket
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import paramiko
-from paramiko.auth_strategy import AuthStrategy
 
 from pbs_toolkit.errors import TransportError
 from pbs_toolkit.transports.base import Result, Runner
+from pbs_toolkit.transports.ssh_auth import (
+    Authenticator,
+    HostKeyPolicy,
+    PasswordPrompt,
+    known_hosts_name,
+    terminal_prompt,
+)
 
-#: ``password_prompt(prompt, echo) -> answer``: asks the user one keyboard-interactive question
-PasswordPrompt = Callable[[str, bool], str]
+__all__ = [
+    "AUTH_TIMEOUT_S",
+    "CONNECT_TIMEOUT_S",
+    "KEEPALIVE_S",
+    "PasswordPrompt",
+    "SSHRunner",
+    "build_remote_command",
+    "split_destination",
+    "terminal_prompt",
+]
 
 CONNECT_TIMEOUT_S = 10.0
 #: keyboard-interactive waits for a person (MFA codes, push approvals): give them time
 AUTH_TIMEOUT_S = 180.0
 KEEPALIVE_S = 30
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_DEFAULT_KEYS = ("id_ed25519", "id_ecdsa", "id_rsa")
 _T = TypeVar("_T")
 
 
@@ -57,15 +69,6 @@ def build_remote_command(
         parts.append("env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()) + " ")
     parts.append(shlex.join(argv))
     return "".join(parts)
-
-
-def terminal_prompt(prompt: str, echo: bool) -> str:
-    """Default ``password_prompt``: ask on the terminal (hidden input unless the server says ``echo``)."""
-    if echo:
-        sys.stderr.write(prompt)
-        sys.stderr.flush()
-        return sys.stdin.readline().rstrip("\n")
-    return getpass.getpass(prompt)
 
 
 def split_destination(destination: str) -> tuple[str | None, str, int | None]:
@@ -144,7 +147,7 @@ class SSHRunner(Runner):
             client.load_system_host_keys("/etc/ssh/ssh_known_hosts")
         if self.known_hosts_path.exists():
             client.load_host_keys(str(self.known_hosts_path))
-        client.set_missing_host_key_policy(_HostKeyPolicy(self))
+        client.set_missing_host_key_policy(HostKeyPolicy(self))
         where = f"{self.hostname}:{self.port}"
         sock: Any = None
         try:
@@ -171,7 +174,7 @@ class SSHRunner(Runner):
                 timeout=self.connect_timeout,
                 banner_timeout=self.connect_timeout,
                 auth_timeout=AUTH_TIMEOUT_S,
-                auth_strategy=_Authenticator(self),
+                auth_strategy=Authenticator(self),
             )
         except TransportError:
             client.close()
@@ -182,7 +185,7 @@ class SSHRunner(Runner):
                 f"host key for {self.hostname}:{self.port} has CHANGED: {self.known_hosts_path} has "
                 f"{exc.expected_key.get_name()} {exc.expected_key.fingerprint}, the server sent "
                 f"{exc.key.get_name()} {exc.key.fingerprint}. This may be an attack; if the key was "
-                f"changed on purpose, remove the old line (ssh-keygen -R {_known_hosts_name(self)}) "
+                f"changed on purpose, remove the old line (ssh-keygen -R {known_hosts_name(self)}) "
                 "and connect once with ssh"
             ) from exc
         except (socket.gaierror, paramiko.ssh_exception.NoValidConnectionsError) as exc:
@@ -436,146 +439,3 @@ def _collect(channel: paramiko.Channel, stdin: str | None, timeout: float | None
     if not channel.status_event.wait(remaining):
         raise TimeoutError
     return channel.recv_exit_status(), b"".join(out), b"".join(err)
-
-
-def _known_hosts_name(runner: SSHRunner) -> str:
-    return runner.hostname if runner.port == 22 else f"[{runner.hostname}]:{runner.port}"
-
-
-class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
-    """Unknown host: refuse, or (opt-in) append its key to known_hosts. Changed keys never get here."""
-
-    def __init__(self, runner: SSHRunner) -> None:
-        self.runner = runner
-
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        path = self.runner.known_hosts_path
-        if not self.runner.accept_unknown_host:
-            raise TransportError(
-                f"host key for {hostname} is not known (not in {path}); connect once with ssh, "
-                "or pass --accept-new-host-key"
-            )
-        client.get_host_keys().add(hostname, key.get_name(), key)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        line = paramiko.hostkeys.HostKeyEntry([hostname], key).to_line() or ""
-        with open(path, "a", encoding="utf-8") as fh:  # append: keep the user's comments and entries
-            fh.write(line)
-
-
-class _Authenticator(AuthStrategy):
-    """Keys (agent and files, like OpenSSH), then keyboard-interactive/password prompts for MFA."""
-
-    def __init__(self, runner: SSHRunner) -> None:
-        super().__init__(ssh_config=runner._ssh_config)
-        self.runner = runner
-        self.prompt_error: BaseException | None = None
-
-    def get_sources(self) -> Iterator[Any]:  # unused: authenticate() below picks the order itself
-        return iter(())
-
-    def _prompt(self) -> PasswordPrompt:
-        if self.runner.password_prompt is not None:
-            return self.runner.password_prompt
-        if not sys.stdin.isatty():
-            raise TransportError(
-                f"SSH host {self.runner.host} needs interactive authentication (password or MFA) and there "
-                "is no terminal to ask on; run it from a terminal, or use a key the host accepts alone"
-            )
-        return terminal_prompt
-
-    def _keys(self) -> list[tuple[str, paramiko.PKey]]:
-        runner = self.runner
-        try:
-            agent_keys = list(paramiko.Agent().get_keys())
-        except paramiko.SSHException:
-            agent_keys = []
-        files = [os.path.expanduser(p) for p in runner.identity_files]
-        if not files:
-            files = [os.path.expanduser(f"~/.ssh/{name}") for name in _DEFAULT_KEYS]
-        keys: list[tuple[str, paramiko.PKey]] = []
-        for path in files:
-            blob = _public_blob(path)
-            agent_match = [k for k in agent_keys if blob is not None and k.asbytes() == blob]
-            if agent_match:
-                keys.append((f"{path} (agent)", agent_match[0]))
-                continue
-            if not os.path.isfile(path):
-                continue
-            try:
-                keys.append((path, paramiko.PKey.from_path(path)))
-            except paramiko.PasswordRequiredException:
-                try:
-                    passphrase = self._prompt()(f"Enter passphrase for key '{path}': ", False)
-                    keys.append((path, paramiko.PKey.from_path(path, passphrase)))
-                except (TransportError, paramiko.SSHException):
-                    continue
-            except (paramiko.SSHException, ValueError, OSError):
-                continue
-        if not runner.identities_only:
-            offered = {key.asbytes() for _, key in keys}
-            keys.extend(("agent key", k) for k in agent_keys if k.asbytes() not in offered)
-        return keys
-
-    def _interactive(self, title: str, instructions: str, prompts: list[tuple[str, bool]]) -> list[str]:
-        # called on paramiko's transport thread: keep exceptions to re-raise them on ours
-        answers = []
-        try:
-            ask = self._prompt()
-            for index, (prompt, echo) in enumerate(prompts):
-                header = "\n".join(x for x in (title, instructions) if x) if index == 0 else ""
-                answers.append(ask(f"{header}\n{prompt}" if header else prompt, echo))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in authenticate()
-            self.prompt_error = exc
-            return [""] * len(prompts)
-        return answers
-
-    def authenticate(self, transport: paramiko.Transport) -> list[Any]:
-        runner = self.runner
-        user = runner.user
-        try:
-            transport.auth_none(user)
-            return []
-        except paramiko.BadAuthenticationType as exc:
-            allowed = list(exc.allowed_types)
-        except paramiko.AuthenticationException:
-            allowed = ["publickey", "keyboard-interactive", "password"]
-        tried: list[str] = []
-        if "publickey" in allowed:
-            for label, key in self._keys():
-                tried.append(label)
-                try:
-                    remaining = transport.auth_publickey(user, key)
-                except paramiko.BadAuthenticationType as exc:
-                    allowed = list(exc.allowed_types)
-                    break
-                except paramiko.AuthenticationException:
-                    continue
-                if transport.is_authenticated():
-                    return []
-                allowed = list(remaining)  # partial success: a second factor follows
-                break
-        try:
-            if "keyboard-interactive" in allowed:
-                transport.auth_interactive(user, self._interactive)
-            elif "password" in allowed:
-                password = self._prompt()(f"{user}@{runner.hostname}'s password: ", False)
-                transport.auth_password(user, password)
-        except paramiko.AuthenticationException:
-            pass
-        if self.prompt_error is not None:
-            raise self.prompt_error
-        if transport.is_authenticated():
-            return []
-        keys = ", ".join(tried) if tried else "none found"
-        raise paramiko.AuthenticationException(
-            f"keys tried: {keys}; the server allows: {', '.join(allowed) or 'nothing'}"
-        )
-
-
-def _public_blob(private_key_path: str) -> bytes | None:
-    """The key blob of ``PATH.pub`` (to match agent keys without decrypting the private key)."""
-    try:
-        fields = Path(private_key_path + ".pub").read_text(encoding="utf-8").split()
-        return base64.b64decode(fields[1])
-    except (OSError, IndexError, ValueError):
-        return None
