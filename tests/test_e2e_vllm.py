@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +59,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(autouse=True)
-def vllm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def vllm_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     import random
 
     monkeypatch.setenv("PBSTK_VENV", VENV)
     # Port search starts at a random base: other tests' servers on this machine must not answer for ours.
     monkeypatch.setenv("PBSTK_PORT", str(random.randrange(20000, 40000, 100)))
+    yield
+    # a failed test must not leave a 3 GB server behind for the next one
+    from pbs_toolkit.jobstore import JobStore
+    from pbs_toolkit.launch import cancel
+
+    for record in JobStore().all():
+        if not record.final_state:
+            try:
+                cancel(record)
+            except Exception:  # noqa: BLE001 - best effort clean-up; the test's own failure matters
+                pass
 
 
 def pbstk(*args: str, ok: bool = True) -> Any:
