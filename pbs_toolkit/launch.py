@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from pbs_toolkit.errors import PbstkError, UsageError
+from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobstore import JobRecord, JobStore
 from pbs_toolkit.render import RenderedJob, RenderRequest, render
 from pbs_toolkit.schedulers import JobRef, get_scheduler
@@ -102,16 +102,17 @@ def launch(
         )
         if dry_run:
             return LaunchResult(record, rendered)
-        _write_run_dir(runner, rendered, key)
         scheduler = get_scheduler(rendered.profile.scheduler)
-        with _defer_interrupts():
-            try:
+        try:
+            _write_run_dir(runner, rendered, key)
+            with _defer_interrupts():
                 record.job_id = scheduler.submit(runner, f"{rendered.run_dir}/job.pbs", rendered.run_dir,
                                                  rendered.job_name)
-            except PbstkError:
+                store.add(record)
+        except BaseException:
+            if not record.job_id:  # nothing was submitted: leave nothing behind (rejected, interrupted, ...)
                 runner.run(["rm", "-rf", "--", rendered.run_dir])
-                raise
-            store.add(record)
+            raise
         return LaunchResult(record, rendered)
     finally:
         if own_runner:
