@@ -23,13 +23,34 @@ class HttpAnswer:
         return json.loads(self.body)
 
 
+class _DeferredClose:
+    """A socket-like object whose ``close()`` waits for us.
+
+    ``http.client`` closes the connection as soon as it has read the headers of a response that ends with
+    the connection (HTTP/1.0, ``Connection: close``) and then reads the body through ``makefile()``. A real
+    socket stays open until that file is closed too; a paramiko channel closes at once and the body is
+    lost (``IncompleteRead``). ``http_request`` closes the real stream after reading the body.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
 class _RunnerConnection(http.client.HTTPConnection):
     def __init__(self, runner: Runner, host: str, port: int, timeout: float) -> None:
         super().__init__(host, port, timeout=timeout)
         self._runner = runner
+        self.stream: Any = None
 
     def connect(self) -> None:
-        self.sock = self._runner.open_connection(self.host, self.port, timeout=self.timeout or 5.0)
+        self.stream = self._runner.open_connection(self.host, self.port, timeout=self.timeout or 5.0)
+        self.sock = _DeferredClose(self.stream)  # type: ignore[assignment]
 
 
 def http_request(
@@ -58,6 +79,8 @@ def http_request(
         raise OSError(f"bad HTTP answer from {host}:{port}{path}: {exc}") from exc
     finally:
         conn.close()
+        if conn.stream is not None:
+            conn.stream.close()
 
 
 def health(runner: Runner, host: str, port: int, timeout: float = 3.0) -> int | None:

@@ -19,7 +19,7 @@ FAKEPBS_BIN = TESTS / "fakepbs" / "bin"
 STANDINS = TESTS / "standins"
 sys.path.insert(0, str(TESTS))
 
-from sshd import sshd_server  # noqa: E402,F401  (fixture re-exported for every test module)
+from sshd import SshdInfo, sshd_server, start_sshd  # noqa: E402,F401  (sshd_server: fixture re-exported)
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +65,24 @@ def fakepbs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
         ids = [p.stem for p in jobs.glob("*.json")]
         if ids:
             subprocess.run(["qdel", *ids], capture_output=True, check=False)  # noqa: S603,S607
+
+
+@pytest.fixture(scope="module")
+def login_node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdInfo]:
+    """A login node (real sshd, one per test module) whose commands find the fake PBS and the stand-ins, with
+    their own FAKEPBS_HOME; leftover jobs are deleted at the end. Modules that need another kind of login node
+    (test_launch_ssh, test_ssh_transport, test_tunnel) define their own ``login_node``, which wins."""
+    import subprocess
+
+    name = request.module.__name__.removeprefix("test_")
+    home = tmp_path_factory.mktemp(f"{name}-fakepbs")
+    path = os.pathsep.join([str(FAKEPBS_BIN), str(STANDINS), os.environ["PATH"]])
+    env = {"PATH": path, "FAKEPBS_HOME": str(home), "FAKEPBS_KILL_DELAY": "1", "FAKEPBS_EXITING_DELAY": "0.2"}
+    with start_sshd(tmp_path_factory.mktemp(f"{name}-login"), env) as info:
+        yield info
+    jobs = [p.stem for p in (home / "jobs").glob("*.json")] if (home / "jobs").is_dir() else []
+    if jobs:
+        subprocess.run(["qdel", *jobs], env={**os.environ, **env}, capture_output=True, check=False)  # noqa: S603,S607
 
 
 def read_calls(home: Path, tool: str) -> list[list[str]]:

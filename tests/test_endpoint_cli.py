@@ -11,20 +11,15 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
-from sshd import SshdInfo, start_sshd
+from helpers import MODEL, launch, marker, until
+from helpers import pbstk_raising as pbstk
+from sshd import SshdInfo
 
-from pbs_toolkit.cli.main import cli
-from pbs_toolkit.jobstore import JobRecord, JobStore
 from pbs_toolkit.registries import read_endpoints
-
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
-TESTS = Path(__file__).parent
 
 OTHERS = {
     "py": 'ENDPOINTS = {\n    # keep me\n    "other": {"model": "m", "url": "http://o:1/v1", "key": "K"},\n}\n',
@@ -32,33 +27,6 @@ OTHERS = {
     "yaml": "endpoints:\n  other:  # keep me\n    model: m\n    url: http://o:1/v1\n    key_env: K\n",
     "json": '{"endpoints": {"other": {"model": "m", "url": "http://o:1/v1", "key_env": "K"}}}\n',
 }
-
-
-def until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def pbstk(*args: str) -> Any:
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def launch(*extra: str) -> JobRecord:
-    result = pbstk("launch", MODEL, "--preset", "dp4", "--profile", "generic-pbspro", "--port", "auto", *extra)
-    assert result.exit_code == 0, result.output
-    return JobStore().find(None)
-
-
-def marker(record: JobRecord) -> dict[str, Any]:
-    try:
-        return json.loads(Path(record.run_dir, "server.json").read_text())  # type: ignore[no-any-return]
-    except (OSError, ValueError):
-        return {}
 
 
 def cli_process(*args: str) -> subprocess.Popen[str]:
@@ -204,18 +172,6 @@ def test_env_without_key(fakepbs: Path, standins: Path) -> None:
 
 
 # -- tunnel over a real sshd ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def login_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdInfo]:
-    home = tmp_path_factory.mktemp("tunnel-fakepbs")
-    path = os.pathsep.join([str(TESTS / "fakepbs" / "bin"), str(TESTS / "standins"), os.environ["PATH"]])
-    env = {"PATH": path, "FAKEPBS_HOME": str(home), "FAKEPBS_KILL_DELAY": "1", "FAKEPBS_EXITING_DELAY": "0.2"}
-    with start_sshd(tmp_path_factory.mktemp("endpoint-login"), env) as info:
-        yield info
-    jobs = [p.stem for p in (home / "jobs").glob("*.json")] if (home / "jobs").is_dir() else []
-    if jobs:
-        subprocess.run(["qdel", *jobs], env={**os.environ, **env}, capture_output=True, check=False)  # noqa: S603,S607
 
 
 def free_port() -> int:

@@ -48,7 +48,7 @@ def test_torch_messages_seen_on_gpus_match() -> None:
 @pytest.mark.parametrize(("eager", "expected"), [(False, True), (True, False)])
 def test_wait_expects_the_eager_restart_only_when_one_will_come(eager: bool, expected: bool) -> None:
     from pbs_toolkit.jobstore import JobRecord
-    from pbs_toolkit.schedulers import SchedulerJob, SchedState
+    from pbs_toolkit.schedulers import SchedState, SchedulerJob
     from pbs_toolkit.status import ServerState, combine
 
     record = JobRecord(job_id="1.local", scheduler="local", profile="local", model="m", served_model_name="m",

@@ -11,31 +11,21 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import helpers
 import pytest
-from click.testing import CliRunner, Result
+from helpers import MODEL, launched_id, pbstk, status_of
 
-from pbs_toolkit.cli.main import cli
 from pbs_toolkit.jobstore import JobStore
 from pbs_toolkit.schedulers import JobRef, SchedState
 from pbs_toolkit.schedulers.local import LocalScheduler
 from pbs_toolkit.transports import LocalRunner
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
-
-
-def wait_for(check: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
+wait_for = partial(helpers.wait_for, interval=0.1)  # the poll interval these tests have always used
+wait_recorded = partial(helpers.wait_recorded, interval=0.1)
 
 
 def alive(pid: int) -> bool:
@@ -168,31 +158,8 @@ def test_query_of_an_unknown_run_dir_is_absent(tmp_path: Path) -> None:
 # -- pbstk end to end with the stand-in vllm --------------------------------------------------------
 
 
-def pbstk(*args: str) -> Result:
-    return CliRunner().invoke(cli, list(args))
-
-
 LAUNCH = ["launch", MODEL, "--profile", "local-gpu", "--gpus-per-node", "1", "--preset", "single",
           "--port", "auto"]
-
-
-def launched_id(result: Result) -> str:
-    assert result.exit_code == 0, result.output
-    return result.stdout.splitlines()[0].split()[1]
-
-
-def status_of(job: str) -> dict[str, Any]:
-    result = pbstk("status", job, "--json")
-    assert result.exit_code == 0, result.output
-    return dict(json.loads(result.stdout)[0])
-
-
-def wait_recorded(job: str, state: str, timeout: float = 15.0) -> dict[str, Any]:
-    def check() -> dict[str, Any] | None:
-        st = status_of(job)
-        return st if JobStore().find(job).final_state == state else None
-
-    return dict(wait_for(check, timeout, f"{job} recorded as {state}"))
 
 
 def test_launch_from_another_process_status_cancel(standins: Path) -> None:

@@ -11,22 +11,15 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import Result
 from conftest import STANDINS, read_calls
+from helpers import MODEL, pbstk, status_of, wait_for, wait_recorded
 
-from pbs_toolkit.cli.main import cli
 from pbs_toolkit.jobstore import JobStore
-
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
-
-
-def pbstk(*args: str) -> Result:
-    return CliRunner().invoke(cli, list(args))
 
 
 def launch(name: str, *extra: str) -> Result:
@@ -41,23 +34,6 @@ def launched_id(result: Result) -> str:
     return first.split()[1]
 
 
-def status_of(job: str) -> dict[str, Any]:
-    result = pbstk("status", job, "--json")
-    assert result.exit_code == 0, result.output
-    return dict(json.loads(result.stdout)[0])
-
-
-def wait_for(check: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.15)
-
-
 def wait_state(job: str, *states: str, timeout: float = 15.0) -> dict[str, Any]:
     seen: list[str] = []
 
@@ -70,16 +46,6 @@ def wait_state(job: str, *states: str, timeout: float = 15.0) -> dict[str, Any]:
         return dict(wait_for(check, timeout, f"{job} to be {'/'.join(states)}"))
     except AssertionError as exc:
         raise AssertionError(f"{exc}; states seen: {seen[-5:]}") from None
-
-
-def wait_recorded(job: str, state: str, timeout: float = 15.0) -> dict[str, Any]:
-    """Poll ``status`` until the job store records ``state`` (only once the scheduler says F)."""
-
-    def check() -> dict[str, Any] | None:
-        st = status_of(job)
-        return st if JobStore().find(job).final_state == state else None
-
-    return dict(wait_for(check, timeout, f"{job} recorded as {state}"))
 
 
 def fake_job(home: Path, job_id: str) -> dict[str, Any]:

@@ -10,26 +10,28 @@ import json
 import os
 import socket
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import helpers
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import Result
 from conftest import STANDINS, read_calls
+from helpers import MODEL, launched_id, pbstk, status_of
 from sshd import SshdInfo, start_sshd
 
-from pbs_toolkit.cli.main import cli
 from pbs_toolkit.jobstore import JobRecord, JobStore
 
 pytestmark = pytest.mark.ssh
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 PBS = ["--preset", "dp4", "--profile", "generic-pbspro", "--port", "auto"]
 LOCAL = ["--profile", "local-gpu", "--gpus-per-node", "1", "--preset", "single", "--port", "auto"]
 StartLogin = Callable[..., SshdInfo]
+wait_for = partial(helpers.wait_for, interval=0.2)  # the poll interval these tests have always used
+wait_recorded = partial(helpers.wait_recorded, interval=0.2)
 
 
 @pytest.fixture
@@ -53,42 +55,8 @@ def login_node(fakepbs: Path, standins: Path, tmp_path: Path,
         yield start
 
 
-def pbstk(*args: str) -> Result:
-    return CliRunner().invoke(cli, list(args))
-
-
 def launch(name: str, *extra: str, host: str = "pbstk-test") -> Result:
     return pbstk("launch", MODEL, "--ssh", host, "--name", name, *extra)
-
-
-def launched_id(result: Result) -> str:
-    assert result.exit_code == 0, result.output
-    return result.stdout.splitlines()[0].split()[1]
-
-
-def status_of(job: str) -> dict[str, Any]:
-    result = pbstk("status", job, "--json")
-    assert result.exit_code == 0, result.output
-    return dict(json.loads(result.stdout)[0])
-
-
-def wait_for(check: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.2)
-
-
-def wait_recorded(job: str, state: str, timeout: float = 15.0) -> dict[str, Any]:
-    def check() -> dict[str, Any] | None:
-        st = status_of(job)
-        return st if JobStore().find(job).final_state == state else None
-
-    return dict(wait_for(check, timeout, f"{job} recorded as {state}"))
 
 
 def logins(info: SshdInfo) -> int:

@@ -3,48 +3,23 @@ job end), locally and over a real sshd (including a dropped connection)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
+from helpers import launch, until
+from helpers import pbstk_raising as pbstk
 from sshd import SshdInfo, start_sshd
 
-from pbs_toolkit.cli.main import cli
 from pbs_toolkit.errors import TransportError
-from pbs_toolkit.jobstore import JobRecord, JobStore
+from pbs_toolkit.jobstore import JobStore
 from pbs_toolkit.logs import follow, tail_bytes, tail_lines
 from pbs_toolkit.transports.base import Runner
 from pbs_toolkit.transports.local import LocalRunner
-
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
-TESTS = Path(__file__).parent
-
-
-def until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def pbstk(*args: str) -> Any:
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def launch(*extra: str) -> JobRecord:
-    result = pbstk("launch", MODEL, "--preset", "dp4", "--profile", "generic-pbspro", "--port", "auto", *extra)
-    assert result.exit_code == 0, result.output
-    return JobStore().find(None)
 
 
 class CountingReads(LocalRunner):
@@ -247,18 +222,6 @@ def test_cli_follow_stops_after_cancel(fakepbs: Path, standins: Path, monkeypatc
 
 
 # -- over SSH --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def login_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdInfo]:
-    home = tmp_path_factory.mktemp("logs-fakepbs")
-    path = os.pathsep.join([str(TESTS / "fakepbs" / "bin"), str(TESTS / "standins"), os.environ["PATH"]])
-    env = {"PATH": path, "FAKEPBS_HOME": str(home), "FAKEPBS_KILL_DELAY": "1", "FAKEPBS_EXITING_DELAY": "0.2"}
-    with start_sshd(tmp_path_factory.mktemp("logs-login"), env) as info:
-        yield info
-    jobs = [p.stem for p in (home / "jobs").glob("*.json")] if (home / "jobs").is_dir() else []
-    if jobs:
-        subprocess.run(["qdel", *jobs], env={**os.environ, **env}, capture_output=True, check=False)  # noqa: S603,S607
 
 
 def _ssh_runner(info: SshdInfo) -> Any:

@@ -14,48 +14,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
-from sshd import SshdInfo, start_sshd
+from helpers import MODEL, launch, marker, until
+from helpers import pbstk_raising as pbstk
+from sshd import SshdInfo
 
-from pbs_toolkit.cli.main import cli
 from pbs_toolkit.jobstore import JobRecord, JobStore
 
 FAIL_FAST_S = 8.0
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
-TESTS = Path(__file__).parent
-
-
-def pbstk(*args: str) -> Any:
-    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
-    return result
-
-
-def launch(*extra: str) -> JobRecord:
-    result = pbstk("launch", MODEL, "--preset", "dp4", "--profile", "generic-pbspro", "--port", "auto", *extra)
-    assert result.exit_code == 0, result.output
-    return JobStore().find(None)
-
-
-def until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def marker(record: JobRecord) -> dict[str, Any]:
-    try:
-        return json.loads(Path(record.run_dir, "server.json").read_text())  # type: ignore[no-any-return]
-    except (OSError, ValueError):
-        return {}
 
 
 def started(record: JobRecord) -> dict[str, Any]:
@@ -222,19 +192,6 @@ def test_api_key_never_exposed(fakepbs: Path, standins: Path) -> None:
 
 
 # -- over SSH: the probe goes through the SSH connection ------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def login_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdInfo]:
-    """A login node whose commands find the fake PBS and the stand-ins (their own FAKEPBS_HOME)."""
-    home = tmp_path_factory.mktemp("ssh-fakepbs")
-    path = os.pathsep.join([str(TESTS / "fakepbs" / "bin"), str(TESTS / "standins"), os.environ["PATH"]])
-    env = {"PATH": path, "FAKEPBS_HOME": str(home), "FAKEPBS_KILL_DELAY": "1", "FAKEPBS_EXITING_DELAY": "0.2"}
-    with start_sshd(tmp_path_factory.mktemp("ready-login"), env) as info:
-        yield info
-    jobs = [p.stem for p in (home / "jobs").glob("*.json")] if (home / "jobs").is_dir() else []
-    if jobs:
-        subprocess.run(["qdel", *jobs], env={**os.environ, **env}, capture_output=True, check=False)  # noqa: S603,S607
 
 
 @pytest.mark.ssh

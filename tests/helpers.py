@@ -1,0 +1,97 @@
+"""Plain helpers shared by the end-to-end test modules: pollers, the ``pbstk`` CLI through click's runner, and
+the job queries built on it. Import them by name (``from helpers import until``): tests/ is on ``sys.path``."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from click.testing import CliRunner, Result
+
+from pbs_toolkit.cli.main import cli
+from pbs_toolkit.jobstore import JobRecord, JobStore
+
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+
+# -- polling ---------------------------------------------------------------------------------------------------
+
+
+def until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """``predicate()`` every 0.05 s until it is truthy (returned) or ``timeout`` has passed (AssertionError);
+    it is not called again once the deadline has passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 15.0, what: str = "condition", *,
+             interval: float = 0.15) -> Any:
+    """``check()`` every ``interval`` s until it is truthy (returned); after ``timeout`` the last check made
+    past the deadline decides, then AssertionError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+# -- the CLI ---------------------------------------------------------------------------------------------------
+
+
+def pbstk(*args: str) -> Result:
+    """``pbstk ARGS`` in this process; an exception becomes ``result.exception`` (exit code 1)."""
+    return CliRunner().invoke(cli, list(args))
+
+
+def pbstk_raising(*args: str) -> Result:
+    """``pbstk ARGS`` in this process; an exception propagates into the test."""
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def launch(*extra: str) -> JobRecord:
+    """Launch MODEL (dp4, generic PBS Pro, port auto, plus ``extra``); the new job's record."""
+    result = pbstk_raising("launch", MODEL, "--preset", "dp4", "--profile", "generic-pbspro", "--port", "auto",
+                           *extra)
+    assert result.exit_code == 0, result.output
+    return JobStore().find(None)
+
+
+def launched_id(result: Result) -> str:
+    """The job id from a successful ``launch``'s first line."""
+    assert result.exit_code == 0, result.output
+    return result.stdout.splitlines()[0].split()[1]
+
+
+def marker(record: JobRecord) -> dict[str, Any]:
+    """The job's ``server.json`` (written by the start script), or ``{}`` while it is missing or partial."""
+    try:
+        return json.loads(Path(record.run_dir, "server.json").read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return {}
+
+
+def status_of(job: str) -> dict[str, Any]:
+    """``pbstk status JOB --json``, which must succeed, as a dict."""
+    result = pbstk("status", job, "--json")
+    assert result.exit_code == 0, result.output
+    return dict(json.loads(result.stdout)[0])
+
+
+def wait_recorded(job: str, state: str, timeout: float = 15.0, *, interval: float = 0.15) -> dict[str, Any]:
+    """Poll ``status`` until the job store records ``state`` (only once the scheduler says F)."""
+
+    def check() -> dict[str, Any] | None:
+        st = status_of(job)
+        return st if JobStore().find(job).final_state == state else None
+
+    return dict(wait_for(check, timeout, f"{job} recorded as {state}", interval=interval))
