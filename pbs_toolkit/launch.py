@@ -98,7 +98,8 @@ def launch(
                    "pipeline_parallel": rendered.preset.pipeline_parallel,
                    "gpus": rendered.preset.gpus, "eager": rendered.preset.eager,
                    "vllm_version": rendered.profile.vllm_version, "ssh_host": transport or None,
-                   "vllm_cache_root": rendered.profile.vllm_cache_root, "params_b": rendered.params_b},
+                   "vllm_cache_root": rendered.profile.vllm_cache_root, "params_b": rendered.params_b,
+                   "venv": rendered.profile.venv},
         )
         if dry_run:
             return LaunchResult(record, rendered)

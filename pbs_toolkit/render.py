@@ -282,11 +282,15 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
             "(PBS reads it unquoted in the -o/-e directives)"
         )
 
+    # paths in the profile may start with ~ or $HOME: expand them for the machine the job runs on
+    expand = runner.expanduser if runner is not None else os.path.expanduser
+    profile = replace(
+        profile,
+        venv=expand(profile.venv) if profile.venv else None,
+        hf_home=expand(profile.hf_home) if profile.hf_home else None,
+        vllm_cache_root=expand(profile.vllm_cache_root) if profile.vllm_cache_root else None,
+    )
     vllm_cache_root = profile.vllm_cache_root
-    if vllm_cache_root and runner is not None:
-        vllm_cache_root = runner.expanduser(vllm_cache_root)
-    elif vllm_cache_root:
-        vllm_cache_root = os.path.expanduser(vllm_cache_root)
 
     context = {
         "version": __version__, "model": req.model, "model_path": model_path, "preset": preset,

@@ -21,37 +21,6 @@ from pbs_toolkit.render import RenderRequest, render, slug
 Progress = Callable[[str], None]
 
 
-def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int, output_len: int,
-                        num_prompts: int | None, rounds: int = 4, warmup: int = 2) -> list[dict[str, Any]]:
-    """Run the built-in load generator against a READY job at each concurrency (a tunnel over SSH)."""
-    from pbs_toolkit.observe.bench import run_benchmark_sync
-    from pbs_toolkit.transports import open_runner
-    from pbs_toolkit.tunnel import start_tunnel
-
-    record = st.record
-    runner = open_runner(record.transport or None)
-    tunnel = None
-    try:
-        base = st.url[: -len("/v1")]
-        if record.transport:  # compute nodes are not routable from here: go through the login node
-            tunnel = start_tunnel(runner, st.address, st.port)
-            base = tunnel.url
-        if warmup:
-            run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=1,
-                               num_prompts=warmup, input_len=input_len, output_len=min(output_len, 16))
-        results = []
-        for c in concurrencies:
-            n = num_prompts or max(rounds * c, 8)
-            res = run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=c,
-                                     num_prompts=n, input_len=input_len, output_len=output_len)
-            results.append({"concurrency": c, "num_prompts": n, **res.to_dict()})
-        return results
-    finally:
-        if tunnel is not None:
-            tunnel.close()
-        runner.close()
-
-
 def check_presets(base: RenderRequest, presets: Sequence[str]) -> None:
     """Render every preset first: unknown presets or GPU mismatches are refused before anything is submitted."""
     if not presets:
@@ -75,6 +44,7 @@ def run_tune(
     output_len: int = 256,
     num_prompts: int | None = None,
     rounds: int = 4,
+    client: str = "builtin",
     timeout: float = 3600.0,
     baseline: str | None = None,
     progress: Progress = lambda _msg: None,
@@ -85,6 +55,7 @@ def run_tune(
 
     ``checkpoint`` receives the document after every preset, so a run cut short keeps what it measured.
     """
+    from pbs_toolkit.benchjob import benchmark_ready_job
     from pbs_toolkit.launch import cancel, launch
     from pbs_toolkit.readiness import wait_until_ready
 
@@ -109,7 +80,7 @@ def run_tune(
             entry["ready_s"] = round(time.monotonic() - t0, 1)
             entry["eager_fallback"] = st.eager_fallback
             progress(f"[{name}] ready after {entry['ready_s']} s; benchmarking at {list(concurrencies)}")
-            entry["results"] = benchmark_ready_job(st, concurrencies, input_len=input_len,
+            entry["results"] = benchmark_ready_job(st, concurrencies, input_len=input_len, client=client,
                                                    output_len=output_len, num_prompts=num_prompts,
                                                    rounds=rounds)
         except PbstkError as exc:

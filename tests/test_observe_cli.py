@@ -120,3 +120,23 @@ def test_missing_vllm_in_the_job_environment_fails_fast_with_the_cause(monkeypat
                 "--port", "auto", "--wait", "--timeout", "60")
     assert res.exit_code == 5, res.output
     assert "vLLM is not installed in the job's environment" in res.stderr
+
+
+def test_bench_with_vllms_own_client_keeps_the_key_out_of_argv(standins: Path) -> None:
+    job = launch_ready("vbench")
+    try:
+        res = pbstk("bench", job, "--client", "vllm", "-c", "1,4", "--num-prompts", "8", "--input-len", "16",
+                    "--output-len", "32", "--json")
+        assert res.exit_code == 0, res.output
+        results = json.loads(res.stdout)["results"]
+        assert [(r["concurrency"], r["completed"], r["client"]) for r in results] == [(1, 8, "vllm"), (4, 8, "vllm")]
+        assert results[1]["output_throughput"] == 256.0
+        calls = [json.loads(line)["argv"] for line in (standins / "bench.jsonl").read_text().splitlines()]
+        key = JobStore().find(job).api_key
+        assert key and all(key not in " ".join(argv) for argv in calls)
+        first = calls[0]
+        assert first[1:3] == ["bench", "serve"] and "--ignore-eos" in first
+        assert first[first.index("--max-concurrency") + 1] == "1"
+        assert first[first.index("--base-url") + 1].startswith("http://127.0.0.1:")
+    finally:
+        pbstk("cancel", job)

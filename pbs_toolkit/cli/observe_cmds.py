@@ -165,17 +165,20 @@ def doctor(job: str | None, as_json: bool) -> None:
 @click.option("--input-len", default=128, show_default=True)
 @click.option("--output-len", default=256, show_default=True, help="Fixed (ignore_eos) output tokens.")
 @click.option("--num-prompts", type=int, help="Requests per level (default: 4 x concurrency, at least 8).")
+@click.option("--client", type=click.Choice(["builtin", "vllm"]), default="builtin", show_default=True,
+              help="builtin: pbstk's async client; vllm: `vllm bench serve` in the profile's environment.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--wait", "wait_ready", is_flag=True, help="Wait for the job to be ready first.")
 @click.option("--timeout", type=float, default=3600.0)
 def bench(job: str | None, concurrency: str, input_len: int, output_len: int, num_prompts: int | None,
-          as_json: bool, wait_ready: bool, timeout: float) -> None:
+          client: str, as_json: bool, wait_ready: bool, timeout: float) -> None:
     """Drive load against JOB's endpoint: output tokens/s, requests/s, TTFT and TPOT per concurrency."""
-    from pbs_toolkit.tune import benchmark_ready_job
+    from pbs_toolkit.benchjob import benchmark_ready_job
 
     levels = _int_list(concurrency)
     st = _ready_status(job, wait_ready, timeout)
-    results = benchmark_ready_job(st, levels, input_len=input_len, output_len=output_len, num_prompts=num_prompts)
+    results = benchmark_ready_job(st, levels, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
+                                  client=client)
     if as_json:
         echo_json({"job_id": st.record.job_id, "preset": st.record.preset, "results": results})
         return
@@ -203,6 +206,8 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
 @click.option("--output-len", default=256, show_default=True)
 @click.option("--num-prompts", type=int, help="Requests per level (default: --rounds x concurrency, at least 8).")
 @click.option("--rounds", type=int, default=4, show_default=True, help="Requests per level = rounds x concurrency.")
+@click.option("--client", type=click.Choice(["builtin", "vllm"]), default="builtin", show_default=True,
+              help="Load generator (see `pbstk bench --help`).")
 @click.option("--baseline", help="Preset to compare against (default: the eager one).")
 @click.option("--timeout", type=float, default=3600.0, help="Seconds to wait for each server.")
 @click.option("--output", "output", type=click.Path(dir_okay=False), help="Where to save the result JSON.")
@@ -213,7 +218,8 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
 @click.option("--png", type=click.Path(dir_okay=False), help="Also draw a bar chart (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True)
 def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, output_len: int,
-         num_prompts: int | None, rounds: int, baseline: str | None, timeout: float, output: str | None,
+         num_prompts: int | None, rounds: int, client: str, baseline: str | None, timeout: float,
+         output: str | None,
          append: bool, save_default: bool, reports: tuple[str, ...], png: str | None, as_json: bool,
          **kw: Any) -> None:
     """Launch each preset for MODEL, benchmark them identically, and recommend the fastest."""
@@ -239,7 +245,7 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
 
         doc = run_tune(build_request(model, **kw), names, concurrencies=_int_list(concurrency),
                        input_len=input_len, output_len=output_len, num_prompts=num_prompts, rounds=rounds,
-                       timeout=timeout, baseline=baseline, progress=lambda m: click.echo(m, err=True),
+                       client=client, timeout=timeout, baseline=baseline, progress=lambda m: click.echo(m, err=True),
                        checkpoint=checkpoint if output else None)
         if earlier is not None:
             doc = merge(earlier, doc, baseline)

@@ -282,8 +282,17 @@ def run_benchmark_sync(
 def load_vllm_bench_json(path: str | Path) -> BenchResult:
     """Read a ``vllm bench serve --save-result`` file. Raises ``UsageError`` when it is not one."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read benchmark result {path}: {exc}") from exc
+    return parse_vllm_bench_json(text, str(path))
+
+
+def parse_vllm_bench_json(text: str, path: str) -> BenchResult:
+    """The ``BenchResult`` in the text of a ``vllm bench serve`` result file (``path`` names it in errors)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise UsageError(f"cannot read benchmark result {path}: {exc}") from exc
     if not isinstance(data, dict) or "completed" not in data or "duration" not in data:
         raise UsageError(f"{path} is not a vllm bench serve result (no 'completed'/'duration')")

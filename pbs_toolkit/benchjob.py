@@ -1,0 +1,102 @@
+"""Benchmark a READY job at several concurrencies, with the built-in client or vLLM's own ``vllm bench serve``.
+
+``builtin`` (default) drives load from this machine (through an SSH tunnel when the job was submitted over
+SSH). ``vllm`` runs ``vllm bench serve`` where pbstk submits jobs (this machine or the login node), inside the
+profile's Python environment, with the job's key read from its 0600 file into ``OPENAI_API_KEY`` (never in
+argv), and reads the JSON it saves into the run directory.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from typing import Any
+
+from pbs_toolkit.errors import ServerFailed, UsageError
+from pbs_toolkit.transports import Runner, open_runner
+
+CLIENTS = ("builtin", "vllm")
+
+# Constant script; every value arrives as a positional parameter.
+_VLLM_BENCH = r"""
+run_dir=$1 venv=$2
+shift 2
+if [ -n "$venv" ]; then
+  # shellcheck disable=SC1091
+  source "$venv/bin/activate" || { echo "cannot activate $venv" >&2; exit 3; }
+fi
+if [ -f "$run_dir/api_key" ]; then OPENAI_API_KEY=$(<"$run_dir/api_key"); export OPENAI_API_KEY; fi
+mkdir -p "$run_dir/bench" || exit 3
+exec "$@"
+"""
+
+
+def prompts_for(concurrency: int, num_prompts: int | None, rounds: int) -> int:
+    return num_prompts or max(rounds * concurrency, 8)
+
+
+def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int, output_len: int,
+                        num_prompts: int | None, rounds: int = 4, warmup: int = 2,
+                        client: str = "builtin") -> list[dict[str, Any]]:
+    """One result dict per concurrency (``vllm bench serve`` field names plus ``concurrency``)."""
+    if client not in CLIENTS:
+        raise UsageError(f"unknown benchmark client {client!r} (known: {', '.join(CLIENTS)})")
+    runner = open_runner(st.record.transport or None)
+    try:
+        if client == "vllm":
+            return [_vllm_bench(runner, st, c, prompts_for(c, num_prompts, rounds), input_len, output_len)
+                    for c in concurrencies]
+        return _builtin(runner, st, concurrencies, input_len, output_len, num_prompts, rounds, warmup)
+    finally:
+        runner.close()
+
+
+def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: int, output_len: int,
+             num_prompts: int | None, rounds: int, warmup: int) -> list[dict[str, Any]]:
+    from pbs_toolkit.observe.bench import run_benchmark_sync
+    from pbs_toolkit.tunnel import start_tunnel
+
+    record = st.record
+    tunnel = None
+    try:
+        base = st.url[: -len("/v1")]
+        if record.transport:  # compute nodes are not routable from here: go through the login node
+            tunnel = start_tunnel(runner, st.address, st.port)
+            base = tunnel.url
+        if warmup:
+            run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=1,
+                               num_prompts=warmup, input_len=input_len, output_len=min(output_len, 16))
+        results = []
+        for c in concurrencies:
+            n = prompts_for(c, num_prompts, rounds)
+            res = run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=c,
+                                     num_prompts=n, input_len=input_len, output_len=output_len)
+            results.append({"concurrency": c, "num_prompts": n, **res.to_dict()})
+        return results
+    finally:
+        if tunnel is not None:
+            tunnel.close()
+
+
+def _vllm_bench(runner: Runner, st: Any, concurrency: int, n: int, input_len: int,
+                output_len: int) -> dict[str, Any]:
+    from pbs_toolkit.observe.bench import parse_vllm_bench_json, vllm_bench_argv
+
+    record = st.record
+    filename = f"vllm-bench-c{concurrency}.json"
+    result_dir = f"{record.run_dir}/bench"
+    argv = vllm_bench_argv(st.url, record.served_model_name, record.model, concurrency, n, input_len,
+                           output_len, result_dir, filename)
+    venv = str(record.extra.get("venv") or "")
+    result = runner.run(["bash", "-c", _VLLM_BENCH, "pbstk-bench", record.run_dir, venv, *argv], timeout=None)
+    if result.rc != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
+        raise ServerFailed(f"vllm bench serve failed (exit {result.rc}): {shlex.join(argv[:3])} ...",
+                           details=tail)
+    path = f"{result_dir}/{filename}"
+    try:
+        text = runner.read_bytes(path).decode("utf-8")
+    except FileNotFoundError:
+        raise ServerFailed(f"vllm bench serve wrote no result at {path}") from None
+    parsed = parse_vllm_bench_json(text, path)
+    return {"concurrency": concurrency, "num_prompts": n, "client": "vllm", **parsed.to_dict()}
