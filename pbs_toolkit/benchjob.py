@@ -1,21 +1,22 @@
-"""Benchmark a READY job at several concurrencies, with the built-in client or vLLM's own ``vllm bench serve``.
+"""Benchmark a READY job at several concurrencies, with vLLM's own ``vllm bench serve`` or a built-in client.
 
-``builtin`` (default) drives load from this machine (through an SSH tunnel when the job was submitted over
-SSH). ``vllm`` runs ``vllm bench serve`` where pbstk submits jobs (this machine or the login node), inside the
+``vllm`` runs ``vllm bench serve`` where pbstk submits jobs (this machine or the login node), inside the
 profile's Python environment, with the job's key read from its 0600 file into ``OPENAI_API_KEY`` (never in
-argv), and reads the JSON it saves into the run directory.
+argv), and reads the JSON it saves into the run directory. ``builtin`` drives load from this machine
+(through an SSH tunnel when the job was submitted over SSH). ``auto`` (default) prefers ``vllm`` and falls
+back to ``builtin`` when ``vllm bench serve`` cannot run there (no vLLM, or the CPU build whose CLI fails).
+Both gave the same numbers within run-to-run noise on an H200 (benchmarks/README.md).
 """
 
 from __future__ import annotations
 
-import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from pbs_toolkit.errors import ServerFailed, UsageError
+from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 from pbs_toolkit.transports import Runner, open_runner
 
-CLIENTS = ("builtin", "vllm")
+CLIENTS = ("auto", "vllm", "builtin")
 
 # Constant script; every value arrives as a positional parameter.
 _VLLM_BENCH = r"""
@@ -36,16 +37,26 @@ def prompts_for(concurrency: int, num_prompts: int | None, rounds: int) -> int:
 
 
 def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int, output_len: int,
-                        num_prompts: int | None, rounds: int = 4, warmup: int = 2,
-                        client: str = "builtin") -> list[dict[str, Any]]:
-    """One result dict per concurrency (``vllm bench serve`` field names plus ``concurrency``)."""
+                        num_prompts: int | None, rounds: int = 4, warmup: int = 2, client: str = "auto",
+                        notice: Callable[[str], None] = lambda _msg: None) -> list[dict[str, Any]]:
+    """One result dict per concurrency (``vllm bench serve`` field names plus ``concurrency``, ``client``)."""
     if client not in CLIENTS:
         raise UsageError(f"unknown benchmark client {client!r} (known: {', '.join(CLIENTS)})")
     runner = open_runner(st.record.transport or None)
     try:
-        if client == "vllm":
-            return [_vllm_bench(runner, st, c, prompts_for(c, num_prompts, rounds), input_len, output_len)
-                    for c in concurrencies]
+        if client in ("auto", "vllm"):
+            results: list[dict[str, Any]] = []
+            for c in concurrencies:
+                try:
+                    n = prompts_for(c, num_prompts, rounds)
+                    results.append(_vllm_bench(runner, st, c, n, input_len, output_len))
+                except PbstkError as exc:
+                    if client == "vllm" or results:  # never mix clients within one result
+                        raise
+                    notice(f"vllm bench serve cannot run here ({exc}); using the built-in client")
+                    break
+            else:
+                return results
         return _builtin(runner, st, concurrencies, input_len, output_len, num_prompts, rounds, warmup)
     finally:
         runner.close()
@@ -71,7 +82,7 @@ def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: i
             n = prompts_for(c, num_prompts, rounds)
             res = run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=c,
                                      num_prompts=n, input_len=input_len, output_len=output_len)
-            results.append({"concurrency": c, "num_prompts": n, **res.to_dict()})
+            results.append({"concurrency": c, "num_prompts": n, "client": "builtin", **res.to_dict()})
         return results
     finally:
         if tunnel is not None:
@@ -91,7 +102,7 @@ def _vllm_bench(runner: Runner, st: Any, concurrency: int, n: int, input_len: in
     result = runner.run(["bash", "-c", _VLLM_BENCH, "pbstk-bench", record.run_dir, venv, *argv], timeout=None)
     if result.rc != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
-        raise ServerFailed(f"vllm bench serve failed (exit {result.rc}): {shlex.join(argv[:3])} ...",
+        raise ServerFailed(f"vllm bench serve failed (exit {result.rc}): {tail[-1] if tail else 'no output'}",
                            details=tail)
     path = f"{result_dir}/{filename}"
     try:

@@ -44,7 +44,7 @@ def run_tune(
     output_len: int = 256,
     num_prompts: int | None = None,
     rounds: int = 4,
-    client: str = "builtin",
+    client: str = "auto",
     timeout: float = 3600.0,
     baseline: str | None = None,
     progress: Progress = lambda _msg: None,
@@ -73,6 +73,9 @@ def run_tune(
                                  "run_dir": record.run_dir}
         try:
             t0 = time.monotonic()
+            def show_note(message: str, n: str = name) -> None:
+                progress(f"[{n}] {message}")
+
             def show(s: Any, elapsed: float, n: str = name) -> None:
                 progress(f"[{n}] {elapsed:5.0f}s {s.state.value} {s.phase or s.comment or ''}")
 
@@ -82,7 +85,7 @@ def run_tune(
             progress(f"[{name}] ready after {entry['ready_s']} s; benchmarking at {list(concurrencies)}")
             entry["results"] = benchmark_ready_job(st, concurrencies, input_len=input_len, client=client,
                                                    output_len=output_len, num_prompts=num_prompts,
-                                                   rounds=rounds)
+                                                   rounds=rounds, notice=show_note)
         except PbstkError as exc:
             entry["error"] = str(exc)
             progress(f"[{name}] failed: {exc}")

@@ -41,8 +41,8 @@ def test_metrics_and_bench_on_the_stand_in(standins: Path) -> None:
         assert res.exit_code == 0, res.output
         snap = json.loads(res.stdout.splitlines()[-1])
         assert snap["job_id"] == job and snap["running"] == 0
-        res = pbstk("bench", job, "-c", "1,2", "--num-prompts", "4", "--input-len", "8", "--output-len", "5",
-                    "--json")
+        res = pbstk("bench", job, "--client", "builtin", "-c", "1,2", "--num-prompts", "4", "--input-len", "8",
+                    "--output-len", "5", "--json")
         assert res.exit_code == 0, res.output
         results = json.loads(res.stdout)["results"]
         assert [r["completed"] for r in results] == [4, 4]
@@ -58,7 +58,7 @@ def test_bench_against_a_server_that_rejects_the_key_reports_failures(standins: 
         record = store.find(job)
         record.api_key = "not-the-key"
         store.add(record)
-        res = pbstk("bench", job, "-c", "1", "--num-prompts", "3", "--output-len", "4")
+        res = pbstk("bench", job, "--client", "builtin", "-c", "1", "--num-prompts", "3", "--output-len", "4")
         assert res.exit_code == 5
         assert "401" in res.stderr and res.stderr.count("\n") <= 3
     finally:
@@ -138,5 +138,24 @@ def test_bench_with_vllms_own_client_keeps_the_key_out_of_argv(standins: Path) -
         assert first[1:3] == ["bench", "serve"] and "--ignore-eos" in first
         assert first[first.index("--max-concurrency") + 1] == "1"
         assert first[first.index("--base-url") + 1].startswith("http://127.0.0.1:")
+    finally:
+        pbstk("cancel", job)
+
+
+def test_bench_auto_prefers_vllm_and_falls_back_to_the_builtin_client(standins: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    job = launch_ready("auto")
+    try:
+        res = pbstk("bench", job, "-c", "1", "--num-prompts", "4", "--output-len", "6", "--json")
+        assert res.exit_code == 0, res.output
+        assert [r["client"] for r in json.loads(res.stdout)["results"]] == ["vllm"]
+        monkeypatch.setenv("PBSTK_TEST_BENCH_FAIL", "1")
+        res = pbstk("bench", job, "-c", "1,2", "--num-prompts", "4", "--output-len", "6", "--json")
+        assert res.exit_code == 0, res.output
+        results = json.loads(res.stdout)["results"]
+        assert [(r["client"], r["total_output_tokens"]) for r in results] == [("builtin", 24), ("builtin", 24)]
+        assert "using the built-in client" in res.stderr and "PackageNotFoundError" in res.stderr
+        res = pbstk("bench", job, "--client", "vllm", "-c", "1", "--num-prompts", "4")
+        assert res.exit_code == 5 and "vllm bench serve failed" in res.stderr
     finally:
         pbstk("cancel", job)

@@ -165,8 +165,9 @@ def doctor(job: str | None, as_json: bool) -> None:
 @click.option("--input-len", default=128, show_default=True)
 @click.option("--output-len", default=256, show_default=True, help="Fixed (ignore_eos) output tokens.")
 @click.option("--num-prompts", type=int, help="Requests per level (default: 4 x concurrency, at least 8).")
-@click.option("--client", type=click.Choice(["builtin", "vllm"]), default="builtin", show_default=True,
-              help="builtin: pbstk's async client; vllm: `vllm bench serve` in the profile's environment.")
+@click.option("--client", type=click.Choice(["auto", "vllm", "builtin"]), default="auto", show_default=True,
+              help="vllm: `vllm bench serve` in the profile's environment; builtin: pbstk's async client; "
+                   "auto: vllm where it can run, else builtin.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--wait", "wait_ready", is_flag=True, help="Wait for the job to be ready first.")
 @click.option("--timeout", type=float, default=3600.0)
@@ -178,7 +179,7 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
     levels = _int_list(concurrency)
     st = _ready_status(job, wait_ready, timeout)
     results = benchmark_ready_job(st, levels, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
-                                  client=client)
+                                  client=client, notice=lambda m: click.echo(f"pbstk: note: {m}", err=True))
     if as_json:
         echo_json({"job_id": st.record.job_id, "preset": st.record.preset, "results": results})
         return
@@ -206,7 +207,7 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
 @click.option("--output-len", default=256, show_default=True)
 @click.option("--num-prompts", type=int, help="Requests per level (default: --rounds x concurrency, at least 8).")
 @click.option("--rounds", type=int, default=4, show_default=True, help="Requests per level = rounds x concurrency.")
-@click.option("--client", type=click.Choice(["builtin", "vllm"]), default="builtin", show_default=True,
+@click.option("--client", type=click.Choice(["auto", "vllm", "builtin"]), default="auto", show_default=True,
               help="Load generator (see `pbstk bench --help`).")
 @click.option("--baseline", help="Preset to compare against (default: the eager one).")
 @click.option("--timeout", type=float, default=3600.0, help="Seconds to wait for each server.")
