@@ -12,7 +12,6 @@ from pbs_toolkit.errors import ServerFailed, UsageError
 from pbs_toolkit.observe.prom import (
     Histogram,
     delta,
-    fetch_snapshot,
     histogram_quantile,
     parse_metrics,
     rates,
@@ -122,19 +121,3 @@ def test_non_vllm_metrics_and_garbage():
     assert summarize(None, empty)["ttft_p50_ms"] is None
     with pytest.raises(ServerFailed):
         parse_metrics("<html>not metrics</html>\n{{{", 0)
-
-
-def test_fetch_snapshot_through_a_transport():
-    import httpx
-
-    body = (DATA / "vllm-0.32-metrics-2engines.txt").read_text()
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/metrics":
-            return httpx.Response(200, text=body)
-        return httpx.Response(404)
-
-    snap = fetch_snapshot("http://node1:8000/", transport=httpx.MockTransport(handler))
-    assert snap.running == 12 and snap.timestamp > 0
-    with pytest.raises(ServerFailed, match="503"):
-        fetch_snapshot("http://n:1", transport=httpx.MockTransport(lambda r: httpx.Response(503)))

@@ -251,23 +251,3 @@ def summarize(prev: MetricsSnapshot | None, cur: MetricsSnapshot) -> dict[str, A
         for q in QUANTILES:
             result[f"{name}_p{round(q * 100)}_ms"] = _ms(hist.quantile(q)) if hist is not None else None
     return result
-
-
-def fetch_snapshot(base_url: str, *, timeout: float = 5.0, transport: Any = None) -> MetricsSnapshot:
-    """GET ``{base_url}/metrics`` (open even when the server has an API key) and parse it.
-
-    Raises ``ServerFailed`` when the server does not answer or answers with an error.
-    """
-    import time
-
-    import httpx
-
-    url = base_url.rstrip("/") + "/metrics"
-    try:
-        with httpx.Client(timeout=timeout, transport=transport) as client:
-            response = client.get(url)
-    except httpx.HTTPError as exc:
-        raise ServerFailed(f"cannot read {url}: {exc}") from exc
-    if response.status_code != 200:
-        raise ServerFailed(f"{url} answered HTTP {response.status_code}")
-    return parse_metrics(response.text, time.time())
