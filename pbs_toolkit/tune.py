@@ -25,12 +25,17 @@ def check_presets(base: RenderRequest, presets: Sequence[str]) -> None:
     """Render every preset first: unknown presets or GPU mismatches are refused before anything is submitted."""
     if not presets:
         raise UsageError("tune needs at least one preset")
+    from pbs_toolkit.render import resolve_profile
+    from pbs_toolkit.transports import open_runner
+
     problems = []
-    for name in presets:
-        try:
-            render(replace(base, preset=name, run_dir="/tmp/pbstk-tune-check"))
-        except PbstkError as exc:
-            problems.append(f"{name}: {exc}")
+    # the model may be a directory on the login node: render as launch will, through the same transport
+    with open_runner(resolve_profile(base)[0].ssh_host) as runner:
+        for name in presets:
+            try:
+                render(replace(base, preset=name, run_dir="/tmp/pbstk-tune-check"), runner)
+            except PbstkError as exc:
+                problems.append(f"{name}: {exc}")
     if problems:
         raise UsageError("cannot tune: " + "; ".join(problems))
 
