@@ -167,7 +167,9 @@ def wait_until_ready(
                 if on_progress and (confirmed.state, confirmed.reason) != (st.state, st.reason):
                     on_progress(confirmed, time.monotonic() - start)
                 st = confirmed
-                if store is not None:
+                # as in status(): remember only what the scheduler can no longer change
+                settled = st.scheduler_state in ("F", "X") or (sched is None and answered)
+                if store is not None and settled:
                     store.set_final_state(record, st.state.value, final_reason=st.reason,
                                           exit_status=st.exit_status, log_excerpt=st.log_excerpt)
                 raise _failure(st, runner)
