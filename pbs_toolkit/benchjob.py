@@ -38,11 +38,16 @@ def prompts_for(concurrency: int, num_prompts: int | None, rounds: int) -> int:
 
 def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int, output_len: int,
                         num_prompts: int | None, rounds: int = 4, warmup: int = 2, client: str = "auto",
-                        notice: Callable[[str], None] = lambda _msg: None) -> list[dict[str, Any]]:
-    """One result dict per concurrency (``vllm bench serve`` field names plus ``concurrency``, ``client``)."""
+                        notice: Callable[[str], None] = lambda _msg: None,
+                        runner: Runner | None = None) -> list[dict[str, Any]]:
+    """One result dict per concurrency (``vllm bench serve`` field names plus ``concurrency``, ``client``).
+
+    ``runner``: the job's transport when the caller has one open (one SSH connection for everything).
+    """
     if client not in CLIENTS:
         raise UsageError(f"unknown benchmark client {client!r} (known: {', '.join(CLIENTS)})")
-    runner = open_runner(st.record.transport or None)
+    own = runner is None
+    runner = runner or open_runner(st.record.transport or None)
     try:
         if client in ("auto", "vllm"):
             results: list[dict[str, Any]] = []
@@ -59,7 +64,8 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
                 return results
         return _builtin(runner, st, concurrencies, input_len, output_len, num_prompts, rounds, warmup)
     finally:
-        runner.close()
+        if own:
+            runner.close()
 
 
 def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: int, output_len: int,

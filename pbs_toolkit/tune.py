@@ -17,25 +17,24 @@ from pbs_toolkit import __version__, paths
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.jobstore import JobStore
 from pbs_toolkit.render import RenderRequest, render, slug
+from pbs_toolkit.transports import Runner
 
 Progress = Callable[[str], None]
 
 
-def check_presets(base: RenderRequest, presets: Sequence[str]) -> None:
-    """Render every preset first: unknown presets or GPU mismatches are refused before anything is submitted."""
+def check_presets(base: RenderRequest, presets: Sequence[str], runner: Runner) -> None:
+    """Render every preset first: unknown presets or GPU mismatches are refused before anything is submitted.
+
+    Through ``runner``, as launch will render: the model may be a directory on the login node.
+    """
     if not presets:
         raise UsageError("tune needs at least one preset")
-    from pbs_toolkit.render import resolve_profile
-    from pbs_toolkit.transports import open_runner
-
     problems = []
-    # the model may be a directory on the login node: render as launch will, through the same transport
-    with open_runner(resolve_profile(base)[0].ssh_host) as runner:
-        for name in presets:
-            try:
-                render(replace(base, preset=name, run_dir="/tmp/pbstk-tune-check"), runner)
-            except PbstkError as exc:
-                problems.append(f"{name}: {exc}")
+    for name in presets:
+        try:
+            render(replace(base, preset=name, run_dir="/tmp/pbstk-tune-check"), runner)
+        except PbstkError as exc:
+            problems.append(f"{name}: {exc}")
     if problems:
         raise UsageError("cannot tune: " + "; ".join(problems))
 
@@ -59,49 +58,62 @@ def run_tune(
     """Launch, wait, benchmark and cancel each preset in turn. Returns the result document.
 
     ``checkpoint`` receives the document after every preset, so a run cut short keeps what it measured.
+    Everything goes through one transport: over SSH one connection (one MFA prompt) serves the whole run.
     """
+    from pbs_toolkit.render import resolve_profile
+    from pbs_toolkit.transports import open_runner
+
+    store = store or JobStore()
+    with open_runner(resolve_profile(base)[0].ssh_host) as runner:
+        check_presets(base, presets, runner)
+        started = time.time()
+        runs: list[dict[str, Any]] = []
+        for name in presets:
+            runs.append(_tune_one(base, name, runner, store, concurrencies, input_len, output_len, num_prompts,
+                                  rounds, client, timeout, progress))
+            doc = _document(base, started, input_len, output_len, concurrencies, baseline, runs)
+            if checkpoint is not None:
+                checkpoint(doc)
+    return doc
+
+
+def _tune_one(base: RenderRequest, name: str, runner: Runner, store: JobStore, concurrencies: Sequence[int],
+              input_len: int, output_len: int, num_prompts: int | None, rounds: int, client: str,
+              timeout: float, progress: Progress) -> dict[str, Any]:
+    """Launch one preset, wait, benchmark, cancel; the run's entry (with ``error`` when it failed)."""
     from pbs_toolkit.benchjob import benchmark_ready_job
     from pbs_toolkit.launch import cancel, launch
     from pbs_toolkit.readiness import wait_until_ready
 
-    check_presets(base, presets)
-    store = store or JobStore()
-    started = time.time()
-    runs: list[dict[str, Any]] = []
-    for name in presets:
-        req = replace(base, preset=name, name=f"{base.name or slug(base.model)}-{slug(name)}"[:63])
-        progress(f"[{name}] launching")
-        result = launch(req, store=store)
-        record = result.record
-        entry: dict[str, Any] = {"preset": name, "layout": result.rendered.preset.layout(),
-                                 "eager": result.rendered.preset.eager, "job_id": record.job_id,
-                                 "run_dir": record.run_dir}
-        try:
-            t0 = time.monotonic()
-            def show_note(message: str, n: str = name) -> None:
-                progress(f"[{n}] {message}")
+    def show_note(message: str) -> None:
+        progress(f"[{name}] {message}")
 
-            def show(s: Any, elapsed: float, n: str = name) -> None:
-                progress(f"[{n}] {elapsed:5.0f}s {s.state.value} {s.phase or s.comment or ''}")
+    def show(s: Any, elapsed: float) -> None:
+        progress(f"[{name}] {elapsed:5.0f}s {s.state.value} {s.phase or s.comment or ''}")
 
-            st = wait_until_ready(record, timeout=timeout, store=store, on_progress=show)
-            entry["ready_s"] = round(time.monotonic() - t0, 1)
-            entry["eager_fallback"] = st.eager_fallback
-            progress(f"[{name}] ready after {entry['ready_s']} s; benchmarking at {list(concurrencies)}")
-            entry["results"] = benchmark_ready_job(st, concurrencies, input_len=input_len, client=client,
-                                                   output_len=output_len, num_prompts=num_prompts,
-                                                   rounds=rounds, notice=show_note)
-        except PbstkError as exc:
-            entry["error"] = str(exc)
-            progress(f"[{name}] failed: {exc}")
-        finally:
-            cancel(record)
-            _wait_gone(record, store)
-        runs.append(entry)
-        doc = _document(base, started, input_len, output_len, concurrencies, baseline, runs)
-        if checkpoint is not None:
-            checkpoint(doc)
-    return _document(base, started, input_len, output_len, concurrencies, baseline, runs)
+    req = replace(base, preset=name, name=f"{base.name or slug(base.model)}-{slug(name)}"[:63])
+    progress(f"[{name}] launching")
+    result = launch(req, store=store, runner=runner)
+    record = result.record
+    entry: dict[str, Any] = {"preset": name, "layout": result.rendered.preset.layout(),
+                             "eager": result.rendered.preset.eager, "job_id": record.job_id,
+                             "run_dir": record.run_dir}
+    try:
+        t0 = time.monotonic()
+        st = wait_until_ready(record, timeout=timeout, store=store, runner=runner, on_progress=show)
+        entry["ready_s"] = round(time.monotonic() - t0, 1)
+        entry["eager_fallback"] = st.eager_fallback
+        progress(f"[{name}] ready after {entry['ready_s']} s; benchmarking at {list(concurrencies)}")
+        entry["results"] = benchmark_ready_job(st, concurrencies, input_len=input_len, output_len=output_len,
+                                               num_prompts=num_prompts, rounds=rounds, client=client,
+                                               notice=show_note, runner=runner)
+    except PbstkError as exc:
+        entry["error"] = str(exc)
+        progress(f"[{name}] failed: {exc}")
+    finally:
+        cancel(record, runner=runner)
+        _wait_gone(record, store, runner)
+    return entry
 
 
 def _document(base: RenderRequest, started: float, input_len: int, output_len: int,
@@ -116,12 +128,12 @@ def _document(base: RenderRequest, started: float, input_len: int, output_len: i
     return doc
 
 
-def _wait_gone(record: Any, store: JobStore, timeout: float = 120.0) -> None:
+def _wait_gone(record: Any, store: JobStore, runner: Runner, timeout: float = 120.0) -> None:
     from pbs_toolkit.status import status
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if status([record], store)[0].state.final:
+        if status([record], store, runners={record.transport: runner})[0].state.final:
             return
         time.sleep(1.0)
 
