@@ -173,6 +173,15 @@ def resolve_auto(preset: Preset, params_b: float | None, gpus: int) -> Preset:
                    summary=f"{preset.summary} -> {why}")
 
 
+def preset_for_layout(tensor_parallel: int, data_parallel: int) -> str:
+    """The graphs-on GPU preset with exactly this layout (shipped or the user's), else ``auto``."""
+    for preset in list_presets():
+        if (not preset.auto and not preset.eager and preset.device == "gpu" and preset.pipeline_parallel == 1
+                and (preset.tensor_parallel, preset.data_parallel) == (tensor_parallel, data_parallel)):
+            return preset.name
+    return "auto"
+
+
 def params_from_name(model: str) -> float | None:
     """Parameter count in billions from names like ``Qwen3-VL-2B-Instruct``, ``Llama-3.1-70B``, ``0.5B``."""
     import re

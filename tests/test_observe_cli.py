@@ -159,3 +159,10 @@ def test_bench_auto_prefers_vllm_and_falls_back_to_the_builtin_client(standins: 
         assert res.exit_code == 5 and "vllm bench serve failed" in res.stderr
     finally:
         pbstk("cancel", job)
+
+
+def test_doctor_recommends_the_preset_that_has_the_auto_layout() -> None:
+    from pbs_toolkit.presets import preset_for_layout
+
+    layouts = [(1, 4), (4, 1), (2, 2), (1, 1), (1, 2), (2, 1), (8, 1)]
+    assert [preset_for_layout(*x) for x in layouts] == ["dp4", "tp4", "tp2dp2", "single", "dp2", "tp2", "auto"]

@@ -124,7 +124,7 @@ def doctor(job: str | None, as_json: bool) -> None:
     from pbs_toolkit.jobstore import JobStore
     from pbs_toolkit.observe.doctor import diagnose
     from pbs_toolkit.observe.scrape import doctor_context, scrape
-    from pbs_toolkit.presets import auto_layout
+    from pbs_toolkit.presets import auto_layout, preset_for_layout
     from pbs_toolkit.status import status
     from pbs_toolkit.transports import open_runner
 
@@ -141,8 +141,7 @@ def doctor(job: str | None, as_json: bool) -> None:
     recommended, launch_line = None, None
     if gpus:
         tp, dp, why = auto_layout(ctx.model_params_b, gpus)
-        recommended = {(1, 4): "dp4", (4, 1): "tp4", (2, 2): "tp2dp2", (1, 1): "single", (1, 2): "dp2",
-                       (2, 1): "tp2"}.get((tp, dp), "auto")
+        recommended = preset_for_layout(tp, dp)
         launch_line = (f"pbstk launch {st.record.model} --preset {recommended} --profile {st.record.profile}"
                        + (f" --name {st.record.name}" if st.record.name else ""))
     if as_json:
