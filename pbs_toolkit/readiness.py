@@ -15,7 +15,7 @@ from pbs_toolkit.errors import SchedulerUnavailable, ServerFailed, WaitTimeout
 from pbs_toolkit.jobstore import JobRecord, JobStore
 from pbs_toolkit.logs import tail_lines
 from pbs_toolkit.schedulers import SchedState, SchedulerJob
-from pbs_toolkit.status import JobStatus, ServerState, observe, query_group, without_scheduler
+from pbs_toolkit.status import JobStatus, ServerState, observe, query_group, remember_final, without_scheduler
 from pbs_toolkit.transports import Runner, open_runner
 
 DEFAULT_SCHEDULER_INTERVALS = (2.0, 4.0, 8.0, 30.0)
@@ -48,14 +48,16 @@ def _failure(st: JobStatus, runner: Runner) -> ServerFailed:
                         details=details)
 
 
-def _confirm_end(runner: Runner, record: JobRecord, st: JobStatus, sched: SchedulerJob | None) -> JobStatus:
+def _confirm_end(runner: Runner, record: JobRecord, st: JobStatus,
+                 sched: SchedulerJob | None) -> tuple[JobStatus, SchedulerJob | None]:
     """The run directory says the job ended but the scheduler was last asked while it ran: ask again.
 
     Only the scheduler knows *why* (``Exit_status`` -29 is walltime, 271 is qdel), and only once the job
-    is ``F``. A few queries, once per job, then the run directory's verdict stands.
+    is ``F``. A few queries, once per job, then the run directory's verdict stands. Returns the status and
+    the scheduler's latest view of the job.
     """
     if sched is None or sched.state is SchedState.FINISHED:
-        return st
+        return st, sched
     deadline = time.monotonic() + CONFIRM_END_S
     while True:
         try:
@@ -64,9 +66,9 @@ def _confirm_end(runner: Runner, record: JobRecord, st: JobStatus, sched: Schedu
             fresh = None
         if fresh is not None and fresh.state is SchedState.FINISHED:
             confirmed = observe(runner, record, fresh)
-            return confirmed if confirmed.state.final else st
+            return (confirmed, fresh) if confirmed.state.final else (st, sched)
         if time.monotonic() + 1.0 > deadline:
-            return st
+            return st, sched
         time.sleep(1.0)
 
 
@@ -163,15 +165,12 @@ def wait_until_ready(
                 if now - fatal_since >= _fatal_grace(st):
                     raise _failure(st, runner)
             elif st.state.final:
-                confirmed = _confirm_end(runner, record, st, sched)
+                confirmed, latest = _confirm_end(runner, record, st, sched)
                 if on_progress and (confirmed.state, confirmed.reason) != (st.state, st.reason):
                     on_progress(confirmed, time.monotonic() - start)
                 st = confirmed
-                # as in status(): remember only what the scheduler can no longer change
-                settled = st.scheduler_state in ("F", "X") or (sched is None and answered)
-                if store is not None and settled:
-                    store.set_final_state(record, st.state.value, final_reason=st.reason,
-                                          exit_status=st.exit_status, log_excerpt=st.log_excerpt)
+                if answered:  # a scheduler that never answered cannot have settled anything
+                    remember_final(store, st, latest)
                 raise _failure(st, runner)
             else:
                 fatal_since = None

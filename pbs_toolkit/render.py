@@ -290,14 +290,13 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
         hf_home=expand(profile.hf_home) if profile.hf_home else None,
         vllm_cache_root=expand(profile.vllm_cache_root) if profile.vllm_cache_root else None,
     )
-    vllm_cache_root = profile.vllm_cache_root
 
     context = {
         "version": __version__, "model": req.model, "model_path": model_path, "preset": preset,
         "profile": profile, "job_name": job_name, "run_dir": run_dir, "select": profile.select_statement(),
         "walltime": walltime, "env": env, "vllm_args": args, "port": port, "fixed_port": fixed_port,
         "vllm_arg_lines": _pair_flags(args), "port_span": PORT_SPAN,
-        "compile_error_re": COMPILE_ERROR_RE, "port_in_use_re": PORT_IN_USE_RE, "vllm_cache_root": vllm_cache_root,
+        "compile_error_re": COMPILE_ERROR_RE, "port_in_use_re": PORT_IN_USE_RE,
         "proxy": any(k.lower() in ("http_proxy", "https_proxy") for k in env),
     }
     jenv = _environment()

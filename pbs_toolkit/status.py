@@ -209,6 +209,19 @@ def without_scheduler(st: JobStatus, why: str) -> JobStatus:
     return st
 
 
+def remember_final(store: JobStore | None, st: JobStatus, job: SchedulerJob | None) -> None:
+    """Record ``st`` in ``store`` if it is final and the scheduler can no longer change it.
+
+    That is when the scheduler says F (E is not final yet, and a marker seen while the job still runs may be
+    overtaken by a walltime kill) or has forgotten the job (``job`` is None after it answered). The reason
+    and log lines are kept so later calls can still say why without asking anyone.
+    """
+    settled = job is None or job.state is SchedState.FINISHED
+    if store is not None and st.state.final and settled:
+        store.set_final_state(st.record, st.state.value, final_reason=st.reason,
+                              exit_status=st.exit_status, log_excerpt=st.log_excerpt)
+
+
 def query_group(runner: Runner, records: Sequence[JobRecord]) -> dict[str, SchedulerJob | None]:
     """One scheduler call for all ``records`` (same transport and scheduler)."""
     scheduler = get_scheduler(records[0].scheduler)
@@ -247,13 +260,7 @@ def status(records: Iterable[JobRecord], store: JobStore | None = None,
                 job = sched[record.job_id]
                 st = observe(runner, record, job)
                 out[index] = st
-                # Record only what will not change: the scheduler says F (E is not final yet, and a marker
-                # seen while the job still runs may be overtaken by a walltime kill), or it forgot the job.
-                settled = job is None or job.state is SchedState.FINISHED
-                if st.state.final and settled and store is not None:
-                    # kept so later calls can still say why without asking anyone
-                    store.set_final_state(record, st.state.value, final_reason=st.reason,
-                                          exit_status=st.exit_status, log_excerpt=st.log_excerpt)
+                remember_final(store, st, job)
     finally:
         if own_runners:
             for runner in runners.values():
