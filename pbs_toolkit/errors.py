@@ -10,6 +10,8 @@ Exit codes (documented in the README):
   6  timed out waiting (``WaitTimeout``)
   7  unknown job (``JobNotFound``)
   8  an endpoint registry could not be read or written (``RegistryError``)
+  9  the scheduler did not answer in time (hung, killed, garbled output): try again (``SchedulerUnavailable``)
+ 10  the local job store is unusable: locked too long, disk full, corrupt (``StoreError``)
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ class SchedulerError(PbstkError):
 
 
 class SchedulerUnavailable(SchedulerError):
-    """A transient failure talking to the scheduler (``cannot connect to server``, exit 255)."""
+    """A transient failure talking to the scheduler: ``cannot connect to server`` (exit 255), a query that hung
+    past its timeout, was killed, or printed output that does not parse. Status degrades to UNKNOWN."""
+
+    exit_code = 9
 
 
 class TransportError(PbstkError):
@@ -64,3 +69,9 @@ class JobNotFound(PbstkError):
 
 class RegistryError(PbstkError):
     exit_code = 8
+
+
+class StoreError(PbstkError):
+    """The job store cannot be read or written (locked for too long, disk full, corrupt). Names the path."""
+
+    exit_code = 10

@@ -40,7 +40,7 @@ def cli() -> None:
 
     Settings come, in order, from flags, PBSTK_* variables, ~/.config/pbstk/config.yaml, the site profile,
     and package defaults. Exit codes: 0 ok, 1 error, 2 bad input, 3 scheduler, 4 SSH, 5 server failed,
-    6 timeout, 7 unknown job, 8 registry.
+    6 timeout, 7 unknown job, 8 registry, 9 scheduler did not answer, 10 job store unusable.
     """
 
 
