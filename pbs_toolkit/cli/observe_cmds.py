@@ -9,7 +9,11 @@ from typing import Any
 
 import click
 
-from pbs_toolkit.cli.options import build_request, echo_json, render_options, table
+from pbs_toolkit.cli.options import SECONDS, BoundedInt, build_request, echo_json, render_options, table
+
+#: bounds that keep a typo (``-1``, ``1e9``) from running a useless or endless benchmark
+_COUNT, _PROMPTS = BoundedInt(0, 10**9), BoundedInt(1, 10**6)
+_ROUNDS, _TOKENS = BoundedInt(1, 10**4), BoundedInt(1, 10**7)
 
 
 def _ready_status(job: str | None, wait: bool, timeout: float) -> Any:
@@ -63,15 +67,15 @@ def _show_summary(s: dict[str, Any]) -> None:
 
 @click.command()
 @click.argument("job", required=False)
-@click.option("--watch", "watch", type=float, default=None, is_flag=False, flag_value=5.0,
+@click.option("--watch", "watch", type=SECONDS, default=None, is_flag=False, flag_value=5.0,
               help="Scrape again every N seconds (default 5) and show rates between scrapes.")
-@click.option("--count", type=int, default=0, help="With --watch: stop after this many scrapes (0: until Ctrl-C).")
+@click.option("--count", type=_COUNT, default=0, help="With --watch: stop after this many scrapes (0: until Ctrl-C).")
 @click.option("--export", "export_path", type=click.Path(dir_okay=False), help="Append JSON lines to FILE.")
-@click.option("--interval", type=float, default=1.0, show_default=True,
+@click.option("--interval", type=SECONDS, default=1.0, show_default=True,
               help="Without --watch: seconds between the two scrapes used for rates.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--wait", "wait_ready", is_flag=True, help="Wait for the job to be ready first.")
-@click.option("--timeout", type=float, default=3600.0)
+@click.option("--timeout", type=SECONDS, default=3600.0)
 def metrics(job: str | None, watch: float | None, count: int, export_path: str | None, interval: float,
             as_json: bool, wait_ready: bool, timeout: float) -> None:
     """Throughput, queue, KV cache and latency percentiles of JOB's server (from /metrics and its log)."""
@@ -161,15 +165,15 @@ def doctor(job: str | None, as_json: bool) -> None:
 @click.command()
 @click.argument("job", required=False)
 @click.option("--concurrency", "-c", default="1,8,64", show_default=True, help="Comma-separated levels.")
-@click.option("--input-len", default=128, show_default=True)
-@click.option("--output-len", default=256, show_default=True, help="Fixed (ignore_eos) output tokens.")
-@click.option("--num-prompts", type=int, help="Requests per level (default: 4 x concurrency, at least 8).")
+@click.option("--input-len", type=_TOKENS, default=128, show_default=True)
+@click.option("--output-len", type=_TOKENS, default=256, show_default=True, help="Fixed (ignore_eos) output tokens.")
+@click.option("--num-prompts", type=_PROMPTS, help="Requests per level (default: 4 x concurrency, at least 8).")
 @click.option("--client", type=click.Choice(["auto", "vllm", "builtin"]), default="auto", show_default=True,
               help="vllm: `vllm bench serve` in the profile's environment; builtin: pbstk's async client; "
                    "auto: vllm where it can run, else builtin.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--wait", "wait_ready", is_flag=True, help="Wait for the job to be ready first.")
-@click.option("--timeout", type=float, default=3600.0)
+@click.option("--timeout", type=SECONDS, default=3600.0)
 def bench(job: str | None, concurrency: str, input_len: int, output_len: int, num_prompts: int | None,
           client: str, as_json: bool, wait_ready: bool, timeout: float) -> None:
     """Drive load against JOB's endpoint: output tokens/s, requests/s, TTFT and TPOT per concurrency."""
@@ -202,14 +206,14 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
 @click.option("--presets", "preset_list", default="dp4,tp4,tp2dp2,baseline-eager", show_default=True)
 @render_options
 @click.option("--concurrency", "-c", default="1,8,64", show_default=True)
-@click.option("--input-len", default=128, show_default=True)
-@click.option("--output-len", default=256, show_default=True)
-@click.option("--num-prompts", type=int, help="Requests per level (default: --rounds x concurrency, at least 8).")
-@click.option("--rounds", type=int, default=4, show_default=True, help="Requests per level = rounds x concurrency.")
+@click.option("--input-len", type=_TOKENS, default=128, show_default=True)
+@click.option("--output-len", type=_TOKENS, default=256, show_default=True)
+@click.option("--num-prompts", type=_PROMPTS, help="Requests per level (default: --rounds x concurrency, at least 8).")
+@click.option("--rounds", type=_ROUNDS, default=4, show_default=True, help="Requests per level = rounds x concurrency.")
 @click.option("--client", type=click.Choice(["auto", "vllm", "builtin"]), default="auto", show_default=True,
               help="Load generator (see `pbstk bench --help`).")
 @click.option("--baseline", help="Preset to compare against (default: the eager one).")
-@click.option("--timeout", type=float, default=3600.0, help="Seconds to wait for each server.")
+@click.option("--timeout", type=SECONDS, default=3600.0, help="Seconds to wait for each server.")
 @click.option("--output", "output", type=click.Path(dir_okay=False), help="Where to save the result JSON.")
 @click.option("--append", is_flag=True, help="Add the runs to an existing --output file (same method).")
 @click.option("--save-default", is_flag=True, help="Make the winner your default preset for MODEL.")
