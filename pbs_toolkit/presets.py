@@ -68,6 +68,10 @@ class Preset:
         return out
 
 
+#: more GPUs than any node and any sensible server; larger values are typos
+MAX_PARALLEL = 1024
+
+
 def _builtin_dir() -> Path:
     return Path(__file__).parent / "presets"
 
@@ -83,6 +87,12 @@ def _parse(data: dict[str, object], source: Path) -> Preset:
             raise ConfigError(f"{source}: vllm_args key {flag!r} must start with '--'")
         if not isinstance(value, (str, int, float, bool)):
             raise ConfigError(f"{source}: vllm_args.{flag} must be a string, number or true/false")
+        if isinstance(value, float) and not math.isfinite(value):  # YAML .inf/.nan: vLLM would refuse it later
+            raise ConfigError(f"{source}: vllm_args.{flag} must be a finite number, got {value!r}")
+    for key in ("tensor_parallel", "data_parallel", "pipeline_parallel"):
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_PARALLEL:
+            raise ConfigError(f"{source}: key {key!r} must be at most {MAX_PARALLEL}, got {value}")
     device = f.get_str("device", "gpu") or "gpu"
     if device not in ("gpu", "cpu"):
         raise ConfigError(f"{source}: key 'device' must be 'gpu' or 'cpu', got {device!r}")

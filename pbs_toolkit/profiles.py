@@ -162,6 +162,8 @@ def validate(p: Profile) -> Profile:
             raise ConfigError(f"{where}: key {key!r} must be an integer, got {value!r}")
         if not low <= value <= high:
             raise UsageError(f"bad {key.replace('_', ' ')} {value}: must be between {low} and {high}")
+    if any(c.isspace() or not c.isprintable() for c in str(p.vllm_version)):
+        raise ConfigError(f"{where}: key 'vllm_version' must be a version like 0.11.0, got {p.vllm_version!r}")
     try:
         version_tuple(p.vllm_version)
     except ValueError as exc:

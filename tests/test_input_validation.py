@@ -373,3 +373,23 @@ def test_dropped_connection_prints_no_paramiko_traceback(tmp_path: Path, droppin
     assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
     assert proc.stderr.startswith(f"pbstk: error: cannot reach 127.0.0.1:{dropping_login_node}: ")
     assert "Traceback" not in proc.stderr
+
+
+# -- presets and profiles from YAML ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("vllm_args: {--max-model-len: .inf}\n", "finite"),
+    ("vllm_args: {--gpu-memory-utilization: .nan}\n", "finite"),
+    ("tensor_parallel: 100000000000000000000\n", "at most 1024"),
+])
+def test_preset_yaml_numbers_out_of_bounds(isolated_user: Path, text: str, needle: str) -> None:
+    preset = isolated_user / "config" / "pbstk" / "presets" / "odd.yaml"
+    preset.parent.mkdir(parents=True)
+    preset.write_text(text)
+    assert_refused(pbstk("render", MODEL, "--preset", "odd", "--profile", "generic-pbspro"), str(preset), needle)
+
+
+@pytest.mark.parametrize("version", ["0.11\n", "0.11 0.12", "0.11\x1b"])
+def test_vllm_version_on_one_line(version: str) -> None:
+    assert_refused(pbstk("render", MODEL, "--vllm-version", version), "'vllm_version'")
