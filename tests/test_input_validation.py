@@ -393,3 +393,30 @@ def test_preset_yaml_numbers_out_of_bounds(isolated_user: Path, text: str, needl
 @pytest.mark.parametrize("version", ["0.11\n", "0.11 0.12", "0.11\x1b"])
 def test_vllm_version_on_one_line(version: str) -> None:
     assert_refused(pbstk("render", MODEL, "--vllm-version", version), "'vllm_version'")
+
+
+# -- output files of long commands ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["metrics", "--export", "/proc/pbstk-metrics.jsonl"], "--export /proc/pbstk-metrics.jsonl"),
+    (["tune", MODEL, "--output", "/proc/pbstk-tune.json"], "--output /proc/pbstk-tune.json"),
+    (["tune", MODEL, "--png", "/proc/self/pbstk.png"], "--png /proc/self/pbstk.png"),
+    (["tune", MODEL, "--output", "/dev/null"], "not a regular file"),
+    (["tune", MODEL, "--concurrency", "1,99999999999"], "concurrencies must be integers from 1 to 10000"),
+])
+def test_output_file_is_checked_before_waiting_or_launching(isolated_user: Path, args: list[str],
+                                                            needle: str) -> None:
+    assert_refused(pbstk(*args), needle)
+    assert_nothing_launched(isolated_user)
+
+
+def test_output_file_check_writes_nothing(tmp_path: Path) -> None:
+    from pbs_toolkit.cli.options import check_writable_file
+
+    existing = tmp_path / "old.json"
+    existing.write_text("keep")
+    check_writable_file("--output", str(existing))
+    check_writable_file("--output", str(tmp_path / "new.json"))
+    assert existing.read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json", "user"]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
+import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -14,7 +17,8 @@ from pbs_toolkit.textutil import table
 
 __all__ = [
     "GPUS_PER_NODE", "LOCAL_PORT", "NODES", "SECONDS", "SECONDS_OR_ZERO", "BoundedInt", "Seconds",
-    "build_request", "check_display_name", "echo_json", "parse_port", "read_key_env", "render_options", "table",
+    "build_request", "check_display_name", "check_writable_file", "echo_json", "parse_port", "read_key_env",
+    "render_options", "table", "writable_file",
 ]
 
 F = Callable[..., Any]
@@ -137,6 +141,35 @@ def build_request(model: str, **kw: Any) -> Any:
         if kw.get(key) is not None:
             check_display_name(flag, kw[key])
     return RenderRequest(model=model, env=env, **kw)
+
+
+def check_writable_file(flag: str, path: str) -> None:
+    """Refuse an output file that cannot be written, before a benchmark or a wait that may take an hour.
+
+    An existing file must be a regular file we can append to (its content is not touched); a new one is
+    probed by creating and removing a temporary file next to it (``/proc/x``, a missing or read-only directory,
+    a full disk all fail here, also for root).
+    """
+    target = os.path.abspath(path)
+    try:
+        if os.path.lexists(target):
+            if not stat.S_ISREG(os.stat(target).st_mode):
+                raise UsageError(f"{flag} {path}: not a regular file")
+            with open(target, "a", encoding="utf-8"):
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(prefix=".pbstk-probe-", dir=os.path.dirname(target))
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write there: {exc.strerror or exc}") from None
+
+
+def writable_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Click callback running :func:`check_writable_file` while the command line is parsed."""
+    if value is not None:
+        check_writable_file(_flag(param), value)
+    return value
 
 
 def check_display_name(flag: str, value: str) -> None:
