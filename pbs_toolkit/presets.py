@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError, UsageError
-from pbs_toolkit.yamlio import Fields, load_yaml_mapping
+from pbs_toolkit.yamlio import Fields, load_yaml_mapping, require_file
 
 _KEYS = {
     "name", "summary", "rationale", "tensor_parallel", "data_parallel", "pipeline_parallel",
@@ -129,8 +129,7 @@ def load_preset(name_or_path: str) -> Preset:
     """Load a preset by name (user presets first) or from a YAML file path."""
     path = Path(name_or_path)
     if name_or_path.endswith((".yaml", ".yml")):
-        if not path.is_file():
-            raise ConfigError(f"preset file {name_or_path} does not exist")
+        require_file(path, "preset file")
         return _parse(load_yaml_mapping(path), path)
     files = _preset_files()
     if name_or_path not in files:

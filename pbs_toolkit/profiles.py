@@ -15,7 +15,7 @@ from typing import Any
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError, UsageError
 from pbs_toolkit.vllm_flags import DEFAULT_VLLM_VERSION, version_tuple
-from pbs_toolkit.yamlio import Fields, load_yaml_mapping
+from pbs_toolkit.yamlio import Fields, load_yaml_mapping, require_file
 
 SCHEDULERS = ("pbs", "local")
 ADDRESS_RULES = ("short", "fqdn", "ip", "loopback")
@@ -215,8 +215,7 @@ def load_profile(name_or_path: str) -> Profile:
     """Load a profile by name (the user's first) or from a YAML path."""
     if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
         path = Path(name_or_path)
-        if not path.is_file():
-            raise ConfigError(f"profile file {name_or_path} does not exist")
+        require_file(path, "profile file")
         return _parse(load_yaml_mapping(path), path)
     files = _profile_files()
     if name_or_path not in files:

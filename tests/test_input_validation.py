@@ -420,3 +420,8 @@ def test_output_file_check_writes_nothing(tmp_path: Path) -> None:
     check_writable_file("--output", str(tmp_path / "new.json"))
     assert existing.read_text() == "keep"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json", "user"]
+
+
+@pytest.mark.parametrize("option, what", [("--profile", "profile file"), ("--preset", "preset file")])
+def test_profile_or_preset_path_too_long(option: str, what: str) -> None:
+    assert_refused(pbstk("render", MODEL, option, "p" * 300 + ".yaml"), what, "too long")
