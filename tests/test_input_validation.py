@@ -320,6 +320,8 @@ def test_render_output_dir_read_only(tmp_path: Path) -> None:
     (b"Host login\n  HostName 127.0.0.1\n  Port 99999\n", "bad port '99999'"),
     (b"Host login\n  HostName 127.0.0.1\n  ConnectTimeout nan\n", "bad connecttimeout 'nan'"),
     (b"Host login\n  HostName caf\xe9\n", "not UTF-8"),
+    (b"Host login\n  HostName 127.0.0.1\n  ProxyCommand nc \"unbalanced %h %p\n", "bad proxycommand"),
+    (b"Match exec \"false\nHost login\n  HostName 127.0.0.1\n", "No closing quotation"),
 ])
 def test_ssh_config_junk_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                      config: bytes, needle: str) -> None:

@@ -145,6 +145,8 @@ class SSHRunner(Runner):
             raise TransportError(f"cannot read SSH config {config_file}: {exc}") from exc
         except UnicodeDecodeError as exc:
             raise ConfigError(f"cannot read SSH config {config_file}: not UTF-8 text (byte {exc.start})") from None
+        except ValueError as exc:  # shlex inside paramiko: ``Match exec "false`` (no closing quotation)
+            raise ConfigError(f"cannot read SSH config {config_file}: {exc}") from None
         user, alias, port = split_destination(host)
         cfg = self._ssh_config.lookup(alias)
         self.hostname: str = cfg.get("hostname", alias)
@@ -155,6 +157,11 @@ class SSHRunner(Runner):
         self.proxy_command: str | None = (
             cfg.get("proxycommand") if cfg.get("proxycommand", "none") != "none" else None
         )
+        if self.proxy_command is not None:
+            try:  # paramiko splits it only when connecting: a bad one is a config error, found now
+                shlex.split(self.proxy_command)
+            except ValueError as exc:
+                raise ConfigError(f"{config_file}: host {alias}: bad proxycommand: {exc}") from None
         self.proxy_jump: str | None = cfg.get("proxyjump") if cfg.get("proxyjump", "none") != "none" else None
         self.connect_timeout = _config_number(cfg, "connecttimeout", CONNECT_TIMEOUT_S, config_file, alias)
         user_known = cfg.get("userknownhostsfile", "").split()
