@@ -62,6 +62,23 @@ def user_config() -> dict[str, Any]:
     return load_yaml_mapping(path)
 
 
+def _checked(source: str, where: str, key: str, value: Any) -> Any:
+    """``value`` of setting ``key`` from config.yaml (at ``where``) in the type the profile expects.
+
+    YAML gives whatever was written (``port: abc``, ``preset: [1]``); refusing here names the file and key,
+    instead of a traceback (or a wrong job script) far from the cause.
+    """
+    if value is None:
+        return None
+    if key in INT_SETTINGS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: key {where!r} must be an integer, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{source}: key {where!r} must be a string, got {value!r}")
+    return str(value)
+
+
 def _env_value(key: str) -> Any:
     raw = os.environ.get(ENV_VARS[key])
     if raw is None or raw == "":
@@ -82,6 +99,7 @@ def resolve_settings(flags: dict[str, Any]) -> Settings:
     for key in cfg:
         if key not in known:
             raise ConfigError(f"{source}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+    cfg = {k: v if k in ("profiles", "default_presets") else _checked(source, k, k, v) for k, v in cfg.items()}
 
     def pick(key: str) -> Any:
         if flags.get(key) is not None:
@@ -101,6 +119,7 @@ def resolve_settings(flags: dict[str, Any]) -> Settings:
             if key not in per_profile_known:
                 raise ConfigError(f"{source}: unknown key 'profiles.{name}.{key}' "
                                   f"(known: {', '.join(sorted(per_profile_known))})")
+            section[key] = _checked(source, f"profiles.{name}.{key}", key, section[key])
     per_profile = all_profiles.get(profile) or {}
     overrides: dict[str, Any] = {}
     for key in ENV_VARS:
@@ -114,6 +133,8 @@ def resolve_settings(flags: dict[str, Any]) -> Settings:
     presets = cfg.get("default_presets") or {}
     if not isinstance(presets, dict):
         raise ConfigError(f"{source}: key 'default_presets' must be a mapping of model: preset")
+    for model, name in presets.items():
+        _checked(source, f"default_presets.{model}", "preset", name)
     return Settings(
         profile=str(profile),
         preset=pick("preset") or per_profile.get("preset") or cfg.get("preset"),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobstore import JobRecord, JobStore
-from pbs_toolkit.render import RenderedJob, RenderRequest, render
+from pbs_toolkit.render import RenderedJob, RenderRequest, render, run_dir_errors
 from pbs_toolkit.schedulers import JobRef, get_scheduler
 from pbs_toolkit.transports import Runner, open_runner
 
@@ -120,6 +120,7 @@ def launch(
             runner.close()
 
 
+@run_dir_errors  # a bad runs root is one clear line, before anything is submitted
 def _write_run_dir(runner: Runner, rendered: RenderedJob, key: str | None) -> None:
     runner.makedirs(rendered.run_dir, 0o755)
     runner.write_bytes(f"{rendered.run_dir}/job.pbs", rendered.job_script.encode(), 0o755)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError, UsageError
-from pbs_toolkit.yamlio import Fields, load_yaml_mapping
+from pbs_toolkit.yamlio import Fields, load_yaml_mapping, require_file
 
 _KEYS = {
     "name", "summary", "rationale", "tensor_parallel", "data_parallel", "pipeline_parallel",
@@ -68,6 +68,10 @@ class Preset:
         return out
 
 
+#: more GPUs than any node and any sensible server; larger values are typos
+MAX_PARALLEL = 1024
+
+
 def _builtin_dir() -> Path:
     return Path(__file__).parent / "presets"
 
@@ -83,6 +87,12 @@ def _parse(data: dict[str, object], source: Path) -> Preset:
             raise ConfigError(f"{source}: vllm_args key {flag!r} must start with '--'")
         if not isinstance(value, (str, int, float, bool)):
             raise ConfigError(f"{source}: vllm_args.{flag} must be a string, number or true/false")
+        if isinstance(value, float) and not math.isfinite(value):  # YAML .inf/.nan: vLLM would refuse it later
+            raise ConfigError(f"{source}: vllm_args.{flag} must be a finite number, got {value!r}")
+    for key in ("tensor_parallel", "data_parallel", "pipeline_parallel"):
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_PARALLEL:
+            raise ConfigError(f"{source}: key {key!r} must be at most {MAX_PARALLEL}, got {value}")
     device = f.get_str("device", "gpu") or "gpu"
     if device not in ("gpu", "cpu"):
         raise ConfigError(f"{source}: key 'device' must be 'gpu' or 'cpu', got {device!r}")
@@ -119,8 +129,7 @@ def load_preset(name_or_path: str) -> Preset:
     """Load a preset by name (user presets first) or from a YAML file path."""
     path = Path(name_or_path)
     if name_or_path.endswith((".yaml", ".yml")):
-        if not path.is_file():
-            raise ConfigError(f"preset file {name_or_path} does not exist")
+        require_file(path, "preset file")
         return _parse(load_yaml_mapping(path), path)
     files = _preset_files()
     if name_or_path not in files:
@@ -197,21 +206,38 @@ def params_from_name(model: str) -> float | None:
     return None
 
 
+#: no real dimension comes near this; a larger one (``1e308``, ``inf``) is junk, not a model to size
+_MAX_DIMENSION = 10**9
+
+
+def _dimension(value: object) -> int:
+    """A positive integer dimension from ``config.json``; ``ValueError`` for junk (``1e308``, ``"abc"``, ``-1``,
+    ``true``), so a hostile or broken config.json cannot overflow the size estimate."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"not a number: {value!r}")
+    if isinstance(value, float) and not value.is_integer():  # nan and inf as well
+        raise ValueError(f"not an integer: {value!r}")
+    number = int(value)  # "abc" -> ValueError
+    if not 1 <= number <= _MAX_DIMENSION:
+        raise ValueError(f"out of range: {value!r}")
+    return number
+
+
 def params_from_config(config: dict[str, object]) -> float | None:
     """Approximate parameter count (billions) of a decoder-only transformer from its ``config.json``."""
     cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     assert isinstance(cfg, dict)
     try:
-        h = int(cfg["hidden_size"])
-        layers = int(cfg["num_hidden_layers"])
-        vocab = int(cfg.get("vocab_size", 32000))
-        inter = int(cfg.get("intermediate_size", 4 * h))
-        heads = int(cfg.get("num_attention_heads", 1))
-        kv = int(cfg.get("num_key_value_heads", heads))
-        head_dim = int(cfg.get("head_dim") or h // heads)
-    except (KeyError, TypeError, ValueError):
-        return None
-    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1)
+        h = _dimension(cfg["hidden_size"])
+        layers = _dimension(cfg["num_hidden_layers"])
+        vocab = _dimension(cfg.get("vocab_size", 32000))
+        inter = _dimension(cfg.get("intermediate_size", 4 * h))
+        heads = _dimension(cfg.get("num_attention_heads", 1))
+        kv = _dimension(cfg.get("num_key_value_heads", heads))
+        head_dim = _dimension(cfg.get("head_dim") or h // heads)
+        experts = _dimension(cfg.get("num_local_experts") or cfg.get("num_experts") or 1)
+    except (KeyError, TypeError, ValueError, OverflowError, ZeroDivisionError):
+        return None  # not a model we can size: the layout falls back to "size unknown"
     attn = h * head_dim * (heads + 2 * kv) + heads * head_dim * h
     mlp = 3 * h * inter * experts
     embed = vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)

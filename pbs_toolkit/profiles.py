@@ -7,6 +7,7 @@ Shipped profiles live in ``pbs_toolkit/profiles/``; users add or override them i
 from __future__ import annotations
 
 import re
+import string
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError, UsageError
 from pbs_toolkit.vllm_flags import DEFAULT_VLLM_VERSION, version_tuple
-from pbs_toolkit.yamlio import Fields, load_yaml_mapping
+from pbs_toolkit.yamlio import Fields, load_yaml_mapping, require_file
 
 SCHEDULERS = ("pbs", "local")
 ADDRESS_RULES = ("short", "fqdn", "ip", "loopback")
@@ -61,12 +62,8 @@ class Profile:
         return self.nodes * self.gpus_per_node
 
     def select_statement(self) -> str:
-        try:
-            return self.select.format(
-                nodes=self.nodes, gpus_per_node=self.gpus_per_node, cpus_per_node=self.cpus_per_node
-            )
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ConfigError(f"{self.source}: key 'select' has an unknown placeholder: {exc}") from exc
+        values = {"nodes": self.nodes, "gpus_per_node": self.gpus_per_node, "cpus_per_node": self.cpus_per_node}
+        return fill_placeholders(self.select, values, f"{self.source}: key 'select'")
 
     def with_overrides(self, overrides: dict[str, Any]) -> Profile:
         """A copy with ``overrides`` applied (flag, env and user-config values), validated again."""
@@ -81,11 +78,39 @@ class Profile:
         return validate(replace(self, **clean, source=source))
 
 
+def fill_placeholders(template: str, values: dict[str, int], where: str) -> str:
+    """``template`` with each plain ``{name}`` replaced from ``values``; anything else is a ``ConfigError``.
+
+    ``str.format`` would also evaluate ``{nodes.__class__}``, ``{nodes[0]}``, ``{nodes!r}`` and format specs:
+    a profile is data, so only the fixed placeholders are filled, and ``{{``/``}}`` stay literal braces.
+    """
+    out: list[str] = []
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as exc:  # a lone "{" or "}"
+        raise ConfigError(f"{where} is not a valid template: {exc}") from None
+    for literal, field_name, spec, conversion in parts:
+        out.append(literal)
+        if field_name is None:
+            continue
+        if field_name not in values or spec or conversion:
+            shown = "{" + field_name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise ConfigError(f"{where} has an unknown placeholder {shown}: only "
+                              f"{', '.join('{' + k + '}' for k in values)} are filled in")
+        out.append(str(values[field_name]))
+    return "".join(out)
+
+
 _KEYS = {f.name for f in fields(Profile)} - {"source"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.@-]+$")
 _WALLTIME_RE = re.compile(r"^(?:(\d+):)?([0-5]?\d):([0-5]\d)$")
 _SECONDS_RE = re.compile(r"()()(\d+)")  # same groups as _WALLTIME_RE: hours, minutes, seconds
 _DIRECTIVE_RE = re.compile(r"-[A-Za-z]( [^\s]+)?")
+#: upper bounds: far above any real queue or node, far below what overflows a scheduler or a job script
+MAX_WALLTIME_HOURS = 10000
+MAX_NODES = 10000
+MAX_GPUS_PER_NODE = 64
+MAX_CPUS_PER_NODE = 4096
 
 
 def walltime_seconds(text: str) -> int:
@@ -96,10 +121,15 @@ def walltime_seconds(text: str) -> int:
     match = _WALLTIME_RE.fullmatch(str(text).strip()) or _SECONDS_RE.fullmatch(str(text).strip())
     if not match:
         raise UsageError(f"bad walltime {text!r}: expected HH:MM:SS with minutes and seconds below 60")
-    hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
+    groups = match.groups()
+    if any(len(g) > 12 for g in groups if g):  # int() of a huge digit string is slow and pointless
+        raise UsageError(f"bad walltime {text!r}: at most {MAX_WALLTIME_HOURS} hours")
+    hours, minutes, seconds = (int(g) if g else 0 for g in groups)
     total = hours * 3600 + minutes * 60 + seconds
     if total <= 0:
         raise UsageError(f"bad walltime {text!r}: must be positive")
+    if total > MAX_WALLTIME_HOURS * 3600:
+        raise UsageError(f"bad walltime {text!r}: at most {MAX_WALLTIME_HOURS} hours")
     return total
 
 
@@ -125,12 +155,15 @@ def validate(p: Profile) -> Profile:
         if not _DIRECTIVE_RE.fullmatch(line) or line.startswith("-V"):
             raise ConfigError(f"{where}: extra_directives entry {line!r} must be one qsub option like '-l foo=bar'")
     walltime_seconds(p.walltime)
-    if p.nodes < 1:
-        raise UsageError(f"bad node count {p.nodes}: must be at least 1")
-    if p.gpus_per_node < 0:
-        raise UsageError(f"bad GPU count {p.gpus_per_node}: must not be negative")
-    if not 1 <= p.port <= 65535:
-        raise UsageError(f"bad port {p.port}: must be between 1 and 65535")
+    for key, low, high in (("nodes", 1, MAX_NODES), ("gpus_per_node", 0, MAX_GPUS_PER_NODE),
+                           ("cpus_per_node", 1, MAX_CPUS_PER_NODE), ("port", 1, 65535)):
+        value = getattr(p, key)
+        if isinstance(value, bool) or not isinstance(value, int):  # from config.yaml or PBSTK_* overrides
+            raise ConfigError(f"{where}: key {key!r} must be an integer, got {value!r}")
+        if not low <= value <= high:
+            raise UsageError(f"bad {key.replace('_', ' ')} {value}: must be between {low} and {high}")
+    if any(c.isspace() or not c.isprintable() for c in str(p.vllm_version)):
+        raise ConfigError(f"{where}: key 'vllm_version' must be a version like 0.11.0, got {p.vllm_version!r}")
     try:
         version_tuple(p.vllm_version)
     except ValueError as exc:
@@ -182,8 +215,7 @@ def load_profile(name_or_path: str) -> Profile:
     """Load a profile by name (the user's first) or from a YAML path."""
     if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
         path = Path(name_or_path)
-        if not path.is_file():
-            raise ConfigError(f"profile file {name_or_path} does not exist")
+        require_file(path, "profile file")
         return _parse(load_yaml_mapping(path), path)
     files = _profile_files()
     if name_or_path not in files:

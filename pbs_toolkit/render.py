@@ -5,14 +5,17 @@ This module only computes text; writing files, submitting and recording live in 
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import os
 import re
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pbs_toolkit import __version__
 from pbs_toolkit.config import resolve_settings
@@ -25,6 +28,8 @@ from pbs_toolkit.vllm_flags import check_env, check_flag, flag_name, is_automati
 
 #: Hugging Face repository ids: ``org/name`` or ``name``
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+#: Hugging Face limits organisation and repository names to 96 characters each
+_HF_PART_MAX = 96
 _JOB_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: run directories appear unquoted in ``#PBS -o/-e`` (qsub parses those lines; ``:`` would read as host:path)
@@ -32,6 +37,7 @@ _RUN_DIR = re.compile(r"/[A-Za-z0-9_./@+~-]+")
 #: flags pbstk sets itself; passing them through --vllm-arg would fight the start script
 _OWNED_FLAGS = {"--host", "--port", "--model", "--api-key"}
 PORT_SPAN = 100
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -116,7 +122,7 @@ def resolve_model(model: str, runner: Runner | None) -> tuple[str, dict[str, Any
     looks_like_path = model.startswith(("/", "./", "../", "~")) or os.sep in model and not _HF_ID.match(model)
     local = Path(os.path.expanduser(model))
     remote = runner is not None and runner.name != "local"
-    if not remote and (local.is_dir() or looks_like_path):
+    if not remote and (_is_dir(local, model) or looks_like_path):
         if not local.is_dir():
             raise UsageError(f"model directory {model} does not exist")
         config = local / "config.json"
@@ -141,14 +147,67 @@ def resolve_model(model: str, runner: Runner | None) -> tuple[str, dict[str, Any
         raise UsageError(
             f"model {model!r} is neither a Hugging Face id (org/name) nor an existing directory"
         )
+    longest = max(len(part) for part in model.split("/"))
+    if longest > _HF_PART_MAX:  # no such repository; its cache directory name would exceed 255 bytes on the node
+        raise UsageError(f"model {model[:40]!r}... ({len(model)} characters): a Hugging Face id has at most "
+                         f"{_HF_PART_MAX} characters per part")
     return model, _hf_cache_config(model)
+
+
+def _is_dir(path: Path, model: str) -> bool:
+    """``path.is_dir()``, but a name the filesystem cannot even look up (> 255 bytes: ENAMETOOLONG, ELOOP, ...)
+    is bad input, not a traceback."""
+    try:
+        return path.is_dir()
+    except OSError as exc:
+        shown = model if len(model) <= 80 else model[:77] + "..."
+        raise UsageError(f"model {shown!r} ({len(model)} characters) cannot be used: "
+                         f"{exc.strerror or exc}") from None
+
+
+def run_dir_error(exc: OSError, run_dir: str) -> UsageError:
+    """One clear line for an ``OSError`` while creating or filling the run directory (nothing is submitted then).
+
+    The usual causes are the runs root: missing and not creatable, a file where a directory should be,
+    read-only, on a full disk, or a path the filesystem refuses (``/proc``, names over 255 bytes).
+    """
+    reasons = {
+        errno.ENOSPC: "no space left on the device",
+        errno.EDQUOT: "disk quota exceeded",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "operation not permitted",
+        errno.EROFS: "read-only filesystem",
+        errno.ENOTDIR: "a part of the path is a file, not a directory",
+        errno.ENOENT: "a parent directory does not exist and cannot be created",
+        errno.ENAMETOOLONG: "a name in the path is too long",
+        errno.EEXIST: "it already exists and is not a directory",
+    }
+    reason = reasons.get(exc.errno or 0) or exc.strerror or str(exc) or type(exc).__name__
+    return UsageError(f"cannot create the run directory {run_dir}: {reason} (check --runs-root / runs_root)")
+
+
+def run_dir_errors(write: Callable[..., _T]) -> Callable[..., _T]:
+    """Decorate ``write(runner, rendered, ...)`` so an ``OSError`` becomes :func:`run_dir_error`."""
+
+    @functools.wraps(write)
+    def wrapper(runner: Runner, rendered: RenderedJob, *args: Any, **kw: Any) -> _T:
+        try:
+            return write(runner, rendered, *args, **kw)
+        except OSError as exc:
+            raise run_dir_error(exc, rendered.run_dir) from exc
+
+    return wrapper
 
 
 def _hf_cache_config(model: str) -> dict[str, Any] | None:
     """config.json of ``model`` if it is already in the local Hugging Face cache."""
     hf_home = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
     snapshots = hf_home / "hub" / ("models--" + model.replace("/", "--")) / "snapshots"
-    for config in sorted(snapshots.glob("*/config.json")) if snapshots.is_dir() else []:
+    try:
+        configs = sorted(snapshots.glob("*/config.json")) if snapshots.is_dir() else []
+    except OSError:  # a name too long to look up is simply not in the cache
+        configs = []
+    for config in configs:
         try:
             data = json.loads(config.read_text(encoding="utf-8"))
             return data if isinstance(data, dict) else None
@@ -178,6 +237,8 @@ def check_vllm_args(args: list[str], version: tuple[int, ...]) -> None:
     for arg in args:
         if "\n" in arg:
             raise UsageError(f"--vllm-arg {arg!r} contains a newline")
+        if not arg.strip():  # vLLM would get an empty positional argument and fail on the node, an hour later
+            raise UsageError(f"--vllm-arg {arg!r} is empty; pass --vllm-arg=--flag or --vllm-arg=--flag=value")
         if not arg.startswith("-"):
             continue
         name = flag_name(arg)

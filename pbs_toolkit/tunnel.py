@@ -14,7 +14,7 @@ import socket
 import threading
 from typing import Any
 
-from pbs_toolkit.errors import TransportError
+from pbs_toolkit.errors import TransportError, UsageError
 from pbs_toolkit.transports.base import Runner
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,9 @@ class Tunnel:
         self.remote_port = remote_port
         self.bind = bind
         self.connect_timeout = connect_timeout
+        if isinstance(local_port, bool) or not isinstance(local_port, int) or not 0 <= local_port <= 65535:
+            # socket.bind raises OverflowError (not OSError) for these: refuse before any socket exists
+            raise UsageError(f"local port {local_port!r} must be between 0 (any free port) and 65535")
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

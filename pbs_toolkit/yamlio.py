@@ -8,6 +8,18 @@ from typing import Any
 from pbs_toolkit.errors import ConfigError
 
 
+def require_file(path: Path, what: str) -> None:
+    """``ConfigError`` unless ``path`` is a regular file; a name the filesystem cannot look up (over 255 bytes:
+    ENAMETOOLONG, which ``Path.is_file`` raises) is refused the same way instead of a traceback."""
+    try:
+        exists = path.is_file()
+    except OSError as exc:
+        shown = str(path) if len(str(path)) <= 80 else str(path)[:77] + "..."
+        raise ConfigError(f"{what} {shown}: {exc.strerror or exc}") from None
+    if not exists:
+        raise ConfigError(f"{what} {path} does not exist")
+
+
 def load_yaml_mapping(path: Path) -> dict[str, Any]:
     """Read ``path`` with ``yaml.safe_load`` and require a mapping at the top."""
     import yaml
@@ -16,6 +28,8 @@ def load_yaml_mapping(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

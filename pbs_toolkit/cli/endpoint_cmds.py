@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from pbs_toolkit.cli.options import echo_json
+from pbs_toolkit.cli.options import LOCAL_PORT, SECONDS, SECONDS_OR_ZERO, echo_json
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobstore import JobRecord
@@ -37,9 +37,9 @@ def _find(job: str | None) -> JobRecord:
 @click.option("--format", "fmt", type=click.Choice(["auto", "py", "toml", "yaml", "json"]), default="auto",
               show_default=True, help="py = verifiers endpoints.py, toml = verifiers endpoints.toml.")
 @click.option("--alias", help="Entry name (default: the job's --name).")
-@click.option("--timeout", type=float, default=3600.0, show_default=True, help="Seconds to wait for readiness.")
+@click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--via-tunnel", is_flag=True, help="Register a local tunnel's URL and keep the tunnel open.")
-@click.option("--local-port", type=int, default=0, help="Local port for --via-tunnel (default: any free one).")
+@click.option("--local-port", type=LOCAL_PORT, default=0, help="Local port for --via-tunnel (default: any free one).")
 @click.option("--json", "as_json", is_flag=True)
 def update_endpoint(job: str | None, registry: str | None, fmt: str, alias: str | None, timeout: float,
                     via_tunnel: bool, local_port: int, as_json: bool) -> None:
@@ -81,7 +81,8 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, alias: str 
 @click.command("env")
 @click.argument("job", required=False)
 @click.option("--local-url", help="Use this base URL (e.g. a tunnel's) instead of the node's.")
-@click.option("--timeout", type=float, default=0.0, help="Wait up to this many seconds for readiness (0: no wait).")
+@click.option("--timeout", type=SECONDS_OR_ZERO, default=0.0,
+              help="Wait up to this many seconds for readiness (0: no wait).")
 def env_cmd(job: str | None, local_url: str | None, timeout: float) -> None:
     """Print `export` lines (OPENAI_BASE_URL, OPENAI_API_KEY, the registry's key variable) for JOB.
 
@@ -107,8 +108,8 @@ def env_cmd(job: str | None, local_url: str | None, timeout: float) -> None:
 
 @click.command()
 @click.argument("job", required=False)
-@click.option("--local-port", type=int, default=0, help="Local port (default: any free one).")
-@click.option("--timeout", type=float, default=3600.0, show_default=True, help="Seconds to wait for readiness.")
+@click.option("--local-port", type=LOCAL_PORT, default=0, help="Local port (default: any free one).")
+@click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait for readiness.")
 def tunnel(job: str | None, local_port: int, timeout: float) -> None:
     """Forward a local port to JOB's server through the SSH connection; runs until Ctrl-C."""
     from pbs_toolkit.transports import open_runner

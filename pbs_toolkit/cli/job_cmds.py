@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from pbs_toolkit.cli.options import build_request, echo_json, render_options, table
+from pbs_toolkit.cli.options import SECONDS, build_request, echo_json, read_key_env, render_options, table
 
 
 def progress_printer(quiet: bool = False) -> Any:
@@ -28,14 +28,7 @@ def progress_printer(quiet: bool = False) -> Any:
 
 
 def _read_key_env(name: str | None) -> str | None:
-    from pbs_toolkit.errors import UsageError
-
-    if not name:
-        return None
-    value = os.environ.get(name)
-    if not value:
-        raise UsageError(f"--api-key-env {name}: that environment variable is empty or unset")
-    return value
+    return read_key_env(name, os.environ)  # validated (HTTP-header safe) before anything is submitted
 
 
 @click.command()
@@ -48,7 +41,7 @@ def _read_key_env(name: str | None) -> str | None:
 @click.option("--no-api-key", is_flag=True, help="Serve without an API key (anyone on the network can use it).")
 @click.option("--dry-run", is_flag=True, help="Render and validate only; write and submit nothing.")
 @click.option("--wait", "wait_ready", is_flag=True, help="Wait until the server is ready.")
-@click.option("--timeout", type=float, default=3600.0, show_default=True, help="Seconds to wait with --wait.")
+@click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait with --wait.")
 @click.option("--json", "as_json", is_flag=True)
 def launch(model: str, scheduler: str | None, ssh_host: str | None, accept_new_host_key: bool,
            api_key_env: str | None, no_api_key: bool, dry_run: bool, wait_ready: bool, timeout: float,
@@ -209,7 +202,7 @@ def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
 
 @click.command()
 @click.argument("job", required=False)
-@click.option("--timeout", type=float, default=3600.0, show_default=True)
+@click.option("--timeout", type=SECONDS, default=3600.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the final status as JSON; no progress lines.")
 def wait(job: str | None, timeout: float, as_json: bool) -> None:
     """Wait until JOB's server answers; fail fast with the cause if it cannot."""

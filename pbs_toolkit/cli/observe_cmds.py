@@ -9,7 +9,12 @@ from typing import Any
 
 import click
 
-from pbs_toolkit.cli.options import build_request, echo_json, render_options, table
+from pbs_toolkit.cli.options import SECONDS, BoundedInt, build_request, echo_json, render_options, table, writable_file
+
+#: bounds that keep a typo (``-1``, ``1e9``) from running a useless or endless benchmark
+_COUNT, _PROMPTS = BoundedInt(0, 10**9), BoundedInt(1, 10**6)
+_ROUNDS, _TOKENS = BoundedInt(1, 10**4), BoundedInt(1, 10**7)
+MAX_CONCURRENCY = 10000
 
 
 def _ready_status(job: str | None, wait: bool, timeout: float) -> Any:
@@ -38,8 +43,8 @@ def _int_list(text: str) -> list[int]:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise UsageError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or any(v < 1 for v in values):
-        raise UsageError(f"{text!r}: concurrencies must be positive integers")
+    if not values or any(not 1 <= v <= MAX_CONCURRENCY for v in values):
+        raise UsageError(f"{text!r}: concurrencies must be integers from 1 to {MAX_CONCURRENCY}")
     return values
 
 
@@ -63,15 +68,16 @@ def _show_summary(s: dict[str, Any]) -> None:
 
 @click.command()
 @click.argument("job", required=False)
-@click.option("--watch", "watch", type=float, default=None, is_flag=False, flag_value=5.0,
+@click.option("--watch", "watch", type=SECONDS, default=None, is_flag=False, flag_value=5.0,
               help="Scrape again every N seconds (default 5) and show rates between scrapes.")
-@click.option("--count", type=int, default=0, help="With --watch: stop after this many scrapes (0: until Ctrl-C).")
-@click.option("--export", "export_path", type=click.Path(dir_okay=False), help="Append JSON lines to FILE.")
-@click.option("--interval", type=float, default=1.0, show_default=True,
+@click.option("--count", type=_COUNT, default=0, help="With --watch: stop after this many scrapes (0: until Ctrl-C).")
+@click.option("--export", "export_path", type=click.Path(dir_okay=False), callback=writable_file,
+              help="Append JSON lines to FILE.")
+@click.option("--interval", type=SECONDS, default=1.0, show_default=True,
               help="Without --watch: seconds between the two scrapes used for rates.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--wait", "wait_ready", is_flag=True, help="Wait for the job to be ready first.")
-@click.option("--timeout", type=float, default=3600.0)
+@click.option("--timeout", type=SECONDS, default=3600.0)
 def metrics(job: str | None, watch: float | None, count: int, export_path: str | None, interval: float,
             as_json: bool, wait_ready: bool, timeout: float) -> None:
     """Throughput, queue, KV cache and latency percentiles of JOB's server (from /metrics and its log)."""
@@ -99,8 +105,7 @@ def metrics(job: str | None, watch: float | None, count: int, export_path: str |
             if not watch:
                 summary["engine_log"] = [e.to_dict() for e in engine_history(runner, st)[-10:]]
             if export_path:
-                with open(export_path, "a", encoding="utf-8") as fh:
-                    fh.write(json.dumps(summary, default=str) + "\n")
+                _append_line(export_path, json.dumps(summary, default=str))
             if as_json:
                 click.echo(json.dumps(summary, default=str))
             else:
@@ -114,6 +119,17 @@ def metrics(job: str | None, watch: float | None, count: int, export_path: str |
                 return
     finally:
         runner.close()
+
+
+def _append_line(path: str, line: str) -> None:
+    """Append ``line`` to ``--export`` FILE; a disk that fills up mid-run is one error line, not a traceback."""
+    from pbs_toolkit.errors import UsageError
+
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+    except OSError as exc:
+        raise UsageError(f"--export {path}: cannot write: {exc.strerror or exc}") from None
 
 
 @click.command()
@@ -161,15 +177,15 @@ def doctor(job: str | None, as_json: bool) -> None:
 @click.command()
 @click.argument("job", required=False)
 @click.option("--concurrency", "-c", default="1,8,64", show_default=True, help="Comma-separated levels.")
-@click.option("--input-len", default=128, show_default=True)
-@click.option("--output-len", default=256, show_default=True, help="Fixed (ignore_eos) output tokens.")
-@click.option("--num-prompts", type=int, help="Requests per level (default: 4 x concurrency, at least 8).")
+@click.option("--input-len", type=_TOKENS, default=128, show_default=True)
+@click.option("--output-len", type=_TOKENS, default=256, show_default=True, help="Fixed (ignore_eos) output tokens.")
+@click.option("--num-prompts", type=_PROMPTS, help="Requests per level (default: 4 x concurrency, at least 8).")
 @click.option("--client", type=click.Choice(["auto", "vllm", "builtin"]), default="auto", show_default=True,
               help="vllm: `vllm bench serve` in the profile's environment; builtin: pbstk's async client; "
                    "auto: vllm where it can run, else builtin.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--wait", "wait_ready", is_flag=True, help="Wait for the job to be ready first.")
-@click.option("--timeout", type=float, default=3600.0)
+@click.option("--timeout", type=SECONDS, default=3600.0)
 def bench(job: str | None, concurrency: str, input_len: int, output_len: int, num_prompts: int | None,
           client: str, as_json: bool, wait_ready: bool, timeout: float) -> None:
     """Drive load against JOB's endpoint: output tokens/s, requests/s, TTFT and TPOT per concurrency."""
@@ -202,20 +218,22 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
 @click.option("--presets", "preset_list", default="dp4,tp4,tp2dp2,baseline-eager", show_default=True)
 @render_options
 @click.option("--concurrency", "-c", default="1,8,64", show_default=True)
-@click.option("--input-len", default=128, show_default=True)
-@click.option("--output-len", default=256, show_default=True)
-@click.option("--num-prompts", type=int, help="Requests per level (default: --rounds x concurrency, at least 8).")
-@click.option("--rounds", type=int, default=4, show_default=True, help="Requests per level = rounds x concurrency.")
+@click.option("--input-len", type=_TOKENS, default=128, show_default=True)
+@click.option("--output-len", type=_TOKENS, default=256, show_default=True)
+@click.option("--num-prompts", type=_PROMPTS, help="Requests per level (default: --rounds x concurrency, at least 8).")
+@click.option("--rounds", type=_ROUNDS, default=4, show_default=True, help="Requests per level = rounds x concurrency.")
 @click.option("--client", type=click.Choice(["auto", "vllm", "builtin"]), default="auto", show_default=True,
               help="Load generator (see `pbstk bench --help`).")
 @click.option("--baseline", help="Preset to compare against (default: the eager one).")
-@click.option("--timeout", type=float, default=3600.0, help="Seconds to wait for each server.")
-@click.option("--output", "output", type=click.Path(dir_okay=False), help="Where to save the result JSON.")
+@click.option("--timeout", type=SECONDS, default=3600.0, help="Seconds to wait for each server.")
+@click.option("--output", "output", type=click.Path(dir_okay=False), callback=writable_file,
+              help="Where to save the result JSON.")
 @click.option("--append", is_flag=True, help="Add the runs to an existing --output file (same method).")
 @click.option("--save-default", is_flag=True, help="Make the winner your default preset for MODEL.")
 @click.option("--report", "reports", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Re-render a saved result (repeat to merge results of the same method).")
-@click.option("--png", type=click.Path(dir_okay=False), help="Also draw a bar chart (needs matplotlib).")
+@click.option("--png", type=click.Path(dir_okay=False), callback=writable_file,
+              help="Also draw a bar chart (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True)
 def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, output_len: int,
          num_prompts: int | None, rounds: int, client: str, baseline: str | None, timeout: float,

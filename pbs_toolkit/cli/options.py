@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import math
+import os
+import stat
+import tempfile
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import click
@@ -11,9 +15,77 @@ import click
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.textutil import table
 
-__all__ = ["build_request", "echo_json", "parse_port", "render_options", "table"]
+__all__ = [
+    "GPUS_PER_NODE", "LOCAL_PORT", "NODES", "SECONDS", "SECONDS_OR_ZERO", "BoundedInt", "Seconds",
+    "build_request", "check_display_name", "check_writable_file", "echo_json", "parse_port", "read_key_env",
+    "render_options", "table", "writable_file",
+]
 
 F = Callable[..., Any]
+
+#: bounds for counts a job script requests; far above any real node, far below what overflows a scheduler
+MAX_NODES = 10000
+MAX_GPUS_PER_NODE = 64
+
+
+class Seconds(click.ParamType):
+    """A duration in seconds: finite and > 0 (``allow_zero``: >= 0). ``nan`` would wait forever, ``-1`` never.
+
+    Errors are our ``UsageError`` so the CLI prints its one ``pbstk: error:`` line, not click's usage block.
+    """
+
+    name = "seconds"
+
+    def __init__(self, allow_zero: bool = False) -> None:
+        self.allow_zero = allow_zero
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        flag = _flag(param)
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            raise UsageError(f"{flag} {value!r} is not a number of seconds") from None
+        if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not self.allow_zero):
+            bound = ">= 0" if self.allow_zero else "> 0"
+            raise UsageError(f"{flag} {value!r}: must be a finite number of seconds {bound}")
+        return seconds
+
+
+class BoundedInt(click.ParamType):
+    """An integer in ``[low, high]``, refused with one ``pbstk: error:`` line (``1e20`` and ``70000`` included)."""
+
+    name = "integer"
+
+    def __init__(self, low: int, high: int) -> None:
+        self.low, self.high = low, high
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        flag = _flag(param)
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            text = str(value).strip()
+            if not text.lstrip("+-").isdigit() or len(text) > 20:
+                raise UsageError(f"{flag} {value!r} is not an integer between {self.low} and {self.high}")
+            number = int(text)
+        if not self.low <= number <= self.high:
+            raise UsageError(f"{flag} {number} is out of range: must be between {self.low} and {self.high}")
+        return number
+
+
+def _flag(param: click.Parameter | None) -> str:
+    """``--timeout`` for an option (its longest name), ``value`` without one."""
+    if param is None:
+        return "value"
+    names = [n for n in getattr(param, "opts", []) if n.startswith("--")] or [param.name or "value"]
+    return max(names, key=len)
+
+
+SECONDS = Seconds()
+SECONDS_OR_ZERO = Seconds(allow_zero=True)
+NODES = BoundedInt(1, MAX_NODES)
+GPUS_PER_NODE = BoundedInt(0, MAX_GPUS_PER_NODE)
+LOCAL_PORT = BoundedInt(0, 65535)  # 0: any free port
 
 
 def render_options(f: F) -> F:
@@ -26,8 +98,8 @@ def render_options(f: F) -> F:
         click.option("--queue", "-q"),
         click.option("--account", "-A"),
         click.option("--walltime", "-t", help="HH:MM:SS"),
-        click.option("--nodes", type=int),
-        click.option("--gpus-per-node", type=int),
+        click.option("--nodes", type=NODES),
+        click.option("--gpus-per-node", type=GPUS_PER_NODE),
         click.option("--port", help="Port on the node: a number (must be free) or 'auto' (first free from it)."),
         click.option("--venv", help="Python environment with vLLM on the compute node (activated in the job)."),
         click.option("--runs-root", help="Where run directories go (shared filesystem)."),
@@ -65,7 +137,77 @@ def build_request(model: str, **kw: Any) -> Any:
         env[key] = value
     kw["port"] = parse_port(kw.get("port"))
     kw["vllm_args"] = list(kw.get("vllm_args") or ())
+    for flag, key in (("--name", "name"), ("--served-model-name", "served_model_name")):
+        if kw.get(key) is not None:
+            check_display_name(flag, kw[key])
     return RenderRequest(model=model, env=env, **kw)
+
+
+def check_writable_file(flag: str, path: str) -> None:
+    """Refuse an output file that cannot be written, before a benchmark or a wait that may take an hour.
+
+    An existing file must be a regular file we can append to (its content is not touched); a new one is
+    probed by creating and removing a temporary file next to it (``/proc/x``, a missing or read-only directory,
+    a full disk all fail here, also for root).
+    """
+    target = os.path.abspath(path)
+    try:
+        if os.path.lexists(target):
+            if not stat.S_ISREG(os.stat(target).st_mode):
+                raise UsageError(f"{flag} {path}: not a regular file")
+            with open(target, "a", encoding="utf-8"):
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(prefix=".pbstk-probe-", dir=os.path.dirname(target))
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write there: {exc.strerror or exc}") from None
+
+
+def writable_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Click callback running :func:`check_writable_file` while the command line is parsed."""
+    if value is not None:
+        check_writable_file(_flag(param), value)
+    return value
+
+
+def check_display_name(flag: str, value: str) -> None:
+    """Refuse a name the endpoint registry would refuse later (same character rule), before anything runs.
+
+    The job name becomes the registry alias and the served name its model: catching a newline or an invisible
+    character at launch beats a job that runs for an hour and then cannot be registered.
+    """
+    from pbs_toolkit.registries.entry import _bad_character
+
+    if not value.strip() or value != value.strip():
+        raise UsageError(f"{flag} {value!r} must be non-empty, without leading or trailing whitespace")
+    bad = _bad_character(value)
+    if bad is not None:
+        raise UsageError(f"{flag} {value!r} contains the control character {bad}")
+
+
+def read_key_env(name: str | None, environ: Mapping[str, str]) -> str | None:
+    """The API key from variable ``name`` of ``environ`` (``None``: none given), checked before anything is submitted.
+
+    The key travels as an HTTP header (``Authorization: Bearer ...``): a newline or a character outside Latin-1
+    cannot, so such a key would give a job that every later ``wait``/``update-endpoint`` crashes on.
+    """
+    if not name:
+        return None
+    value = environ.get(name)
+    if not value:
+        raise UsageError(f"--api-key-env {name}: that environment variable is empty or unset")
+    if value != value.strip():
+        raise UsageError(f"--api-key-env {name}: the key has leading or trailing whitespace")
+    try:
+        value.encode("latin-1")
+    except UnicodeEncodeError:
+        raise UsageError(f"--api-key-env {name}: the key holds characters that cannot be sent in an HTTP header "
+                         "(only Latin-1 text is allowed)") from None
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise UsageError(f"--api-key-env {name}: the key holds a control character (newline, tab, ...)")
+    return value
 
 
 def echo_json(data: Any) -> None:

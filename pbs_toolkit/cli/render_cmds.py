@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -91,13 +92,35 @@ def render(model: str, out_dir: str | None, run_dir: str | None, **kw: Any) -> N
         return
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UsageError(f"{out_dir} exists and is not a directory")
-    os.makedirs(out_dir, exist_ok=True)
-    for name, text in (("job.pbs", job.job_script), ("start_vllm.sh", job.start_script)):
-        path = os.path.join(out_dir, name)
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(path, 0o755)
+    try:
+        _write_scripts(out_dir, {"job.pbs": job.job_script, "start_vllm.sh": job.start_script})
+    except OSError as exc:
+        raise UsageError(f"cannot write the scripts into {out_dir}: {exc.strerror or exc}") from None
     click.echo(f"wrote {out_dir}/job.pbs and {out_dir}/start_vllm.sh (preset {job.preset.name}, {job.preset.layout()})")
+
+
+def _write_scripts(out_dir: str, scripts: dict[str, str]) -> None:
+    """Write every script or none: each goes to a temporary name first, and all are renamed only once all
+    are written (a full disk or a read-only directory must not leave one new script next to an old one)."""
+    created = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    temps: dict[str, str] = {}
+    try:
+        for name, text in scripts.items():
+            temps[name] = tmp = os.path.join(out_dir, f".{name}.pbstk-tmp")
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            os.chmod(tmp, 0o755)
+        for name, tmp in temps.items():
+            os.replace(tmp, os.path.join(out_dir, name))
+    except OSError:
+        for tmp in temps.values():
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(out_dir)
+        raise
 
 
 COMMANDS = [presets, profiles, render]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import getpass
+import logging
 import os
 import re
 import secrets
@@ -24,7 +25,7 @@ from typing import Any, TypeVar
 
 import paramiko
 
-from pbs_toolkit.errors import TransportError
+from pbs_toolkit.errors import ConfigError, TransportError
 from pbs_toolkit.transports.base import Result, Runner
 from pbs_toolkit.transports.ssh_auth import (
     Authenticator,
@@ -52,6 +53,11 @@ KEEPALIVE_S = 30
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _T = TypeVar("_T")
 
+# paramiko logs a dropped connection at ERROR, with two tracebacks, from its transport thread. With no handler
+# configured, Python's last-resort handler prints them on stderr before our one-line error: give paramiko's
+# logger a handler that drops them (records still propagate to any handler a caller configures).
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+
 
 def build_remote_command(
     argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None
@@ -69,6 +75,24 @@ def build_remote_command(
         parts.append("env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()) + " ")
     parts.append(shlex.join(argv))
     return "".join(parts)
+
+
+def _config_number(cfg: Mapping[str, Any], key: str, default: float, config_file: Path, alias: str,
+                   *, integer: bool = False) -> Any:
+    """A numeric ``~/.ssh/config`` value (``Port``, ``ConnectTimeout``) checked like ssh(1) does, so
+    ``Port notaport`` is one clear line naming the file and the key instead of a traceback."""
+    raw = cfg.get(key)
+    if raw is None:
+        return int(default) if integer else default
+    try:
+        value = int(raw) if integer else float(raw)
+    except (TypeError, ValueError):
+        value = None
+    low, high = (1, 65535) if integer else (0.001, 86400.0)
+    if value is None or not low <= value <= high:  # NaN fails the comparison too
+        raise ConfigError(f"{config_file}: host {alias}: bad {key} {raw!r} (expected a number "
+                          f"from {low:g} to {high:g})")
+    return value
 
 
 def split_destination(destination: str) -> tuple[str | None, str, int | None]:
@@ -119,18 +143,27 @@ class SSHRunner(Runner):
             )
         except (OSError, paramiko.ssh_exception.ConfigParseError) as exc:
             raise TransportError(f"cannot read SSH config {config_file}: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"cannot read SSH config {config_file}: not UTF-8 text (byte {exc.start})") from None
+        except ValueError as exc:  # shlex inside paramiko: ``Match exec "false`` (no closing quotation)
+            raise ConfigError(f"cannot read SSH config {config_file}: {exc}") from None
         user, alias, port = split_destination(host)
         cfg = self._ssh_config.lookup(alias)
         self.hostname: str = cfg.get("hostname", alias)
-        self.port: int = port or int(cfg.get("port", 22))
+        self.port: int = port or _config_number(cfg, "port", 22, config_file, alias, integer=True)
         self.user: str = user or cfg.get("user") or getpass.getuser()
         self.identity_files: list[str] = list(cfg.get("identityfile", []))
         self.identities_only = cfg.get("identitiesonly", "no").lower() == "yes"
         self.proxy_command: str | None = (
             cfg.get("proxycommand") if cfg.get("proxycommand", "none") != "none" else None
         )
+        if self.proxy_command is not None:
+            try:  # paramiko splits it only when connecting: a bad one is a config error, found now
+                shlex.split(self.proxy_command)
+            except ValueError as exc:
+                raise ConfigError(f"{config_file}: host {alias}: bad proxycommand: {exc}") from None
         self.proxy_jump: str | None = cfg.get("proxyjump") if cfg.get("proxyjump", "none") != "none" else None
-        self.connect_timeout = float(cfg.get("connecttimeout", CONNECT_TIMEOUT_S))
+        self.connect_timeout = _config_number(cfg, "connecttimeout", CONNECT_TIMEOUT_S, config_file, alias)
         user_known = cfg.get("userknownhostsfile", "").split()
         self.known_hosts_path = Path(
             known_hosts_path
@@ -203,7 +236,7 @@ class SSHRunner(Runner):
             raise TransportError(f"authentication to {self.host} failed: {exc}") from exc
         except (paramiko.SSHException, OSError, EOFError) as exc:
             client.close()
-            raise TransportError(f"cannot reach {where}: {exc or type(exc).__name__}") from exc
+            raise TransportError(f"cannot reach {where}: {str(exc) or type(exc).__name__}") from exc
         transport = client.get_transport()
         assert transport is not None
         transport.set_keepalive(KEEPALIVE_S)
