@@ -2,40 +2,57 @@
 
 from __future__ import annotations
 
+import codecs
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from pbs_toolkit.transports.base import Runner
 
 _CHUNK = 64 * 1024
+#: backwards reads grow to this size for a large N, so a million lines over SFTP is not 3000 round trips
+_MAX_CHUNK = 4 * 1024 * 1024
 
 #: stream name -> file in the run directory
 STREAMS = {"vllm": "vllm.log", "pbs-out": "pbs.out", "pbs-err": "pbs.err"}
 
 
-def tail_bytes(runner: Runner, path: str, n: int) -> tuple[bytes, int]:
-    """The bytes holding the last ``n`` lines of ``path`` and the file size read up to.
+def tail_blocks(runner: Runner, path: str, n: int) -> tuple[list[bytes], int]:
+    """The last ``n`` lines of ``path`` as blocks in file order (joined, they are ``tail_bytes``) and the size.
 
-    Reads backwards in 64 KiB chunks, so time and memory depend on ``n``, not on the file size.
-    Raises ``FileNotFoundError``.
+    Reads backwards in blocks (64 KiB first, doubling up to 4 MiB) and counts the newlines of each block once,
+    so time is linear in the bytes of the answer and memory is the answer plus one block, whatever the file
+    size. (Prepending every block to one buffer and recounting it was quadratic: a million lines took 103 s.)
+    A final newline does not start an extra line. Raises ``FileNotFoundError``.
     """
     size = runner.size(path)
     if size is None:
         raise FileNotFoundError(path)
-    if n <= 0:
-        return b"", size
-    pos, data = size, b""
-    while pos > 0:
-        step = min(_CHUNK, pos)
-        pos -= step
-        data = runner.read_bytes(path, pos, step) + data
-        # one newline more than n (the file usually ends with one)
-        if data.count(b"\n", 0, len(data) - 1) >= n:
+    blocks: list[bytes] = []  # from the end of the file backwards
+    pos, step, missing = size, _CHUNK, n
+    while pos > 0 and missing > 0:
+        length = min(step, pos)
+        pos -= length
+        block = runner.read_bytes(path, pos, length)
+        # the file's own last byte, a newline, ends the last line rather than separating two
+        end = len(block) - 1 if pos + len(block) == size else len(block)
+        found = block.count(b"\n", 0, end)
+        if found >= missing:
+            cut = end
+            for _ in range(missing):
+                cut = block.rfind(b"\n", 0, cut)
+            blocks.append(block[cut + 1 :])
             break
-    lines = data.split(b"\n")
-    trailing = data.endswith(b"\n")
-    body = lines[:-1] if trailing else lines
-    return b"\n".join(body[-n:]) + (b"\n" if trailing else b""), size
+        missing -= found
+        blocks.append(block)
+        step = min(step * 2, _MAX_CHUNK)
+    blocks.reverse()
+    return blocks, size
+
+
+def tail_bytes(runner: Runner, path: str, n: int) -> tuple[bytes, int]:
+    """The bytes holding the last ``n`` lines of ``path`` and the file size read up to (see ``tail_blocks``)."""
+    blocks, size = tail_blocks(runner, path, n)
+    return b"".join(blocks), size
 
 
 def tail_lines(runner: Runner, path: str, n: int) -> list[str]:
@@ -45,6 +62,17 @@ def tail_lines(runner: Runner, path: str, n: int) -> list[str]:
     except FileNotFoundError:
         return []
     return data.decode("utf-8", "replace").splitlines()
+
+
+def decoded_pieces(blocks: Iterable[bytes]) -> Iterator[str]:
+    """``blocks`` decoded (bad UTF-8 as U+FFFD; a character split between blocks kept whole), one by one, so
+    printing a large tail never holds a second copy of it."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    for block in blocks:
+        yield decoder.decode(block)
+    rest = decoder.decode(b"", final=True)
+    if rest:
+        yield rest
 
 
 def follow(

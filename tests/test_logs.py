@@ -1,5 +1,6 @@
-"""``pbstk logs``: the last N lines without reading the whole file, and follow mode (queued, truncation,
-job end), locally and over a real sshd (including a dropped connection)."""
+"""``pbstk logs``: the last N lines without reading the whole file (a million lines too), and follow mode
+(queued, truncation, job end), locally and over a real sshd
+(including a dropped connection)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from sshd import SshdInfo, start_sshd
 
 from pbs_toolkit.errors import TransportError
 from pbs_toolkit.jobstore import JobStore
-from pbs_toolkit.logs import follow, tail_bytes, tail_lines
+from pbs_toolkit.logs import decoded_pieces, follow, tail_bytes, tail_lines
 from pbs_toolkit.transports.base import Runner
 from pbs_toolkit.transports.local import LocalRunner
 
@@ -28,10 +29,12 @@ class CountingReads(LocalRunner):
     def __init__(self) -> None:
         super().__init__()
         self.bytes_read = 0
+        self.reads = 0
 
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         data = super().read_bytes(path, offset, length)
         self.bytes_read += len(data)
+        self.reads += 1
         return data
 
 
@@ -78,6 +81,31 @@ def test_tail_line_longer_than_a_chunk(tmp_path: Path) -> None:
     path.write_text(f"first\n{long}\nlast\n")
     assert tail_lines(LocalRunner(), str(path), 2) == [long, "last"]
     assert tail_lines(LocalRunner(), str(path), 3) == ["first", long, "last"]
+
+
+@pytest.mark.parametrize("final_newline", [True, False])
+def test_tail_many_lines_exact(tmp_path: Path, final_newline: bool) -> None:
+    """-n over hundreds of thousands of lines (of varying length, some empty, some longer than a block) gives
+    exactly those lines, reading little more than the answer in few reads (each one a round trip over SFTP).
+    The old code was correct here but quadratic (a million lines: 103 s); scripts/bench_logs.py has the numbers."""
+    lines = [f"line {i} " + "x" * (i % 97) if i % 13 else "" for i in range(300_000)]
+    lines[123_456] = "z" * 300_000
+    text = "\n".join(lines) + ("\n" if final_newline else "")
+    path = tmp_path / "log"
+    path.write_text(text)
+    for n in (1, 99_999, 299_999, 400_000):
+        runner = CountingReads()
+        data, size = tail_bytes(runner, str(path), n)
+        want = "\n".join(lines[-n:]) + ("\n" if final_newline else "")
+        assert size == len(text) and data.decode() == want, n
+        assert runner.bytes_read <= 2 * len(want) + 128 * 1024 and runner.reads <= 12, (n, runner.reads)
+
+
+def test_decoded_pieces_keeps_characters_split_across_blocks() -> None:
+    data = "é€😀\n".encode() * 5 + b"bad \xff\xfe bytes\n\xe2\x82"
+    for size in (1, 2, 3, 7):
+        blocks = [data[i : i + size] for i in range(0, len(data), size)]
+        assert "".join(decoded_pieces(blocks)) == data.decode("utf-8", "replace")
 
 
 def test_tail_missing_file(tmp_path: Path) -> None:
