@@ -1,9 +1,10 @@
 """``pbstk logs``: the last N lines without reading the whole file (a million lines too), and follow mode
-(queued, truncation, job end), locally and over a real sshd
+(queued, rotation, recreation, truncation, partial lines, bad UTF-8, job end), locally and over a real sshd
 (including a dropped connection)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -171,6 +172,108 @@ def test_follow_missing_then_appended_then_truncated(tmp_path: Path) -> None:
     assert f.lines == ["two", "three", "four", "five", "new", "tail without newline"]
 
 
+def _append(path: Path, data: bytes) -> None:
+    with open(path, "ab") as fh:
+        fh.write(data)
+
+
+def test_follow_rotation_drains_the_old_file_and_reads_the_new_one_from_the_start(tmp_path: Path) -> None:
+    """logrotate's rename + create: the old file's last lines (written after the last poll) and the new file's
+    first bytes both appear. With only an offset, the new (bigger) file was read from the old offset."""
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"old 1\nold 2\n")
+    f = Follower(LocalRunner(), path, lines=10)
+    f.wait_for("old 2")
+    _append(path, b"old 3\nold 4 without newline")  # written, then rotated before the next poll
+    os.rename(path, tmp_path / "vllm.log.1")
+    path.write_bytes(b"new file, first line, longer than the old one was\nnew 2\n")
+    f.wait_for("new 2")
+    _append(tmp_path / "vllm.log.1", b"late write to the old file\n")  # the old name is no longer followed
+    _append(path, b"new 3\n")
+    f.wait_for("new 3")
+    f.stop()
+    assert f.error is None
+    assert f.lines == ["old 1", "old 2", "old 3", "old 4 without newline",
+                       "new file, first line, longer than the old one was", "new 2", "new 3"]
+    assert any("was replaced" in n or "was removed" in n for n in f.notices), f.notices
+
+
+@pytest.mark.parametrize("how", ["unlink", "replace"])
+def test_follow_recreated_file_is_read_from_byte_0(tmp_path: Path, how: str) -> None:
+    """A log deleted and written again (a restart), or atomically replaced, is a new file even when it is
+    already longer than what was read of the old one."""
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"first run\n")
+    f = Follower(LocalRunner(), path, lines=10)
+    f.wait_for("first run")
+    fresh = b"second run: a first line that is longer than the whole old file\nsecond run: 2\n"
+    if how == "unlink":
+        path.unlink()
+        path.write_bytes(fresh)
+    else:
+        (tmp_path / "tmp").write_bytes(fresh)
+        os.replace(tmp_path / "tmp", path)
+    f.wait_for("second run: 2")
+    f.stop()
+    assert f.error is None
+    assert f.lines == ["first run", "second run: a first line that is longer than the whole old file", "second run: 2"]
+
+
+class ByPathOnly(LocalRunner):
+    """A runner that cannot hold files open: the ``Runner`` defaults (read by path, ``stat -c`` for the inode)."""
+
+    open_file = Runner.open_file
+    file_id = Runner.file_id
+
+
+def test_follow_by_path_fallback_still_reads_a_new_file_from_the_start(tmp_path: Path) -> None:
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"old\n")
+    f = Follower(ByPathOnly(), path, lines=10)
+    f.wait_for("old")
+    os.rename(path, tmp_path / "vllm.log.1")
+    path.write_bytes(b"new file, first line, longer than the old one\nnew 2\n")
+    f.wait_for("new 2")
+    f.stop()
+    assert f.error is None and f.lines == ["old", "new file, first line, longer than the old one", "new 2"]
+    assert any("not shown" in n for n in f.notices), f.notices  # it says it could not drain the old file
+
+
+def test_follow_file_removed_then_created_again_later(tmp_path: Path) -> None:
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"a\n")
+    f = Follower(LocalRunner(), path, lines=10)
+    f.wait_for("a")
+    _append(path, b"b\n")
+    path.unlink()
+    until(lambda: any("was removed" in n for n in f.notices), what="the removal notice")
+    time.sleep(0.15)
+    path.write_bytes(b"c\n")
+    f.wait_for("c")
+    f.stop()
+    assert f.error is None and f.lines == ["a", "b", "c"]
+    assert not any("waiting for" in n for n in f.notices)  # not "job not started yet" after a removal
+
+
+def test_follow_partial_lines_and_bad_utf8(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 show as U+FFFD instead of stopping the follower; a character split across two
+    writes is whole; an incomplete last line is held until it ends, or shown when the job ends."""
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"")
+    f = Follower(LocalRunner(), path, lines=10)
+    time.sleep(0.1)
+    _append(path, b"bad \xff\xfe bytes\ncaf\xc3")
+    f.wait_for("bad \ufffd\ufffd bytes")
+    time.sleep(0.15)
+    assert f.lines == ["bad \ufffd\ufffd bytes"]  # "caf" + half of "é" is held back
+    _append(path, b"\xa9\nunfinished \xe2\x82")
+    f.wait_for("café")
+    time.sleep(0.15)
+    f.stop()
+    assert f.error is None
+    assert f.lines == ["bad \ufffd\ufffd bytes", "café", "unfinished \ufffd"]
+
+
 def test_follow_returns_at_once_for_an_ended_job(tmp_path: Path) -> None:
     path = tmp_path / "vllm.log"
     path.write_text("a\nb\n")
@@ -289,6 +392,26 @@ def test_follow_over_ssh_survives_a_drop(login_node: SshdInfo, tmp_path: Path) -
         f.wait_for("after the drop")
         f.stop()
         assert f.error is None and runner.connections_opened == 2
+
+
+@pytest.mark.ssh
+def test_follow_over_ssh_reads_a_rotated_file_from_the_start(login_node: SshdInfo, tmp_path: Path) -> None:
+    """SFTP attributes carry no inode: the open SFTP handle still drains the renamed file, and its size/mtime
+    tell the new file apart, which is read from byte 0 (the same connection throughout)."""
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"old\n")
+    with _ssh_runner(login_node) as runner:
+        f = Follower(runner, path)
+        f.wait_for("old")
+        _append(path, b"old 2, written just before the rotation\n")
+        os.rename(path, tmp_path / "vllm.log.1")
+        path.write_bytes(b"new file, first line, longer than the old one\nnew 2\n")
+        f.wait_for("new 2")
+        f.stop()
+        assert f.error is None
+        assert f.lines == ["old", "old 2, written just before the rotation",
+                           "new file, first line, longer than the old one", "new 2"]
+        assert runner.connections_opened == 1
 
 
 @pytest.mark.ssh
