@@ -2,40 +2,57 @@
 
 from __future__ import annotations
 
+import codecs
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
-from pbs_toolkit.transports.base import Runner
+from pbs_toolkit.transports.base import OpenFile, Runner
 
 _CHUNK = 64 * 1024
+#: backwards reads grow to this size for a large N, so a million lines over SFTP is not 3000 round trips
+_MAX_CHUNK = 4 * 1024 * 1024
 
 #: stream name -> file in the run directory
 STREAMS = {"vllm": "vllm.log", "pbs-out": "pbs.out", "pbs-err": "pbs.err"}
 
 
-def tail_bytes(runner: Runner, path: str, n: int) -> tuple[bytes, int]:
-    """The bytes holding the last ``n`` lines of ``path`` and the file size read up to.
+def tail_blocks(runner: Runner, path: str, n: int) -> tuple[list[bytes], int]:
+    """The last ``n`` lines of ``path`` as blocks in file order (joined, they are ``tail_bytes``) and the size.
 
-    Reads backwards in 64 KiB chunks, so time and memory depend on ``n``, not on the file size.
-    Raises ``FileNotFoundError``.
+    Reads backwards in blocks (64 KiB first, doubling up to 4 MiB) and counts the newlines of each block once,
+    so time is linear in the bytes of the answer and memory is the answer plus one block, whatever the file
+    size. (Prepending every block to one buffer and recounting it was quadratic: a million lines took 103 s.)
+    A final newline does not start an extra line. Raises ``FileNotFoundError``.
     """
     size = runner.size(path)
     if size is None:
         raise FileNotFoundError(path)
-    if n <= 0:
-        return b"", size
-    pos, data = size, b""
-    while pos > 0:
-        step = min(_CHUNK, pos)
-        pos -= step
-        data = runner.read_bytes(path, pos, step) + data
-        # one newline more than n (the file usually ends with one)
-        if data.count(b"\n", 0, len(data) - 1) >= n:
+    blocks: list[bytes] = []  # from the end of the file backwards
+    pos, step, missing = size, _CHUNK, n
+    while pos > 0 and missing > 0:
+        length = min(step, pos)
+        pos -= length
+        block = runner.read_bytes(path, pos, length)
+        # the file's own last byte, a newline, ends the last line rather than separating two
+        end = len(block) - 1 if pos + len(block) == size else len(block)
+        found = block.count(b"\n", 0, end)
+        if found >= missing:
+            cut = end
+            for _ in range(missing):
+                cut = block.rfind(b"\n", 0, cut)
+            blocks.append(block[cut + 1 :])
             break
-    lines = data.split(b"\n")
-    trailing = data.endswith(b"\n")
-    body = lines[:-1] if trailing else lines
-    return b"\n".join(body[-n:]) + (b"\n" if trailing else b""), size
+        missing -= found
+        blocks.append(block)
+        step = min(step * 2, _MAX_CHUNK)
+    blocks.reverse()
+    return blocks, size
+
+
+def tail_bytes(runner: Runner, path: str, n: int) -> tuple[bytes, int]:
+    """The bytes holding the last ``n`` lines of ``path`` and the file size read up to (see ``tail_blocks``)."""
+    blocks, size = tail_blocks(runner, path, n)
+    return b"".join(blocks), size
 
 
 def tail_lines(runner: Runner, path: str, n: int) -> list[str]:
@@ -45,6 +62,112 @@ def tail_lines(runner: Runner, path: str, n: int) -> list[str]:
     except FileNotFoundError:
         return []
     return data.decode("utf-8", "replace").splitlines()
+
+
+def decoded_pieces(blocks: Iterable[bytes]) -> Iterator[str]:
+    """``blocks`` decoded (bad UTF-8 as U+FFFD; a character split between blocks kept whole), one by one, so
+    printing a large tail never holds a second copy of it."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    for block in blocks:
+        yield decoder.decode(block)
+    rest = decoder.decode(b"", final=True)
+    if rest:
+        yield rest
+
+
+# -- follow ----------------------------------------------------------------------------------------------
+
+
+class _Follower:
+    """The state of ``follow``: the open file, how far it was read, and the incomplete last line."""
+
+    def __init__(self, runner: Runner, path: str, emit: Callable[[str], None], notice: Callable[[str], None]) -> None:
+        self.runner, self.path, self.emit, self.notice = runner, path, emit, notice
+        self.file: OpenFile | None = None
+        self.offset = 0
+        self.pending = b""
+        self.seen_any = False
+        self.waiting_said = False
+
+    def step(self, lines: int) -> bool:
+        """One look at the file; ``True`` when something changed (look again before sleeping)."""
+        if self.file is None:
+            return self._open(lines)
+        try:
+            names = self.file.path_names_it()
+            if names is None:
+                self._leave("was removed")
+                return False
+            if not names:
+                self._leave("was replaced (rotated or recreated)")
+                return True
+            size = self.file.size()
+            if size < self.offset:
+                self.notice(f"{self.path} was truncated; reading from the start")
+                self._flush()
+                self.offset = 0
+                return True
+            if size == self.offset:
+                return False
+            data = self.file.read(self.offset, min(size - self.offset, _MAX_CHUNK))
+        except FileNotFoundError:  # gone between two calls (over SSH: reopened after a drop, and gone)
+            self._leave("was removed")
+            return False
+        self.offset += len(data)
+        self.pending = _emit_lines(self.pending + data, self.emit)
+        return bool(data)
+
+    def _open(self, lines: int) -> bool:
+        """Open the file the path names now: its last ``lines`` lines the first time, all of it after that."""
+        try:
+            self.file = self.runner.open_file(self.path)
+        except FileNotFoundError:
+            if not self.seen_any and not self.waiting_said:
+                self.notice(f"waiting for {self.path} to appear (job not started yet?)")
+                self.waiting_said = True
+            return False
+        if self.seen_any:
+            self.notice(f"reading the new {self.path} from the start")
+            self.offset = 0
+            return True
+        self.seen_any = True
+        try:
+            data, self.offset = tail_bytes(self.runner, self.path, lines)
+        except FileNotFoundError:
+            self.offset = 0
+            return True
+        self.pending = _emit_lines(data, self.emit)
+        return True
+
+    def _leave(self, why: str) -> None:
+        """The path no longer names the open file: show what the old file still holds, then let it go."""
+        assert self.file is not None
+        if self.file.drains:
+            self.notice(f"{self.path} {why}")
+            try:
+                while data := self.file.read(self.offset, _MAX_CHUNK):
+                    self.offset += len(data)
+                    self.pending = _emit_lines(self.pending + data, self.emit)
+            except FileNotFoundError:
+                pass
+        else:
+            self.notice(f"{self.path} {why}; lines written to the old file after the last read are not shown")
+        self._flush()
+        self.file.close()
+        self.file = None
+        self.offset = 0
+
+    def _flush(self) -> None:
+        """The incomplete last line of a file that ends (rotation, truncation, job end) is a line after all."""
+        if self.pending:
+            self.emit(self.pending.decode("utf-8", "replace"))
+            self.pending = b""
+
+    def close(self) -> None:
+        self._flush()
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
 
 def follow(
@@ -60,42 +183,33 @@ def follow(
 ) -> None:
     """Print the last ``lines`` lines, then new output as it arrives, until the job is final.
 
-    Handles a file that does not exist yet (job queued), truncation (starts again from the top), and the
-    end of the job (drains what is left, then returns). ``is_final`` is called at most every ``final_every``
-    seconds since it may ask the scheduler.
+    Follows the file, not the name: when the path names another file (rotated: renamed and a new one created;
+    recreated: deleted and written again), the old file is drained where it can still be read and the new one
+    is read from byte 0, so nothing between the two is lost. The file is held open (``Runner.open_file``): a
+    descriptor here, compared by (device, inode) with the path; over SSH an SFTP handle, compared by size and
+    mtime since SFTP has no inodes (see ``SSHRunner.open_file``). Also handles a file that does not exist yet
+    (job queued), truncation (starts again from the top), partial lines (held until complete, shown at the
+    end), bad UTF-8 (shown as U+FFFD), and the end of the job (drains what is left, then returns). ``is_final``
+    is called at most every ``final_every`` seconds since it may ask the scheduler.
     """
-    offset: int | None = None
-    pending = b""
+    state = _Follower(runner, path, emit, notice)
     last_check = 0.0
-    waiting_said = False
-    while True:
-        size = runner.size(path)
-        if size is None:
-            if not waiting_said:
-                notice(f"waiting for {path} to appear (job not started yet?)")
-                waiting_said = True
-        elif offset is None:
-            data, offset = tail_bytes(runner, path, lines)
-            pending = _emit_lines(data, emit)
-        elif size < offset:
-            notice(f"{path} was truncated; reading from the start")
-            offset, pending = 0, b""
-        elif size > offset:
-            data = runner.read_bytes(path, offset, size - offset)
-            offset += len(data)
-            pending = _emit_lines(pending + data, emit)
-            continue  # more may be waiting: read again before sleeping
-        now = time.monotonic()
-        if now - last_check >= final_every:
-            last_check = now
-            if is_final():
-                final_size = runner.size(path)
-                if offset is not None and final_size is not None and final_size > offset:
+    final = False
+    try:
+        while True:
+            if state.step(lines):
+                continue  # more may be waiting: read again before sleeping
+            if final:
+                return  # the job ended and its file is read to the end
+            now = time.monotonic()
+            if now - last_check >= final_every:
+                last_check = now
+                if is_final():
+                    final = True
                     continue
-                if pending:
-                    emit(pending.decode("utf-8", "replace"))
-                return
-        time.sleep(poll)
+            time.sleep(poll)
+    finally:
+        state.close()  # the incomplete last line, if any, is shown now
 
 
 def _emit_lines(data: bytes, emit: Callable[[str], None]) -> bytes:

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Benchmark ``pbstk logs``: ``-n 100`` on a 1 GB log (target <= 100 ms, memory independent of the file size)
-and ``-f`` latency (target: a new line shown within 0.5 s).
+"""Benchmark ``pbstk logs``: ``-n 100`` on a 1 GB log (target <= 100 ms, memory independent of the file size),
+``-n 1000000`` on a log of a million lines (linear in N: compared with ``tail -n``), and ``-f`` latency (target: a
+new line shown within 0.5 s).
 
 Runs against a fake job record in a temporary XDG state dir (no scheduler needed for ``-n``; ``-f`` uses the
 ``local`` scheduler's view of a job that is not final). Prints numbers; deletes the big file at the end.
 
-    python scripts/bench_logs.py [--size-mb 1024] [--runs 5]
+    python scripts/bench_logs.py [--size-mb 1024] [--runs 5] [--many-lines 1000000] [--only-many-lines]
 """
 
 from __future__ import annotations
@@ -44,6 +45,40 @@ def child_rss_mb(argv: list[str], env: dict[str, str]) -> tuple[float, float, by
     return wall, usage.ru_maxrss / 1024, out
 
 
+def bench_many_lines(root: Path, env: dict[str, str], job: str, log: Path, n: int) -> None:
+    """``-n N`` with N = a million: the whole tail is the answer, so the cost must grow linearly with N.
+
+    Times ``tail_bytes`` in this process, ``pbstk logs -n N`` as a user runs it (output to a pipe, peak RSS), and
+    coreutils ``tail -n N`` on the same file for reference. Each runs once: the old code took minutes.
+    """
+    from pbs_toolkit.logs import tail_bytes
+    from pbs_toolkit.transports.local import LocalRunner
+
+    with open(log, "wb") as fh:
+        fh.write(b"an older line that -n must not show\n" * 1000)
+        block = LINE * 10_000
+        for _ in range(n // 10_000):
+            fh.write(block)
+        fh.write(LINE * (n % 10_000))
+    print(f"wrote {n} lines ({log.stat().st_size / 1e6:.0f} MB) for -n {n}")
+    # the CLI first: a forked child's peak RSS starts from this process's RSS at the fork
+    wall, peak, out = child_rss_mb([sys.executable, "-m", "pbs_toolkit.cli.main", "logs", job, "-n", str(n)], env)
+    assert out.count(b"\n") == n, out[:100]
+    print(f"pbstk logs -n {n}: {wall:.2f} s wall, peak RSS {peak:.0f} MiB (the output itself is "
+          f"{len(out) / 2**20:.0f} MiB)")
+    del out
+    t0 = time.perf_counter()
+    data, _ = tail_bytes(LocalRunner(), str(log), n)
+    took = time.perf_counter() - t0
+    assert data.count(b"\n") == n and data.startswith(LINE), data[:100]
+    del data
+    print(f"tail_bytes(n={n}): {took:.2f} s")
+    t0 = time.perf_counter()
+    subprocess.run(["tail", "-n", str(n), str(log)], stdout=subprocess.DEVNULL, check=True)  # noqa: S603,S607
+    print(f"coreutils tail -n {n}: {time.perf_counter() - t0:.2f} s")
+    log.unlink()
+
+
 def record_job(env: dict[str, str], run_dir: Path) -> str:
     code = (
         "from pbs_toolkit.jobstore import JobRecord, JobStore\n"
@@ -58,6 +93,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--many-lines", type=int, default=1_000_000, help="N for the -n N case (0: skip it)")
+    parser.add_argument("--only-many-lines", action="store_true", help="run only the -n N case")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="pbstk-bench-logs-") as tmp:
@@ -72,13 +109,17 @@ def main() -> None:
         (run_dir / ".local-job" / "pid").write_text(f"{os.getpid()}\n")
         log = run_dir / "vllm.log"
         small = root / "small.log"
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        if args.many_lines > 0:
+            bench_many_lines(root, env, job, log, args.many_lines)
+        if args.only_many_lines:
+            return
 
         begin = time.perf_counter()
         write_log(log, args.size_mb)
         print(f"wrote {log.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - begin:.1f} s")
 
         # tail_bytes in this process: time and the RSS it adds
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from pbs_toolkit.logs import tail_bytes
         from pbs_toolkit.transports.local import LocalRunner
 

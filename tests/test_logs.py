@@ -1,8 +1,10 @@
-"""``pbstk logs``: the last N lines without reading the whole file, and follow mode (queued, truncation,
-job end), locally and over a real sshd (including a dropped connection)."""
+"""``pbstk logs``: the last N lines without reading the whole file (a million lines too), and follow mode
+(queued, rotation, recreation, truncation, partial lines, bad UTF-8, job end), locally and over a real sshd
+(including a dropped connection)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -17,7 +19,7 @@ from sshd import SshdInfo, start_sshd
 
 from pbs_toolkit.errors import TransportError
 from pbs_toolkit.jobstore import JobStore
-from pbs_toolkit.logs import follow, tail_bytes, tail_lines
+from pbs_toolkit.logs import decoded_pieces, follow, tail_bytes, tail_lines
 from pbs_toolkit.transports.base import Runner
 from pbs_toolkit.transports.local import LocalRunner
 
@@ -28,10 +30,12 @@ class CountingReads(LocalRunner):
     def __init__(self) -> None:
         super().__init__()
         self.bytes_read = 0
+        self.reads = 0
 
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         data = super().read_bytes(path, offset, length)
         self.bytes_read += len(data)
+        self.reads += 1
         return data
 
 
@@ -78,6 +82,31 @@ def test_tail_line_longer_than_a_chunk(tmp_path: Path) -> None:
     path.write_text(f"first\n{long}\nlast\n")
     assert tail_lines(LocalRunner(), str(path), 2) == [long, "last"]
     assert tail_lines(LocalRunner(), str(path), 3) == ["first", long, "last"]
+
+
+@pytest.mark.parametrize("final_newline", [True, False])
+def test_tail_many_lines_exact(tmp_path: Path, final_newline: bool) -> None:
+    """-n over hundreds of thousands of lines (of varying length, some empty, some longer than a block) gives
+    exactly those lines, reading little more than the answer in few reads (each one a round trip over SFTP).
+    The old code was correct here but quadratic (a million lines: 103 s); scripts/bench_logs.py has the numbers."""
+    lines = [f"line {i} " + "x" * (i % 97) if i % 13 else "" for i in range(300_000)]
+    lines[123_456] = "z" * 300_000
+    text = "\n".join(lines) + ("\n" if final_newline else "")
+    path = tmp_path / "log"
+    path.write_text(text)
+    for n in (1, 99_999, 299_999, 400_000):
+        runner = CountingReads()
+        data, size = tail_bytes(runner, str(path), n)
+        want = "\n".join(lines[-n:]) + ("\n" if final_newline else "")
+        assert size == len(text) and data.decode() == want, n
+        assert runner.bytes_read <= 2 * len(want) + 128 * 1024 and runner.reads <= 12, (n, runner.reads)
+
+
+def test_decoded_pieces_keeps_characters_split_across_blocks() -> None:
+    data = "é€😀\n".encode() * 5 + b"bad \xff\xfe bytes\n\xe2\x82"
+    for size in (1, 2, 3, 7):
+        blocks = [data[i : i + size] for i in range(0, len(data), size)]
+        assert "".join(decoded_pieces(blocks)) == data.decode("utf-8", "replace")
 
 
 def test_tail_missing_file(tmp_path: Path) -> None:
@@ -141,6 +170,108 @@ def test_follow_missing_then_appended_then_truncated(tmp_path: Path) -> None:
     f.stop()
     assert f.error is None
     assert f.lines == ["two", "three", "four", "five", "new", "tail without newline"]
+
+
+def _append(path: Path, data: bytes) -> None:
+    with open(path, "ab") as fh:
+        fh.write(data)
+
+
+def test_follow_rotation_drains_the_old_file_and_reads_the_new_one_from_the_start(tmp_path: Path) -> None:
+    """logrotate's rename + create: the old file's last lines (written after the last poll) and the new file's
+    first bytes both appear. With only an offset, the new (bigger) file was read from the old offset."""
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"old 1\nold 2\n")
+    f = Follower(LocalRunner(), path, lines=10)
+    f.wait_for("old 2")
+    _append(path, b"old 3\nold 4 without newline")  # written, then rotated before the next poll
+    os.rename(path, tmp_path / "vllm.log.1")
+    path.write_bytes(b"new file, first line, longer than the old one was\nnew 2\n")
+    f.wait_for("new 2")
+    _append(tmp_path / "vllm.log.1", b"late write to the old file\n")  # the old name is no longer followed
+    _append(path, b"new 3\n")
+    f.wait_for("new 3")
+    f.stop()
+    assert f.error is None
+    assert f.lines == ["old 1", "old 2", "old 3", "old 4 without newline",
+                       "new file, first line, longer than the old one was", "new 2", "new 3"]
+    assert any("was replaced" in n or "was removed" in n for n in f.notices), f.notices
+
+
+@pytest.mark.parametrize("how", ["unlink", "replace"])
+def test_follow_recreated_file_is_read_from_byte_0(tmp_path: Path, how: str) -> None:
+    """A log deleted and written again (a restart), or atomically replaced, is a new file even when it is
+    already longer than what was read of the old one."""
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"first run\n")
+    f = Follower(LocalRunner(), path, lines=10)
+    f.wait_for("first run")
+    fresh = b"second run: a first line that is longer than the whole old file\nsecond run: 2\n"
+    if how == "unlink":
+        path.unlink()
+        path.write_bytes(fresh)
+    else:
+        (tmp_path / "tmp").write_bytes(fresh)
+        os.replace(tmp_path / "tmp", path)
+    f.wait_for("second run: 2")
+    f.stop()
+    assert f.error is None
+    assert f.lines == ["first run", "second run: a first line that is longer than the whole old file", "second run: 2"]
+
+
+class ByPathOnly(LocalRunner):
+    """A runner that cannot hold files open: the ``Runner`` defaults (read by path, ``stat -c`` for the inode)."""
+
+    open_file = Runner.open_file
+    file_id = Runner.file_id
+
+
+def test_follow_by_path_fallback_still_reads_a_new_file_from_the_start(tmp_path: Path) -> None:
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"old\n")
+    f = Follower(ByPathOnly(), path, lines=10)
+    f.wait_for("old")
+    os.rename(path, tmp_path / "vllm.log.1")
+    path.write_bytes(b"new file, first line, longer than the old one\nnew 2\n")
+    f.wait_for("new 2")
+    f.stop()
+    assert f.error is None and f.lines == ["old", "new file, first line, longer than the old one", "new 2"]
+    assert any("not shown" in n for n in f.notices), f.notices  # it says it could not drain the old file
+
+
+def test_follow_file_removed_then_created_again_later(tmp_path: Path) -> None:
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"a\n")
+    f = Follower(LocalRunner(), path, lines=10)
+    f.wait_for("a")
+    _append(path, b"b\n")
+    path.unlink()
+    until(lambda: any("was removed" in n for n in f.notices), what="the removal notice")
+    time.sleep(0.15)
+    path.write_bytes(b"c\n")
+    f.wait_for("c")
+    f.stop()
+    assert f.error is None and f.lines == ["a", "b", "c"]
+    assert not any("waiting for" in n for n in f.notices)  # not "job not started yet" after a removal
+
+
+def test_follow_partial_lines_and_bad_utf8(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 show as U+FFFD instead of stopping the follower; a character split across two
+    writes is whole; an incomplete last line is held until it ends, or shown when the job ends."""
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"")
+    f = Follower(LocalRunner(), path, lines=10)
+    time.sleep(0.1)
+    _append(path, b"bad \xff\xfe bytes\ncaf\xc3")
+    f.wait_for("bad \ufffd\ufffd bytes")
+    time.sleep(0.15)
+    assert f.lines == ["bad \ufffd\ufffd bytes"]  # "caf" + half of "é" is held back
+    _append(path, b"\xa9\nunfinished \xe2\x82")
+    f.wait_for("café")
+    time.sleep(0.15)
+    f.stop()
+    assert f.error is None
+    assert f.lines == ["bad \ufffd\ufffd bytes", "café", "unfinished \ufffd"]
 
 
 def test_follow_returns_at_once_for_an_ended_job(tmp_path: Path) -> None:
@@ -261,6 +392,26 @@ def test_follow_over_ssh_survives_a_drop(login_node: SshdInfo, tmp_path: Path) -
         f.wait_for("after the drop")
         f.stop()
         assert f.error is None and runner.connections_opened == 2
+
+
+@pytest.mark.ssh
+def test_follow_over_ssh_reads_a_rotated_file_from_the_start(login_node: SshdInfo, tmp_path: Path) -> None:
+    """SFTP attributes carry no inode: the open SFTP handle still drains the renamed file, and its size/mtime
+    tell the new file apart, which is read from byte 0 (the same connection throughout)."""
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"old\n")
+    with _ssh_runner(login_node) as runner:
+        f = Follower(runner, path)
+        f.wait_for("old")
+        _append(path, b"old 2, written just before the rotation\n")
+        os.rename(path, tmp_path / "vllm.log.1")
+        path.write_bytes(b"new file, first line, longer than the old one\nnew 2\n")
+        f.wait_for("new 2")
+        f.stop()
+        assert f.error is None
+        assert f.lines == ["old", "old 2, written just before the rotation",
+                           "new file, first line, longer than the old one", "new 2"]
+        assert runner.connections_opened == 1
 
 
 @pytest.mark.ssh

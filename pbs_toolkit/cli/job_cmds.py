@@ -167,7 +167,7 @@ def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
     """The realtime vLLM log of JOB (default: the newest job), locally or over SSH."""
     from pbs_toolkit.errors import TransportError, UsageError
     from pbs_toolkit.jobstore import JobStore
-    from pbs_toolkit.logs import STREAMS, tail_bytes
+    from pbs_toolkit.logs import STREAMS, decoded_pieces, tail_blocks
     from pbs_toolkit.logs import follow as do_follow
     from pbs_toolkit.transports import open_runner
 
@@ -180,10 +180,11 @@ def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
     try:
         if not follow:
             try:
-                data, _ = tail_bytes(runner, path, lines)
+                blocks, _ = tail_blocks(runner, path, lines)
             except FileNotFoundError:
                 raise UsageError(f"{path} does not exist yet (job {record.job_id} not started?)") from None
-            click.echo(data.decode("utf-8", "replace"), nl=False)
+            for piece in decoded_pieces(blocks):  # -n 1000000: no second full copy of the text
+                click.echo(piece, nl=False)
             return
 
         from pbs_toolkit.status import status as do_status  # only -f needs it (http.client: ~20 ms)

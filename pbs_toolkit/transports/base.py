@@ -22,6 +22,77 @@ class Result:
         return self.rc == 0
 
 
+@dataclass(frozen=True)
+class FileId:
+    """Which file a path names now and its size: (device, inode) tell a rotated or recreated file from the old one."""
+
+    dev: int
+    ino: int
+    size: int
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.dev, self.ino)
+
+
+class OpenFile(abc.ABC):
+    """A file held open for following (``Runner.open_file``): it stays the same file when its path is renamed,
+    removed or replaced, so what was written to it last can still be read (``drains``)."""
+
+    #: whether reads still reach the file once its path names another one (False: only by path)
+    drains: bool = True
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @abc.abstractmethod
+    def read(self, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes from ``offset`` of the open file."""
+
+    @abc.abstractmethod
+    def size(self) -> int:
+        """The open file's size now."""
+
+    @abc.abstractmethod
+    def path_names_it(self) -> bool | None:
+        """True while ``path`` names this file; False once it names another one; None when it names nothing."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Let go of the file."""
+
+
+class _PathFile(OpenFile):
+    """The fallback ``OpenFile`` for a runner that cannot hold files open: reads by path, identity from
+    ``file_id`` (device, inode) asked after each read, so bytes of a replacement are never taken for ours; the
+    old file cannot be read once the path moved on."""
+
+    drains = False
+
+    def __init__(self, runner: Runner, path: str) -> None:
+        super().__init__(path)
+        self.runner = runner
+        fid = runner.file_id(path)
+        if fid is None:
+            raise FileNotFoundError(path)
+        self.key, self._size = fid.key, fid.size
+
+    def read(self, offset: int, length: int) -> bytes:
+        data = self.runner.read_bytes(self.path, offset, length)
+        return data if self.path_names_it() else b""
+
+    def size(self) -> int:
+        return self._size
+
+    def path_names_it(self) -> bool | None:
+        fid = self.runner.file_id(self.path)
+        if fid is None:
+            return None
+        if fid.key != self.key:
+            return False
+        self._size = fid.size
+        return True
+
+
 class Runner(abc.ABC):
     """Runs commands and touches files on the machine where jobs are submitted (here or a login node).
 
@@ -55,6 +126,24 @@ class Runner(abc.ABC):
     @abc.abstractmethod
     def size(self, path: str) -> int | None:
         """Size of the file in bytes, or ``None`` when it does not exist."""
+
+    def file_id(self, path: str) -> FileId | None:
+        """Device, inode and size of the file ``path`` names (symlinks followed), or ``None`` when it does not exist.
+
+        This default runs ``stat -L -c '%d %i %s'`` through ``run``: over SSH that is one command on the same
+        connection, since SFTP attributes carry no inode. Where ``stat`` cannot answer (no GNU coreutils), the
+        identity is unknown and reads as (0, 0) every time, so followers fall back to tracking offsets only.
+        """
+        result = self.run(["stat", "-L", "-c", "%d %i %s", "--", path], env={"LC_ALL": "C"}, timeout=30.0)
+        fields = result.stdout.split()
+        if result.ok and len(fields) == 3 and all(field.isdigit() for field in fields):
+            return FileId(int(fields[0]), int(fields[1]), int(fields[2]))
+        size = self.size(path)
+        return None if size is None else FileId(0, 0, size)
+
+    def open_file(self, path: str) -> OpenFile:
+        """``path`` held open for following; raises ``FileNotFoundError``. The default reads by path (no drain)."""
+        return _PathFile(self, path)
 
     @abc.abstractmethod
     def write_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:

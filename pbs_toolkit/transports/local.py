@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pbs_toolkit.errors import TransportError
-from pbs_toolkit.transports.base import Result, Runner, tcp_connect
+from pbs_toolkit.transports.base import FileId, OpenFile, Result, Runner, tcp_connect
 
 
 class LocalRunner(Runner):
@@ -61,6 +61,16 @@ class LocalRunner(Runner):
         except FileNotFoundError:
             return None
 
+    def file_id(self, path: str) -> FileId | None:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        return FileId(st.st_dev, st.st_ino, st.st_size)
+
+    def open_file(self, path: str) -> OpenFile:
+        return _LocalFile(path)
+
     def write_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
         directory = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
@@ -86,3 +96,31 @@ class LocalRunner(Runner):
 
     def open_connection(self, host: str, port: int, timeout: float = 5.0) -> Any:
         return tcp_connect(host, port, timeout)
+
+
+class _LocalFile(OpenFile):
+    """A local file descriptor: reads follow the inode, identity is (device, inode) of the path vs the descriptor."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.fd = os.open(path, os.O_RDONLY)
+        st = os.fstat(self.fd)
+        self.key = (st.st_dev, st.st_ino)
+
+    def read(self, offset: int, length: int) -> bytes:
+        return os.pread(self.fd, length, offset)
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def path_names_it(self) -> bool | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_dev, st.st_ino) == self.key
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

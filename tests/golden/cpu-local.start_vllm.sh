@@ -75,20 +75,27 @@ pbstk_map_gpu_uuids
 # --- the address clients use to reach this node ---
 ADDRESS=127.0.0.1
 
-# --- port: the first free one from the requested port ---
+# --- port: a free one in the window of 100 ports from the requested one. Each try starts at a random
+# place in the window and goes round it, so servers started together on one node rarely pick the same port;
+# one that loses the race anyway (vLLM could not bind) tries again from another random place, up to
+# 100 times ---
 BIND_HOST=127.0.0.1
 PROBE_HOST=$BIND_HOST
 [ "$PROBE_HOST" = "0.0.0.0" ] && PROBE_HOST=127.0.0.1
 pbstk_port_in_use() { (exec 3<>"/dev/tcp/$PROBE_HOST/$1") 2>/dev/null; }
+PORT_LO=8000
+PORT_HI=$((PORT_LO + 100 - 1))
+[ "$PORT_HI" -gt 65535 ] && PORT_HI=65535
+PORT_RACES=0
+# The first free port going round the window from $1.
 pbstk_pick_port() {
-  local port=$1 last=$(($1 + 100))
-  while [ "$port" -lt "$last" ]; do
+  local count=$((PORT_HI - PORT_LO + 1)) i port
+  for ((i = 0; i < count; i++)); do
+    port=$((PORT_LO + ($1 - PORT_LO + i) % count))
     pbstk_port_in_use "$port" || { echo "$port"; return 0; }
-    port=$((port + 1))
   done
   return 1
 }
-NEXT_PORT=8000
 
 # --- the server ---
 MODEL=Qwen/Qwen3-0.6B
@@ -127,7 +134,12 @@ pbstk_attempt() {
   local -a extra=("$@")
   ATTEMPT=$((ATTEMPT + 1))
   READY=false
-  PORT=$(pbstk_pick_port "$NEXT_PORT") || pbstk_fail "no free port in $NEXT_PORT..$((NEXT_PORT + 100 - 1)) on $NODE"
+  # PORT stays a number for server.json when no port is free (an assignment from a failed $(...) empties it)
+  local picked
+  # $RANDOM here, not inside $(...): a subshell may repeat the parent's sequence
+  local start=$((PORT_LO + RANDOM % (PORT_HI - PORT_LO + 1)))
+  picked=$(pbstk_pick_port "$start") || pbstk_fail "no free port in $PORT_LO..$PORT_HI on $NODE"
+  PORT=$picked
   ATTEMPT_START=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
   pbstk_log "attempt $ATTEMPT: starting vLLM on $ADDRESS:$PORT: ${VLLM_CMD[*]} ${VLLM_ARGS[*]} --host $BIND_HOST --port $PORT ${extra[*]}"
   if command -v stdbuf >/dev/null 2>&1; then
@@ -158,10 +170,13 @@ while true; do
   pbstk_attempt "${EXTRA[@]}"
   # Checked before READY: another server may have answered on our port while vLLM was still importing,
   # and our vLLM then failed to bind it.
-  if [ "$RC" != 0 ] && pbstk_attempt_log | grep -Eq "$PORT_IN_USE_RE" && [ "$ATTEMPT" -lt 5 ]; then
-    pbstk_log "port $PORT was taken while vLLM started; trying the next one"
-    NEXT_PORT=$((PORT + 1))
-    continue
+  if [ "$RC" != 0 ] && pbstk_attempt_log | grep -Eq "$PORT_IN_USE_RE"; then
+    PORT_RACES=$((PORT_RACES + 1))
+    if [ "$PORT_RACES" -lt 100 ]; then
+      pbstk_log "port $PORT was taken while vLLM started; trying another one (lost $PORT_RACES of at most 100 races)"
+      continue
+    fi
+    pbstk_log "lost the race for a port 100 times; giving up"
   fi
   if [ "$READY" = true ]; then
     break
