@@ -20,7 +20,7 @@ COMPILE_ERROR_RE = (
     r"(Error|Exception|[Ff]ailed).*([Dd]ynamo|[Ii]nductor|[Cc]ompil|[Gg]raph|[Cc]apturing|[Tt]riton)"
     r"|([Dd]ynamo|[Ii]nductor|[Cc]ompil|[Cc]uda[Gg]raph|CUDA graph|[Tt]riton).*(Error|Exception|[Ff]ailed)"
 )
-#: vLLM lost the race for its port: the start script moves to the next free one
+#: vLLM lost the race for its port: the start script picks another free port in its window
 PORT_IN_USE_RE = r"(Address already in use|Errno 98)"
 
 
