@@ -298,6 +298,12 @@ def _locate(text: str, path: Path, *, want_entries: bool = False) -> _Layout | N
 # ---------------------------------------------------------------- reading
 
 
+def check(text: str, path: Path) -> None:
+    """Refuse (RegistryError) what :func:`upsert` would refuse, without evaluating any entry."""
+    _locate(text, path)
+
+
+
 def parse(text: str, path: Path) -> dict[str, EndpointEntry]:
     """Entries of the ``ENDPOINTS`` dict; elements that are not plain string literals are skipped."""
     layout = _locate(text, path, want_entries=True)
