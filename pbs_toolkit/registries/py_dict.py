@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import ast
 import bisect
+import dis
 import json
 import re
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,11 +88,12 @@ class _Element:
     """One element of the ``ENDPOINTS`` dict, by byte offsets into the UTF-8 text."""
 
     first: int  # where its key (or the value of ``**value``) starts
-    value_start: int
+    value_start: int  # -1 until resolved (see _resolved)
     value_end: int
     alias: str | None  # the key when it is a string literal
     value_is_dict: bool
     entry: EndpointEntry | None  # filled only when reading
+    piece: tuple[int, int] | None = None  # (start, end) of the text between its separators, while unresolved
 
 
 @dataclass
@@ -224,6 +227,75 @@ def _parse_dict_chunks(
     return elements
 
 
+# A piece of the dict that starts with a plain string key: all an edit needs to know about most elements.
+_SIMPLE_KEY = re.compile(rb"""(?:\s|#[^\r\n]*)*(?:"([^"\\\r\n]*)"|'([^'\\\r\n]*)')\s*:""")
+_FOR_ITER = dis.opmap["FOR_ITER"]
+
+
+def _piece_element(data: bytes, start: int, end: int) -> _Element:
+    """The one element between ``start`` and ``end`` (its separators), parsed on its own."""
+    source = b"{" + data[start:end] + b"\n}"
+    try:
+        node = ast.parse(source.decode("utf-8"), mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError) as exc:
+        raise _Unsure from exc
+    if not isinstance(node, ast.Dict) or len(node.keys) != 1:
+        raise _Unsure
+    starts = _line_starts(source)
+
+    def offset(lineno: int, col: int) -> int:
+        return start - 1 + starts[lineno - 1] + col
+
+    return _elements(data, node, offset, False)[0]
+
+
+def _resolved(layout: _Layout, index: int) -> _Element:
+    """Element ``index`` with its value's position and kind (parsing its piece now if the scan skipped that)."""
+    element = layout.elements[index]
+    if element.piece is not None:
+        full = _piece_element(layout.data, *element.piece)
+        if full.first != element.first or full.alias != element.alias:
+            raise RegistryError(f"internal error: element {index} of {NAME} read two ways")
+        layout.elements[index] = element = full
+    return element
+
+
+def _compile_dict_chunks(data: bytes, span: tuple[int, int, list[int]]) -> list[_Element]:
+    """What an edit needs, at about half the cost of :func:`_parse_dict_chunks`: each chunk is compiled to
+    bytecode (the syntax check, no ast objects) and must build a plain dict: no nested code and no loop, which
+    a comprehension has. A piece that starts with a plain string key is known by its key and position; its
+    value is parsed only if an edit needs it. Any other piece is parsed on its own now."""
+    open_, close, commas = span
+    bounds = [open_, *commas, close]
+    elements: list[_Element] = []
+    lo = 0
+    while lo < len(bounds) - 1:
+        hi = lo + 1
+        while hi < len(bounds) - 1 and bounds[hi] - bounds[lo] < CHUNK_BYTES:
+            hi += 1
+        source = b"{" + data[bounds[lo] + 1 : bounds[hi]] + b"\n}"
+        try:
+            code = compile(source.decode("utf-8"), "<ENDPOINTS>", "eval", dont_inherit=True)
+        except (SyntaxError, ValueError, MemoryError, RecursionError) as exc:
+            raise _Unsure from exc
+        if any(isinstance(c, types.CodeType) for c in code.co_consts) or _FOR_ITER in code.co_code[::2]:
+            raise _Unsure  # a comprehension (or a lambda): not a plain dict display, or not only one
+        for index in range(lo, hi):
+            start, end = bounds[index] + 1, bounds[index + 1]
+            match = _SIMPLE_KEY.match(data, start, end)
+            if match is not None:
+                group = 1 if match.group(1) is not None else 2
+                elements.append(_Element(first=match.start(group) - 1, value_start=-1, value_end=-1,
+                                         alias=match.group(group).decode("utf-8"), value_is_dict=False,
+                                         entry=None, piece=(start, end)))
+            elif index == len(bounds) - 2 and not re.sub(rb"#[^\r\n]*", b"", data[start:end]).strip():
+                continue  # the blank after a trailing comma
+            else:
+                elements.append(_piece_element(data, start, end))
+        lo = hi
+    return elements
+
+
 def _fast(text: str, data: bytes, want_entries: bool) -> _Layout | None:
     """Find ENDPOINTS without a whole-file ast: the file with every outermost ``{...}`` emptied, then the dict."""
     spans = _brace_spans(data)
@@ -260,7 +332,9 @@ def _fast(text: str, data: bytes, want_entries: bool) -> _Layout | None:
                 raise _Unsure from exc
     if chosen is None:
         return None
-    return _Layout(data, chosen[0], chosen[1], _parse_dict_chunks(data, chosen, want_entries))
+    if want_entries:
+        return _Layout(data, chosen[0], chosen[1], _parse_dict_chunks(data, chosen, want_entries))
+    return _Layout(data, chosen[0], chosen[1], _compile_dict_chunks(data, chosen))
 
 
 def _slow(text: str, data: bytes, path: Path, want_entries: bool) -> _Layout | None:
@@ -334,8 +408,8 @@ def _after_line(data: bytes, pos: int) -> int:
 def _bounds(layout: _Layout, index: int) -> tuple[int, int, int | None]:
     """(start, end, comma) of an element: with the parentheses around its key or value and its ``**``."""
     data, elements = layout.data, layout.elements
-    element = elements[index]
-    before = layout.open + 1 if index == 0 else elements[index - 1].value_end
+    element = _resolved(layout, index)
+    before = layout.open + 1 if index == 0 else _resolved(layout, index - 1).value_end
     start = element.first
     seen_comma = index == 0
     for match in _GAP.finditer(data, before, element.first):
@@ -396,7 +470,8 @@ def _value_indent(layout: _Layout, indent: str | None) -> str | None:
     """Follow the layout of the last existing entry: one key per line, or the whole entry on one line."""
     if indent is None:
         return None
-    for element in reversed(layout.elements):
+    for index in reversed(range(len(layout.elements))):
+        element = _resolved(layout, index)
         if element.value_is_dict:
             return indent if _ends_line(layout.data, element.value_start + 1) else None
     return indent
@@ -438,7 +513,7 @@ def upsert(text: str | None, entry: EndpointEntry, path: Path) -> str:
         return prefix + (nl if prefix.strip() else "") + block
     if not layout.elements:
         return _splice(layout.data, [(layout.open, layout.close + 1, f"{{\n{element_code}\n}}".replace("\n", nl))])
-    matches = [element for element in layout.elements if element.alias == entry.alias]
+    matches = [_resolved(layout, i) for i, element in enumerate(layout.elements) if element.alias == entry.alias]
     if not matches:
         return _splice(layout.data, _append(layout, entry, nl))
     value = _value_code(entry, _value_indent(layout, _element_indent(layout))).replace("\n", nl)
