@@ -62,8 +62,8 @@ def concurrent_writers_s(path: Path, writers: int) -> float:
     return elapsed
 
 
-# Run in a fresh interpreter so that its peak RSS is the upsert's own, not this process's (a forked child would
-# inherit everything the benchmark above allocated).
+# Run in a fresh interpreter so that its peak RSS is the upsert's own, not this process's. Linux carries the
+# high-water mark across exec, so the number is an upper bound: at least this process's RSS when it starts the child.
 _CHILD = """
 import resource, sys, time
 from pbs_toolkit.registries import EndpointEntry, write_endpoint
