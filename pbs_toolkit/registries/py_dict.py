@@ -7,9 +7,9 @@ top-level assignment to ``ENDPOINTS``, the one Python keeps.
 
 Cost is linear and bounded: a registry can hold thousands of entries (a 4 MB file), and a whole-file ``ast``
 of that costs about 300 MB. So a lexical scan first finds the outermost ``{...}`` spans; the file is parsed
-with those spans emptied (small), and the ``ENDPOINTS`` dict is parsed in chunks of elements, each checked to
-be part of a plain dict display. Anything the fast path cannot vouch for falls back to one whole-file
-``ast.parse``, which is always right and also names the line of a syntax error.
+with those spans emptied (small), and the ``ENDPOINTS`` dict is parsed (or, for an edit, compiled) in chunks
+of elements, each checked to be part of a plain dict display. Anything the fast path cannot vouch for falls
+back to one whole-file ``ast.parse``, which is always right and also names the line of a syntax error.
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def _compile_dict_chunks(data: bytes, span: tuple[int, int, list[int]]) -> list[
     return elements
 
 
-def _fast(text: str, data: bytes, want_entries: bool) -> _Layout | None:
+def _fast(data: bytes, want_entries: bool) -> _Layout | None:
     """Find ENDPOINTS without a whole-file ast: the file with every outermost ``{...}`` emptied, then the dict."""
     spans = _brace_spans(data)
     pieces, segments, pos, size = [], [], 0, 0  # segments: (offset in the emptied text, offset in data)
@@ -364,7 +364,7 @@ def _locate(text: str, path: Path, *, want_entries: bool = False) -> _Layout | N
     """The ENDPOINTS dict of ``text``, or None if there is none; RegistryError if the file is not Python."""
     data = text.encode("utf-8")
     try:
-        return _fast(text, data, want_entries)
+        return _fast(data, want_entries)
     except _Unsure:
         return _slow(text, data, path, want_entries)
 
