@@ -51,29 +51,26 @@ def endpoint_url(st: JobStatus, local_url: str | None = None) -> str:
     return f"http://{st.address}:{st.port}/v1"
 
 
-def check_registry(record: JobRecord, registry: str | None, fmt: str = "auto", alias: str | None = None) -> str:
+def check_registry(
+    record: JobRecord,
+    registry: str | None,
+    fmt: str = "auto",
+    alias: str | None = None,
+    *,
+    follow_symlink: bool = False,
+    force_format: bool = False,
+) -> str:
     """Refuse, before waiting for the server, a registry that the write would refuse later.
 
-    Checks the format, that the directory exists, that an existing file parses, and that the alias fits
-    the format. Returns the format. The write itself checks all of this again under the lock.
+    Checks the format (and that it agrees with the suffix), that the directory exists, that the path is a
+    regular file or none yet (no device, FIFO, socket, pseudo-file, or symlink leaving its directory), that the
+    file and its directory are writable, that an existing file parses, and that the alias fits the format.
+    Returns the format. The write itself checks all of this again under the lock.
     """
-    from pathlib import Path
-
-    from pbs_toolkit.registries import (
-        EndpointEntry,
-        default_registry_path,
-        detect_format,
-        read_endpoints,
-    )
+    from pbs_toolkit.registries import EndpointEntry, check_target
     from pbs_toolkit.registries.entry import validate_entry
 
-    path = Path(registry).expanduser() if registry else default_registry_path()
-    kind = detect_format(path, fmt)
-    if registry and not path.parent.is_dir():
-        from pbs_toolkit.errors import RegistryError
-
-        raise RegistryError(f"{path.parent} does not exist (registry {path})")
-    read_endpoints(path, kind)  # raises RegistryError when the file does not parse
+    path, kind = check_target(registry, fmt, follow_symlink=follow_symlink, force_format=force_format)
     placeholder = EndpointEntry(alias=alias or default_alias(record), model=record.served_model_name,
                                 url="http://node:1/v1", key_env=record.api_key_env or NO_KEY_ENV)
     validate_entry(placeholder, kind, path)
@@ -87,6 +84,8 @@ def update_endpoint(
     fmt: str = "auto",
     alias: str | None = None,
     local_url: str | None = None,
+    follow_symlink: bool = False,
+    force_format: bool = False,
 ) -> EndpointUpdate:
     """Write ``{alias: model, url, key}`` for a READY job into the registry (atomic, locked)."""
     from pbs_toolkit.registries import EndpointEntry, default_registry_path, detect_format, write_endpoint
@@ -96,9 +95,9 @@ def update_endpoint(
     url = endpoint_url(st, local_url)
     key_env = record.api_key_env or NO_KEY_ENV
     path = registry or str(default_registry_path())
-    kind = detect_format(path, fmt)
+    kind = detect_format(path, fmt, force=force_format)
     entry = EndpointEntry(alias=alias, model=record.served_model_name, url=url, key_env=key_env)
-    written = write_endpoint(registry, entry, fmt=kind)
+    written = write_endpoint(registry, entry, fmt=kind, follow_symlink=follow_symlink, force_format=force_format)
     return EndpointUpdate(str(written), kind, alias, record.served_model_name, url, record.api_key_env)
 
 

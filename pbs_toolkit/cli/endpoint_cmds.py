@@ -32,24 +32,28 @@ def _find(job: str | None) -> JobRecord:
 
 @click.command("update-endpoint")
 @click.argument("job", required=False)
-@click.option("--registry", type=click.Path(dir_okay=False),
+@click.option("--registry", type=click.Path(),  # a directory, device or FIFO is refused by the registry (exit 8)
               help="Registry file (default: pbstk's own endpoints.yaml in the XDG data dir).")
 @click.option("--format", "fmt", type=click.Choice(["auto", "py", "toml", "yaml", "json"]), default="auto",
               show_default=True, help="py = verifiers endpoints.py, toml = verifiers endpoints.toml.")
+@click.option("--force-format", is_flag=True, help="Allow a --format that disagrees with the file's suffix.")
+@click.option("--follow-symlink", is_flag=True,
+              help="Edit the regular file a symlinked registry points to, even outside the registry's directory.")
 @click.option("--alias", help="Entry name (default: the job's --name).")
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--via-tunnel", is_flag=True, help="Register a local tunnel's URL and keep the tunnel open.")
 @click.option("--local-port", type=LOCAL_PORT, default=0, help="Local port for --via-tunnel (default: any free one).")
 @click.option("--json", "as_json", is_flag=True)
-def update_endpoint(job: str | None, registry: str | None, fmt: str, alias: str | None, timeout: float,
-                    via_tunnel: bool, local_port: int, as_json: bool) -> None:
+def update_endpoint(job: str | None, registry: str | None, fmt: str, force_format: bool, follow_symlink: bool,
+                    alias: str | None, timeout: float, via_tunnel: bool, local_port: int, as_json: bool) -> None:
     """Wait until JOB (default: the newest) is ready, then write its endpoint into a registry."""
     from pbs_toolkit.endpoints import check_registry
     from pbs_toolkit.endpoints import update_endpoint as do_update
     from pbs_toolkit.transports import open_runner
 
     record = _find(job)
-    fmt = check_registry(record, registry, fmt, alias)  # refuse a bad registry before waiting an hour
+    # refuse a bad registry before waiting an hour
+    fmt = check_registry(record, registry, fmt, alias, follow_symlink=follow_symlink, force_format=force_format)
     runner = open_runner(record.transport or None)  # one connection (one MFA prompt) for all of it
     tunnel = None
     try:
@@ -59,7 +63,8 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, alias: str 
 
             assert st.address and st.port
             tunnel = start_tunnel(runner, st.address, st.port, local_port=local_port)
-        result = do_update(st, registry=registry, fmt=fmt, alias=alias, local_url=tunnel.url if tunnel else None)
+        result = do_update(st, registry=registry, fmt=fmt, alias=alias, local_url=tunnel.url if tunnel else None,
+                           follow_symlink=follow_symlink, force_format=force_format)
     except BaseException:
         if tunnel is not None:
             tunnel.close()

@@ -8,8 +8,9 @@ Formats (one module each):
 
 Every write is a read-modify-write under ``<file>.lock`` followed by an atomic rename (``atomic``), so
 concurrent writers never lose each other's entries and readers never see a half-written file. A file that
-does not parse is never touched. libcst, tomlkit, yaml and filelock are imported only when a function
-needs them.
+does not parse is never touched, and only regular files are ever written (``target``: no devices, FIFOs,
+sockets, pseudo-files or symlinks leading out of the named directory). tomlkit, yaml and filelock are imported
+only when a function needs them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pbs_toolkit.registries.entry import EndpointEntry, validate_entry
 __all__ = [
     "FORMATS",
     "EndpointEntry",
+    "check_target",
     "default_registry_path",
     "detect_format",
     "read_endpoints",
@@ -35,15 +37,24 @@ _SUFFIXES = {".py": "py", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".js
 _SECRET_FORMATS = ("yaml", "json")
 
 
-def detect_format(path: str | os.PathLike[str], fmt: str = "auto") -> str:
-    """The registry format of ``path``: ``fmt`` if given, else by suffix (.py/.toml/.yaml/.yml/.json)."""
+def detect_format(path: str | os.PathLike[str], fmt: str = "auto", *, force: bool = False) -> str:
+    """The registry format of ``path``: ``fmt`` if given, else by suffix (.py/.toml/.yaml/.yml/.json).
+
+    A named format must agree with a known suffix (``py`` for ``x.yaml`` would write Python into a YAML file)
+    unless ``force``; a path without a known suffix takes the named format.
+    """
+    suffix = Path(path).suffix.lower()
     if fmt != "auto":
         if fmt not in FORMATS:
             raise RegistryError(
                 f"{path}: unknown registry format {fmt!r} (known: {', '.join(FORMATS)}, auto)"
             )
+        if suffix in _SUFFIXES and _SUFFIXES[suffix] != fmt and not force:
+            raise RegistryError(
+                f"{path}: format {fmt} does not match the suffix {suffix!r} ({_SUFFIXES[suffix]}); "
+                "rename the file or use --force-format"
+            )
         return fmt
-    suffix = Path(path).suffix.lower()
     if suffix not in _SUFFIXES:
         raise RegistryError(
             f"{path}: cannot tell the registry format from the suffix {suffix or '(none)'!r}; "
@@ -59,10 +70,21 @@ def default_registry_path() -> Path:
     return Path(user_data_dir("pbstk")) / "endpoints.yaml"
 
 
-def _resolve(path: str | os.PathLike[str] | None, *, create_default_dir: bool) -> Path:
-    """The file to edit; a symlinked registry is edited where it points, so the link survives."""
+def _resolve(
+    path: str | os.PathLike[str] | None, *, create_default_dir: bool, follow_symlink: bool = False
+) -> Path:
+    """The file to edit: a regular file or none yet, never a device, FIFO, socket, directory or pseudo-file.
+
+    A symlinked registry is edited where it points, so the link survives, but only when the target stays in
+    the directory the user named or ``follow_symlink`` allows it (see :mod:`.target`).
+    """
+    from pbs_toolkit.registries import target as safety
+
     default = default_registry_path()
-    target = Path(os.path.realpath(default if path is None else Path(path).expanduser()))
+    named = Path(os.path.abspath(default if path is None else Path(path).expanduser()))
+    target = Path(os.path.realpath(named))
+    safety.refuse_non_regular(named, target)
+    safety.refuse_pseudo_filesystem(named, target)
     parent = target.parent
     if not parent.is_dir():
         if create_default_dir and target == Path(os.path.realpath(default)):
@@ -72,7 +94,53 @@ def _resolve(path: str | os.PathLike[str] | None, *, create_default_dir: bool) -
                 raise RegistryError(f"{parent}: cannot create directory: {exc.strerror or exc}") from exc
         else:
             raise RegistryError(f"{parent} does not exist")
+    safety.refuse_foreign_symlink(named, target, follow_symlink)
     return target
+
+
+def check_target(
+    path: str | os.PathLike[str] | None,
+    fmt: str = "auto",
+    *,
+    follow_symlink: bool = False,
+    force_format: bool = False,
+) -> tuple[Path, str]:
+    """Everything :func:`write_endpoint` would refuse about the file itself, checked without writing anything.
+
+    Returns the file that would be edited and its format. Callers run this before waiting for a server so that
+    an unusable registry fails in milliseconds, not after the wait; the write checks it all again under the lock.
+    """
+    from pbs_toolkit.registries import atomic
+    from pbs_toolkit.registries import target as safety
+
+    kind = detect_format(default_registry_path() if path is None else path, fmt, force=force_format)
+    default_dir_missing = path is None and not default_registry_path().parent.is_dir()
+    if default_dir_missing:
+        return default_registry_path(), kind  # created on write; nothing there to check yet
+    target = _resolve(path, create_default_dir=False, follow_symlink=follow_symlink)
+    safety.check_writable(target)
+    text = atomic.read_text(target, follow=False)
+    if text is not None and kind == "py":
+        from pbs_toolkit.registries import py_dict
+
+        py_dict.check(text, target)  # the edit's own reading: no entry evaluated
+    elif text is not None:
+        _parse(text, target, kind)
+    return target, kind
+
+
+def _parse(text: str, target: Path, kind: str) -> dict[str, EndpointEntry]:
+    if kind == "py":
+        from pbs_toolkit.registries import py_dict
+
+        return py_dict.parse(text, target)
+    if kind == "toml":
+        from pbs_toolkit.registries import verifiers_toml
+
+        return verifiers_toml.parse(text, target)
+    from pbs_toolkit.registries import data_file
+
+    return data_file.parse(text, target, kind)
 
 
 def write_endpoint(
@@ -81,17 +149,22 @@ def write_endpoint(
     fmt: str = "auto",
     *,
     api_key: str | None = None,
+    follow_symlink: bool = False,
+    force_format: bool = False,
 ) -> Path:
     """Insert or replace the entry for ``entry.alias`` in the registry at ``path``; every other entry is kept.
 
     ``path=None`` means :func:`default_registry_path` (its directory is created if needed; a directory
     named by the user never is). ``api_key`` is accepted by the yaml/json formats only; a file holding one
     gets mode 0600. A new file otherwise gets 0644; an existing file keeps its mode. Returns the path written.
+    Only a regular file (or none yet) is written, see :func:`_resolve`; ``force_format`` lets ``fmt`` disagree
+    with the file's suffix.
     """
     from pbs_toolkit.registries import atomic
+    from pbs_toolkit.registries import target as safety
 
-    target = _resolve(path, create_default_dir=True)
-    kind = detect_format(target if path is None else path, fmt)
+    target = _resolve(path, create_default_dir=True, follow_symlink=follow_symlink)
+    kind = detect_format(target if path is None else path, fmt, force=force_format)
     validate_entry(entry, kind, target)
     if api_key is not None and kind not in _SECRET_FORMATS:
         raise RegistryError(
@@ -100,8 +173,10 @@ def write_endpoint(
         )
     if api_key is not None and (not api_key or any(c in api_key for c in "\r\n")):
         raise RegistryError(f"{target}: api_key for {entry.alias!r} must be non-empty and on one line")
+    safety.check_writable(target)
     with atomic.locked(target):
-        text = atomic.read_text(target)
+        safety.refuse_non_regular(target, target)  # again under the lock: it may have changed meanwhile
+        text = atomic.read_text(target, follow=False)
         holds_secret = False
         if kind == "py":
             from pbs_toolkit.registries import py_dict
@@ -132,31 +207,31 @@ def read_endpoints(path: str | os.PathLike[str] | None, fmt: str = "auto") -> di
     from pbs_toolkit.registries import atomic
 
     target = Path(default_registry_path() if path is None else path).expanduser()
-    kind = detect_format(target, fmt)
+    kind = detect_format(target, fmt, force=True)  # reading writes nothing: the caller's format wins
     text = atomic.read_text(target)
     if text is None:
         return {}
-    if kind == "py":
-        from pbs_toolkit.registries import py_dict
-
-        return py_dict.parse(text, target)
-    if kind == "toml":
-        from pbs_toolkit.registries import verifiers_toml
-
-        return verifiers_toml.parse(text, target)
-    from pbs_toolkit.registries import data_file
-
-    return data_file.parse(text, target, kind)
+    return _parse(text, target, kind)
 
 
-def remove_endpoint(path: str | os.PathLike[str] | None, alias: str, fmt: str = "auto") -> bool:
+def remove_endpoint(
+    path: str | os.PathLike[str] | None,
+    alias: str,
+    fmt: str = "auto",
+    *,
+    follow_symlink: bool = False,
+    force_format: bool = False,
+) -> bool:
     """Remove the entry for ``alias``; True if it was there. The file keeps its mode and everything else."""
     from pbs_toolkit.registries import atomic
+    from pbs_toolkit.registries import target as safety
 
-    target = _resolve(path, create_default_dir=False)
-    kind = detect_format(target if path is None else path, fmt)
+    target = _resolve(path, create_default_dir=False, follow_symlink=follow_symlink)
+    kind = detect_format(target if path is None else path, fmt, force=force_format)
+    safety.check_writable(target)
     with atomic.locked(target):
-        text = atomic.read_text(target)
+        safety.refuse_non_regular(target, target)
+        text = atomic.read_text(target, follow=False)
         if text is None:
             return False
         if kind == "py":

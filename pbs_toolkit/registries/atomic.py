@@ -45,12 +45,31 @@ def locked(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
         lock.release()
 
 
-def read_text(path: Path) -> str | None:
-    """The file's text (newlines untouched), or None if it does not exist."""
+def read_text(path: Path, *, follow: bool = True) -> str | None:
+    """The file's text (newlines untouched), or None if it does not exist.
+
+    Only a regular file is opened: ``stat`` first (opening a FIFO would block, opening a device may act), then
+    ``O_NONBLOCK`` and ``fstat`` on the descriptor in case the path changed in between. ``follow=False`` adds
+    ``O_NOFOLLOW`` for writers, which have resolved the path already.
+    """
+    from pbs_toolkit.registries.target import describe
+
     try:
-        data = path.read_bytes()
+        kind = describe((os.stat if follow else os.lstat)(path).st_mode)
+        if kind is not None:
+            raise RegistryError(f"{path} is {kind}, not a regular file")
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+        fd = os.open(path, flags)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise RegistryError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            kind = describe(os.fstat(handle.fileno()).st_mode)
+            if kind is not None:
+                raise RegistryError(f"{path} is {kind}, not a regular file")
+            data = handle.read()
     except OSError as exc:
         raise RegistryError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     try:
