@@ -100,7 +100,7 @@ def render_options(f: F) -> F:
         click.option("--walltime", "-t", help="HH:MM:SS"),
         click.option("--nodes", type=NODES),
         click.option("--gpus-per-node", type=GPUS_PER_NODE),
-        click.option("--port", help="Port on the node: a number (must be free) or 'auto' (a free one in the window above it, random start)."),
+        click.option("--port", help="Port on the node: a number (must be free) or 'auto' (a free one above it)."),
         click.option("--venv", help="Python environment with vLLM on the compute node (activated in the job)."),
         click.option("--runs-root", help="Where run directories go (shared filesystem)."),
         click.option("--vllm-version", help="vLLM version on the cluster; decides which flags are valid."),
