@@ -18,33 +18,25 @@ Two rules keep status from lying:
 from __future__ import annotations
 
 import enum
-import json
 import os
 import time
-import zlib
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from pbs_toolkit import probe
 from pbs_toolkit.errors import SchedulerUnavailable
 from pbs_toolkit.jobstore import JobRecord, JobStore
-from pbs_toolkit.logs import tail_lines
 from pbs_toolkit.probe import Identity
+from pbs_toolkit.rundir import VERIFIED_KEY, RunDirView, look, look_all
 from pbs_toolkit.schedulers import JobRef, SchedState, SchedulerJob, get_scheduler
 from pbs_toolkit.transports import Runner, open_runner
 
-LOG_TAIL_LINES = 400
 #: consecutive scheduler answers without the job before it may be LOST ...
 LOST_AFTER_POLLS = 3
 #: ... spanning at least this many seconds (``PBSTK_LOST_AFTER_S``)
 DEFAULT_LOST_AFTER_S = 60.0
-#: run directories and servers looked at in parallel by one ``status`` call
-LOOK_THREADS = 16
-#: record.extra keys owned by this module
+#: record.extra key owned by this module (``rundir`` owns ``verified_endpoint``)
 ABSENCE_KEY = "sched_absence"
-VERIFIED_KEY = "verified_endpoint"
 
 
 def lost_after_s() -> float:
@@ -123,61 +115,6 @@ class Absence:
     def settled(self) -> bool:
         """Long enough to call the job LOST (when nothing in its run directory says otherwise)."""
         return self.polls >= LOST_AFTER_POLLS and self.seconds >= lost_after_s()
-
-
-@dataclass
-class RunDirView:
-    """One look at a job's run directory and server (I/O only; :func:`judge` decides)."""
-
-    marker: dict[str, Any] | None = None
-    #: ``server.json`` exists but is unusable, in words
-    problem: str | None = None
-    lines: list[str] = field(default_factory=list)
-    health: int | None = None
-    identity: Identity | None = None
-    #: (log size, marker checksum): a change between scheduler polls is a sign of life
-    fingerprint: list[int | None] = field(default_factory=lambda: [None, None])
-
-
-def _port(value: Any) -> int | None:
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536:
-        return value
-    return None
-
-
-def parse_marker(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
-    """``server.json`` -> (the usable fields, what was wrong). A bad marker spoils only its own job's row."""
-    try:
-        data = json.loads(raw)
-    except ValueError:  # UnicodeDecodeError included
-        return None, "server.json is not valid JSON"
-    if not isinstance(data, dict):
-        return None, "server.json is not a JSON object"
-    marker = dict(data)
-    problems = []
-    if "port" in marker and marker["port"] not in (None, "") and _port(marker["port"]) is None:
-        problems.append(f"port {marker['port']!r} is not a port number")
-    marker["port"] = _port(marker.get("port"))
-    for key in ("phase", "address", "host"):
-        if marker.get(key) is not None and not isinstance(marker[key], str):
-            problems.append(f"{key} {marker[key]!r} is not a string")
-            marker[key] = None
-    code = marker.get("exit_code")
-    if code is not None and (isinstance(code, bool) or not isinstance(code, int)):
-        problems.append(f"exit_code {code!r} is not a number")
-        marker["exit_code"] = None
-    return marker, ("server.json: " + "; ".join(problems)) if problems else None
-
-
-def read_marker(runner: Runner, run_dir: str) -> dict[str, Any] | None:
-    """``server.json`` written by the start script, or ``None`` before it exists (or when it is unusable)."""
-    try:
-        raw = runner.read_bytes(f"{run_dir}/server.json")
-    except OSError:
-        return None
-    return parse_marker(raw)[0]
 
 
 def current_attempt(lines: Sequence[str]) -> list[str]:
@@ -311,48 +248,6 @@ def _unlisted(st: JobStatus, ours: bool, answered: bool, absence: Absence | None
         st.reason = (f"the scheduler did not list this job ({polls} answer(s) over {seconds:.0f} s); LOST after "
                      f"{LOST_AFTER_POLLS} over {lost_after_s():g} s without a sign of life in its run directory")
     return st
-
-
-def look(runner: Runner, record: JobRecord, sched: SchedulerJob | None) -> RunDirView:
-    """Read the marker and the log tail, and probe the server (``/health``, then ``/v1/models`` with the job's
-    key unless this address and port were verified before). Thread-safe: writes nothing."""
-    view = RunDirView()
-    if sched is not None and sched.state in (SchedState.QUEUED, SchedState.HELD):
-        return view
-    raw = None
-    try:
-        raw = runner.read_bytes(f"{record.run_dir}/server.json")
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        view.problem = f"cannot read server.json: {exc.strerror or exc}"
-    if raw is not None:
-        view.marker, view.problem = parse_marker(raw)
-    log = f"{record.run_dir}/vllm.log"
-    try:
-        view.lines = tail_lines(runner, log, LOG_TAIL_LINES)
-        log_size = runner.size(log)
-    except OSError:
-        log_size = None
-    view.fingerprint = [log_size, zlib.crc32(raw) if raw is not None else None]
-    marker = view.marker or {}
-    if marker.get("port") and marker.get("phase") in ("ready", "starting"):
-        host, port = marker.get("address") or "127.0.0.1", int(marker["port"])
-        view.health = probe.health(runner, host, port)
-        if view.health == 200:
-            if record.extra.get(VERIFIED_KEY) == f"{host}:{port}":
-                view.identity = Identity(True)
-            else:
-                view.identity = probe.identify(runner, host, port, record.api_key, record.served_model_name)
-    return view
-
-
-def look_all(runner: Runner, jobs: Sequence[tuple[JobRecord, SchedulerJob | None]]) -> list[RunDirView]:
-    """:func:`look` at every job concurrently: ten hung servers cost one probe timeout, not ten."""
-    if len(jobs) <= 1:
-        return [look(runner, record, sched) for record, sched in jobs]
-    with ThreadPoolExecutor(max_workers=min(LOOK_THREADS, len(jobs)), thread_name_prefix="pbstk-look") as pool:
-        return list(pool.map(lambda job: look(runner, *job), jobs))
 
 
 def _save(store: JobStore | None, record: JobRecord, **values: Any) -> None:

@@ -8,8 +8,9 @@ import pytest
 
 from pbs_toolkit.jobstore import JobRecord
 from pbs_toolkit.probe import Identity
+from pbs_toolkit.rundir import parse_marker
 from pbs_toolkit.schedulers import SchedState, SchedulerJob
-from pbs_toolkit.status import Absence, ServerState, classify_exit, combine, current_attempt, parse_marker
+from pbs_toolkit.status import Absence, ServerState, classify_exit, combine, current_attempt
 
 S = ServerState
 OURS = Identity(True)
@@ -283,3 +284,18 @@ def test_only_the_newest_attempt_counts() -> None:
 def test_unknown_is_not_final() -> None:
     assert not S.UNKNOWN.final
     assert all(s.final for s in (S.FAILED, S.FINISHED, S.CANCELLED, S.LOST))
+
+
+# -- the absence count (record.extra only: no store) -----------------------------------------------------
+
+
+def test_absence_counts_fresh_answers_and_restarts_on_a_sign_of_life() -> None:
+    from pbs_toolkit.status import note_absence
+
+    rec = record()
+    assert note_absence(None, rec, [10, 1], counted=True).polls == 1
+    assert note_absence(None, rec, [10, 1], counted=False).polls == 1  # the last answer reused: no count
+    assert note_absence(None, rec, [10, 1], counted=True).polls == 2
+    assert note_absence(None, rec, [11, 1], counted=True).polls == 1  # the log grew: alive, start over
+    rec.extra["sched_absence"] = "garbage"
+    assert note_absence(None, rec, [11, 1], counted=True).polls == 1
