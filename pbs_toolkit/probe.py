@@ -8,10 +8,23 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from pbs_toolkit.transports.base import Runner
+
+#: a server that accepts but does not answer costs at most this long per request (``PBSTK_PROBE_TIMEOUT_S``)
+DEFAULT_PROBE_TIMEOUT_S = 3.0
+
+
+def probe_timeout() -> float:
+    """Seconds one status probe may take; short, since ``status`` asks every job's server."""
+    try:
+        value = float(os.environ.get("PBSTK_PROBE_TIMEOUT_S") or DEFAULT_PROBE_TIMEOUT_S)
+    except ValueError:
+        return DEFAULT_PROBE_TIMEOUT_S
+    return value if 0 < value < float("inf") else DEFAULT_PROBE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -83,23 +96,55 @@ def http_request(
             conn.stream.close()
 
 
-def health(runner: Runner, host: str, port: int, timeout: float = 3.0) -> int | None:
+def health(runner: Runner, host: str, port: int, timeout: float | None = None) -> int | None:
     """HTTP status of ``/health``, or ``None`` when nothing answers."""
     try:
-        return http_request(runner, host, port, "/health", timeout=timeout).status
+        return http_request(runner, host, port, "/health", timeout=timeout or probe_timeout()).status
     except OSError:
         return None
 
 
 def served_models(
-    runner: Runner, host: str, port: int, api_key: str | None, timeout: float = 5.0
+    runner: Runner, host: str, port: int, api_key: str | None, timeout: float | None = None
 ) -> tuple[int, list[str]]:
     """(HTTP status, model ids) of ``/v1/models``."""
-    answer = http_request(runner, host, port, "/v1/models", api_key=api_key, timeout=timeout)
+    answer = http_request(runner, host, port, "/v1/models", api_key=api_key, timeout=timeout or probe_timeout())
     if answer.status != 200:
         return answer.status, []
     try:
         data = answer.json()
         return 200, [str(m.get("id")) for m in data.get("data", [])]
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError):
         return answer.status, []
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Whether the server on a job's address and port proved to be that job's own.
+
+    ``/health`` answers anyone, so a server that merely answers may be another job's that took the port
+    (two jobs on one node racing for a free port). Only the key-authenticated ``/v1/models`` listing the
+    served name is proof; sending the key anywhere else would hand it to a stranger.
+    """
+
+    ours: bool
+    #: the answer proves another server holds the port (key refused, other model), not just "not up yet"
+    foreign: bool = False
+    #: why not, in words that follow "the server": ``rejected the API key (401)``
+    detail: str = ""
+
+
+def identify(runner: Runner, host: str, port: int, api_key: str | None, served_name: str,
+             timeout: float | None = None) -> Identity:
+    """Ask ``/v1/models`` with the job's key whether ``served_name`` is served at ``host:port``."""
+    try:
+        code, models = served_models(runner, host, port, api_key, timeout)
+    except OSError as exc:
+        return Identity(False, detail=f"did not answer /v1/models ({exc})")
+    if code in (401, 403):
+        return Identity(False, foreign=True, detail=f"rejected the API key ({code})")
+    if code != 200:
+        return Identity(False, detail=f"answered /v1/models with {code}")
+    if served_name not in models:
+        return Identity(False, foreign=True, detail=f"serves {', '.join(models) or 'nothing'}, not {served_name}")
+    return Identity(True)

@@ -10,7 +10,6 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from pbs_toolkit import probe
 from pbs_toolkit.errors import SchedulerUnavailable, ServerFailed, WaitTimeout
 from pbs_toolkit.jobstore import JobRecord, JobStore
 from pbs_toolkit.logs import tail_lines
@@ -77,20 +76,6 @@ def _fatal_grace(st: JobStatus) -> float:
     return FALLBACK_GRACE_S if st.restart_expected else FATAL_GRACE_S
 
 
-def check_models(runner: Runner, st: JobStatus) -> None:
-    """``/v1/models`` must answer with the served name, using the job's key."""
-    assert st.address and st.port
-    code, models = probe.served_models(runner, st.address, st.port, st.record.api_key)
-    if code == 401:
-        raise ServerFailed(f"the server at {st.url} rejected the API key (401): is this the right job?")
-    if code != 200:
-        raise OSError(f"/v1/models answered {code}")
-    if st.record.served_model_name not in models:
-        raise ServerFailed(
-            f"the server at {st.url} serves {', '.join(models) or 'nothing'}, not {st.record.served_model_name}"
-        )
-
-
 def wait_until_ready(
     record: JobRecord,
     *,
@@ -117,10 +102,11 @@ def wait_until_ready(
     try:
         while True:
             now = time.monotonic()
+            fresh = False  # a new scheduler answer (counts towards LOST), not the last one reused
             if now >= next_query:
                 try:
                     sched = query_group(runner, [record])[record.job_id]
-                    answered, unreachable = True, None
+                    answered, unreachable, fresh = True, None, True
                 except SchedulerUnavailable as exc:
                     # transient: keep the last known state; with none yet, judge from the run directory only
                     unreachable = None if answered else str(exc)
@@ -129,7 +115,8 @@ def wait_until_ready(
                 query_index += 1
                 if running:  # the job's own files now tell us more than the scheduler
                     next_query = now + max(intervals[-1], 10.0)
-            st = observe(runner, record, sched)
+            # the same rules as `pbstk status`: READY only once /v1/models proved the server is ours
+            st = observe(runner, record, sched, store=store, answered=answered, counted=fresh)
             if unreachable is not None:
                 st = without_scheduler(st, unreachable)
             if st.state is ServerState.PENDING and not marker_seen:
@@ -144,23 +131,21 @@ def wait_until_ready(
                 on_progress(st, elapsed)
             last_key = key
             if st.state is ServerState.READY:
-                try:
-                    check_models(runner, st)
-                    if store is not None:
-                        store.update_extra(record, ready_after_s=round(elapsed, 1))
-                    return st
-                except OSError:
-                    pass  # /health answered but the API is not up yet
-                except ServerFailed:
-                    # A wrong key or model can also be *another* job's server: two jobs on one node may
-                    # pick the same free port, and the loser moves on and rewrites its marker. Only a
-                    # verdict that stands on the same address for a while is ours.
-                    where = (st.address, st.port)
-                    if foreign is None or foreign[0] != where:
-                        foreign = (where, now)
-                    elif now - foreign[1] >= FATAL_GRACE_S:
-                        raise
-            elif st.state is ServerState.FAILED and not st.confirmed:
+                if store is not None:
+                    store.update_extra(record, ready_after_s=round(elapsed, 1))
+                return st
+            if st.foreign is not None:
+                # A wrong key or model is usually *another* job's server: two jobs on one node may pick the
+                # same free port, and the loser moves on and rewrites its marker. Only a verdict that stands
+                # on the same address for a while is about this job.
+                where = (st.address, st.port)
+                if foreign is None or foreign[0] != where:
+                    foreign = (where, now)
+                elif now - foreign[1] >= FATAL_GRACE_S:
+                    raise ServerFailed(f"the server at {st.url} {st.foreign}: is this the right job?")
+            else:
+                foreign = None
+            if st.state is ServerState.FAILED and not st.confirmed:
                 fatal_since = fatal_since or now
                 if now - fatal_since >= _fatal_grace(st):
                     raise _failure(st, runner)

@@ -1,24 +1,51 @@
 """Server state: the scheduler's view, the run directory's markers and the server's own HTTP answer, combined.
 
-One scheduler query per transport per call, whatever the number of jobs (FACTS.md: never poll per job).
+One scheduler query per transport per call, whatever the number of jobs (FACTS.md: never poll per job); the
+run directories and servers are then looked at concurrently, each probe with a short timeout.
+
+Two rules keep status from lying:
+
+* READY means the server proved it is the job's own: the key-authenticated ``/v1/models`` lists the served
+  name (checked once per address and port, remembered in ``extra["verified_endpoint"]``). A server that
+  answers ``/health`` but not as ours keeps the job STARTING ("port N answered by another server").
+* LOST is recorded only after the scheduler has not known the job in ``LOST_AFTER_POLLS`` consecutive
+  answers spanning ``PBSTK_LOST_AFTER_S`` seconds (default 60) during which the run directory showed no sign
+  of life: the job's own server did not answer, and neither ``vllm.log`` nor ``server.json`` changed (a change
+  restarts the count). Until then the job is UNKNOWN with the count in its reason (``extra["sched_absence"]``).
+  A scheduler that did not answer at all (hung, killed, garbled) counts for nothing either way.
 """
 
 from __future__ import annotations
 
 import enum
-import json
+import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pbs_toolkit import probe
 from pbs_toolkit.errors import SchedulerUnavailable
 from pbs_toolkit.jobstore import JobRecord, JobStore
-from pbs_toolkit.logs import tail_lines
+from pbs_toolkit.probe import Identity
+from pbs_toolkit.rundir import VERIFIED_KEY, RunDirView, look, look_all
 from pbs_toolkit.schedulers import JobRef, SchedState, SchedulerJob, get_scheduler
 from pbs_toolkit.transports import Runner, open_runner
 
-LOG_TAIL_LINES = 400
+#: consecutive scheduler answers without the job before it may be LOST ...
+LOST_AFTER_POLLS = 3
+#: ... spanning at least this many seconds (``PBSTK_LOST_AFTER_S``)
+DEFAULT_LOST_AFTER_S = 60.0
+#: record.extra key owned by this module (``rundir`` owns ``verified_endpoint``)
+ABSENCE_KEY = "sched_absence"
+
+
+def lost_after_s() -> float:
+    """``PBSTK_LOST_AFTER_S``: how long the scheduler must not know a job before it is LOST (default 60)."""
+    try:
+        value = float(os.environ.get("PBSTK_LOST_AFTER_S") or DEFAULT_LOST_AFTER_S)
+    except ValueError:
+        return DEFAULT_LOST_AFTER_S
+    return value if 0 <= value < float("inf") else DEFAULT_LOST_AFTER_S
 
 
 class ServerState(enum.Enum):
@@ -55,6 +82,8 @@ class JobStatus:
     confirmed: bool = True
     #: the log shows a graph/compile failure and the start script will restart the server in eager mode
     restart_expected: bool = False
+    #: another server answers on the job's port: how it gave itself away (``rejected the API key (401)``)
+    foreign: str | None = None
 
     @property
     def url(self) -> str | None:
@@ -75,13 +104,17 @@ class JobStatus:
         }
 
 
-def read_marker(runner: Runner, run_dir: str) -> dict[str, Any] | None:
-    """``server.json`` written by the start script, or ``None`` before it exists."""
-    try:
-        data = json.loads(runner.read_bytes(f"{run_dir}/server.json"))
-    except (FileNotFoundError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+@dataclass(frozen=True)
+class Absence:
+    """How long the scheduler has not known a job: consecutive answers, and seconds since the first of them."""
+
+    polls: int
+    seconds: float
+
+    @property
+    def settled(self) -> bool:
+        """Long enough to call the job LOST (when nothing in its run directory says otherwise)."""
+        return self.polls >= LOST_AFTER_POLLS and self.seconds >= lost_after_s()
 
 
 def current_attempt(lines: Sequence[str]) -> list[str]:
@@ -115,15 +148,24 @@ def combine(
     marker: dict[str, Any] | None,
     log_lines: list[str],
     health_status: int | None,
+    identity: Identity | None = None,
+    absence: Absence | None = None,
+    answered: bool = True,
 ) -> JobStatus:
-    """The truth about one job from everything we could observe. Pure: tested without any I/O."""
+    """The truth about one job from everything we could observe. Pure: tested without any I/O.
+
+    ``identity``: what ``/v1/models`` said when ``/health`` answered 200 (READY needs it to be ours).
+    ``absence``: how long the scheduler has not known the job, when ``sched`` is ``None`` because it answered
+    without it; ``answered=False`` means it did not answer at all (that tells nothing about the job).
+    """
     from pbs_toolkit.observe.startup import current_phase, find_fatal, is_compile_failure
 
     attempt = current_attempt(log_lines)
     st = JobStatus(record=record, state=ServerState.LOST)
+    ours = health_status == 200 and identity is not None and identity.ours
     if marker:
         st.address = marker.get("address") or None
-        st.port = int(marker["port"]) if marker.get("port") else None
+        st.port = marker.get("port") or None
         st.node = marker.get("host") or None
         st.eager_fallback = bool(marker.get("eager_fallback"))
     if sched:
@@ -170,12 +212,10 @@ def combine(
         st.state, st.reason = (ServerState.FINISHED, "exited normally") if code == 0 else (
             ServerState.FAILED, f"vLLM exited with code {code}")
         return st
-    if sched is None and health_status != 200:
-        st.state = ServerState.LOST
-        st.reason = "the scheduler no longer knows this job and its run directory does not explain it"
-        return st
-    # running (or exiting, or forgotten but still answering)
-    if health_status == 200:
+    if sched is None and not (ours and not answered):
+        return _unlisted(st, ours, answered, absence)
+    # running (or exiting, or the scheduler did not answer but the server proves it is ours)
+    if ours:
         st.state, st.phase = ServerState.READY, "ready"
         return st
     if fatal:
@@ -185,26 +225,92 @@ def combine(
         return failed(f"vLLM failed: {fatal[0]}")
     st.state = ServerState.STARTING
     st.phase = "job started" if phase in (None, "setup") else current_phase(attempt)
-    if st.eager_fallback:
+    if health_status == 200 and identity is not None and identity.foreign:
+        st.foreign = identity.detail
+        st.phase = f"port {st.port} answered by another server (it {identity.detail})"
+    elif st.eager_fallback:
         st.phase += " (eager fallback)"
     return st
 
 
-def observe(runner: Runner, record: JobRecord, sched: SchedulerJob | None) -> JobStatus:
-    """Read the markers, the log tail and ``/health`` for one job whose scheduler state is known."""
-    queued = sched is not None and sched.state in (SchedState.QUEUED, SchedState.HELD)
-    marker = None if queued else read_marker(runner, record.run_dir)
-    lines = [] if queued else tail_lines(runner, f"{record.run_dir}/vllm.log", LOG_TAIL_LINES)
-    health_status = None
-    if marker and marker.get("port") and marker.get("phase") in ("ready", "starting"):
-        health_status = probe.health(runner, marker.get("address") or "127.0.0.1", int(marker["port"]))
-    return combine(record, sched, marker, lines, health_status)
+def _unlisted(st: JobStatus, ours: bool, answered: bool, absence: Absence | None) -> JobStatus:
+    """No scheduler state and no end in the run directory: UNKNOWN, or LOST once the absence is settled."""
+    st.state = ServerState.UNKNOWN
+    if not answered:
+        st.reason = "the scheduler did not answer"
+    elif ours:  # alive, whatever the scheduler says: never LOST, but not READY either
+        st.reason = f"the scheduler no longer knows this job, but its server still answers at {st.url}"
+    elif absence is not None and absence.settled:
+        st.state = ServerState.LOST
+        st.reason = "the scheduler no longer knows this job and its run directory does not explain it"
+    else:
+        polls, seconds = (absence.polls, absence.seconds) if absence else (0, 0.0)
+        st.reason = (f"the scheduler did not list this job ({polls} answer(s) over {seconds:.0f} s); LOST after "
+                     f"{LOST_AFTER_POLLS} over {lost_after_s():g} s without a sign of life in its run directory")
+    return st
+
+
+def _save(store: JobStore | None, record: JobRecord, **values: Any) -> None:
+    if store is not None:
+        store.update_extra(record, **values)
+    else:
+        record.extra.update(values)
+
+
+def note_absence(store: JobStore | None, record: JobRecord, fingerprint: list[int | None],
+                 counted: bool) -> Absence:
+    """Count one more scheduler answer without the job (when ``counted``); a changed run directory restarts
+    the count. Kept in ``record.extra`` so separate ``pbstk`` calls add up."""
+    now = time.time()
+    prev: Any = record.extra.get(ABSENCE_KEY)
+    try:
+        since, polls, seen = float(prev["since"]), int(prev["polls"]), prev.get("fingerprint")
+    except (TypeError, KeyError, ValueError, AttributeError):
+        since, polls, seen = now, 0, None
+    if counted:
+        if polls and seen == fingerprint:
+            polls += 1
+        else:
+            since, polls = now, 1
+        _save(store, record, **{ABSENCE_KEY: {"since": since, "polls": polls, "fingerprint": fingerprint}})
+    return Absence(polls, max(0.0, now - since))
+
+
+def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, store: JobStore | None = None,
+          answered: bool = True, counted: bool = True) -> JobStatus:
+    """The status from one look, keeping the absence count and the verified address in ``record.extra``.
+
+    ``answered``: the scheduler answered this poll (``sched`` is ``None`` because it does not know the job);
+    ``counted``: this is a fresh answer, not the last one reused between polls.
+    """
+    absence = None
+    if answered and sched is None:
+        absence = note_absence(store, record, view.fingerprint, counted)
+    elif answered and record.extra.get(ABSENCE_KEY):
+        _save(store, record, **{ABSENCE_KEY: None})
+    st = combine(record, sched, view.marker, view.lines, view.health, identity=view.identity, absence=absence,
+                 answered=answered)
+    if view.identity is not None and view.identity.ours and view.marker:
+        where = f"{view.marker.get('address') or '127.0.0.1'}:{view.marker['port']}"
+        if record.extra.get(VERIFIED_KEY) != where:
+            _save(store, record, **{VERIFIED_KEY: where})
+    if view.problem:
+        st.reason = f"{st.reason} ({view.problem})" if st.reason else view.problem
+        if st.state is ServerState.STARTING:
+            st.phase = f"{st.phase}; {view.problem}"
+    return st
+
+
+def observe(runner: Runner, record: JobRecord, sched: SchedulerJob | None, *, store: JobStore | None = None,
+            answered: bool = True, counted: bool = True) -> JobStatus:
+    """Look at one job whose scheduler state is known (see :func:`judge` for the flags) and judge it."""
+    return judge(record, sched, look(runner, record, sched), store=store, answered=answered, counted=counted)
 
 
 def without_scheduler(st: JobStatus, why: str) -> JobStatus:
     """A status judged while the scheduler was unreachable: what the job did not explain is UNKNOWN, not LOST."""
     st.scheduler_state, st.comment = "?", why
-    if st.state is ServerState.LOST:
+    if st.state in (ServerState.LOST, ServerState.UNKNOWN):
         st.state, st.reason = ServerState.UNKNOWN, f"the scheduler did not answer ({why}); try again later"
     return st
 
@@ -249,18 +355,21 @@ def status(records: Iterable[JobRecord], store: JobStore | None = None,
     try:
         for (transport, _), items in groups.items():
             runner = runners.get(transport) or runners.setdefault(transport, open_runner(transport or None))
+            why = None
             try:
                 sched = query_group(runner, [r for _, r in items])
             except SchedulerUnavailable as exc:
                 # Transient: judge from the run directory and HTTP alone, and record nothing as final.
-                for index, record in items:
-                    out[index] = without_scheduler(observe(runner, record, None), str(exc))
-                continue
-            for index, record in items:
-                job = sched[record.job_id]
-                st = observe(runner, record, job)
+                sched, why = {}, str(exc)
+            views = look_all(runner, [(record, sched.get(record.job_id)) for _, record in items])
+            for (index, record), view in zip(items, views):
+                job = sched.get(record.job_id)
+                st = judge(record, job, view, store=store, answered=why is None)
+                if why is not None:
+                    st = without_scheduler(st, why)
+                else:
+                    remember_final(store, st, job)
                 out[index] = st
-                remember_final(store, st, job)
     finally:
         if own_runners:
             for runner in runners.values():

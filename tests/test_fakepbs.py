@@ -379,3 +379,26 @@ def test_text_formats(pbs: FakePbs) -> None:
     assert table[0].startswith("Job id") and any(" R " in line and "textjob" in line for line in table[2:])
     full = pbs.run("qstat", "-f", jobid).stdout
     assert full.startswith(f"Job Id: {jobid}\n") and "    job_state = R" in full
+
+
+def test_fault_qstat_script_plays_one_entry_per_call(pbs: FakePbs) -> None:
+    jobid = pbs.submit("true\n")
+    pbs.faults(qstat_script=[
+        {"rc": 153, "stdout": "", "stderr": f"qstat: Unknown Job Id {jobid}\n"},
+        {"stdout": "{garbage"},
+        {"signal": 9},
+        {"hang": 0.4},
+        {},
+    ])
+    first = pbs.run("qstat", "-x", "-f", "-F", "json", jobid)
+    assert (first.returncode, first.stdout, first.stderr) == (153, "", f"qstat: Unknown Job Id {jobid}\n")
+    second = pbs.run("qstat", "-x", "-f", "-F", "json", jobid)
+    assert (second.returncode, second.stdout) == (0, "{garbage")
+    assert pbs.run("qstat", "-x", "-f", "-F", "json", jobid).returncode == -9  # killed, no answer
+    start = time.monotonic()
+    assert pbs.status(jobid)[0] == 0  # a bare hang, then the real answer
+    assert time.monotonic() - start >= 0.4
+    assert pbs.status(jobid)[0] == 0  # {} is the real qstat too
+    assert json.loads((pbs.home / "faults.json").read_text())["qstat_script"] == []
+    assert pbs.status(jobid)[0] == 0  # and so is an empty script
+    assert len(pbs.calls("qstat")) == 6

@@ -155,7 +155,8 @@ def test_walltime_exceeded_is_failed(pbs: Path) -> None:
 # -- the scheduler forgets, refuses or stutters -----------------------------------------------------
 
 
-def test_vanished_job_is_lost(pbs: Path) -> None:
+def test_vanished_job_is_lost(pbs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBSTK_LOST_AFTER_S", "0")  # LOST after 3 answers without it, however quick
     job = launched_id(launch("ghost", "--wait"))
     set_faults(pbs, vanish=[job])  # unknown to qstat from now on; its processes are killed
     st = wait_recorded(job, "LOST")
@@ -181,9 +182,12 @@ def test_forgotten_after_exit_the_marker_wins(pbs: Path, monkeypatch: pytest.Mon
     assert JobStore().find(job).final_state == "FINISHED"
 
 
-def test_rejected_after_qsub_is_lost(pbs: Path) -> None:
+def test_rejected_after_qsub_is_lost(pbs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBSTK_LOST_AFTER_S", "0")
     set_faults(pbs, reject_after_submit=True)
     job = launched_id(launch("dropped"))
+    assert [status_of(job)["state"] for _ in range(2)] == ["UNKNOWN", "UNKNOWN"]  # one answer is not proof
+    assert JobStore().find(job).final_state is None
     st = status_of(job)
     assert st["state"] == "LOST"
     assert JobStore().find(job).final_state == "LOST"

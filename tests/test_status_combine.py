@@ -7,10 +7,15 @@ from typing import Any
 import pytest
 
 from pbs_toolkit.jobstore import JobRecord
+from pbs_toolkit.probe import Identity
+from pbs_toolkit.rundir import parse_marker
 from pbs_toolkit.schedulers import SchedState, SchedulerJob
-from pbs_toolkit.status import ServerState, classify_exit, combine, current_attempt
+from pbs_toolkit.status import Absence, ServerState, classify_exit, combine, current_attempt
 
 S = ServerState
+OURS = Identity(True)
+#: the scheduler has not listed the job in 3 answers over 61 s (with the default PBSTK_LOST_AFTER_S=60)
+SETTLED = Absence(3, 61.0)
 
 OOM_LOG = [
     "pbstk: 02:38:27 attempt 1: starting vLLM on 127.0.0.1:8000: vllm serve m",
@@ -95,10 +100,24 @@ def test_running_and_loading_reports_the_log_phase() -> None:
     assert st.url == "http://x3001.site.gov:8000/v1"
 
 
-def test_health_200_is_ready() -> None:
-    st = combine(record(), sched("R"), marker("ready"), OOM_LOG[:3], 200)
+def test_health_200_is_ready_once_the_server_proved_it_is_ours() -> None:
+    st = combine(record(), sched("R"), marker("ready"), OOM_LOG[:3], 200, OURS)
     assert st.state is S.READY
     assert st.url == "http://x3001.site.gov:8000/v1"
+
+
+@pytest.mark.parametrize("identity", [None, Identity(False, detail="answered /v1/models with 404")])
+def test_health_200_alone_is_not_ready(identity: Identity | None) -> None:
+    st = combine(record(), sched("R"), marker("ready"), OOM_LOG[:3], 200, identity)
+    assert st.state is S.STARTING and st.foreign is None
+
+
+def test_another_server_on_the_port_is_not_ready() -> None:
+    foreign = Identity(False, foreign=True, detail="rejected the API key (401)")
+    st = combine(record(), sched("R"), marker("ready"), OOM_LOG[:3], 200, foreign)
+    assert st.state is S.STARTING
+    assert st.phase == "port 8000 answered by another server (it rejected the API key (401))"
+    assert st.foreign == "rejected the API key (401)"
 
 
 def test_health_503_is_not_ready() -> None:
@@ -179,11 +198,24 @@ def test_deleted_while_queued_is_cancelled() -> None:
 # -- combine: the scheduler forgot the job ----------------------------------------------------------
 
 
-def test_forgotten_and_unexplained_is_lost() -> None:
-    st = combine(record(), None, None, [], None)
+def test_forgotten_and_unexplained_is_lost_once_the_absence_is_settled() -> None:
+    st = combine(record(), None, None, [], None, absence=SETTLED)
     assert st.state is S.LOST
-    st = combine(record(), None, marker("ready"), OOM_LOG[:3], None)  # killed hard: marker still says ready
+    st = combine(record(), None, marker("ready"), OOM_LOG[:3], None, absence=SETTLED)  # killed hard
     assert st.state is S.LOST
+
+
+@pytest.mark.parametrize("absence", [None, Absence(1, 0.0), Absence(2, 120.0), Absence(5, 59.0)])
+def test_forgotten_briefly_is_unknown(absence: Absence | None) -> None:
+    st = combine(record(), None, marker("starting"), OOM_LOG[:3], None, absence=absence)
+    assert st.state is S.UNKNOWN and not st.state.final
+    assert "LOST after 3 over 60 s without a sign of life" in (st.reason or "")
+
+
+def test_lost_window_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBSTK_LOST_AFTER_S", "0")
+    assert combine(record(), None, None, [], None, absence=Absence(3, 0.0)).state is S.LOST
+    assert combine(record(), None, None, [], None, absence=Absence(2, 0.0)).state is S.UNKNOWN
 
 
 @pytest.mark.parametrize(
@@ -197,9 +229,41 @@ def test_forgotten_but_the_marker_explains_it(mark: dict[str, Any], state: Serve
     assert st.exit_status == mark["exit_code"]
 
 
-def test_forgotten_but_answering_is_ready() -> None:
-    st = combine(record(), None, marker("ready"), OOM_LOG[:3], 200)
+def test_forgotten_but_answering_is_unknown_never_ready_nor_lost() -> None:
+    st = combine(record(), None, marker("ready"), OOM_LOG[:3], 200, OURS, absence=SETTLED)
+    assert st.state is S.UNKNOWN
+    assert "no longer knows this job, but its server still answers" in (st.reason or "")
+
+
+def test_scheduler_silent_but_server_ours_is_ready() -> None:
+    st = combine(record(), None, marker("ready"), OOM_LOG[:3], 200, OURS, answered=False)
     assert st.state is S.READY
+    st = combine(record(), None, marker("ready"), OOM_LOG[:3], None, answered=False, absence=SETTLED)
+    assert st.state is S.UNKNOWN  # a scheduler that did not answer settles nothing
+
+
+# -- server.json as the start script (or something else) left it ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [(b'{"phase": "ready", "port": "abc"}', "port 'abc' is not a port number"),
+     (b'{"phase": "ready", "port": 70000}', "port 70000 is not a port number"),
+     (b'{"phase": ["ready"]}', "phase ['ready'] is not a string"),
+     (b'{"phase": "starting", "exit_code": "0"}', "exit_code '0' is not a number"),
+     (b'[1, 2]', "not a JSON object"), (b'{"phase": "ready"', "not valid JSON"),
+     (b'\xff\xfe{"port": 1}', "not valid JSON")],
+)
+def test_bad_marker_fields_are_dropped_and_named(raw: bytes, problem: str) -> None:
+    mark, why = parse_marker(raw)
+    assert problem in (why or "")
+    st = combine(record(), sched("R"), mark, [], None)
+    assert st.state is S.STARTING and st.port is None
+
+
+def test_port_as_digits_is_accepted() -> None:
+    mark, why = parse_marker(b'{"phase": "ready", "port": "8001", "address": "n1"}')
+    assert why is None and mark is not None and mark["port"] == 8001
 
 
 # -- attempts ---------------------------------------------------------------------------------------
@@ -220,3 +284,18 @@ def test_only_the_newest_attempt_counts() -> None:
 def test_unknown_is_not_final() -> None:
     assert not S.UNKNOWN.final
     assert all(s.final for s in (S.FAILED, S.FINISHED, S.CANCELLED, S.LOST))
+
+
+# -- the absence count (record.extra only: no store) -----------------------------------------------------
+
+
+def test_absence_counts_fresh_answers_and_restarts_on_a_sign_of_life() -> None:
+    from pbs_toolkit.status import note_absence
+
+    rec = record()
+    assert note_absence(None, rec, [10, 1], counted=True).polls == 1
+    assert note_absence(None, rec, [10, 1], counted=False).polls == 1  # the last answer reused: no count
+    assert note_absence(None, rec, [10, 1], counted=True).polls == 2
+    assert note_absence(None, rec, [11, 1], counted=True).polls == 1  # the log grew: alive, start over
+    rec.extra["sched_absence"] = "garbage"
+    assert note_absence(None, rec, [11, 1], counted=True).polls == 1

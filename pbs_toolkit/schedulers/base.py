@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import abc
 import enum
+import os
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pbs_toolkit.errors import SchedulerError, SchedulerUnavailable
+from pbs_toolkit.errors import SchedulerError, SchedulerUnavailable, TransportError
 from pbs_toolkit.transports.base import Result, Runner
 
 
@@ -60,6 +62,32 @@ class Scheduler(abc.ABC):
         """Stop the job. ``True`` when it was stopped now, ``False`` when it was already gone."""
 
 
+#: how long a status or cancel command may take before we call the scheduler unresponsive
+DEFAULT_SCHEDULER_TIMEOUT_S = 30.0
+
+
+def scheduler_timeout() -> float:
+    """``PBSTK_SCHEDULER_TIMEOUT_S`` (default 30): a hung ``qstat`` must not look like a dead SSH link."""
+    try:
+        value = float(os.environ.get("PBSTK_SCHEDULER_TIMEOUT_S") or DEFAULT_SCHEDULER_TIMEOUT_S)
+    except ValueError:
+        return DEFAULT_SCHEDULER_TIMEOUT_S
+    return value if 0 < value < float("inf") else DEFAULT_SCHEDULER_TIMEOUT_S
+
+
+def timed_out(exc: TransportError) -> bool:
+    """Whether a runner gave up waiting for the command (both transports chain the timeout they caught)."""
+    return isinstance(exc.__cause__, (TimeoutError, subprocess.TimeoutExpired))
+
+
+def was_killed(rc: int) -> bool:
+    """A signal ended the command: negative locally, 128+N through a shell, -1 over SSH without a status.
+
+    153 (128+25) is PBS's "Unknown Job Id", not SIGXFSZ: callers check their data codes first.
+    """
+    return rc < 0 or 128 < rc < 255
+
+
 def run_with_retry(
     runner: Runner,
     argv: Sequence[str],
@@ -68,11 +96,22 @@ def run_with_retry(
     attempts: int = 4,
     first_delay: float = 1.0,
     sleep: Callable[[float], None] = time.sleep,
+    timeout: float | None = None,
 ) -> Result:
-    """Run ``argv``; retry with exponential backoff while ``is_transient`` says the failure is temporary."""
+    """Run ``argv``; retry with exponential backoff while ``is_transient`` says the failure is temporary.
+
+    With ``timeout`` the command has its own deadline, and missing it raises ``SchedulerUnavailable`` at once
+    (exit 9, not the transport's exit 4: the login node answered, the scheduler did not). It is not retried:
+    a server that hangs once usually hangs again, and four hangs would cost minutes.
+    """
     delay = first_delay
     for attempt in range(attempts):
-        result = runner.run(argv)
+        try:
+            result = runner.run(argv) if timeout is None else runner.run(argv, timeout=timeout)
+        except TransportError as exc:
+            if timeout is None or not timed_out(exc):
+                raise
+            raise SchedulerUnavailable(f"{argv[0]} did not answer within {timeout:g} s") from exc
         if result.rc == 127:
             where = "" if runner.name == "local" else f" on {runner.name.split(':', 1)[-1]}"
             raise SchedulerError(f"{argv[0]} not found on PATH{where}: is this a PBS login node?")

@@ -1,7 +1,9 @@
 """PBS Pro / OpenPBS: ``qsub``, one batched ``qstat -x -f -F json`` per poll, ``qdel``.
 
 Exit codes are data (FACTS.md section 1): 153 = some id unknown (stdout still valid), 35 = finished,
-255 or "cannot connect to server" = transient (retried, no state change).
+255 or "cannot connect to server" = transient (retried, no state change). Everything else that is not an
+answer (a hang past ``PBSTK_SCHEDULER_TIMEOUT_S``, a killed qstat, empty or garbled output) raises
+``SchedulerUnavailable``: status shows UNKNOWN for that poll and records nothing.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from pbs_toolkit.errors import SchedulerError
+from pbs_toolkit.errors import SchedulerError, SchedulerUnavailable
 from pbs_toolkit.schedulers.base import (
     JobRef,
     SchedState,
@@ -19,6 +21,8 @@ from pbs_toolkit.schedulers.base import (
     SchedulerJob,
     first_line,
     run_with_retry,
+    scheduler_timeout,
+    was_killed,
 )
 from pbs_toolkit.transports.base import Result, Runner
 
@@ -51,29 +55,51 @@ def is_transient(result: Result) -> bool:
 
 
 def parse_status(stdout: str) -> dict[str, SchedulerJob]:
-    """Jobs from ``qstat -f -F json`` output (``Jobs`` is absent when nothing matched)."""
+    """Jobs from ``qstat -f -F json`` output (``Jobs`` is absent when nothing matched).
+
+    Output that does not parse, or parses to the wrong shape, is a garbled answer, not news about the jobs.
+    """
     if not stdout.strip():
         return {}
     try:
         data = json.loads(stdout)
     except ValueError as exc:
-        raise SchedulerError(f"qstat -F json printed invalid JSON: {exc}") from exc
-    jobs: dict[str, SchedulerJob] = {}
-    for job_id, info in (data.get("Jobs") or {}).items():
-        raw_state = str(info.get("job_state", "?"))
-        exit_status = info.get("Exit_status")
-        exec_host = info.get("exec_host")
-        jobs[job_id] = SchedulerJob(
-            job_id=job_id,
-            state=STATES.get(raw_state, SchedState.QUEUED),
-            raw_state=raw_state,
-            comment=info.get("comment"),
-            exit_status=int(exit_status) if exit_status is not None else None,
-            exec_host=str(exec_host).split("/", 1)[0] if exec_host else None,
-            walltime_used=(info.get("resources_used") or {}).get("walltime"),
-            raw=info,
-        )
+        raise SchedulerUnavailable(f"qstat -F json printed invalid JSON: {exc}") from exc
+    try:
+        jobs = {job_id: _job(str(job_id), info) for job_id, info in (data.get("Jobs") or {}).items()}
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise SchedulerUnavailable(f"qstat -F json printed JSON of an unexpected shape: {exc}") from exc
     return jobs
+
+
+def _job(job_id: str, info: dict[str, Any]) -> SchedulerJob:
+    raw_state = str(info.get("job_state", "?"))
+    exit_status = info.get("Exit_status")
+    exec_host = info.get("exec_host")
+    comment = info.get("comment")
+    return SchedulerJob(
+        job_id=job_id,
+        state=STATES.get(raw_state, SchedState.QUEUED),
+        raw_state=raw_state,
+        comment=None if comment is None else str(comment),
+        exit_status=int(exit_status) if exit_status is not None else None,
+        exec_host=str(exec_host).split("/", 1)[0] if exec_host else None,
+        walltime_used=(info.get("resources_used") or {}).get("walltime"),
+        raw=info,
+    )
+
+
+def check_answer(result: Result, ids: Sequence[str]) -> None:
+    """Raise unless ``result`` is an answer about ``ids`` (rc 0, or 153/35 with the JSON document)."""
+    if result.rc not in (0, *_GONE):
+        if was_killed(result.rc):
+            raise SchedulerUnavailable(f"qstat was killed (exit {result.rc}): {first_line(result.stderr)}")
+        raise SchedulerError(f"qstat failed (exit {result.rc}): {first_line(result.stderr)}")
+    if not result.stdout.strip():
+        # -F json always prints the document, even when no id matched: nothing at all is a cut-off answer
+        raise SchedulerUnavailable(
+            f"qstat printed nothing (exit {result.rc}) for {len(ids)} job(s): {first_line(result.stderr)}"
+        )
 
 
 def cancel_argv(job_id: str) -> list[str]:
@@ -104,17 +130,24 @@ class PBSScheduler(Scheduler):
         if not refs:
             return {}
         ids = [ref.job_id for ref in refs]
-        result = run_with_retry(runner, status_argv(ids), is_transient)
-        if result.rc not in (0, *_GONE):
-            raise SchedulerError(f"qstat failed (exit {result.rc}): {first_line(result.stderr)}")
+        result = run_with_retry(runner, status_argv(ids), is_transient, timeout=scheduler_timeout())
+        check_answer(result, ids)
         found = parse_status(result.stdout)
-        return {job_id: found[m] for job_id in ids if (m := match_id(job_id, found))}
+        jobs = {job_id: found[m] for job_id in ids if (m := match_id(job_id, found))}
+        if result.rc == 0 and len(jobs) < len(ids):
+            # qstat exits 153 when it does not know an id; 0 with an id missing is not an answer about it
+            missing = ", ".join(i for i in ids if i not in jobs)
+            raise SchedulerUnavailable(f"qstat exited 0 without listing {missing}")
+        return jobs
 
     def cancel(self, runner: Runner, ref: JobRef) -> bool:
-        result = run_with_retry(runner, cancel_argv(ref.job_id), is_transient)
+        result = run_with_retry(runner, cancel_argv(ref.job_id), is_transient, timeout=scheduler_timeout())
         if result.rc == 0:
             return True
         text = (result.stderr + result.stdout).lower()
         if result.rc in _GONE or "unknown job id" in text or "job has finished" in text:
             return False
+        if was_killed(result.rc):
+            raise SchedulerUnavailable(f"qdel {ref.job_id} was killed (exit {result.rc}): is the job stopped? "
+                                       "`pbstk status` will tell")
         raise SchedulerError(f"qdel {ref.job_id} failed (exit {result.rc}): {first_line(result.stderr)}")

@@ -147,6 +147,38 @@ def take_fault_count(key: str) -> bool:
         return True
 
 
+def take_script_entry(key: str) -> dict[str, Any] | None:
+    """Pop the first entry of list fault ``key`` atomically (one per call); None when the list is empty."""
+    path = os.path.join(home(), "faults.json")
+    with locked(".faults.lock"):
+        faults = read_faults()
+        script = faults.get(key)
+        if not isinstance(script, list) or not script:
+            return None
+        entry = script.pop(0)
+        write_json(path, faults)
+    return entry if isinstance(entry, dict) else {}
+
+
+def play_script_entry(entry: dict[str, Any]) -> int | None:
+    """Act out one scripted answer: hang, die by a signal, or print canned output and return its rc.
+
+    Returns None when the entry leaves the answer to the real tool (``{}``, or ``{"hang": S}`` alone).
+    """
+    if entry.get("hang"):
+        time.sleep(float(entry["hang"]))
+    if entry.get("signal"):
+        sys.stdout.flush()
+        os.kill(os.getpid(), int(entry["signal"]))
+        time.sleep(5)  # a caught or ignored signal must not turn into an answer
+    if not any(k in entry for k in ("rc", "stdout", "stderr")):
+        return None
+    sys.stdout.write(str(entry.get("stdout", "")))
+    sys.stdout.flush()
+    sys.stderr.write(str(entry.get("stderr", "")))
+    return int(entry.get("rc", 0))
+
+
 def log_call(tool: str, argv: list[str]) -> None:
     line = json.dumps({"tool": tool, "argv": argv, "time": round(time.time(), 3)}) + "\n"
     fd = os.open(os.path.join(home(), "calls.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -711,6 +743,11 @@ def qstat(argv: list[str]) -> int:
     faults = read_faults()
     if faults.get("slow_qstat"):
         time.sleep(float(faults["slow_qstat"]))
+    entry = take_script_entry("qstat_script")
+    if entry is not None:
+        rc = play_script_entry(entry)
+        if rc is not None:
+            return rc
     if take_fault_count("qstat_unavailable"):
         raise PbsError(f"Connection refused\nqstat: cannot connect to server {server_name()} (errno=15010)",
                        RC_NO_SERVER)
@@ -778,6 +815,11 @@ def qdel(argv: list[str]) -> int:
         raise PbsError(f"qdel: {err}\n{QDEL_USAGE}", 2) from None
     if not ids:
         raise PbsError(QDEL_USAGE, 2)
+    entry = take_script_entry("qdel_script")
+    if entry is not None:
+        scripted = play_script_entry(entry)
+        if scripted is not None:
+            return scripted
     rc = 0
     history_on = read_faults().get("history", True) is not False
     for text in ids:
