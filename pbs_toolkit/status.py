@@ -325,7 +325,8 @@ def remember_final(store: JobStore | None, st: JobStatus, job: SchedulerJob | No
     settled = job is None or job.state is SchedState.FINISHED
     if store is not None and st.state.final and settled:
         store.set_final_state(st.record, st.state.value, final_reason=st.reason,
-                              exit_status=st.exit_status, log_excerpt=st.log_excerpt)
+                              exit_status=st.exit_status, log_excerpt=st.log_excerpt,
+                              final_scheduler_state=st.scheduler_state)
 
 
 def query_group(runner: Runner, records: Sequence[JobRecord]) -> dict[str, SchedulerJob | None]:
@@ -347,6 +348,7 @@ def status(records: Iterable[JobRecord], store: JobStore | None = None,
             out[index] = JobStatus(record=record, state=ServerState(record.final_state),
                                    reason=extra.get("final_reason") or "(final state recorded earlier)",
                                    exit_status=extra.get("exit_status"),
+                                   scheduler_state=extra.get("final_scheduler_state"),
                                    log_excerpt=list(extra.get("log_excerpt") or []))
         else:
             groups.setdefault((record.transport, record.scheduler), []).append((index, record))
