@@ -164,7 +164,7 @@ LAUNCH = ["launch", MODEL, "--profile", "local-gpu", "--gpus-per-node", "1", "--
 
 def test_launch_from_another_process_status_cancel(standins: Path) -> None:
     # launched by a separate `pbstk` process that exits at once: the server must outlive it
-    proc = subprocess.run(["pbstk", *LAUNCH, "--name", "loc"],  # noqa: S603,S607
+    proc = subprocess.run([sys.executable, "-m", "pbs_toolkit", *LAUNCH, "--name", "loc"],  # noqa: S603
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.split()[1]
