@@ -398,19 +398,23 @@ class JobStore:
         for intent in _load_intents(conn):
             if intent.transport:
                 continue  # on a login node: `launch` resolves them through its SSH connection
+            if launcher_alive(intent.launcher):
+                continue  # that launch records its job itself
             job_id = read_job_id_marker(intent.run_dir)
             if job_id:
                 self._adopt(conn, intent, job_id)
-            elif not launcher_alive(intent.launcher) and _nothing_submitted(intent):
+            elif _nothing_submitted(intent):
                 with conn:
                     conn.execute("DELETE FROM intents WHERE id = ?", (intent.id,))
 
     def resolve_intent(self, intent: Intent, job_id: str | None, nothing_submitted: bool) -> None:
         """Adopt ``intent`` as job ``job_id``, or drop it when ``nothing_submitted`` (markers read elsewhere)."""
+        if launcher_alive(intent.launcher):
+            return
         with self._connect() as conn:
             if job_id:
                 self._adopt(conn, intent, job_id)
-            elif nothing_submitted and not launcher_alive(intent.launcher):
+            elif nothing_submitted:
                 conn.execute("DELETE FROM intents WHERE id = ?", (intent.id,))
 
     def _adopt(self, conn: sqlite3.Connection, intent: Intent, job_id: str) -> None:
