@@ -234,3 +234,21 @@ def test_a_newer_schema_is_refused_not_moved(isolated_user: Path) -> None:
     result = CliRunner().invoke(cli, ["jobs"])
     assert result.exit_code == 10 and "newer pbstk" in result.stderr
     assert not list(store.path.parent.glob("*.corrupt-*"))
+
+
+def test_unrecorded_launches_are_mentioned_and_dead_empty_ones_dropped(tmp_path: Path) -> None:
+    import subprocess
+
+    store = JobStore()
+    store.add_intent(make("", "remote", transport="login1", final_state=None))
+    store.add_intent(make("", "dead", final_state=None))
+    gone = subprocess.Popen(["sleep", "0"])  # noqa: S603,S607
+    gone.wait()
+    conn = sqlite3.connect(store.path)
+    conn.execute("UPDATE intents SET launcher = ? WHERE name = 'dead'", (f"{os.uname().nodename}:{gone.pid}:1",))
+    conn.commit()
+    conn.close()
+    result = _cli_ok("jobs")
+    assert "the launch of 'remote' via login1 is not recorded yet" in result.stderr
+    assert "'dead'" not in result.stderr  # its launcher is gone and its run directory never existed
+    assert [i.name for i in store.intents()] == ["remote"]

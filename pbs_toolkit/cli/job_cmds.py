@@ -139,7 +139,12 @@ def jobs(show_all: bool, as_json: bool) -> None:
     """Jobs pbstk launched (from the local job store; no scheduler query)."""
     from pbs_toolkit.jobstore import JobStore
 
-    records = [r for r in JobStore().all() if show_all or not r.final_state]
+    store = JobStore()
+    records = [r for r in store.all() if show_all or not r.final_state]
+    for intent in store.intents():  # launches not recorded yet: never let a submitted job go unmentioned
+        via = f" via {intent.transport}" if intent.transport else ""
+        click.echo(f"pbstk: note: the launch of {intent.name!r}{via} is not recorded yet (being submitted, or "
+                   f"interrupted: {intent.run_dir}/job_id will tell; the next launch{via} adopts it)", err=True)
     if as_json:
         echo_json([r.public() for r in records])
         return

@@ -54,6 +54,7 @@ echo "$rc" >"$spool/exit_status.tmp" && mv -f "$spool/exit_status.tmp" "$spool/e
 _OURS = r"""
 ours() {
   [ -z "$2" ] && return 0
+  [ -r /proc/self/environ ] || return 0  # no /proc (not Linux): cannot tell, trust the pid as before
   tr '\0' '\n' 2>/dev/null <"/proc/$1/environ" | grep -qxF "PBSTK_LOCAL_JOB_TOKEN=$2" && return 0
   for e in /proc/[0-9]*; do
     read -r st 2>/dev/null <"$e/stat" || continue
