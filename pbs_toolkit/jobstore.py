@@ -543,12 +543,15 @@ def read_run_dir_record(run_dir: str) -> JobRecord | None:
 
 def log_run_dir(state_dir: Path, run_dir: str) -> None:
     """Append a local run directory to ``run_dirs.log``: what a lost store is rebuilt from."""
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(state_dir / "run_dirs.log", os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
     try:
-        os.write(fd, (run_dir + "\n").encode())
-    finally:
-        os.close(fd)
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(state_dir / "run_dirs.log", os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, (run_dir + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise StoreError(f"cannot write {state_dir / 'run_dirs.log'}: {exc.strerror or exc}") from None
 
 
 def _logged_run_dirs(state_dir: Path) -> list[str]:

@@ -211,9 +211,12 @@ def _submit_and_record(store: JobStore, runner: Runner, scheduler: Scheduler, re
             if isinstance(exc, PbstkError):
                 raise type(exc)(f"{exc.message}; job {job_id} WAS submitted: {_how_to_stop(record, job_id)}",
                                 details=exc.details) from None
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)) and record.job_id:
+            if record.job_id and isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 sys.stderr.write(f"pbstk: {job_id} was submitted and recorded before the signal; "
                                  f"stop it with `pbstk cancel {job_id}`\n")
+            else:
+                how = _how_to_stop(record, job_id)
+                sys.stderr.write(f"pbstk: job {job_id} WAS submitted but not recorded: {how}\n")
             raise
         # nothing was submitted (rejected, interrupted, ...): leave nothing behind
         try:

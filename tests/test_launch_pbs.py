@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -358,7 +360,14 @@ def test_interrupt_raised_inside_submit_is_adopted_from_the_run_dir(pbs: Path,
     monkeypatch.setattr(PBSScheduler, "submit", submit_then_raise)
     result = launch("halfway")
     assert result.exit_code == 130
+    assert "job 1.fakepbs WAS submitted but not recorded" in result.stderr and "qdel 1.fakepbs" in result.stderr
     assert len(read_calls(pbs, "qsub")) == 1
+    assert "the launch of 'halfway' is not recorded yet" in pbstk("jobs").stderr  # its launcher (we) still runs
+    gone = subprocess.Popen(["sleep", "0"])  # noqa: S603,S607
+    gone.wait()
+    with sqlite3.connect(JobStore().path) as conn:  # as if that launch had been a process that is gone now
+        conn.execute("UPDATE intents SET launcher = ?", (f"{os.uname().nodename}:{gone.pid}:1",))
+    conn.close()
     listed = pbstk("jobs")
     assert "adopted job 1.fakepbs" in listed.stderr
     assert [r.job_id for r in JobStore().all()] == ["1.fakepbs"]

@@ -143,8 +143,9 @@ def jobs(show_all: bool, as_json: bool) -> None:
     records = [r for r in store.all() if show_all or not r.final_state]
     for intent in store.intents():  # launches not recorded yet: never let a submitted job go unmentioned
         via = f" via {intent.transport}" if intent.transport else ""
+        later = f"the next launch{via}" if via else "pbstk, once that launch has ended,"
         click.echo(f"pbstk: note: the launch of {intent.name!r}{via} is not recorded yet (being submitted, or "
-                   f"interrupted: {intent.run_dir}/job_id will tell; the next launch{via} adopts it)", err=True)
+                   f"interrupted: {later} adopts the id in {intent.run_dir}/job_id)", err=True)
     if as_json:
         echo_json([r.public() for r in records])
         return
