@@ -258,3 +258,24 @@ def test_a_lost_store_readopts_jobs_from_their_run_directories(pbs: Path, damage
     after = JobStore().find("kept")
     assert (after.run_dir, after.api_key, after.name) == (before.run_dir, before.api_key, before.name)
     assert_no_orphans(pbs)
+
+
+def test_a_full_disk_refuses_the_launch_before_anything_is_submitted(pbs: Path) -> None:
+    store = JobStore()
+    store.add(JobRecord(job_id="0.old", scheduler="pbs", profile="p", model="m", served_model_name="m",
+                        preset="dp4", name="old", run_dir="/r/old", final_state="FINISHED"))
+    size = 1024  # smaller than one page of the store or its journal: every write fails
+
+    def full_disk() -> None:  # no byte more for the store: what a full file system gives sqlite
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+    proc = subprocess.run([sys.executable, "-m", "pbs_toolkit", *PBS_LAUNCH, "--name", "full"],  # noqa: S603
+                          capture_output=True, text=True, timeout=60, preexec_fn=full_disk)  # noqa: PLW1509
+    assert proc.returncode == 10, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pbstk: error: ") and str(store.path) in lines[0], proc.stderr
+    assert fake_jobs(pbs) == {}  # refused before qsub
+    assert [r.name for r in JobStore().all()] == ["old"]
