@@ -279,3 +279,42 @@ def test_a_full_disk_refuses_the_launch_before_anything_is_submitted(pbs: Path) 
     assert len(lines) == 1 and lines[0].startswith("pbstk: error: ") and str(store.path) in lines[0], proc.stderr
     assert fake_jobs(pbs) == {}  # refused before qsub
     assert [r.name for r in JobStore().all()] == ["old"]
+
+
+@pytest.mark.ssh
+def test_an_interrupted_ssh_launch_is_adopted_by_the_next_launch_through_that_host(
+        pbs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a login node the run directory is remote: the next launch through it reads the marker."""
+    from sshd import start_sshd
+
+    from pbs_toolkit.schedulers.pbs import PBSScheduler
+
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    passed = {k: v for k, v in os.environ.items() if k.startswith(("FAKEPBS_", "PBSTK_TEST_"))}
+    with start_sshd(tmp_path / "login", passed) as info:
+        monkeypatch.setenv("PBSTK_SSH_CONFIG", str(info.ssh_config))
+        monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(info.known_hosts))
+        original = PBSScheduler.submit
+
+        def submit_then_raise(self: PBSScheduler, *args: object) -> str:
+            original(self, *args)  # type: ignore[arg-type]
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(PBSScheduler, "submit", submit_then_raise)
+        ssh_launch = [*PBS_LAUNCH, "--ssh", "pbstk-test", "--name", "remote"]
+        assert pbstk(*ssh_launch).exit_code == 130
+        monkeypatch.setattr(PBSScheduler, "submit", original)
+        [job] = fake_jobs(pbs)
+        assert "the launch of 'remote' via pbstk-test is not recorded yet" in pbstk("jobs").stderr
+        gone = subprocess.Popen(["sleep", "0"])  # noqa: S603,S607
+        gone.wait()
+        with sqlite3.connect(JobStore().path) as conn:  # as if that launch had been a process that is gone now
+            conn.execute("UPDATE intents SET launcher = ?", (f"{os.uname().nodename}:{gone.pid}:1",))
+        conn.close()
+
+        again = pbstk(*ssh_launch)
+        assert again.exit_code == 2 and f"already active ({job}" in again.stderr, again.output
+        assert f"adopted job {job}" in again.stderr
+        assert JobStore().find("remote").transport == "pbstk-test"
+        assert JobStore().intents() == []
+        assert_no_orphans(pbs)
