@@ -83,7 +83,7 @@ def store_write_locked() -> Iterator[None]:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_during_qsub_are_held_until_recorded(pbs: Path, sig: signal.Signals) -> None:
-    set_faults(pbs, slow_qsub=1.0)
+    set_faults(pbs, slow_qsub=2.0)
     proc = start_launch(*PBS_LAUNCH, "--name", "sig")
     until(lambda: qsub_started(pbs), 15, "qsub to create the job")
     proc.send_signal(sig)
@@ -96,7 +96,7 @@ def test_sigterm_and_sighup_during_qsub_are_held_until_recorded(pbs: Path, sig: 
 
 
 def test_sigkill_during_qsub_the_job_is_adopted(pbs: Path) -> None:
-    set_faults(pbs, slow_qsub=1.0)
+    set_faults(pbs, slow_qsub=2.0)
     proc = start_launch(*PBS_LAUNCH, "--name", "k9")
     until(lambda: qsub_started(pbs), 15, "qsub to create the job")
     proc.kill()
@@ -109,7 +109,7 @@ def test_sigkill_during_qsub_the_job_is_adopted(pbs: Path) -> None:
 
 
 def test_sigkill_between_qsub_and_the_store_write(pbs: Path) -> None:
-    set_faults(pbs, slow_qsub=0.5)
+    set_faults(pbs, slow_qsub=1.5)
     proc = start_launch(*PBS_LAUNCH, "--name", "gap")
     until(lambda: qsub_started(pbs), 15, "qsub to create the job")
     runs = Path(os.environ["PBSTK_RUNS_ROOT"])
@@ -126,7 +126,7 @@ def test_sigkill_between_qsub_and_the_store_write(pbs: Path) -> None:
 def test_store_locked_after_submit_names_the_job_and_how_to_stop_it(pbs: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PBSTK_STORE_TIMEOUT", "0.5")
-    set_faults(pbs, slow_qsub=0.5)
+    set_faults(pbs, slow_qsub=1.5)
     proc = start_launch(*PBS_LAUNCH, "--name", "locked")
     until(lambda: qsub_started(pbs), 15, "qsub to create the job")
     with store_write_locked():
