@@ -179,10 +179,11 @@ class JobStore:
 
     def _open(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        existed_empty = False
+        existed_empty = created = False
         if not self.path.exists():
             fd = os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600)
             os.close(fd)
+            created = (self.path.parent / "run_dirs.log").exists()  # a store deleted after launches
         elif not self._checked and _long_empty(self.path):
             existed_empty = True
         conn = sqlite3.connect(self.path, timeout=self.timeout)
@@ -204,9 +205,9 @@ class JobStore:
             self._create(conn)
             self._checked = True
             self._readopt_from_run_dirs(conn)
-        elif existed_empty:
+        elif existed_empty or created:
             self._checked = True
-            self._readopt_from_run_dirs(conn, empty=True)
+            self._readopt_from_run_dirs(conn, empty=existed_empty)
         self._checked = True
         return conn
 
@@ -304,7 +305,7 @@ class JobStore:
     def all(self) -> list[JobRecord]:
         """Every record, newest first. Unreadable rows are skipped with one warning line; interrupted
         launches whose run directory holds a job id are adopted first."""
-        if not self.path.exists():
+        if not self.path.exists() and not (self.path.parent / "run_dirs.log").exists():
             return []
         with self._connect() as conn:
             self._resolve_intents(conn)
@@ -386,7 +387,7 @@ class JobStore:
 
     def intents(self) -> list[Intent]:
         """Launches not yet resolved (after adopting what can be adopted)."""
-        if not self.path.exists():
+        if not self.path.exists() and not (self.path.parent / "run_dirs.log").exists():
             return []
         with self._connect() as conn:
             self._resolve_intents(conn)

@@ -244,14 +244,17 @@ def test_cancel_never_signals_a_reused_process_group(tmp_path: Path, monkeypatch
         stranger.wait()
 
 
-@pytest.mark.parametrize("damage", ["empty", "garbage"])
+@pytest.mark.parametrize("damage", ["empty", "garbage", "deleted"])
 def test_a_lost_store_readopts_jobs_from_their_run_directories(pbs: Path, damage: str) -> None:
     result = pbstk(*PBS_LAUNCH, "--name", "kept")
     assert result.exit_code == 0, result.output
     before = JobStore().find("kept")
     path = JobStore().path
-    path.write_bytes(b"" if damage == "empty" else b"\x13garbage" * 100)
-    os.utime(path, (time.time() - 60, time.time() - 60))
+    if damage == "deleted":
+        path.unlink()
+    else:
+        path.write_bytes(b"" if damage == "empty" else b"\x13garbage" * 100)
+        os.utime(path, (time.time() - 60, time.time() - 60))
     listed = pbstk("jobs")
     assert listed.exit_code == 0 and before.job_id in listed.stdout, listed.output
     assert f"re-adopted 1 job(s) from their run directories: {before.job_id}" in listed.stderr
