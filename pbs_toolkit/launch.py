@@ -8,16 +8,33 @@ from __future__ import annotations
 import json
 import secrets
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
-from pbs_toolkit.errors import UsageError
-from pbs_toolkit.jobstore import JobRecord, JobStore
+from pbs_toolkit import paths
+from pbs_toolkit.errors import PbstkError, UsageError
+from pbs_toolkit.jobstore import (
+    JOB_ID_MARKER,
+    JOB_ID_RE,
+    RECORD_MARKER,
+    SUBMITTING_MARKER,
+    Intent,
+    JobRecord,
+    JobStore,
+    file_lock,
+    log_run_dir,
+    nothing_submitted,
+)
 from pbs_toolkit.render import RenderedJob, RenderRequest, render, run_dir_errors
-from pbs_toolkit.schedulers import JobRef, get_scheduler
+from pbs_toolkit.schedulers import JobRef, Scheduler, get_scheduler
+from pbs_toolkit.schedulers.local import LocalScheduler
+from pbs_toolkit.schedulers.marker import marked
 from pbs_toolkit.transports import Runner, open_runner
+from pbs_toolkit.transports.base import Result
 
 DEFAULT_KEY_ENV = "PBSTK_API_KEY"
 
@@ -35,20 +52,60 @@ def key_env_name(alias: str) -> str:
     return "PBSTK_KEY_" + re.sub(r"[^A-Z0-9]+", "_", alias.upper()).strip("_")
 
 
+_DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @contextmanager
-def _defer_interrupts() -> Iterator[None]:
-    """Hold Ctrl-C until the block ends, so a job is never submitted without being recorded."""
+def _defer_interrupts() -> Iterator[list[int]]:
+    """Hold Ctrl-C, SIGTERM and SIGHUP until the block ends, so a job is never submitted without being
+    recorded. Afterwards SIGINT becomes ``KeyboardInterrupt`` and SIGTERM/SIGHUP exit 128+signal; an exception
+    from the block wins (its message names the job)."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield []
         return
     received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
+    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in _DEFERRED}
     try:
-        yield
+        yield received
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            raise KeyboardInterrupt
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        terminating = [sig for sig in received if sig != signal.SIGINT]
+        if terminating:
+            raise SystemExit(128 + terminating[0])
+        raise KeyboardInterrupt
+
+
+class _MarkingRunner(Runner):
+    """The launch's runner, except that ``qsub`` runs under the wrapper that leaves ``RUN_DIR/job_id``
+    (schedulers/marker.py); argv[0] stays ``qsub`` for the scheduler's own messages."""
+
+    def __init__(self, inner: Runner, run_dir: str) -> None:
+        self.inner, self.run_dir, self.name = inner, run_dir, inner.name
+
+    def run(self, argv: Sequence[str], **kw: Any) -> Result:
+        if argv and argv[0] == "qsub":
+            return self.inner.run(marked(argv, self.run_dir), **kw)
+        return self.inner.run(argv, **kw)
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        return self.inner.read_bytes(path, offset, length)
+
+    def size(self, path: str) -> int | None:
+        return self.inner.size(path)
+
+    def write_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        self.inner.write_bytes(path, data, mode)
+
+    def makedirs(self, path: str, mode: int = 0o755) -> None:
+        self.inner.makedirs(path, mode)
+
+    def home(self) -> str:
+        return self.inner.home()
+
+    def open_connection(self, host: str, port: int, timeout: float = 5.0) -> Any:
+        return self.inner.open_connection(host, port, timeout)
 
 
 def launch(
@@ -72,18 +129,6 @@ def launch(
     try:
         rendered = render(req, runner)
         transport = "" if runner.name == "local" else runner.name.split(":", 1)[-1]
-        existing = [r for r in store.all() if r.name == rendered.job_name and not r.final_state
-                    and r.transport == transport]
-        if existing and not dry_run:
-            from pbs_toolkit.status import status
-
-            # reuse this connection: a second one would mean a second MFA prompt on most sites
-            live = [s for s in status(existing, store, runners={transport: runner}) if not s.state.final]
-            if live:
-                raise UsageError(
-                    f"a job named {rendered.job_name!r} is already active ({live[0].record.job_id}, "
-                    f"{live[0].state.value}); cancel it or pass another --name"
-                )
         key = None
         if use_api_key:
             key = api_key or secrets.token_urlsafe(32)
@@ -104,25 +149,108 @@ def launch(
         if dry_run:
             return LaunchResult(record, rendered)
         scheduler = get_scheduler(rendered.profile.scheduler)
-        try:
-            _write_run_dir(runner, rendered, key)
-            with _defer_interrupts():
-                record.job_id = scheduler.submit(runner, f"{rendered.run_dir}/job.pbs", rendered.run_dir,
-                                                 rendered.job_name)
-                store.add(record)
-        except BaseException:
-            if not record.job_id:  # nothing was submitted: leave nothing behind (rejected, interrupted, ...)
-                runner.run(["rm", "-rf", "--", rendered.run_dir])
-            raise
+        if isinstance(scheduler, LocalScheduler):
+            scheduler.id_source = store.next_local_id
+        with file_lock(store.path.parent / ".launch.lock", store.timeout, store.path):
+            _refuse_active_name(store, runner, rendered.job_name, transport)
+            intent = store.add_intent(record)  # the plan is on disk before anything is submitted
+        _submit_and_record(store, runner, scheduler, rendered, record, intent, key)
         return LaunchResult(record, rendered)
     finally:
         if own_runner:
             runner.close()
 
 
+def _refuse_active_name(store: JobStore, runner: Runner, name: str, transport: str) -> None:
+    """Names are unique among active jobs; called under the launch lock, so parallel launches cannot all pass."""
+    intents = store.intents()
+    if transport:
+        _resolve_remote_intents(store, runner, [i for i in intents if i.transport == transport])
+        intents = store.intents()
+    if any(i.name == name and i.transport == transport for i in intents):
+        raise UsageError(f"a job named {name!r} is already active (being submitted right now); "
+                         f"wait for it or pass another --name")
+    existing = [r for r in store.all() if r.name == name and not r.final_state and r.transport == transport]
+    if not existing:
+        return
+    from pbs_toolkit.status import status
+
+    # reuse this connection: a second one would mean a second MFA prompt on most sites
+    live = [s for s in status(existing, store, runners={transport: runner}) if not s.state.final]
+    if live:
+        raise UsageError(
+            f"a job named {name!r} is already active ({live[0].record.job_id}, "
+            f"{live[0].state.value}); cancel it or pass another --name"
+        )
+
+
+def _resolve_remote_intents(store: JobStore, runner: Runner, intents: list[Intent]) -> None:
+    """Interrupted launches through this SSH host: adopt the ones whose run directory holds a job id."""
+    for intent in intents:
+        job_id = _marker_job_id(runner, intent.run_dir)
+        exists = runner.size(f"{intent.run_dir}/job.pbs") is not None
+        gone = not job_id and nothing_submitted(intent, exists, runner.size(f"{intent.run_dir}/{SUBMITTING_MARKER}")
+                                                is not None, runner.size(f"{intent.run_dir}/submit_rc") is not None)
+        store.resolve_intent(intent, job_id, gone)
+
+
+def _submit_and_record(store: JobStore, runner: Runner, scheduler: Scheduler, rendered: RenderedJob,
+                       record: JobRecord, intent: int, key: str | None) -> None:
+    """Write the run directory, submit, record the id; if anything fails after the scheduler took the job,
+    say which job it is and how to stop it (the run directory keeps the id for the next `pbstk jobs`)."""
+    run_dir = rendered.run_dir
+    try:
+        _write_run_dir(runner, rendered, key, record)
+        with _defer_interrupts():
+            record.job_id = scheduler.submit(_MarkingRunner(runner, run_dir), f"{run_dir}/job.pbs", run_dir,
+                                             rendered.job_name)
+            store.record_submitted(intent, record)
+    except BaseException as exc:
+        job_id = record.job_id or _marker_job_id(runner, run_dir)
+        if job_id:
+            if isinstance(exc, PbstkError):
+                raise type(exc)(f"{exc.message}; job {job_id} WAS submitted: {_how_to_stop(record, job_id)}",
+                                details=exc.details) from None
+            if record.job_id and isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                sys.stderr.write(f"pbstk: {job_id} was submitted and recorded before the signal; "
+                                 f"stop it with `pbstk cancel {job_id}`\n")
+            else:
+                how = _how_to_stop(record, job_id)
+                sys.stderr.write(f"pbstk: job {job_id} WAS submitted but not recorded: {how}\n")
+            raise
+        # nothing was submitted (rejected, interrupted, ...): leave nothing behind
+        try:
+            runner.run(["rm", "-rf", "--", run_dir])
+            store.drop_intent(intent)
+        except PbstkError:
+            pass  # the intent resolves itself: no run directory means nothing was submitted
+        raise
+
+
+def _marker_job_id(runner: Runner, run_dir: str) -> str | None:
+    """The id the submission wrapper left, when pbstk did not get to read qsub's answer itself."""
+    try:
+        text = runner.read_bytes(f"{run_dir}/{JOB_ID_MARKER}").decode("utf-8", "replace").strip()
+    except (OSError, PbstkError):
+        return None
+    return text if JOB_ID_RE.match(text) else None
+
+
+def _how_to_stop(record: JobRecord, job_id: str) -> str:
+    pidfile = f"{record.run_dir}/.local-job/pid"
+    cancel = f"qdel {job_id}" if record.scheduler == "pbs" else f"kill -TERM -- -$(cat {pidfile})"
+    where = f" on {record.transport}" if record.transport else ""
+    return (f"`pbstk jobs` adopts it from {record.run_dir}/{JOB_ID_MARKER} once the store works again, "
+            f"then `pbstk cancel {job_id}` stops it; or now: `{cancel}`{where}")
+
+
 @run_dir_errors  # a bad runs root is one clear line, before anything is submitted
-def _write_run_dir(runner: Runner, rendered: RenderedJob, key: str | None) -> None:
+def _write_run_dir(runner: Runner, rendered: RenderedJob, key: str | None, record: JobRecord) -> None:
     runner.makedirs(rendered.run_dir, 0o755)
+    if not record.transport:  # what a lost job store is rebuilt from (JobStore._readopt_from_run_dirs)
+        log_run_dir(paths.user_state_dir(), rendered.run_dir)
+    public = {k: v for k, v in record.public().items() if k not in ("job_id", "final_state")}
+    runner.write_bytes(f"{rendered.run_dir}/{RECORD_MARKER}", json.dumps(public, indent=2).encode() + b"\n", 0o644)
     runner.write_bytes(f"{rendered.run_dir}/job.pbs", rendered.job_script.encode(), 0o755)
     runner.write_bytes(f"{rendered.run_dir}/start_vllm.sh", rendered.start_script.encode(), 0o755)
     runner.write_bytes(f"{rendered.run_dir}/render.json",
@@ -132,7 +260,11 @@ def _write_run_dir(runner: Runner, rendered: RenderedJob, key: str | None) -> No
 
 
 def cancel(record: JobRecord, *, runner: Runner | None = None) -> bool:
-    """Stop the job. ``True`` if it was stopped now, ``False`` if it had already ended."""
+    """Stop the job. ``True`` if it was stopped now, ``False`` if it had already ended.
+
+    A local job already recorded final is not touched: its process group id may belong to anything now."""
+    if record.scheduler == "local" and record.final_state:
+        return False
     own = runner is None
     runner = runner or open_runner(record.transport or None)
     try:

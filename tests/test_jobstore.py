@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import sqlite3
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -135,3 +137,118 @@ def test_no_command_prints_the_api_key() -> None:
     listed = json.loads(runner.invoke(cli, ["jobs", "--all", "--json"]).stdout)
     assert {r["job_id"] for r in listed} == {"1.pbs01", "2.pbs01"}
     assert all("api_key" not in r and r["api_key_env"] == "PBSTK_KEY_M" for r in listed)
+
+
+# -- corrupt or foreign state: reported, never a traceback --------------------------------------------------
+
+
+def _seed() -> JobStore:
+    store = JobStore()
+    store.add(make("1.pbs01", "good", final_state=None))
+    store.add(make("2.pbs01", "other", final_state=None))
+    return store
+
+
+def _cli_ok(*args: str) -> Any:
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output and result.exception is None
+    return result
+
+
+def test_garbage_store_is_moved_aside_and_launch_still_works(isolated_user: Path) -> None:
+    path = JobStore().path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"this is not sqlite\x00\xff" * 200)
+    result = _cli_ok("jobs", "--all")
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1, result.stderr
+    aside = list(path.parent.glob("jobs.sqlite3.corrupt-*"))
+    assert len(aside) == 1 and str(path) in warnings[0] and str(aside[0]) in warnings[0]
+    assert aside[0].read_bytes().startswith(b"this is not sqlite")
+    store = JobStore()
+    store.add(make("3.pbs01", "after"))
+    assert [r.job_id for r in store.all()] == ["3.pbs01"]
+    assert "warning" not in _cli_ok("jobs", "--all").stderr  # said once, not on every command
+
+
+def test_a_store_with_a_foreign_schema_is_moved_aside(isolated_user: Path) -> None:
+    path = JobStore().path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE jobs (id INTEGER, what TEXT)")
+    conn.commit()
+    conn.close()
+    result = _cli_ok("jobs", "--all")
+    assert "not a pbstk job store" in result.stderr and "corrupt-" in result.stderr
+    JobStore().add(make("3.pbs01", "after"))
+
+
+def test_one_bad_row_affects_that_row_only() -> None:
+    store = JobStore()
+    store.add(make("1.pbs01", "good"))
+    store.add(make("2.pbs01", "other"))
+    store.add(make("3.pbs01", "badextra"))  # recorded final: `status --all` needs no scheduler
+    store.add(make("4.pbs01", "badstate"))
+    conn = sqlite3.connect(store.path)
+    conn.execute("UPDATE jobs SET extra = '{not json' WHERE job_id = '3.pbs01'")
+    conn.execute("UPDATE jobs SET final_state = 'EXPLODED' WHERE job_id = '4.pbs01'")
+    conn.execute("ALTER TABLE jobs ADD COLUMN surprise TEXT DEFAULT 'x'")
+    conn.commit()
+    conn.close()
+    for args in (["jobs", "--all"], ["jobs", "--all", "--json"], ["status", "--all", "--json"]):
+        result = _cli_ok(*args)
+        warnings = [line for line in result.stderr.splitlines() if line.startswith("pbstk: warning:")]
+        assert len(warnings) == 1 and "4.pbs01" in warnings[0] and "EXPLODED" in warnings[0], result.stderr
+    listed = {r["job_id"]: r for r in json.loads(_cli_ok("jobs", "--all", "--json").stdout)}
+    assert set(listed) == {"1.pbs01", "2.pbs01", "3.pbs01"}  # the unknown state is skipped, the rest shown
+    assert "broken_record" in listed["3.pbs01"]["extra"]
+    store.add(make("5.pbs01", "new"))  # writing still works with the extra column
+    store.update_extra(store.find("3.pbs01"), fixed=True)  # and a rewrite heals the bad JSON
+    assert "broken_record" in store.find("3.pbs01").extra and store.find("3.pbs01").extra["fixed"] is True
+
+
+def test_a_locked_store_is_one_line_exit_10(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _seed()
+    monkeypatch.setenv("PBSTK_STORE_TIMEOUT", "0.3")
+    conn = sqlite3.connect(store.path)
+    conn.execute("BEGIN EXCLUSIVE")
+    try:
+        result = CliRunner().invoke(cli, ["cancel", "good"])
+    finally:
+        conn.rollback()
+        conn.close()
+    assert result.exit_code == 10, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pbstk: error: the job store ") and str(store.path) in lines[0]
+    assert "locked" in lines[0]
+
+
+def test_a_newer_schema_is_refused_not_moved(isolated_user: Path) -> None:
+    store = _seed()
+    conn = sqlite3.connect(store.path)
+    conn.execute("PRAGMA user_version = 99")
+    conn.commit()
+    conn.close()
+    result = CliRunner().invoke(cli, ["jobs"])
+    assert result.exit_code == 10 and "newer pbstk" in result.stderr
+    assert not list(store.path.parent.glob("*.corrupt-*"))
+
+
+def test_unrecorded_launches_are_mentioned_and_dead_empty_ones_dropped(tmp_path: Path) -> None:
+    import subprocess
+
+    store = JobStore()
+    store.add_intent(make("", "remote", transport="login1", final_state=None))
+    store.add_intent(make("", "dead", final_state=None))
+    gone = subprocess.Popen(["sleep", "0"])  # noqa: S603,S607
+    gone.wait()
+    conn = sqlite3.connect(store.path)
+    conn.execute("UPDATE intents SET launcher = ? WHERE name = 'dead'", (f"{os.uname().nodename}:{gone.pid}:1",))
+    conn.commit()
+    conn.close()
+    result = _cli_ok("jobs")
+    assert "the launch of 'remote' via login1 is not recorded yet" in result.stderr
+    assert "'dead'" not in result.stderr  # its launcher is gone and its run directory never existed
+    assert [i.name for i in store.intents()] == ["remote"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -347,9 +349,10 @@ def test_ctrl_c_during_submit_is_held_until_the_job_is_recorded(
     pbstk("cancel", record.job_id)
 
 
-def test_interrupt_raised_inside_submit_leaves_no_record(pbs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A KeyboardInterrupt *raised* (not signalled) after qsub bypasses the deferral: no half record is
-    written, but the job qsub accepted is not recorded either. Real Ctrl-C arrives as a signal (above)."""
+def test_interrupt_raised_inside_submit_is_adopted_from_the_run_dir(pbs: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt *raised* (not signalled) after qsub bypasses the deferral: the job qsub accepted is
+    not recorded by that launch, but its id is in RUN_DIR/job_id, so the next read of the store adopts it."""
     from pbs_toolkit.schedulers.pbs import PBSScheduler
 
     original = PBSScheduler.submit
@@ -361,5 +364,15 @@ def test_interrupt_raised_inside_submit_leaves_no_record(pbs: Path, monkeypatch:
     monkeypatch.setattr(PBSScheduler, "submit", submit_then_raise)
     result = launch("halfway")
     assert result.exit_code == 130
-    assert JobStore().all() == []
-    assert len(read_calls(pbs, "qsub")) == 1  # the orphan the fixture's cleanup deletes
+    assert "job 1.fakepbs WAS submitted but not recorded" in result.stderr and "qdel 1.fakepbs" in result.stderr
+    assert len(read_calls(pbs, "qsub")) == 1
+    assert "the launch of 'halfway' is not recorded yet" in pbstk("jobs").stderr  # its launcher (we) still runs
+    gone = subprocess.Popen(["sleep", "0"])  # noqa: S603,S607
+    gone.wait()
+    with sqlite3.connect(JobStore().path) as conn:  # as if that launch had been a process that is gone now
+        conn.execute("UPDATE intents SET launcher = ?", (f"{os.uname().nodename}:{gone.pid}:1",))
+    conn.close()
+    listed = pbstk("jobs")
+    assert "adopted job 1.fakepbs" in listed.stderr
+    assert [r.job_id for r in JobStore().all()] == ["1.fakepbs"]
+    assert pbstk("cancel", "1.fakepbs").stdout.strip() == "1.fakepbs: cancelled"

@@ -57,6 +57,7 @@ def test_bench_against_a_server_that_rejects_the_key_reports_failures(standins: 
         store = JobStore()
         record = store.find(job)
         record.api_key = "not-the-key"
+        store.remove(record)  # add never replaces a record
         store.add(record)
         res = pbstk("bench", job, "--client", "builtin", "-c", "1", "--num-prompts", "3", "--output-len", "4")
         assert res.exit_code == 5

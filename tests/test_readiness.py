@@ -158,6 +158,7 @@ def test_wrong_key_is_a_clear_401(fakepbs: Path, standins: Path) -> None:
     record = launch()
     assert pbstk("wait", record.job_id, "--timeout", "30").exit_code == 0
     record.api_key = "not-the-key"
+    JobStore().remove(record)  # add never replaces a record
     JobStore().add(record)
     result = pbstk("wait", record.job_id, "--timeout", "30")
     assert result.exit_code == 5, result.output

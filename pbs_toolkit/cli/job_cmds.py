@@ -132,7 +132,13 @@ def jobs(show_all: bool, as_json: bool) -> None:
     """Jobs pbstk launched (from the local job store; no scheduler query)."""
     from pbs_toolkit.jobstore import JobStore
 
-    records = [r for r in JobStore().all() if show_all or not r.final_state]
+    store = JobStore()
+    records = [r for r in store.all() if show_all or not r.final_state]
+    for intent in store.intents():  # launches not recorded yet: never let a submitted job go unmentioned
+        via = f" via {intent.transport}" if intent.transport else ""
+        later = f"the next launch{via}" if via else "pbstk, once that launch has ended,"
+        click.echo(f"pbstk: note: the launch of {intent.name!r}{via} is not recorded yet (being submitted, or "
+                   f"interrupted: {later} adopts the id in {intent.run_dir}/job_id)", err=True)
     if as_json:
         echo_json([r.public() for r in records])
         return

@@ -2,15 +2,21 @@
 
 The job runs detached in its own session (``setsid``) under a small supervisor that sets the PBS
 variables the script expects, enforces the walltime and leaves markers in ``RUN_DIR/.local-job/``:
-``pid`` (= process group), ``exit_status`` (written at the end), ``cancelled`` (written by ``cancel``).
-Job ids look like ``1732243108123.local``.
+``pid`` (= process group), ``exit_status`` (written at the end), ``cancelled`` (written by ``cancel``),
+``token`` (a random value also exported as ``PBSTK_LOCAL_JOB_TOKEN`` into the job's environment: a process group
+is only treated as the job's, by ``query`` and ``cancel``, while one of its processes carries it, so a PGID reused
+by an unrelated process after the job died is never signalled). Job ids look like ``7.myhost.local``: a counter
+kept in the job store plus the host, so parallel launches never share one; ``RUN_DIR/job_id`` holds it before the
+job starts.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
+import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pbs_toolkit.errors import SchedulerError
 from pbs_toolkit.schedulers.base import JobRef, SchedState, Scheduler, SchedulerJob, first_line
@@ -43,21 +49,40 @@ done
 [ "$rc" = 124 ] && [ ! -e "$spool/cancelled" ] && rc=-29
 echo "$rc" >"$spool/exit_status.tmp" && mv -f "$spool/exit_status.tmp" "$spool/exit_status"
 """
-_STATUS = r"""
+# ours PGID TOKEN: is some process of group PGID carrying the job's token? (no token file: a job from an older
+# pbstk, trusted as before)
+_OURS = r"""
+ours() {
+  [ -z "$2" ] && return 0
+  [ -r /proc/self/environ ] || return 0  # no /proc (not Linux): cannot tell, trust the pid as before
+  tr '\0' '\n' 2>/dev/null <"/proc/$1/environ" | grep -qxF "PBSTK_LOCAL_JOB_TOKEN=$2" && return 0
+  for e in /proc/[0-9]*; do
+    read -r st 2>/dev/null <"$e/stat" || continue
+    rest=${st##*) }
+    set -- "$1" "$2" $rest
+    [ "$5" = "$1" ] || continue
+    tr '\0' '\n' 2>/dev/null <"$e/environ" | grep -qxF "PBSTK_LOCAL_JOB_TOKEN=$2" && return 0
+  done
+  return 1
+}
+"""
+_STATUS = _OURS + r"""
 for d in "$@"; do
   s="$d/.local-job"
   pid=$(cat "$s/pid" 2>/dev/null || echo -)
-  alive=0; [ "$pid" != - ] && kill -0 "$pid" 2>/dev/null && alive=1
+  tok=$(cat "$s/token" 2>/dev/null)
+  alive=0; [ "$pid" != - ] && kill -0 -- "-$pid" 2>/dev/null && ours "$pid" "$tok" && alive=1
   ex=$(cat "$s/exit_status" 2>/dev/null || echo -)
   c=0; [ -e "$s/cancelled" ] && c=1
   [ -d "$s" ] || pid=missing
   printf '%s\t%s\t%s\t%s\n' "$pid" "$alive" "$ex" "$c"
 done
 """
-_CANCEL = r"""
+_CANCEL = _OURS + r"""
 s=$1/.local-job
 pid=$(cat "$s/pid" 2>/dev/null) || exit 3
 [ -e "$s/exit_status" ] && exit 2
+ours "$pid" "$(cat "$s/token" 2>/dev/null)" || exit 2
 : >"$s/cancelled"
 kill -TERM -- "-$pid" 2>/dev/null || exit 2
 for _ in $(seq 1 100); do kill -0 -- "-$pid" 2>/dev/null || exit 0; sleep 0.1; done
@@ -71,17 +96,33 @@ exit 0
 class LocalScheduler(Scheduler):
     name = "local"
 
-    def __init__(self, walltime_seconds: int = 4 * 3600) -> None:
+    def __init__(self, walltime_seconds: int = 4 * 3600, id_source: Callable[[], int] | None = None) -> None:
         self.walltime_seconds = walltime_seconds
+        #: hands out numbers never used before (``JobStore.next_local_id``; launch passes its own store)
+        self.id_source = id_source
+
+    def new_job_id(self, runner: Runner) -> str:
+        """``<counter>.<host>.local``: unique per job store, and says where the job runs."""
+        if self.id_source is None:
+            from pbs_toolkit.jobstore import JobStore
+
+            self.id_source = JobStore().next_local_id
+        host = socket.gethostname() if runner.name == "local" else runner.name.split(":", 1)[-1]
+        host = re.sub(r"[^A-Za-z0-9-]+", "-", host.split(".", 1)[0]).strip("-") or "host"
+        return f"{self.id_source()}.{host}.local"
 
     def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str) -> str:
-        job_id = f"{time.time_ns() // 1_000_000}.local"
+        job_id = self.new_job_id(runner)
         spool = f"{run_dir}/{SPOOL}"
         runner.makedirs(spool, 0o700)
         walltime = _walltime_from_script(runner, script_path) or self.walltime_seconds
+        token = secrets.token_hex(16)
+        runner.write_bytes(f"{spool}/token", token.encode(), 0o600)
+        runner.write_bytes(f"{run_dir}/job_id", f"{job_id}\n".encode(), 0o644)  # before it can run: adoptable
         argv = ["setsid", "-f", "bash", "-c", _SUPERVISOR, "pbstk-local", spool, script_path, job_id,
                 job_name, run_dir, f"{walltime}s"]
-        result = runner.run(argv, timeout=30)
+        # in the environment the supervisor starts with, so /proc/<group leader>/environ shows it too
+        result = runner.run(argv, timeout=30, env={"PBSTK_LOCAL_JOB_TOKEN": token})
         if result.rc != 0:
             raise SchedulerError(f"could not start the local job: {first_line(result.stderr)}")
         for _ in range(50):  # the pid marker proves the supervisor started
