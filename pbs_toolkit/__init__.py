@@ -10,12 +10,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "render": ("pbs_toolkit.render", "render"),
-    "RenderRequest": ("pbs_toolkit.render", "RenderRequest"),
-    "launch": ("pbs_toolkit.launch", "launch"),
-    "status": ("pbs_toolkit.status", "status"),
-    "cancel": ("pbs_toolkit.launch", "cancel"),
-    "wait_until_ready": ("pbs_toolkit.readiness", "wait_until_ready"),
+    "render": ("pbs_toolkit.jobs.render", "render"),
+    "RenderRequest": ("pbs_toolkit.jobs.render", "RenderRequest"),
+    "launch": ("pbs_toolkit.jobs.launch", "launch"),
+    "status": ("pbs_toolkit.jobs.status", "status"),
+    "cancel": ("pbs_toolkit.jobs.launch", "cancel"),
+    "wait_until_ready": ("pbs_toolkit.jobs.readiness", "wait_until_ready"),
     "update_endpoint": ("pbs_toolkit.endpoints", "update_endpoint"),
     "PbstkError": ("pbs_toolkit.errors", "PbstkError"),
 }

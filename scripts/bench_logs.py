@@ -51,7 +51,7 @@ def bench_many_lines(root: Path, env: dict[str, str], job: str, log: Path, n: in
     Times ``tail_bytes`` in this process, ``pbstk logs -n N`` as a user runs it (output to a pipe, peak RSS), and
     coreutils ``tail -n N`` on the same file for reference. Each runs once: the old code took minutes.
     """
-    from pbs_toolkit.logs import tail_bytes
+    from pbs_toolkit.jobs.logs import tail_bytes
     from pbs_toolkit.transports.local import LocalRunner
 
     with open(log, "wb") as fh:
@@ -81,7 +81,7 @@ def bench_many_lines(root: Path, env: dict[str, str], job: str, log: Path, n: in
 
 def record_job(env: dict[str, str], run_dir: Path) -> str:
     code = (
-        "from pbs_toolkit.jobstore import JobRecord, JobStore\n"
+        "from pbs_toolkit.jobs.store import JobRecord, JobStore\n"
         f"JobStore().add(JobRecord(job_id='999.bench', scheduler='local', profile='local', model='m', "
         f"served_model_name='m', preset='cpu', name='bench', run_dir={str(run_dir)!r}))\n"
     )
@@ -120,7 +120,7 @@ def main() -> None:
         print(f"wrote {log.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - begin:.1f} s")
 
         # tail_bytes in this process: time and the RSS it adds
-        from pbs_toolkit.logs import tail_bytes
+        from pbs_toolkit.jobs.logs import tail_bytes
         from pbs_toolkit.transports.local import LocalRunner
 
         runner = LocalRunner()

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pbs_toolkit.registries import FORMATS, EndpointEntry, read_endpoints, write_endpoint
+from pbs_toolkit.endpoints.registry import FORMATS, EndpointEntry, read_endpoints, write_endpoint
 
 
 def _entry(index: int) -> EndpointEntry:
@@ -66,7 +66,7 @@ def concurrent_writers_s(path: Path, writers: int) -> float:
 # high-water mark across exec, so the number is an upper bound: at least this process's RSS when it starts the child.
 _CHILD = """
 import resource, sys, time
-from pbs_toolkit.registries import EndpointEntry, write_endpoint
+from pbs_toolkit.endpoints.registry import EndpointEntry, write_endpoint
 import filelock  # noqa: F401  imported up front: the timing is the edit, not the imports
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start, cpu = time.perf_counter(), time.process_time()

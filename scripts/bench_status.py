@@ -70,7 +70,7 @@ def submit_jobs(count: int, runs: Path, env: dict[str, str]) -> list[tuple[str, 
 def fresh_store(state_dir: Path, jobs: list[tuple[str, str]], transport: str) -> None:
     """A new job store holding ``jobs`` as active (not yet final) records."""
     os.environ["XDG_STATE_HOME"] = str(state_dir)  # JobStore() reads it through platformdirs
-    from pbs_toolkit.jobstore import JobRecord, JobStore
+    from pbs_toolkit.jobs.store import JobRecord, JobStore
 
     store = JobStore()
     for index, (job_id, run_dir) in enumerate(jobs):

@@ -12,7 +12,7 @@ from typing import Any
 from click.testing import CliRunner, Result
 
 from pbs_toolkit.cli.main import cli
-from pbs_toolkit.jobstore import JobRecord, JobStore
+from pbs_toolkit.jobs.store import JobRecord, JobStore
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 

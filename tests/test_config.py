@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from pbs_toolkit import paths
-from pbs_toolkit.config import resolve_settings
 from pbs_toolkit.errors import ConfigError, UsageError
-from pbs_toolkit.presets import list_presets, load_preset
-from pbs_toolkit.profiles import list_profiles, load_profile
-from pbs_toolkit.render import RenderedJob, RenderRequest, render
+from pbs_toolkit.jobs.render import RenderedJob, RenderRequest, render
+from pbs_toolkit.settings.config import resolve_settings
+from pbs_toolkit.settings.presets import list_presets, load_preset
+from pbs_toolkit.settings.profiles import list_profiles, load_profile
 
 RUN_DIR = "/scratch/runs/cfg"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import MODEL, pbstk, until
 
-from pbs_toolkit.jobstore import JobRecord, JobStore
+from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.schedulers import JobRef
 from pbs_toolkit.schedulers.local import LocalScheduler
 from pbs_toolkit.transports import LocalRunner

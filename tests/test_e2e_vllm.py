@@ -67,8 +67,8 @@ def vllm_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("PBSTK_PORT", str(random.randrange(20000, 40000, 100)))
     yield
     # a failed test must not leave a 3 GB server behind for the next one
-    from pbs_toolkit.jobstore import JobStore
-    from pbs_toolkit.launch import cancel
+    from pbs_toolkit.jobs.launch import cancel
+    from pbs_toolkit.jobs.store import JobStore
 
     for record in JobStore().all():
         if not record.final_state:
@@ -102,7 +102,7 @@ def post(url: str, body: dict[str, Any], key: str | None) -> tuple[int, dict[str
 
 
 def key_of(job: str) -> str:
-    from pbs_toolkit.jobstore import JobStore
+    from pbs_toolkit.jobs.store import JobStore
 
     key = JobStore().find(job).api_key
     assert key
@@ -110,7 +110,7 @@ def key_of(job: str) -> str:
 
 
 def run_dir(job: str) -> Path:
-    from pbs_toolkit.jobstore import JobStore
+    from pbs_toolkit.jobs.store import JobStore
 
     return Path(JobStore().find(job).run_dir)
 

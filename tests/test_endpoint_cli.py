@@ -19,7 +19,7 @@ from helpers import MODEL, launch, marker, until
 from helpers import pbstk_raising as pbstk
 from sshd import SshdInfo
 
-from pbs_toolkit.registries import read_endpoints
+from pbs_toolkit.endpoints.registry import read_endpoints
 
 OTHERS = {
     "py": 'ENDPOINTS = {\n    # keep me\n    "other": {"model": "m", "url": "http://o:1/v1", "key": "K"},\n}\n',

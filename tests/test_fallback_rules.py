@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pbs_toolkit.observe.startup import COMPILE_ERROR_RE, PORT_IN_USE_RE, is_compile_failure
+from pbs_toolkit.vllm.startup import COMPILE_ERROR_RE, PORT_IN_USE_RE, is_compile_failure
 
 LOGS = sorted((Path(__file__).parent / "data" / "vllm-cpu").glob("*.log"))
 COMPILE_FAILURES = {"fatal-compile-no-cxx.log"}
@@ -47,9 +47,9 @@ def test_torch_messages_seen_on_gpus_match() -> None:
 
 @pytest.mark.parametrize(("eager", "expected"), [(False, True), (True, False)])
 def test_wait_expects_the_eager_restart_only_when_one_will_come(eager: bool, expected: bool) -> None:
-    from pbs_toolkit.jobstore import JobRecord
+    from pbs_toolkit.jobs.status import ServerState, combine
+    from pbs_toolkit.jobs.store import JobRecord
     from pbs_toolkit.schedulers import SchedState, SchedulerJob
-    from pbs_toolkit.status import ServerState, combine
 
     record = JobRecord(job_id="1.local", scheduler="local", profile="local", model="m", served_model_name="m",
                        preset="cpu", name="m", run_dir="/nonexistent", extra={"eager": eager})

@@ -23,11 +23,11 @@ from conftest import read_calls
 from helpers import MODEL, pbstk
 
 from pbs_toolkit.cli.options import check_display_name
+from pbs_toolkit.endpoints.entry import EndpointEntry, validate_entry
 from pbs_toolkit.errors import RegistryError, UsageError
-from pbs_toolkit.jobstore import JobStore
-from pbs_toolkit.presets import params_from_config
-from pbs_toolkit.registries.entry import EndpointEntry, validate_entry
-from pbs_toolkit.render import RenderedJob, run_dir_error, run_dir_errors
+from pbs_toolkit.jobs.render import RenderedJob, run_dir_error, run_dir_errors
+from pbs_toolkit.jobs.store import JobStore
+from pbs_toolkit.settings.presets import params_from_config
 from pbs_toolkit.transports import LocalRunner
 
 
@@ -88,7 +88,7 @@ def test_reasonable_bounds_still_pass() -> None:
 
 
 def test_tunnel_refuses_a_port_out_of_range_without_a_socket() -> None:
-    from pbs_toolkit.tunnel import start_tunnel
+    from pbs_toolkit.transports.tunnel import start_tunnel
 
     for port in (70000, -1):
         with pytest.raises(UsageError, match="between 0"):

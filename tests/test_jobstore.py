@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from pbs_toolkit.cli.main import cli
 from pbs_toolkit.errors import JobNotFound, UsageError
-from pbs_toolkit.jobstore import JobRecord, JobStore
+from pbs_toolkit.jobs.store import JobRecord, JobStore
 
 SECRET = "sk-test-NEVER-PRINT-ME-0123456789"
 

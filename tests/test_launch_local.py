@@ -19,7 +19,7 @@ import helpers
 import pytest
 from helpers import MODEL, launched_id, pbstk, status_of
 
-from pbs_toolkit.jobstore import JobStore
+from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.schedulers import JobRef, SchedState
 from pbs_toolkit.schedulers.local import LocalScheduler
 from pbs_toolkit.transports import LocalRunner

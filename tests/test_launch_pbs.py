@@ -21,7 +21,7 @@ from click.testing import Result
 from conftest import STANDINS, read_calls
 from helpers import MODEL, pbstk, status_of, wait_for, wait_recorded
 
-from pbs_toolkit.jobstore import JobStore
+from pbs_toolkit.jobs.store import JobStore
 
 
 def launch(name: str, *extra: str) -> Result:

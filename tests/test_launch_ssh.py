@@ -23,7 +23,7 @@ from conftest import STANDINS, read_calls
 from helpers import MODEL, launched_id, pbstk, status_of
 from sshd import SshdInfo, start_sshd
 
-from pbs_toolkit.jobstore import JobRecord, JobStore
+from pbs_toolkit.jobs.store import JobRecord, JobStore
 
 pytestmark = pytest.mark.ssh
 

@@ -18,8 +18,8 @@ from helpers import pbstk_raising as pbstk
 from sshd import SshdInfo, start_sshd
 
 from pbs_toolkit.errors import TransportError
-from pbs_toolkit.jobstore import JobStore
-from pbs_toolkit.logs import decoded_pieces, follow, tail_bytes, tail_lines
+from pbs_toolkit.jobs.logs import decoded_pieces, follow, tail_bytes, tail_lines
+from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.transports.base import Runner
 from pbs_toolkit.transports.local import LocalRunner
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pbs_toolkit.errors import ServerFailed, UsageError
-from pbs_toolkit.observe.bench import (
+from pbs_toolkit.perf.bench import (
     load_vllm_bench_json,
     make_prompt,
     run_benchmark_sync,

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from pbs_toolkit.observe.doctor import DoctorContext, diagnose
-from pbs_toolkit.observe.engine_log import iter_engine_stats, parse_engine_line
-from pbs_toolkit.observe.prom import parse_metrics
-from pbs_toolkit.vllm_flags import REMOVED_FLAGS, removed_since, version_tuple
+from pbs_toolkit.perf.doctor import DoctorContext, diagnose
+from pbs_toolkit.settings.vllm_flags import REMOVED_FLAGS, removed_since, version_tuple
+from pbs_toolkit.vllm.engine_log import iter_engine_stats, parse_engine_line
+from pbs_toolkit.vllm.prom import parse_metrics
 
 DATA = Path(__file__).parent / "data" / "observe"
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pbs_toolkit.observe.engine_log import iter_engine_stats, parse_engine_line
-from pbs_toolkit.observe.startup import PHASES, current_phase, find_fatal, startup_timings
+from pbs_toolkit.vllm.engine_log import iter_engine_stats, parse_engine_line
+from pbs_toolkit.vllm.startup import PHASES, current_phase, find_fatal, startup_timings
 
 DATA = Path(__file__).parent / "data" / "observe"
 

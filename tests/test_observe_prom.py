@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pbs_toolkit.errors import ServerFailed, UsageError
-from pbs_toolkit.observe.prom import (
+from pbs_toolkit.vllm.prom import (
     Histogram,
     delta,
     histogram_quantile,

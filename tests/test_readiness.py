@@ -23,7 +23,7 @@ from helpers import MODEL, launch, marker, until
 from helpers import pbstk_raising as pbstk
 from sshd import SshdInfo
 
-from pbs_toolkit.jobstore import JobRecord, JobStore
+from pbs_toolkit.jobs.store import JobRecord, JobStore
 
 FAIL_FAST_S = 8.0
 
@@ -197,7 +197,7 @@ def test_api_key_never_exposed(fakepbs: Path, standins: Path) -> None:
 
 @pytest.mark.ssh
 def test_wait_over_ssh_probes_through_the_connection(login_node: SshdInfo, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pbs_toolkit.readiness import wait_until_ready
+    from pbs_toolkit.jobs.readiness import wait_until_ready
     from pbs_toolkit.transports.ssh import SSHRunner
 
     monkeypatch.setenv("PBSTK_SSH_CONFIG", str(login_node.ssh_config))

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pbs_toolkit.errors import RegistryError
-from pbs_toolkit.registries import (
+from pbs_toolkit.endpoints.registry import (
     FORMATS,
     EndpointEntry,
     default_registry_path,
@@ -19,6 +18,7 @@ from pbs_toolkit.registries import (
     remove_endpoint,
     write_endpoint,
 )
+from pbs_toolkit.errors import RegistryError
 
 NEW = EndpointEntry(
     alias="qwen3-vl-2b", model="Qwen/Qwen3-VL-2B-Instruct", url="http://gpu01:8000/v1", key_env="VLLM_KEY"

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from helpers import launch, pbstk
 
+from pbs_toolkit.endpoints import target as safety
+from pbs_toolkit.endpoints.registry import EndpointEntry, read_endpoints, remove_endpoint, write_endpoint
 from pbs_toolkit.errors import RegistryError
-from pbs_toolkit.registries import EndpointEntry, read_endpoints, remove_endpoint, write_endpoint
-from pbs_toolkit.registries import target as safety
 
 NEW = EndpointEntry("qwen", "Qwen/Qwen3-VL-2B-Instruct", "http://gpu01:8000/v1", "VLLM_KEY")
 PY = 'ENDPOINTS = {\n    "other": {"model": "m", "url": "http://o:1/v1", "key": "K"},\n}\n'
@@ -217,7 +217,7 @@ def _big_source(megabytes: float) -> str:
 
 _CHILD = """
 import resource, sys, time
-from pbs_toolkit.registries import EndpointEntry, write_endpoint
+from pbs_toolkit.endpoints.registry import EndpointEntry, write_endpoint
 start = time.monotonic()
 write_endpoint(sys.argv[1], EndpointEntry("qwen", "Qwen/Qwen3-VL-2B-Instruct", "http://gpu01:8000/v1", "VLLM_KEY"))
 print(time.monotonic() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
@@ -246,7 +246,7 @@ def test_large_py_registry_is_edited_in_bounded_memory_and_keeps_every_other_byt
 def test_edits_across_parse_chunks_touch_only_their_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The dict is parsed a chunk of elements at a time: replacing and removing entries on either side of the
     chunk boundaries changes exactly their bytes."""
-    from pbs_toolkit.registries import py_dict
+    from pbs_toolkit.endpoints import py_dict
 
     monkeypatch.setattr(py_dict, "CHUNK_BYTES", 1000)  # about 10 entries a chunk
 

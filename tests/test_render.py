@@ -21,9 +21,9 @@ from unittest import mock
 import pytest
 
 from pbs_toolkit.errors import ConfigError, UsageError
-from pbs_toolkit.presets import list_presets, params_from_config, params_from_name
-from pbs_toolkit.profiles import list_profiles
-from pbs_toolkit.render import RenderedJob, RenderRequest, render
+from pbs_toolkit.jobs.render import RenderedJob, RenderRequest, render
+from pbs_toolkit.settings.presets import list_presets, params_from_config, params_from_name
+from pbs_toolkit.settings.profiles import list_profiles
 
 GOLDEN = Path(__file__).parent / "golden"
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"

@@ -265,7 +265,7 @@ def test_proxy_command_and_proxy_jump(login_node: SshdInfo, tmp_path: Path) -> N
 def test_http_get_through_open_connection(runner: SSHRunner, http_port: int) -> None:
     # the probe pbstk uses; the server answers HTTP/1.0 and closes, the case where a paramiko channel
     # closed by http.client after the headers lost the body (IncompleteRead) about half the time
-    from pbs_toolkit.probe import http_request
+    from pbs_toolkit.transports.http import http_request
 
     for _ in range(20):
         answer = http_request(runner, "127.0.0.1", http_port, "/v1/models", timeout=5)

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from pbs_toolkit.render import PORT_SPAN, RenderRequest, render
+from pbs_toolkit.jobs.render import PORT_SPAN, RenderRequest, render
 
 GPU_B = "GPU-bbbbbbbb-1111-1111-1111-111111111111"
 GPU_D = "GPU-dddddddd-3333-3333-3333-333333333333"

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from pbs_toolkit.jobstore import JobRecord
-from pbs_toolkit.probe import Identity
-from pbs_toolkit.rundir import parse_marker
+from pbs_toolkit.jobs.rundir import parse_marker
+from pbs_toolkit.jobs.status import Absence, ServerState, classify_exit, combine, current_attempt
+from pbs_toolkit.jobs.store import JobRecord
 from pbs_toolkit.schedulers import SchedState, SchedulerJob
-from pbs_toolkit.status import Absence, ServerState, classify_exit, combine, current_attempt
+from pbs_toolkit.transports.http import Identity
 
 S = ServerState
 OURS = Identity(True)
@@ -290,7 +290,7 @@ def test_unknown_is_not_final() -> None:
 
 
 def test_absence_counts_fresh_answers_and_restarts_on_a_sign_of_life() -> None:
-    from pbs_toolkit.status import note_absence
+    from pbs_toolkit.jobs.status import note_absence
 
     rec = record()
     assert note_absence(None, rec, [10, 1], counted=True).polls == 1

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from helpers import MODEL, launch, marker, pbstk, status_of, until
 
-from pbs_toolkit.jobstore import JobRecord, JobStore
+from pbs_toolkit.jobs.store import JobRecord, JobStore
 
 HEADER = '{"timestamp":1795400000,"pbs_version":"23.06.06","pbs_server":"fakepbs"}'
 
@@ -237,7 +237,7 @@ def running_answer(ids: list[str]) -> str:
 
 def test_hung_servers_are_probed_concurrently(fakepbs: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from pbs_toolkit.status import status
+    from pbs_toolkit.jobs.status import status
 
     timeout = 2.0
     monkeypatch.setenv("PBSTK_PROBE_TIMEOUT_S", str(timeout))

@@ -17,7 +17,7 @@ from sshd import SshdInfo, start_sshd
 from pbs_toolkit.errors import TransportError
 from pbs_toolkit.transports.base import Runner
 from pbs_toolkit.transports.local import LocalRunner
-from pbs_toolkit.tunnel import Tunnel, start_tunnel
+from pbs_toolkit.transports.tunnel import Tunnel, start_tunnel
 
 
 class _Echo(BaseHTTPRequestHandler):

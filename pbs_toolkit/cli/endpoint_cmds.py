@@ -9,23 +9,23 @@ import click
 from pbs_toolkit.cli.options import LOCAL_PORT, SECONDS, SECONDS_OR_ZERO, echo_json
 
 if TYPE_CHECKING:
-    from pbs_toolkit.jobstore import JobRecord
-    from pbs_toolkit.status import JobStatus
+    from pbs_toolkit.jobs.status import JobStatus
+    from pbs_toolkit.jobs.store import JobRecord
     from pbs_toolkit.transports import Runner
 
 
 def _ready(record: JobRecord, timeout: float, quiet: bool, runner: Runner | None = None) -> JobStatus:
     """JOB's status once its server is ready (``runner``: reuse one SSH connection for what follows)."""
     from pbs_toolkit.cli.job_cmds import progress_printer
-    from pbs_toolkit.jobstore import JobStore
-    from pbs_toolkit.readiness import wait_until_ready
+    from pbs_toolkit.jobs.readiness import wait_until_ready
+    from pbs_toolkit.jobs.store import JobStore
 
     return wait_until_ready(record, timeout=timeout, store=JobStore(), runner=runner,
                             on_progress=progress_printer(quiet))
 
 
 def _find(job: str | None) -> JobRecord:
-    from pbs_toolkit.jobstore import JobStore
+    from pbs_toolkit.jobs.store import JobStore
 
     return JobStore().find(job)
 
@@ -59,7 +59,7 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
     try:
         st = _ready(record, timeout, as_json, runner)
         if via_tunnel:
-            from pbs_toolkit.tunnel import start_tunnel
+            from pbs_toolkit.transports.tunnel import start_tunnel
 
             assert st.address and st.port
             tunnel = start_tunnel(runner, st.address, st.port, local_port=local_port)
@@ -96,8 +96,8 @@ def env_cmd(job: str | None, local_url: str | None, timeout: float) -> None:
     """
     from pbs_toolkit.endpoints import env_exports
     from pbs_toolkit.errors import ServerFailed
-    from pbs_toolkit.jobstore import JobStore
-    from pbs_toolkit.status import status
+    from pbs_toolkit.jobs.status import status
+    from pbs_toolkit.jobs.store import JobStore
 
     if timeout > 0:
         st = _ready(_find(job), timeout, True)
@@ -118,7 +118,7 @@ def env_cmd(job: str | None, local_url: str | None, timeout: float) -> None:
 def tunnel(job: str | None, local_port: int, timeout: float) -> None:
     """Forward a local port to JOB's server through the SSH connection; runs until Ctrl-C."""
     from pbs_toolkit.transports import open_runner
-    from pbs_toolkit.tunnel import start_tunnel
+    from pbs_toolkit.transports.tunnel import start_tunnel
 
     record = _find(job)
     with open_runner(record.transport or None) as runner:  # the same connection waits and forwards

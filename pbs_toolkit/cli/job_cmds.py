@@ -47,8 +47,8 @@ def launch(model: str, scheduler: str | None, ssh_host: str | None, accept_new_h
            api_key_env: str | None, no_api_key: bool, dry_run: bool, wait_ready: bool, timeout: float,
            as_json: bool, **kw: Any) -> None:
     """Render, submit and record a vLLM server job for MODEL."""
-    from pbs_toolkit.jobstore import JobStore
-    from pbs_toolkit.launch import launch as do_launch
+    from pbs_toolkit.jobs.launch import launch as do_launch
+    from pbs_toolkit.jobs.store import JobStore
 
     req = build_request(model, scheduler=scheduler, ssh_host=ssh_host, **kw)
     store = JobStore()
@@ -66,7 +66,7 @@ def launch(model: str, scheduler: str | None, ssh_host: str | None, accept_new_h
         return
     ready = None
     if wait_ready:
-        from pbs_toolkit.readiness import wait_until_ready
+        from pbs_toolkit.jobs.readiness import wait_until_ready
 
         ready = wait_until_ready(rec, timeout=timeout, store=store, on_progress=progress_printer(as_json))
     if as_json:
@@ -97,8 +97,8 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
     nothing is recorded then. With no JOB: every job that has not ended (``--all`` for all).
     One scheduler query per call.
     """
-    from pbs_toolkit.jobstore import JobStore
-    from pbs_toolkit.status import status as do_status
+    from pbs_toolkit.jobs.status import status as do_status
+    from pbs_toolkit.jobs.store import JobStore
 
     store = JobStore()
     if jobs:
@@ -130,7 +130,7 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def jobs(show_all: bool, as_json: bool) -> None:
     """Jobs pbstk launched (from the local job store; no scheduler query)."""
-    from pbs_toolkit.jobstore import JobStore
+    from pbs_toolkit.jobs.store import JobStore
 
     store = JobStore()
     records = [r for r in store.all() if show_all or not r.final_state]
@@ -154,8 +154,8 @@ def jobs(show_all: bool, as_json: bool) -> None:
 @click.argument("jobs", nargs=-1, required=True)
 def cancel(jobs: tuple[str, ...]) -> None:
     """Stop jobs (qdel, or the local process group). Already-ended jobs are not an error."""
-    from pbs_toolkit.jobstore import JobStore
-    from pbs_toolkit.launch import cancel as do_cancel
+    from pbs_toolkit.jobs.launch import cancel as do_cancel
+    from pbs_toolkit.jobs.store import JobStore
 
     store = JobStore()
     records = [store.find(j) for j in jobs]
@@ -172,9 +172,9 @@ def cancel(jobs: tuple[str, ...]) -> None:
 def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
     """The realtime vLLM log of JOB (default: the newest job), locally or over SSH."""
     from pbs_toolkit.errors import TransportError, UsageError
-    from pbs_toolkit.jobstore import JobStore
-    from pbs_toolkit.logs import STREAMS, decoded_pieces, tail_blocks
-    from pbs_toolkit.logs import follow as do_follow
+    from pbs_toolkit.jobs.logs import STREAMS, decoded_pieces, tail_blocks
+    from pbs_toolkit.jobs.logs import follow as do_follow
+    from pbs_toolkit.jobs.store import JobStore
     from pbs_toolkit.transports import open_runner
 
     if lines < 0:
@@ -193,7 +193,7 @@ def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
                 click.echo(piece, nl=False)
             return
 
-        from pbs_toolkit.status import status as do_status  # only -f needs it (http.client: ~20 ms)
+        from pbs_toolkit.jobs.status import status as do_status  # only -f needs it (http.client: ~20 ms)
 
         def is_final() -> bool:
             return do_status([record], store, runners={record.transport: runner})[0].state.final
@@ -213,8 +213,8 @@ def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the final status as JSON; no progress lines.")
 def wait(job: str | None, timeout: float, as_json: bool) -> None:
     """Wait until JOB's server answers; fail fast with the cause if it cannot."""
-    from pbs_toolkit.jobstore import JobStore
-    from pbs_toolkit.readiness import wait_until_ready
+    from pbs_toolkit.jobs.readiness import wait_until_ready
+    from pbs_toolkit.jobs.store import JobStore
 
     store = JobStore()
     record = store.find(job)

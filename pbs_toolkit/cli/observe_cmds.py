@@ -19,14 +19,14 @@ MAX_CONCURRENCY = 10000
 
 def _ready_status(job: str | None, wait: bool, timeout: float) -> Any:
     from pbs_toolkit.errors import ServerFailed
-    from pbs_toolkit.jobstore import JobStore
-    from pbs_toolkit.status import status
+    from pbs_toolkit.jobs.status import status
+    from pbs_toolkit.jobs.store import JobStore
 
     store = JobStore()
     record = store.find(job)
     if wait:
         from pbs_toolkit.cli.job_cmds import progress_printer
-        from pbs_toolkit.readiness import wait_until_ready
+        from pbs_toolkit.jobs.readiness import wait_until_ready
 
         return wait_until_ready(record, timeout=timeout, store=store, on_progress=progress_printer())
     st = status([record], store)[0]
@@ -81,9 +81,9 @@ def _show_summary(s: dict[str, Any]) -> None:
 def metrics(job: str | None, watch: float | None, count: int, export_path: str | None, interval: float,
             as_json: bool, wait_ready: bool, timeout: float) -> None:
     """Throughput, queue, KV cache and latency percentiles of JOB's server (from /metrics and its log)."""
-    from pbs_toolkit.observe.prom import summarize
-    from pbs_toolkit.observe.scrape import engine_history, scrape
+    from pbs_toolkit.perf.scrape import engine_history, scrape
     from pbs_toolkit.transports import open_runner
+    from pbs_toolkit.vllm.prom import summarize
 
     st = _ready_status(job, wait_ready, timeout)
     runner = open_runner(st.record.transport or None)
@@ -97,7 +97,7 @@ def metrics(job: str | None, watch: float | None, count: int, export_path: str |
             if watch:
                 summary = summarize(prev, cur)
             else:  # one-shot: latencies since the server started, rates over the short interval
-                from pbs_toolkit.observe.prom import rates
+                from pbs_toolkit.vllm.prom import rates
 
                 summary = summarize(None, cur)
                 summary["rates"] = rates(prev, cur)
@@ -137,11 +137,11 @@ def _append_line(path: str, line: str) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def doctor(job: str | None, as_json: bool) -> None:
     """Diagnose JOB's server from its flags, log and metrics; end with the preset to use and how."""
-    from pbs_toolkit.jobstore import JobStore
-    from pbs_toolkit.observe.doctor import diagnose
-    from pbs_toolkit.observe.scrape import doctor_context, scrape
-    from pbs_toolkit.presets import auto_layout, preset_for_layout
-    from pbs_toolkit.status import status
+    from pbs_toolkit.jobs.status import status
+    from pbs_toolkit.jobs.store import JobStore
+    from pbs_toolkit.perf.doctor import diagnose
+    from pbs_toolkit.perf.scrape import doctor_context, scrape
+    from pbs_toolkit.settings.presets import auto_layout, preset_for_layout
     from pbs_toolkit.transports import open_runner
 
     store = JobStore()
@@ -189,7 +189,7 @@ def doctor(job: str | None, as_json: bool) -> None:
 def bench(job: str | None, concurrency: str, input_len: int, output_len: int, num_prompts: int | None,
           client: str, as_json: bool, wait_ready: bool, timeout: float) -> None:
     """Drive load against JOB's endpoint: output tokens/s, requests/s, TTFT and TPOT per concurrency."""
-    from pbs_toolkit.benchjob import benchmark_ready_job
+    from pbs_toolkit.perf.benchjob import benchmark_ready_job
 
     levels = _int_list(concurrency)
     st = _ready_status(job, wait_ready, timeout)
@@ -242,7 +242,7 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
          **kw: Any) -> None:
     """Launch each preset for MODEL, benchmark them identically, and recommend the fastest."""
     from pbs_toolkit.errors import UsageError
-    from pbs_toolkit.tune import load_result, merge, plot, render_table, run_tune, save_result
+    from pbs_toolkit.perf.tune import load_result, merge, plot, render_table, run_tune, save_result
 
     if reports:
         doc = load_result(reports[0])
@@ -276,7 +276,7 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
     if png:
         click.echo(f"chart: {plot(doc, png)}", err=True)
     if save_default and doc.get("recommended") and not reports:
-        from pbs_toolkit.config import save_default_preset
+        from pbs_toolkit.settings.config import save_default_preset
 
         click.echo(f"default preset for {doc['model']} is now {doc['recommended']} "
                    f"({save_default_preset(doc['model'], doc['recommended'])})")

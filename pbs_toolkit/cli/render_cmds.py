@@ -18,7 +18,7 @@ def presets(ctx: click.Context, as_json: bool) -> None:
     """List presets (shipped and ~/.config/pbstk/presets/*.yaml)."""
     if ctx.invoked_subcommand:
         return
-    from pbs_toolkit.presets import list_presets
+    from pbs_toolkit.settings.presets import list_presets
 
     items = list_presets()
     if as_json:
@@ -36,7 +36,7 @@ def presets_show(name: str) -> None:
     """Show a preset: layout, the flags it renders, and why."""
     import textwrap
 
-    from pbs_toolkit.presets import load_preset
+    from pbs_toolkit.settings.presets import load_preset
 
     p = load_preset(name)
     click.echo(f"{p.name}: {p.summary}")
@@ -57,7 +57,7 @@ def presets_show(name: str) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def profiles(as_json: bool) -> None:
     """List site profiles (shipped and ~/.config/pbstk/profiles/*.yaml)."""
-    from pbs_toolkit.profiles import list_profiles
+    from pbs_toolkit.settings.profiles import list_profiles
 
     items = list_profiles()
     if as_json:
@@ -78,7 +78,7 @@ def profiles(as_json: bool) -> None:
 def render(model: str, out_dir: str | None, run_dir: str | None, **kw: Any) -> None:
     """Render the job script and start_vllm.sh for MODEL (nothing is submitted)."""
     from pbs_toolkit.errors import UsageError
-    from pbs_toolkit.render import render as do_render
+    from pbs_toolkit.jobs.render import render as do_render
 
     req = build_request(model, run_dir=run_dir, **kw)
     job = do_render(req)

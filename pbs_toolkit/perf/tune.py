@@ -15,8 +15,8 @@ from typing import Any
 
 from pbs_toolkit import __version__, paths
 from pbs_toolkit.errors import PbstkError, UsageError
-from pbs_toolkit.jobstore import JobStore
-from pbs_toolkit.render import RenderRequest, render, slug
+from pbs_toolkit.jobs.render import RenderRequest, render, slug
+from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.transports import Runner
 
 Progress = Callable[[str], None]
@@ -60,7 +60,7 @@ def run_tune(
     ``checkpoint`` receives the document after every preset, so a run cut short keeps what it measured.
     Everything goes through one transport: over SSH one connection (one MFA prompt) serves the whole run.
     """
-    from pbs_toolkit.render import resolve_profile
+    from pbs_toolkit.jobs.render import resolve_profile
     from pbs_toolkit.transports import open_runner
 
     store = store or JobStore()
@@ -81,9 +81,9 @@ def _tune_one(base: RenderRequest, name: str, runner: Runner, store: JobStore, c
               input_len: int, output_len: int, num_prompts: int | None, rounds: int, client: str,
               timeout: float, progress: Progress) -> dict[str, Any]:
     """Launch one preset, wait, benchmark, cancel; the run's entry (with ``error`` when it failed)."""
-    from pbs_toolkit.benchjob import benchmark_ready_job
-    from pbs_toolkit.launch import cancel, launch
-    from pbs_toolkit.readiness import wait_until_ready
+    from pbs_toolkit.jobs.launch import cancel, launch
+    from pbs_toolkit.jobs.readiness import wait_until_ready
+    from pbs_toolkit.perf.benchjob import benchmark_ready_job
 
     def show_note(message: str) -> None:
         progress(f"[{name}] {message}")
@@ -129,7 +129,7 @@ def _document(base: RenderRequest, started: float, input_len: int, output_len: i
 
 
 def _wait_gone(record: Any, store: JobStore, runner: Runner, timeout: float = 120.0) -> None:
-    from pbs_toolkit.status import status
+    from pbs_toolkit.jobs.status import status
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

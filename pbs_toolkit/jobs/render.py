@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pbs_toolkit import __version__
-from pbs_toolkit.config import resolve_settings
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.observe.startup import COMPILE_ERROR_RE, PORT_IN_USE_RE
-from pbs_toolkit.presets import Preset, load_preset, params_from_config, params_from_name, resolve_auto
-from pbs_toolkit.profiles import Profile, load_profile, walltime_seconds
+from pbs_toolkit.settings.config import resolve_settings
+from pbs_toolkit.settings.presets import Preset, load_preset, params_from_config, params_from_name, resolve_auto
+from pbs_toolkit.settings.profiles import Profile, load_profile, walltime_seconds
+from pbs_toolkit.settings.vllm_flags import check_env, check_flag, flag_name, is_automatic, version_tuple
 from pbs_toolkit.transports.base import Runner
-from pbs_toolkit.vllm_flags import check_env, check_flag, flag_name, is_automatic, version_tuple
+from pbs_toolkit.vllm.startup import COMPILE_ERROR_RE, PORT_IN_USE_RE
 
 #: Hugging Face repository ids: ``org/name`` or ``name``
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -91,11 +91,16 @@ class RenderedJob:
         }
 
 
+_PACKAGE = Path(__file__).resolve().parent.parent
+# Two template homes: the scheduler's job script lives with its backend, the start script with the server.
+_TEMPLATE_DIRS = (_PACKAGE / "schedulers" / "pbs", _PACKAGE / "server")
+
+
 def _environment() -> Any:
     import jinja2
 
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
+        loader=jinja2.ChoiceLoader([jinja2.FileSystemLoader(str(d)) for d in _TEMPLATE_DIRS]),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,

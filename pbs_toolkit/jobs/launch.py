@@ -17,7 +17,8 @@ from typing import Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import PbstkError, UsageError
-from pbs_toolkit.jobstore import (
+from pbs_toolkit.jobs.render import RenderedJob, RenderRequest, render, run_dir_errors
+from pbs_toolkit.jobs.store import (
     JOB_ID_MARKER,
     JOB_ID_RE,
     RECORD_MARKER,
@@ -29,7 +30,6 @@ from pbs_toolkit.jobstore import (
     log_run_dir,
     nothing_submitted,
 )
-from pbs_toolkit.render import RenderedJob, RenderRequest, render, run_dir_errors
 from pbs_toolkit.schedulers import JobRef, Scheduler, get_scheduler
 from pbs_toolkit.schedulers.local import LocalScheduler
 from pbs_toolkit.schedulers.marker import marked
@@ -122,7 +122,7 @@ def launch(
     store = store or JobStore()
     own_runner = runner is None
     if runner is None:
-        from pbs_toolkit.render import resolve_profile
+        from pbs_toolkit.jobs.render import resolve_profile
 
         profile, _, _ = resolve_profile(req)
         runner = open_runner(profile.ssh_host, accept_unknown_host=accept_unknown_host)
@@ -173,7 +173,7 @@ def _refuse_active_name(store: JobStore, runner: Runner, name: str, transport: s
     existing = [r for r in store.all() if r.name == name and not r.final_state and r.transport == transport]
     if not existing:
         return
-    from pbs_toolkit.status import status
+    from pbs_toolkit.jobs.status import status
 
     # reuse this connection: a second one would mean a second MFA prompt on most sites
     live = [s for s in status(existing, store, runners={transport: runner}) if not s.state.final]

@@ -1,6 +1,6 @@
 """Site profiles: everything about a cluster that a job script needs, as YAML data.
 
-Shipped profiles live in ``pbs_toolkit/profiles/``; users add or override them in
+Shipped profiles live in ``pbs_toolkit/settings/profiles/``; users add or override them in
 ``$XDG_CONFIG_HOME/pbstk/profiles/NAME.yaml`` or pass a path. No cluster is hard-coded in code.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError, UsageError
-from pbs_toolkit.vllm_flags import DEFAULT_VLLM_VERSION, version_tuple
-from pbs_toolkit.yamlio import Fields, load_yaml_mapping, require_file
+from pbs_toolkit.settings.vllm_flags import DEFAULT_VLLM_VERSION, version_tuple
+from pbs_toolkit.settings.yamlio import Fields, load_yaml_mapping, require_file
 
 SCHEDULERS = ("pbs", "local")
 ADDRESS_RULES = ("short", "fqdn", "ip", "loopback")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pbs_toolkit import probe
 from pbs_toolkit.errors import ServerFailed
-from pbs_toolkit.observe.doctor import DoctorContext
-from pbs_toolkit.observe.engine_log import EngineStats, iter_engine_stats
-from pbs_toolkit.observe.prom import MetricsSnapshot, parse_metrics
-from pbs_toolkit.status import JobStatus
+from pbs_toolkit.jobs.status import JobStatus
+from pbs_toolkit.perf.doctor import DoctorContext
 from pbs_toolkit.transports import Runner
+from pbs_toolkit.transports import http as probe
+from pbs_toolkit.vllm.engine_log import EngineStats, iter_engine_stats
+from pbs_toolkit.vllm.prom import MetricsSnapshot, parse_metrics
 
 
 def scrape(runner: Runner, st: JobStatus, timeout: float = 5.0) -> MetricsSnapshot:
@@ -30,15 +30,15 @@ def scrape(runner: Runner, st: JobStatus, timeout: float = 5.0) -> MetricsSnapsh
 
 def engine_history(runner: Runner, st: JobStatus, lines: int = 5000) -> list[EngineStats]:
     """The periodic ``Engine NNN:`` stats lines from the job's vLLM log (newest last)."""
-    from pbs_toolkit.logs import tail_lines
+    from pbs_toolkit.jobs.logs import tail_lines
 
     return list(iter_engine_stats(tail_lines(runner, f"{st.record.run_dir}/vllm.log", lines)))
 
 
 def doctor_context(runner: Runner, st: JobStatus, snapshot: MetricsSnapshot | None) -> DoctorContext:
     """Everything ``diagnose`` needs for one job: its flags, layout, log and metrics."""
-    from pbs_toolkit.logs import tail_lines
-    from pbs_toolkit.presets import params_from_name
+    from pbs_toolkit.jobs.logs import tail_lines
+    from pbs_toolkit.settings.presets import params_from_name
 
     record = st.record
     extra: dict[str, Any] = record.extra

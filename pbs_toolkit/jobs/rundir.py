@@ -1,5 +1,5 @@
 """One look at a job's run directory and server: ``server.json`` parsed field by field, the log tail, and
-the probes (``/health``, then ``/v1/models`` with the job's key). I/O only; :mod:`pbs_toolkit.status` judges.
+the probes (``/health``, then ``/v1/models`` with the job's key). I/O only; :mod:`pbs_toolkit.jobs.status` judges.
 
 Looks run concurrently across jobs (a thread pool, each probe with ``PBSTK_PROBE_TIMEOUT_S``), so servers that
 accept but never answer cost one probe timeout per ``status`` call, not one per job.
@@ -14,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from pbs_toolkit import probe
-from pbs_toolkit.jobstore import JobRecord
-from pbs_toolkit.logs import tail_lines
-from pbs_toolkit.probe import Identity
+from pbs_toolkit.jobs.logs import tail_lines
+from pbs_toolkit.jobs.store import JobRecord
 from pbs_toolkit.schedulers import SchedState, SchedulerJob
 from pbs_toolkit.transports import Runner
+from pbs_toolkit.transports import http as probe
+from pbs_toolkit.transports.http import Identity
 
 LOG_TAIL_LINES = 400
 #: run directories and servers looked at in parallel by one ``status`` call
@@ -30,7 +30,7 @@ VERIFIED_KEY = "verified_endpoint"
 
 @dataclass
 class RunDirView:
-    """One look at a job's run directory and server (I/O only; :func:`pbs_toolkit.status.judge` decides)."""
+    """One look at a job's run directory and server (I/O only; :func:`pbs_toolkit.jobs.status.judge` decides)."""
 
     marker: dict[str, Any] | None = None
     #: ``server.json`` exists but is unusable, in words

@@ -21,7 +21,7 @@ from typing import Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError
-from pbs_toolkit.yamlio import load_yaml_mapping
+from pbs_toolkit.settings.yamlio import load_yaml_mapping
 
 #: setting -> environment variable; integers are converted
 ENV_VARS: dict[str, str] = {

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pbs_toolkit.errors import SchedulerUnavailable
-from pbs_toolkit.jobstore import JobRecord, JobStore
-from pbs_toolkit.probe import Identity
-from pbs_toolkit.rundir import VERIFIED_KEY, RunDirView, look, look_all
+from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView, look, look_all
+from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.schedulers import JobRef, SchedState, SchedulerJob, get_scheduler
 from pbs_toolkit.transports import Runner, open_runner
+from pbs_toolkit.transports.http import Identity
 
 #: consecutive scheduler answers without the job before it may be LOST ...
 LOST_AFTER_POLLS = 3
@@ -158,7 +158,7 @@ def combine(
     ``absence``: how long the scheduler has not known the job, when ``sched`` is ``None`` because it answered
     without it; ``answered=False`` means it did not answer at all (that tells nothing about the job).
     """
-    from pbs_toolkit.observe.startup import current_phase, find_fatal, is_compile_failure
+    from pbs_toolkit.vllm.startup import current_phase, find_fatal, is_compile_failure
 
     attempt = current_attempt(log_lines)
     st = JobStatus(record=record, state=ServerState.LOST)

@@ -11,8 +11,8 @@ import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pbs_toolkit.endpoints.entry import EndpointEntry
 from pbs_toolkit.errors import RegistryError
-from pbs_toolkit.registries.entry import EndpointEntry
 
 if TYPE_CHECKING:
     import tomlkit.items

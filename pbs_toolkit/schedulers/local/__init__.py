@@ -104,7 +104,7 @@ class LocalScheduler(Scheduler):
     def new_job_id(self, runner: Runner) -> str:
         """``<counter>.<host>.local``: unique per job store, and says where the job runs."""
         if self.id_source is None:
-            from pbs_toolkit.jobstore import JobStore
+            from pbs_toolkit.jobs.store import JobStore
 
             self.id_source = JobStore().next_local_id
         host = socket.gethostname() if runner.name == "local" else runner.name.split(":", 1)[-1]
@@ -167,7 +167,7 @@ class LocalScheduler(Scheduler):
 
 
 def _walltime_from_script(runner: Runner, script_path: str) -> int | None:
-    from pbs_toolkit.profiles import walltime_seconds
+    from pbs_toolkit.settings.profiles import walltime_seconds
 
     try:
         head = runner.read_bytes(script_path, 0, 4096).decode("utf-8", "replace")

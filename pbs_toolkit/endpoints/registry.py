@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pbs_toolkit.endpoints.entry import EndpointEntry, validate_entry
 from pbs_toolkit.errors import RegistryError
-from pbs_toolkit.registries.entry import EndpointEntry, validate_entry
 
 __all__ = [
     "FORMATS",
@@ -78,7 +78,7 @@ def _resolve(
     A symlinked registry is edited where it points, so the link survives, but only when the target stays in
     the directory the user named or ``follow_symlink`` allows it (see :mod:`.target`).
     """
-    from pbs_toolkit.registries import target as safety
+    from pbs_toolkit.endpoints import target as safety
 
     default = default_registry_path()
     named = Path(os.path.abspath(default if path is None else Path(path).expanduser()))
@@ -110,8 +110,8 @@ def check_target(
     Returns the file that would be edited and its format. Callers run this before waiting for a server so that
     an unusable registry fails in milliseconds, not after the wait; the write checks it all again under the lock.
     """
-    from pbs_toolkit.registries import atomic
-    from pbs_toolkit.registries import target as safety
+    from pbs_toolkit.endpoints import atomic
+    from pbs_toolkit.endpoints import target as safety
 
     kind = detect_format(default_registry_path() if path is None else path, fmt, force=force_format)
     default_dir_missing = path is None and not default_registry_path().parent.is_dir()
@@ -121,7 +121,7 @@ def check_target(
     safety.check_writable(target)
     text = atomic.read_text(target, follow=False)
     if text is not None and kind == "py":
-        from pbs_toolkit.registries import py_dict
+        from pbs_toolkit.endpoints import py_dict
 
         py_dict.check(text, target)  # the edit's own reading: no entry evaluated
     elif text is not None:
@@ -131,14 +131,14 @@ def check_target(
 
 def _parse(text: str, target: Path, kind: str) -> dict[str, EndpointEntry]:
     if kind == "py":
-        from pbs_toolkit.registries import py_dict
+        from pbs_toolkit.endpoints import py_dict
 
         return py_dict.parse(text, target)
     if kind == "toml":
-        from pbs_toolkit.registries import verifiers_toml
+        from pbs_toolkit.endpoints import verifiers_toml
 
         return verifiers_toml.parse(text, target)
-    from pbs_toolkit.registries import data_file
+    from pbs_toolkit.endpoints import data_file
 
     return data_file.parse(text, target, kind)
 
@@ -160,8 +160,8 @@ def write_endpoint(
     Only a regular file (or none yet) is written, see :func:`_resolve`; ``force_format`` lets ``fmt`` disagree
     with the file's suffix.
     """
-    from pbs_toolkit.registries import atomic
-    from pbs_toolkit.registries import target as safety
+    from pbs_toolkit.endpoints import atomic
+    from pbs_toolkit.endpoints import target as safety
 
     target = _resolve(path, create_default_dir=True, follow_symlink=follow_symlink)
     kind = detect_format(target if path is None else path, fmt, force=force_format)
@@ -179,15 +179,15 @@ def write_endpoint(
         text = atomic.read_text(target, follow=False)
         holds_secret = False
         if kind == "py":
-            from pbs_toolkit.registries import py_dict
+            from pbs_toolkit.endpoints import py_dict
 
             new_text = py_dict.upsert(text, entry, target)
         elif kind == "toml":
-            from pbs_toolkit.registries import verifiers_toml
+            from pbs_toolkit.endpoints import verifiers_toml
 
             new_text = verifiers_toml.upsert(text, entry, target)
         else:
-            from pbs_toolkit.registries import data_file
+            from pbs_toolkit.endpoints import data_file
 
             new_text, holds_secret = data_file.upsert(text, entry, target, kind, api_key)
         mode = atomic.existing_mode(target)
@@ -204,7 +204,7 @@ def read_endpoints(path: str | os.PathLike[str] | None, fmt: str = "auto") -> di
 
     Takes no lock: writers replace the file atomically, so a read sees either the old or the new file.
     """
-    from pbs_toolkit.registries import atomic
+    from pbs_toolkit.endpoints import atomic
 
     target = Path(default_registry_path() if path is None else path).expanduser()
     kind = detect_format(target, fmt, force=True)  # reading writes nothing: the caller's format wins
@@ -223,8 +223,8 @@ def remove_endpoint(
     force_format: bool = False,
 ) -> bool:
     """Remove the entry for ``alias``; True if it was there. The file keeps its mode and everything else."""
-    from pbs_toolkit.registries import atomic
-    from pbs_toolkit.registries import target as safety
+    from pbs_toolkit.endpoints import atomic
+    from pbs_toolkit.endpoints import target as safety
 
     target = _resolve(path, create_default_dir=False, follow_symlink=follow_symlink)
     kind = detect_format(target if path is None else path, fmt, force=force_format)
@@ -235,15 +235,15 @@ def remove_endpoint(
         if text is None:
             return False
         if kind == "py":
-            from pbs_toolkit.registries import py_dict
+            from pbs_toolkit.endpoints import py_dict
 
             new_text = py_dict.remove(text, alias, target)
         elif kind == "toml":
-            from pbs_toolkit.registries import verifiers_toml
+            from pbs_toolkit.endpoints import verifiers_toml
 
             new_text = verifiers_toml.remove(text, alias, target)
         else:
-            from pbs_toolkit.registries import data_file
+            from pbs_toolkit.endpoints import data_file
 
             new_text = data_file.remove(text, alias, target, kind)
         if new_text is None:

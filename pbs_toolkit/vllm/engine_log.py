@@ -8,7 +8,7 @@ While there is traffic, every engine logs about every 10 s::
 Known variants, all accepted: no ``Engine NNN:`` tag and ``Swapped``/``Pending`` fields (V0 engine),
 ``Preemptions: N``, a device name before ``KV cache usage`` (``GPU``, ``CPU``, from 0.30 ``H100`` or
 several words), a missing prefix-cache field (prefix caching off), extra fields of newer versions (ignored),
-and any log metadata prefix (see :mod:`pbs_toolkit.observe.logline`).
+and any log metadata prefix (see :mod:`pbs_toolkit.vllm.logline`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pbs_toolkit.observe.logline import split_log_line
+from pbs_toolkit.vllm.logline import split_log_line
 
 _MARKER = "Avg prompt throughput:"
 _ENGINE = re.compile(r"Engine\s+(\d+)\s*:\s*$")

@@ -1,4 +1,4 @@
-"""Presets: named vLLM layouts and flags, shipped as YAML data (``pbs_toolkit/presets/*.yaml``).
+"""Presets: named vLLM layouts and flags, shipped as YAML data (``pbs_toolkit/settings/presets/*.yaml``).
 
 Users add their own in ``$XDG_CONFIG_HOME/pbstk/presets/NAME.yaml`` (same schema; a user preset with a
 shipped name replaces it). ``auto`` is resolved at render time from the model size and the GPUs granted.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError, UsageError
-from pbs_toolkit.yamlio import Fields, load_yaml_mapping, require_file
+from pbs_toolkit.settings.yamlio import Fields, load_yaml_mapping, require_file
 
 _KEYS = {
     "name", "summary", "rationale", "tensor_parallel", "data_parallel", "pipeline_parallel",

@@ -70,8 +70,8 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
 
 def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: int, output_len: int,
              num_prompts: int | None, rounds: int, warmup: int) -> list[dict[str, Any]]:
-    from pbs_toolkit.observe.bench import run_benchmark_sync
-    from pbs_toolkit.tunnel import start_tunnel
+    from pbs_toolkit.perf.bench import run_benchmark_sync
+    from pbs_toolkit.transports.tunnel import start_tunnel
 
     record = st.record
     tunnel = None
@@ -97,7 +97,7 @@ def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: i
 
 def _vllm_bench(runner: Runner, st: Any, concurrency: int, n: int, input_len: int,
                 output_len: int) -> dict[str, Any]:
-    from pbs_toolkit.observe.bench import parse_vllm_bench_json, vllm_bench_argv
+    from pbs_toolkit.perf.bench import parse_vllm_bench_json, vllm_bench_argv
 
     record = st.record
     filename = f"vllm-bench-c{concurrency}.json"

@@ -52,7 +52,7 @@ def read_text(path: Path, *, follow: bool = True) -> str | None:
     ``O_NONBLOCK`` and ``fstat`` on the descriptor in case the path changed in between. ``follow=False`` adds
     ``O_NOFOLLOW`` for writers, which have resolved the path already.
     """
-    from pbs_toolkit.registries.target import describe
+    from pbs_toolkit.endpoints.target import describe
 
     try:
         kind = describe((os.stat if follow else os.lstat)(path).st_mode)

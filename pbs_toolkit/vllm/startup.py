@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from pbs_toolkit.observe.logline import split_log_line
+from pbs_toolkit.vllm.logline import split_log_line
 
 #: A start that died with one of these before it was ready is restarted once with --enforce-eager. The start
 #: script greps with it (POSIX ERE, the same text) and ``wait`` uses it to know a restart is coming.

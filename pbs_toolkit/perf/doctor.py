@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pbs_toolkit.observe.engine_log import EngineStats
-from pbs_toolkit.observe.prom import MetricsSnapshot
-from pbs_toolkit.observe.startup import find_fatal, startup_timings
-from pbs_toolkit.vllm_flags import REMOVED_ENV, REMOVED_FLAGS, version_tuple
+from pbs_toolkit.settings.vllm_flags import REMOVED_ENV, REMOVED_FLAGS, version_tuple
+from pbs_toolkit.vllm.engine_log import EngineStats
+from pbs_toolkit.vllm.prom import MetricsSnapshot
+from pbs_toolkit.vllm.startup import find_fatal, startup_timings
 
 SEVERITIES = ("high", "medium", "low", "info")
 #: below this peak KV-cache usage (percent) the cache is considered mostly idle

@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from pbs_toolkit.errors import SchedulerUnavailable, ServerFailed, WaitTimeout
-from pbs_toolkit.jobstore import JobRecord, JobStore
-from pbs_toolkit.logs import tail_lines
+from pbs_toolkit.jobs.logs import tail_lines
+from pbs_toolkit.jobs.status import JobStatus, ServerState, observe, query_group, remember_final, without_scheduler
+from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.schedulers import SchedState, SchedulerJob
-from pbs_toolkit.status import JobStatus, ServerState, observe, query_group, remember_final, without_scheduler
 from pbs_toolkit.transports import Runner, open_runner
 
 DEFAULT_SCHEDULER_INTERVALS = (2.0, 4.0, 8.0, 30.0)

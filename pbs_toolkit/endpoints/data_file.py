@@ -11,8 +11,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pbs_toolkit.endpoints.entry import EndpointEntry
 from pbs_toolkit.errors import RegistryError
-from pbs_toolkit.registries.entry import EndpointEntry
 
 SECTION = "endpoints"
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.jobstore import JobRecord
-from pbs_toolkit.status import JobStatus
+from pbs_toolkit.jobs.status import JobStatus
+from pbs_toolkit.jobs.store import JobRecord
 
 
 @dataclass
@@ -67,8 +67,8 @@ def check_registry(
     file and its directory are writable, that an existing file parses, and that the alias fits the format.
     Returns the format. The write itself checks all of this again under the lock.
     """
-    from pbs_toolkit.registries import EndpointEntry, check_target
-    from pbs_toolkit.registries.entry import validate_entry
+    from pbs_toolkit.endpoints.entry import validate_entry
+    from pbs_toolkit.endpoints.registry import EndpointEntry, check_target
 
     path, kind = check_target(registry, fmt, follow_symlink=follow_symlink, force_format=force_format)
     placeholder = EndpointEntry(alias=alias or default_alias(record), model=record.served_model_name,
@@ -88,7 +88,7 @@ def update_endpoint(
     force_format: bool = False,
 ) -> EndpointUpdate:
     """Write ``{alias: model, url, key}`` for a READY job into the registry (atomic, locked)."""
-    from pbs_toolkit.registries import EndpointEntry, default_registry_path, detect_format, write_endpoint
+    from pbs_toolkit.endpoints.registry import EndpointEntry, default_registry_path, detect_format, write_endpoint
 
     record = st.record
     alias = alias or default_alias(record)

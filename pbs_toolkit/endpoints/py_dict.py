@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pbs_toolkit.endpoints.entry import EndpointEntry
 from pbs_toolkit.errors import RegistryError
-from pbs_toolkit.registries.entry import EndpointEntry
 
 NAME = "ENDPOINTS"
 

@@ -1,0 +1,1 @@
+"""Reading vLLM: its startup and engine logs and its Prometheus /metrics (parsing only, nothing runs here)."""
