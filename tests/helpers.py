@@ -4,6 +4,7 @@ the job queries built on it. Import them by name (``from helpers import until``)
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,28 @@ def wait_for(check: Callable[[], Any], timeout: float = 15.0, what: str = "condi
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+# -- PATH ------------------------------------------------------------------------------------------------------
+
+
+def path_without(directory: Path, *missing: str) -> str:
+    """A PATH of one new ``directory`` holding a symlink to every program the current PATH finds, except the
+    ``missing`` names: the tools a job needs stay, and ``missing`` is absent whatever the host has installed (a
+    Slurm host ships its own ``/usr/bin/qsub``, so ``/usr/bin:/bin`` proves nothing)."""
+    directory.mkdir(parents=True)
+    for entry in os.environ.get("PATH", "").split(os.pathsep):
+        if not entry or not os.path.isdir(entry):
+            continue
+        for program in sorted(os.listdir(entry)):
+            link = directory / program
+            target = Path(entry, program)
+            if program in missing or os.path.lexists(link) or not (target.is_file() and os.access(target, os.X_OK)):
+                continue  # an earlier PATH entry wins, as it does in a shell
+            link.symlink_to(target)
+    for name in missing:
+        assert not (directory / name).exists(), name
+    return str(directory)
 
 
 # -- the CLI ---------------------------------------------------------------------------------------------------
