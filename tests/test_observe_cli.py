@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from helpers import path_without
 
 from pbs_toolkit.cli.main import cli
 from pbs_toolkit.jobstore import JobStore
@@ -115,8 +116,10 @@ def test_tune_report_merges_results_of_the_same_method(tmp_path: Path) -> None:
     assert "tp2-eager (baseline)" in res.stdout
 
 
-def test_missing_vllm_in_the_job_environment_fails_fast_with_the_cause(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the job inherits this PATH: no `vllm` anywhere on it
+def test_missing_vllm_in_the_job_environment_fails_fast_with_the_cause(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    # the job inherits this PATH: every program the host has except `vllm` (/usr/bin may hold one)
+    monkeypatch.setenv("PATH", path_without(tmp_path / "bin", "vllm"))
     res = pbstk("launch", "Qwen/Qwen3-1.7B", "--profile", "local-gpu", "--preset", "single", "--name", "novllm",
                 "--port", "auto", "--wait", "--timeout", "60")
     assert res.exit_code == 5, res.output
