@@ -281,13 +281,12 @@ def test_run_dir_error_names_the_cause(code: int, reason: str) -> None:
 
 
 def test_disk_full_while_writing_the_run_dir_is_one_usage_error(tmp_path: Path) -> None:
-    """A full disk cannot be made for real; /dev/full can: every write to it fails with ENOSPC."""
+    """A full disk cannot be made without root, and tests write nothing outside tmp_path (opening /dev/full
+    with "wb" creates a regular file in /dev where it is missing): the write fails as a full disk's does."""
 
     class DevFull(LocalRunner):
         def write_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
-            with open("/dev/full", "wb") as fh:
-                fh.write(data)
-                fh.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
     @run_dir_errors
     def write(runner: LocalRunner, rendered: RenderedJob) -> None:
