@@ -127,6 +127,8 @@ def test_launch_and_registry_agree_on_names(tmp_path: Path, text: str) -> None:
     except RegistryError:
         registry_ok = False
     assert launch_ok == registry_ok
+    # and the rule itself: agreement alone would also pass if both refused every name
+    assert launch_ok == (text in ("qwen", "Qwen/Qwen3-VL-2B-Instruct", "名前", "a b")), repr(text)
 
 
 # -- the API key ----------------------------------------------------------------------------------------------
