@@ -37,4 +37,5 @@ echo "== ruff and mypy"
 
 echo "== pytest"
 export PBSTK_TEST_VLLM_VENV="$PWD/.venv-vllm"
+export PBSTK_TEST_REQUIRE_SSHD=1  # sshd was installed above: a missing one fails the SSH tests, never skips them
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
