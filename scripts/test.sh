@@ -6,12 +6,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v shellcheck >/dev/null 2>&1 || [ ! -x /usr/sbin/sshd ]; then
+# What a bare Debian + Python 3.11 lacks: python3-venv (ensurepip, for `python3 -m venv`), shellcheck (render
+# tests), openssh-server and -client (sshd, ssh-keygen: the login-node tests), hostname (the job scripts),
+# libnuma1 (vLLM's CPU build links libnuma.so.1). Installed only where missing.
+need=()
+python3 -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
+command -v shellcheck >/dev/null 2>&1 || need+=(shellcheck)
+[ -x /usr/sbin/sshd ] || need+=(openssh-server)
+command -v ssh-keygen >/dev/null 2>&1 || need+=(openssh-client)
+command -v hostname >/dev/null 2>&1 || need+=(hostname)
+dpkg -s libnuma1 >/dev/null 2>&1 || need+=(libnuma1)
+if [ "${#need[@]}" -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" = 0 ] || SUDO=sudo
-  echo "== installing shellcheck and openssh-server (Debian packages)"
+  echo "== installing ${need[*]} (Debian packages)"
   $SUDO apt-get update -qq
-  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck openssh-server >/dev/null
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
 echo "== installing pbs-toolkit with its test extras into .venv"
@@ -27,4 +37,5 @@ echo "== ruff and mypy"
 
 echo "== pytest"
 export PBSTK_TEST_VLLM_VENV="$PWD/.venv-vllm"
+export PBSTK_TEST_REQUIRE_SSHD=1  # sshd was installed above: a missing one fails the SSH tests, never skips them
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -64,7 +64,7 @@ def fakepbs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     if jobs.is_dir():
         ids = [p.stem for p in jobs.glob("*.json")]
         if ids:
-            subprocess.run(["qdel", *ids], capture_output=True, check=False)  # noqa: S603,S607
+            subprocess.run([str(FAKEPBS_BIN / "qdel"), *ids], capture_output=True, check=False)  # noqa: S603
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def login_node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         yield info
     jobs = [p.stem for p in (home / "jobs").glob("*.json")] if (home / "jobs").is_dir() else []
     if jobs:
-        subprocess.run(["qdel", *jobs], env={**os.environ, **env}, capture_output=True, check=False)  # noqa: S603,S607
+        subprocess.run([str(FAKEPBS_BIN / "qdel"), *jobs], env={**os.environ, **env}, capture_output=True, check=False)  # noqa: S603
 
 
 def read_calls(home: Path, tool: str) -> list[list[str]]:

@@ -4,6 +4,7 @@ the job queries built on it. Import them by name (``from helpers import until``)
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,60 @@ def wait_for(check: Callable[[], Any], timeout: float = 15.0, what: str = "condi
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+# -- PATH ------------------------------------------------------------------------------------------------------
+
+
+def path_without(directory: Path, *missing: str) -> str:
+    """A PATH of one new ``directory`` holding a symlink to every program the current PATH finds, except the
+    ``missing`` names: the tools a job needs stay, and ``missing`` is absent whatever the host has installed (a
+    Slurm host ships its own ``/usr/bin/qsub``, so ``/usr/bin:/bin`` proves nothing)."""
+    directory.mkdir(parents=True)
+    for entry in os.environ.get("PATH", "").split(os.pathsep):
+        if not entry or not os.path.isdir(entry):
+            continue
+        for program in sorted(os.listdir(entry)):
+            link = directory / program
+            target = Path(entry, program)
+            if program in missing or os.path.lexists(link) or not (target.is_file() and os.access(target, os.X_OK)):
+                continue  # an earlier PATH entry wins, as it does in a shell
+            link.symlink_to(target)
+    for name in missing:
+        assert not (directory / name).exists(), name
+    return str(directory)
+
+
+# -- tune results ----------------------------------------------------------------------------------------------
+
+
+def _measured(run: dict[str, Any], concurrency: int) -> float | None:
+    values = [r["output_throughput"] for r in run.get("results") or []
+              if r["concurrency"] == concurrency and r.get("completed")]
+    return float(values[0]) if values else None
+
+
+def check_tune_report(doc: dict[str, Any], stdout: str) -> None:
+    """What ``tune`` printed agrees with the results it saved (``doc``), recomputed here rather than through
+    ``pbs_toolkit.tune``: the recommendation is the preset with the best output tokens/s at the highest
+    concurrency, and every row's tokens/s and ratio-to-baseline cells are that run's measurements."""
+    top = max(doc["concurrencies"])
+    measured = {run["preset"]: v for run in doc["runs"] if (v := _measured(run, top)) is not None}
+    assert measured, doc
+    best = max(measured, key=measured.__getitem__)
+    assert doc["recommended"] == best, (doc["recommended"], measured)
+    assert f"recommended: {best} (highest output tokens/s at c={top})" in stdout.splitlines(), stdout
+    baseline = next(run for run in doc["runs"] if run["preset"] == doc["baseline"])
+    rows = {cells[0]: cells for cells in (line.split() for line in stdout.splitlines()) if cells}
+    for run in doc["runs"]:
+        if any(_measured(run, c) is None for c in doc["concurrencies"]):
+            continue  # a failed run's row says so; its cells are not measurements
+        expected = []
+        for c in doc["concurrencies"]:
+            value, base = _measured(run, c), _measured(baseline, c)
+            assert value is not None
+            expected += [f"{value:.1f}", f"{value / base:.2f}" if base else "-"]
+        assert rows[run["preset"]][-1 - len(expected):-1] == expected, (run["preset"], stdout)
 
 
 # -- the CLI ---------------------------------------------------------------------------------------------------

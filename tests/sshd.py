@@ -26,6 +26,9 @@ from pathlib import Path
 import pytest
 
 SSHD = "/usr/sbin/sshd"
+#: read at import: the isolated_user fixture removes PBSTK_* variables before any test runs. scripts/test.sh
+#: sets it, so that CI fails where sshd is missing instead of passing with every SSH test skipped.
+REQUIRE_SSHD = os.environ.get("PBSTK_TEST_REQUIRE_SSHD") == "1"
 HOST_ALIAS = "pbstk-test"
 
 
@@ -85,7 +88,10 @@ def _wait_for_banner(port: int, proc: subprocess.Popen[bytes], timeout: float = 
 def start_sshd(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Iterator[SshdInfo]:
     """Run ``sshd -D`` on a free loopback port until the block ends; skips the test when sshd is missing."""
     if not os.path.exists(SSHD) or shutil.which("ssh-keygen") is None:
-        pytest.skip(f"{SSHD} or ssh-keygen is not installed (apt-get install openssh-server)")
+        missing = f"{SSHD} or ssh-keygen is not installed (apt-get install openssh-server)"
+        if REQUIRE_SSHD:
+            pytest.fail(f"{missing}; PBSTK_TEST_REQUIRE_SSHD=1 forbids skipping")
+        pytest.skip(missing)
     directory = tmp_path / "sshd"
     directory.mkdir(parents=True, exist_ok=True)
     host_key, user_key = directory / "host_ed25519", directory / "user_ed25519"

@@ -127,6 +127,8 @@ def test_launch_and_registry_agree_on_names(tmp_path: Path, text: str) -> None:
     except RegistryError:
         registry_ok = False
     assert launch_ok == registry_ok
+    # and the rule itself: agreement alone would also pass if both refused every name
+    assert launch_ok == (text in ("qwen", "Qwen/Qwen3-VL-2B-Instruct", "名前", "a b")), repr(text)
 
 
 # -- the API key ----------------------------------------------------------------------------------------------
@@ -281,13 +283,12 @@ def test_run_dir_error_names_the_cause(code: int, reason: str) -> None:
 
 
 def test_disk_full_while_writing_the_run_dir_is_one_usage_error(tmp_path: Path) -> None:
-    """A full disk cannot be made for real; /dev/full can: every write to it fails with ENOSPC."""
+    """A full disk cannot be made without root, and tests write nothing outside tmp_path (opening /dev/full
+    with "wb" creates a regular file in /dev where it is missing): the write fails as a full disk's does."""
 
     class DevFull(LocalRunner):
         def write_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
-            with open("/dev/full", "wb") as fh:
-                fh.write(data)
-                fh.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
     @run_dir_errors
     def write(runner: LocalRunner, rendered: RenderedJob) -> None:

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 from click.testing import Result
-from conftest import STANDINS, read_calls
-from helpers import MODEL, pbstk, status_of, wait_for, wait_recorded
+from conftest import read_calls
+from helpers import MODEL, path_without, pbstk, status_of, wait_for, wait_recorded
 
 from pbs_toolkit.jobs.store import JobStore
 
@@ -280,10 +280,10 @@ def _fails_cleanly(result: Result, code: int, text: str) -> list[str]:
     return lines
 
 
-def test_qsub_missing(existing_job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_qsub_missing(existing_job: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     before = _store_snapshot()
     with monkeypatch.context() as patch:  # undone before the fakepbs fixture's cleanup needs qdel
-        patch.setenv("PATH", f"{STANDINS}:/usr/bin:/bin")
+        patch.setenv("PATH", path_without(tmp_path / "bin", "qsub", "qstat", "qdel"))
         result = launch("nosub")
     _fails_cleanly(result, 3, "qsub not found")
     assert _store_snapshot() == before

@@ -19,7 +19,7 @@ from typing import Any
 import helpers
 import pytest
 from click.testing import Result
-from conftest import STANDINS, read_calls
+from conftest import read_calls
 from helpers import MODEL, launched_id, pbstk, status_of
 from sshd import SshdInfo, start_sshd
 
@@ -195,8 +195,8 @@ def test_wrong_key(kept_record: JobRecord, login_node: StartLogin, tmp_path: Pat
     assert _store() == before
 
 
-def test_qsub_missing_on_the_login_node(kept_record: JobRecord, login_node: StartLogin) -> None:
-    login_node(PATH=f"{STANDINS}:/usr/bin:/bin")
+def test_qsub_missing_on_the_login_node(kept_record: JobRecord, login_node: StartLogin, tmp_path: Path) -> None:
+    login_node(PATH=helpers.path_without(tmp_path / "bin", "qsub", "qstat", "qdel"))  # stand-ins kept, no PBS
     before = _store()
     _fails_cleanly(launch("nosub", *PBS), 3, "qsub not found on PATH on pbstk-test")
     assert _store() == before

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from helpers import check_tune_report, path_without
 
 from pbs_toolkit.cli.main import cli
 from pbs_toolkit.jobs.store import JobStore
@@ -101,6 +102,7 @@ def test_tune_report_rerenders_and_draws_a_png(tmp_path: Path) -> None:
     res = pbstk("tune", "--report", str(saved), "--png", str(png))
     assert res.exit_code == 0, res.output
     assert "dp2" in res.stdout and "recommended: dp2" in res.stdout
+    check_tune_report(json.loads(saved.read_text()), res.stdout)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -113,10 +115,13 @@ def test_tune_report_merges_results_of_the_same_method(tmp_path: Path) -> None:
     assert [r["preset"] for r in doc["runs"]] == ["single", "single-eager", "tp2-eager", "tp2", "dp2"]
     assert doc["baseline"] == "tp2-eager" and doc["recommended"] == "dp2"
     assert "tp2-eager (baseline)" in res.stdout
+    check_tune_report(doc, res.stdout)
 
 
-def test_missing_vllm_in_the_job_environment_fails_fast_with_the_cause(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the job inherits this PATH: no `vllm` anywhere on it
+def test_missing_vllm_in_the_job_environment_fails_fast_with_the_cause(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    # the job inherits this PATH: every program the host has except `vllm` (/usr/bin may hold one)
+    monkeypatch.setenv("PATH", path_without(tmp_path / "bin", "vllm"))
     res = pbstk("launch", "Qwen/Qwen3-1.7B", "--profile", "local-gpu", "--preset", "single", "--name", "novllm",
                 "--port", "auto", "--wait", "--timeout", "60")
     assert res.exit_code == 5, res.output

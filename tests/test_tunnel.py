@@ -99,6 +99,13 @@ def test_local_port_in_use(http_port: int) -> None:
 
 def test_serve_forever_returns_after_close(http_port: int, tmp_path: Path) -> None:
     tunnel = Tunnel(LocalRunner(), "127.0.0.1", http_port)
+    # would block until Ctrl-C; close() from another thread ends it too. In a thread of its own, so that a
+    # serve_forever that never returns fails here within seconds instead of hanging the suite.
+    server = threading.Thread(target=tunnel.serve_forever, daemon=True)
+    server.start()
     threading.Timer(0.2, tunnel.close).start()
-    tunnel.serve_forever()  # would block until Ctrl-C; close() from another thread ends it too
+    server.join(5)
+    assert not server.is_alive(), "serve_forever still blocks 5 s after close()"
     tunnel.close()  # idempotent
+    with pytest.raises(ConnectionRefusedError):  # and the local port is closed
+        socket.create_connection(("127.0.0.1", tunnel.local_port), timeout=2).close()

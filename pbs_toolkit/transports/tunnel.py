@@ -58,6 +58,8 @@ class Tunnel:
         self.local_port: int = self._listener.getsockname()[1]
         self._wake_r, self._wake_w = socket.socketpair()  # wakes the accept loop on close (portable)
         self._closed = threading.Event()
+        self._close_lock = threading.Lock()  # a second close() waits until the first has closed the sockets
+        self._shut = False
         self._streams: set[Any] = set()
         self._streams_lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="pbstk-tunnel")
@@ -109,21 +111,25 @@ class Tunnel:
             _quiet_close(stream)
 
     def close(self) -> None:
-        """Stop listening and drop every forwarded connection. Safe to call more than once."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        self._thread.join(timeout=5)
-        for sock in (self._listener, self._wake_r, self._wake_w):
-            sock.close()
-        with self._streams_lock:
-            streams, self._streams = list(self._streams), set()
-        for stream in streams:
-            _quiet_close(stream)
+        """Stop listening and drop every forwarded connection. Safe to call more than once, also from several
+        threads at once: every call returns only once the port is closed (serve_forever's own close() used to
+        return while another thread's close() was still joining the accept loop, the listener still open)."""
+        with self._close_lock:
+            if self._shut:
+                return
+            self._closed.set()
+            try:
+                self._wake_w.send(b"x")
+            except OSError:
+                pass
+            self._thread.join(timeout=5)
+            for sock in (self._listener, self._wake_r, self._wake_w):
+                sock.close()
+            with self._streams_lock:
+                streams, self._streams = list(self._streams), set()
+            for stream in streams:
+                _quiet_close(stream)
+            self._shut = True
 
     def serve_forever(self) -> None:
         """Block until Ctrl-C (or ``close()`` from another thread), then close."""
