@@ -374,12 +374,14 @@ class Client:
              baseline: str | None = None, progress: Callable[[str], None] | None = None,
              **options: Any) -> dict[str, Any]:
         """Launch, wait, benchmark and cancel each preset in turn; the result document (``tune.run_tune``)."""
+        from pbs_toolkit.render import resolve_profile
         from pbs_toolkit.tune import run_tune
 
-        return run_tune(self.request(model, None, profile, **options), list(presets),
-                        concurrencies=list(concurrencies), input_len=input_len, output_len=output_len,
-                        num_prompts=num_prompts, rounds=rounds, client=client, timeout=timeout,
-                        baseline=baseline, progress=progress or (lambda m: _log.info("%s", m)), store=self.store)
+        req = self.request(model, None, profile, **options)
+        return run_tune(req, list(presets), concurrencies=list(concurrencies), input_len=input_len,
+                        output_len=output_len, num_prompts=num_prompts, rounds=rounds, client=client,
+                        timeout=timeout, baseline=baseline, progress=progress or (lambda m: _log.info("%s", m)),
+                        store=self.store, runner=self.runner(resolve_profile(req)[0].ssh_host or ""))
 
 
 def _drain(pending: list[str]) -> Iterator[str]:

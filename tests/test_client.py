@@ -109,7 +109,15 @@ class CountingRunner(LocalRunner):
         CountingRunner.closed += 1
 
 
-def test_one_runner_serves_every_call(standins: Path) -> None:
+@pytest.fixture
+def runners_made(monkeypatch: pytest.MonkeyPatch) -> list[Runner]:
+    """Every ``LocalRunner`` constructed during the test, by anyone (``open_runner`` in any module included)."""
+    made: list[Runner] = []
+    monkeypatch.setattr(LocalRunner, "__init__", lambda self: made.append(self), raising=False)
+    return made
+
+
+def test_one_runner_serves_every_call(standins: Path, runners_made: list[Runner]) -> None:
     opened: list[str] = []
 
     def factory(transport: str) -> Runner:
@@ -126,6 +134,7 @@ def test_one_runner_serves_every_call(standins: Path) -> None:
         client.doctor(job)
         assert client.cancel(job)
         assert opened == [""]  # one runner (one connection, one login) for all of it
+        assert len(runners_made) == 1
     assert CountingRunner.closed == 1
 
 
@@ -187,3 +196,26 @@ def test_readme_python_example_runs(standins: Path, capsys: pytest.CaptureFixtur
                           "both README jobs to end")
     assert [s.state for s in states] == [ServerState.CANCELLED] * 2
     assert os.environ.get("PBSTK_TEST_RECORD")  # ran against the stand-in, not a real vLLM
+
+
+def test_metrics_bench_and_tune_share_the_clients_runner(standins: Path, runners_made: list[Runner]) -> None:
+    opened: list[str] = []
+
+    def factory(transport: str) -> Runner:
+        opened.append(transport)
+        return LocalRunner()
+
+    with Client(runner_factory=factory) as client:
+        doc = client.tune(MODEL, ["single"], profile="local-gpu", gpus_per_node=1, port="auto", concurrencies=[1],
+                          input_len=8, output_len=4, num_prompts=2, client="builtin", timeout=30)
+        assert [run["preset"] for run in doc["runs"]] == ["single"] and doc["recommended"] == "single"
+        job = client.launch(MODEL, **LOCAL)
+        try:
+            client.wait(job, timeout=30)
+            metrics = client.metrics(job, interval=0.1)
+            assert metrics.job_id == job.job_id and "running" in metrics.summary
+            bench = client.bench(job, [1], input_len=8, output_len=4, num_prompts=2, client="builtin")
+            assert [(r["concurrency"], r["completed"], r["failed"]) for r in bench.results] == [(1, 2, 0)]
+        finally:
+            client.cancel(job)
+    assert opened == [""] and len(runners_made) == 1  # tune used to open a runner of its own
