@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from helpers import MODEL, wait_for
+from sshd import SshdInfo
 
 import pbs_toolkit
 from pbs_toolkit.client import Client, Endpoint, Job
@@ -219,3 +220,22 @@ def test_metrics_bench_and_tune_share_the_clients_runner(standins: Path, runners
         finally:
             client.cancel(job)
     assert opened == [""] and len(runners_made) == 1  # tune used to open a runner of its own
+
+
+@pytest.mark.ssh
+def test_one_ssh_connection_for_a_whole_session(login_node: SshdInfo, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBSTK_SSH_CONFIG", str(login_node.ssh_config))
+    monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(login_node.known_hosts))
+    with Client(profile="generic-pbspro") as client:
+        job = client.launch(MODEL, preset="dp4", port="auto", ssh_host=login_node.alias)
+        assert job.transport == login_node.alias
+        try:
+            client.wait(job, timeout=30)
+            assert client.status(job)[0].state is ServerState.READY
+            assert client.endpoint(job).model == MODEL
+            assert list(client.logs(job, lines=2))
+        finally:
+            assert client.cancel(job)
+        runner: Any = client.runner(login_node.alias)
+        assert list(client._runners) == [login_node.alias]  # nothing else was opened
+        assert runner.connections_opened == 1  # one connection, one login, for launch to cancel
