@@ -239,3 +239,18 @@ def test_one_ssh_connection_for_a_whole_session(login_node: SshdInfo, monkeypatc
         runner: Any = client.runner(login_node.alias)
         assert list(client._runners) == [login_node.alias]  # nothing else was opened
         assert runner.connections_opened == 1  # one connection, one login, for launch to cancel
+
+
+def test_update_and_remove_endpoint(standins: Path, tmp_path: Path) -> None:
+    registry = tmp_path / "endpoints.yaml"
+    with Client() as client:
+        job = client.launch(MODEL, name="reg", **LOCAL)
+        try:
+            update = client.update_endpoint(job, registry=str(registry), timeout=30)
+            assert (update.alias, update.model, update.url) == ("reg", MODEL, client.endpoint(job).base_url)
+            assert "reg" in registry.read_text()
+            assert client.remove_endpoint("reg", str(registry)) is True
+            assert client.remove_endpoint("reg", str(registry)) is False
+            assert "reg" not in registry.read_text()
+        finally:
+            client.cancel(job)
