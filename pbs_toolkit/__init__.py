@@ -1,6 +1,8 @@
 """pbs-toolkit: serve models with vLLM on PBS clusters and point evaluations at them.
 
 The public API is re-exported lazily so that ``import pbs_toolkit`` (and ``pbstk --help``) stays fast.
+``launch``, ``status``, ``render`` and ``cancel`` are functions defined here that open a ``Client`` for one call;
+no submodule has those names at the top level, so importing one can never replace them.
 """
 
 from __future__ import annotations
@@ -10,15 +12,55 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "render": ("pbs_toolkit.jobs.render", "render"),
+    "Client": ("pbs_toolkit.client", "Client"),
+    "serve": ("pbs_toolkit.client", "serve"),
+    "Job": ("pbs_toolkit.client", "Job"),
+    "Endpoint": ("pbs_toolkit.client", "Endpoint"),
+    "Metrics": ("pbs_toolkit.client", "Metrics"),
+    "Diagnosis": ("pbs_toolkit.client", "Diagnosis"),
+    "BenchResult": ("pbs_toolkit.client", "BenchResult"),
     "RenderRequest": ("pbs_toolkit.jobs.render", "RenderRequest"),
-    "launch": ("pbs_toolkit.jobs.launch", "launch"),
-    "status": ("pbs_toolkit.jobs.status", "status"),
-    "cancel": ("pbs_toolkit.jobs.launch", "cancel"),
+    "JobStatus": ("pbs_toolkit.jobs.status", "JobStatus"),
     "wait_until_ready": ("pbs_toolkit.jobs.readiness", "wait_until_ready"),
     "update_endpoint": ("pbs_toolkit.endpoints", "update_endpoint"),
     "PbstkError": ("pbs_toolkit.errors", "PbstkError"),
 }
+
+
+def launch(model: str, preset: str | None = None, profile: str | None = None, **options: Any) -> Any:
+    """Launch ``model`` (see ``Client.launch``); returns the ``Job``."""
+    from pbs_toolkit.client import Client
+
+    with Client() as client:
+        return client.launch(model, preset, profile, **options)
+
+
+def status(*jobs: Any, all: bool = False) -> Any:  # noqa: A002
+    """``JobStatus`` of ``jobs`` (ids, names, ``Job``s; default: every job not ended). See ``Client.status``."""
+    from pbs_toolkit.client import Client
+
+    with Client() as client:
+        return client.status(*jobs, all=all)
+
+
+def render(model: str, preset: str | None = None, profile: str | None = None, **options: Any) -> Any:
+    """Render the job scripts for ``model`` without writing or submitting anything (see ``Client.render``)."""
+    from pbs_toolkit.client import Client
+
+    with Client() as client:
+        return client.render(model, preset, profile, **options)
+
+
+def cancel(job: Any) -> bool:
+    """Stop ``job`` (see ``Client.cancel``)."""
+    from pbs_toolkit.client import Client
+
+    with Client() as client:
+        return client.cancel(job)
+
+
+_FUNCTIONS = {"launch": launch, "status": status, "render": render, "cancel": cancel}
+
 
 
 def __getattr__(name: str) -> Any:
@@ -30,4 +72,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = list(_LAZY) + ["__version__"]
+__all__ = list(_LAZY) + list(_FUNCTIONS) + ["__version__"]

@@ -54,17 +54,21 @@ def run_tune(
     progress: Progress = lambda _msg: None,
     store: JobStore | None = None,
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
+    runner: Runner | None = None,
 ) -> dict[str, Any]:
     """Launch, wait, benchmark and cancel each preset in turn. Returns the result document.
 
     ``checkpoint`` receives the document after every preset, so a run cut short keeps what it measured.
     Everything goes through one transport: over SSH one connection (one MFA prompt) serves the whole run.
     """
+    from contextlib import nullcontext
+
     from pbs_toolkit.jobs.render import resolve_profile
     from pbs_toolkit.transports import open_runner
 
     store = store or JobStore()
-    with open_runner(resolve_profile(base)[0].ssh_host) as runner:
+    # ``runner``: the caller's open transport (``Client``), kept open; else one of our own for the run
+    with nullcontext(runner) if runner else open_runner(resolve_profile(base)[0].ssh_host) as runner:
         check_presets(base, presets, runner)
         started = time.time()
         runs: list[dict[str, Any]] = []
