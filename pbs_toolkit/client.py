@@ -25,12 +25,12 @@ from pbs_toolkit.errors import ServerFailed, UsageError
 
 if TYPE_CHECKING:
     from pbs_toolkit.endpoints import EndpointUpdate
-    from pbs_toolkit.jobs.store import JobRecord, JobStore
-    from pbs_toolkit.perf.doctor import Finding
-    from pbs_toolkit.vllm.prom import MetricsSnapshot
     from pbs_toolkit.jobs.render import RenderedJob, RenderRequest
     from pbs_toolkit.jobs.status import JobStatus
+    from pbs_toolkit.jobs.store import JobRecord, JobStore
+    from pbs_toolkit.perf.doctor import Finding
     from pbs_toolkit.transports import Runner
+    from pbs_toolkit.vllm.prom import MetricsSnapshot
 
 __all__ = ["BenchResult", "Client", "Diagnosis", "Endpoint", "Job", "Metrics", "serve"]
 
@@ -324,8 +324,8 @@ class Client:
 
     def metrics(self, job: Job | JobRecord | str | None = None, interval: float = 1.0) -> Metrics:
         """Two ``/metrics`` scrapes ``interval`` s apart: rates over the interval, latencies since start."""
-        from pbs_toolkit.vllm.prom import rates, summarize
         from pbs_toolkit.perf.scrape import scrape
+        from pbs_toolkit.vllm.prom import rates, summarize
 
         st = self.ready_status(job)
         runner = self.runner(st.record.transport)

@@ -19,8 +19,8 @@ from sshd import SshdInfo
 import pbs_toolkit
 from pbs_toolkit.client import Client, Endpoint, Job
 from pbs_toolkit.errors import ServerFailed, WaitTimeout
-from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.jobs.status import ServerState
+from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.transports import LocalRunner, Runner
 
 README = Path(__file__).parent.parent / "README.md"
