@@ -62,17 +62,19 @@ def concurrent_writers_s(path: Path, writers: int) -> float:
     return elapsed
 
 
-# Run in a fresh interpreter so that its peak RSS is the upsert's own, not this process's. Linux carries the
-# high-water mark across exec, so the number is an upper bound: at least this process's RSS when it starts the child.
+# Run in a fresh interpreter so that its peak RSS is the upsert's own, not this process's: VmHWM belongs to the
+# memory map that exec replaces (ru_maxrss would carry this process's high-water mark across exec).
 _CHILD = """
-import resource, sys, time
+import re, sys, time
 from pbs_toolkit.endpoints.registry import EndpointEntry, write_endpoint
 import filelock  # noqa: F401  imported up front: the timing is the edit, not the imports
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def hwm():
+    return int(re.search(r"^VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read(), re.M).group(1))
+base = hwm()
 start, cpu = time.perf_counter(), time.process_time()
 write_endpoint(sys.argv[1], EndpointEntry("bench-new", "org/bench", "http://bench:8000/v1", "VLLM_KEY"))
 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-print(elapsed, cpu, base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(elapsed, cpu, base, hwm())
 """
 
 
