@@ -1,7 +1,7 @@
 """Server state: the scheduler's view, the run directory's markers and the server's own HTTP answer, combined.
 
-One scheduler query per transport per call, whatever the number of jobs (FACTS.md: never poll per job); the
-run directories and servers are then looked at concurrently, each probe with a short timeout.
+One scheduler query per transport per call, whatever the number of jobs (docs/pbs.md "Status: qstat": never
+poll per job); the run directories and servers are then looked at concurrently, each probe with a short timeout.
 
 Two rules keep status from lying:
 
@@ -126,7 +126,10 @@ def current_attempt(lines: Sequence[str]) -> list[str]:
 
 
 def classify_exit(exit_status: int | None) -> tuple[ServerState, str]:
-    """PBS ``Exit_status`` -> state and reason (FACTS.md: 256+signal, negative = PBS codes, -29 walltime)."""
+    """PBS ``Exit_status`` -> state and reason.
+
+    docs/pbs.md "Exit_status": 256+signal, negative = PBS codes, -29 walltime.
+    """
     if exit_status is None:
         return ServerState.CANCELLED, "deleted before it ran"
     if exit_status == 0:

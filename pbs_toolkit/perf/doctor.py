@@ -1,8 +1,8 @@
 """``doctor``: find what makes a vLLM server slow or broken, with the evidence and a concrete fix.
 
 Every rule is a small function ``(ctx) -> list[Finding]`` listed in :data:`RULES`; add a rule by writing one
-and appending it. Numbers quoted in fixes come from FACTS.md section 5 (2x H200 NVLink, vLLM 0.22.1,
-Qwen3-1.7B-shaped model, 128 in / 256 out).
+and appending it. Numbers quoted in fixes come from docs/vllm.md "Measured performance" and benchmarks/README.md
+(2x H200 NVLink, vLLM 0.22.1, Qwen3-1.7B-shaped model, 128 in / 256 out).
 """
 
 from __future__ import annotations

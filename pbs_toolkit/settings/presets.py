@@ -146,7 +146,7 @@ _SEVENTY_B_CLASS = 72.0
 def auto_layout(params_b: float | None, gpus: int) -> tuple[int, int, str]:
     """(tensor_parallel, data_parallel, why) for a model of ``params_b`` billion parameters on ``gpus``.
 
-    Rule of thumb, checked against FACTS.md section 5 (on NVLink DP and TP differ by ~10%; eager costs
+    Rule of thumb, checked against docs/vllm.md "Measured performance" (on NVLink DP and TP differ by ~10%; eager costs
     4-8x): below 7B every GPU holds a full replica (pure DP); 7-20B TP2 x DP; 20-70B TP4 x DP; above 70B TP8.
     "70B" means the 70B class: Llama-70B counts ~70.6B from its config.json (embeddings included) and must
     get the same layout as its name says, so the upper bound is 72B (Qwen2.5-72B, 72.7B, is above it).

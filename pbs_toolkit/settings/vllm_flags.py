@@ -1,6 +1,6 @@
 """Which vLLM flags exist in which version: the data presets and ``doctor`` consult.
 
-Sources: FACTS.md section 2 (removed flags, automatic defaults) and vLLM release notes.
+Sources: docs/vllm.md "Flags by version" (removed flags, automatic defaults) and vLLM release notes.
 """
 
 from __future__ import annotations

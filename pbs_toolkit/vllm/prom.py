@@ -1,7 +1,7 @@
 """vLLM V1 Prometheus metrics: parse ``/metrics`` text, compute rates and latency quantiles.
 
 The text is parsed with ``prometheus_client.parser``; values are summed over label sets (several engines,
-several served model names). Metric names follow FACTS.md section 2, with fallbacks for older servers:
+several served model names). Metric names follow docs/vllm.md "Prometheus metrics", with fallbacks for older servers:
 ``vllm:gpu_cache_usage_perc`` (before ``kv_cache_usage_perc``), ``vllm:time_per_output_token_seconds``
 (before ``inter_token_latency_seconds``) and ``vllm:gpu_prefix_cache_*`` (before ``prefix_cache_*``).
 """

@@ -2,7 +2,7 @@
 
 vLLM starts in a fixed order: load weights, ``torch.compile`` (skipped with ``--enforce-eager``), profile
 memory and allocate the KV cache, capture CUDA graphs (skipped in eager mode), then start the HTTP server.
-Each step leaves a marker line (FACTS.md section 2); this module maps the newest marker seen to a phase.
+Each step leaves a marker line (docs/vllm.md "Startup phases"); this module maps the newest marker seen to a phase.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """PBS Pro / OpenPBS: ``qsub``, one batched ``qstat -x -f -F json`` per poll, ``qdel``.
 
-Exit codes are data (FACTS.md section 1): 153 = some id unknown (stdout still valid), 35 = finished,
+Exit codes are data (docs/pbs.md): 153 = some id unknown (stdout still valid), 35 = finished,
 255 or "cannot connect to server" = transient (retried, no state change). Everything else that is not an
 answer (a hang past ``PBSTK_SCHEDULER_TIMEOUT_S``, a killed qstat, empty or garbled output) raises
 ``SchedulerUnavailable``: status shows UNKNOWN for that poll and records nothing.
