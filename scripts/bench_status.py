@@ -12,7 +12,11 @@ store, then runs ``pbstk status --json`` as a user would (a fresh process) and c
 The jobs have finished by the time status runs (``qstat -x`` still lists them), so each status call also
 reads every job's ``server.json`` and log tail: the per-job cost over SFTP shows in the SSH numbers.
 
-Runs standalone: ``python scripts/bench_status.py [--sizes 1,10,200]``. Everything lives in a temp
+``--hung N`` measures something else: N running jobs whose ``server.json`` names a port where a socket accepts
+connections and never answers (a wedged server). Probes run concurrently, so one status call should cost about
+one probe timeout (``PBSTK_PROBE_TIMEOUT_S``, default 3 s), not N of them.
+
+Runs standalone: ``python scripts/bench_status.py [--sizes 1,10,200] [--hung 10]``. Everything lives in a temp
 directory that is removed at the end; nothing of the user's ~/.config or job list is touched.
 """
 
@@ -83,8 +87,8 @@ def measure(env: dict[str, str], state_dir: Path, fakepbs_home: Path, sshd_log: 
     calls = qstat_calls(fakepbs_home)
     logins = sshd_log.read_text(errors="replace").count("Accepted publickey") if sshd_log else 0
     start = time.perf_counter()
-    proc = subprocess.run(["pbstk", "status", "--json"], env={**env, "XDG_STATE_HOME": str(state_dir)},  # noqa: S603,S607
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run([sys.executable, "-m", "pbs_toolkit", "status", "--json"],  # noqa: S603
+                          env={**env, "XDG_STATE_HOME": str(state_dir)}, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"pbstk status failed ({proc.returncode}): {proc.stderr.strip()}")
@@ -97,10 +101,44 @@ def measure(env: dict[str, str], state_dir: Path, fakepbs_home: Path, sshd_log: 
     }
 
 
+def hung_servers(count: int, tmp: Path, env: dict[str, str], fakepbs_home: Path) -> None:
+    """``count`` running jobs whose servers accept and never answer: time one ``pbstk status``."""
+    import socket
+
+    sockets = []
+    jobs = []
+    script = "#!/bin/bash\n#PBS -N hung\n#PBS -l select=1:ncpus=1\n#PBS -l walltime=00:05:00\nsleep 120\n"
+    try:
+        for index in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(64)  # accepts (the kernel does) and never answers
+            sockets.append(sock)
+            run_dir = tmp / "hung" / f"job-{index:03d}"
+            run_dir.mkdir(parents=True)
+            (run_dir / "job.pbs").write_text(script)
+            (run_dir / "server.json").write_text(json.dumps(
+                {"phase": "ready", "host": "localhost", "address": "127.0.0.1", "port": sock.getsockname()[1]}))
+            out = subprocess.run(["qsub", "-o", str(run_dir / "pbs.out"), "-e", str(run_dir / "pbs.err"),  # noqa: S603,S607
+                                  str(run_dir / "job.pbs")], env=env, capture_output=True, text=True, check=True)
+            jobs.append((out.stdout.strip(), str(run_dir)))
+        state_dir = tmp / "state-hung"
+        fresh_store(state_dir, jobs, "")
+        result = measure(env, state_dir, fakepbs_home, None)
+        states = ", ".join(f"{k} {v}" for k, v in result["states"].items())
+        print(f"{count} hung servers: one `pbstk status` took {result['wall_s']:.2f} s "
+              f"({result['qstat']} qstat call; states: {states})")
+    finally:
+        subprocess.run(["qdel", *[job_id for job_id, _ in jobs]], env=env, capture_output=True, check=False)  # noqa: S603,S607
+        for sock in sockets:
+            sock.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1,10,200", help="numbers of tracked jobs (comma-separated)")
     parser.add_argument("--no-ssh", action="store_true", help="skip the measurements through sshd")
+    parser.add_argument("--hung", type=int, default=0, help="instead: N running jobs whose servers never answer")
     args = parser.parse_args()
     sizes = [int(n) for n in args.sizes.split(",") if n.strip()]
 
@@ -117,6 +155,9 @@ def main() -> None:
             "XDG_DATA_HOME": str(tmp / "data"), "PBSTK_RUNS_ROOT": str(tmp / "runs"),
         })
         os.environ.update(env)
+        if args.hung:
+            hung_servers(args.hung, tmp, env, fakepbs_home)
+            return
         t0 = time.perf_counter()
         jobs = submit_jobs(max(sizes), tmp / "runs", env)
         print(f"submitted {len(jobs)} fake PBS jobs in {time.perf_counter() - t0:.1f} s (all finished)\n")
