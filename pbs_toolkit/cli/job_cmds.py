@@ -120,7 +120,7 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
         detail = s.phase if s.state.value == "STARTING" else (s.comment if s.state.value == "PENDING" else s.reason)
         rows.append([s.record.job_id, s.record.name, s.state.value, s.scheduler_state or "-",
                      s.url or "-", detail or ""])
-    click.echo(table(rows, ["JOB", "NAME", "STATE", "PBS", "URL", "DETAIL"]))
+    click.echo(table(rows, ["JOB", "NAME", "STATE", "SCHED", "URL", "DETAIL"]))
     for s in results:
         if s.state.value == "FAILED" and s.log_excerpt:
             click.echo(f"\n{s.record.job_id}: {s.reason}")
@@ -156,7 +156,7 @@ def jobs(show_all: bool, as_json: bool) -> None:
 @click.command()
 @click.argument("jobs", nargs=-1, required=True)
 def cancel(jobs: tuple[str, ...]) -> None:
-    """Stop jobs (qdel, or the local process group). Already-ended jobs are not an error."""
+    """Stop jobs through their scheduler. Already-ended jobs are not an error."""
     from pbs_toolkit.jobs.launch import cancel as do_cancel
     from pbs_toolkit.jobs.store import JobStore
 

@@ -229,7 +229,7 @@ def _submit_and_record(store: JobStore, runner: Runner, scheduler: Scheduler, re
 
 
 def _marker_job_id(runner: Runner, run_dir: str) -> str | None:
-    """The id the submission wrapper left, when pbstk did not get to read qsub's answer itself."""
+    """The id the submission wrapper left, when pbstk did not get to read the scheduler's answer itself."""
     try:
         text = runner.read_bytes(f"{run_dir}/{JOB_ID_MARKER}").decode("utf-8", "replace").strip()
     except (OSError, PbstkError):

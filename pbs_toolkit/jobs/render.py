@@ -33,7 +33,7 @@ _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$
 _HF_PART_MAX = 96
 _JOB_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-#: run directories appear unquoted in ``#PBS -o/-e`` (qsub parses those lines; ``:`` would read as host:path)
+#: run directories appear unquoted in job-script directives (output paths; ``:`` would read as host:path)
 _RUN_DIR = re.compile(r"/[A-Za-z0-9_./@+~-]+")
 #: flags pbstk sets itself; passing them through --vllm-arg would fight the start script
 _OWNED_FLAGS = {"--host", "--port", "--model", "--api-key"}
