@@ -226,14 +226,12 @@ class Client:
              stream: str = "vllm", final_every: float = 5.0) -> Iterator[str]:
         """The job's log lines (without newlines): the last ``lines``; with ``follow``, then new ones until the
         job ends (its status is asked at most every ``final_every`` s). Closing the iterator stops following."""
-        from pbs_toolkit.jobs.logs import STREAMS
+        from pbs_toolkit.jobs.logs import stream_path
 
         if lines < 0:
             raise UsageError("lines must not be negative")
-        if stream not in STREAMS:
-            raise UsageError(f"unknown log stream {stream!r} (known: {', '.join(STREAMS)})")
         record = self.record(job)
-        path = f"{record.run_dir}/{STREAMS[stream]}"
+        path = stream_path(record.run_dir, record.scheduler, stream)
         if follow:
             return self._follow(record, path, lines, final_every)
         return self._tail(record, path, lines)

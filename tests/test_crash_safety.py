@@ -299,8 +299,8 @@ def test_an_interrupted_ssh_launch_is_adopted_by_the_next_launch_through_that_ho
         monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(info.known_hosts))
         original = PBSScheduler.submit
 
-        def submit_then_raise(self: PBSScheduler, *args: object) -> str:
-            original(self, *args)  # type: ignore[arg-type]
+        def submit_then_raise(self: PBSScheduler, *args: object, **kw: object) -> str:
+            original(self, *args, **kw)  # type: ignore[arg-type]
             raise KeyboardInterrupt
 
         monkeypatch.setattr(PBSScheduler, "submit", submit_then_raise)

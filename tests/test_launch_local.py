@@ -20,7 +20,7 @@ import pytest
 from helpers import MODEL, launched_id, pbstk, status_of
 
 from pbs_toolkit.jobs.store import JobStore
-from pbs_toolkit.schedulers import JobRef, SchedState
+from pbs_toolkit.schedulers import JobRef, Outcome, SchedState
 from pbs_toolkit.schedulers.local import LocalScheduler
 from pbs_toolkit.transports import LocalRunner
 
@@ -66,14 +66,15 @@ def job_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return run_dir
 
 
-def write_script(run_dir: Path, body: str, walltime: str = "00:10:00") -> str:
+def write_script(run_dir: Path, body: str) -> str:
     script = run_dir / "job.pbs"
-    script.write_text(f"#!/bin/bash\n#PBS -N t\n#PBS -l walltime={walltime}\n{body}\n")
+    script.write_text(f"#!/bin/bash\n{body}\n")
     return str(script)
 
 
-def submit(run_dir: Path, body: str, walltime: str = "00:10:00") -> tuple[str, JobRef]:
-    job_id = LocalScheduler().submit(LocalRunner(), write_script(run_dir, body, walltime), str(run_dir), "t")
+def submit(run_dir: Path, body: str, walltime_s: int = 600) -> tuple[str, JobRef]:
+    job_id = LocalScheduler().submit(LocalRunner(), write_script(run_dir, body), str(run_dir), "t",
+                                     walltime_s=walltime_s)
     return job_id, JobRef(job_id, str(run_dir))
 
 
@@ -114,7 +115,7 @@ def test_job_runs_detached_in_home_with_the_pbs_variables(job_dir: Path) -> None
     assert LocalScheduler().cancel(LocalRunner(), ref) is True
     wait_for(lambda: not [p for p in members if alive(p)], 10, "every process of the group to be gone")
     job = finished(ref)
-    assert job.exit_status == 271  # what PBS records after qdel
+    assert job.outcome is Outcome.CANCELLED  # said directly, not as an imitated scheduler exit code
     assert LocalScheduler().cancel(LocalRunner(), ref) is False  # already ended
 
 
@@ -129,18 +130,26 @@ def test_job_outlives_the_process_that_submitted_it(job_dir: Path) -> None:
     time.sleep(0.3)  # the submitter is gone; give a SIGHUP or group kill time to land
     assert query(ref).state is SchedState.RUNNING
     assert LocalScheduler().cancel(LocalRunner(), ref) is True
-    assert finished(ref).exit_status == 271
+    assert finished(ref).outcome is Outcome.CANCELLED
 
 
 def test_walltime_is_enforced(job_dir: Path) -> None:
-    _, ref = submit(job_dir, "sleep 300", walltime="00:00:01")
+    _, ref = submit(job_dir, "sleep 300", walltime_s=1)
     job = finished(ref, timeout=10)
-    assert job.exit_status == -29
+    assert job.outcome is Outcome.WALLTIME and job.outcome_code is None
+
+
+def test_walltime_comes_from_submit_not_from_the_script_text(job_dir: Path) -> None:
+    # a directive-looking line is the script's business: the walltime is the one the profile gave at submit
+    _, ref = submit(job_dir, "#PBS -l walltime=00:00:01\nsleep 2; exit 0", walltime_s=60)
+    job = finished(ref, timeout=10)
+    assert job.outcome is Outcome.EXITED and job.outcome_code == 0
 
 
 def test_exit_code_and_hard_kill(job_dir: Path, tmp_path: Path) -> None:
     _, ref = submit(job_dir, "exit 3")
-    assert finished(ref).exit_status == 3
+    job = finished(ref)
+    assert job.outcome is Outcome.EXITED and job.outcome_code == job.exit_status == 3
 
     other = tmp_path / "other"
     other.mkdir()
@@ -148,7 +157,8 @@ def test_exit_code_and_hard_kill(job_dir: Path, tmp_path: Path) -> None:
     pid = int((other / ".local-job" / "pid").read_text())
     os.killpg(pid, 9)  # no supervisor left to write an exit status
     job = finished(ref)
-    assert job.exit_status == 265 and "gone" in (job.comment or "")
+    assert job.outcome is Outcome.KILLED and job.outcome_code == 9 and job.exit_status is None
+    assert "gone" in (job.comment or "")
 
 
 def test_query_of_an_unknown_run_dir_is_absent(tmp_path: Path) -> None:
@@ -211,4 +221,4 @@ def test_local_fatal_finished_and_walltime(standins: Path, monkeypatch: pytest.M
     st = wait_recorded(brief, "FINISHED")
     assert st["exit_status"] == 0
     st = wait_recorded(slow, "FAILED", timeout=20)
-    assert st["exit_status"] == -29 and "walltime exceeded" in st["reason"]
+    assert "walltime exceeded" in st["reason"]

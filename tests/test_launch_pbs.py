@@ -331,8 +331,8 @@ def test_ctrl_c_during_submit_is_held_until_the_job_is_recorded(
 
     original = PBSScheduler.submit
 
-    def submit_then_ctrl_c(self: PBSScheduler, *args: Any) -> str:
-        job_id = original(self, *args)
+    def submit_then_ctrl_c(self: PBSScheduler, *args: Any, **kw: Any) -> str:
+        job_id = original(self, *args, **kw)
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)  # the handler has run by now
         return job_id
@@ -357,8 +357,8 @@ def test_interrupt_raised_inside_submit_is_adopted_from_the_run_dir(pbs: Path,
 
     original = PBSScheduler.submit
 
-    def submit_then_raise(self: PBSScheduler, *args: Any) -> str:
-        original(self, *args)
+    def submit_then_raise(self: PBSScheduler, *args: Any, **kw: Any) -> str:
+        original(self, *args, **kw)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(PBSScheduler, "submit", submit_then_raise)

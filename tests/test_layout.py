@@ -37,11 +37,13 @@ def test_every_lazy_export_resolves() -> None:
 def test_data_files_are_where_the_code_loads_them() -> None:
     """Templates live with their owner (the scheduler backend, the server) and YAML data under settings/;
     pyproject's package-data globs must name the same places (checked here against the tree)."""
-    from pbs_toolkit.jobs.render import _TEMPLATE_DIRS
+    from pbs_toolkit.jobs.render import _SERVER_TEMPLATES
+    from pbs_toolkit.schedulers import BACKENDS
 
     package = Path(pbs_toolkit.__file__).parent
-    templates = {p.name for d in _TEMPLATE_DIRS for p in d.glob("*.j2")}
-    assert {"job.pbs.j2", "start_vllm.sh.j2"} <= templates
+    for backend in BACKENDS.values():  # every backend's job-script template is where it says
+        assert (backend.template_dir / backend.template_name).is_file(), backend.name
+    assert (_SERVER_TEMPLATES / "start_vllm.sh.j2").is_file()
     assert sorted((package / "settings" / "presets").glob("*.yaml"))
     assert sorted((package / "settings" / "profiles").glob("*.yaml"))
     for old in ("templates", "observe", "registries", "presets", "profiles"):  # a checkout may keep __pycache__

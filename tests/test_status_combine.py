@@ -1,4 +1,5 @@
-"""``classify_exit`` and ``combine``: the state decision, pure (no processes, files or sockets)."""
+"""``classify`` (with the PBS backend's exit mapping) and ``combine``: the state decision, pure (no processes,
+files or sockets)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from typing import Any
 import pytest
 
 from pbs_toolkit.jobs.rundir import parse_marker
-from pbs_toolkit.jobs.status import Absence, ServerState, classify_exit, combine, current_attempt
+from pbs_toolkit.jobs.status import Absence, ServerState, classify, combine, current_attempt
 from pbs_toolkit.jobs.store import JobRecord
-from pbs_toolkit.schedulers import SchedState, SchedulerJob
+from pbs_toolkit.schedulers import Outcome, SchedulerJob, pbs
 from pbs_toolkit.transports.http import Identity
 
 S = ServerState
@@ -33,10 +34,13 @@ def record() -> JobRecord:
 
 
 def sched(raw: str, exit_status: int | None = None, comment: str | None = None) -> SchedulerJob:
-    states = {"Q": SchedState.QUEUED, "H": SchedState.HELD, "R": SchedState.RUNNING, "E": SchedState.EXITING,
-              "F": SchedState.FINISHED}
-    return SchedulerJob("7.pbs01", states[raw], raw, comment=comment, exit_status=exit_status,
-                        exec_host="x3001c0s1b0n0" if raw != "Q" else None)
+    """What the PBS backend makes of a ``qstat -f -F json`` entry (its outcome mapping included)."""
+    info: dict[str, Any] = {"job_state": raw, "exec_host": "x3001c0s1b0n0/0*64" if raw != "Q" else None}
+    if exit_status is not None:
+        info["Exit_status"] = exit_status
+    if comment is not None:
+        info["comment"] = comment
+    return pbs._job("7.pbs01", info)
 
 
 def marker(phase: str, exit_code: int | None = None, port: int = 8000) -> dict[str, Any]:
@@ -44,7 +48,7 @@ def marker(phase: str, exit_code: int | None = None, port: int = 8000) -> dict[s
             "port": port, "pid": 4242, "attempt": 1, "eager_fallback": False, "exit_code": exit_code}
 
 
-# -- classify_exit ----------------------------------------------------------------------------------
+# -- classify(pbs.outcome(Exit_status)) ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -63,9 +67,24 @@ def marker(phase: str, exit_code: int | None = None, port: int = 8000) -> dict[s
     ],
 )
 def test_classify_exit(exit_status: int | None, state: ServerState, words: str) -> None:
-    got_state, reason = classify_exit(exit_status)
+    got_state, reason = classify(*pbs.outcome(exit_status))
     assert got_state is state
     assert words in reason
+
+
+@pytest.mark.parametrize(
+    ("outcome", "code", "state", "words"),
+    [
+        (Outcome.CANCELLED, 143, S.CANCELLED, "stopped by a signal"),
+        (Outcome.WALLTIME, None, S.FAILED, "walltime exceeded"),
+        (Outcome.KILLED, 9, S.CANCELLED, "signal 9 (SIGKILL)"),
+        (Outcome.NEVER_RAN, None, S.CANCELLED, "deleted before it ran"),
+    ],
+)
+def test_classify_outcomes_without_scheduler_codes(outcome: Outcome, code: int | None, state: ServerState,
+                                                   words: str) -> None:
+    got_state, reason = classify(outcome, code)
+    assert got_state is state and words in reason
 
 
 # -- combine: scheduler says queued / running -------------------------------------------------------

@@ -9,6 +9,8 @@ from typing import Any
 import click
 
 from pbs_toolkit.cli.options import SECONDS, build_request, echo_json, read_key_env, render_options, table
+from pbs_toolkit.jobs.logs import STREAMS
+from pbs_toolkit.schedulers import BACKENDS, stream_aliases
 
 
 def progress_printer(quiet: bool = False) -> Any:
@@ -19,7 +21,8 @@ def progress_printer(quiet: bool = False) -> Any:
             return
         detail = st.phase or st.comment or st.reason or ""
         if st.state.value == "PENDING":  # the scheduler's own state and explanation
-            detail = f"(PBS {st.scheduler_state or '?'}) {st.comment or st.reason or ''}".rstrip()
+            said = f"({st.record.scheduler.upper()} {st.scheduler_state or '?'})"
+            detail = f"{said} {st.comment or st.reason or ''}".rstrip()
         elif st.state.final:
             detail = st.reason or detail
         click.echo(f"[{elapsed:6.0f}s] {st.state.value:<8} {detail}", err=True)
@@ -34,7 +37,7 @@ def _read_key_env(name: str | None) -> str | None:
 @click.command()
 @click.argument("model")
 @render_options
-@click.option("--scheduler", type=click.Choice(["pbs", "local"]), help="Override the profile's scheduler.")
+@click.option("--scheduler", type=click.Choice(list(BACKENDS)), help="Override the profile's scheduler.")
 @click.option("--ssh", "ssh_host", help="Submit through this SSH host (a ~/.ssh/config alias works).")
 @click.option("--accept-new-host-key", is_flag=True, help="Trust an SSH host key not yet in known_hosts.")
 @click.option("--api-key-env", help="Take the server's API key from this environment variable.")
@@ -117,7 +120,7 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
         detail = s.phase if s.state.value == "STARTING" else (s.comment if s.state.value == "PENDING" else s.reason)
         rows.append([s.record.job_id, s.record.name, s.state.value, s.scheduler_state or "-",
                      s.url or "-", detail or ""])
-    click.echo(table(rows, ["JOB", "NAME", "STATE", "PBS", "URL", "DETAIL"]))
+    click.echo(table(rows, ["JOB", "NAME", "STATE", "SCHED", "URL", "DETAIL"]))
     for s in results:
         if s.state.value == "FAILED" and s.log_excerpt:
             click.echo(f"\n{s.record.job_id}: {s.reason}")
@@ -153,7 +156,7 @@ def jobs(show_all: bool, as_json: bool) -> None:
 @click.command()
 @click.argument("jobs", nargs=-1, required=True)
 def cancel(jobs: tuple[str, ...]) -> None:
-    """Stop jobs (qdel, or the local process group). Already-ended jobs are not an error."""
+    """Stop jobs through their scheduler. Already-ended jobs are not an error."""
     from pbs_toolkit.jobs.launch import cancel as do_cancel
     from pbs_toolkit.jobs.store import JobStore
 
@@ -168,11 +171,13 @@ def cancel(jobs: tuple[str, ...]) -> None:
 @click.argument("job", required=False)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
 @click.option("-n", "--lines", default=50, show_default=True, help="Lines from the end to show first.")
-@click.option("--stream", type=click.Choice(["vllm", "pbs-out", "pbs-err"]), default="vllm", show_default=True)
+@click.option("--stream", type=click.Choice(STREAMS), default="vllm", show_default=True,
+              help=f"vllm, or the scheduler's job output (sched-out, sched-err; {', '.join(stream_aliases())} "
+              "still work).")
 def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
     """The realtime vLLM log of JOB (default: the newest job), locally or over SSH."""
     from pbs_toolkit.errors import TransportError, UsageError
-    from pbs_toolkit.jobs.logs import STREAMS, decoded_pieces, tail_blocks
+    from pbs_toolkit.jobs.logs import decoded_pieces, stream_path, tail_blocks
     from pbs_toolkit.jobs.logs import follow as do_follow
     from pbs_toolkit.jobs.store import JobStore
     from pbs_toolkit.transports import open_runner
@@ -181,7 +186,7 @@ def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
         raise UsageError("-n must not be negative")
     store = JobStore()
     record = store.find(job)
-    path = f"{record.run_dir}/{STREAMS[stream]}"
+    path = stream_path(record.run_dir, record.scheduler, stream)
     runner = open_runner(record.transport or None)
     try:
         if not follow:

@@ -73,7 +73,7 @@ def profiles(as_json: bool) -> None:
 @click.argument("model")
 @render_options
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False),
-              help="Write job.pbs and start_vllm.sh into this directory instead of printing them.")
+              help="Write the job script and start_vllm.sh into this directory instead of printing them.")
 @click.option("--run-dir", help="Run directory the scripts refer to (default: a new one under runs_root).")
 def render(model: str, out_dir: str | None, run_dir: str | None, **kw: Any) -> None:
     """Render the job script and start_vllm.sh for MODEL (nothing is submitted)."""
@@ -85,7 +85,7 @@ def render(model: str, out_dir: str | None, run_dir: str | None, **kw: Any) -> N
     for note in job.notes:
         click.echo(f"pbstk: note: {note}", err=True)
     if out_dir is None:
-        click.echo(f"# ===== job.pbs (run directory {job.run_dir}) =====")
+        click.echo(f"# ===== {job.script_name} (run directory {job.run_dir}) =====")
         click.echo(job.job_script, nl=False)
         click.echo("# ===== start_vllm.sh =====")
         click.echo(job.start_script, nl=False)
@@ -93,10 +93,11 @@ def render(model: str, out_dir: str | None, run_dir: str | None, **kw: Any) -> N
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UsageError(f"{out_dir} exists and is not a directory")
     try:
-        _write_scripts(out_dir, {"job.pbs": job.job_script, "start_vllm.sh": job.start_script})
+        _write_scripts(out_dir, {job.script_name: job.job_script, "start_vllm.sh": job.start_script})
     except OSError as exc:
         raise UsageError(f"cannot write the scripts into {out_dir}: {exc.strerror or exc}") from None
-    click.echo(f"wrote {out_dir}/job.pbs and {out_dir}/start_vllm.sh (preset {job.preset.name}, {job.preset.layout()})")
+    click.echo(f"wrote {out_dir}/{job.script_name} and {out_dir}/start_vllm.sh (preset {job.preset.name}, "
+               f"{job.preset.layout()})")
 
 
 def _write_scripts(out_dir: str, scripts: dict[str, str]) -> None:

@@ -30,9 +30,9 @@ from pbs_toolkit.jobs.store import (
     log_run_dir,
     nothing_submitted,
 )
-from pbs_toolkit.schedulers import JobRef, Scheduler, get_scheduler
-from pbs_toolkit.schedulers.local import LocalScheduler
+from pbs_toolkit.schedulers import JobRef, Scheduler, backend_class, get_scheduler
 from pbs_toolkit.schedulers.marker import marked
+from pbs_toolkit.settings.profiles import walltime_seconds
 from pbs_toolkit.transports import Runner, open_runner
 from pbs_toolkit.transports.base import Result
 
@@ -78,14 +78,14 @@ def _defer_interrupts() -> Iterator[list[int]]:
 
 
 class _MarkingRunner(Runner):
-    """The launch's runner, except that ``qsub`` runs under the wrapper that leaves ``RUN_DIR/job_id``
-    (schedulers/marker.py); argv[0] stays ``qsub`` for the scheduler's own messages."""
+    """The launch's runner, except that the backend's ``submit_program`` runs under the wrapper that leaves
+    ``RUN_DIR/job_id`` (schedulers/marker.py); argv[0] stays the program for the scheduler's own messages."""
 
-    def __init__(self, inner: Runner, run_dir: str) -> None:
-        self.inner, self.run_dir, self.name = inner, run_dir, inner.name
+    def __init__(self, inner: Runner, run_dir: str, program: str | None) -> None:
+        self.inner, self.run_dir, self.name, self.program = inner, run_dir, inner.name, program
 
     def run(self, argv: Sequence[str], **kw: Any) -> Result:
-        if argv and argv[0] == "qsub":
+        if argv and self.program is not None and argv[0] == self.program:
             return self.inner.run(marked(argv, self.run_dir), **kw)
         return self.inner.run(argv, **kw)
 
@@ -149,8 +149,7 @@ def launch(
         if dry_run:
             return LaunchResult(record, rendered)
         scheduler = get_scheduler(rendered.profile.scheduler)
-        if isinstance(scheduler, LocalScheduler):
-            scheduler.id_source = store.next_local_id
+        scheduler.id_source = store.next_local_id  # for backends that number their own jobs
         with file_lock(store.path.parent / ".launch.lock", store.timeout, store.path):
             _refuse_active_name(store, runner, rendered.job_name, transport)
             intent = store.add_intent(record)  # the plan is on disk before anything is submitted
@@ -188,7 +187,8 @@ def _resolve_remote_intents(store: JobStore, runner: Runner, intents: list[Inten
     """Interrupted launches through this SSH host: adopt the ones whose run directory holds a job id."""
     for intent in intents:
         job_id = _marker_job_id(runner, intent.run_dir)
-        exists = runner.size(f"{intent.run_dir}/job.pbs") is not None
+        script = backend_class(intent.record.scheduler).script_name
+        exists = runner.size(f"{intent.run_dir}/{script}") is not None
         gone = not job_id and nothing_submitted(intent, exists, runner.size(f"{intent.run_dir}/{SUBMITTING_MARKER}")
                                                 is not None, runner.size(f"{intent.run_dir}/submit_rc") is not None)
         store.resolve_intent(intent, job_id, gone)
@@ -202,8 +202,9 @@ def _submit_and_record(store: JobStore, runner: Runner, scheduler: Scheduler, re
     try:
         _write_run_dir(runner, rendered, key, record)
         with _defer_interrupts():
-            record.job_id = scheduler.submit(_MarkingRunner(runner, run_dir), f"{run_dir}/job.pbs", run_dir,
-                                             rendered.job_name)
+            marking = _MarkingRunner(runner, run_dir, scheduler.submit_program)
+            record.job_id = scheduler.submit(marking, f"{run_dir}/{scheduler.script_name}", run_dir,
+                                             rendered.job_name, walltime_s=walltime_seconds(rendered.profile.walltime))
             store.record_submitted(intent, record)
     except BaseException as exc:
         job_id = record.job_id or _marker_job_id(runner, run_dir)
@@ -228,7 +229,7 @@ def _submit_and_record(store: JobStore, runner: Runner, scheduler: Scheduler, re
 
 
 def _marker_job_id(runner: Runner, run_dir: str) -> str | None:
-    """The id the submission wrapper left, when pbstk did not get to read qsub's answer itself."""
+    """The id the submission wrapper left, when pbstk did not get to read the scheduler's answer itself."""
     try:
         text = runner.read_bytes(f"{run_dir}/{JOB_ID_MARKER}").decode("utf-8", "replace").strip()
     except (OSError, PbstkError):
@@ -237,8 +238,7 @@ def _marker_job_id(runner: Runner, run_dir: str) -> str | None:
 
 
 def _how_to_stop(record: JobRecord, job_id: str) -> str:
-    pidfile = f"{record.run_dir}/.local-job/pid"
-    cancel = f"qdel {job_id}" if record.scheduler == "pbs" else f"kill -TERM -- -$(cat {pidfile})"
+    cancel = get_scheduler(record.scheduler).stop_hint(job_id, record.run_dir)
     where = f" on {record.transport}" if record.transport else ""
     return (f"`pbstk jobs` adopts it from {record.run_dir}/{JOB_ID_MARKER} once the store works again, "
             f"then `pbstk cancel {job_id}` stops it; or now: `{cancel}`{where}")
@@ -251,7 +251,7 @@ def _write_run_dir(runner: Runner, rendered: RenderedJob, key: str | None, recor
         log_run_dir(paths.user_state_dir(), rendered.run_dir)
     public = {k: v for k, v in record.public().items() if k not in ("job_id", "final_state")}
     runner.write_bytes(f"{rendered.run_dir}/{RECORD_MARKER}", json.dumps(public, indent=2).encode() + b"\n", 0o644)
-    runner.write_bytes(f"{rendered.run_dir}/job.pbs", rendered.job_script.encode(), 0o755)
+    runner.write_bytes(f"{rendered.run_dir}/{rendered.script_name}", rendered.job_script.encode(), 0o755)
     runner.write_bytes(f"{rendered.run_dir}/start_vllm.sh", rendered.start_script.encode(), 0o755)
     runner.write_bytes(f"{rendered.run_dir}/render.json",
                        json.dumps(rendered.summary(), indent=2).encode() + b"\n", 0o644)
@@ -262,8 +262,8 @@ def _write_run_dir(runner: Runner, rendered: RenderedJob, key: str | None, recor
 def cancel(record: JobRecord, *, runner: Runner | None = None) -> bool:
     """Stop the job. ``True`` if it was stopped now, ``False`` if it had already ended.
 
-    A local job already recorded final is not touched: its process group id may belong to anything now."""
-    if record.scheduler == "local" and record.final_state:
+    A job already recorded final is not touched when its backend says that is unsafe (``cancel_when_final``)."""
+    if record.final_state and not backend_class(record.scheduler).cancel_when_final:
         return False
     own = runner is None
     runner = runner or open_runner(record.transport or None)

@@ -6,14 +6,27 @@ import codecs
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+from pbs_toolkit.errors import UsageError
+from pbs_toolkit.schedulers import backend_class, stream_aliases, stream_names
 from pbs_toolkit.transports.base import OpenFile, Runner
 
 _CHUNK = 64 * 1024
 #: backwards reads grow to this size for a large N, so a million lines over SFTP is not 3000 round trips
 _MAX_CHUNK = 4 * 1024 * 1024
 
-#: stream name -> file in the run directory
-STREAMS = {"vllm": "vllm.log", "pbs-out": "pbs.out", "pbs-err": "pbs.err"}
+#: the server's own stream; the scheduler's (``sched-out``, ``sched-err``) are files its backend names
+SERVER_STREAMS = {"vllm": "vllm.log"}
+#: every stream name ``logs`` accepts, older aliases (a backend's ``stream_aliases``) included
+STREAMS = (*SERVER_STREAMS, *stream_names(), *stream_aliases())
+
+
+def stream_path(run_dir: str, scheduler: str, stream: str) -> str:
+    """The file of ``stream`` for a job of backend ``scheduler`` (an alias maps to its generic name)."""
+    stream = stream_aliases().get(stream, stream)
+    name = SERVER_STREAMS.get(stream) or backend_class(scheduler).streams.get(stream)
+    if name is None:
+        raise UsageError(f"unknown log stream {stream!r} (known: {', '.join(STREAMS)})")
+    return f"{run_dir}/{name}"
 
 
 def tail_blocks(runner: Runner, path: str, n: int) -> tuple[list[bytes], int]:

@@ -51,8 +51,8 @@ def _confirm_end(runner: Runner, record: JobRecord, st: JobStatus,
                  sched: SchedulerJob | None) -> tuple[JobStatus, SchedulerJob | None]:
     """The run directory says the job ended but the scheduler was last asked while it ran: ask again.
 
-    Only the scheduler knows *why* (``Exit_status`` -29 is walltime, 271 is qdel), and only once the job
-    is ``F``. A few queries, once per job, then the run directory's verdict stands. Returns the status and
+    Only the scheduler knows *why* (its backend's ``Outcome``: walltime, cancelled, ...), and only once the
+    job is finished. A few queries, once per job, then the run directory's verdict stands. Returns the status and
     the scheduler's latest view of the job.
     """
     if sched is None or sched.state is SchedState.FINISHED:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from pbs_toolkit import __version__
 from pbs_toolkit.errors import UsageError
+from pbs_toolkit.schedulers import backend_class
 from pbs_toolkit.settings.config import resolve_settings
 from pbs_toolkit.settings.presets import Preset, load_preset, params_from_config, params_from_name, resolve_auto
 from pbs_toolkit.settings.profiles import Profile, load_profile, walltime_seconds
@@ -32,7 +33,7 @@ _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$
 _HF_PART_MAX = 96
 _JOB_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-#: run directories appear unquoted in ``#PBS -o/-e`` (qsub parses those lines; ``:`` would read as host:path)
+#: run directories appear unquoted in job-script directives (output paths; ``:`` would read as host:path)
 _RUN_DIR = re.compile(r"/[A-Za-z0-9_./@+~-]+")
 #: flags pbstk sets itself; passing them through --vllm-arg would fight the start script
 _OWNED_FLAGS = {"--host", "--port", "--model", "--api-key"}
@@ -82,6 +83,11 @@ class RenderedJob:
     notes: list[str]
     params_b: float | None = None
 
+    @property
+    def script_name(self) -> str:
+        """The job script's file name in the run directory: the profile's backend decides it."""
+        return backend_class(self.profile.scheduler).script_name
+
     def summary(self) -> dict[str, Any]:
         return {
             "model": self.model, "served_model_name": self.served_model_name, "job_name": self.job_name,
@@ -92,15 +98,16 @@ class RenderedJob:
 
 
 _PACKAGE = Path(__file__).resolve().parent.parent
-# Two template homes: the scheduler's job script lives with its backend, the start script with the server.
-_TEMPLATE_DIRS = (_PACKAGE / "schedulers" / "pbs", _PACKAGE / "server")
+# Two template homes: the scheduler's job script lives with its backend (``Scheduler.template_dir``), the
+# start script with the server.
+_SERVER_TEMPLATES = _PACKAGE / "server"
 
 
-def _environment() -> Any:
+def _environment(backend_dir: Path) -> Any:
     import jinja2
 
     env = jinja2.Environment(
-        loader=jinja2.ChoiceLoader([jinja2.FileSystemLoader(str(d)) for d in _TEMPLATE_DIRS]),
+        loader=jinja2.ChoiceLoader([jinja2.FileSystemLoader(str(d)) for d in (backend_dir, _SERVER_TEMPLATES)]),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
@@ -345,7 +352,7 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
     if not _RUN_DIR.fullmatch(run_dir):
         raise UsageError(
             f"run directory {run_dir!r} must be an absolute path of letters, digits and _ . / @ + ~ - "
-            "(PBS reads it unquoted in the -o/-e directives)"
+            "(job script directives read it unquoted)"
         )
 
     # paths in the profile may start with ~ or $HOME: expand them for the machine the job runs on
@@ -365,9 +372,10 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
         "compile_error_re": COMPILE_ERROR_RE, "port_in_use_re": PORT_IN_USE_RE,
         "proxy": any(k.lower() in ("http_proxy", "https_proxy") for k in env),
     }
-    jenv = _environment()
+    backend = backend_class(profile.scheduler)
+    jenv = _environment(backend.template_dir)
     return RenderedJob(
-        job_script=jenv.get_template("job.pbs.j2").render(**context),
+        job_script=jenv.get_template(backend.template_name).render(**context),
         start_script=jenv.get_template("start_vllm.sh.j2").render(**context),
         run_dir=run_dir, job_name=job_name, model=req.model, served_model_name=served, preset=preset,
         profile=profile, port=port, fixed_port=fixed_port, vllm_args=args, notes=notes, params_b=params,

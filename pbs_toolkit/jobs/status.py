@@ -27,7 +27,7 @@ from typing import Any
 from pbs_toolkit.errors import SchedulerUnavailable
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView, look, look_all
 from pbs_toolkit.jobs.store import JobRecord, JobStore
-from pbs_toolkit.schedulers import JobRef, SchedState, SchedulerJob, get_scheduler
+from pbs_toolkit.schedulers import JobRef, Outcome, SchedState, SchedulerJob, get_scheduler
 from pbs_toolkit.transports import Runner, open_runner
 from pbs_toolkit.transports.http import Identity
 
@@ -125,24 +125,24 @@ def current_attempt(lines: Sequence[str]) -> list[str]:
     return list(lines)
 
 
-def classify_exit(exit_status: int | None) -> tuple[ServerState, str]:
-    """PBS ``Exit_status`` -> state and reason.
+_SIGNALS = {15: "SIGTERM", 9: "SIGKILL", 2: "SIGINT", 1: "SIGHUP"}
 
-    docs/pbs.md "Exit_status": 256+signal, negative = PBS codes, -29 walltime.
-    """
-    if exit_status is None:
-        return ServerState.CANCELLED, "deleted before it ran"
-    if exit_status == 0:
+
+def classify(outcome: Outcome | None, code: int | None = None) -> tuple[ServerState, str]:
+    """How the job ended (as its backend put it) -> state and reason. No scheduler's codes are known here."""
+    if outcome is Outcome.EXITED and code == 0:
         return ServerState.FINISHED, "exited normally"
-    if exit_status == -29:
+    if outcome is Outcome.EXITED:
+        return ServerState.FAILED, f"the job script exited with code {code}"
+    if outcome is Outcome.WALLTIME:
         return ServerState.FAILED, "walltime exceeded: the scheduler killed the job"
-    if exit_status < 0:
-        return ServerState.FAILED, f"PBS could not run the job (execution code {exit_status})"
-    if exit_status >= 256:
-        signal = exit_status - 256
-        names = {15: "SIGTERM", 9: "SIGKILL", 2: "SIGINT", 1: "SIGHUP"}
-        return ServerState.CANCELLED, f"killed by signal {signal} ({names.get(signal, '?')}), e.g. qdel"
-    return ServerState.FAILED, f"the job script exited with code {exit_status}"
+    if outcome is Outcome.SCHEDULER_ERROR:
+        return ServerState.FAILED, f"the scheduler could not run the job (execution code {code})"
+    if outcome is Outcome.KILLED:
+        return ServerState.CANCELLED, f"killed by signal {code} ({_SIGNALS.get(code or 0, '?')}), e.g. a cancel"
+    if outcome is Outcome.CANCELLED:
+        return ServerState.CANCELLED, "stopped by a signal (pbstk cancel)"
+    return ServerState.CANCELLED, "deleted before it ran"  # NEVER_RAN
 
 
 def combine(
@@ -161,11 +161,34 @@ def combine(
     ``absence``: how long the scheduler has not known the job, when ``sched`` is ``None`` because it answered
     without it; ``answered=False`` means it did not answer at all (that tells nothing about the job).
     """
-    from pbs_toolkit.vllm.startup import current_phase, find_fatal, is_compile_failure
+    from pbs_toolkit.vllm.startup import find_fatal
 
     attempt = current_attempt(log_lines)
-    st = JobStatus(record=record, state=ServerState.LOST)
+    st = _seed(record, sched, marker)
     ours = health_status == 200 and identity is not None and identity.ours
+    phase = (marker or {}).get("phase")
+    fatal = find_fatal(attempt)
+    if sched is not None and sched.state in (SchedState.QUEUED, SchedState.HELD):
+        st.state = ServerState.PENDING
+        if sched.state is SchedState.HELD:
+            st.reason = "held by the scheduler"
+        return st
+    if sched is not None and sched.outcome is not None:
+        return _ended_by_scheduler(st, sched, phase, fatal, attempt)
+    if phase in ("exited", "failed", "cancelled"):
+        return _ended_in_run_dir(st, marker, phase, fatal, attempt)
+    if sched is None and not (ours and not answered):
+        return _unlisted(st, ours, answered, absence)
+    # running (or exiting, or the scheduler did not answer but the server proves it is ours)
+    if ours:
+        st.state, st.phase = ServerState.READY, "ready"
+        return st
+    return _not_ready(st, phase, fatal, attempt, health_status, identity)
+
+
+def _seed(record: JobRecord, sched: SchedulerJob | None, marker: dict[str, Any] | None) -> JobStatus:
+    """A status holding what the run directory's marker and the scheduler say about where the job is."""
+    st = JobStatus(record=record, state=ServerState.LOST)
     if marker:
         st.address = marker.get("address") or None
         st.port = marker.get("port") or None
@@ -176,56 +199,58 @@ def combine(
         st.comment = sched.comment
         st.exit_status = sched.exit_status
         st.node = sched.exec_host or st.node
-    phase = (marker or {}).get("phase")
-    fatal = find_fatal(attempt)
+    return st
 
-    def failed(reason: str) -> JobStatus:
-        st.state, st.reason = ServerState.FAILED, reason
-        st.log_excerpt = fatal or [line for line in attempt[-8:] if line.strip()]
-        return st
 
-    if sched is not None and sched.state in (SchedState.QUEUED, SchedState.HELD):
-        st.state = ServerState.PENDING
-        if sched.state is SchedState.HELD:
-            st.reason = "held by the scheduler"
+def _failed(st: JobStatus, reason: str, fatal: list[str] | None, attempt: list[str]) -> JobStatus:
+    st.state, st.reason = ServerState.FAILED, reason
+    st.log_excerpt = fatal or [line for line in attempt[-8:] if line.strip()]
+    return st
+
+
+def _ended_by_scheduler(st: JobStatus, sched: SchedulerJob, phase: str | None, fatal: list[str] | None,
+                        attempt: list[str]) -> JobStatus:
+    """The backend says how the job ended (possibly while still exiting; status() records it only once
+    finished); the run directory may refine why."""
+    state, reason = classify(sched.outcome, sched.outcome_code)
+    if phase == "cancelled" and sched.outcome is not Outcome.WALLTIME:
+        # the start script trapped the stop signal and exited on its own (so the code is its own, e.g. 143)
+        state, reason = ServerState.CANCELLED, "stopped by a signal (pbstk cancel or the scheduler's own)"
+    if state is ServerState.FAILED or (state is ServerState.FINISHED and phase == "failed"):
+        if phase == "failed" and fatal:
+            reason = f"vLLM failed before it was ready: {fatal[0]}"
+        return _failed(st, reason, fatal, attempt)
+    st.state, st.reason = state, reason
+    return st
+
+
+def _ended_in_run_dir(st: JobStatus, marker: dict[str, Any] | None, phase: str | None, fatal: list[str] | None,
+                      attempt: list[str]) -> JobStatus:
+    """The run directory explains the end: the scheduler forgot the job (history off or expired), or has not
+    noticed yet (R/E for a moment after the start script exits)."""
+    code = (marker or {}).get("exit_code")
+    st.exit_status = code
+    if phase == "cancelled":
+        st.state, st.reason = ServerState.CANCELLED, "stopped by a signal"
         return st
-    if sched is not None and (sched.state is SchedState.FINISHED
-                              or (sched.state is SchedState.EXITING and sched.exit_status is not None)):
-        # PBS sets Exit_status on entering E; it does not change at F (status() records it only at F)
-        state, reason = classify_exit(sched.exit_status)
-        if phase == "cancelled" and sched.exit_status != -29:
-            # the start script trapped the stop signal and exited on its own (PBS then records 143, not 271)
-            state, reason = ServerState.CANCELLED, "stopped by a signal (qdel or pbstk cancel)"
-        if state is ServerState.FAILED or (state is ServerState.FINISHED and phase == "failed"):
-            if phase == "failed" and fatal:
-                reason = f"vLLM failed before it was ready: {fatal[0]}"
-            return failed(reason)
-        st.state, st.reason = state, reason
-        return st
-    if phase in ("exited", "failed", "cancelled"):
-        # the run directory explains the end: the scheduler forgot the job (history off or expired), or has
-        # not noticed yet (R/E for a moment after the start script exits)
-        code = (marker or {}).get("exit_code")
-        st.exit_status = code
-        if phase == "cancelled":
-            st.state, st.reason = ServerState.CANCELLED, "stopped by a signal"
-            return st
-        if phase == "failed":
-            return failed(f"vLLM failed before it was ready: {fatal[0]}" if fatal else f"start failed (exit {code})")
-        st.state, st.reason = (ServerState.FINISHED, "exited normally") if code == 0 else (
-            ServerState.FAILED, f"vLLM exited with code {code}")
-        return st
-    if sched is None and not (ours and not answered):
-        return _unlisted(st, ours, answered, absence)
-    # running (or exiting, or the scheduler did not answer but the server proves it is ours)
-    if ours:
-        st.state, st.phase = ServerState.READY, "ready"
-        return st
+    if phase == "failed":
+        reason = f"vLLM failed before it was ready: {fatal[0]}" if fatal else f"start failed (exit {code})"
+        return _failed(st, reason, fatal, attempt)
+    st.state, st.reason = (ServerState.FINISHED, "exited normally") if code == 0 else (
+        ServerState.FAILED, f"vLLM exited with code {code}")
+    return st
+
+
+def _not_ready(st: JobStatus, phase: str | None, fatal: list[str] | None, attempt: list[str], health_status: int | None,
+               identity: Identity | None) -> JobStatus:
+    """A running job whose server has not proved it is ours: failing (maybe restarting), or still starting."""
+    from pbs_toolkit.vllm.startup import current_phase, is_compile_failure
+
     if fatal:
         st.confirmed = False
-        st.restart_expected = (not record.extra.get("eager") and not st.eager_fallback
+        st.restart_expected = (not st.record.extra.get("eager") and not st.eager_fallback
                                and is_compile_failure(attempt))
-        return failed(f"vLLM failed: {fatal[0]}")
+        return _failed(st, f"vLLM failed: {fatal[0]}", fatal, attempt)
     st.state = ServerState.STARTING
     st.phase = "job started" if phase in (None, "setup") else current_phase(attempt)
     if health_status == 200 and identity is not None and identity.foreign:

@@ -10,7 +10,8 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 from pbs_toolkit.errors import SchedulerError, SchedulerUnavailable, TransportError
 from pbs_toolkit.transports.base import Result, Runner
@@ -24,6 +25,21 @@ class SchedState(enum.Enum):
     RUNNING = "running"    # R
     EXITING = "exiting"    # E: not final yet
     FINISHED = "finished"  # F, X
+
+
+class Outcome(enum.Enum):
+    """How a finished job ended, in words every backend can say; ``SchedulerJob.outcome_code`` adds the number.
+
+    Each backend maps its own exit information here (PBS: docs/pbs.md "Exit_status"), so the generic layer
+    (``jobs/status.py``) never decodes a scheduler's codes.
+    """
+
+    EXITED = "exited"                    # the job script ended by itself; code = its exit code
+    WALLTIME = "walltime"                # the scheduler stopped it at its time limit
+    CANCELLED = "cancelled"              # stopped on request (``pbstk cancel``); code = the script's exit code
+    NEVER_RAN = "never_ran"              # deleted before it started
+    KILLED = "killed"                    # a signal ended it (a cancel, or the node); code = the signal number
+    SCHEDULER_ERROR = "scheduler_error"  # the scheduler could not run it; code = the scheduler's own code
 
 
 @dataclass(frozen=True)
@@ -44,14 +60,53 @@ class SchedulerJob:
     exec_host: str | None = None
     walltime_used: str | None = None
     raw: dict[str, Any] = field(default_factory=dict)
+    #: how it ended, once it has (``FINISHED``, or ``EXITING`` with an exit status); ``None`` while it runs
+    outcome: Outcome | None = None
+    #: the number that goes with ``outcome`` (see :class:`Outcome`)
+    outcome_code: int | None = None
 
 
 class Scheduler(abc.ABC):
+    """One backend. Everything scheduler-specific lives in its module; CONTRIBUTING.md lists what to provide."""
+
+    #: the registry key, the profile's ``scheduler:`` value and the name of the profile's own section
     name: str = ""
+    #: one line for ``pbstk profiles`` and the docs
+    description: str = ""
+    #: directory of the job-script template, and the template's file name in it
+    template_dir: Path = Path()
+    template_name: str = ""
+    #: the rendered job script's file name in the run directory
+    script_name: str = "job.script"
+    #: generic stream name -> file (relative to the run directory) where the scheduler puts the job's output
+    streams: ClassVar[dict[str, str]] = {}
+    #: older stream names still accepted -> generic ones (kept because users have them in scripts)
+    stream_aliases: ClassVar[dict[str, str]] = {}
+    #: profile keys only this backend reads; a profile may also nest them under a section named after it
+    profile_keys: frozenset[str] = frozenset()
+    #: the program whose stdout is the job id: it runs under the wrapper that leaves ``RUN_DIR/job_id``
+    #: (schedulers/marker.py); ``None`` when the backend writes that file itself
+    submit_program: str | None = None
+    #: whether ``cancel`` may still be called for a job already recorded final (the scheduler forgets ids
+    #: safely; a process group id, for one, may belong to anything once the job has ended)
+    cancel_when_final: bool = True
+    #: hands out numbers never used before, for backends that make their own job ids (launch sets it)
+    id_source: Callable[[], int] | None = None
+
+    def validate_profile(self, profile: Any, where: str) -> None:
+        """Refuse profile values this backend cannot use safely (``ConfigError``/``UsageError``)."""
+        return None
+
+    def stop_hint(self, job_id: str, run_dir: str) -> str:
+        """A command a user can run by hand to stop the job when pbstk cannot (shown after a failed record)."""
+        return f"pbstk cancel {job_id}"
 
     @abc.abstractmethod
-    def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str) -> str:
-        """Submit the job script; return the full job id. Raises ``SchedulerError`` with the scheduler's words."""
+    def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
+               walltime_s: int | None = None) -> str:
+        """Submit the job script; return the full job id. Raises ``SchedulerError`` with the scheduler's words.
+
+        ``walltime_s``: the profile's walltime, for backends that enforce it themselves."""
 
     @abc.abstractmethod
     def query(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, SchedulerJob]:

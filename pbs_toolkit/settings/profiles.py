@@ -14,10 +14,12 @@ from typing import Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError, UsageError
+from pbs_toolkit.schedulers import BACKENDS, DEFAULT_BACKEND
 from pbs_toolkit.settings.vllm_flags import DEFAULT_VLLM_VERSION, version_tuple
 from pbs_toolkit.settings.yamlio import Fields, load_yaml_mapping, require_file
 
-SCHEDULERS = ("pbs", "local")
+#: the registered scheduler backends (schedulers/__init__.py is the one list)
+SCHEDULERS = tuple(BACKENDS)
 ADDRESS_RULES = ("short", "fqdn", "ip", "loopback")
 ENTRYPOINTS = ("serve", "api_server")
 
@@ -26,11 +28,12 @@ ENTRYPOINTS = ("serve", "api_server")
 class Profile:
     name: str
     description: str = ""
-    scheduler: str = "pbs"
+    scheduler: str = DEFAULT_BACKEND
     queue: str | None = None
     account: str | None = None
     account_required: bool = False
-    #: PBS select statement; ``{nodes}``, ``{gpus_per_node}``, ``{cpus_per_node}`` are filled in
+    # -- keys one backend reads (its ``profile_keys``; a profile may nest them under a section named after it)
+    #: the scheduler's node request; ``{nodes}``, ``{gpus_per_node}``, ``{cpus_per_node}`` are filled in
     select: str = "{nodes}:ncpus={cpus_per_node}:ngpus={gpus_per_node}"
     place: str | None = None
     filesystems: str | None = None
@@ -102,10 +105,8 @@ def fill_placeholders(template: str, values: dict[str, int], where: str) -> str:
 
 
 _KEYS = {f.name for f in fields(Profile)} - {"source"}
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.@-]+$")
 _WALLTIME_RE = re.compile(r"^(?:(\d+):)?([0-5]?\d):([0-5]\d)$")
 _SECONDS_RE = re.compile(r"()()(\d+)")  # same groups as _WALLTIME_RE: hours, minutes, seconds
-_DIRECTIVE_RE = re.compile(r"-[A-Za-z]( [^\s]+)?")
 #: upper bounds: far above any real queue or node, far below what overflows a scheduler or a job script
 MAX_WALLTIME_HOURS = 10000
 MAX_NODES = 10000
@@ -134,26 +135,16 @@ def walltime_seconds(text: str) -> int:
 
 
 def validate(p: Profile) -> Profile:
-    """Check values that reach ``#PBS`` lines (no shell there, so refuse instead of quoting)."""
+    """Check the generic values here, and let the profile's backend check the ones it uses itself (values that
+    reach job-script directive lines have no shell there: refused instead of quoted)."""
     where = p.source
     if p.scheduler not in SCHEDULERS:
         raise ConfigError(f"{where}: key 'scheduler' must be one of {', '.join(SCHEDULERS)}, got {p.scheduler!r}")
+    BACKENDS[p.scheduler]().validate_profile(p, where)
     if p.address not in ADDRESS_RULES:
         raise ConfigError(f"{where}: key 'address' must be one of {', '.join(ADDRESS_RULES)}, got {p.address!r}")
     if p.vllm_entrypoint not in ENTRYPOINTS:
         raise ConfigError(f"{where}: key 'vllm_entrypoint' must be one of {', '.join(ENTRYPOINTS)}")
-    for key in ("queue", "account"):
-        value = getattr(p, key)
-        if value is not None and not _NAME_RE.fullmatch(value):  # ``$`` would accept a trailing newline
-            raise UsageError(f"bad {key} {value!r}: only letters, digits and _ . @ - are allowed")
-    for key in ("select", "place", "filesystems", "keep_files"):
-        value = getattr(p, key)
-        if value is not None and (not value or any(c.isspace() for c in value)):
-            raise ConfigError(f"{where}: key {key!r} must be a non-empty value without spaces, got {value!r}")
-    for line in p.extra_directives:
-        # qsub parses every option on a directive line: "-l a=b -V" would smuggle in -V
-        if not _DIRECTIVE_RE.fullmatch(line) or line.startswith("-V"):
-            raise ConfigError(f"{where}: extra_directives entry {line!r} must be one qsub option like '-l foo=bar'")
     walltime_seconds(p.walltime)
     for key, low, high in (("nodes", 1, MAX_NODES), ("gpus_per_node", 0, MAX_GPUS_PER_NODE),
                            ("cpus_per_node", 1, MAX_CPUS_PER_NODE), ("port", 1, 65535)):
@@ -172,12 +163,31 @@ def validate(p: Profile) -> Profile:
         value = getattr(p, key)
         if value is not None and ("\n" in value or not value.strip()):
             raise ConfigError(f"{where}: key {key!r} must be a path on one line")
-    if any(c.isspace() for c in p.runs_root):
-        raise ConfigError(f"{where}: key 'runs_root' must not contain spaces (PBS -o/-e paths cannot)")
     return p
 
 
+def _flatten_backend_section(data: dict[str, Any], source: Path) -> dict[str, Any]:
+    """Lift the keys of the backend's own section (``pbs: {queue: ...}``) to the top level, where older flat
+    profiles keep them; a key given both ways, or one the backend does not own, is refused."""
+    name = data.get("scheduler", DEFAULT_BACKEND)
+    section = data.get(name) if isinstance(name, str) and name in BACKENDS else None
+    if section is None:
+        return data
+    if not isinstance(section, dict):
+        raise ConfigError(f"{source}: section {name!r} must be a mapping of {name} settings")
+    owned = BACKENDS[name].profile_keys
+    flat = {k: v for k, v in data.items() if k != name}
+    for key, value in section.items():
+        if key not in owned:
+            raise ConfigError(f"{source}: section {name!r} has unknown key {key!r} (known: {', '.join(sorted(owned))})")
+        if key in flat:
+            raise ConfigError(f"{source}: key {key!r} is given both at the top level and in section {name!r}")
+        flat[key] = value
+    return flat
+
+
 def _parse(data: dict[str, Any], source: Path) -> Profile:
+    data = _flatten_backend_section(data, source)
     f = Fields(data, str(source), _KEYS)
     default = Profile(name=source.stem)
     kwargs: dict[str, Any] = {"source": str(source), "name": f.get_str("name", source.stem)}

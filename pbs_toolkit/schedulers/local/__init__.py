@@ -2,12 +2,16 @@
 
 The job runs detached in its own session (``setsid``) under a small supervisor that sets the PBS
 variables the script expects, enforces the walltime and leaves markers in ``RUN_DIR/.local-job/``:
-``pid`` (= process group), ``exit_status`` (written at the end), ``cancelled`` (written by ``cancel``),
+``pid`` (= process group), ``exit_status`` (the script's own exit code, written at the end), ``cancelled``
+(written by ``cancel``), ``walltime`` (written when the walltime stopped it),
 ``token`` (a random value also exported as ``PBSTK_LOCAL_JOB_TOKEN`` into the job's environment: a process group
 is only treated as the job's, by ``query`` and ``cancel``, while one of its processes carries it, so a PGID reused
 by an unrelated process after the job died is never signalled). Job ids look like ``7.myhost.local``: a counter
 kept in the job store plus the host, so parallel launches never share one; ``RUN_DIR/job_id`` holds it before the
 job starts.
+
+It reports :class:`Outcome` directly: no scheduler's exit codes are imitated, and the walltime comes from the
+profile (``submit(walltime_s=...)``), not from the script's text.
 """
 
 from __future__ import annotations
@@ -17,13 +21,16 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from pbs_toolkit.errors import SchedulerError
-from pbs_toolkit.schedulers.base import JobRef, SchedState, Scheduler, SchedulerJob, first_line
+from pbs_toolkit.schedulers.base import JobRef, Outcome, SchedState, Scheduler, SchedulerJob, first_line
+from pbs_toolkit.schedulers.pbs import PBSScheduler, validate_directives
 from pbs_toolkit.transports.base import Runner
 
 SPOOL = ".local-job"
-WALLTIME_EXIT = -29  # PBS's code for "walltime exceeded"
+#: a job whose processes are gone without an exit status was killed hard (kill -9 of the group, a reboot)
+_SIGKILL = 9
 
 # Constant scripts; every value arrives as a positional parameter, never spliced into the text.
 _SUPERVISOR = r"""
@@ -46,7 +53,7 @@ while :; do
     break
   fi
 done
-[ "$rc" = 124 ] && [ ! -e "$spool/cancelled" ] && rc=-29
+[ "$rc" = 124 ] && [ ! -e "$spool/cancelled" ] && : >"$spool/walltime"
 echo "$rc" >"$spool/exit_status.tmp" && mv -f "$spool/exit_status.tmp" "$spool/exit_status"
 """
 # ours PGID TOKEN: is some process of group PGID carrying the job's token? (no token file: a job from an older
@@ -74,8 +81,9 @@ for d in "$@"; do
   alive=0; [ "$pid" != - ] && kill -0 -- "-$pid" 2>/dev/null && ours "$pid" "$tok" && alive=1
   ex=$(cat "$s/exit_status" 2>/dev/null || echo -)
   c=0; [ -e "$s/cancelled" ] && c=1
+  w=0; [ -e "$s/walltime" ] && w=1
   [ -d "$s" ] || pid=missing
-  printf '%s\t%s\t%s\t%s\n' "$pid" "$alive" "$ex" "$c"
+  printf '%s\t%s\t%s\t%s\t%s\n' "$pid" "$alive" "$ex" "$c" "$w"
 done
 """
 _CANCEL = _OURS + r"""
@@ -88,13 +96,28 @@ kill -TERM -- "-$pid" 2>/dev/null || exit 2
 for _ in $(seq 1 100); do kill -0 -- "-$pid" 2>/dev/null || exit 0; sleep 0.1; done
 kill -KILL -- "-$pid" 2>/dev/null
 sleep 0.2
-[ -e "$s/exit_status" ] || echo 271 >"$s/exit_status"
+[ -e "$s/exit_status" ] || echo 137 >"$s/exit_status"
 exit 0
 """
 
 
 class LocalScheduler(Scheduler):
     name = "local"
+    description = "this machine (or the SSH host): the job script runs detached under a small supervisor"
+    # Deliberately the PBS backend's template: the very same script a cluster would run, so a job can be tried
+    # here first; its #PBS lines are comments to bash, and the supervisor sets the PBS_* variables it reads.
+    template_dir = PBSScheduler.template_dir
+    template_name = PBSScheduler.template_name
+    script_name = PBSScheduler.script_name
+    streams = {"sched-out": f"{SPOOL}/stdout", "sched-err": f"{SPOOL}/stderr"}  # what the supervisor captures
+    cancel_when_final = False  # a process group id may belong to anything once the job has ended
+
+    def validate_profile(self, profile: Any, where: str) -> None:
+        # the shared template still renders the directive lines: keep them single, plain lines
+        validate_directives(profile, where)
+
+    def stop_hint(self, job_id: str, run_dir: str) -> str:
+        return f"kill -TERM -- -$(cat {run_dir}/{SPOOL}/pid)"
 
     def __init__(self, walltime_seconds: int = 4 * 3600, id_source: Callable[[], int] | None = None) -> None:
         self.walltime_seconds = walltime_seconds
@@ -111,11 +134,14 @@ class LocalScheduler(Scheduler):
         host = re.sub(r"[^A-Za-z0-9-]+", "-", host.split(".", 1)[0]).strip("-") or "host"
         return f"{self.id_source()}.{host}.local"
 
-    def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str) -> str:
+    def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
+               walltime_s: int | None = None) -> str:
+        if runner.size(script_path) is None:
+            raise SchedulerError(f"job script {script_path} does not exist")
         job_id = self.new_job_id(runner)
         spool = f"{run_dir}/{SPOOL}"
         runner.makedirs(spool, 0o700)
-        walltime = _walltime_from_script(runner, script_path) or self.walltime_seconds
+        walltime = walltime_s or self.walltime_seconds
         token = secrets.token_hex(16)
         runner.write_bytes(f"{spool}/token", token.encode(), 0o600)
         runner.write_bytes(f"{run_dir}/job_id", f"{job_id}\n".encode(), 0o644)  # before it can run: adoptable
@@ -140,21 +166,9 @@ class LocalScheduler(Scheduler):
             raise SchedulerError(f"could not read local job markers: {first_line(result.stderr)}")
         jobs: dict[str, SchedulerJob] = {}
         for ref, line in zip(refs, lines):
-            pid, alive, exit_text, cancelled = line.split("\t")
-            if pid == "missing":
-                continue  # like a job PBS has forgotten
-            exit_status = int(exit_text) if re.fullmatch(r"-?\d+", exit_text) else None
-            if exit_status is not None:
-                if cancelled == "1" and exit_status != WALLTIME_EXIT:
-                    exit_status = 271  # what PBS records for a job killed by qdel (256 + SIGTERM)
-                job = SchedulerJob(ref.job_id, SchedState.FINISHED, "F", exit_status=exit_status)
-            elif alive == "1":
-                job = SchedulerJob(ref.job_id, SchedState.RUNNING, "R", exec_host="localhost")
-            else:
-                # no exit marker and no process: killed hard (machine reboot, kill -9 of the group)
-                job = SchedulerJob(ref.job_id, SchedState.FINISHED, "F", exit_status=265,
-                                   comment="the job's processes are gone without an exit status")
-            jobs[ref.job_id] = job
+            job = _job(ref.job_id, *line.split("\t"))
+            if job is not None:  # None: no spool at all, like a job a scheduler has forgotten
+                jobs[ref.job_id] = job
         return jobs
 
     def cancel(self, runner: Runner, ref: JobRef) -> bool:
@@ -166,12 +180,20 @@ class LocalScheduler(Scheduler):
         raise SchedulerError(f"could not cancel local job {ref.job_id}: {first_line(result.stderr)}")
 
 
-def _walltime_from_script(runner: Runner, script_path: str) -> int | None:
-    from pbs_toolkit.settings.profiles import walltime_seconds
-
-    try:
-        head = runner.read_bytes(script_path, 0, 4096).decode("utf-8", "replace")
-    except FileNotFoundError:
-        raise SchedulerError(f"job script {script_path} does not exist") from None
-    match = re.search(r"^#PBS -l walltime=(\S+)$", head, re.M)
-    return walltime_seconds(match.group(1)) if match else None
+def _job(job_id: str, pid: str, alive: str, exit_text: str, cancelled: str, walltime: str) -> SchedulerJob | None:
+    """One line of the status script -> the job, with its :class:`Outcome` once it has ended."""
+    if pid == "missing":
+        return None
+    code = int(exit_text) if re.fullmatch(r"-?\d+", exit_text) else None
+    if code is not None:
+        if walltime == "1":
+            how = Outcome.WALLTIME
+        else:
+            how = Outcome.CANCELLED if cancelled == "1" else Outcome.EXITED
+        return SchedulerJob(job_id, SchedState.FINISHED, "F", exit_status=code, outcome=how,
+                            outcome_code=None if how is Outcome.WALLTIME else code)
+    if alive == "1":
+        return SchedulerJob(job_id, SchedState.RUNNING, "R", exec_host="localhost")
+    # no exit marker and no process: killed hard (machine reboot, kill -9 of the group)
+    return SchedulerJob(job_id, SchedState.FINISHED, "F", comment="the job's processes are gone without an exit "
+                        "status", outcome=Outcome.KILLED, outcome_code=_SIGKILL)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from pbs_toolkit.errors import SchedulerError, SchedulerUnavailable
+from pbs_toolkit.errors import ConfigError, SchedulerError, SchedulerUnavailable, UsageError
 from pbs_toolkit.schedulers.base import (
     JobRef,
+    Outcome,
     SchedState,
     Scheduler,
     SchedulerJob,
@@ -33,6 +35,46 @@ STATES: dict[str, SchedState] = {
 }
 _JOB_ID = re.compile(r"^\d+(\[\d*\])?(\.[A-Za-z0-9_.-]+)?$")
 _GONE = (153, 35)
+#: docs/pbs.md "Exit_status": JOB_EXEC_KILL_WALLTIME
+WALLTIME_EXIT = -29
+#: docs/pbs.md "Exit_status": a signal N ends the job with 256 + N
+SIGNAL_BASE = 256
+#: profile keys that only reach ``#PBS`` directive lines
+PROFILE_KEYS = frozenset({"queue", "account", "account_required", "select", "place", "filesystems", "keep_files",
+                          "extra_directives"})
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.@-]+$")
+_DIRECTIVE_RE = re.compile(r"-[A-Za-z]( [^\s]+)?")
+
+
+def outcome(exit_status: int | None) -> tuple[Outcome, int | None]:
+    """PBS ``Exit_status`` of an ended job -> the generic outcome and its number (docs/pbs.md "Exit_status")."""
+    if exit_status is None:
+        return Outcome.NEVER_RAN, None
+    if exit_status == WALLTIME_EXIT:
+        return Outcome.WALLTIME, None
+    if exit_status < 0:
+        return Outcome.SCHEDULER_ERROR, exit_status
+    if exit_status >= SIGNAL_BASE:
+        return Outcome.KILLED, exit_status - SIGNAL_BASE
+    return Outcome.EXITED, exit_status
+
+
+def validate_directives(p: Any, where: str) -> None:
+    """Check values that reach ``#PBS`` lines (qsub parses them, no shell: refuse instead of quoting)."""
+    for key in ("queue", "account"):
+        value = getattr(p, key)
+        if value is not None and not _NAME_RE.fullmatch(value):  # ``$`` would accept a trailing newline
+            raise UsageError(f"bad {key} {value!r}: only letters, digits and _ . @ - are allowed")
+    for key in ("select", "place", "filesystems", "keep_files"):
+        value = getattr(p, key)
+        if value is not None and (not value or any(c.isspace() for c in value)):
+            raise ConfigError(f"{where}: key {key!r} must be a non-empty value without spaces, got {value!r}")
+    for line in p.extra_directives:
+        # qsub parses every option on a directive line: "-l a=b -V" would smuggle in -V
+        if not _DIRECTIVE_RE.fullmatch(line) or line.startswith("-V"):
+            raise ConfigError(f"{where}: extra_directives entry {line!r} must be one qsub option like '-l foo=bar'")
+    if any(c.isspace() for c in p.runs_root):
+        raise ConfigError(f"{where}: key 'runs_root' must not contain spaces (PBS -o/-e paths cannot)")
 
 
 def submit_argv(script_path: str) -> list[str]:
@@ -77,15 +119,22 @@ def _job(job_id: str, info: dict[str, Any]) -> SchedulerJob:
     exit_status = info.get("Exit_status")
     exec_host = info.get("exec_host")
     comment = info.get("comment")
+    code = int(exit_status) if exit_status is not None else None
+    state = STATES.get(raw_state, SchedState.QUEUED)
+    # PBS sets Exit_status on entering E and keeps it at F; a job at F without one never ran
+    ended = state is SchedState.FINISHED or (state is SchedState.EXITING and code is not None)
+    how, how_code = outcome(code) if ended else (None, None)
     return SchedulerJob(
         job_id=job_id,
-        state=STATES.get(raw_state, SchedState.QUEUED),
+        state=state,
         raw_state=raw_state,
         comment=None if comment is None else str(comment),
-        exit_status=int(exit_status) if exit_status is not None else None,
+        exit_status=code,
         exec_host=str(exec_host).split("/", 1)[0] if exec_host else None,
         walltime_used=(info.get("resources_used") or {}).get("walltime"),
         raw=info,
+        outcome=how,
+        outcome_code=how_code,
     )
 
 
@@ -119,8 +168,24 @@ def match_id(wanted: str, known: dict[str, Any]) -> str | None:
 
 class PBSScheduler(Scheduler):
     name = "pbs"
+    description = "PBS Pro / OpenPBS: qsub, qstat, qdel on the login node"
+    template_dir = Path(__file__).resolve().parent
+    template_name = "job.pbs.j2"
+    script_name = "job.pbs"
+    # the template's #PBS -o/-e lines
+    streams = {"sched-out": "pbs.out", "sched-err": "pbs.err"}
+    stream_aliases = {"pbs-out": "sched-out", "pbs-err": "sched-err"}
+    profile_keys = PROFILE_KEYS
+    submit_program = "qsub"
 
-    def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str) -> str:
+    def validate_profile(self, profile: Any, where: str) -> None:
+        validate_directives(profile, where)
+
+    def stop_hint(self, job_id: str, run_dir: str) -> str:
+        return f"qdel {job_id}"
+
+    def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
+               walltime_s: int | None = None) -> str:
         result = run_with_retry(runner, submit_argv(script_path), is_transient)
         if result.rc != 0:
             raise SchedulerError(f"qsub refused the job: {first_line(result.stderr or result.stdout)}")

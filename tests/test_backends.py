@@ -1,0 +1,97 @@
+"""Scheduler backends as plug-ins: one registry feeds profiles, the CLI and the stream names; a profile may keep
+a backend's own keys in a section named after it (flat profiles still load); each backend maps its own exit
+information to one ``Outcome`` (tested with the real backends in test_status_combine and test_launch_local)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import MODEL, pbstk
+
+from pbs_toolkit.errors import ConfigError, UsageError
+from pbs_toolkit.jobs.logs import STREAMS, stream_path
+from pbs_toolkit.schedulers import BACKENDS, Scheduler, get_scheduler
+from pbs_toolkit.settings.profiles import SCHEDULERS, load_profile
+
+FLAT = """name: site
+scheduler: pbs
+queue: debug
+account: proj1
+filesystems: home:eagle
+extra_directives: ["-l foo=bar"]
+walltime: "00:30:00"
+"""
+NESTED = """name: site
+scheduler: pbs
+walltime: "00:30:00"
+pbs:
+  queue: debug
+  account: proj1
+  filesystems: home:eagle
+  extra_directives: ["-l foo=bar"]
+"""
+
+
+def test_every_backend_provides_the_whole_interface() -> None:
+    assert list(BACKENDS) == list(SCHEDULERS)  # profiles validate against the registry itself
+    for name, cls in BACKENDS.items():
+        backend = get_scheduler(name)
+        assert isinstance(backend, Scheduler) and backend.name == name and cls.description
+        assert (cls.template_dir / cls.template_name).is_file(), name
+        assert cls.script_name and "/" not in cls.script_name
+        assert set(cls.streams) == {"sched-out", "sched-err"}, name
+        assert backend.stop_hint("1.x", "/runs/r")
+
+
+def test_the_cli_offers_exactly_the_registered_backends() -> None:
+    result = pbstk("launch", "--help")
+    for name in BACKENDS:
+        assert name in result.stdout
+    refused = pbstk("launch", MODEL, "--scheduler", "nosuch")
+    assert refused.exit_code == 2 and "nosuch" in refused.output
+
+
+def test_a_backend_section_loads_like_the_flat_keys(tmp_path: Path) -> None:
+    flat, nested = tmp_path / "flat.yaml", tmp_path / "nested.yaml"
+    flat.write_text(FLAT)
+    nested.write_text(NESTED)
+    a, b = load_profile(str(flat)), load_profile(str(nested))
+    assert (a.queue, a.account, a.filesystems, a.extra_directives) == ("debug", "proj1", "home:eagle", ["-l foo=bar"])
+    assert {k: v for k, v in a.__dict__.items() if k != "source"} == {
+        k: v for k, v in b.__dict__.items() if k != "source"}
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        (NESTED.replace("  queue: debug", "  port: 9000"), "section 'pbs' has unknown key 'port'"),
+        (NESTED + "queue: other\n", "given both at the top level and in section 'pbs'"),
+        (NESTED.replace("pbs:\n", "pbs: 3\nx:\n"), "section 'pbs' must be a mapping"),
+        # a section for another backend than the profile's is not read: it is an unknown key
+        (NESTED.replace("scheduler: pbs", "scheduler: local"), "pbs"),
+    ],
+)
+def test_a_bad_backend_section_is_refused(tmp_path: Path, text: str, words: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words):
+        load_profile(str(path))
+
+
+def test_backend_keys_are_checked_by_the_backend(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(NESTED.replace("  queue: debug", "  queue: 'debug -V'"))
+    with pytest.raises(UsageError, match="bad queue"):
+        load_profile(str(path))
+
+
+def test_stream_names_are_generic_and_the_old_ones_still_work() -> None:
+    assert {"vllm", "sched-out", "sched-err", "pbs-out", "pbs-err"} <= set(STREAMS)
+    assert stream_path("/r", "pbs", "sched-out") == stream_path("/r", "pbs", "pbs-out") == "/r/pbs.out"
+    assert stream_path("/r", "pbs", "pbs-err") == "/r/pbs.err"
+    # the local backend's output is what its supervisor captured, not a file PBS would have written
+    assert stream_path("/r", "local", "sched-err") == "/r/.local-job/stderr"
+    assert stream_path("/r", "local", "vllm") == "/r/vllm.log"
+    with pytest.raises(UsageError, match="unknown log stream"):
+        stream_path("/r", "pbs", "nope")
