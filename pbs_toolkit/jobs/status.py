@@ -28,6 +28,7 @@ from pbs_toolkit.errors import SchedulerUnavailable
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView, look, look_all
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.schedulers import JobRef, SchedState, SchedulerJob, get_scheduler
+from pbs_toolkit.server.phases import FINAL_PHASES, Phase
 from pbs_toolkit.transports import Runner, open_runner
 from pbs_toolkit.transports.http import Identity
 
@@ -193,24 +194,24 @@ def combine(
                               or (sched.state is SchedState.EXITING and sched.exit_status is not None)):
         # PBS sets Exit_status on entering E; it does not change at F (status() records it only at F)
         state, reason = classify_exit(sched.exit_status)
-        if phase == "cancelled" and sched.exit_status != -29:
+        if phase == Phase.CANCELLED and sched.exit_status != -29:
             # the start script trapped the stop signal and exited on its own (PBS then records 143, not 271)
             state, reason = ServerState.CANCELLED, "stopped by a signal (qdel or pbstk cancel)"
-        if state is ServerState.FAILED or (state is ServerState.FINISHED and phase == "failed"):
-            if phase == "failed" and fatal:
+        if state is ServerState.FAILED or (state is ServerState.FINISHED and phase == Phase.FAILED):
+            if phase == Phase.FAILED and fatal:
                 reason = f"vLLM failed before it was ready: {fatal[0]}"
             return failed(reason)
         st.state, st.reason = state, reason
         return st
-    if phase in ("exited", "failed", "cancelled"):
+    if phase in FINAL_PHASES:
         # the run directory explains the end: the scheduler forgot the job (history off or expired), or has
         # not noticed yet (R/E for a moment after the start script exits)
         code = (marker or {}).get("exit_code")
         st.exit_status = code
-        if phase == "cancelled":
+        if phase == Phase.CANCELLED:
             st.state, st.reason = ServerState.CANCELLED, "stopped by a signal"
             return st
-        if phase == "failed":
+        if phase == Phase.FAILED:
             return failed(f"vLLM failed before it was ready: {fatal[0]}" if fatal else f"start failed (exit {code})")
         st.state, st.reason = (ServerState.FINISHED, "exited normally") if code == 0 else (
             ServerState.FAILED, f"vLLM exited with code {code}")
@@ -219,7 +220,7 @@ def combine(
         return _unlisted(st, ours, answered, absence)
     # running (or exiting, or the scheduler did not answer but the server proves it is ours)
     if ours:
-        st.state, st.phase = ServerState.READY, "ready"
+        st.state, st.phase = ServerState.READY, Phase.READY.value
         return st
     if fatal:
         st.confirmed = False
@@ -227,7 +228,7 @@ def combine(
                                and is_compile_failure(attempt))
         return failed(f"vLLM failed: {fatal[0]}")
     st.state = ServerState.STARTING
-    st.phase = "job started" if phase in (None, "setup") else current_phase(attempt)
+    st.phase = "job started" if phase is None or phase == Phase.SETUP else current_phase(attempt)
     if health_status == 200 and identity is not None and identity.foreign:
         st.foreign = identity.detail
         st.phase = f"port {st.port} answered by another server (it {identity.detail})"

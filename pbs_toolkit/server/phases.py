@@ -24,10 +24,11 @@ class Phase(str, Enum):
         return self.value
 
 
+# Sets of the plain values: an Enum member hashes by its name, so ``"ready" in {Phase.READY}`` would be False.
 #: phases after which the start script writes nothing more
-FINAL_PHASES = frozenset({Phase.FAILED, Phase.EXITED, Phase.CANCELLED})
+FINAL_PHASES = frozenset(p.value for p in (Phase.FAILED, Phase.EXITED, Phase.CANCELLED))
 #: phases in which a server may be listening on the marker's port
-LISTENING_PHASES = frozenset({Phase.STARTING, Phase.READY})
+LISTENING_PHASES = frozenset(p.value for p in (Phase.STARTING, Phase.READY))
 
 
 def bash_assignments() -> list[str]:
