@@ -480,3 +480,10 @@ def test_every_value_reaching_shell_is_quoted() -> None:
 def test_shipped_names_collected() -> None:
     assert {"auto", "cpu", "dp4", "baseline-eager"} <= set(PRESETS)
     assert {"local", "local-gpu", "polaris", "generic-pbspro"} <= set(PROFILES)
+
+
+@pytest.mark.parametrize("key", ["MODEL", "EAGER", "VLLM_ARGS", "PHASE_READY", "RUN_DIR"])
+def test_env_named_like_a_start_script_setting_refused(key: str) -> None:
+    """The body exports --env after the settings header: ``MODEL=x`` would replace the model vLLM serves."""
+    with pytest.raises(UsageError, match=f"environment variable {key} would overwrite"):
+        _render(preset="dp4", profile="generic-pbspro", env={key: "x"})
