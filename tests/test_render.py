@@ -288,7 +288,7 @@ def test_vllm_use_v1_env_refused_from_012() -> None:
     with pytest.raises(UsageError, match=r"VLLM_USE_V1.*0\.12"):
         _render(preset="dp4", profile="generic-pbspro", vllm_version="0.12.0", env={"VLLM_USE_V1": "1"})
     job = _render(preset="dp4", profile="generic-pbspro", vllm_version="0.11.0", env={"VLLM_USE_V1": "1"})
-    assert "\nexport VLLM_USE_V1=1\n" in job.start_script
+    assert "\n  VLLM_USE_V1=1\n" in job.start_script.split("ENV_EXPORTS=(")[1].split(")")[0]
 
 
 def test_flags_owned_by_pbstk_refused() -> None:
@@ -474,9 +474,16 @@ def test_every_value_reaching_shell_is_quoted() -> None:
                   vllm_args=["--chat-template", "{{ x }}; $(id)"], env={"WEIRD": "it's $(id) `id`"})
     assert "  --served-model-name 'a b $(id)'\n" in job.start_script
     assert "  --chat-template '{{ x }}; $(id)'\n" in job.start_script
-    assert "export WEIRD='it'\"'\"'s $(id) `id`'\n" in job.start_script
+    assert "  'WEIRD=it'\"'\"'s $(id) `id`'\n" in job.start_script.split("ENV_EXPORTS=(")[1]
 
 
 def test_shipped_names_collected() -> None:
     assert {"auto", "cpu", "dp4", "baseline-eager"} <= set(PRESETS)
     assert {"local", "local-gpu", "polaris", "generic-pbspro"} <= set(PROFILES)
+
+
+@pytest.mark.parametrize("key", ["MODEL", "EAGER", "VLLM_ARGS", "PHASE_READY", "RUN_DIR"])
+def test_env_named_like_a_start_script_setting_refused(key: str) -> None:
+    """The body exports --env after the settings header: ``MODEL=x`` would replace the model vLLM serves."""
+    with pytest.raises(UsageError, match=f"environment variable {key} would overwrite"):
+        _render(preset="dp4", profile="generic-pbspro", env={key: "x"})

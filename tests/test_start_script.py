@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import stat
@@ -439,3 +440,78 @@ def test_sigterm_cancels_and_stops_vllm(make_job: Any) -> None:
     else:
         raise AssertionError(f"vLLM stand-in {server_pid} still runs after SIGTERM to the job script")
     assert "received a stop signal" in job.log
+
+
+# --- the static body and the marker ----------------------------------------------------------------------
+
+BODY = Path(__file__).parent.parent / "pbs_toolkit" / "server" / "start_vllm.sh"
+
+
+def test_rendered_script_is_header_then_static_body(make_job: Any) -> None:
+    """Each launch writes its own start_vllm.sh; everything after the settings header is the static body."""
+    job = make_job()
+    text = (job.run_dir / "start_vllm.sh").read_text()
+    body = BODY.read_text()
+    assert text.startswith("#!/bin/bash\n") and text.endswith(body)
+    assert "{%" not in body and "{{" not in body
+
+
+def test_static_body_is_shellcheck_clean() -> None:
+    """The body alone, as it is in the package: no rendering stands between shellcheck and what runs."""
+    proc = subprocess.run(["shellcheck", "-f", "gcc", str(BODY)], capture_output=True, text=True,  # noqa: S603,S607
+                          check=False, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_static_body_writes_only_enum_phases() -> None:
+    """Every ``pbstk_state`` call names a ``$PHASE_<NAME>`` of :class:`Phase`, and every phase is written."""
+    from pbs_toolkit.server.phases import Phase
+
+    calls = re.findall(r"pbstk_state (\S+)", BODY.read_text())
+    assert calls
+    names = set()
+    for arg in calls:
+        match = re.fullmatch(r'"\$PHASE_([A-Z]+)"', arg)
+        assert match, f"pbstk_state {arg}: not a phase variable"
+        names.add(match.group(1))
+    assert names == {phase.name for phase in Phase}
+
+
+@pytest.mark.parametrize("value", [
+    'plain', 'q"uote', 'back\\slash\\', '\\"', 'new\nline\r\ttab', "".join(chr(i) for i in range(1, 32)),
+    "ünïcødé €", "$(id) `id` 'single' &&& \\&", "",
+])
+def test_json_string_escaper_round_trips(value: str) -> None:
+    """The body's ``pbstk_json_str`` against values Python's json must read back unchanged."""
+    body = BODY.read_text()
+    function = body[body.index("pbstk_json_str() {"):]
+    function = function[: function.index("\n}\n") + 3]
+    out = subprocess.run(["bash", "-c", function + 'pbstk_json_str "$1"', "bash", value],  # noqa: S603,S607
+                         capture_output=True, text=True, check=True, timeout=10).stdout
+    assert json.loads(out) == value
+
+
+def test_marker_is_valid_json_for_hostile_job_id(make_job: Any) -> None:
+    """A job id with a newline and control characters used to end up raw in server.json (unreadable marker)."""
+    job = make_job()
+    job_id = 'evil"1\\2\n3\t4\x015.pbs'
+    job.start(PBS_JOBID=job_id)
+    state = job.wait_phase("ready")
+    assert state["job_id"] == job_id
+
+
+def test_setup_lines_run_at_top_level(make_job: Any) -> None:
+    """Profile setup lines run as if written inline: a block may span lines, ``declare`` stays global."""
+    from pbs_toolkit import paths
+
+    profiles = paths.user_config_dir() / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "setupsite.yaml").write_text(
+        "scheduler: local\ngpus_per_node: 1\naddress: loopback\nbind_host: 127.0.0.1\nsetup:\n"
+        "  - 'declare -x SETUP_DECLARED=\"a b\"'\n  - 'if true; then'\n  - '  export SETUP_BLOCK=1'\n  - 'fi'\n"
+    )
+    job = make_job(profile="setupsite")
+    job.start()
+    job.wait_phase("ready")
+    (start,) = job.starts()
+    assert start["env"]["SETUP_DECLARED"] == "a b" and start["env"]["SETUP_BLOCK"] == "1"

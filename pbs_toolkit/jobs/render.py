@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from pbs_toolkit import __version__
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.schedulers import backend_class
+from pbs_toolkit.server.phases import bash_assignments
 from pbs_toolkit.settings.config import resolve_settings
 from pbs_toolkit.settings.presets import Preset, load_preset, params_from_config, params_from_name, resolve_auto
 from pbs_toolkit.settings.profiles import Profile, load_profile, walltime_seconds
@@ -339,6 +340,9 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
             raise UsageError(f"bad environment variable name {key!r}")
         if key == "VLLM_API_KEY":
             raise UsageError("VLLM_API_KEY is set by pbstk from the job's key file; use --api-key-env or --no-api-key")
+        if key in start_script_settings():
+            raise UsageError(f"environment variable {key} would overwrite the start script's own setting {key}; "
+                             "pick another name")
         problem = check_env(key, version)
         if problem:
             raise UsageError(problem)
@@ -371,15 +375,37 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
         "vllm_arg_lines": _pair_flags(args), "port_span": PORT_SPAN,
         "compile_error_re": COMPILE_ERROR_RE, "port_in_use_re": PORT_IN_USE_RE,
         "proxy": any(k.lower() in ("http_proxy", "https_proxy") for k in env),
+        "phase_lines": bash_assignments(),
     }
     backend = backend_class(profile.scheduler)
     jenv = _environment(backend.template_dir)
     return RenderedJob(
         job_script=jenv.get_template(backend.template_name).render(**context),
-        start_script=jenv.get_template("start_vllm.sh.j2").render(**context),
+        start_script=render_start_script(jenv, context),
         run_dir=run_dir, job_name=job_name, model=req.model, served_model_name=served, preset=preset,
         profile=profile, port=port, fixed_port=fixed_port, vllm_args=args, notes=notes, params_b=params,
     )
+
+
+_HEADER = "start_vllm.sh.j2"
+_BODY = _PACKAGE / "server" / "start_vllm.sh"
+_SETTING = re.compile(r"^([A-Z_][A-Z0-9_]*)=", re.MULTILINE)
+
+
+def render_start_script(jenv: Any, context: dict[str, Any]) -> str:
+    """The launch's ``start_vllm.sh``: its rendered settings header (variables only), then the static body.
+
+    The body is plain bash kept in its own file so shellcheck reads it as it runs; everything that differs
+    between launches is a variable in the header, and the body branches on those with bash ``if``s.
+    """
+    return jenv.get_template(_HEADER).render(**context) + _BODY.read_text(encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=1)
+def start_script_settings() -> frozenset[str]:
+    """Names the settings header assigns: an exported ``--env`` of one of them would change what the body does."""
+    text = (_PACKAGE / "server" / _HEADER).read_text(encoding="utf-8")
+    return frozenset(_SETTING.findall(text)) | {line.split("=")[0] for line in bash_assignments()}
 
 
 def _pair_flags(args: list[str]) -> list[list[str]]:

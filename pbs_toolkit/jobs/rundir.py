@@ -17,6 +17,7 @@ from typing import Any
 from pbs_toolkit.jobs.logs import tail_lines
 from pbs_toolkit.jobs.store import JobRecord
 from pbs_toolkit.schedulers import SchedState, SchedulerJob
+from pbs_toolkit.server.phases import LISTENING_PHASES
 from pbs_toolkit.transports import Runner
 from pbs_toolkit.transports import http as probe
 from pbs_toolkit.transports.http import Identity
@@ -106,7 +107,7 @@ def look(runner: Runner, record: JobRecord, sched: SchedulerJob | None) -> RunDi
         log_size = None
     view.fingerprint = [log_size, zlib.crc32(raw) if raw is not None else None]
     marker = view.marker or {}
-    if marker.get("port") and marker.get("phase") in ("ready", "starting"):
+    if marker.get("port") and marker.get("phase") in LISTENING_PHASES:
         host, port = marker.get("address") or "127.0.0.1", int(marker["port"])
         view.health = probe.health(runner, host, port)
         if view.health == 200:

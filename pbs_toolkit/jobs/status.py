@@ -28,6 +28,7 @@ from pbs_toolkit.errors import SchedulerUnavailable
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView, look, look_all
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.schedulers import JobRef, Outcome, SchedState, SchedulerJob, get_scheduler
+from pbs_toolkit.server.phases import FINAL_PHASES, Phase
 from pbs_toolkit.transports import Runner, open_runner
 from pbs_toolkit.transports.http import Identity
 
@@ -175,13 +176,13 @@ def combine(
         return st
     if sched is not None and sched.outcome is not None:
         return _ended_by_scheduler(st, sched, phase, fatal, attempt)
-    if phase in ("exited", "failed", "cancelled"):
+    if phase in FINAL_PHASES:
         return _ended_in_run_dir(st, marker, phase, fatal, attempt)
     if sched is None and not (ours and not answered):
         return _unlisted(st, ours, answered, absence)
     # running (or exiting, or the scheduler did not answer but the server proves it is ours)
     if ours:
-        st.state, st.phase = ServerState.READY, "ready"
+        st.state, st.phase = ServerState.READY, Phase.READY.value
         return st
     return _not_ready(st, phase, fatal, attempt, health_status, identity)
 
@@ -213,11 +214,11 @@ def _ended_by_scheduler(st: JobStatus, sched: SchedulerJob, phase: str | None, f
     """The backend says how the job ended (possibly while still exiting; status() records it only once
     finished); the run directory may refine why."""
     state, reason = classify(sched.outcome, sched.outcome_code)
-    if phase == "cancelled" and sched.outcome is not Outcome.WALLTIME:
+    if phase == Phase.CANCELLED and sched.outcome is not Outcome.WALLTIME:
         # the start script trapped the stop signal and exited on its own (so the code is its own, e.g. 143)
         state, reason = ServerState.CANCELLED, "stopped by a signal (pbstk cancel or the scheduler's own)"
-    if state is ServerState.FAILED or (state is ServerState.FINISHED and phase == "failed"):
-        if phase == "failed" and fatal:
+    if state is ServerState.FAILED or (state is ServerState.FINISHED and phase == Phase.FAILED):
+        if phase == Phase.FAILED and fatal:
             reason = f"vLLM failed before it was ready: {fatal[0]}"
         return _failed(st, reason, fatal, attempt)
     st.state, st.reason = state, reason
@@ -230,10 +231,10 @@ def _ended_in_run_dir(st: JobStatus, marker: dict[str, Any] | None, phase: str |
     noticed yet (R/E for a moment after the start script exits)."""
     code = (marker or {}).get("exit_code")
     st.exit_status = code
-    if phase == "cancelled":
+    if phase == Phase.CANCELLED:
         st.state, st.reason = ServerState.CANCELLED, "stopped by a signal"
         return st
-    if phase == "failed":
+    if phase == Phase.FAILED:
         reason = f"vLLM failed before it was ready: {fatal[0]}" if fatal else f"start failed (exit {code})"
         return _failed(st, reason, fatal, attempt)
     st.state, st.reason = (ServerState.FINISHED, "exited normally") if code == 0 else (
@@ -252,7 +253,7 @@ def _not_ready(st: JobStatus, phase: str | None, fatal: list[str] | None, attemp
                                and is_compile_failure(attempt))
         return _failed(st, f"vLLM failed: {fatal[0]}", fatal, attempt)
     st.state = ServerState.STARTING
-    st.phase = "job started" if phase in (None, "setup") else current_phase(attempt)
+    st.phase = "job started" if phase is None or phase == Phase.SETUP else current_phase(attempt)
     if health_status == 200 and identity is not None and identity.foreign:
         st.foreign = identity.detail
         st.phase = f"port {st.port} answered by another server (it {identity.detail})"

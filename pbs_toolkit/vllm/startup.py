@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
+from pbs_toolkit.server.phases import Phase
 from pbs_toolkit.vllm.logline import split_log_line
 
 #: A start that died with one of these before it was ready is restarted once with --enforce-eager. The start
@@ -30,14 +31,15 @@ def is_compile_failure(lines: Iterable[str]) -> bool:
     return any(pattern.search(line) for line in lines)
 
 
-STARTING = "starting"
+#: the phases the start script also writes to server.json share its strings (server/phases.py)
+STARTING = Phase.STARTING.value
 LOADING_WEIGHTS = "loading weights"
 COMPILING = "compiling"
 INITIALIZING_ENGINE = "initializing engine"
 CAPTURING_GRAPHS = "capturing CUDA graphs"
 STARTING_API_SERVER = "starting API server"
-READY = "ready"
-FAILED = "failed"
+READY = Phase.READY.value
+FAILED = Phase.FAILED.value
 
 #: every value :func:`current_phase` returns, in startup order (``failed`` may follow any of them)
 PHASES = (
