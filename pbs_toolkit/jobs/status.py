@@ -223,7 +223,7 @@ def combine(
         return st
     if fatal:
         st.confirmed = False
-        st.restart_expected = (not record.extra.get("eager") and not st.eager_fallback
+        st.restart_expected = (not record.spec.eager and not st.eager_fallback
                                and is_compile_failure(attempt))
         return failed(f"vLLM failed: {fatal[0]}")
     st.state = ServerState.STARTING

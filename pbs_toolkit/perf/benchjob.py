@@ -104,7 +104,7 @@ def _vllm_bench(runner: Runner, st: Any, concurrency: int, n: int, input_len: in
     result_dir = f"{record.run_dir}/bench"
     argv = vllm_bench_argv(st.url, record.served_model_name, record.model, concurrency, n, input_len,
                            output_len, result_dir, filename)
-    venv = str(record.extra.get("venv") or "")
+    venv = record.spec.venv or ""
     result = runner.run(["bash", "-c", _VLLM_BENCH, "pbstk-bench", record.run_dir, venv, *argv], timeout=None)
     if result.rc != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
