@@ -303,6 +303,47 @@ def test_a_schema_1_store_is_migrated_launch_keys_into_spec(isolated_user: Path)
     assert not list(path.parent.glob("*.corrupt-*"))
 
 
+def _schema_1_store(path: Path) -> None:
+    path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    conn = sqlite3.connect(path)
+    conn.executescript(_SCHEMA_1)
+    conn.execute("INSERT INTO jobs VALUES ('9.pbs01', '', 'pbs', 'generic-pbspro', 'org/m', 'org/m', 'tp2dp2', "
+                 "'old', '/runs/old', 1000.0, NULL, NULL, 'FAILED', ?)", (json.dumps(_OLD_EXTRA),))
+    conn.commit()
+    conn.close()
+
+
+def _layout_of_old_job(_: int) -> str:
+    return JobStore().find("9.pbs01").spec.layout
+
+
+def test_processes_opening_a_schema_1_store_at_once_migrate_it_once(isolated_user: Path) -> None:
+    path = isolated_user / "state" / "pbstk" / "jobs.sqlite3"
+    _schema_1_store(path)
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        assert pool.map(_layout_of_old_job, range(8)) == ["TP2xDP2"] * 8
+    assert not list(path.parent.glob("*.corrupt-*"))
+
+
+def test_a_schema_1_store_locked_by_a_writer_is_one_line_saying_locked(isolated_user: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The migration waits for the writer's lock like any write; when that times out the line says so, and the
+    next call, with the lock gone, migrates."""
+    path = isolated_user / "state" / "pbstk" / "jobs.sqlite3"
+    _schema_1_store(path)
+    monkeypatch.setenv("PBSTK_STORE_TIMEOUT", "0.3")
+    holder = sqlite3.connect(path)
+    holder.execute("BEGIN IMMEDIATE")  # a writer: readers go on, the migration's BEGIN IMMEDIATE waits
+    try:
+        result = CliRunner().invoke(cli, ["jobs"])
+    finally:
+        holder.rollback()
+        holder.close()
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 10 and len(lines) == 1 and "locked" in lines[0], result.output
+    assert _cli_ok("jobs", "--all", "--json") and JobStore().find("9.pbs01").spec.layout == "TP2xDP2"
+
+
 def test_an_old_run_dir_record_is_readopted_with_its_spec(tmp_path: Path) -> None:
     """``pbstk-job.json`` written before LaunchSpec held the launch keys in ``extra``: re-adoption reads them."""
     from pbs_toolkit.jobs.store import read_run_dir_record

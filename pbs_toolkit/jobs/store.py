@@ -492,7 +492,8 @@ def _migrate_spec(conn: sqlite3.Connection) -> None:
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        if conn.in_transaction:  # not when BEGIN itself failed (locked): keep that error, not ROLLBACK's
+            conn.execute("ROLLBACK")
         raise
 
 
