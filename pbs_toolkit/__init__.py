@@ -19,6 +19,8 @@ _LAZY = {
     "Metrics": ("pbs_toolkit.client", "Metrics"),
     "Diagnosis": ("pbs_toolkit.client", "Diagnosis"),
     "BenchResult": ("pbs_toolkit.client", "BenchResult"),
+    "LevelResult": ("pbs_toolkit.perf.benchjob", "LevelResult"),
+    "TuneReport": ("pbs_toolkit.perf.tune", "TuneReport"),
     "RenderRequest": ("pbs_toolkit.jobs.render", "RenderRequest"),
     "JobStatus": ("pbs_toolkit.jobs.status", "JobStatus"),
     "wait_until_ready": ("pbs_toolkit.jobs.readiness", "wait_until_ready"),

@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     from pbs_toolkit.jobs.render import RenderedJob, RenderRequest
     from pbs_toolkit.jobs.status import JobStatus
     from pbs_toolkit.jobs.store import JobRecord, JobStore
+    from pbs_toolkit.perf.benchjob import LevelResult
     from pbs_toolkit.perf.doctor import Finding
+    from pbs_toolkit.perf.tune import TuneReport
     from pbs_toolkit.transports import Runner
     from pbs_toolkit.vllm.prom import MetricsSnapshot
 
@@ -98,11 +100,23 @@ class Diagnosis:
 
 @dataclass(frozen=True)
 class BenchResult:
-    """One benchmark of a READY job: one result per concurrency (``vllm bench serve`` field names)."""
+    """One benchmark of a READY job: one ``LevelResult`` per concurrency (``vllm bench serve`` field names).
+
+    ``to_dict`` is what ``pbstk bench --json`` prints; ``from_dict`` reads it (and the saved
+    ``benchmarks/gpu/results/h200-bench-*.json``) back."""
 
     job_id: str
     preset: str
-    results: list[dict[str, Any]]
+    results: list[LevelResult]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "preset": self.preset, "results": [r.to_dict() for r in self.results]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchResult:
+        from pbs_toolkit.perf.benchjob import LevelResult
+
+        return cls(str(data["job_id"]), str(data["preset"]), [LevelResult.from_dict(r) for r in data["results"]])
 
 
 class Client:
@@ -370,8 +384,9 @@ class Client:
              concurrencies: Sequence[int] = (1, 8, 64), input_len: int = 128, output_len: int = 256,
              num_prompts: int | None = None, rounds: int = 4, client: str = "auto", timeout: float = 3600.0,
              baseline: str | None = None, progress: Callable[[str], None] | None = None,
-             **options: Any) -> dict[str, Any]:
-        """Launch, wait, benchmark and cancel each preset in turn; the result document (``tune.run_tune``)."""
+             **options: Any) -> TuneReport:
+        """Launch, wait, benchmark and cancel each preset in turn; the report (``tune.run_tune``), whose
+        ``to_dict`` is the JSON ``pbstk tune`` saves."""
         from pbs_toolkit.jobs.render import resolve_profile
         from pbs_toolkit.perf.tune import run_tune
 

@@ -17,7 +17,7 @@ from helpers import MODEL, wait_for
 from sshd import SshdInfo
 
 import pbs_toolkit
-from pbs_toolkit.client import Client, Endpoint, Job
+from pbs_toolkit.client import BenchResult, Client, Endpoint, Job
 from pbs_toolkit.errors import ServerFailed, WaitTimeout
 from pbs_toolkit.jobs.status import ServerState
 from pbs_toolkit.jobs.store import JobStore
@@ -209,14 +209,16 @@ def test_metrics_bench_and_tune_share_the_clients_runner(standins: Path, runners
     with Client(runner_factory=factory) as client:
         doc = client.tune(MODEL, ["single"], profile="local-gpu", gpus_per_node=1, port="auto", concurrencies=[1],
                           input_len=8, output_len=4, num_prompts=2, client="builtin", timeout=30)
-        assert [run["preset"] for run in doc["runs"]] == ["single"] and doc["recommended"] == "single"
+        assert [run.preset for run in doc.runs] == ["single"] and doc.recommended == "single"
+        assert doc.runs[0].results[0].client == "builtin" and doc.runs[0].throughput(1)
         job = client.launch(MODEL, **LOCAL)
         try:
             client.wait(job, timeout=30)
             metrics = client.metrics(job, interval=0.1)
             assert metrics.job_id == job.job_id and "running" in metrics.summary
             bench = client.bench(job, [1], input_len=8, output_len=4, num_prompts=2, client="builtin")
-            assert [(r["concurrency"], r["completed"], r["failed"]) for r in bench.results] == [(1, 2, 0)]
+            assert [(r.concurrency, r.completed, r.failed) for r in bench.results] == [(1, 2, 0)]
+            assert BenchResult.from_dict(bench.to_dict()) == bench
         finally:
             client.cancel(job)
     assert opened == [""] and len(runners_made) == 1  # tune used to open a runner of its own

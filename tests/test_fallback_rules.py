@@ -47,12 +47,13 @@ def test_torch_messages_seen_on_gpus_match() -> None:
 
 @pytest.mark.parametrize(("eager", "expected"), [(False, True), (True, False)])
 def test_wait_expects_the_eager_restart_only_when_one_will_come(eager: bool, expected: bool) -> None:
+    from pbs_toolkit.jobs.spec import LaunchSpec
     from pbs_toolkit.jobs.status import ServerState, combine
     from pbs_toolkit.jobs.store import JobRecord
     from pbs_toolkit.schedulers import SchedState, SchedulerJob
 
     record = JobRecord(job_id="1.local", scheduler="local", profile="local", model="m", served_model_name="m",
-                       preset="cpu", name="m", run_dir="/nonexistent", extra={"eager": eager})
+                       preset="cpu", name="m", run_dir="/nonexistent", spec=LaunchSpec(eager=eager))
     lines = (Path(__file__).parent / "data" / "vllm-cpu" / "fatal-compile-no-cxx.log").read_text().splitlines()
     marker = {"phase": "starting", "port": 8000, "address": "127.0.0.1", "attempt": 1, "eager_fallback": False}
     st = combine(record, SchedulerJob("1.local", SchedState.RUNNING, "R"), marker, lines, None)

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from pbs_toolkit.cli.main import cli
 from pbs_toolkit.errors import JobNotFound, UsageError
+from pbs_toolkit.jobs.spec import LaunchSpec
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 
 SECRET = "sk-test-NEVER-PRINT-ME-0123456789"
@@ -50,14 +51,15 @@ def test_private_even_with_a_permissive_umask(tmp_path: Path) -> None:
 def test_round_trip_and_final_state() -> None:
     store = JobStore()
     record = make("7.pbs01", final_state=None)
-    record.extra = {"layout": "DP4", "gpus": 4}
+    record.spec = LaunchSpec(layout="DP4", gpus=4, vllm_args=["--max-model-len", "4096"], params_b=8.0)
+    record.extra = {"sched_absence": 1}
     store.add(record)
     got = store.find("7.pbs01")
     assert got == record
     store.set_final_state(got, "FAILED", final_reason="walltime exceeded", exit_status=-29)
     again = store.find("7.pbs01")
-    assert again.final_state == "FAILED"
-    assert again.extra == {"layout": "DP4", "gpus": 4, "final_reason": "walltime exceeded", "exit_status": -29}
+    assert again.final_state == "FAILED" and again.spec == record.spec
+    assert again.extra == {"sched_absence": 1, "final_reason": "walltime exceeded", "exit_status": -29}
     store.remove(again)
     assert store.all() == []
 
@@ -252,3 +254,113 @@ def test_unrecorded_launches_are_mentioned_and_dead_empty_ones_dropped(tmp_path:
     assert "the launch of 'remote' via login1 is not recorded yet" in result.stderr
     assert "'dead'" not in result.stderr  # its launcher is gone and its run directory never existed
     assert [i.name for i in store.intents()] == ["remote"]
+
+
+_SCHEMA_1 = """
+CREATE TABLE jobs (job_id TEXT NOT NULL, transport TEXT NOT NULL, scheduler TEXT NOT NULL, profile TEXT NOT NULL,
+    model TEXT NOT NULL, served_model_name TEXT NOT NULL, preset TEXT NOT NULL, name TEXT NOT NULL,
+    run_dir TEXT NOT NULL, created REAL NOT NULL, api_key TEXT, api_key_env TEXT, final_state TEXT,
+    extra TEXT NOT NULL DEFAULT '{}', PRIMARY KEY (transport, job_id));
+CREATE TABLE intents (id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL, transport TEXT NOT NULL,
+    run_dir TEXT NOT NULL, created REAL NOT NULL, launcher TEXT NOT NULL, record TEXT NOT NULL);
+CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+PRAGMA user_version = 1;
+"""
+_OLD_EXTRA = {"vllm_args": ["--max-model-len", "4096"], "layout": "TP2xDP2", "tensor_parallel": 2,
+              "data_parallel": 2, "pipeline_parallel": 1, "gpus": 4, "eager": True, "vllm_version": "0.11.0",
+              "ssh_host": None, "vllm_cache_root": "/shared/cache", "params_b": 8.03, "venv": "/sw/venv",
+              "final_reason": "walltime exceeded", "sched_absence": 2}
+
+
+def test_a_schema_1_store_is_migrated_launch_keys_into_spec(isolated_user: Path) -> None:
+    """A store written before LaunchSpec (launch keys in ``extra``) keeps working: the rows are migrated once,
+    the launch keys become ``record.spec`` and ``extra`` keeps the runtime bookkeeping."""
+    path = isolated_user / "state" / "pbstk" / "jobs.sqlite3"
+    path.parent.mkdir(parents=True, mode=0o700)
+    conn = sqlite3.connect(path)
+    conn.executescript(_SCHEMA_1)
+    conn.execute("INSERT INTO jobs VALUES ('9.pbs01', '', 'pbs', 'generic-pbspro', 'org/m', 'org/m', 'tp2dp2', "
+                 "'old', '/runs/old', 1000.0, ?, 'PBSTK_KEY_OLD', 'FAILED', ?)", (SECRET, json.dumps(_OLD_EXTRA)))
+    conn.execute("INSERT INTO jobs VALUES ('10.pbs01', '', 'pbs', 'generic-pbspro', 'org/m', 'org/m', 'dp4', "
+                 "'bad', '/runs/bad', 2000.0, NULL, NULL, 'FINISHED', '{not json')")
+    conn.commit()
+    conn.close()
+    record = JobStore().find("9.pbs01")
+    assert record.spec == LaunchSpec(vllm_args=["--max-model-len", "4096"], layout="TP2xDP2", tensor_parallel=2,
+                                     data_parallel=2, gpus=4, eager=True, vllm_version="0.11.0",
+                                     vllm_cache_root="/shared/cache", params_b=8.03, venv="/sw/venv")
+    assert record.extra == {"final_reason": "walltime exceeded", "sched_absence": 2}
+    conn = sqlite3.connect(path)
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    rows = dict(conn.execute("SELECT job_id, extra FROM jobs").fetchall())
+    spec = json.loads(conn.execute("SELECT spec FROM jobs WHERE job_id = '9.pbs01'").fetchone()[0])
+    conn.close()
+    assert version == 2 and spec["layout"] == "TP2xDP2"
+    assert json.loads(rows["9.pbs01"]) == {"final_reason": "walltime exceeded", "sched_absence": 2}
+    assert rows["10.pbs01"] == "{not json"  # left as it was: read with a warning, as before
+    listed = {r["job_id"]: r for r in json.loads(_cli_ok("jobs", "--all", "--json").stdout)}
+    assert listed["9.pbs01"]["spec"]["gpus"] == 4 and "layout" not in listed["9.pbs01"]["extra"]
+    assert not list(path.parent.glob("*.corrupt-*"))
+
+
+def _schema_1_store(path: Path) -> None:
+    path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    conn = sqlite3.connect(path)
+    conn.executescript(_SCHEMA_1)
+    conn.execute("INSERT INTO jobs VALUES ('9.pbs01', '', 'pbs', 'generic-pbspro', 'org/m', 'org/m', 'tp2dp2', "
+                 "'old', '/runs/old', 1000.0, NULL, NULL, 'FAILED', ?)", (json.dumps(_OLD_EXTRA),))
+    conn.commit()
+    conn.close()
+
+
+def _layout_of_old_job(_: int) -> str:
+    return JobStore().find("9.pbs01").spec.layout
+
+
+def test_processes_opening_a_schema_1_store_at_once_migrate_it_once(isolated_user: Path) -> None:
+    path = isolated_user / "state" / "pbstk" / "jobs.sqlite3"
+    _schema_1_store(path)
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        assert pool.map(_layout_of_old_job, range(8)) == ["TP2xDP2"] * 8
+    assert not list(path.parent.glob("*.corrupt-*"))
+
+
+def test_a_schema_1_store_locked_by_a_writer_is_one_line_saying_locked(isolated_user: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The migration waits for the writer's lock like any write; when that times out the line says so, and the
+    next call, with the lock gone, migrates."""
+    path = isolated_user / "state" / "pbstk" / "jobs.sqlite3"
+    _schema_1_store(path)
+    monkeypatch.setenv("PBSTK_STORE_TIMEOUT", "0.3")
+    holder = sqlite3.connect(path)
+    holder.execute("BEGIN IMMEDIATE")  # a writer: readers go on, the migration's BEGIN IMMEDIATE waits
+    try:
+        result = CliRunner().invoke(cli, ["jobs"])
+    finally:
+        holder.rollback()
+        holder.close()
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 10 and len(lines) == 1 and "locked" in lines[0], result.output
+    assert _cli_ok("jobs", "--all", "--json") and JobStore().find("9.pbs01").spec.layout == "TP2xDP2"
+
+
+def test_an_old_run_dir_record_is_readopted_with_its_spec(tmp_path: Path) -> None:
+    """``pbstk-job.json`` written before LaunchSpec held the launch keys in ``extra``: re-adoption reads them."""
+    from pbs_toolkit.jobs.store import read_run_dir_record
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job_id").write_text("12.pbs01\n")
+    old = {k: v for k, v in make("x").public().items() if k not in ("job_id", "final_state", "spec")}
+    (run / "pbstk-job.json").write_text(json.dumps({**old, "extra": _OLD_EXTRA}))
+    record = read_run_dir_record(str(run))
+    assert record is not None and record.job_id == "12.pbs01"
+    assert record.spec.layout == "TP2xDP2" and record.spec.venv == "/sw/venv"
+    assert "layout" not in record.extra and record.extra["sched_absence"] == 2
+
+
+def test_a_spec_of_the_wrong_shape_falls_back_field_by_field() -> None:
+    spec = LaunchSpec.from_dict({"gpus": "4", "eager": 1, "params_b": 7, "vllm_args": "x", "layout": "DP4",
+                                 "unknown": True})
+    assert spec == LaunchSpec(layout="DP4", params_b=7.0)
+    assert LaunchSpec.from_dict(["not", "a", "dict"]) == LaunchSpec()

@@ -447,3 +447,63 @@ def test_concurrent_writers_lose_nothing_and_readers_never_see_a_broken_file(
     assert set(entries) == {"seed"} | {f"alias-{i}" for i in range(WRITERS)}
     assert entries["alias-7"].url == "http://node7:8000/v1"
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+class _TabFormat:
+    """A format a contributor might add: one ``alias<TAB>model<TAB>url<TAB>key_env`` line per entry."""
+
+    name: str = "tab"
+    suffixes: tuple[str, ...] = (".tab",)
+    holds_secrets: bool = False
+
+    def check(self, text: str, path: Path) -> None:
+        self.parse(text, path)
+
+    def parse(self, text: str, path: Path) -> dict[str, EndpointEntry]:
+        entries = {}
+        for number, line in enumerate(text.splitlines(), 1):
+            fields = line.split("\t")
+            if len(fields) != 4:
+                raise RegistryError(f"{path}: line {number}: expected 4 tab-separated fields")
+            entries[fields[0]] = EndpointEntry(*fields)
+        return entries
+
+    def upsert(self, text: str | None, entry: EndpointEntry, path: Path,
+               api_key: str | None) -> tuple[str, bool]:
+        entries = {**self.parse(text or "", path), entry.alias: entry}
+        return "".join(f"{e.alias}\t{e.model}\t{e.url}\t{e.key_env}\n" for e in entries.values()), False
+
+    def remove(self, text: str, alias: str, path: Path) -> str | None:
+        entries = self.parse(text, path)
+        if entries.pop(alias, None) is None:
+            return None
+        return "".join(f"{e.alias}\t{e.model}\t{e.url}\t{e.key_env}\n" for e in entries.values())
+
+
+def test_a_format_is_one_entry_in_the_formats_dict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Detection, write, read, remove and the check before a wait all come from ``FORMATS``: a new format
+    needs no change in registry.py, and gets its file safety (lock, atomic rename, modes) for free."""
+    from pbs_toolkit.endpoints.formats import RegistryFormat
+    from pbs_toolkit.endpoints.registry import check_target
+
+    tab: RegistryFormat = _TabFormat()
+    monkeypatch.setitem(FORMATS, "tab", tab)
+    path = tmp_path / "endpoints.tab"
+    assert detect_format(path) == "tab"
+    assert write_endpoint(path, NEW) == path
+    assert path.read_text() == f"{NEW.alias}\t{NEW.model}\t{NEW.url}\t{NEW.key_env}\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert read_endpoints(path) == {NEW.alias: NEW}
+    assert check_target(path) == (path, "tab")
+    with pytest.raises(RegistryError, match="never hold the key"):
+        write_endpoint(path, NEW, api_key="sk-1")  # holds_secrets=False refuses a key, as for py/toml
+    assert remove_endpoint(path, NEW.alias) and path.read_text() == ""
+    path.write_text("broken line\n")
+    with pytest.raises(RegistryError, match="line 1"):
+        check_target(path)
+
+
+def test_every_shipped_format_is_in_the_dict_under_its_own_name() -> None:
+    assert list(FORMATS) == ["py", "toml", "yaml", "json"]
+    assert all(fmt.name == name and fmt.suffixes for name, fmt in FORMATS.items())
+    assert [name for name, fmt in FORMATS.items() if fmt.holds_secrets] == ["yaml", "json"]

@@ -193,8 +193,9 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
 
     levels = _int_list(concurrency)
     st = _ready_status(job, wait_ready, timeout)
-    results = benchmark_ready_job(st, levels, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
-                                  client=client, notice=lambda m: click.echo(f"pbstk: note: {m}", err=True))
+    results = [r.to_dict() for r in benchmark_ready_job(
+        st, levels, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
+        client=client, notice=lambda m: click.echo(f"pbstk: note: {m}", err=True))]
     if as_json:
         echo_json({"job_id": st.record.job_id, "preset": st.record.preset, "results": results})
         return
@@ -242,14 +243,14 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
          **kw: Any) -> None:
     """Launch each preset for MODEL, benchmark them identically, and recommend the fastest."""
     from pbs_toolkit.errors import UsageError
-    from pbs_toolkit.perf.tune import load_result, merge, plot, render_table, run_tune, save_result
+    from pbs_toolkit.perf.tune import TuneReport, load_result, merge, plot, render_table, run_tune, save_result
 
     if reports:
         doc = load_result(reports[0])
         for extra in reports[1:]:
             doc = merge(doc, load_result(extra), baseline)
         if baseline:
-            doc["baseline"] = baseline
+            doc.baseline = baseline
         if output:
             click.echo(f"saved {save_result(doc, output)}", err=True)
     else:
@@ -258,7 +259,7 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
         names = [p.strip() for p in preset_list.split(",") if p.strip()]
         earlier = load_result(output) if append and output and os.path.exists(output) else None
 
-        def checkpoint(partial: dict[str, Any]) -> None:
+        def checkpoint(partial: TuneReport) -> None:
             save_result(merge(earlier, partial, baseline) if earlier else partial, output)
 
         doc = run_tune(build_request(model, **kw), names, concurrencies=_int_list(concurrency),
@@ -270,16 +271,16 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
         path = save_result(doc, output)
         click.echo(f"saved {path}", err=True)
     if as_json:
-        echo_json(doc)
+        echo_json(doc.to_dict())
     else:
         click.echo(render_table(doc))
     if png:
         click.echo(f"chart: {plot(doc, png)}", err=True)
-    if save_default and doc.get("recommended") and not reports:
+    if save_default and doc.recommended and not reports:
         from pbs_toolkit.settings.config import save_default_preset
 
-        click.echo(f"default preset for {doc['model']} is now {doc['recommended']} "
-                   f"({save_default_preset(doc['model'], doc['recommended'])})")
+        click.echo(f"default preset for {doc.model} is now {doc.recommended} "
+                   f"({save_default_preset(doc.model, doc.recommended)})")
 
 
 COMMANDS = [metrics, doctor, bench, tune]

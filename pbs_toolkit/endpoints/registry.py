@@ -1,6 +1,6 @@
 """Endpoint registries: write one endpoint entry into the file an evaluation tool reads, safely.
 
-Formats (one module each):
+Formats (one module each, behind one ``RegistryFormat`` interface in ``formats.FORMATS``):
 
 * ``py``   verifiers 0.1.x ``configs/endpoints.py`` (``py_dict``)
 * ``toml`` verifiers 0.3.x ``configs/endpoints.toml`` (``verifiers_toml``)
@@ -19,11 +19,13 @@ import os
 from pathlib import Path
 
 from pbs_toolkit.endpoints.entry import EndpointEntry, validate_entry
+from pbs_toolkit.endpoints.formats import FORMATS, RegistryFormat, by_suffix
 from pbs_toolkit.errors import RegistryError
 
 __all__ = [
     "FORMATS",
     "EndpointEntry",
+    "RegistryFormat",
     "check_target",
     "default_registry_path",
     "detect_format",
@@ -31,10 +33,6 @@ __all__ = [
     "remove_endpoint",
     "write_endpoint",
 ]
-
-FORMATS = ("py", "toml", "yaml", "json")
-_SUFFIXES = {".py": "py", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}
-_SECRET_FORMATS = ("yaml", "json")
 
 
 def detect_format(path: str | os.PathLike[str], fmt: str = "auto", *, force: bool = False) -> str:
@@ -44,23 +42,24 @@ def detect_format(path: str | os.PathLike[str], fmt: str = "auto", *, force: boo
     unless ``force``; a path without a known suffix takes the named format.
     """
     suffix = Path(path).suffix.lower()
+    known = by_suffix()
     if fmt != "auto":
         if fmt not in FORMATS:
             raise RegistryError(
                 f"{path}: unknown registry format {fmt!r} (known: {', '.join(FORMATS)}, auto)"
             )
-        if suffix in _SUFFIXES and _SUFFIXES[suffix] != fmt and not force:
+        if suffix in known and known[suffix] != fmt and not force:
             raise RegistryError(
-                f"{path}: format {fmt} does not match the suffix {suffix!r} ({_SUFFIXES[suffix]}); "
+                f"{path}: format {fmt} does not match the suffix {suffix!r} ({known[suffix]}); "
                 "rename the file or use --force-format"
             )
         return fmt
-    if suffix not in _SUFFIXES:
+    if suffix not in known:
         raise RegistryError(
             f"{path}: cannot tell the registry format from the suffix {suffix or '(none)'!r}; "
-            f"use one of {', '.join(_SUFFIXES)} or name the format ({', '.join(FORMATS)})"
+            f"use one of {', '.join(known)} or name the format ({', '.join(FORMATS)})"
         )
-    return _SUFFIXES[suffix]
+    return known[suffix]
 
 
 def default_registry_path() -> Path:
@@ -120,27 +119,9 @@ def check_target(
     target = _resolve(path, create_default_dir=False, follow_symlink=follow_symlink)
     safety.check_writable(target)
     text = atomic.read_text(target, follow=False)
-    if text is not None and kind == "py":
-        from pbs_toolkit.endpoints import py_dict
-
-        py_dict.check(text, target)  # the edit's own reading: no entry evaluated
-    elif text is not None:
-        _parse(text, target, kind)
+    if text is not None:
+        FORMATS[kind].check(text, target)
     return target, kind
-
-
-def _parse(text: str, target: Path, kind: str) -> dict[str, EndpointEntry]:
-    if kind == "py":
-        from pbs_toolkit.endpoints import py_dict
-
-        return py_dict.parse(text, target)
-    if kind == "toml":
-        from pbs_toolkit.endpoints import verifiers_toml
-
-        return verifiers_toml.parse(text, target)
-    from pbs_toolkit.endpoints import data_file
-
-    return data_file.parse(text, target, kind)
 
 
 def write_endpoint(
@@ -166,7 +147,8 @@ def write_endpoint(
     target = _resolve(path, create_default_dir=True, follow_symlink=follow_symlink)
     kind = detect_format(target if path is None else path, fmt, force=force_format)
     validate_entry(entry, kind, target)
-    if api_key is not None and kind not in _SECRET_FORMATS:
+    fmt_impl: RegistryFormat = FORMATS[kind]
+    if api_key is not None and not fmt_impl.holds_secrets:
         raise RegistryError(
             f"{target}: {kind} registries name the key's environment variable ({entry.key_env}); "
             "they never hold the key itself"
@@ -177,19 +159,7 @@ def write_endpoint(
     with atomic.locked(target):
         safety.refuse_non_regular(target, target)  # again under the lock: it may have changed meanwhile
         text = atomic.read_text(target, follow=False)
-        holds_secret = False
-        if kind == "py":
-            from pbs_toolkit.endpoints import py_dict
-
-            new_text = py_dict.upsert(text, entry, target)
-        elif kind == "toml":
-            from pbs_toolkit.endpoints import verifiers_toml
-
-            new_text = verifiers_toml.upsert(text, entry, target)
-        else:
-            from pbs_toolkit.endpoints import data_file
-
-            new_text, holds_secret = data_file.upsert(text, entry, target, kind, api_key)
+        new_text, holds_secret = fmt_impl.upsert(text, entry, target, api_key)
         mode = atomic.existing_mode(target)
         if mode is None:
             mode = atomic.MODE_SECRET if holds_secret else atomic.MODE_PLAIN
@@ -211,7 +181,7 @@ def read_endpoints(path: str | os.PathLike[str] | None, fmt: str = "auto") -> di
     text = atomic.read_text(target)
     if text is None:
         return {}
-    return _parse(text, target, kind)
+    return FORMATS[kind].parse(text, target)
 
 
 def remove_endpoint(
@@ -234,18 +204,7 @@ def remove_endpoint(
         text = atomic.read_text(target, follow=False)
         if text is None:
             return False
-        if kind == "py":
-            from pbs_toolkit.endpoints import py_dict
-
-            new_text = py_dict.remove(text, alias, target)
-        elif kind == "toml":
-            from pbs_toolkit.endpoints import verifiers_toml
-
-            new_text = verifiers_toml.remove(text, alias, target)
-        else:
-            from pbs_toolkit.endpoints import data_file
-
-            new_text = data_file.remove(text, alias, target, kind)
+        new_text = FORMATS[kind].remove(text, alias, target)
         if new_text is None:
             return False
         mode = atomic.existing_mode(target)

@@ -18,6 +18,7 @@ from typing import Any
 from pbs_toolkit import paths
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.jobs.render import RenderedJob, RenderRequest, render, run_dir_errors
+from pbs_toolkit.jobs.spec import LaunchSpec
 from pbs_toolkit.jobs.store import (
     JOB_ID_MARKER,
     JOB_ID_RE,
@@ -137,14 +138,14 @@ def launch(
             served_model_name=rendered.served_model_name, preset=rendered.preset.name, name=rendered.job_name,
             run_dir=rendered.run_dir, transport=transport, api_key=key,
             api_key_env=key_env_name(rendered.job_name) if key else None,
-            extra={"vllm_args": rendered.vllm_args, "layout": rendered.preset.layout(),
-                   "tensor_parallel": rendered.preset.tensor_parallel,
-                   "data_parallel": rendered.preset.data_parallel,
-                   "pipeline_parallel": rendered.preset.pipeline_parallel,
-                   "gpus": rendered.preset.gpus, "eager": rendered.preset.eager,
-                   "vllm_version": rendered.profile.vllm_version, "ssh_host": transport or None,
-                   "vllm_cache_root": rendered.profile.vllm_cache_root, "params_b": rendered.params_b,
-                   "venv": rendered.profile.venv},
+            spec=LaunchSpec(vllm_args=rendered.vllm_args, layout=rendered.preset.layout(),
+                            tensor_parallel=rendered.preset.tensor_parallel,
+                            data_parallel=rendered.preset.data_parallel,
+                            pipeline_parallel=rendered.preset.pipeline_parallel,
+                            gpus=rendered.preset.gpus, eager=rendered.preset.eager,
+                            vllm_version=rendered.profile.vllm_version, ssh_host=transport or None,
+                            vllm_cache_root=rendered.profile.vllm_cache_root, params_b=rendered.params_b,
+                            venv=rendered.profile.venv),
         )
         if dry_run:
             return LaunchResult(record, rendered)

@@ -249,7 +249,7 @@ def _not_ready(st: JobStatus, phase: str | None, fatal: list[str] | None, attemp
 
     if fatal:
         st.confirmed = False
-        st.restart_expected = (not st.record.extra.get("eager") and not st.eager_fallback
+        st.restart_expected = (not st.record.spec.eager and not st.eager_fallback
                                and is_compile_failure(attempt))
         return _failed(st, f"vLLM failed: {fatal[0]}", fatal, attempt)
     st.state = ServerState.STARTING

@@ -28,8 +28,10 @@ from typing import Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import JobNotFound, StoreError, UsageError
+from pbs_toolkit.jobs.spec import SPEC_KEYS, LaunchSpec, split_legacy_extra
 
-SCHEMA_VERSION = 1
+#: 2: the launch settings moved from ``extra`` into their own ``spec`` column (see ``_migrate_spec``)
+SCHEMA_VERSION = 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT NOT NULL,
@@ -46,6 +48,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     api_key_env TEXT,
     final_state TEXT,
     extra TEXT NOT NULL DEFAULT '{}',
+    spec TEXT NOT NULL DEFAULT '{}',
     PRIMARY KEY (transport, job_id)
 );
 CREATE TABLE IF NOT EXISTS intents (
@@ -91,7 +94,10 @@ class JobRecord:
     api_key_env: str | None = None
     #: set once a final state is known, so later status calls skip the scheduler
     final_state: str | None = None
+    #: runtime bookkeeping only (final reason, absence count, verified endpoint, ...)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: what the job was launched with (layout, vLLM arguments, ...): written once by ``launch``
+    spec: LaunchSpec = field(default_factory=LaunchSpec)
 
     def public(self) -> dict[str, Any]:
         """Everything but the secret."""
@@ -222,8 +228,10 @@ class JobStore:
             raise StoreError(f"the job store {self.path} was written by a newer pbstk (schema {version}); "
                              f"upgrade pbstk or set XDG_STATE_HOME elsewhere")
         cols = {row[1] for row in conn.execute("PRAGMA table_info(jobs)")}
-        if cols and not set(_COLUMNS) <= cols:
+        if cols and not set(_COLUMNS) - {"spec"} <= cols:
             return f"not a pbstk job store (table jobs lacks {', '.join(sorted(set(_COLUMNS) - cols))})"
+        if cols and "spec" not in cols:
+            _migrate_spec(conn)
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not cols and tables - {"intents", "counters", "sqlite_sequence"}:
             return f"not a pbstk job store (tables {', '.join(sorted(tables))})"
@@ -461,9 +469,38 @@ def _insert(conn: sqlite3.Connection, record: JobRecord) -> None:
         raise sqlite3.IntegrityError(f"job {record.job_id} is already recorded; not replacing it") from None
 
 
+def _migrate_spec(conn: sqlite3.Connection) -> None:
+    """Schema 1 -> 2: add the ``spec`` column and move each row's launch keys out of ``extra`` into it.
+
+    One ``BEGIN IMMEDIATE`` transaction that looks at the columns again, so two pbstk processes opening the
+    same old store at once migrate it once; a row whose ``extra`` is not JSON is left as it was (it is read
+    with a warning, as before)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if "spec" not in {row[1] for row in conn.execute("PRAGMA table_info(jobs)")}:
+            conn.execute("ALTER TABLE jobs ADD COLUMN spec TEXT NOT NULL DEFAULT '{}'")
+            for row in conn.execute("SELECT rowid, extra FROM jobs").fetchall():
+                try:
+                    extra = json.loads(row["extra"] or "{}")
+                except (ValueError, TypeError):
+                    continue
+                if not isinstance(extra, dict) or not SPEC_KEYS & extra.keys():
+                    continue
+                spec, rest = split_legacy_extra(extra, None)
+                conn.execute("UPDATE jobs SET extra = ?, spec = ? WHERE rowid = ?",
+                             (json.dumps(rest), json.dumps(spec.to_dict()), row["rowid"]))
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:  # not when BEGIN itself failed (locked): keep that error, not ROLLBACK's
+            conn.execute("ROLLBACK")
+        raise
+
+
 def _values(record: JobRecord) -> list[Any]:
     data = asdict(record)
     data["extra"] = json.dumps(record.extra)
+    data["spec"] = json.dumps(record.spec.to_dict())
     return [data[c] for c in _COLUMNS]
 
 
@@ -483,7 +520,12 @@ def _row_to_record(data: dict[str, Any]) -> tuple[JobRecord | None, str | None]:
             raise ValueError("not an object")
     except (ValueError, TypeError) as exc:
         extra, problem = {"broken_record": f"extra is not a JSON object: {exc}"}, "bad extra JSON"
-    data["extra"] = extra
+    try:
+        spec = json.loads(data.get("spec") or "{}")
+    except (ValueError, TypeError):
+        spec, problem = {}, problem or "bad spec JSON"
+    # rows, intents and run-directory records written before LaunchSpec kept its keys in extra
+    data["spec"], data["extra"] = split_legacy_extra(extra, spec)
     return JobRecord(**data), problem
 
 
@@ -492,7 +534,8 @@ def _load_intents(conn: sqlite3.Connection) -> list[Intent]:
     for row in conn.execute("SELECT id, name, transport, run_dir, created, launcher, record FROM intents"):
         try:
             data = json.loads(row["record"])
-            record, _ = _row_to_record({**data, "extra": json.dumps(data.get("extra") or {})})
+            record, _ = _row_to_record({**data, "extra": json.dumps(data.get("extra") or {}),
+                                        "spec": json.dumps(data.get("spec") or {})})
         except (ValueError, TypeError):
             record = None
         if record is None:
@@ -535,6 +578,7 @@ def read_run_dir_record(run_dir: str) -> JobRecord | None:
         key_file = Path(run_dir, "api_key")
         data["api_key"] = key_file.read_text().strip() if key_file.exists() else None
         data["extra"] = json.dumps(data.get("extra") or {})
+        data["spec"] = json.dumps(data.get("spec") or {})
         data.setdefault("final_state", None)
         record, _ = _row_to_record({k: data.get(k) for k in _COLUMNS})
     except (OSError, ValueError, TypeError):

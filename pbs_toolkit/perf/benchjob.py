@@ -11,12 +11,55 @@ Both gave the same numbers within run-to-run noise on an H200 (benchmarks/README
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
+from pbs_toolkit.perf.bench import BenchResult
 from pbs_toolkit.transports import Runner, open_runner
 
 CLIENTS = ("auto", "vllm", "builtin")
+#: ``BenchResult`` fields a saved result may lack and that are then 0 (the rest become ``None``)
+_COUNTS = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+           "output_throughput", "total_token_throughput")
+
+
+@dataclass(kw_only=True)
+class LevelResult(BenchResult):
+    """One concurrency level of a benchmark: the ``vllm bench serve`` numbers plus how they were produced.
+
+    Saved in tune reports and printed by ``bench --json`` as one flat object (:meth:`to_dict`); reports saved
+    before ``client`` was recorded load with ``client=None``. Keys this version does not know are kept in
+    ``other`` and written back, so re-saving a report loses nothing."""
+
+    concurrency: int
+    num_prompts: int
+    #: ``vllm`` or ``builtin``; ``None`` in reports that predate it
+    client: str | None = None
+    other: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        head: dict[str, Any] = {"concurrency": self.concurrency, "num_prompts": self.num_prompts}
+        if self.client is not None:
+            head["client"] = self.client
+        stats = {f.name: getattr(self, f.name) for f in fields(BenchResult)}
+        return {**head, **stats, "errors": list(self.errors), **self.other}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LevelResult:
+        known = {f.name for f in fields(cls)}
+        stats: dict[str, Any] = {f.name: data.get(f.name, 0 if f.name in _COUNTS else None)
+                 for f in fields(BenchResult) if f.name != "errors"}
+        client = data.get("client")
+        return cls(**stats, errors=[str(e) for e in data.get("errors") or []],
+                   concurrency=int(data.get("concurrency") or 0), num_prompts=int(data.get("num_prompts") or 0),
+                   client=str(client) if client is not None else None,
+                   other={k: v for k, v in data.items() if k not in known})
+
+    @classmethod
+    def of(cls, stats: BenchResult, concurrency: int, num_prompts: int, client: str) -> LevelResult:
+        return cls(**{f.name: getattr(stats, f.name) for f in fields(BenchResult)}, concurrency=concurrency,
+                   num_prompts=num_prompts, client=client)
 
 # Constant script; every value arrives as a positional parameter.
 _VLLM_BENCH = r"""
@@ -39,8 +82,8 @@ def prompts_for(concurrency: int, num_prompts: int | None, rounds: int) -> int:
 def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int, output_len: int,
                         num_prompts: int | None, rounds: int = 4, warmup: int = 2, client: str = "auto",
                         notice: Callable[[str], None] = lambda _msg: None,
-                        runner: Runner | None = None) -> list[dict[str, Any]]:
-    """One result dict per concurrency (``vllm bench serve`` field names plus ``concurrency``, ``client``).
+                        runner: Runner | None = None) -> list[LevelResult]:
+    """One result per concurrency (``vllm bench serve`` field names plus ``concurrency``, ``client``).
 
     ``runner``: the job's transport when the caller has one open (one SSH connection for everything).
     """
@@ -50,7 +93,7 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
     runner = runner or open_runner(st.record.transport or None)
     try:
         if client in ("auto", "vllm"):
-            results: list[dict[str, Any]] = []
+            results: list[LevelResult] = []
             for c in concurrencies:
                 try:
                     n = prompts_for(c, num_prompts, rounds)
@@ -69,7 +112,7 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
 
 
 def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: int, output_len: int,
-             num_prompts: int | None, rounds: int, warmup: int) -> list[dict[str, Any]]:
+             num_prompts: int | None, rounds: int, warmup: int) -> list[LevelResult]:
     from pbs_toolkit.perf.bench import run_benchmark_sync
     from pbs_toolkit.transports.tunnel import start_tunnel
 
@@ -88,7 +131,7 @@ def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: i
             n = prompts_for(c, num_prompts, rounds)
             res = run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=c,
                                      num_prompts=n, input_len=input_len, output_len=output_len)
-            results.append({"concurrency": c, "num_prompts": n, "client": "builtin", **res.to_dict()})
+            results.append(LevelResult.of(res, c, n, "builtin"))
         return results
     finally:
         if tunnel is not None:
@@ -96,7 +139,7 @@ def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: i
 
 
 def _vllm_bench(runner: Runner, st: Any, concurrency: int, n: int, input_len: int,
-                output_len: int) -> dict[str, Any]:
+                output_len: int) -> LevelResult:
     from pbs_toolkit.perf.bench import parse_vllm_bench_json, vllm_bench_argv
 
     record = st.record
@@ -104,7 +147,7 @@ def _vllm_bench(runner: Runner, st: Any, concurrency: int, n: int, input_len: in
     result_dir = f"{record.run_dir}/bench"
     argv = vllm_bench_argv(st.url, record.served_model_name, record.model, concurrency, n, input_len,
                            output_len, result_dir, filename)
-    venv = str(record.extra.get("venv") or "")
+    venv = record.spec.venv or ""
     result = runner.run(["bash", "-c", _VLLM_BENCH, "pbstk-bench", record.run_dir, venv, *argv], timeout=None)
     if result.rc != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
@@ -116,4 +159,4 @@ def _vllm_bench(runner: Runner, st: Any, concurrency: int, n: int, input_len: in
     except FileNotFoundError:
         raise ServerFailed(f"vllm bench serve wrote no result at {path}") from None
     parsed = parse_vllm_bench_json(text, path)
-    return {"concurrency": concurrency, "num_prompts": n, "client": "vllm", **parsed.to_dict()}
+    return LevelResult.of(parsed, concurrency, n, "vllm")

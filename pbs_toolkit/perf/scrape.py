@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from pbs_toolkit.errors import ServerFailed
 from pbs_toolkit.jobs.status import JobStatus
@@ -41,22 +40,21 @@ def doctor_context(runner: Runner, st: JobStatus, snapshot: MetricsSnapshot | No
     from pbs_toolkit.settings.presets import params_from_name
 
     record = st.record
-    extra: dict[str, Any] = record.extra
+    spec = record.spec
     log = tail_lines(runner, f"{record.run_dir}/vllm.log", 5000)
-    args = list(extra.get("vllm_args") or [])
-    if extra.get("eager") or st.eager_fallback:
+    args = list(spec.vllm_args)
+    if spec.eager or st.eager_fallback:
         args.append("--enforce-eager")
-    cache_root = extra.get("vllm_cache_root")
     return DoctorContext(
         vllm_args=args,
-        tensor_parallel=int(extra.get("tensor_parallel") or 1),
-        data_parallel=int(extra.get("data_parallel") or 1),
-        pipeline_parallel=int(extra.get("pipeline_parallel") or 1),
-        gpus=int(extra.get("gpus") or 0),
-        model_params_b=extra.get("params_b") or params_from_name(record.model),
+        tensor_parallel=spec.tensor_parallel or 1,
+        data_parallel=spec.data_parallel or 1,
+        pipeline_parallel=spec.pipeline_parallel or 1,
+        gpus=spec.gpus,
+        model_params_b=spec.params_b or params_from_name(record.model),
         log_lines=log,
         snapshot=snapshot,
         engine_stats=list(iter_engine_stats(log)),
-        vllm_version=str(extra.get("vllm_version") or ""),
-        vllm_cache_root_shared=bool(cache_root) if cache_root is not None else False,
+        vllm_version=spec.vllm_version,
+        vllm_cache_root_shared=bool(spec.vllm_cache_root),
     )

@@ -1,0 +1,80 @@
+"""``LaunchSpec``: what a job was launched with, as one typed value instead of keys in ``JobRecord.extra``.
+
+``launch`` writes it once; ``perf`` (doctor, bench) and ``status`` read it. It is stored as JSON in the job
+store's ``spec`` column and in ``RUN_DIR/pbstk-job.json``. Stores, intents and run directories written before
+it existed kept these keys in ``extra``; :func:`split_legacy_extra` moves them over when such a row is read, so
+old stores keep working (``store.py`` also migrates the rows themselves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class LaunchSpec:
+    """The launch settings later commands need. Every field has a default: records adopted from an old run
+    directory may know none of them, and readers then fall back as they always did."""
+
+    #: vLLM's arguments as rendered (parallelism flags included, eager mode excluded)
+    vllm_args: list[str] = field(default_factory=list)
+    #: e.g. ``TP2xDP2``
+    layout: str = ""
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+    pipeline_parallel: int = 1
+    gpus: int = 0
+    eager: bool = False
+    vllm_version: str = ""
+    #: the SSH host the job was submitted through, ``None`` for this machine
+    ssh_host: str | None = None
+    vllm_cache_root: str | None = None
+    #: the model's size in billions of parameters, when render could tell
+    params_b: float | None = None
+    venv: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> LaunchSpec:
+        """A spec from stored JSON. Unknown keys are ignored and a value of the wrong type falls back to the
+        default, so one odd row never makes a whole job unreadable."""
+        spec = cls()
+        if not isinstance(data, dict):
+            return spec
+        for f in fields(cls):
+            if f.name in data:
+                value = _coerce(f.name, data[f.name], getattr(spec, f.name))
+                setattr(spec, f.name, value)
+        return spec
+
+
+#: the keys ``launch`` wrote into ``extra`` before ``LaunchSpec`` existed
+SPEC_KEYS = frozenset(f.name for f in fields(LaunchSpec))
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    """``value`` if it has the field's type (ints accepted for floats), else ``default``."""
+    if name == "vllm_args":
+        return [str(a) for a in value] if isinstance(value, list) else default
+    if name in ("ssh_host", "vllm_cache_root", "venv"):
+        return value if value is None or isinstance(value, str) else default
+    if name == "params_b":
+        ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+        return (float(value) if value is not None else None) if ok else default
+    if isinstance(default, bool):
+        return value if isinstance(value, bool) else default
+    if isinstance(default, int):
+        return value if isinstance(value, int) and not isinstance(value, bool) else default
+    return value if isinstance(value, str) else default
+
+
+def split_legacy_extra(extra: dict[str, Any], spec: Any) -> tuple[LaunchSpec, dict[str, Any]]:
+    """(spec, extra without the launch keys) for a row that may predate ``LaunchSpec``: launch keys found in
+    ``extra`` fill the spec where the stored spec has none (an empty or missing spec column)."""
+    legacy = {k: v for k, v in extra.items() if k in SPEC_KEYS}
+    rest = {k: v for k, v in extra.items() if k not in SPEC_KEYS}
+    stored = spec if isinstance(spec, dict) else {}
+    return LaunchSpec.from_dict({**legacy, **stored}), rest
