@@ -183,7 +183,7 @@ def test_parallel_local_launches_get_distinct_ids(standins: Path, monkeypatch: p
 
 def _take_ids(path: str, count: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     store = JobStore(Path(path))
-    out.put([store.next_local_id() for _ in range(count)])
+    out.put([store.next_id("local") for _ in range(count)])
 
 
 def test_90_concurrent_local_ids_are_distinct_and_never_replace(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ Also ``cancel``. Everything here goes through a ``Runner``, so it works the same
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import signal
@@ -150,7 +151,7 @@ def launch(
         if dry_run:
             return LaunchResult(record, rendered)
         scheduler = get_scheduler(rendered.profile.scheduler)
-        scheduler.id_source = store.next_local_id  # for backends that number their own jobs
+        scheduler.id_source = functools.partial(store.next_id, scheduler.name)  # backends that number their jobs
         with file_lock(store.path.parent / ".launch.lock", store.timeout, store.path):
             _refuse_active_name(store, runner, rendered.job_name, transport)
             intent = store.add_intent(record)  # the plan is on disk before anything is submitted

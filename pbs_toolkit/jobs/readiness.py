@@ -1,7 +1,7 @@
 """``wait_until_ready``: returns the moment the server answers, fails fast with the cause when it cannot.
 
 Scheduler queries follow docs/pbs.md "Polling politely" (2, 4, 8 s, then every 30 s); once the job runs, the run
-directory and the server's HTTP endpoints are polled quickly, since they cost the PBS server nothing.
+directory and the server's HTTP endpoints are polled quickly, since they cost the scheduler nothing.
 """
 
 from __future__ import annotations

@@ -354,19 +354,20 @@ class JobStore:
         with self._connect() as conn:
             conn.execute("DELETE FROM jobs WHERE job_id = ? AND transport = ?", (record.job_id, record.transport))
 
-    def next_local_id(self) -> int:
-        """A number never handed out before by this store (the ``local`` scheduler's job ids)."""
+    def next_id(self, scheduler: str) -> int:
+        """A number this store never handed out before for ``scheduler``: ids for backends that number their own
+        jobs. The first call starts above the highest numeric id recorded for that scheduler."""
         with self._connect() as conn:
             conn.execute("BEGIN IMMEDIATE")
-            row = conn.execute("SELECT value FROM counters WHERE name = 'local'").fetchone()
+            row = conn.execute("SELECT value FROM counters WHERE name = ?", (scheduler,)).fetchone()
             if row is None:
-                ids = [r[0] for r in conn.execute("SELECT job_id FROM jobs WHERE scheduler = 'local'")]
+                ids = [r[0] for r in conn.execute("SELECT job_id FROM jobs WHERE scheduler = ?", (scheduler,))]
                 start = max([int(i.split(".", 1)[0]) for i in ids if i.split(".", 1)[0].isdigit()], default=0)
                 value = start + 1
-                conn.execute("INSERT INTO counters (name, value) VALUES ('local', ?)", (value,))
+                conn.execute("INSERT INTO counters (name, value) VALUES (?, ?)", (scheduler, value))
             else:
                 value = int(row[0]) + 1
-                conn.execute("UPDATE counters SET value = ? WHERE name = 'local'", (value,))
+                conn.execute("UPDATE counters SET value = ? WHERE name = ?", (value, scheduler))
         return value
 
     # -- intents ----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ class Phase(str, Enum):
     READY = "ready"  # vLLM's port accepts connections
     FAILED = "failed"  # the start failed (setup, no vLLM, no port) or vLLM died before it was ready
     EXITED = "exited"  # vLLM ran and exited (code in ``exit_code``)
-    CANCELLED = "cancelled"  # the job got a stop signal (qdel, walltime, pbstk cancel)
+    CANCELLED = "cancelled"  # the job got a stop signal (the scheduler's cancel, walltime, pbstk cancel)
 
     def __str__(self) -> str:  # f-strings and str() give the value on every Python version
         return self.value

@@ -116,7 +116,7 @@ class Runner(abc.ABC):
         """Run ``argv`` and wait. ``env`` adds variables to the inherited environment.
 
         Raises ``TransportError`` when the command cannot be started at all (missing executable gives
-        rc 127 instead, like a shell would, so callers can say "qsub not found on HOST").
+        rc 127 instead, like a shell would, so callers can say "<command> not found on HOST").
         """
 
     @abc.abstractmethod

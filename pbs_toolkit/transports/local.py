@@ -38,7 +38,7 @@ class LocalRunner(Runner):
                 timeout=timeout,
                 cwd=cwd,
                 stdin=None if stdin is not None else subprocess.DEVNULL,
-                # Ctrl-C at the terminal must not kill a qsub half-way: pbstk decides what to interrupt
+                # Ctrl-C at the terminal must not kill a submission half-way: pbstk decides what to interrupt
                 start_new_session=True,
             )
         except FileNotFoundError:

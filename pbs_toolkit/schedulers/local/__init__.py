@@ -16,6 +16,7 @@ profile (``submit(walltime_s=...)``), not from the script's text.
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 import socket
@@ -121,7 +122,7 @@ class LocalScheduler(Scheduler):
 
     def __init__(self, walltime_seconds: int = 4 * 3600, id_source: Callable[[], int] | None = None) -> None:
         self.walltime_seconds = walltime_seconds
-        #: hands out numbers never used before (``JobStore.next_local_id``; launch passes its own store)
+        #: hands out numbers never used before (``JobStore.next_id``; launch passes its own store)
         self.id_source = id_source
 
     def new_job_id(self, runner: Runner) -> str:
@@ -129,7 +130,7 @@ class LocalScheduler(Scheduler):
         if self.id_source is None:
             from pbs_toolkit.jobs.store import JobStore
 
-            self.id_source = JobStore().next_local_id
+            self.id_source = functools.partial(JobStore().next_id, self.name)
         host = socket.gethostname() if runner.name == "local" else runner.name.split(":", 1)[-1]
         host = re.sub(r"[^A-Za-z0-9-]+", "-", host.split(".", 1)[0]).strip("-") or "host"
         return f"{self.id_source()}.{host}.local"
