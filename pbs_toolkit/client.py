@@ -15,6 +15,7 @@ dataclasses. Every method is a thin composition of the functions the CLI command
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -25,13 +26,15 @@ from pbs_toolkit.errors import ServerFailed, UsageError
 
 if TYPE_CHECKING:
     from pbs_toolkit.endpoints import EndpointUpdate
+    from pbs_toolkit.jobs.launch import LaunchResult
     from pbs_toolkit.jobs.render import RenderedJob, RenderRequest
     from pbs_toolkit.jobs.status import JobStatus
-    from pbs_toolkit.jobs.store import JobRecord, JobStore
+    from pbs_toolkit.jobs.store import Intent, JobRecord, JobStore
     from pbs_toolkit.perf.benchjob import LevelResult
     from pbs_toolkit.perf.doctor import Finding
     from pbs_toolkit.perf.tune import TuneReport
     from pbs_toolkit.transports import Runner
+    from pbs_toolkit.transports.tunnel import Tunnel
     from pbs_toolkit.vllm.prom import MetricsSnapshot
 
 __all__ = ["BenchResult", "Client", "Diagnosis", "Endpoint", "Job", "Metrics", "serve"]
@@ -40,6 +43,8 @@ _log = logging.getLogger("pbs_toolkit")
 
 #: a runner factory: the transport ("" = this machine, else an SSH host) -> an open runner
 RunnerFactory = Callable[[str], "Runner"]
+#: called with each status change while waiting, and the seconds waited so far
+Progress = Callable[["JobStatus", float], None]
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,8 @@ class Metrics:
     snapshot: MetricsSnapshot
     rates: dict[str, float | None]
     summary: dict[str, Any]
+    #: the last ``Engine NNN: ...`` lines of the log, newest last (one-shot ``metrics`` only)
+    engine_log: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,8 @@ class Client:
         self.accept_new_host_key = accept_new_host_key
         self._factory = runner_factory or self._open_runner
         self._runners: dict[str, Runner] = {}
+        #: tunnels this client opened (``tunnel``, ``update_endpoint(via_tunnel=True)``); closed by ``close()``
+        self.tunnels: list[Tunnel] = []
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
@@ -151,7 +160,10 @@ class Client:
         return self._runners[transport]
 
     def close(self) -> None:
-        """Close every runner (SSH connections); the client opens new ones if used again."""
+        """Close every tunnel, then every runner (SSH connections); the client opens new ones if used again."""
+        tunnels, self.tunnels = self.tunnels, []
+        for tunnel in tunnels:
+            tunnel.close()
         runners, self._runners = list(self._runners.values()), {}
         for runner in runners:
             runner.close()
@@ -174,35 +186,53 @@ class Client:
             job = job.job_id
         return self.store.find(job)
 
-    def request(self, model: str, preset: str | None = None, profile: str | None = None,
+    def request(self, model: str | RenderRequest, preset: str | None = None, profile: str | None = None,
                 **options: Any) -> RenderRequest:
-        """The ``RenderRequest`` for ``model`` (``options``: any RenderRequest field, e.g. ``name``, ``port``)."""
+        """The ``RenderRequest`` for ``model`` (``options``: any RenderRequest field, e.g. ``name``, ``port``).
+
+        A ``RenderRequest`` passes through as it is (the CLI builds one from its flags); ``preset``, ``profile``
+        and ``options`` must then be left out."""
         from pbs_toolkit.jobs.render import RenderRequest
 
+        if isinstance(model, RenderRequest):
+            if preset is not None or profile is not None or options:
+                raise UsageError("pass either a RenderRequest or a model with options, not both")
+            return model
         try:
             return RenderRequest(model=model, preset=preset, profile=profile or self.profile, **options)
         except TypeError as exc:  # an unknown option: one clear error rather than a TypeError deep inside
             raise UsageError(f"launch: {exc}") from None
 
-    def render(self, model: str, preset: str | None = None, profile: str | None = None,
-               **options: Any) -> RenderedJob:
-        """Render without writing or submitting anything (``pbstk render``)."""
-        from pbs_toolkit.jobs.render import render, resolve_profile
+    def render(self, model: str | RenderRequest, preset: str | None = None, profile: str | None = None, *,
+               connect: bool = True, **options: Any) -> RenderedJob:
+        """Render without writing or submitting anything (``pbstk render``). ``connect=False``: do not open the
+        profile's SSH connection (paths and the model are then resolved as on this machine)."""
+        from pbs_toolkit.jobs.render import render
 
         req = self.request(model, preset, profile, **options)
-        return render(req, self.runner(resolve_profile(req)[0].ssh_host or ""))
+        return render(req, self._request_runner(req) if connect else None)
 
-    def launch(self, model: str, preset: str | None = None, profile: str | None = None, *,
-               api_key: str | None = None, use_api_key: bool = True, **options: Any) -> Job:
-        """Render, submit and record a server job for ``model``; returns at once (``wait`` waits)."""
-        from pbs_toolkit.jobs.launch import launch
+    def _request_runner(self, req: RenderRequest) -> Runner:
+        """The runner of the transport ``req``'s profile submits through."""
         from pbs_toolkit.jobs.render import resolve_profile
 
-        req = self.request(model, preset, profile, **options)
-        transport = resolve_profile(req)[0].ssh_host or ""
-        result = launch(req, store=self.store, runner=self.runner(transport), api_key=api_key,
-                        use_api_key=use_api_key)
+        return self.runner(resolve_profile(req)[0].ssh_host or "")
+
+    def launch(self, model: str | RenderRequest, preset: str | None = None, profile: str | None = None, *,
+               api_key: str | None = None, use_api_key: bool = True, **options: Any) -> Job:
+        """Render, submit and record a server job for ``model``; returns at once (``wait`` waits)."""
+        result = self.launch_request(self.request(model, preset, profile, **options), api_key=api_key,
+                                     use_api_key=use_api_key)
         return Job.from_record(result.record, result.rendered.notes)
+
+    def launch_request(self, req: RenderRequest, *, api_key: str | None = None, use_api_key: bool = True,
+                       dry_run: bool = False) -> LaunchResult:
+        """``launch`` with everything it rendered (scripts, preset, notes); ``dry_run`` writes and submits
+        nothing."""
+        from pbs_toolkit.jobs.launch import launch
+
+        return launch(req, store=self.store, runner=self._request_runner(req), api_key=api_key,
+                      use_api_key=use_api_key, dry_run=dry_run)
 
     def wait(self, job: Job | JobRecord | str | None, timeout: float = 3600.0,
              on_progress: Callable[[JobStatus, float], None] | None = None) -> JobStatus:
@@ -226,6 +256,15 @@ class Client:
         """Jobs pbstk launched, newest first (default: those not recorded as ended). No scheduler query."""
         return [Job.from_record(r) for r in self._records(all)]
 
+    def records(self, all: bool = False) -> list[JobRecord]:  # noqa: A002
+        """``jobs`` as the store's records (creation time, recorded end, run-time bookkeeping)."""
+        return self._records(all)
+
+    def unrecorded_launches(self) -> list[Intent]:
+        """Launches whose job id is not recorded yet (being submitted, or interrupted): a submitted job must
+        never go unmentioned, so ``pbstk jobs`` names each."""
+        return self.store.intents()
+
     def _records(self, show_all: bool) -> list[JobRecord]:
         return [r for r in self.store.all() if show_all or not r.final_state]
 
@@ -237,42 +276,68 @@ class Client:
         return cancel(record, runner=self.runner(record.transport))
 
     def logs(self, job: Job | JobRecord | str | None = None, lines: int = 50, follow: bool = False, *,
-             stream: str = "vllm", final_every: float = 5.0) -> Iterator[str]:
+             stream: str = "vllm", final_every: float = 5.0,
+             notice: Callable[[str], None] | None = None) -> Iterator[str]:
         """The job's log lines (without newlines): the last ``lines``; with ``follow``, then new ones until the
-        job ends (its status is asked at most every ``final_every`` s). Closing the iterator stops following."""
+        job ends (its status is asked at most every ``final_every`` s). Closing the iterator stops following.
+        ``notice`` hears what happens to the file while following (rotated, truncated, ...)."""
+        record, path = self._log_path(job, lines, stream)
+        if follow:
+            return self._follow(record, path, lines, final_every, notice or (lambda m: _log.info("%s", m)))
+        if lines == 0:
+            self._tail_pieces(record, path, lines)  # still refuse a log that does not exist yet
+            return iter(())
+        return iter("".join(self._tail_pieces(record, path, lines)).splitlines())
+
+    def log_text(self, job: Job | JobRecord | str | None = None, lines: int = 50, *,
+                 stream: str = "vllm") -> Iterator[str]:
+        """The last ``lines`` lines exactly as the file holds them (line ends kept, in pieces: ``lines=10**6``
+        never holds a second full copy of the text)."""
+        record, path = self._log_path(job, lines, stream)
+        return self._tail_pieces(record, path, lines)
+
+    def _log_path(self, job: Job | JobRecord | str | None, lines: int, stream: str) -> tuple[JobRecord, str]:
         from pbs_toolkit.jobs.logs import stream_path
 
         if lines < 0:
             raise UsageError("lines must not be negative")
         record = self.record(job)
-        path = stream_path(record.run_dir, record.scheduler, stream)
-        if follow:
-            return self._follow(record, path, lines, final_every)
-        return self._tail(record, path, lines)
+        return record, stream_path(record.run_dir, record.scheduler, stream)
 
-    def _tail(self, record: JobRecord, path: str, lines: int) -> Iterator[str]:
+    def _tail_pieces(self, record: JobRecord, path: str, lines: int) -> Iterator[str]:
         from pbs_toolkit.jobs.logs import decoded_pieces, tail_blocks
 
         try:
             blocks, _ = tail_blocks(self.runner(record.transport), path, lines)
         except FileNotFoundError:
             raise UsageError(f"{path} does not exist yet (job {record.job_id} not started?)") from None
-        if lines == 0:
-            return iter(())
-        return iter("".join(decoded_pieces(blocks)).splitlines())
+        return decoded_pieces(blocks)
 
-    def _follow(self, record: JobRecord, path: str, lines: int, final_every: float) -> Iterator[str]:
-        """``logs.follow``'s loop as a generator: the same follower, its lines handed out as they arrive."""
+    def _follow(self, record: JobRecord, path: str, lines: int, final_every: float,
+                notice: Callable[[str], None]) -> Iterator[str]:
+        """``_follow_lines``, a dropped connection named as such (the path it was following)."""
+        from pbs_toolkit.errors import TransportError
+
+        try:
+            yield from self._follow_lines(record, path, lines, final_every, notice)
+        except TransportError as exc:
+            raise TransportError(f"lost the connection while following {path}: {exc}") from exc
+
+    def _follow_lines(self, record: JobRecord, path: str, lines: int, final_every: float,
+                      notice: Callable[[str], None]) -> Iterator[str]:
+        """``logs.follow``'s loop as a generator: the same follower, its lines handed out as they arrive and
+        its notices told in their place between them."""
         from pbs_toolkit.jobs.logs import _Follower
 
         runner = self.runner(record.transport)
-        pending: list[str] = []
-        follower = _Follower(runner, path, pending.append, lambda m: _log.info("%s", m))
+        pending: list[tuple[bool, str]] = []
+        follower = _Follower(runner, path, lambda line: pending.append((False, line)),
+                             lambda message: pending.append((True, message)))
         closed, final, last_check = False, False, 0.0
         try:
             while True:
                 progressed = follower.step(lines)
-                yield from _drain(pending)
+                yield from _drain(pending, notice)
                 if progressed:
                     continue
                 if final:
@@ -285,7 +350,7 @@ class Client:
                 time.sleep(0.2)
             follower.close()  # the incomplete last line, if any
             closed = True
-            yield from _drain(pending)
+            yield from _drain(pending, notice)
         finally:
             if not closed:
                 follower.close()
@@ -297,12 +362,18 @@ class Client:
 
     # -- endpoints ------------------------------------------------------------------------------------------
 
-    def ready_status(self, job: Job | JobRecord | str | None) -> JobStatus:
-        """The job's status, which must be READY: its server answered ``/v1/models`` as this job's own."""
+    def ready_status(self, job: Job | JobRecord | str | None, *, wait: bool = False, timeout: float = 3600.0,
+                     on_progress: Progress | None = None, hint: str = "`Client.wait` waits for it") -> JobStatus:
+        """The job's status, which must be READY: its server answered ``/v1/models`` as this job's own.
+
+        ``wait``: wait up to ``timeout`` s for it instead (``wait``); else a job not READY is ``ServerFailed``,
+        its message ending in ``hint`` (how to wait, in the caller's words)."""
+        if wait:
+            return self.wait(job, timeout, on_progress)
         st = self.status(self.record(job))[0]
         if st.state.value != "READY":
             raise ServerFailed(f"job {st.record.job_id} is {st.state.value}, not READY"
-                               f"{': ' + st.reason if st.reason else ''} (`Client.wait` waits for it)")
+                               f"{': ' + st.reason if st.reason else ''} ({hint})")
         return st
 
     def endpoint(self, job: Job | JobRecord | str | None = None) -> Endpoint:
@@ -313,17 +384,44 @@ class Client:
         return Endpoint(base_url=endpoint_url(st), api_key=st.record.api_key, model=st.record.served_model_name,
                         job_id=st.record.job_id)
 
+    def env(self, job: Job | JobRecord | str | None = None, local_url: str | None = None, *,
+            timeout: float = 0.0, on_progress: Progress | None = None,
+            hint: str = "`Client.wait` waits for it") -> list[str]:
+        """``export`` lines (OPENAI_BASE_URL, OPENAI_API_KEY, the registry's key variable) for a READY job;
+        ``timeout`` > 0 waits that long for it first."""
+        from pbs_toolkit.endpoints import env_exports
+
+        st = self.ready_status(job, wait=timeout > 0, timeout=timeout, on_progress=on_progress, hint=hint)
+        return env_exports(st, local_url)
+
+    def tunnel(self, job: Job | JobRecord | JobStatus | str | None = None, local_port: int = 0, *,
+               timeout: float = 3600.0, on_progress: Progress | None = None) -> tuple[JobStatus, Tunnel]:
+        """Wait until the job is ready (a ``JobStatus`` is taken as ready), then forward ``local_port`` on this
+        machine (0: any free one) to its server through the job's runner (the same SSH connection)."""
+        from pbs_toolkit.jobs.status import JobStatus
+        from pbs_toolkit.transports.tunnel import start_tunnel
+
+        st = job if isinstance(job, JobStatus) else self.wait(job, timeout, on_progress)
+        assert st.address and st.port
+        tunnel = start_tunnel(self.runner(st.record.transport), st.address, st.port, local_port=local_port)
+        self.tunnels.append(tunnel)
+        return st, tunnel
+
     def update_endpoint(self, job: Job | JobRecord | str | None = None, registry: str | None = None, *,
                         fmt: str = "auto", alias: str | None = None, timeout: float = 3600.0,
-                        follow_symlink: bool = False, force_format: bool = False) -> EndpointUpdate:
-        """Wait until the job is ready, then write its endpoint into ``registry`` (checked before waiting)."""
+                        follow_symlink: bool = False, force_format: bool = False, via_tunnel: bool = False,
+                        local_port: int = 0, on_progress: Progress | None = None) -> EndpointUpdate:
+        """Wait until the job is ready, then write its endpoint into ``registry`` (checked before waiting, not
+        an hour later). ``via_tunnel``: register a tunnel's local URL instead (the tunnel is the last of
+        ``tunnels`` and stays open until ``close()``)."""
         from pbs_toolkit.endpoints import check_registry, update_endpoint
 
         record = self.record(job)
         fmt = check_registry(record, registry, fmt, alias, follow_symlink=follow_symlink, force_format=force_format)
-        st = self.wait(record, timeout)
-        return update_endpoint(st, registry=registry, fmt=fmt, alias=alias, follow_symlink=follow_symlink,
-                               force_format=force_format)
+        st = self.wait(record, timeout, on_progress)
+        local_url = self.tunnel(st, local_port)[1].url if via_tunnel else None
+        return update_endpoint(st, registry=registry, fmt=fmt, alias=alias, local_url=local_url,
+                               follow_symlink=follow_symlink, force_format=force_format)
 
     def remove_endpoint(self, alias: str, registry: str | None = None, *, fmt: str = "auto",
                         follow_symlink: bool = False, force_format: bool = False) -> bool:
@@ -334,12 +432,13 @@ class Client:
 
     # -- performance ----------------------------------------------------------------------------------------
 
-    def metrics(self, job: Job | JobRecord | str | None = None, interval: float = 1.0) -> Metrics:
-        """Two ``/metrics`` scrapes ``interval`` s apart: rates over the interval, latencies since start."""
-        from pbs_toolkit.perf.scrape import scrape
+    def metrics(self, job: Job | JobRecord | JobStatus | str | None = None, interval: float = 1.0) -> Metrics:
+        """Two ``/metrics`` scrapes ``interval`` s apart: rates over the interval, latencies since start, and
+        the last ``Engine`` lines of the log. A ``JobStatus`` is taken as READY (after ``wait``)."""
+        from pbs_toolkit.perf.scrape import engine_history, scrape
         from pbs_toolkit.vllm.prom import rates, summarize
 
-        st = self.ready_status(job)
+        st = self._ready(job)
         runner = self.runner(st.record.transport)
         prev = scrape(runner, st)
         time.sleep(interval)
@@ -347,7 +446,36 @@ class Client:
         summary = summarize(None, cur)
         summary["rates"] = rates(prev, cur)
         summary["job_id"] = st.record.job_id
-        return Metrics(job_id=st.record.job_id, snapshot=cur, rates=summary["rates"], summary=summary)
+        engine_log = [e.to_dict() for e in engine_history(runner, st)[-10:]]
+        summary["engine_log"] = engine_log
+        return Metrics(job_id=st.record.job_id, snapshot=cur, rates=summary["rates"], summary=summary,
+                       engine_log=engine_log)
+
+    def watch_metrics(self, job: Job | JobRecord | JobStatus | str | None = None, every: float = 5.0,
+                      count: int = 0) -> Iterator[Metrics]:
+        """A scrape every ``every`` s, each with the rates and latencies since the scrape before it; ``count``
+        looks (0: until the caller stops iterating). One scrape is taken first as the starting point."""
+        from pbs_toolkit.perf.scrape import scrape
+        from pbs_toolkit.vllm.prom import summarize
+
+        st = self._ready(job)
+        runner = self.runner(st.record.transport)
+        prev = scrape(runner, st)
+        looks = 0
+        while not count or looks < count:
+            time.sleep(every)
+            cur = scrape(runner, st)
+            looks += 1
+            summary = summarize(prev, cur)
+            summary["job_id"] = st.record.job_id
+            yield Metrics(job_id=st.record.job_id, snapshot=cur, rates=summary.get("rates") or {}, summary=summary)
+            prev = cur
+
+    def _ready(self, job: Job | JobRecord | JobStatus | str | None) -> JobStatus:
+        """``job``'s READY status; a ``JobStatus`` is taken as it is (the caller has just waited for it)."""
+        from pbs_toolkit.jobs.status import JobStatus
+
+        return job if isinstance(job, JobStatus) else self.ready_status(job)
 
     def doctor(self, job: Job | JobRecord | str | None = None) -> Diagnosis:
         """Findings from the job's flags, log and metrics, and the preset to use instead."""
@@ -368,40 +496,88 @@ class Client:
                 + (f" --name {rec.name}" if rec.name else ""))
         return Diagnosis(rec.job_id, st.state.value, findings, preset, why, line)
 
-    def bench(self, job: Job | JobRecord | str | None = None, concurrencies: Sequence[int] = (1, 8, 64), *,
-              input_len: int = 128, output_len: int = 256, num_prompts: int | None = None,
-              client: str = "auto") -> BenchResult:
-        """Drive load against a READY job's endpoint, each concurrency in turn."""
+    def bench(self, job: Job | JobRecord | JobStatus | str | None = None, concurrencies: Sequence[int] = (1, 8, 64),
+              *, input_len: int = 128, output_len: int = 256, num_prompts: int | None = None,
+              client: str = "auto", notice: Callable[[str], None] | None = None) -> BenchResult:
+        """Drive load against a READY job's endpoint, each concurrency in turn (``notice``: hears which load
+        generator runs and why). A ``JobStatus`` is taken as READY (after ``wait``)."""
         from pbs_toolkit.perf.benchjob import benchmark_ready_job
 
-        st = self.ready_status(job)
+        st = self._ready(job)
         results = benchmark_ready_job(st, list(concurrencies), input_len=input_len, output_len=output_len,
                                       num_prompts=num_prompts, client=client,
-                                      notice=lambda m: _log.info("%s", m), runner=self.runner(st.record.transport))
+                                      notice=notice or (lambda m: _log.info("%s", m)),
+                                      runner=self.runner(st.record.transport))
         return BenchResult(st.record.job_id, st.record.preset, results)
 
-    def tune(self, model: str, presets: Sequence[str], *, profile: str | None = None,
+    def tune(self, model: str | RenderRequest, presets: Sequence[str], *, profile: str | None = None,
              concurrencies: Sequence[int] = (1, 8, 64), input_len: int = 128, output_len: int = 256,
              num_prompts: int | None = None, rounds: int = 4, client: str = "auto", timeout: float = 3600.0,
              baseline: str | None = None, progress: Callable[[str], None] | None = None,
+             save: bool = False, output: str | None = None, append: bool = False,
              **options: Any) -> TuneReport:
         """Launch, wait, benchmark and cancel each preset in turn; the report (``tune.run_tune``), whose
-        ``to_dict`` is the JSON ``pbstk tune`` saves."""
-        from pbs_toolkit.jobs.render import resolve_profile
-        from pbs_toolkit.perf.tune import run_tune
+        ``to_dict`` is the JSON ``pbstk tune`` saves.
+
+        ``save``: save the document under pbstk's data dir; ``output``: save it there instead, after each preset
+        too, so an interrupted tune keeps what it measured; ``append``: merge into the runs already in
+        ``output``. ``progress`` hears each step, and ``saved PATH`` at the end."""
+        from pbs_toolkit.perf.tune import load_result, merge, run_tune, save_result
 
         req = self.request(model, None, profile, **options)
-        return run_tune(req, list(presets), concurrencies=list(concurrencies), input_len=input_len,
-                        output_len=output_len, num_prompts=num_prompts, rounds=rounds, client=client,
-                        timeout=timeout, baseline=baseline, progress=progress or (lambda m: _log.info("%s", m)),
-                        store=self.store, runner=self.runner(resolve_profile(req)[0].ssh_host or ""))
+        progress = progress or (lambda m: _log.info("%s", m))
+        earlier = load_result(output) if append and output and os.path.exists(output) else None
+
+        def checkpoint(partial: TuneReport) -> None:
+            save_result(merge(earlier, partial, baseline) if earlier else partial, output)
+
+        doc = run_tune(req, list(presets), concurrencies=list(concurrencies), input_len=input_len,
+                       output_len=output_len, num_prompts=num_prompts, rounds=rounds, client=client,
+                       timeout=timeout, baseline=baseline, progress=progress,
+                       checkpoint=checkpoint if output else None, store=self.store,
+                       runner=self._request_runner(req))
+        if earlier is not None:
+            doc = merge(earlier, doc, baseline)
+        if save or output:
+            progress(f"saved {save_result(doc, output)}")
+        return doc
+
+    @staticmethod
+    def set_default_preset(model: str, preset: str) -> str:
+        """Make ``preset`` the default for ``model`` in the user's config (``tune``'s winner, say); the file."""
+        from pbs_toolkit.settings.config import save_default_preset
+
+        return str(save_default_preset(model, preset))
+
+    @staticmethod
+    def tune_report(reports: Sequence[str], baseline: str | None = None, output: str | None = None,
+                    progress: Callable[[str], None] | None = None) -> TuneReport:
+        """Saved tune results merged into one document (same method), compared against ``baseline``; saved
+        to ``output`` when given (``progress`` hears ``saved PATH``)."""
+        from pbs_toolkit.perf.tune import load_result, merge, save_result
+
+        if not reports:
+            raise UsageError("tune_report needs at least one saved result")
+        doc = load_result(reports[0])
+        for extra in reports[1:]:
+            doc = merge(doc, load_result(extra), baseline)
+        if baseline:
+            doc.baseline = baseline
+        if output:
+            (progress or (lambda m: _log.info("%s", m)))(f"saved {save_result(doc, output)}")
+        return doc
 
 
-def _drain(pending: list[str]) -> Iterator[str]:
-    """Hand out and forget what the follower emitted (the list is its ``emit`` target)."""
-    lines = pending[:]
+def _drain(pending: list[tuple[bool, str]], notice: Callable[[str], None]) -> Iterator[str]:
+    """Hand out and forget what the follower emitted: its lines, and (``True``) its notices told to ``notice``
+    in their place, so a reader sees "rotated" between the old file's last line and the new file's first."""
+    items = pending[:]
     pending.clear()
-    return iter(lines)
+    for is_notice, text in items:
+        if is_notice:
+            notice(text)
+        else:
+            yield text
 
 
 @contextmanager

@@ -2,32 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import click
 
+from pbs_toolkit.cli.job_cmds import progress_printer
 from pbs_toolkit.cli.options import LOCAL_PORT, SECONDS, SECONDS_OR_ZERO, echo_json
-
-if TYPE_CHECKING:
-    from pbs_toolkit.jobs.status import JobStatus
-    from pbs_toolkit.jobs.store import JobRecord
-    from pbs_toolkit.transports import Runner
-
-
-def _ready(record: JobRecord, timeout: float, quiet: bool, runner: Runner | None = None) -> JobStatus:
-    """JOB's status once its server is ready (``runner``: reuse one SSH connection for what follows)."""
-    from pbs_toolkit.cli.job_cmds import progress_printer
-    from pbs_toolkit.jobs.readiness import wait_until_ready
-    from pbs_toolkit.jobs.store import JobStore
-
-    return wait_until_ready(record, timeout=timeout, store=JobStore(), runner=runner,
-                            on_progress=progress_printer(quiet))
-
-
-def _find(job: str | None) -> JobRecord:
-    from pbs_toolkit.jobs.store import JobStore
-
-    return JobStore().find(job)
 
 
 @click.command("update-endpoint")
@@ -47,40 +25,24 @@ def _find(job: str | None) -> JobRecord:
 def update_endpoint(job: str | None, registry: str | None, fmt: str, force_format: bool, follow_symlink: bool,
                     alias: str | None, timeout: float, via_tunnel: bool, local_port: int, as_json: bool) -> None:
     """Wait until JOB (default: the newest) is ready, then write its endpoint into a registry."""
-    from pbs_toolkit.endpoints import check_registry
-    from pbs_toolkit.endpoints import update_endpoint as do_update
-    from pbs_toolkit.transports import open_runner
+    from pbs_toolkit.client import Client
 
-    record = _find(job)
-    # refuse a bad registry before waiting an hour
-    fmt = check_registry(record, registry, fmt, alias, follow_symlink=follow_symlink, force_format=force_format)
-    runner = open_runner(record.transport or None)  # one connection (one MFA prompt) for all of it
-    tunnel = None
-    try:
-        st = _ready(record, timeout, as_json, runner)
+    with Client() as c:  # one connection (one MFA prompt) waits, forwards and registers
+        record = c.record(job)
+        result = c.update_endpoint(record, registry, fmt=fmt, alias=alias, timeout=timeout,
+                                   follow_symlink=follow_symlink, force_format=force_format, via_tunnel=via_tunnel,
+                                   local_port=local_port, on_progress=progress_printer(as_json))
+        if as_json:
+            echo_json(result.to_dict())
+        else:
+            click.echo(f"{result.registry}: {result.alias} -> {result.url} (model {result.model}, "
+                       f"key in ${result.key_env or '-'})")
+            if result.key_env:
+                click.echo(f"set the key with: eval \"$(pbstk env {record.job_id})\"")
         if via_tunnel:
-            from pbs_toolkit.transports.tunnel import start_tunnel
-
-            assert st.address and st.port
-            tunnel = start_tunnel(runner, st.address, st.port, local_port=local_port)
-        result = do_update(st, registry=registry, fmt=fmt, alias=alias, local_url=tunnel.url if tunnel else None,
-                           follow_symlink=follow_symlink, force_format=force_format)
-    except BaseException:
-        if tunnel is not None:
-            tunnel.close()
-        runner.close()
-        raise
-    if as_json:
-        echo_json(result.to_dict())
-    else:
-        click.echo(f"{result.registry}: {result.alias} -> {result.url} (model {result.model}, "
-                   f"key in ${result.key_env or '-'})")
-        if result.key_env:
-            click.echo(f"set the key with: eval \"$(pbstk env {st.record.job_id})\"")
-    if tunnel is not None:
-        click.echo(f"tunnel open on {tunnel.url}; Ctrl-C closes it", err=True)
-        tunnel.serve_forever()
-    runner.close()
+            tunnel = c.tunnels[-1]
+            click.echo(f"tunnel open on {tunnel.url}; Ctrl-C closes it", err=True)
+            tunnel.serve_forever()
 
 
 @click.command("env")
@@ -94,20 +56,12 @@ def env_cmd(job: str | None, local_url: str | None, timeout: float) -> None:
     \b
       eval "$(pbstk env)"
     """
-    from pbs_toolkit.endpoints import env_exports
-    from pbs_toolkit.errors import ServerFailed
-    from pbs_toolkit.jobs.status import status
-    from pbs_toolkit.jobs.store import JobStore
+    from pbs_toolkit.client import Client
 
-    if timeout > 0:
-        st = _ready(_find(job), timeout, True)
-    else:
-        store = JobStore()
-        st = status([store.find(job)], store)[0]
-        if st.state.value != "READY":
-            raise ServerFailed(f"job {st.record.job_id} is {st.state.value}, not READY "
-                               f"(use --timeout S to wait, or `pbstk wait`)")
-    for line in env_exports(st, local_url):
+    with Client() as c:
+        lines = c.env(job, local_url, timeout=timeout, on_progress=progress_printer(True),
+                      hint="use --timeout S to wait, or `pbstk wait`")
+    for line in lines:
         click.echo(line)
 
 
@@ -117,17 +71,13 @@ def env_cmd(job: str | None, local_url: str | None, timeout: float) -> None:
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait for readiness.")
 def tunnel(job: str | None, local_port: int, timeout: float) -> None:
     """Forward a local port to JOB's server through the SSH connection; runs until Ctrl-C."""
-    from pbs_toolkit.transports import open_runner
-    from pbs_toolkit.transports.tunnel import start_tunnel
+    from pbs_toolkit.client import Client
 
-    record = _find(job)
-    with open_runner(record.transport or None) as runner:  # the same connection waits and forwards
-        st = _ready(record, timeout, False, runner)
-        assert st.address and st.port
-        with start_tunnel(runner, st.address, st.port, local_port=local_port) as t:
-            click.echo(f"{t.url}/v1 -> {st.url} (model {st.record.served_model_name}); Ctrl-C to stop")
-            click.echo(f"clients: eval \"$(pbstk env {st.record.job_id} --local-url {t.url})\"")
-            t.serve_forever()
+    with Client() as c:  # the same connection waits and forwards; closing the client closes the tunnel
+        st, t = c.tunnel(job, local_port, timeout=timeout, on_progress=progress_printer(False))
+        click.echo(f"{t.url}/v1 -> {st.url} (model {st.record.served_model_name}); Ctrl-C to stop")
+        click.echo(f"clients: eval \"$(pbstk env {st.record.job_id} --local-url {t.url})\"")
+        t.serve_forever()
 
 
 COMMANDS = [update_endpoint, env_cmd, tunnel]

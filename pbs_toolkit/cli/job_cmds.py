@@ -50,13 +50,17 @@ def launch(model: str, scheduler: str | None, ssh_host: str | None, accept_new_h
            api_key_env: str | None, no_api_key: bool, dry_run: bool, wait_ready: bool, timeout: float,
            as_json: bool, **kw: Any) -> None:
     """Render, submit and record a vLLM server job for MODEL."""
-    from pbs_toolkit.jobs.launch import launch as do_launch
-    from pbs_toolkit.jobs.store import JobStore
+    from pbs_toolkit.client import Client
 
     req = build_request(model, scheduler=scheduler, ssh_host=ssh_host, **kw)
-    store = JobStore()
-    result = do_launch(req, store=store, api_key=_read_key_env(api_key_env), use_api_key=not no_api_key,
-                       dry_run=dry_run, accept_unknown_host=accept_new_host_key)
+    with Client(accept_new_host_key=accept_new_host_key) as c:  # one connection submits and waits
+        result = c.launch_request(req, api_key=_read_key_env(api_key_env), use_api_key=not no_api_key,
+                                  dry_run=dry_run)
+        ready = c.wait(result.record, timeout, progress_printer(as_json)) if wait_ready and not dry_run else None
+    _show_launch(result, ready, dry_run, as_json)
+
+
+def _show_launch(result: Any, ready: Any, dry_run: bool, as_json: bool) -> None:
     rec, job = result.record, result.rendered
     for note in job.notes:
         click.echo(f"pbstk: note: {note}", err=True)
@@ -67,11 +71,6 @@ def launch(model: str, scheduler: str | None, ssh_host: str | None, accept_new_h
             click.echo(f"dry run: {job.preset.name} ({job.preset.layout()}) on {job.profile.name}; "
                        f"would write {job.run_dir}\n{job.job_script}", nl=False)
         return
-    ready = None
-    if wait_ready:
-        from pbs_toolkit.jobs.readiness import wait_until_ready
-
-        ready = wait_until_ready(rec, timeout=timeout, store=store, on_progress=progress_printer(as_json))
     if as_json:
         data = {"job_id": rec.job_id, "name": rec.name, "model": rec.model, "preset": rec.preset,
                 "scheduler": rec.scheduler, "run_dir": rec.run_dir, "notes": job.notes}
@@ -100,15 +99,10 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
     nothing is recorded then. With no JOB: every job that has not ended (``--all`` for all).
     One scheduler query per call.
     """
-    from pbs_toolkit.jobs.status import status as do_status
-    from pbs_toolkit.jobs.store import JobStore
+    from pbs_toolkit.client import Client
 
-    store = JobStore()
-    if jobs:
-        records = [store.find(j) for j in jobs]
-    else:
-        records = [r for r in store.all() if show_all or not r.final_state]
-    results = do_status(records, store)
+    with Client() as c:
+        results = c.status(*jobs, all=show_all)
     if as_json:
         echo_json([s.to_dict() for s in results])
         return
@@ -133,11 +127,11 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def jobs(show_all: bool, as_json: bool) -> None:
     """Jobs pbstk launched (from the local job store; no scheduler query)."""
-    from pbs_toolkit.jobs.store import JobStore
+    from pbs_toolkit.client import Client
 
-    store = JobStore()
-    records = [r for r in store.all() if show_all or not r.final_state]
-    for intent in store.intents():  # launches not recorded yet: never let a submitted job go unmentioned
+    with Client() as c:
+        records, intents = c.records(all=show_all), c.unrecorded_launches()
+    for intent in intents:  # launches not recorded yet: never let a submitted job go unmentioned
         via = f" via {intent.transport}" if intent.transport else ""
         later = f"the next launch{via}" if via else "pbstk, once that launch has ended,"
         click.echo(f"pbstk: note: the launch of {intent.name!r}{via} is not recorded yet (being submitted, or "
@@ -157,14 +151,13 @@ def jobs(show_all: bool, as_json: bool) -> None:
 @click.argument("jobs", nargs=-1, required=True)
 def cancel(jobs: tuple[str, ...]) -> None:
     """Stop jobs through their scheduler. Already-ended jobs are not an error."""
-    from pbs_toolkit.jobs.launch import cancel as do_cancel
-    from pbs_toolkit.jobs.store import JobStore
+    from pbs_toolkit.client import Client
 
-    store = JobStore()
-    records = [store.find(j) for j in jobs]
-    for record in records:
-        stopped = do_cancel(record)
-        click.echo(f"{record.job_id}: {'cancelled' if stopped else 'already ended'}")
+    with Client() as c:
+        records = [c.record(j) for j in jobs]  # every name resolves before anything is stopped
+        for record in records:
+            stopped = c.cancel(record)
+            click.echo(f"{record.job_id}: {'cancelled' if stopped else 'already ended'}")
 
 
 @click.command()
@@ -176,40 +169,19 @@ def cancel(jobs: tuple[str, ...]) -> None:
               "still work).")
 def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
     """The realtime vLLM log of JOB (default: the newest job), locally or over SSH."""
-    from pbs_toolkit.errors import TransportError, UsageError
-    from pbs_toolkit.jobs.logs import decoded_pieces, stream_path, tail_blocks
-    from pbs_toolkit.jobs.logs import follow as do_follow
-    from pbs_toolkit.jobs.store import JobStore
-    from pbs_toolkit.transports import open_runner
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.errors import UsageError
 
     if lines < 0:
         raise UsageError("-n must not be negative")
-    store = JobStore()
-    record = store.find(job)
-    path = stream_path(record.run_dir, record.scheduler, stream)
-    runner = open_runner(record.transport or None)
-    try:
+    with Client() as c:
         if not follow:
-            try:
-                blocks, _ = tail_blocks(runner, path, lines)
-            except FileNotFoundError:
-                raise UsageError(f"{path} does not exist yet (job {record.job_id} not started?)") from None
-            for piece in decoded_pieces(blocks):  # -n 1000000: no second full copy of the text
+            for piece in c.log_text(job, lines, stream=stream):  # -n 1000000: no second full copy of the text
                 click.echo(piece, nl=False)
             return
-
-        from pbs_toolkit.jobs.status import status as do_status  # only -f needs it (http.client: ~20 ms)
-
-        def is_final() -> bool:
-            return do_status([record], store, runners={record.transport: runner})[0].state.final
-
-        try:
-            do_follow(runner, path, click.echo, lines=lines, is_final=is_final,
-                      notice=lambda m: click.echo(f"pbstk: {m}", err=True))
-        except TransportError as exc:
-            raise TransportError(f"lost the connection while following {path}: {exc}") from exc
-    finally:
-        runner.close()
+        for line in c.logs(job, lines, follow=True, stream=stream,
+                           notice=lambda m: click.echo(f"pbstk: {m}", err=True)):
+            click.echo(line)
 
 
 @click.command()
@@ -218,16 +190,14 @@ def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the final status as JSON; no progress lines.")
 def wait(job: str | None, timeout: float, as_json: bool) -> None:
     """Wait until JOB's server answers; fail fast with the cause if it cannot."""
-    from pbs_toolkit.jobs.readiness import wait_until_ready
-    from pbs_toolkit.jobs.store import JobStore
+    from pbs_toolkit.client import Client
 
-    store = JobStore()
-    record = store.find(job)
-    st = wait_until_ready(record, timeout=timeout, store=store, on_progress=progress_printer(as_json))
+    with Client() as c:
+        st = c.wait(job, timeout, progress_printer(as_json))
     if as_json:
         echo_json(st.to_dict())
     else:
-        click.echo(f"{record.job_id} ready: {st.url} (model {record.served_model_name})")
+        click.echo(f"{st.record.job_id} ready: {st.url} (model {st.record.served_model_name})")
 
 
 COMMANDS = [launch, status, jobs, cancel, logs, wait]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
@@ -17,23 +16,12 @@ _ROUNDS, _TOKENS = BoundedInt(1, 10**4), BoundedInt(1, 10**7)
 MAX_CONCURRENCY = 10000
 
 
-def _ready_status(job: str | None, wait: bool, timeout: float) -> Any:
-    from pbs_toolkit.errors import ServerFailed
-    from pbs_toolkit.jobs.status import status
-    from pbs_toolkit.jobs.store import JobStore
+def _ready_status(c: Any, job: str | None, wait: bool, timeout: float) -> Any:
+    """JOB's READY status through the command's client (``--wait``: wait for it, printing progress)."""
+    from pbs_toolkit.cli.job_cmds import progress_printer
 
-    store = JobStore()
-    record = store.find(job)
-    if wait:
-        from pbs_toolkit.cli.job_cmds import progress_printer
-        from pbs_toolkit.jobs.readiness import wait_until_ready
-
-        return wait_until_ready(record, timeout=timeout, store=store, on_progress=progress_printer())
-    st = status([record], store)[0]
-    if st.state.value != "READY":
-        raise ServerFailed(f"job {record.job_id} is {st.state.value}, not READY"
-                           f"{': ' + st.reason if st.reason else ''} (pass --wait to wait for it)")
-    return st
+    return c.ready_status(job, wait=wait, timeout=timeout, on_progress=progress_printer(),
+                          hint="pass --wait to wait for it")
 
 
 def _int_list(text: str) -> list[int]:
@@ -81,44 +69,27 @@ def _show_summary(s: dict[str, Any]) -> None:
 def metrics(job: str | None, watch: float | None, count: int, export_path: str | None, interval: float,
             as_json: bool, wait_ready: bool, timeout: float) -> None:
     """Throughput, queue, KV cache and latency percentiles of JOB's server (from /metrics and its log)."""
-    from pbs_toolkit.perf.scrape import engine_history, scrape
-    from pbs_toolkit.transports import open_runner
-    from pbs_toolkit.vllm.prom import summarize
+    from pbs_toolkit.client import Client
 
-    st = _ready_status(job, wait_ready, timeout)
-    runner = open_runner(st.record.transport or None)
-    try:
-        prev = scrape(runner, st)
-        scrapes = 1
-        while True:
-            time.sleep(watch if watch else interval)
-            cur = scrape(runner, st)
-            scrapes += 1
-            if watch:
-                summary = summarize(prev, cur)
-            else:  # one-shot: latencies since the server started, rates over the short interval
-                from pbs_toolkit.vllm.prom import rates
+    with Client() as c:
+        st = _ready_status(c, job, wait_ready, timeout)
+        looks = c.watch_metrics(st, watch, count) if watch else [c.metrics(st, interval)]
+        for m in looks:
+            _show_metrics(m.summary, export_path, as_json)
 
-                summary = summarize(None, cur)
-                summary["rates"] = rates(prev, cur)
-            summary["job_id"] = st.record.job_id
-            if not watch:
-                summary["engine_log"] = [e.to_dict() for e in engine_history(runner, st)[-10:]]
-            if export_path:
-                _append_line(export_path, json.dumps(summary, default=str))
-            if as_json:
-                click.echo(json.dumps(summary, default=str))
-            else:
-                _show_summary(summary)
-                if not watch and summary.get("engine_log"):
-                    last = summary["engine_log"][-1]
-                    click.echo(f"          last Engine line: gen {last.get('generation_throughput')} tok/s, "
-                               f"running {last.get('running')}, KV {last.get('kv_cache_usage_pct')}%")
-            prev = cur
-            if not watch or (count and scrapes > count):
-                return
-    finally:
-        runner.close()
+
+def _show_metrics(summary: dict[str, Any], export_path: str | None, as_json: bool) -> None:
+    """One look: a JSON line (``--export``, ``--json``) or three lines of text and the last Engine line."""
+    if export_path:
+        _append_line(export_path, json.dumps(summary, default=str))
+    if as_json:
+        click.echo(json.dumps(summary, default=str))
+        return
+    _show_summary(summary)
+    if summary.get("engine_log"):
+        last = summary["engine_log"][-1]
+        click.echo(f"          last Engine line: gen {last.get('generation_throughput')} tok/s, "
+                   f"running {last.get('running')}, KV {last.get('kv_cache_usage_pct')}%")
 
 
 def _append_line(path: str, line: str) -> None:
@@ -137,40 +108,21 @@ def _append_line(path: str, line: str) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def doctor(job: str | None, as_json: bool) -> None:
     """Diagnose JOB's server from its flags, log and metrics; end with the preset to use and how."""
-    from pbs_toolkit.jobs.status import status
-    from pbs_toolkit.jobs.store import JobStore
-    from pbs_toolkit.perf.doctor import diagnose
-    from pbs_toolkit.perf.scrape import doctor_context, scrape
-    from pbs_toolkit.settings.presets import auto_layout, preset_for_layout
-    from pbs_toolkit.transports import open_runner
+    from pbs_toolkit.client import Client
 
-    store = JobStore()
-    st = status([store.find(job)], store)[0]
-    runner = open_runner(st.record.transport or None)
-    try:
-        snapshot = scrape(runner, st) if st.state.value == "READY" else None
-        ctx = doctor_context(runner, st, snapshot)
-    finally:
-        runner.close()
-    findings = diagnose(ctx)
-    gpus = ctx.gpus
-    recommended, launch_line = None, None
-    if gpus:
-        tp, dp, why = auto_layout(ctx.model_params_b, gpus)
-        recommended = preset_for_layout(tp, dp)
-        launch_line = (f"pbstk launch {st.record.model} --preset {recommended} --profile {st.record.profile}"
-                       + (f" --name {st.record.name}" if st.record.name else ""))
+    with Client() as c:
+        record = c.record(job)
+        d = c.doctor(record)
     if as_json:
-        echo_json({"job_id": st.record.job_id, "state": st.state.value,
-                   "findings": [f.to_dict() for f in findings],
-                   "recommended_preset": recommended, "launch": launch_line})
+        echo_json({"job_id": d.job_id, "state": d.state, "findings": [f.to_dict() for f in d.findings],
+                   "recommended_preset": d.recommended_preset, "launch": d.launch})
         return
-    click.echo(f"{st.record.job_id} ({st.record.preset}, {st.state.value}): {len(findings)} finding(s)")
-    for f in findings:
+    click.echo(f"{d.job_id} ({record.preset}, {d.state}): {len(d.findings)} finding(s)")
+    for f in d.findings:
         click.echo(f"\n[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  fix:      {f.fix}")
-    if recommended:
-        click.echo(f"\nrecommended preset: {recommended} ({why})\n  {launch_line}")
-    elif not findings:
+    if d.recommended_preset:
+        click.echo(f"\nrecommended preset: {d.recommended_preset} ({d.why})\n  {d.launch}")
+    elif not d.findings:
         click.echo("nothing to report")
 
 
@@ -189,13 +141,14 @@ def doctor(job: str | None, as_json: bool) -> None:
 def bench(job: str | None, concurrency: str, input_len: int, output_len: int, num_prompts: int | None,
           client: str, as_json: bool, wait_ready: bool, timeout: float) -> None:
     """Drive load against JOB's endpoint: output tokens/s, requests/s, TTFT and TPOT per concurrency."""
-    from pbs_toolkit.perf.benchjob import benchmark_ready_job
+    from pbs_toolkit.client import Client
 
     levels = _int_list(concurrency)
-    st = _ready_status(job, wait_ready, timeout)
-    results = [r.to_dict() for r in benchmark_ready_job(
-        st, levels, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
-        client=client, notice=lambda m: click.echo(f"pbstk: note: {m}", err=True))]
+    with Client() as c:
+        st = _ready_status(c, job, wait_ready, timeout)
+        measured = c.bench(st, levels, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
+                           client=client, notice=lambda m: click.echo(f"pbstk: note: {m}", err=True))
+    results = [r.to_dict() for r in measured.results]
     if as_json:
         echo_json({"job_id": st.record.job_id, "preset": st.record.preset, "results": results})
         return
@@ -242,34 +195,24 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
          append: bool, save_default: bool, reports: tuple[str, ...], png: str | None, as_json: bool,
          **kw: Any) -> None:
     """Launch each preset for MODEL, benchmark them identically, and recommend the fastest."""
+    from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
-    from pbs_toolkit.perf.tune import TuneReport, load_result, merge, plot, render_table, run_tune, save_result
+    from pbs_toolkit.perf.tune import plot, render_table
+
+    def progress(message: str) -> None:
+        click.echo(message, err=True)
 
     if reports:
-        doc = load_result(reports[0])
-        for extra in reports[1:]:
-            doc = merge(doc, load_result(extra), baseline)
-        if baseline:
-            doc.baseline = baseline
-        if output:
-            click.echo(f"saved {save_result(doc, output)}", err=True)
+        doc = Client.tune_report(reports, baseline, output, progress=progress)
     else:
         if not model:
             raise UsageError("tune needs a MODEL (or --report FILE)")
         names = [p.strip() for p in preset_list.split(",") if p.strip()]
-        earlier = load_result(output) if append and output and os.path.exists(output) else None
-
-        def checkpoint(partial: TuneReport) -> None:
-            save_result(merge(earlier, partial, baseline) if earlier else partial, output)
-
-        doc = run_tune(build_request(model, **kw), names, concurrencies=_int_list(concurrency),
-                       input_len=input_len, output_len=output_len, num_prompts=num_prompts, rounds=rounds,
-                       client=client, timeout=timeout, baseline=baseline, progress=lambda m: click.echo(m, err=True),
-                       checkpoint=checkpoint if output else None)
-        if earlier is not None:
-            doc = merge(earlier, doc, baseline)
-        path = save_result(doc, output)
-        click.echo(f"saved {path}", err=True)
+        with Client() as c:
+            doc = c.tune(build_request(model, **kw), names, concurrencies=_int_list(concurrency),
+                         input_len=input_len, output_len=output_len, num_prompts=num_prompts, rounds=rounds,
+                         client=client, timeout=timeout, baseline=baseline, progress=progress, save=True,
+                         output=output, append=append)
     if as_json:
         echo_json(doc.to_dict())
     else:
@@ -277,10 +220,8 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
     if png:
         click.echo(f"chart: {plot(doc, png)}", err=True)
     if save_default and doc.recommended and not reports:
-        from pbs_toolkit.settings.config import save_default_preset
-
         click.echo(f"default preset for {doc.model} is now {doc.recommended} "
-                   f"({save_default_preset(doc.model, doc.recommended)})")
+                   f"({Client.set_default_preset(doc.model, doc.recommended)})")
 
 
 COMMANDS = [metrics, doctor, bench, tune]

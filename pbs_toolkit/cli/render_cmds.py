@@ -77,11 +77,11 @@ def profiles(as_json: bool) -> None:
 @click.option("--run-dir", help="Run directory the scripts refer to (default: a new one under runs_root).")
 def render(model: str, out_dir: str | None, run_dir: str | None, **kw: Any) -> None:
     """Render the job script and start_vllm.sh for MODEL (nothing is submitted)."""
+    from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
-    from pbs_toolkit.jobs.render import render as do_render
 
     req = build_request(model, run_dir=run_dir, **kw)
-    job = do_render(req)
+    job = Client().render(req, connect=False)  # nothing is submitted: no SSH login
     for note in job.notes:
         click.echo(f"pbstk: note: {note}", err=True)
     if out_dir is None:

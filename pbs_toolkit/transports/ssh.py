@@ -181,29 +181,12 @@ class SSHRunner(Runner):
         if self.known_hosts_path.exists():
             client.load_host_keys(str(self.known_hosts_path))
         client.set_missing_host_key_policy(HostKeyPolicy(self))
-        where = f"{self.hostname}:{self.port}"
-        sock: Any = None
         try:
-            if self.proxy_jump:
-                # ProxyJump a,b: reach b through a, then this host through b (one connection per hop)
-                hops = [hop.strip() for hop in self.proxy_jump.split(",")]
-                self._jump = SSHRunner(
-                    hops[-1],
-                    accept_unknown_host=self.accept_unknown_host,
-                    config_path=self.config_path,
-                    known_hosts_path=self.known_hosts_path,
-                    password_prompt=self.password_prompt,
-                )
-                if len(hops) > 1:
-                    self._jump.proxy_jump = ",".join(hops[:-1])
-                sock = self._jump.open_connection(self.hostname, self.port, self.connect_timeout)
-            elif self.proxy_command:
-                sock = paramiko.ProxyCommand(self.proxy_command)
             client.connect(
                 self.hostname,
                 port=self.port,
                 username=self.user,
-                sock=sock,
+                sock=self._proxy_sock(),
                 timeout=self.connect_timeout,
                 banner_timeout=self.connect_timeout,
                 auth_timeout=AUTH_TIMEOUT_S,
@@ -212,36 +195,55 @@ class SSHRunner(Runner):
         except TransportError:
             client.close()
             raise
-        except paramiko.BadHostKeyException as exc:
-            client.close()
-            raise TransportError(
-                f"host key for {self.hostname}:{self.port} has CHANGED: {self.known_hosts_path} has "
-                f"{exc.expected_key.get_name()} {exc.expected_key.fingerprint}, the server sent "
-                f"{exc.key.get_name()} {exc.key.fingerprint}. This may be an attack; if the key was "
-                f"changed on purpose, remove the old line (ssh-keygen -R {known_hosts_name(self)}) "
-                "and connect once with ssh"
-            ) from exc
-        except (socket.gaierror, paramiko.ssh_exception.NoValidConnectionsError) as exc:
-            client.close()
-            reason = exc.strerror if isinstance(exc, socket.gaierror) else "connection refused"
-            raise TransportError(f"cannot reach {where}: {reason}") from exc
-        except TimeoutError as exc:
-            client.close()
-            raise TransportError(f"cannot reach {where}: timed out after {self.connect_timeout:g} s") from exc
-        except (paramiko.ProxyCommandFailure, ConnectionRefusedError) as exc:
-            client.close()
-            raise TransportError(f"cannot reach {where}: {exc}") from exc
-        except paramiko.AuthenticationException as exc:
-            client.close()
-            raise TransportError(f"authentication to {self.host} failed: {exc}") from exc
         except (paramiko.SSHException, OSError, EOFError) as exc:
             client.close()
-            raise TransportError(f"cannot reach {where}: {str(exc) or type(exc).__name__}") from exc
+            raise self._connect_error(exc) from exc
         transport = client.get_transport()
         assert transport is not None
         transport.set_keepalive(KEEPALIVE_S)
         self.connections_opened += 1
         return client
+
+    def _proxy_sock(self) -> Any:
+        """The socket to this host through ProxyJump or ProxyCommand; ``None``: connect directly."""
+        if self.proxy_jump:
+            # ProxyJump a,b: reach b through a, then this host through b (one connection per hop)
+            hops = [hop.strip() for hop in self.proxy_jump.split(",")]
+            self._jump = SSHRunner(
+                hops[-1],
+                accept_unknown_host=self.accept_unknown_host,
+                config_path=self.config_path,
+                known_hosts_path=self.known_hosts_path,
+                password_prompt=self.password_prompt,
+            )
+            if len(hops) > 1:
+                self._jump.proxy_jump = ",".join(hops[:-1])
+            return self._jump.open_connection(self.hostname, self.port, self.connect_timeout)
+        if self.proxy_command:
+            return paramiko.ProxyCommand(self.proxy_command)
+        return None
+
+    def _connect_error(self, exc: BaseException) -> TransportError:
+        """The one-line ``TransportError`` for a failed connect: what went wrong, in ssh's own words."""
+        where = f"{self.hostname}:{self.port}"
+        if isinstance(exc, paramiko.BadHostKeyException):
+            return TransportError(
+                f"host key for {self.hostname}:{self.port} has CHANGED: {self.known_hosts_path} has "
+                f"{exc.expected_key.get_name()} {exc.expected_key.fingerprint}, the server sent "
+                f"{exc.key.get_name()} {exc.key.fingerprint}. This may be an attack; if the key was "
+                f"changed on purpose, remove the old line (ssh-keygen -R {known_hosts_name(self)}) "
+                "and connect once with ssh"
+            )
+        if isinstance(exc, (socket.gaierror, paramiko.ssh_exception.NoValidConnectionsError)):
+            reason = exc.strerror if isinstance(exc, socket.gaierror) else "connection refused"
+            return TransportError(f"cannot reach {where}: {reason}")
+        if isinstance(exc, TimeoutError):
+            return TransportError(f"cannot reach {where}: timed out after {self.connect_timeout:g} s")
+        if isinstance(exc, (paramiko.ProxyCommandFailure, ConnectionRefusedError)):
+            return TransportError(f"cannot reach {where}: {exc}")
+        if isinstance(exc, paramiko.AuthenticationException):
+            return TransportError(f"authentication to {self.host} failed: {exc}")
+        return TransportError(f"cannot reach {where}: {str(exc) or type(exc).__name__}")
 
     def _transport(self) -> paramiko.Transport:
         """The live transport; opens the connection on first use and again once after a drop."""
@@ -438,20 +440,34 @@ class SSHRunner(Runner):
 
 def _collect(channel: paramiko.Channel, stdin: str | None, timeout: float | None) -> tuple[int, bytes, bytes]:
     """Feed stdin and drain stdout and stderr together (no deadlock on large outputs); return rc and both."""
-    if stdin is not None:
-        data = stdin.encode()
-
-        def feed() -> None:
-            try:
-                channel.sendall(data)
-                channel.shutdown_write()
-            except OSError:
-                pass
-
-        threading.Thread(target=feed, daemon=True, name="pbstk-ssh-stdin").start()
-    else:
-        channel.shutdown_write()
+    _feed_stdin(channel, stdin)
     deadline = None if timeout is None else time.monotonic() + timeout
+    out, err = _drain_channel(channel, deadline)
+    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+    if not channel.status_event.wait(remaining):
+        raise TimeoutError
+    return channel.recv_exit_status(), out, err
+
+
+def _feed_stdin(channel: paramiko.Channel, stdin: str | None) -> None:
+    """Send ``stdin`` from a thread (a command that writes before reading must not block us), then EOF."""
+    if stdin is None:
+        channel.shutdown_write()
+        return
+    data = stdin.encode()
+
+    def feed() -> None:
+        try:
+            channel.sendall(data)
+            channel.shutdown_write()
+        except OSError:
+            pass
+
+    threading.Thread(target=feed, daemon=True, name="pbstk-ssh-stdin").start()
+
+
+def _drain_channel(channel: paramiko.Channel, deadline: float | None) -> tuple[bytes, bytes]:
+    """stdout and stderr until stdout's EOF (``TimeoutError`` past ``deadline``)."""
     out: list[bytes] = []
     err: list[bytes] = []
     stdout_open = True
@@ -473,10 +489,7 @@ def _collect(channel: paramiko.Channel, stdin: str | None, timeout: float | None
         if not chunk:
             break
         err.append(chunk)
-    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-    if not channel.status_event.wait(remaining):
-        raise TimeoutError
-    return channel.recv_exit_status(), b"".join(out), b"".join(err)
+    return b"".join(out), b"".join(err)
 
 
 class _SftpFile(OpenFile):

@@ -131,6 +131,22 @@ class Authenticator(AuthStrategy):
             return [""] * len(prompts)
         return answers
 
+    def _try_keys(self, transport: paramiko.Transport, tried: list[str], allowed: list[str]) -> list[str]:
+        """Offer each key until one is accepted (``tried`` gets their labels); the methods allowed after that:
+        a partial success (a second factor follows) or the server's refusal can change them."""
+        for label, key in self._keys():
+            tried.append(label)
+            try:
+                remaining = transport.auth_publickey(self.runner.user, key)
+            except paramiko.BadAuthenticationType as exc:
+                return list(exc.allowed_types)
+            except paramiko.AuthenticationException:
+                continue
+            if transport.is_authenticated():
+                return allowed
+            return list(remaining)  # partial success: a second factor follows
+        return allowed
+
     def authenticate(self, transport: paramiko.Transport) -> list[Any]:
         runner = self.runner
         user = runner.user
@@ -143,19 +159,9 @@ class Authenticator(AuthStrategy):
             allowed = ["publickey", "keyboard-interactive", "password"]
         tried: list[str] = []
         if "publickey" in allowed:
-            for label, key in self._keys():
-                tried.append(label)
-                try:
-                    remaining = transport.auth_publickey(user, key)
-                except paramiko.BadAuthenticationType as exc:
-                    allowed = list(exc.allowed_types)
-                    break
-                except paramiko.AuthenticationException:
-                    continue
-                if transport.is_authenticated():
-                    return []
-                allowed = list(remaining)  # partial success: a second factor follows
-                break
+            allowed = self._try_keys(transport, tried, allowed)
+            if transport.is_authenticated():
+                return []
         try:
             if "keyboard-interactive" in allowed:
                 transport.auth_interactive(user, self._interactive)

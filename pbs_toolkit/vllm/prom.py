@@ -85,6 +85,44 @@ def _le(text: str) -> float:
     return math.inf if text in ("+Inf", "Inf", "inf") else float(text)
 
 
+class _Samples:
+    """The ``vllm:`` samples of one scrape, grouped by name (engines and model names remembered on the way)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = defaultdict(list)
+        self.buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+        self.engines: set[str] = set()
+        self.models: set[str] = set()
+
+    def add(self, name: str, labels: dict[str, str], value: float) -> None:
+        if "engine" in labels:
+            self.engines.add(labels["engine"])
+        if "model_name" in labels:
+            self.models.add(labels["model_name"])
+        if name.endswith("_bucket") and "le" in labels:
+            self.buckets[name[: -len("_bucket")]][_le(labels["le"])] += value
+        else:
+            self.values[name].append(value)
+
+    def total(self, names: tuple[str, ...]) -> float | None:
+        """The sum over engines of the first of ``names`` exported (names changed across vLLM versions)."""
+        for name in names:
+            if name in self.values:
+                return sum(self.values[name])
+        return None
+
+    def histogram(self, names: tuple[str, ...]) -> Histogram | None:
+        """The first of ``names`` exported as a histogram, its buckets summed over engines."""
+        for name in names:
+            if name in self.buckets:
+                return Histogram(
+                    buckets=sorted(self.buckets[name].items()),
+                    sum=sum(self.values.get(name + "_sum", [0.0])),
+                    count=sum(self.values.get(name + "_count", [0.0])),
+                )
+        return None
+
+
 def parse_metrics(text: str, timestamp: float) -> MetricsSnapshot:
     """Parse a ``/metrics`` body taken at ``timestamp`` (seconds since the epoch, or any monotonic clock).
 
@@ -92,54 +130,27 @@ def parse_metrics(text: str, timestamp: float) -> MetricsSnapshot:
     """
     from prometheus_client.parser import text_string_to_metric_families
 
-    values: dict[str, list[float]] = defaultdict(list)
-    buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
-    engines: set[str] = set()
-    models: set[str] = set()
+    samples = _Samples()
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if not sample.name.startswith("vllm:"):
-                    continue
-                if "engine" in sample.labels:
-                    engines.add(sample.labels["engine"])
-                if "model_name" in sample.labels:
-                    models.add(sample.labels["model_name"])
-                if sample.name.endswith("_bucket") and "le" in sample.labels:
-                    name = sample.name[: -len("_bucket")]
-                    buckets[name][_le(sample.labels["le"])] += sample.value
-                else:
-                    values[sample.name].append(sample.value)
+                if sample.name.startswith("vllm:"):
+                    samples.add(sample.name, sample.labels, sample.value)
     except ValueError as exc:
         raise ServerFailed(f"/metrics is not in Prometheus text format: {exc}") from exc
 
-    def total(names: tuple[str, ...]) -> float | None:
-        for name in names:
-            if name in values:
-                return sum(values[name])
-        return None
-
-    def histogram(names: tuple[str, ...]) -> Histogram | None:
-        for name in names:
-            if name in buckets:
-                return Histogram(
-                    buckets=sorted(buckets[name].items()),
-                    sum=sum(values.get(name + "_sum", [0.0])),
-                    count=sum(values.get(name + "_count", [0.0])),
-                )
-        return None
-
-    snapshot = MetricsSnapshot(timestamp=timestamp, engines=sorted(engines), model_names=sorted(models))
+    snapshot = MetricsSnapshot(timestamp=timestamp, engines=sorted(samples.engines),
+                               model_names=sorted(samples.models))
     for attr, names in _GAUGES.items():
-        setattr(snapshot, attr, total(names))
+        setattr(snapshot, attr, samples.total(names))
     for attr, names in _COUNTERS.items():
-        setattr(snapshot, attr, total(names))
+        setattr(snapshot, attr, samples.total(names))
     for attr, names in _HISTOGRAMS.items():
-        setattr(snapshot, attr, histogram(names))
+        setattr(snapshot, attr, samples.histogram(names))
     for name in _KV_USAGE:
-        if values.get(name):
-            snapshot.kv_cache_usage = sum(values[name]) / len(values[name])
-            snapshot.kv_cache_usage_max = max(values[name])
+        if samples.values.get(name):
+            snapshot.kv_cache_usage = sum(samples.values[name]) / len(samples.values[name])
+            snapshot.kv_cache_usage_max = max(samples.values[name])
             break
     return snapshot
 
