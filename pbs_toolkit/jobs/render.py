@@ -263,110 +263,26 @@ def check_vllm_args(args: list[str], version: tuple[int, ...]) -> None:
 
 
 def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
-    """Validate ``req`` and render both scripts. Raises ``UsageError``/``ConfigError`` on bad input."""
+    """Validate ``req`` and render both scripts. Raises ``UsageError``/``ConfigError`` on bad input.
+
+    The steps run in a fixed order (profile, walltime, model, preset, names, flags, env, port, run directory)
+    so the first problem reported is always the same one for the same input.
+    """
     profile, preset_name, gpus_given = resolve_profile(req)
-    if profile.account_required and not profile.account:
-        raise UsageError(
-            f"profile {profile.name} needs an account: pass --account, set PBSTK_ACCOUNT, "
-            "or add 'account:' to your pbstk config.yaml"
-        )
-    if profile.nodes > 1:
-        raise UsageError("multi-node servers are not supported yet: use --nodes 1 (up to one node's GPUs)")
-    walltime = profile.walltime
-    secs = walltime_seconds(walltime)
-    walltime = f"{secs // 3600:02d}:{secs % 3600 // 60:02d}:{secs % 60:02d}"
+    _check_profile(profile)
+    walltime = _normalised_walltime(profile)
     model_path, config = resolve_model(req.model, runner)
-    preset = load_preset(preset_name or _default_preset(profile))
-    params = params_from_config(config) if config else None
-    if params is None:
-        params = params_from_name(req.model)
-    if preset.auto:
-        preset = resolve_auto(preset, params, profile.gpus)
-    if req.eager is not None:
-        preset = replace(preset, eager=req.eager)
-    if preset.device == "cpu" and profile.gpus:
-        raise UsageError(
-            f"preset {preset.name} runs on CPU (0 GPUs) but profile {profile.name} requests {profile.gpus} GPU(s) "
-            f"({profile.nodes} node(s) x {profile.gpus_per_node}); pass --gpus-per-node 0 or pick a GPU preset"
-        )
-    if preset.device == "gpu" and not gpus_given and preset.gpus < profile.gpus and profile.nodes == 1:
-        # A preset smaller than the node: request only the GPUs it uses (the user did not ask for more).
-        profile = replace(profile, gpus_per_node=preset.gpus)
-    if preset.device == "gpu" and preset.gpus != profile.gpus:
-        raise UsageError(
-            f"preset {preset.name} ({preset.layout()}) needs {preset.gpus} GPU(s) but profile {profile.name} "
-            f"requests {profile.gpus} ({profile.nodes} node(s) x {profile.gpus_per_node}); "
-            f"pass --gpus-per-node {preset.gpus} or pick another preset"
-        )
+    preset, params = _choose_preset(req, profile, preset_name, config)
+    profile = _fit_profile_to_preset(profile, preset, gpus_given)
 
     version = version_tuple(profile.vllm_version)
-    notes: list[str] = []
-    job_name = req.name or slug(req.model)
-    if not _JOB_NAME.fullmatch(job_name):  # fullmatch: ``$`` would let a trailing newline through
-        raise UsageError(
-            f"bad name {job_name!r}: start with a letter, then letters, digits, _ . - (at most 63 characters)"
-        )
+    job_name = _job_name(req)
     served = req.served_model_name or (req.model if _HF_ID.match(req.model) and "/" in req.model else job_name)
-
-    args: list[str] = ["--served-model-name", served]
-    if preset.tensor_parallel > 1:
-        args += ["--tensor-parallel-size", str(preset.tensor_parallel)]
-    if preset.pipeline_parallel > 1:
-        args += ["--pipeline-parallel-size", str(preset.pipeline_parallel)]
-    if preset.data_parallel > 1:
-        args += ["--data-parallel-size", str(preset.data_parallel)]
-    preset_args = preset.flag_args()
-    i = 0
-    while i < len(preset_args):
-        flag = preset_args[i]
-        has_value = i + 1 < len(preset_args) and not preset_args[i + 1].startswith("--")
-        chunk = preset_args[i : i + (2 if has_value else 1)]
-        i += len(chunk)
-        problem = check_flag(flag, version)
-        if problem:
-            notes.append(f"dropped {flag} from preset {preset.name}: {problem}")
-        elif is_automatic(flag, version):
-            notes.append(f"dropped {flag}: automatic in vLLM {profile.vllm_version}")
-        else:
-            args += chunk
-    check_vllm_args(req.vllm_args, version)
-    args += req.vllm_args
-
-    env = dict(profile.env)
-    env.update(preset.env)
-    env.update(req.env)
-    for key in env:
-        if not _ENV_NAME.fullmatch(key):
-            raise UsageError(f"bad environment variable name {key!r}")
-        if key == "VLLM_API_KEY":
-            raise UsageError("VLLM_API_KEY is set by pbstk from the job's key file; use --api-key-env or --no-api-key")
-        if key in start_script_settings():
-            raise UsageError(f"environment variable {key} would overwrite the start script's own setting {key}; "
-                             "pick another name")
-        problem = check_env(key, version)
-        if problem:
-            raise UsageError(problem)
-
-    fixed_port = isinstance(req.port, int) or (isinstance(req.port, str) and req.port.isdigit())
-    port = int(req.port) if fixed_port and req.port is not None else profile.port
-    if not 1 <= port <= 65535:
-        raise UsageError(f"bad port {port}: must be between 1 and 65535")
-
-    run_dir = req.run_dir or _default_run_dir(profile, job_name, runner)
-    if not _RUN_DIR.fullmatch(run_dir):
-        raise UsageError(
-            f"run directory {run_dir!r} must be an absolute path of letters, digits and _ . / @ + ~ - "
-            "(job script directives read it unquoted)"
-        )
-
-    # paths in the profile may start with ~ or $HOME: expand them for the machine the job runs on
-    expand = runner.expanduser if runner is not None else os.path.expanduser
-    profile = replace(
-        profile,
-        venv=expand(profile.venv) if profile.venv else None,
-        hf_home=expand(profile.hf_home) if profile.hf_home else None,
-        vllm_cache_root=expand(profile.vllm_cache_root) if profile.vllm_cache_root else None,
-    )
+    args, notes = _vllm_args(req, preset, profile, served, version)
+    env = _job_env(req, profile, preset, version)
+    port, fixed_port = _port(req, profile)
+    run_dir = _run_dir(req, profile, job_name, runner)
+    profile = _expand_profile_paths(profile, runner)
 
     context = {
         "version": __version__, "model": req.model, "model_path": model_path, "preset": preset,
@@ -384,6 +300,164 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
         start_script=render_start_script(jenv, context),
         run_dir=run_dir, job_name=job_name, model=req.model, served_model_name=served, preset=preset,
         profile=profile, port=port, fixed_port=fixed_port, vllm_args=args, notes=notes, params_b=params,
+    )
+
+
+def _check_profile(profile: Profile) -> None:
+    """Refuse profiles pbstk cannot launch: an account the site requires is missing, or more than one node."""
+    if profile.account_required and not profile.account:
+        raise UsageError(
+            f"profile {profile.name} needs an account: pass --account, set PBSTK_ACCOUNT, "
+            "or add 'account:' to your pbstk config.yaml"
+        )
+    if profile.nodes > 1:
+        raise UsageError("multi-node servers are not supported yet: use --nodes 1 (up to one node's GPUs)")
+
+
+def _normalised_walltime(profile: Profile) -> str:
+    """The profile's walltime written out as ``HH:MM:SS``, the one form the job script directive uses."""
+    secs = walltime_seconds(profile.walltime)
+    return f"{secs // 3600:02d}:{secs % 3600 // 60:02d}:{secs % 60:02d}"
+
+
+def _choose_preset(
+    req: RenderRequest, profile: Profile, preset_name: str | None, config: dict[str, Any] | None
+) -> tuple[Preset, float | None]:
+    """The preset to launch with (``auto`` resolved by model size, ``--eager`` applied) and the size in billions."""
+    preset = load_preset(preset_name or _default_preset(profile))
+    params = params_from_config(config) if config else None
+    if params is None:
+        params = params_from_name(req.model)
+    if preset.auto:
+        preset = resolve_auto(preset, params, profile.gpus)
+    if req.eager is not None:
+        preset = replace(preset, eager=req.eager)
+    return preset, params
+
+
+def _fit_profile_to_preset(profile: Profile, preset: Preset, gpus_given: bool) -> Profile:
+    """``profile`` requesting exactly the GPUs ``preset`` uses, or a ``UsageError`` when the two disagree.
+
+    A preset smaller than the node shrinks the request unless the user asked for a GPU count themselves.
+    """
+    if preset.device == "cpu" and profile.gpus:
+        raise UsageError(
+            f"preset {preset.name} runs on CPU (0 GPUs) but profile {profile.name} requests {profile.gpus} GPU(s) "
+            f"({profile.nodes} node(s) x {profile.gpus_per_node}); pass --gpus-per-node 0 or pick a GPU preset"
+        )
+    if preset.device == "gpu" and not gpus_given and preset.gpus < profile.gpus and profile.nodes == 1:
+        # A preset smaller than the node: request only the GPUs it uses (the user did not ask for more).
+        profile = replace(profile, gpus_per_node=preset.gpus)
+    if preset.device == "gpu" and preset.gpus != profile.gpus:
+        raise UsageError(
+            f"preset {preset.name} ({preset.layout()}) needs {preset.gpus} GPU(s) but profile {profile.name} "
+            f"requests {profile.gpus} ({profile.nodes} node(s) x {profile.gpus_per_node}); "
+            f"pass --gpus-per-node {preset.gpus} or pick another preset"
+        )
+    return profile
+
+
+def _job_name(req: RenderRequest) -> str:
+    """``--name`` or the model's slug, checked to be a name every scheduler accepts."""
+    job_name = req.name or slug(req.model)
+    if not _JOB_NAME.fullmatch(job_name):  # fullmatch: ``$`` would let a trailing newline through
+        raise UsageError(
+            f"bad name {job_name!r}: start with a letter, then letters, digits, _ . - (at most 63 characters)"
+        )
+    return job_name
+
+
+def _vllm_args(
+    req: RenderRequest, preset: Preset, profile: Profile, served: str, version: tuple[int, ...]
+) -> tuple[list[str], list[str]]:
+    """vLLM's command-line arguments (name, parallel layout, preset flags, ``--vllm-arg``s) and notes on what
+    was dropped because the profile's vLLM version refuses it or does it by itself."""
+    args: list[str] = ["--served-model-name", served]
+    if preset.tensor_parallel > 1:
+        args += ["--tensor-parallel-size", str(preset.tensor_parallel)]
+    if preset.pipeline_parallel > 1:
+        args += ["--pipeline-parallel-size", str(preset.pipeline_parallel)]
+    if preset.data_parallel > 1:
+        args += ["--data-parallel-size", str(preset.data_parallel)]
+    notes: list[str] = []
+    args += _preset_flags(preset, profile, version, notes)
+    check_vllm_args(req.vllm_args, version)
+    args += req.vllm_args
+    return args, notes
+
+
+def _preset_flags(preset: Preset, profile: Profile, version: tuple[int, ...], notes: list[str]) -> list[str]:
+    """The preset's own flags that the profile's vLLM version accepts; each one left out gets a line in ``notes``."""
+    kept: list[str] = []
+    preset_args = preset.flag_args()
+    i = 0
+    while i < len(preset_args):
+        flag = preset_args[i]
+        has_value = i + 1 < len(preset_args) and not preset_args[i + 1].startswith("--")
+        chunk = preset_args[i : i + (2 if has_value else 1)]
+        i += len(chunk)
+        problem = check_flag(flag, version)
+        if problem:
+            notes.append(f"dropped {flag} from preset {preset.name}: {problem}")
+        elif is_automatic(flag, version):
+            notes.append(f"dropped {flag}: automatic in vLLM {profile.vllm_version}")
+        else:
+            kept += chunk
+    return kept
+
+
+def _job_env(req: RenderRequest, profile: Profile, preset: Preset, version: tuple[int, ...]) -> dict[str, str]:
+    """The job's environment (profile, then preset, then ``--env``), each name checked."""
+    env = dict(profile.env)
+    env.update(preset.env)
+    env.update(req.env)
+    for key in env:
+        _check_env_name(key, version)
+    return env
+
+
+def _check_env_name(key: str, version: tuple[int, ...]) -> None:
+    """Refuse a variable name bash cannot export, one pbstk sets itself, or one this vLLM version rejects."""
+    if not _ENV_NAME.fullmatch(key):
+        raise UsageError(f"bad environment variable name {key!r}")
+    if key == "VLLM_API_KEY":
+        raise UsageError("VLLM_API_KEY is set by pbstk from the job's key file; use --api-key-env or --no-api-key")
+    if key in start_script_settings():
+        raise UsageError(f"environment variable {key} would overwrite the start script's own setting {key}; "
+                         "pick another name")
+    problem = check_env(key, version)
+    if problem:
+        raise UsageError(problem)
+
+
+def _port(req: RenderRequest, profile: Profile) -> tuple[int, bool]:
+    """(port, fixed): a number given by the user is fixed; otherwise the profile's port, auto-advanced on the node."""
+    fixed_port = isinstance(req.port, int) or (isinstance(req.port, str) and req.port.isdigit())
+    port = int(req.port) if fixed_port and req.port is not None else profile.port
+    if not 1 <= port <= 65535:
+        raise UsageError(f"bad port {port}: must be between 1 and 65535")
+    return port, fixed_port
+
+
+def _run_dir(req: RenderRequest, profile: Profile, job_name: str, runner: Runner | None) -> str:
+    """The run directory: given, or a fresh one under the runs root; checked to be safe unquoted in directives."""
+    run_dir = req.run_dir or _default_run_dir(profile, job_name, runner)
+    if not _RUN_DIR.fullmatch(run_dir):
+        raise UsageError(
+            f"run directory {run_dir!r} must be an absolute path of letters, digits and _ . / @ + ~ - "
+            "(job script directives read it unquoted)"
+        )
+    return run_dir
+
+
+def _expand_profile_paths(profile: Profile, runner: Runner | None) -> Profile:
+    """Paths in the profile may start with ``~`` or ``$HOME``: expand them for the machine the job runs on."""
+    expand = runner.expanduser if runner is not None else os.path.expanduser
+    return replace(
+        profile,
+        venv=expand(profile.venv) if profile.venv else None,
+        hf_home=expand(profile.hf_home) if profile.hf_home else None,
+        vllm_cache_root=expand(profile.vllm_cache_root) if profile.vllm_cache_root else None,
     )
 
 

@@ -93,13 +93,8 @@ def _env_value(key: str) -> Any:
 
 def resolve_settings(flags: dict[str, Any]) -> Settings:
     """Merge ``flags`` (``None`` = not given) with env and the user config, in the documented order."""
-    cfg = user_config()
     source = str(paths.user_config_dir() / "config.yaml")
-    known = set(ENV_VARS) | {"profiles", "default_presets"}
-    for key in cfg:
-        if key not in known:
-            raise ConfigError(f"{source}: unknown key {key!r} (known: {', '.join(sorted(known))})")
-    cfg = {k: v if k in ("profiles", "default_presets") else _checked(source, k, k, v) for k, v in cfg.items()}
+    cfg = _checked_top_level(user_config(), source)
 
     def pick(key: str) -> Any:
         if flags.get(key) is not None:
@@ -108,19 +103,7 @@ def resolve_settings(flags: dict[str, Any]) -> Settings:
         return env
 
     profile = pick("profile") or cfg.get("profile") or DEFAULT_PROFILE
-    all_profiles = cfg.get("profiles") or {}
-    if not isinstance(all_profiles, dict):
-        raise ConfigError(f"{source}: key 'profiles' must be a mapping of profile name: settings")
-    per_profile_known = set(ENV_VARS) - {"profile"}
-    for name, section in all_profiles.items():
-        if not isinstance(section, dict):
-            raise ConfigError(f"{source}: key 'profiles.{name}' must be a mapping")
-        for key in section:  # every section, not only the chosen one: a typo should not wait for its profile
-            if key not in per_profile_known:
-                raise ConfigError(f"{source}: unknown key 'profiles.{name}.{key}' "
-                                  f"(known: {', '.join(sorted(per_profile_known))})")
-            section[key] = _checked(source, f"profiles.{name}.{key}", key, section[key])
-    per_profile = all_profiles.get(profile) or {}
+    per_profile = _checked_profile_sections(cfg, source).get(profile) or {}
     overrides: dict[str, Any] = {}
     for key in ENV_VARS:
         if key in SELECTORS:
@@ -130,17 +113,55 @@ def resolve_settings(flags: dict[str, Any]) -> Settings:
             value = per_profile.get(key, cfg.get(key))
         if value is not None:
             overrides[key] = value
-    presets = cfg.get("default_presets") or {}
-    if not isinstance(presets, dict):
-        raise ConfigError(f"{source}: key 'default_presets' must be a mapping of model: preset")
-    for model, name in presets.items():
-        _checked(source, f"default_presets.{model}", "preset", name)
+    presets = _checked_default_presets(cfg, source)
     return Settings(
         profile=str(profile),
         preset=pick("preset") or per_profile.get("preset") or cfg.get("preset"),
         profile_overrides=overrides,
         default_presets={str(k): str(v) for k, v in presets.items()},
     )
+
+
+def _checked_top_level(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """``cfg`` with unknown top-level keys refused and plain settings in the type the profile expects.
+
+    The ``profiles`` and ``default_presets`` mappings pass through unchanged; they are checked on their own.
+    """
+    known = set(ENV_VARS) | {"profiles", "default_presets"}
+    for key in cfg:
+        if key not in known:
+            raise ConfigError(f"{source}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+    return {k: v if k in ("profiles", "default_presets") else _checked(source, k, k, v) for k, v in cfg.items()}
+
+
+def _checked_profile_sections(cfg: dict[str, Any], source: str) -> dict[Any, Any]:
+    """The ``profiles:`` mapping, every section checked (and its values converted in place).
+
+    Every section, not only the chosen one: a typo should not wait until someone picks its profile.
+    """
+    all_profiles = cfg.get("profiles") or {}
+    if not isinstance(all_profiles, dict):
+        raise ConfigError(f"{source}: key 'profiles' must be a mapping of profile name: settings")
+    per_profile_known = set(ENV_VARS) - {"profile"}
+    for name, section in all_profiles.items():
+        if not isinstance(section, dict):
+            raise ConfigError(f"{source}: key 'profiles.{name}' must be a mapping")
+        for key in section:
+            if key not in per_profile_known:
+                raise ConfigError(f"{source}: unknown key 'profiles.{name}.{key}' "
+                                  f"(known: {', '.join(sorted(per_profile_known))})")
+            section[key] = _checked(source, f"profiles.{name}.{key}", key, section[key])
+    return all_profiles
+
+
+def _checked_default_presets(cfg: dict[str, Any], source: str) -> dict[Any, Any]:
+    """The ``default_presets:`` mapping (model: preset name), each name checked to be a string."""
+    presets = cfg.get("default_presets") or {}
+    if not isinstance(presets, dict):
+        raise ConfigError(f"{source}: key 'default_presets' must be a mapping of model: preset")
+    for model, name in presets.items():
+        _checked(source, f"default_presets.{model}", "preset", name)
+    return presets
 
 
 def save_default_preset(model: str, preset: str) -> str:
