@@ -81,9 +81,9 @@ def test_tune_report_from_python_matches_the_cli(tmp_path: Path) -> None:
     saved: list[str] = []
     doc = Client.tune_report(reports, baseline="tp2-eager", output=str(tmp_path / "py.json"), progress=saved.append)
     assert saved == [f"saved {tmp_path / 'py.json'}"]
-    assert [r["preset"] for r in doc["runs"]] == ["single", "single-eager", "tp2-eager", "tp2", "dp2"]
-    assert doc["baseline"] == "tp2-eager" and doc["recommended"] == "dp2"
+    assert [r.preset for r in doc.runs] == ["single", "single-eager", "tp2-eager", "tp2", "dp2"]
+    assert doc.baseline == "tp2-eager" and doc.recommended == "dp2"
     res = pbstk("tune", "--report", reports[0], "--report", reports[1], "--baseline", "tp2-eager", "--json",
                 "--output", str(tmp_path / "cli.json"))
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout) == doc == json.loads((tmp_path / "cli.json").read_text())
+    assert json.loads(res.stdout) == doc.to_dict() == json.loads((tmp_path / "cli.json").read_text())
