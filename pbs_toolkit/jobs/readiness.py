@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
 
 from pbs_toolkit.errors import SchedulerUnavailable, ServerFailed, WaitTimeout
 from pbs_toolkit.jobs.logs import tail_lines
@@ -76,6 +78,112 @@ def _fatal_grace(st: JobStatus) -> float:
     return FALLBACK_GRACE_S if st.restart_expected else FATAL_GRACE_S
 
 
+@dataclass
+class _Waiter:
+    """The state of one wait: the scheduler's poll ramp and last view, the foreign-server timer, the fatal grace.
+
+    Each loop step is one method, so every rule (polite polling, READY only once /v1/models proved the server is
+    ours, a fatal line must stand a while, a foreign verdict must stand on one address) reads on its own.
+    """
+
+    record: JobRecord
+    runner: Runner
+    store: JobStore | None
+    on_progress: Callable[[JobStatus, float], None] | None
+    poll: float
+    intervals: tuple[float, ...]
+    start: float
+    next_query: float = 0.0
+    query_index: int = 0
+    sched: SchedulerJob | None = None
+    fatal_since: float | None = None
+    last_key: tuple[object, ...] | None = None
+    marker_seen: bool = False
+    unreachable: str | None = None  # set while the scheduler has never answered
+    answered: bool = False
+    foreign: tuple[tuple[str | None, int | None], float] | None = None
+
+    def ask_scheduler(self, now: float) -> bool:
+        """Query the scheduler when the ramp says so; True for a new answer (counts towards LOST)."""
+        if now < self.next_query:
+            return False
+        fresh = False
+        try:
+            self.sched = query_group(self.runner, [self.record])[self.record.job_id]
+            self.answered, self.unreachable, fresh = True, None, True
+        except SchedulerUnavailable as exc:
+            # transient: keep the last known state; with none yet, judge from the run directory only
+            self.unreachable = None if self.answered else str(exc)
+        running = self.sched is not None and self.sched.state in (SchedState.RUNNING, SchedState.EXITING)
+        self.next_query = now + self.intervals[min(self.query_index, len(self.intervals) - 1)]
+        self.query_index += 1
+        if running:  # the job's own files now tell us more than the scheduler
+            self.next_query = now + max(self.intervals[-1], 10.0)
+        return fresh
+
+    def look(self, now: float, fresh: bool) -> JobStatus:
+        """The same rules as `pbstk status`: READY only once /v1/models proved the server is ours."""
+        st = observe(self.runner, self.record, self.sched, store=self.store, answered=self.answered, counted=fresh)
+        if self.unreachable is not None:
+            st = without_scheduler(st, self.unreachable)
+        if st.state is ServerState.PENDING and not self.marker_seen:
+            # The start script wrote its marker: the job runs. Ask the scheduler now rather than at
+            # the end of a 30 s back-off (one extra query per job).
+            self.marker_seen = self.runner.size(f"{self.record.run_dir}/server.json") is not None
+            if self.marker_seen:
+                self.next_query = now + self.poll
+        return st
+
+    def report(self, st: JobStatus, elapsed: float) -> None:
+        """Tell ``on_progress`` only what changed, so a caller's progress lines do not repeat."""
+        key = (st.state, st.phase, st.comment, st.scheduler_state)
+        if self.on_progress and key != self.last_key:
+            self.on_progress(st, elapsed)
+        self.last_key = key
+
+    def check_foreign(self, st: JobStatus, now: float) -> None:
+        """A wrong key or model is usually *another* job's server: fail only once it stands on one address.
+
+        Two jobs on one node may pick the same free port, and the loser moves on and rewrites its marker. Only a
+        verdict that stands on the same address for a while is about this job.
+        """
+        if st.foreign is None:
+            self.foreign = None
+            return
+        where = (st.address, st.port)
+        if self.foreign is None or self.foreign[0] != where:
+            self.foreign = (where, now)
+        elif now - self.foreign[1] >= FATAL_GRACE_S:
+            raise ServerFailed(f"the server at {st.url} {st.foreign}: is this the right job?")
+
+    def check_failed(self, st: JobStatus, now: float) -> None:
+        """Raise once the job failed: at once when final, after the grace when only the log says so."""
+        if st.state is ServerState.FAILED and not st.confirmed:
+            self.fatal_since = self.fatal_since or now
+            if now - self.fatal_since >= _fatal_grace(st):
+                raise _failure(st, self.runner)
+        elif st.state.final:
+            self.fail_final(st)
+        else:
+            self.fatal_since = None
+
+    def fail_final(self, st: JobStatus) -> NoReturn:
+        """The job ended: ask the scheduler why, remember the verdict, raise it."""
+        confirmed, latest = _confirm_end(self.runner, self.record, st, self.sched)
+        if self.on_progress and (confirmed.state, confirmed.reason) != (st.state, st.reason):
+            self.on_progress(confirmed, time.monotonic() - self.start)
+        if self.answered:  # a scheduler that never answered cannot have settled anything
+            remember_final(self.store, confirmed, latest)
+        raise _failure(confirmed, self.runner)
+
+
+def _timed_out(record: JobRecord, st: JobStatus, timeout: float) -> WaitTimeout:
+    return WaitTimeout(
+        f"job {record.job_id} was not ready after {timeout:g} s (state {st.state.value}"
+        f"{', ' + st.phase if st.phase else ''}); `pbstk logs {record.job_id}` shows why"
+    )
+
+
 def wait_until_ready(
     record: JobRecord,
     *,
@@ -87,83 +195,25 @@ def wait_until_ready(
     intervals: Sequence[float] | None = None,
 ) -> JobStatus:
     """Block until ``record``'s server is READY; return its status. Raises ``ServerFailed``/``WaitTimeout``."""
-    intervals = tuple(intervals or scheduler_intervals())
     own = runner is None
     runner = runner or open_runner(record.transport or None)
     start = time.monotonic()
-    next_query, query_index = start, 0
-    sched: SchedulerJob | None = None
-    fatal_since: float | None = None
-    last_key: tuple[object, ...] | None = None
-    marker_seen = False
-    unreachable: str | None = None  # set while the scheduler has never answered
-    answered = False
-    foreign: tuple[tuple[str | None, int | None], float] | None = None
+    w = _Waiter(record, runner, store, on_progress, poll, tuple(intervals or scheduler_intervals()), start,
+                next_query=start)
     try:
         while True:
             now = time.monotonic()
-            fresh = False  # a new scheduler answer (counts towards LOST), not the last one reused
-            if now >= next_query:
-                try:
-                    sched = query_group(runner, [record])[record.job_id]
-                    answered, unreachable, fresh = True, None, True
-                except SchedulerUnavailable as exc:
-                    # transient: keep the last known state; with none yet, judge from the run directory only
-                    unreachable = None if answered else str(exc)
-                running = sched is not None and sched.state in (SchedState.RUNNING, SchedState.EXITING)
-                next_query = now + intervals[min(query_index, len(intervals) - 1)]
-                query_index += 1
-                if running:  # the job's own files now tell us more than the scheduler
-                    next_query = now + max(intervals[-1], 10.0)
-            # the same rules as `pbstk status`: READY only once /v1/models proved the server is ours
-            st = observe(runner, record, sched, store=store, answered=answered, counted=fresh)
-            if unreachable is not None:
-                st = without_scheduler(st, unreachable)
-            if st.state is ServerState.PENDING and not marker_seen:
-                # The start script wrote its marker: the job runs. Ask the scheduler now rather than at
-                # the end of a 30 s back-off (one extra query per job).
-                marker_seen = runner.size(f"{record.run_dir}/server.json") is not None
-                if marker_seen:
-                    next_query = now + poll
+            st = w.look(now, w.ask_scheduler(now))
             elapsed = now - start
-            key = (st.state, st.phase, st.comment, st.scheduler_state)
-            if on_progress and key != last_key:
-                on_progress(st, elapsed)
-            last_key = key
+            w.report(st, elapsed)
             if st.state is ServerState.READY:
                 if store is not None:
                     store.update_extra(record, ready_after_s=round(elapsed, 1))
                 return st
-            if st.foreign is not None:
-                # A wrong key or model is usually *another* job's server: two jobs on one node may pick the
-                # same free port, and the loser moves on and rewrites its marker. Only a verdict that stands
-                # on the same address for a while is about this job.
-                where = (st.address, st.port)
-                if foreign is None or foreign[0] != where:
-                    foreign = (where, now)
-                elif now - foreign[1] >= FATAL_GRACE_S:
-                    raise ServerFailed(f"the server at {st.url} {st.foreign}: is this the right job?")
-            else:
-                foreign = None
-            if st.state is ServerState.FAILED and not st.confirmed:
-                fatal_since = fatal_since or now
-                if now - fatal_since >= _fatal_grace(st):
-                    raise _failure(st, runner)
-            elif st.state.final:
-                confirmed, latest = _confirm_end(runner, record, st, sched)
-                if on_progress and (confirmed.state, confirmed.reason) != (st.state, st.reason):
-                    on_progress(confirmed, time.monotonic() - start)
-                st = confirmed
-                if answered:  # a scheduler that never answered cannot have settled anything
-                    remember_final(store, st, latest)
-                raise _failure(st, runner)
-            else:
-                fatal_since = None
+            w.check_foreign(st, now)
+            w.check_failed(st, now)
             if elapsed > timeout:
-                raise WaitTimeout(
-                    f"job {record.job_id} was not ready after {timeout:g} s (state {st.state.value}"
-                    f"{', ' + st.phase if st.phase else ''}); `pbstk logs {record.job_id}` shows why"
-                )
+                raise _timed_out(record, st, timeout)
             time.sleep(poll)
     finally:
         if own:
