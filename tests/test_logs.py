@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import launch, until
+from helpers import launch, until, wait_recorded
 from helpers import pbstk_raising as pbstk
 from sshd import SshdInfo, start_sshd
 
 from pbs_toolkit.errors import TransportError
 from pbs_toolkit.jobs.logs import decoded_pieces, follow, tail_bytes, tail_lines
-from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.transports.base import Runner
 from pbs_toolkit.transports.local import LocalRunner
 
@@ -334,7 +333,8 @@ def test_cli_follow_from_queued_to_job_end(fakepbs: Path, standins: Path, monkey
     assert "waiting for" in err and "to appear" in err
     assert "Starting to load model" in out and "Application startup complete." in out
     assert "vLLM exited with code 0" in out  # the lines written at the very end were drained
-    assert JobStore().find(record.job_id).final_state == "FINISHED"
+    # follow stops on the run directory's verdict; the store records it once the scheduler says F
+    wait_recorded(record.job_id, "FINISHED")
 
 
 def test_cli_follow_stops_after_cancel(fakepbs: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
