@@ -405,11 +405,15 @@ def test_vllm_version_on_one_line(version: str) -> None:
     (["metrics", "--export", "/proc/pbstk-metrics.jsonl"], "--export /proc/pbstk-metrics.jsonl"),
     (["tune", MODEL, "--output", "/proc/pbstk-tune.json"], "--output /proc/pbstk-tune.json"),
     (["tune", MODEL, "--png", "/proc/self/pbstk.png"], "--png /proc/self/pbstk.png"),
-    (["tune", MODEL, "--output", "/dev/null"], "not a regular file"),
+    (["tune", MODEL, "--output", "FIFO"], "not a regular file"),  # a FIFO of the test's own, never /dev/null
     (["tune", MODEL, "--concurrency", "1,99999999999"], "concurrencies must be integers from 1 to 10000"),
 ])
 def test_output_file_is_checked_before_waiting_or_launching(isolated_user: Path, args: list[str],
                                                             needle: str) -> None:
+    if "FIFO" in args:
+        fifo = isolated_user / "out.fifo"
+        os.mkfifo(fifo)
+        args = [str(fifo) if a == "FIFO" else a for a in args]
     assert_refused(pbstk(*args), needle)
     assert_nothing_launched(isolated_user)
 

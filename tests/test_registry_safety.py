@@ -307,8 +307,13 @@ def test_update_endpoint_refuses_unsafe_registries_before_waiting(
     fifo = tmp_path / "fifo.py"
     os.mkfifo(fifo)
     monkeypatch.chdir(tmp_path)
-    cases = [
-        (["--registry", "/dev/null", "--format", "py"], "character device"),
+    cases = []
+    try:  # a device node of our own: a regression must replace this one, never the system's /dev/null
+        os.mknod(tmp_path / "null.py", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        cases.append((["--registry", str(tmp_path / "null.py"), "--format", "py"], "character device"))
+    except OSError:
+        pass  # not root: the device case is covered by test_device_is_refused_and_stays_a_device's skip
+    cases += [
         (["--registry", "/proc/x.py"], "kernel"),
         (["--registry", str(tmp_path / "dir.py")], "is a directory"),
         (["--registry", str(link)], "outside"),
@@ -328,7 +333,9 @@ def test_update_endpoint_refuses_unsafe_registries_before_waiting(
     finally:
         _release(fifo)
         os.chmod(locked_dir, 0o755)
-    assert stat.S_ISCHR(os.stat("/dev/null").st_mode) and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    if (tmp_path / "null.py").exists():
+        assert stat.S_ISCHR(os.lstat(tmp_path / "null.py").st_mode)
     assert outside.read_text() == PY and read_only.read_text() == PY and not os.listdir(locked_dir)
     assert yaml_file.read_text() == "endpoints: {}\n"
     # with the flags the pre-check passes, so the command waits for the (hung) server and times out
