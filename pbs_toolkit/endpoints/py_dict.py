@@ -20,6 +20,7 @@ import dis
 import json
 import re
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,18 @@ def _brace_spans(data: bytes) -> list[tuple[int, int, list[int]]]:
     return spans
 
 
+def _chunks(bounds: list[int]) -> Iterator[tuple[int, int]]:
+    """``(lo, hi)`` index ranges into ``bounds`` (the dict's braces and top-level commas) covering about
+    ``CHUNK_BYTES`` of elements each: what one parse or compile of ``{`` + elements + ``}`` takes at a time."""
+    lo = 0
+    while lo < len(bounds) - 1:
+        hi = lo + 1
+        while hi < len(bounds) - 1 and bounds[hi] - bounds[lo] < CHUNK_BYTES:
+            hi += 1
+        yield lo, hi
+        lo = hi
+
+
 def _parse_dict_chunks(
     data: bytes, span: tuple[int, int, list[int]], want_entries: bool
 ) -> list[_Element]:
@@ -200,11 +213,7 @@ def _parse_dict_chunks(
     open_, close, commas = span
     bounds = [open_, *commas, close]
     elements: list[_Element] = []
-    lo = 0
-    while lo < len(bounds) - 1:
-        hi = lo + 1
-        while hi < len(bounds) - 1 and bounds[hi] - bounds[lo] < CHUNK_BYTES:
-            hi += 1
+    for lo, hi in _chunks(bounds):
         begin, end = bounds[lo] + 1, bounds[hi]
         source = b"{" + data[begin:end] + b"\n}"
         try:
@@ -219,7 +228,6 @@ def _parse_dict_chunks(
             return base + starts[lineno - 1] + col
 
         elements.extend(_elements(data, node, offset, want_entries))
-        lo = hi
     last_piece = data[bounds[-2] + 1 : close]
     expected = len(bounds) - 1 - (not re.sub(rb"#[^\r\n]*", b"", last_piece).strip())
     if len(elements) != expected:
@@ -268,11 +276,7 @@ def _compile_dict_chunks(data: bytes, span: tuple[int, int, list[int]]) -> list[
     open_, close, commas = span
     bounds = [open_, *commas, close]
     elements: list[_Element] = []
-    lo = 0
-    while lo < len(bounds) - 1:
-        hi = lo + 1
-        while hi < len(bounds) - 1 and bounds[hi] - bounds[lo] < CHUNK_BYTES:
-            hi += 1
+    for lo, hi in _chunks(bounds):
         source = b"{" + data[bounds[lo] + 1 : bounds[hi]] + b"\n}"
         try:
             code = compile(source.decode("utf-8"), "<ENDPOINTS>", "eval", dont_inherit=True)
@@ -292,7 +296,6 @@ def _compile_dict_chunks(data: bytes, span: tuple[int, int, list[int]]) -> list[
                 continue  # the blank after a trailing comma
             else:
                 elements.append(_piece_element(data, start, end))
-        lo = hi
     return elements
 
 
