@@ -21,9 +21,9 @@ ENV_EXPORTS=(
   https_proxy=http://proxy.alcf.anl.gov:3128
 )
 PROXY=true
-HF_HOME_DIR=/eagle/projects/YOUR_PROJECT/hf_cache
+HF_HOME_DIR=/eagle/projects/PROJ/hf_cache
 HF_HUB_OFFLINE_ON=true
-VLLM_CACHE_DIR=/eagle/projects/YOUR_PROJECT/vllm_cache
+VLLM_CACHE_DIR=/eagle/projects/PROJ/vllm_cache
 ADDRESS_MODE=short
 ADDRESS_SUFFIX=.hsn.cm.polaris.alcf.anl.gov
 BIND_HOST=0.0.0.0
