@@ -53,10 +53,13 @@ def presets_show(name: str) -> None:
     click.echo(textwrap.fill(p.rationale, width=100))
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True)
-def profiles(as_json: bool) -> None:
+@click.pass_context
+def profiles(ctx: click.Context, as_json: bool) -> None:
     """List site profiles (shipped and ~/.config/pbstk/profiles/*.yaml)."""
+    if ctx.invoked_subcommand:
+        return
     from pbs_toolkit.settings.profiles import list_profiles
 
     items = list_profiles()
@@ -69,17 +72,94 @@ def profiles(as_json: bool) -> None:
     click.echo(table(rows, ["NAME", "SCHEDULER", "QUEUE", "GPUS/NODE", "SSH HOST", "DESCRIPTION"]))
 
 
+def setting_options(f: Any) -> Any:
+    """The flags that set profile keys (as on render/launch), for ``config show``."""
+    from pbs_toolkit.cli.options import GPUS_PER_NODE, NODES, parse_port
+
+    options = [
+        click.option("--queue", "-q"), click.option("--account", "-A"), click.option("--walltime", "-t"),
+        click.option("--nodes", type=NODES), click.option("--gpus-per-node", type=GPUS_PER_NODE),
+        click.option("--port", callback=lambda c, p, v: parse_port(v) if v != "auto" else None),
+        click.option("--venv"), click.option("--runs-root"), click.option("--vllm-version"),
+        click.option("--hf-home"), click.option("--vllm-cache-root"),
+        click.option("--scheduler"), click.option("--ssh", "ssh_host"),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+@profiles.command("show")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: every key's value and source.")
+@setting_options
+def profiles_show(name: str, as_json: bool, **flags: Any) -> None:
+    """Show profile NAME as a launch would use it: every key, its value and where it came from."""
+    _show_resolved({"profile": name, **flags}, as_json)
+
+
+@click.group("config")
+def config() -> None:
+    """Your settings (flags, PBSTK_*, ~/.config/pbstk/config.yaml, profile) as pbstk resolves them."""
+
+
+@config.command("show")
+@click.option("--profile", "-P", help="Profile to resolve (default: PBSTK_PROFILE, config.yaml's profile, local).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: every key's value and source.")
+@setting_options
+def config_show(profile: str | None, as_json: bool, **flags: Any) -> None:
+    """Print every resolved setting and where it came from (package default / profile NAME /
+    config.yaml (global|profiles.NAME) / PBSTK_X / flag)."""
+    _show_resolved({"profile": profile, **flags}, as_json)
+
+
+def _show_resolved(flags: dict[str, Any], as_json: bool) -> None:
+    from pbs_toolkit.settings.resolved import resolve
+
+    resolved = resolve(flags)
+    if as_json:
+        echo_json(resolved.to_dict())
+        return
+    click.echo(f"profile: {resolved.profile.name}  ({resolved.profile_source}; "
+               f"file {resolved.profile.source.split(' with ', 1)[0]})")
+    click.echo(f"preset:  {resolved.preset}  ({resolved.preset_source})")
+    rows = []
+    for key, (value, source, template) in resolved.values.items():
+        shown = _shown(value)
+        rows.append([key, shown, source + (f" (written {_shown(template)})" if template is not None else "")])
+    click.echo(table(rows, ["KEY", "VALUE", "SOURCE"]))
+    for problem in resolved.problems:
+        click.echo(f"pbstk: warning: a launch would be refused: {problem}", err=True)
+
+
+def _shown(value: Any) -> str:
+    """One line for a setting's value: lists joined with `` ; ``, mappings as ``K=V``, unset as ``-``."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return " ; ".join(value) if value else "(none)"
+    if isinstance(value, dict):
+        return " ".join(f"{k}={v}" for k, v in value.items()) if value else "(none)"
+    return str(value)
+
+
 @click.command()
 @click.argument("model")
 @render_options
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False),
-              help="Write the job script and start_vllm.sh into this directory instead of printing them.")
-@click.option("--run-dir", help="Run directory the scripts refer to (default: a new one under runs_root).")
+              help="Write the job script and start_vllm.sh into this directory, which becomes the run "
+                   "directory (qsub DIR/job.pbs then works as written).")
+@click.option("--run-dir", help="Run directory the scripts refer to (default: -o DIR, else a new one under "
+                                "runs_root).")
 def render(model: str, out_dir: str | None, run_dir: str | None, **kw: Any) -> None:
-    """Render the job script and start_vllm.sh for MODEL (nothing is submitted)."""
+    """Render the job script and start_vllm.sh for MODEL (nothing is submitted, nothing is connected to)."""
     from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
 
+    if out_dir is not None and run_dir is None:
+        run_dir = os.path.abspath(out_dir)  # the scripts run from where they are written
     req = build_request(model, run_dir=run_dir, **kw)
     job = Client().render(req, connect=False)  # nothing is submitted: no SSH login
     for note in job.notes:
@@ -124,4 +204,4 @@ def _write_scripts(out_dir: str, scripts: dict[str, str]) -> None:
         raise
 
 
-COMMANDS = [presets, profiles, render]
+COMMANDS = [presets, profiles, config, render]

@@ -221,13 +221,25 @@ def list_profiles() -> list[Profile]:
     return [load_profile(name) for name in sorted(_profile_files())]
 
 
-def load_profile(name_or_path: str) -> Profile:
-    """Load a profile by name (the user's first) or from a YAML path."""
+def profile_path(name_or_path: str) -> Path:
+    """The YAML file of profile ``name_or_path`` (a name, the user's first, or a path)."""
     if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
         path = Path(name_or_path)
         require_file(path, "profile file")
-        return _parse(load_yaml_mapping(path), path)
+        return path
     files = _profile_files()
     if name_or_path not in files:
         raise UsageError(f"unknown profile {name_or_path!r} (known: {', '.join(sorted(files))})")
-    return _parse(load_yaml_mapping(files[name_or_path]), files[name_or_path])
+    return files[name_or_path]
+
+
+def profile_file_keys(name_or_path: str) -> set[str]:
+    """The keys the profile's file sets itself (a backend section's keys included); the rest are defaults."""
+    path = profile_path(name_or_path)
+    return set(_flatten_backend_section(load_yaml_mapping(path), path)) - {"name"}
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """Load a profile by name (the user's first) or from a YAML path."""
+    path = profile_path(name_or_path)
+    return _parse(load_yaml_mapping(path), path)
