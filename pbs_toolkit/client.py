@@ -213,10 +213,11 @@ class Client:
         return render(req, self._request_runner(req) if connect else None)
 
     def _request_runner(self, req: RenderRequest) -> Runner:
-        """The runner of the transport ``req``'s profile submits through."""
-        from pbs_toolkit.jobs.render import resolve_profile
+        """The runner of the transport ``req``'s profile submits through; a profile that cannot launch (account
+        missing, placeholder unfilled) is refused first, before any SSH login."""
+        from pbs_toolkit.jobs.render import checked_profile
 
-        return self.runner(resolve_profile(req)[0].ssh_host or "")
+        return self.runner(checked_profile(req).ssh_host or "")
 
     def launch(self, model: str | RenderRequest, preset: str | None = None, profile: str | None = None, *,
                api_key: str | None = None, use_api_key: bool = True, **options: Any) -> Job:
@@ -228,11 +229,12 @@ class Client:
     def launch_request(self, req: RenderRequest, *, api_key: str | None = None, use_api_key: bool = True,
                        dry_run: bool = False) -> LaunchResult:
         """``launch`` with everything it rendered (scripts, preset, notes); ``dry_run`` writes and submits
-        nothing."""
+        nothing, and connects nowhere (a remote ``~`` stays for the remote shell: ``"$HOME"/...``)."""
         from pbs_toolkit.jobs.launch import launch
 
-        return launch(req, store=self.store, runner=self._request_runner(req), api_key=api_key,
-                      use_api_key=use_api_key, dry_run=dry_run)
+        runner = None if dry_run else self._request_runner(req)
+        return launch(req, store=self.store, runner=runner, api_key=api_key, use_api_key=use_api_key,
+                      dry_run=dry_run)
 
     def wait(self, job: Job | JobRecord | str | None, timeout: float = 3600.0,
              on_progress: Callable[[JobStatus, float], None] | None = None) -> JobStatus:

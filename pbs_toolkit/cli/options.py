@@ -104,6 +104,8 @@ def render_options(f: F) -> F:
         click.option("--venv", help="Python environment with vLLM on the compute node (activated in the job)."),
         click.option("--runs-root", help="Where run directories go (shared filesystem)."),
         click.option("--vllm-version", help="vLLM version on the cluster; decides which flags are valid."),
+        click.option("--hf-home", help="HF_HOME on the compute node (model cache); overrides the profile."),
+        click.option("--vllm-cache-root", help="VLLM_CACHE_ROOT on the compute node (compile cache)."),
         click.option("--eager/--no-eager", default=None, help="Override the preset's eager mode."),
         click.option("--vllm-arg", "vllm_args", multiple=True,
                      help="Extra vLLM argument, passed through exactly (repeat; use --vllm-arg=--flag=value)."),

@@ -120,34 +120,21 @@ def launch(
     dry_run: bool = False,
     accept_unknown_host: bool = False,
 ) -> LaunchResult:
-    """Render, write, submit and record one job. With ``dry_run`` only render (nothing is written)."""
+    """Render, write, submit and record one job. With ``dry_run`` only render: nothing is written, and without
+    a ``runner`` nothing is connected to (paths on a remote host stay ``$HOME``-relative)."""
     store = store or JobStore()
+    if dry_run and runner is None:
+        return _dry_run(req, use_api_key, api_key)
     own_runner = runner is None
     if runner is None:
-        from pbs_toolkit.jobs.render import resolve_profile
+        from pbs_toolkit.jobs.render import checked_profile
 
-        profile, _, _ = resolve_profile(req)
-        runner = open_runner(profile.ssh_host, accept_unknown_host=accept_unknown_host)
+        runner = open_runner(checked_profile(req).ssh_host, accept_unknown_host=accept_unknown_host)
     try:
         rendered = render(req, runner)
         transport = "" if runner.name == "local" else runner.name.split(":", 1)[-1]
-        key = None
-        if use_api_key:
-            key = api_key or secrets.token_urlsafe(32)
-        record = JobRecord(
-            job_id="", scheduler=rendered.profile.scheduler, profile=rendered.profile.name, model=req.model,
-            served_model_name=rendered.served_model_name, preset=rendered.preset.name, name=rendered.job_name,
-            run_dir=rendered.run_dir, transport=transport, api_key=key,
-            api_key_env=key_env_name(rendered.job_name) if key else None,
-            spec=LaunchSpec(vllm_args=rendered.vllm_args, layout=rendered.preset.layout(),
-                            tensor_parallel=rendered.preset.tensor_parallel,
-                            data_parallel=rendered.preset.data_parallel,
-                            pipeline_parallel=rendered.preset.pipeline_parallel,
-                            gpus=rendered.preset.gpus, eager=rendered.preset.eager,
-                            vllm_version=rendered.profile.vllm_version, ssh_host=transport or None,
-                            vllm_cache_root=rendered.profile.vllm_cache_root, params_b=rendered.params_b,
-                            venv=rendered.profile.venv),
-        )
+        key = (api_key or secrets.token_urlsafe(32)) if use_api_key else None
+        record = _record(req, rendered, transport, key)
         if dry_run:
             return LaunchResult(record, rendered)
         scheduler = get_scheduler(rendered.profile.scheduler)
@@ -160,6 +147,32 @@ def launch(
     finally:
         if own_runner:
             runner.close()
+
+
+def _dry_run(req: RenderRequest, use_api_key: bool, api_key: str | None) -> LaunchResult:
+    """``launch --dry-run`` without a runner: render as the job would run, connecting nowhere."""
+    rendered = render(req, None)
+    transport = rendered.profile.ssh_host or ""
+    key = (api_key or secrets.token_urlsafe(32)) if use_api_key else None
+    return LaunchResult(_record(req, rendered, transport, key), rendered)
+
+
+def _record(req: RenderRequest, rendered: RenderedJob, transport: str, key: str | None) -> JobRecord:
+    """The job store's record of ``rendered`` (its job id is filled in once the scheduler gives one)."""
+    return JobRecord(
+        job_id="", scheduler=rendered.profile.scheduler, profile=rendered.profile.name, model=req.model,
+        served_model_name=rendered.served_model_name, preset=rendered.preset.name, name=rendered.job_name,
+        run_dir=rendered.run_dir, transport=transport, api_key=key,
+        api_key_env=key_env_name(rendered.job_name) if key else None,
+        spec=LaunchSpec(vllm_args=rendered.vllm_args, layout=rendered.preset.layout(),
+                        tensor_parallel=rendered.preset.tensor_parallel,
+                        data_parallel=rendered.preset.data_parallel,
+                        pipeline_parallel=rendered.preset.pipeline_parallel,
+                        gpus=rendered.preset.gpus, eager=rendered.preset.eager,
+                        vllm_version=rendered.profile.vllm_version, ssh_host=transport or None,
+                        vllm_cache_root=rendered.profile.vllm_cache_root, params_b=rendered.params_b,
+                        venv=rendered.profile.venv),
+    )
 
 
 def _refuse_active_name(store: JobStore, runner: Runner, name: str, transport: str) -> None:

@@ -22,6 +22,7 @@ from pbs_toolkit.errors import UsageError
 from pbs_toolkit.schedulers import backend_class
 from pbs_toolkit.server.phases import bash_assignments
 from pbs_toolkit.settings.config import resolve_settings
+from pbs_toolkit.settings.placeholders import fill_profile
 from pbs_toolkit.settings.presets import Preset, load_preset, params_from_config, params_from_name, resolve_auto
 from pbs_toolkit.settings.profiles import Profile, load_profile, walltime_seconds
 from pbs_toolkit.settings.vllm_flags import check_env, check_flag, flag_name, is_automatic, version_tuple
@@ -60,6 +61,8 @@ class RenderRequest:
     venv: str | None = None
     runs_root: str | None = None
     vllm_version: str | None = None
+    hf_home: str | None = None
+    vllm_cache_root: str | None = None
     scheduler: str | None = None
     ssh_host: str | None = None
     eager: bool | None = None
@@ -116,7 +119,37 @@ def _environment(backend_dir: Path) -> Any:
         autoescape=False,
     )
     env.filters["sh"] = lambda value: shlex.quote(str(value))
+    env.filters["shpath"] = sh_path
     return env
+
+
+#: what a remote home stands for in a script rendered without connecting (its shell expands it)
+HOME_VAR = "$HOME"
+
+
+def sh_path(value: Any) -> str:
+    """A path for a shell line: quoted, except that a leading ``$HOME`` stays for the shell to expand
+    (``"$HOME"/pbstk-runs``), as in scripts rendered for a remote host without asking it where its home is."""
+    text = str(value)
+    if text == HOME_VAR or text.startswith(HOME_VAR + "/"):
+        rest = text[len(HOME_VAR):]
+        return f'"{HOME_VAR}"' + (shlex.quote(rest) if rest else "")
+    return shlex.quote(text)
+
+
+def home_relative(path: str) -> str:
+    """``~/x`` -> ``$HOME/x``: the expansion used when rendering for a remote host without connecting (render,
+    launch --dry-run). This machine's home is never the remote one; the remote shell expands ``$HOME``."""
+    if path == "~" or path.startswith("~/"):
+        return HOME_VAR + path[1:]
+    return path
+
+
+def _expander(profile: Profile, runner: Runner | None) -> Callable[[str], str]:
+    """How ``~`` in the profile's paths becomes a path on the machine the job runs on."""
+    if runner is not None:
+        return runner.expanduser
+    return home_relative if profile.ssh_host else os.path.expanduser
 
 
 def slug(text: str) -> str:
@@ -128,13 +161,19 @@ def slug(text: str) -> str:
     return base[:60]
 
 
-def resolve_model(model: str, runner: Runner | None) -> tuple[str, dict[str, Any] | None]:
-    """Return (what vLLM receives, config.json when readable). Local directories become absolute paths."""
+def resolve_model(model: str, runner: Runner | None,
+                  remote_offline: bool = False) -> tuple[str, dict[str, Any] | None]:
+    """Return (what vLLM receives, config.json when readable). Local directories become absolute paths.
+
+    ``remote_offline``: the job runs on a remote host that is not asked (render, launch --dry-run): a model
+    directory is taken as written there (``~`` for the remote shell), unread."""
     if not model or "\n" in model or "\0" in model:
         raise UsageError("model name is empty or contains a newline")
     looks_like_path = model.startswith(("/", "./", "../", "~")) or os.sep in model and not _HF_ID.match(model)
+    if remote_offline and looks_like_path:
+        return home_relative(model), None
     local = Path(os.path.expanduser(model))
-    remote = runner is not None and runner.name != "local"
+    remote = remote_offline or runner is not None and runner.name != "local"
     if not remote and (_is_dir(local, model) or looks_like_path):
         if not local.is_dir():
             raise UsageError(f"model directory {model} does not exist")
@@ -229,17 +268,38 @@ def _hf_cache_config(model: str) -> dict[str, Any] | None:
     return None
 
 
-def resolve_profile(req: RenderRequest) -> tuple[Profile, str | None, bool]:
-    settings = resolve_settings({
+def request_flags(req: RenderRequest) -> dict[str, Any]:
+    """The settings ``req`` gives as flags (``None``: not given), for :func:`resolve_settings`."""
+    return {
         "profile": req.profile, "preset": req.preset, "queue": req.queue, "account": req.account,
         "walltime": req.walltime, "nodes": req.nodes, "gpus_per_node": req.gpus_per_node,
         "venv": req.venv, "runs_root": req.runs_root, "vllm_version": req.vllm_version,
+        "hf_home": req.hf_home, "vllm_cache_root": req.vllm_cache_root,
         "scheduler": req.scheduler, "ssh_host": req.ssh_host,
         "port": req.port if isinstance(req.port, int) else None,
-    })
-    profile = load_profile(settings.profile).with_overrides(settings.profile_overrides)
+    }
+
+
+def resolve_profile(req: RenderRequest) -> tuple[Profile, str | None, bool]:
+    """(profile with every layer applied, placeholders not filled yet; preset name or ``None``; whether the
+    GPU count was set by the user)."""
+    settings = resolve_settings(request_flags(req))
+    profile = load_profile(settings.profile)
+    overrides = dict(settings.profile_overrides)
+    if settings.env_layers:
+        overrides["env"] = settings.merged_env(profile.env)
+    profile = profile.with_overrides(overrides)
     preset = settings.preset or settings.default_presets.get(req.model)
     return profile, preset, "gpus_per_node" in settings.profile_overrides
+
+
+def checked_profile(req: RenderRequest) -> Profile:
+    """The launchable profile for ``req``: account present when required, one node, placeholders filled.
+
+    Cheap and offline: ``launch`` runs it before it opens an SSH connection (no login for a doomed job)."""
+    profile = resolve_profile(req)[0]
+    _check_profile(profile)
+    return fill_profile(profile)
 
 
 def _default_preset(profile: Profile) -> str:
@@ -270,8 +330,9 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
     """
     profile, preset_name, gpus_given = resolve_profile(req)
     _check_profile(profile)
+    profile = fill_profile(profile)
     walltime = _normalised_walltime(profile)
-    model_path, config = resolve_model(req.model, runner)
+    model_path, config = resolve_model(req.model, runner, remote_offline=runner is None and bool(profile.ssh_host))
     preset, params = _choose_preset(req, profile, preset_name, config)
     profile = _fit_profile_to_preset(profile, preset, gpus_given)
 
@@ -440,9 +501,14 @@ def _port(req: RenderRequest, profile: Profile) -> tuple[int, bool]:
 
 
 def _run_dir(req: RenderRequest, profile: Profile, job_name: str, runner: Runner | None) -> str:
-    """The run directory: given, or a fresh one under the runs root; checked to be safe unquoted in directives."""
-    run_dir = req.run_dir or _default_run_dir(profile, job_name, runner)
-    if not _RUN_DIR.fullmatch(run_dir):
+    """The run directory: given, or a fresh one under the runs root; checked to be safe unquoted in directives.
+
+    Rendered for a remote host without connecting, it may start with ``$HOME/`` (the job script then writes
+    no ``-o``/``-e`` directive: PBS does not expand variables there)."""
+    expand = _expander(profile, runner)
+    run_dir = expand(req.run_dir) if req.run_dir else _default_run_dir(profile, job_name, expand)
+    checked = run_dir[len(HOME_VAR):] if run_dir.startswith(HOME_VAR + "/") else run_dir
+    if not _RUN_DIR.fullmatch(checked):
         raise UsageError(
             f"run directory {run_dir!r} must be an absolute path of letters, digits and _ . / @ + ~ - "
             "(job script directives read it unquoted)"
@@ -452,7 +518,7 @@ def _run_dir(req: RenderRequest, profile: Profile, job_name: str, runner: Runner
 
 def _expand_profile_paths(profile: Profile, runner: Runner | None) -> Profile:
     """Paths in the profile may start with ``~`` or ``$HOME``: expand them for the machine the job runs on."""
-    expand = runner.expanduser if runner is not None else os.path.expanduser
+    expand = _expander(profile, runner)
     return replace(
         profile,
         venv=expand(profile.venv) if profile.venv else None,
@@ -493,7 +559,7 @@ def _pair_flags(args: list[str]) -> list[list[str]]:
     return lines
 
 
-def _default_run_dir(profile: Profile, job_name: str, runner: Runner | None) -> str:
-    root = runner.expanduser(profile.runs_root) if runner is not None else os.path.expanduser(profile.runs_root)
+def _default_run_dir(profile: Profile, job_name: str, expand: Callable[[str], str]) -> str:
+    root = expand(profile.runs_root)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return f"{root.rstrip('/')}/{job_name}-{stamp}-{os.urandom(2).hex()}"
