@@ -95,7 +95,7 @@ def setting_options(f: Any) -> Any:
 @setting_options
 def profiles_show(name: str, as_json: bool, **flags: Any) -> None:
     """Show profile NAME as a launch would use it: every key, its value and where it came from."""
-    _show_resolved({"profile": name, **flags}, as_json)
+    _show_resolved({"profile": name, **flags}, as_json, profile_source="argument NAME")
 
 
 @click.group("config")
@@ -113,10 +113,12 @@ def config_show(profile: str | None, as_json: bool, **flags: Any) -> None:
     _show_resolved({"profile": profile, **flags}, as_json)
 
 
-def _show_resolved(flags: dict[str, Any], as_json: bool) -> None:
+def _show_resolved(flags: dict[str, Any], as_json: bool, profile_source: str | None = None) -> None:
     from pbs_toolkit.settings.resolved import resolve
 
     resolved = resolve(flags)
+    if profile_source:
+        resolved.profile_source = profile_source
     if as_json:
         echo_json(resolved.to_dict())
         return
