@@ -237,3 +237,12 @@ def test_profiles_listing_unchanged() -> None:
 def test_show_of_unknown_profile_is_one_error() -> None:
     assert "unknown profile 'nope'" in one_error(pbstk("profiles", "show", "nope"))
     assert "unknown profile 'nope'" in one_error(pbstk("config", "show", "--profile", "nope"))
+
+
+def test_launch_refuses_an_unfilled_placeholder_before_any_ssh_login() -> None:
+    """The refusal comes before anything touches the SSH host: a closed loopback port would make it exit 4.
+    (A regression guard: the SSH runner connects lazily, and render checks placeholders before paths.)"""
+    write_profile("site", "scheduler: pbs\nqueue: q\ngpus_per_node: 4\nssh_host: 'nobody@127.0.0.1:9'\n"
+                  "vllm_cache_root: /proj/{account}/vc\n")
+    line = one_error(pbstk("launch", MODEL, "--preset", "dp4", "--profile", "site"))
+    assert "vllm_cache_root" in line and "{account}" in line

@@ -55,7 +55,7 @@ DEFAULT_PRESET = "auto"
 
 
 @functools.lru_cache(maxsize=1)
-def _profile_kinds() -> dict[str, str]:
+def profile_kinds() -> dict[str, str]:
     """Every profile key config.yaml may set -> the kind of value it takes (bool, int, list, map, str).
 
     Read from the ``Profile`` dataclass itself, so a new profile key is settable in config.yaml at once."""
@@ -130,7 +130,7 @@ def _checked(source: str, where: str, key: str, value: Any) -> Any:
     """
     if value is None:
         return None
-    kind = _profile_kinds().get(key, "str")
+    kind = profile_kinds().get(key, "str")
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{source}: key {where!r} must be an integer, got {value!r}")
@@ -174,7 +174,7 @@ def _env_value(key: str) -> Any:
     raw = os.environ.get(ENV_VARS[key])
     if raw is None or raw == "":
         return None
-    if _profile_kinds().get(key) == "int":
+    if profile_kinds().get(key) == "int":
         try:
             return int(raw)
         except ValueError:
@@ -212,7 +212,7 @@ def resolve_settings(flags: dict[str, Any]) -> Settings:
                 value, sources[key] = layer[key], where
         return value
 
-    overrides = {key: pick_all(key) for key in _profile_kinds() if key != "env"}
+    overrides = {key: pick_all(key) for key in profile_kinds() if key != "env"}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     env_layers = [(where, layer["env"]) for where, layer in reversed(layers) if layer.get("env")]
     preset = pick_all("preset")
@@ -254,7 +254,7 @@ def _checked_top_level(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     The ``profiles`` and ``default_presets`` mappings pass through unchanged; they are checked on their own.
     """
     cfg = _lift_backend_sections(cfg, source, "")
-    known = set(_profile_kinds()) | SELECTORS | {"profiles", "default_presets"}
+    known = set(profile_kinds()) | SELECTORS | {"profiles", "default_presets"}
     for key in cfg:
         if key not in known:
             raise ConfigError(f"{source}: unknown key {key!r} (known: {', '.join(sorted(known | set(BACKENDS)))})")
@@ -269,7 +269,7 @@ def _checked_profile_sections(cfg: dict[str, Any], source: str) -> dict[Any, Any
     all_profiles = cfg.get("profiles") or {}
     if not isinstance(all_profiles, dict):
         raise ConfigError(f"{source}: key 'profiles' must be a mapping of profile name: settings")
-    per_profile_known = set(_profile_kinds()) | {"preset"}
+    per_profile_known = set(profile_kinds()) | {"preset"}
     checked: dict[Any, Any] = {}
     for name, section in all_profiles.items():
         if not isinstance(section, dict):

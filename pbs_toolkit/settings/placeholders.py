@@ -16,7 +16,7 @@ from typing import Any
 
 from pbs_toolkit.errors import ConfigError, UsageError
 from pbs_toolkit.settings.config import how_to_set
-from pbs_toolkit.settings.profiles import Profile
+from pbs_toolkit.settings.profiles import Profile, validate
 
 #: ``{name}``, but not the shell's ``${name}`` (setup lines and env values are shell text)
 PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -55,7 +55,8 @@ def fill_profile(profile: Profile) -> Profile:
             changes[key] = {k: _fill(profile, f"{key}.{k}", v, values) for k, v in value.items()}
         elif value is not None:
             changes[key] = _fill(profile, key, value, values)
-    return replace(profile, **changes)
+    # filled values reach directive lines too (extra_directives): check them as the profile's own values
+    return validate(replace(profile, **changes))
 
 
 def _fill(profile: Profile, key: str, text: str, values: dict[str, str | None]) -> str:

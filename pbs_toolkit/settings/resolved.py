@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.settings.config import DEFAULT_PRESET, _profile_kinds, resolve_settings
+from pbs_toolkit.settings.config import DEFAULT_PRESET, how_to_set, profile_kinds, resolve_settings
 from pbs_toolkit.settings.placeholders import fill_profile, unfilled
 from pbs_toolkit.settings.profiles import Profile, load_profile, profile_file_keys
 
@@ -51,14 +51,17 @@ def resolve(flags: dict[str, Any]) -> Resolved:
         overrides["env"] = settings.merged_env(base.env)
     written = base.with_overrides(overrides)
     problems: list[str] = []
+    if written.account_required and not written.account:
+        problems.append(f"profile {written.name} needs an account: {how_to_set('account')}")
     try:
         filled = fill_profile(written)
     except UsageError as exc:
-        filled, problems = written, [exc.message]
+        filled = written
+        problems.append(exc.message)
     if not problems and unfilled(filled):
         problems = [f"unfilled placeholder in {', '.join(unfilled(filled))}"]
     values: dict[str, tuple[Any, str, Any]] = {}
-    for key in _profile_kinds():
+    for key in profile_kinds():
         value, template = getattr(filled, key), getattr(written, key)
         values[key] = (value, _source(key, settings, from_file, base.name), template if template != value else None)
     preset = settings.preset  # a model's default_presets entry is not known here: no model
