@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from pbs_toolkit.transports.tunnel import Tunnel
     from pbs_toolkit.vllm.prom import MetricsSnapshot
 
-__all__ = ["BenchResult", "Client", "Diagnosis", "Endpoint", "Job", "Metrics", "serve"]
+__all__ = ["BenchResult", "Cancellation", "Client", "Diagnosis", "Endpoint", "Job", "Metrics", "serve"]
 
 _log = logging.getLogger("pbs_toolkit")
 
@@ -70,6 +70,17 @@ class Job:
                    profile=record.profile, scheduler=record.scheduler, transport=record.transport,
                    notes=tuple(notes))
 
+    def to_dict(self) -> dict[str, Any]:
+        """A ``job`` object (docs/json.md): the record fields ``jobs --json`` prints, same names, plus ``notes``."""
+        from dataclasses import asdict
+
+        from pbs_toolkit.schema import stamp
+
+        data = asdict(self)
+        data["transport"] = self.transport or "local"
+        data["notes"] = list(self.notes)
+        return stamp("job", data)
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -79,6 +90,25 @@ class Endpoint:
     api_key: str | None = field(repr=False)
     model: str
     job_id: str = ""
+    #: the variables ``pbstk env`` exports (the key among them), by name
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def to_dict(self, secrets: bool = False) -> dict[str, Any]:
+        """An ``endpoint`` object (docs/json.md). The key and ``env`` only with ``secrets`` (``pbstk env --json``,
+        whose whole point is to hand them out); otherwise ``has_api_key`` says whether there is one."""
+        from pbs_toolkit.schema import stamp
+
+        data: dict[str, Any] = {"job_id": self.job_id, "base_url": self.base_url, "model": self.model,
+                                "has_api_key": self.api_key is not None}
+        if secrets:
+            data.update(api_key=self.api_key, env=dict(self.env))
+        return stamp("endpoint", data)
+
+    def exports(self) -> list[str]:
+        """``env`` as shell ``export`` lines, each value quoted (``pbstk env``)."""
+        import shlex
+
+        return [f"export {name}={shlex.quote(value)}" for name, value in self.env.items()]
 
 
 @dataclass(frozen=True)
@@ -92,6 +122,12 @@ class Metrics:
     #: the last ``Engine NNN: ...`` lines of the log, newest last (one-shot ``metrics`` only)
     engine_log: list[dict[str, Any]] = field(default_factory=list)
 
+    def to_dict(self) -> dict[str, Any]:
+        """A ``metrics`` object: the summary ``metrics --json`` and ``--export`` print, one per look."""
+        from pbs_toolkit.schema import stamp
+
+        return stamp("metrics", {"job_id": self.job_id, **self.summary})
+
 
 @dataclass(frozen=True)
 class Diagnosis:
@@ -103,6 +139,35 @@ class Diagnosis:
     recommended_preset: str | None = None
     why: str | None = None
     launch: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A ``diagnosis`` object (``doctor --json``)."""
+        from pbs_toolkit.schema import stamp
+
+        return stamp("diagnosis", {"job_id": self.job_id, "state": self.state,
+                                   "findings": [f.to_dict() for f in self.findings],
+                                   "recommended_preset": self.recommended_preset, "why": self.why,
+                                   "launch": self.launch})
+
+
+@dataclass(frozen=True)
+class Cancellation:
+    """What ``cancel`` did to one job: stopped now (``cancelled``), or it had already ended."""
+
+    job_id: str
+    name: str
+    cancelled: bool
+
+    @property
+    def outcome(self) -> str:
+        return "cancelled" if self.cancelled else "already ended"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A ``cancellation`` object (``cancel --json`` prints a list of them)."""
+        from pbs_toolkit.schema import stamp
+
+        return stamp("cancellation", {"job_id": self.job_id, "name": self.name, "cancelled": self.cancelled,
+                                      "outcome": self.outcome})
 
 
 @dataclass(frozen=True)
@@ -117,7 +182,10 @@ class BenchResult:
     results: list[LevelResult]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"job_id": self.job_id, "preset": self.preset, "results": [r.to_dict() for r in self.results]}
+        from pbs_toolkit.schema import stamp
+
+        return stamp("bench_result", {"job_id": self.job_id, "preset": self.preset,
+                                      "results": [r.to_dict() for r in self.results]})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchResult:
@@ -378,13 +446,17 @@ class Client:
                                f"{': ' + st.reason if st.reason else ''} ({hint})")
         return st
 
-    def endpoint(self, job: Job | JobRecord | str | None = None) -> Endpoint:
-        """base URL, API key and served model of a READY, identity-verified job (else ``ServerFailed``)."""
-        from pbs_toolkit.endpoints import endpoint_url
+    def endpoint(self, job: Job | JobRecord | str | None = None, local_url: str | None = None, *,
+                 timeout: float = 0.0, on_progress: Progress | None = None,
+                 hint: str = "`Client.wait` waits for it") -> Endpoint:
+        """base URL, API key and served model of a READY, identity-verified job (else ``ServerFailed``), and
+        the variables ``env`` exports. ``local_url``: a tunnel's base URL instead of the node's; ``timeout``
+        > 0 waits that long for readiness first."""
+        from pbs_toolkit.endpoints import endpoint_url, env_values
 
-        st = self.ready_status(job)
-        return Endpoint(base_url=endpoint_url(st), api_key=st.record.api_key, model=st.record.served_model_name,
-                        job_id=st.record.job_id)
+        st = self.ready_status(job, wait=timeout > 0, timeout=timeout, on_progress=on_progress, hint=hint)
+        return Endpoint(base_url=endpoint_url(st, local_url), api_key=st.record.api_key,
+                        model=st.record.served_model_name, job_id=st.record.job_id, env=env_values(st, local_url))
 
     def env(self, job: Job | JobRecord | str | None = None, local_url: str | None = None, *,
             timeout: float = 0.0, on_progress: Progress | None = None,

@@ -122,31 +122,37 @@ def test_tune_report_merges_results_of_the_same_method(tmp_path: Path) -> None:
 def test_every_saved_result_loads_into_the_dataclasses_and_saves_back_unchanged(name: str, tmp_path: Path) -> None:
     """Tune reports and bench results are dataclasses now (TuneReport/TuneRun/LevelResult, BenchResult); the
     JSON saved before them (no ``client`` key, failed runs without ``results``) must load, and re-saving a
-    report must give back the same JSON, unknown keys included."""
+    report must give back the same JSON, unknown keys included, and only the schema stamp (docs/json.md) added
+    in front of it (files saved before the stamp existed have none)."""
     from pbs_toolkit.client import BenchResult
     from pbs_toolkit.perf.tune import TuneReport, load_result, save_result
+    from pbs_toolkit.schema import stamp
 
     data = json.loads((RESULTS / name).read_text())
     if "runs" in data:
         report = load_result(str(RESULTS / name))
         assert isinstance(report, TuneReport) and report.runs and report.runs[0].results[0].completed
-        assert report.to_dict() == data
-        assert json.loads(save_result(report, str(tmp_path / name)).read_text()) == data
+        assert report.to_dict() == stamp("tune_report", data)
+        resaved = json.loads(save_result(report, str(tmp_path / name)).read_text())
+        assert resaved == stamp("tune_report", data) and list(resaved)[:2] == ["schema_version", "kind"]
+        assert load_result(str(tmp_path / name)).to_dict() == resaved  # a stamped file reads back the same
     else:
         bench = BenchResult.from_dict(data)
         assert bench.results and bench.results[0].output_throughput > 0
-        assert bench.to_dict() == data
+        assert bench.to_dict() == stamp("bench_result", data)
 
 
 def test_a_report_with_a_failed_run_and_an_unknown_key_round_trips() -> None:
     from pbs_toolkit.perf.tune import TuneReport, recommend, render_table
+    from pbs_toolkit.schema import stamp
 
     doc = json.loads((RESULTS / "h200x2-tune.json").read_text())
     doc["note"] = "from a newer pbstk"
     doc["runs"].append({"preset": "tp2", "layout": "TP2", "eager": False, "job_id": "9.x", "run_dir": "/r",
                         "error": "vLLM failed: CUDA out of memory"})
     report = TuneReport.from_dict(doc)
-    assert report.to_dict() == doc and report.runs[-1].results == [] and report.runs[-1].ready_s is None
+    assert report.to_dict() == stamp("tune_report", doc) and report.runs[-1].results == []
+    assert report.runs[-1].ready_s is None
     assert recommend(report) == doc["recommended"]
     assert "tp2: vLLM failed: CUDA out of memory" in render_table(report)
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import click
 
+from pbs_toolkit.cli.complete import complete_job
 from pbs_toolkit.cli.job_cmds import progress_printer
 from pbs_toolkit.cli.options import LOCAL_PORT, SECONDS, SECONDS_OR_ZERO, echo_json
 
 
 @click.command("update-endpoint")
-@click.argument("job", required=False)
+@click.argument("job", required=False, shell_complete=complete_job)
 @click.option("--registry", type=click.Path(),  # a directory, device or FIFO is refused by the registry (exit 8)
               help="Registry file (default: pbstk's own endpoints.yaml in the XDG data dir).")
 @click.option("--format", "fmt", type=click.Choice(["auto", "py", "toml", "yaml", "json"]), default="auto",
@@ -46,11 +47,13 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
 
 
 @click.command("env")
-@click.argument("job", required=False)
+@click.argument("job", required=False, shell_complete=complete_job)
 @click.option("--local-url", help="Use this base URL (e.g. a tunnel's) instead of the node's.")
 @click.option("--timeout", type=SECONDS_OR_ZERO, default=0.0,
               help="Wait up to this many seconds for readiness (0: no wait).")
-def env_cmd(job: str | None, local_url: str | None, timeout: float) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the endpoint object, with the key and the variables (it is a secret: keep it so).")
+def env_cmd(job: str | None, local_url: str | None, timeout: float, as_json: bool) -> None:
     """Print `export` lines (OPENAI_BASE_URL, OPENAI_API_KEY, the registry's key variable) for JOB.
 
     \b
@@ -59,24 +62,31 @@ def env_cmd(job: str | None, local_url: str | None, timeout: float) -> None:
     from pbs_toolkit.client import Client
 
     with Client() as c:
-        lines = c.env(job, local_url, timeout=timeout, on_progress=progress_printer(True),
-                      hint="use --timeout S to wait, or `pbstk wait`")
-    for line in lines:
+        ep = c.endpoint(job, local_url, timeout=timeout, on_progress=progress_printer(True),
+                        hint="use --timeout S to wait, or `pbstk wait`")
+    if as_json:
+        echo_json(ep.to_dict(secrets=True))
+        return
+    for line in ep.exports():
         click.echo(line)
 
 
 @click.command()
-@click.argument("job", required=False)
+@click.argument("job", required=False, shell_complete=complete_job)
 @click.option("--local-port", type=LOCAL_PORT, default=0, help="Local port (default: any free one).")
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait for readiness.")
-def tunnel(job: str | None, local_port: int, timeout: float) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Once the tunnel is open, print its tunnel object as one line.")
+def tunnel(job: str | None, local_port: int, timeout: float, as_json: bool) -> None:
     """Forward a local port to JOB's server through the SSH connection; runs until Ctrl-C."""
     from pbs_toolkit.client import Client
 
     with Client() as c:  # the same connection waits and forwards; closing the client closes the tunnel
-        st, t = c.tunnel(job, local_port, timeout=timeout, on_progress=progress_printer(False))
-        click.echo(f"{t.url}/v1 -> {st.url} (model {st.record.served_model_name}); Ctrl-C to stop")
-        click.echo(f"clients: eval \"$(pbstk env {st.record.job_id} --local-url {t.url})\"")
+        st, t = c.tunnel(job, local_port, timeout=timeout, on_progress=progress_printer(as_json))
+        if as_json:
+            echo_json(t.to_dict(st), line=True)
+        else:
+            click.echo(f"{t.url}/v1 -> {st.url} (model {st.record.served_model_name}); Ctrl-C to stop")
+            click.echo(f"clients: eval \"$(pbstk env {st.record.job_id} --local-url {t.url})\"")
         t.serve_forever()
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from pbs_toolkit.cli.complete import complete_job
 from pbs_toolkit.cli.options import SECONDS, build_request, echo_json, read_key_env, render_options, table
 from pbs_toolkit.jobs.logs import STREAMS
 from pbs_toolkit.schedulers import BACKENDS, stream_aliases
@@ -66,17 +67,13 @@ def _show_launch(result: Any, ready: Any, dry_run: bool, as_json: bool) -> None:
         click.echo(f"pbstk: note: {note}", err=True)
     if dry_run:
         if as_json:
-            echo_json({"dry_run": True, **job.summary()})
+            echo_json(job.to_dict(dry_run=True))
         else:
             click.echo(f"dry run: {job.preset.name} ({job.preset.layout()}) on {job.profile.name}; "
                        f"would write {job.run_dir}\n{job.job_script}", nl=False)
         return
-    if as_json:
-        data = {"job_id": rec.job_id, "name": rec.name, "model": rec.model, "preset": rec.preset,
-                "scheduler": rec.scheduler, "run_dir": rec.run_dir, "notes": job.notes}
-        if ready is not None:
-            data.update(ready.to_dict())
-        echo_json(data)
+    if as_json:  # the job object; with --wait, the READY status's (the same fields and the state ones)
+        echo_json({**(ready or rec).to_dict(), "notes": job.notes})
         return
     click.echo(f"submitted {rec.job_id} ({rec.preset}: {job.preset.layout()}, profile {rec.profile})")
     click.echo(f"run directory: {rec.run_dir}")
@@ -89,7 +86,7 @@ def _show_launch(result: Any, ready: Any, dry_run: bool, as_json: bool) -> None:
 
 
 @click.command()
-@click.argument("jobs", nargs=-1)
+@click.argument("jobs", nargs=-1, shell_complete=complete_job)
 @click.option("--all", "show_all", is_flag=True, help="Include jobs that already ended.")
 @click.option("--json", "as_json", is_flag=True)
 def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
@@ -137,7 +134,7 @@ def jobs(show_all: bool, as_json: bool) -> None:
         click.echo(f"pbstk: note: the launch of {intent.name!r}{via} is not recorded yet (being submitted, or "
                    f"interrupted: {later} adopts the id in {intent.run_dir}/job_id)", err=True)
     if as_json:
-        echo_json([r.public() for r in records])
+        echo_json([r.to_dict() for r in records])
         return
     if not records:
         click.echo("no active jobs (`pbstk jobs --all` lists earlier ones)")
@@ -148,20 +145,25 @@ def jobs(show_all: bool, as_json: bool) -> None:
 
 
 @click.command()
-@click.argument("jobs", nargs=-1, required=True)
-def cancel(jobs: tuple[str, ...]) -> None:
+@click.argument("jobs", nargs=-1, required=True, shell_complete=complete_job)
+@click.option("--json", "as_json", is_flag=True, help="Print a list of cancellation objects.")
+def cancel(jobs: tuple[str, ...], as_json: bool) -> None:
     """Stop jobs through their scheduler. Already-ended jobs are not an error."""
-    from pbs_toolkit.client import Client
+    from pbs_toolkit.client import Cancellation, Client
 
+    done = []
     with Client() as c:
         records = [c.record(j) for j in jobs]  # every name resolves before anything is stopped
         for record in records:
-            stopped = c.cancel(record)
-            click.echo(f"{record.job_id}: {'cancelled' if stopped else 'already ended'}")
+            done.append(Cancellation(record.job_id, record.name, c.cancel(record)))
+            if not as_json:
+                click.echo(f"{record.job_id}: {done[-1].outcome}")
+    if as_json:
+        echo_json([d.to_dict() for d in done])
 
 
 @click.command()
-@click.argument("job", required=False)
+@click.argument("job", required=False, shell_complete=complete_job)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
 @click.option("-n", "--lines", default=50, show_default=True, help="Lines from the end to show first.")
 @click.option("--stream", type=click.Choice(STREAMS), default="vllm", show_default=True,
@@ -185,7 +187,7 @@ def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
 
 
 @click.command()
-@click.argument("job", required=False)
+@click.argument("job", required=False, shell_complete=complete_job)
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the final status as JSON; no progress lines.")
 def wait(job: str | None, timeout: float, as_json: bool) -> None:

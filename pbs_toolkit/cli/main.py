@@ -6,6 +6,7 @@ Ctrl-C exits 130. Heavy modules are imported inside commands so ``pbstk --help``
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import click
@@ -30,7 +31,10 @@ class PbstkGroup(click.Group):
 
 @click.group(cls=PbstkGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, "--version", prog_name="pbstk")
-def cli() -> None:
+@click.option("-v", "--verbose", is_flag=True, envvar="PBSTK_VERBOSE",
+              help="Show every scheduler and SSH command pbstk runs, on stderr (also PBSTK_VERBOSE=1).")
+@click.pass_context
+def cli(ctx: click.Context, verbose: bool) -> None:
     """Serve models with vLLM on PBS clusters (or this machine) and point evaluations at them.
 
     \b
@@ -42,6 +46,33 @@ def cli() -> None:
     and package defaults. Exit codes: 0 ok, 1 error, 2 bad input, 3 scheduler, 4 SSH, 5 server failed,
     6 timeout, 7 unknown job, 8 registry, 9 scheduler did not answer, 10 job store unusable.
     """
+    if verbose:
+        _show_commands(ctx)
+
+
+class _EchoHandler(logging.Handler):
+    """Log records as ``pbstk: ...`` lines on the stderr of the moment (Click's test runner swaps it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            click.echo(f"pbstk: {record.getMessage()}", err=True)
+        except Exception:  # noqa: BLE001 - a log line must never break the command
+            self.handleError(record)
+
+
+def _show_commands(ctx: click.Context) -> None:
+    """``-v``: the runners' command records go to stderr until this invocation ends."""
+    from pbs_toolkit.transports.trace import COMMAND_LOG
+
+    handler, level = _EchoHandler(), COMMAND_LOG.level
+    COMMAND_LOG.addHandler(handler)
+    COMMAND_LOG.setLevel(logging.DEBUG)
+
+    def restore() -> None:
+        COMMAND_LOG.removeHandler(handler)
+        COMMAND_LOG.setLevel(level)
+
+    ctx.call_on_close(restore)
 
 
 def _register() -> None:

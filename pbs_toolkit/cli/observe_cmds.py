@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from pbs_toolkit.cli.complete import complete_job
 from pbs_toolkit.cli.options import SECONDS, BoundedInt, build_request, echo_json, render_options, table, writable_file
 
 #: bounds that keep a typo (``-1``, ``1e9``) from running a useless or endless benchmark
@@ -55,7 +56,7 @@ def _show_summary(s: dict[str, Any]) -> None:
 
 
 @click.command()
-@click.argument("job", required=False)
+@click.argument("job", required=False, shell_complete=complete_job)
 @click.option("--watch", "watch", type=SECONDS, default=None, is_flag=False, flag_value=5.0,
               help="Scrape again every N seconds (default 5) and show rates between scrapes.")
 @click.option("--count", type=_COUNT, default=0, help="With --watch: stop after this many scrapes (0: until Ctrl-C).")
@@ -75,16 +76,18 @@ def metrics(job: str | None, watch: float | None, count: int, export_path: str |
         st = _ready_status(c, job, wait_ready, timeout)
         looks = c.watch_metrics(st, watch, count) if watch else [c.metrics(st, interval)]
         for m in looks:
-            _show_metrics(m.summary, export_path, as_json)
+            _show_metrics(m, export_path, as_json)
 
 
-def _show_metrics(summary: dict[str, Any], export_path: str | None, as_json: bool) -> None:
-    """One look: a JSON line (``--export``, ``--json``) or three lines of text and the last Engine line."""
+def _show_metrics(m: Any, export_path: str | None, as_json: bool) -> None:
+    """One look: a JSON line (``--export``, ``--json``: the metrics object) or three lines of text and the
+    last Engine line."""
     if export_path:
-        _append_line(export_path, json.dumps(summary, default=str))
+        _append_line(export_path, json.dumps(m.to_dict(), default=str))
     if as_json:
-        click.echo(json.dumps(summary, default=str))
+        echo_json(m.to_dict(), line=True)
         return
+    summary = m.summary
     _show_summary(summary)
     if summary.get("engine_log"):
         last = summary["engine_log"][-1]
@@ -104,7 +107,7 @@ def _append_line(path: str, line: str) -> None:
 
 
 @click.command()
-@click.argument("job", required=False)
+@click.argument("job", required=False, shell_complete=complete_job)
 @click.option("--json", "as_json", is_flag=True)
 def doctor(job: str | None, as_json: bool) -> None:
     """Diagnose JOB's server from its flags, log and metrics; end with the preset to use and how."""
@@ -114,8 +117,7 @@ def doctor(job: str | None, as_json: bool) -> None:
         record = c.record(job)
         d = c.doctor(record)
     if as_json:
-        echo_json({"job_id": d.job_id, "state": d.state, "findings": [f.to_dict() for f in d.findings],
-                   "recommended_preset": d.recommended_preset, "launch": d.launch})
+        echo_json(d.to_dict())
         return
     click.echo(f"{d.job_id} ({record.preset}, {d.state}): {len(d.findings)} finding(s)")
     for f in d.findings:
@@ -127,7 +129,7 @@ def doctor(job: str | None, as_json: bool) -> None:
 
 
 @click.command()
-@click.argument("job", required=False)
+@click.argument("job", required=False, shell_complete=complete_job)
 @click.option("--concurrency", "-c", default="1,8,64", show_default=True, help="Comma-separated levels.")
 @click.option("--input-len", type=_TOKENS, default=128, show_default=True)
 @click.option("--output-len", type=_TOKENS, default=256, show_default=True, help="Fixed (ignore_eos) output tokens.")
@@ -148,10 +150,10 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
         st = _ready_status(c, job, wait_ready, timeout)
         measured = c.bench(st, levels, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
                            client=client, notice=lambda m: click.echo(f"pbstk: note: {m}", err=True))
-    results = [r.to_dict() for r in measured.results]
     if as_json:
-        echo_json({"job_id": st.record.job_id, "preset": st.record.preset, "results": results})
+        echo_json(measured.to_dict())
         return
+    results = [r.to_dict() for r in measured.results]
 
     def f(v: Any) -> str:
         return "-" if v is None else f"{v:.1f}"

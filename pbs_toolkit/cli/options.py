@@ -12,8 +12,9 @@ from typing import Any
 
 import click
 
+from pbs_toolkit.cli.complete import complete_preset, complete_profile
+from pbs_toolkit.cli.output import table
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.textutil import table
 
 __all__ = [
     "GPUS_PER_NODE", "LOCAL_PORT", "NODES", "SECONDS", "SECONDS_OR_ZERO", "BoundedInt", "Seconds",
@@ -91,8 +92,10 @@ LOCAL_PORT = BoundedInt(0, 65535)  # 0: any free port
 def render_options(f: F) -> F:
     """Options that become a ``RenderRequest``."""
     options = [
-        click.option("--preset", "-p", help="Preset name or YAML file (default: auto; cpu on GPU-less profiles)."),
-        click.option("--profile", "-P", help="Site profile name or YAML file (default: local)."),
+        click.option("--preset", "-p", shell_complete=complete_preset,
+                     help="Preset name or YAML file (default: auto; cpu on GPU-less profiles)."),
+        click.option("--profile", "-P", shell_complete=complete_profile,
+                     help="Site profile name or YAML file (default: local)."),
         click.option("--name", help="Job name and endpoint alias (default: a slug of the model)."),
         click.option("--served-model-name", help="Model name clients send (default: the model id or --name)."),
         click.option("--queue", "-q"),
@@ -212,5 +215,19 @@ def read_key_env(name: str | None, environ: Mapping[str, str]) -> str | None:
     return value
 
 
-def echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+def echo_json(data: Any, *, line: bool = False) -> None:
+    """Print one ``--json`` result: an object, or a list of objects for a list command (docs/json.md).
+
+    Objects come from the library's ``to_dict`` methods, already stamped; a dictionary without
+    ``schema_version`` (a command that has not got its own object yet) is given one, so every object printed
+    carries it. ``line``: one compact line (streams: ``metrics --watch``, ``tunnel``), flushed at once.
+    """
+    from pbs_toolkit.schema import SCHEMA_VERSION
+
+    def stamped(item: Any) -> Any:
+        if isinstance(item, dict) and "schema_version" not in item:
+            return {"schema_version": SCHEMA_VERSION, **item}
+        return item
+
+    data = [stamped(item) for item in data] if isinstance(data, list) else stamped(data)
+    click.echo(json.dumps(data, default=str) if line else json.dumps(data, indent=2, default=str))

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from pbs_toolkit.cli.complete import complete_preset
 from pbs_toolkit.cli.options import build_request, echo_json, render_options, table
 
 
@@ -22,8 +23,7 @@ def presets(ctx: click.Context, as_json: bool) -> None:
 
     items = list_presets()
     if as_json:
-        echo_json([{"name": p.name, "layout": "auto" if p.auto else p.layout(), "gpus": p.gpus,
-                    "eager": p.eager, "summary": p.summary, "source": p.source} for p in items])
+        echo_json([p.to_dict() for p in items])
         return
     rows = [[p.name, "auto" if p.auto else p.layout(), "-" if p.auto else str(p.gpus),
              "eager" if p.eager else "graphs", p.summary] for p in items]
@@ -31,14 +31,18 @@ def presets(ctx: click.Context, as_json: bool) -> None:
 
 
 @presets.command("show")
-@click.argument("name")
-def presets_show(name: str) -> None:
+@click.argument("name", shell_complete=complete_preset)
+@click.option("--json", "as_json", is_flag=True, help="Print the preset object.")
+def presets_show(name: str, as_json: bool) -> None:
     """Show a preset: layout, the flags it renders, and why."""
     import textwrap
 
     from pbs_toolkit.settings.presets import load_preset
 
     p = load_preset(name)
+    if as_json:
+        echo_json(p.to_dict())
+        return
     click.echo(f"{p.name}: {p.summary}")
     click.echo(f"  layout:  {'chosen from model size and GPUs' if p.auto else p.layout()}"
                f"{'' if p.auto else f' ({p.gpus} GPUs)' if p.device == 'gpu' else ''}")
@@ -64,8 +68,7 @@ def profiles(ctx: click.Context, as_json: bool) -> None:
 
     items = list_profiles()
     if as_json:
-        echo_json([{"name": p.name, "scheduler": p.scheduler, "queue": p.queue, "gpus_per_node": p.gpus_per_node,
-                    "ssh_host": p.ssh_host, "description": p.description, "source": p.source} for p in items])
+        echo_json([p.to_dict() for p in items])
         return
     rows = [[p.name, p.scheduler, p.queue or "-", str(p.gpus_per_node), p.ssh_host or "-", p.description]
             for p in items]
@@ -155,7 +158,8 @@ def _shown(value: Any) -> str:
                    "directory (qsub DIR/job.pbs then works as written).")
 @click.option("--run-dir", help="Run directory the scripts refer to (default: -o DIR, else a new one under "
                                 "runs_root).")
-def render(model: str, out_dir: str | None, run_dir: str | None, **kw: Any) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the render object (with -o: without the scripts).")
+def render(model: str, out_dir: str | None, run_dir: str | None, as_json: bool, **kw: Any) -> None:
     """Render the job script and start_vllm.sh for MODEL (nothing is submitted, nothing is connected to)."""
     from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
@@ -166,6 +170,9 @@ def render(model: str, out_dir: str | None, run_dir: str | None, **kw: Any) -> N
     job = Client().render(req, connect=False)  # nothing is submitted: no SSH login
     for note in job.notes:
         click.echo(f"pbstk: note: {note}", err=True)
+    if out_dir is None and as_json:
+        echo_json(job.to_dict())
+        return
     if out_dir is None:
         click.echo(f"# ===== {job.script_name} (run directory {job.run_dir}) =====")
         click.echo(job.job_script, nl=False)
@@ -178,6 +185,10 @@ def render(model: str, out_dir: str | None, run_dir: str | None, **kw: Any) -> N
         _write_scripts(out_dir, {job.script_name: job.job_script, "start_vllm.sh": job.start_script})
     except OSError as exc:
         raise UsageError(f"cannot write the scripts into {out_dir}: {exc.strerror or exc}") from None
+    if as_json:
+        echo_json({**job.to_dict(scripts=False), "written": [os.path.join(out_dir, job.script_name),
+                                                              os.path.join(out_dir, "start_vllm.sh")]})
+        return
     click.echo(f"wrote {out_dir}/{job.script_name} and {out_dir}/start_vllm.sh (preset {job.preset.name}, "
                f"{job.preset.layout()})")
 

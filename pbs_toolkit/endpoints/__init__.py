@@ -21,7 +21,10 @@ class EndpointUpdate:
     key_env: str | None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The ``registry_entry`` object of ``update-endpoint --json`` (docs/json.md)."""
+        from pbs_toolkit.schema import stamp
+
+        return stamp("registry_entry", self.__dict__)
 
 
 def default_alias(record: JobRecord) -> str:
@@ -101,24 +104,25 @@ def update_endpoint(
     return EndpointUpdate(str(written), kind, alias, record.served_model_name, url, record.api_key_env)
 
 
-def env_exports(st: JobStatus, local_url: str | None = None) -> list[str]:
-    """``export`` lines for shells and clients (OpenAI SDK, verifiers 0.4, lm-eval, vllm bench)."""
+def env_values(st: JobStatus, local_url: str | None = None) -> dict[str, str]:
+    """The variables for shells and clients (OpenAI SDK, verifiers 0.4, lm-eval, vllm bench), in order."""
     record = st.record
     base = endpoint_url(st, local_url)
-    root = base[: -len("/v1")]
-    lines = [
-        f"export OPENAI_BASE_URL={shlex.quote(base)}",
-        f"export OPENAI_API_BASE={shlex.quote(base)}",
-        f"export PBSTK_BASE_URL={shlex.quote(base)}",
-        f"export PBSTK_COMPLETIONS_URL={shlex.quote(base + '/completions')}",
-        f"export PBSTK_SERVER_ROOT={shlex.quote(root)}",
-        f"export PBSTK_MODEL={shlex.quote(record.served_model_name)}",
-    ]
+    values = {
+        "OPENAI_BASE_URL": base, "OPENAI_API_BASE": base, "PBSTK_BASE_URL": base,
+        "PBSTK_COMPLETIONS_URL": base + "/completions", "PBSTK_SERVER_ROOT": base[: -len("/v1")],
+        "PBSTK_MODEL": record.served_model_name,
+    }
     if record.api_key:
-        lines.append(f"export OPENAI_API_KEY={shlex.quote(record.api_key)}")
+        values["OPENAI_API_KEY"] = record.api_key
         if record.api_key_env:
-            lines.append(f"export {record.api_key_env}={shlex.quote(record.api_key)}")
+            values[record.api_key_env] = record.api_key
     else:  # registries name NO_KEY_ENV for such servers; vLLM accepts any key when it has none
-        lines.append("export OPENAI_API_KEY=EMPTY")
-        lines.append(f"export {NO_KEY_ENV}=EMPTY")
-    return lines
+        values["OPENAI_API_KEY"] = "EMPTY"
+        values[NO_KEY_ENV] = "EMPTY"
+    return values
+
+
+def env_exports(st: JobStatus, local_url: str | None = None) -> list[str]:
+    """``export`` lines of :func:`env_values`, each value quoted for the shell."""
+    return [f"export {name}={shlex.quote(value)}" for name, value in env_values(st, local_url).items()]

@@ -100,6 +100,16 @@ class RenderedJob:
             "vllm_args": self.vllm_args, "notes": self.notes,
         }
 
+    def to_dict(self, *, dry_run: bool = False, scripts: bool = True) -> dict[str, Any]:
+        """A ``render`` object (``render --json``, ``launch --dry-run --json``): :meth:`summary`, and the
+        scripts' names and (``scripts``) texts."""
+        from pbs_toolkit.schema import stamp
+
+        data = {**self.summary(), "dry_run": dry_run, "script_name": self.script_name}
+        if scripts:
+            data.update(job_script=self.job_script, start_script=self.start_script)
+        return stamp("render", data)
+
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 # Two template homes: the scheduler's job script lives with its backend (``Scheduler.template_dir``), the

@@ -93,15 +93,15 @@ class JobStatus:
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        r = self.record
+        """The ``job`` object of ``status``/``wait --json``: the record's fields exactly as ``jobs --json``
+        prints them (``JobRecord.to_dict``), then the state fields (docs/json.md)."""
         return {
-            "job_id": r.job_id, "name": r.name, "model": r.model, "served_model_name": r.served_model_name,
-            "preset": r.preset, "profile": r.profile, "scheduler": r.scheduler,
-            "transport": r.transport or "local", "state": self.state.value,
+            **self.record.to_dict(), "state": self.state.value,
             "scheduler_state": self.scheduler_state, "phase": self.phase, "node": self.node,
             "address": self.address, "port": self.port, "url": self.url, "exit_status": self.exit_status,
             "comment": self.comment, "reason": self.reason, "eager_fallback": self.eager_fallback,
-            "run_dir": r.run_dir, "created": r.created, "log_excerpt": self.log_excerpt,
+            "confirmed": self.confirmed, "restart_expected": self.restart_expected, "foreign": self.foreign,
+            "log_excerpt": self.log_excerpt,
         }
 
 

@@ -105,6 +105,15 @@ class JobRecord:
         data.pop("api_key")
         return data
 
+    def to_dict(self) -> dict[str, Any]:
+        """The ``job`` object of ``pbstk jobs --json`` (docs/json.md): :meth:`public` with the transport named
+        ``local`` for this machine, as ``status --json`` (which adds the state fields) and the tables name it."""
+        from pbs_toolkit.schema import stamp
+
+        data = self.public()
+        data["transport"] = self.transport or "local"
+        return stamp("job", data)
+
 
 _COLUMNS = tuple(f.name for f in fields(JobRecord))
 _TEXT = ("job_id", "transport", "scheduler", "profile", "model", "served_model_name", "preset", "name", "run_dir")

@@ -18,6 +18,7 @@ from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.jobs.render import RenderRequest, render, slug
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.perf.benchjob import LevelResult
+from pbs_toolkit.schema import STAMP_KEYS
 from pbs_toolkit.transports import Runner
 
 Progress = Callable[[str], None]
@@ -97,9 +98,12 @@ class TuneReport:
              "concurrencies", "vllm_args", "baseline", "runs", "recommended")
 
     def to_dict(self) -> dict[str, Any]:
+        """The saved document, also ``tune --json``: a ``tune_report`` object (docs/json.md)."""
+        from pbs_toolkit.schema import stamp
+
         data = {key: getattr(self, key) for key in self._KEYS}
         data["runs"] = [run.to_dict() for run in self.runs]
-        return {**data, **self.other}
+        return stamp("tune_report", {**data, **self.other})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TuneReport:
@@ -109,7 +113,7 @@ class TuneReport:
                    pbstk_version=str(data.get("pbstk_version") or ""), started=float(data.get("started") or 0),
                    duration_s=float(data.get("duration_s") or 0), vllm_args=list(data.get("vllm_args") or []),
                    baseline=data.get("baseline"), recommended=data.get("recommended"),
-                   other={k: v for k, v in data.items() if k not in cls._KEYS})
+                   other={k: v for k, v in data.items() if k not in cls._KEYS and k not in STAMP_KEYS})
 
     def run(self, preset: str | None) -> TuneRun | None:
         return next((r for r in self.runs if r.preset == preset), None)

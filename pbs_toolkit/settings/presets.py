@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError, UsageError
@@ -66,6 +67,19 @@ class Preset:
             else:
                 out.extend([flag, str(value)])
         return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """A ``preset`` object (``presets --json``, ``presets show --json``; docs/json.md)."""
+        from pbs_toolkit.schema import stamp
+
+        return stamp("preset", {
+            "name": self.name, "summary": self.summary, "layout": "auto" if self.auto else self.layout(),
+            "gpus": None if self.auto else self.gpus, "auto": self.auto, "device": self.device,
+            "tensor_parallel": self.tensor_parallel, "data_parallel": self.data_parallel,
+            "pipeline_parallel": self.pipeline_parallel, "eager": self.eager, "flags": self.flag_args(),
+            "vllm_args": dict(self.vllm_args), "env": dict(self.env), "rationale": self.rationale,
+            "source": self.source,
+        })
 
 
 #: more GPUs than any node and any sensible server; larger values are typos

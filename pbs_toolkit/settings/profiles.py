@@ -80,6 +80,22 @@ class Profile:
             source = f"{self.source} with {', '.join(sorted(clean))} from flags/PBSTK_*/config.yaml"
         return validate(replace(self, **clean, source=source))
 
+    def to_dict(self) -> dict[str, Any]:
+        """A ``profile`` object (``profiles --json``; docs/json.md): every setting, ``gpus`` added, and the value
+        of an ``env`` entry whose name looks secret (TOKEN, KEY, SECRET, PASSWORD) replaced by ``<hidden>``."""
+        from dataclasses import asdict
+
+        from pbs_toolkit.schema import stamp
+
+        data = asdict(self)
+        data["env"] = {k: "<hidden>" if _SECRET_NAME.search(k) else v for k, v in self.env.items()}
+        data["gpus"] = self.gpus
+        return stamp("profile", data)
+
+
+#: environment variable names whose values ``Profile.to_dict`` does not print
+_SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD", re.IGNORECASE)
+
 
 def fill_placeholders(template: str, values: dict[str, int], where: str) -> str:
     """``template`` with each plain ``{name}`` replaced from ``values``; anything else is a ``ConfigError``.

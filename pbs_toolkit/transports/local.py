@@ -10,6 +10,7 @@ from typing import Any
 
 from pbs_toolkit.errors import TransportError
 from pbs_toolkit.transports.base import FileId, OpenFile, Result, Runner, tcp_connect
+from pbs_toolkit.transports.trace import log_command
 
 
 class LocalRunner(Runner):
@@ -24,6 +25,7 @@ class LocalRunner(Runner):
         timeout: float | None = 60.0,
         cwd: str | None = None,
     ) -> Result:
+        log_command("run", argv, env=env, cwd=cwd, stdin=stdin)
         full_env = None
         if env:
             full_env = dict(os.environ)

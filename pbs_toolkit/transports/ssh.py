@@ -300,6 +300,9 @@ class SSHRunner(Runner):
         timeout: float | None = 60.0,
         cwd: str | None = None,
     ) -> Result:
+        from pbs_toolkit.transports.trace import log_command  # ``pbstk -v``; here so the hook is one hunk
+
+        log_command(f"ssh {self.host}", argv, env=env, cwd=cwd, stdin=stdin)
         command = build_remote_command(argv, env, cwd)
 
         def start(transport: paramiko.Transport) -> paramiko.Channel:

@@ -71,6 +71,17 @@ class Tunnel:
         host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.bind, self.bind)
         return f"http://[{host}]:{self.local_port}" if ":" in host else f"http://{host}:{self.local_port}"
 
+    def to_dict(self, status: Any = None) -> dict[str, Any]:
+        """A ``tunnel`` object (``tunnel --json``; docs/json.md); ``status``: the job's READY ``JobStatus``."""
+        from pbs_toolkit.schema import stamp
+
+        record = getattr(status, "record", None)
+        return stamp("tunnel", {
+            "job_id": record.job_id if record else None, "model": record.served_model_name if record else None,
+            "local_url": f"{self.url}/v1", "local_port": self.local_port,
+            "remote_url": getattr(status, "url", None) or f"http://{self.remote_host}:{self.remote_port}/v1",
+        })
+
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
             try:
