@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pbs_toolkit.schema import stamp
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.settings.config import DEFAULT_PRESET, how_to_set, profile_kinds, resolve_settings
 from pbs_toolkit.settings.placeholders import fill_profile, unfilled
@@ -36,9 +37,10 @@ class Resolved:
         keys = {}
         for key, (value, source, template) in self.values.items():
             keys[key] = {"value": value, "source": source, **({"template": template} if template is not None else {})}
-        return {"profile": self.profile.name, "profile_source": self.profile_source,
-                "profile_file": self.profile.source.split(" with ", 1)[0], "preset": self.preset,
-                "preset_source": self.preset_source, "settings": keys, "problems": self.problems}
+        return stamp("settings", {
+            "profile": self.profile.name, "profile_source": self.profile_source,
+            "profile_file": self.profile.source.split(" with ", 1)[0], "preset": self.preset,
+            "preset_source": self.preset_source, "settings": keys, "problems": self.problems})
 
 
 def resolve(flags: dict[str, Any]) -> Resolved:
