@@ -54,7 +54,7 @@ def read_line(proc: subprocess.Popen[str], timeout: float = 30.0) -> str:
 def pbstk_process(*args: str) -> subprocess.Popen[str]:
     """``pbstk ARGS`` as its own process; its stdout lines arrive in ``proc.lines`` as they are printed."""
     proc = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", *args], text=True,  # noqa: S603
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     lines: queue.Queue[str] = queue.Queue()
     proc.lines = lines  # type: ignore[attr-defined]
     assert proc.stdout is not None
@@ -63,9 +63,9 @@ def pbstk_process(*args: str) -> subprocess.Popen[str]:
 
 
 def interrupt(proc: subprocess.Popen[str]) -> tuple[str, str]:
-    """Ctrl-C as a terminal sends it (SIGINT); then the rest of stdout and stderr (the process must end by
-    itself)."""
-    proc.send_signal(signal.SIGINT)
+    """Ctrl-C as a terminal sends it (SIGINT to the whole process group: a qstat running just then gets it too);
+    then the rest of stdout and stderr (the process must end by itself)."""
+    os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=30)  # a few lines: the pipe cannot fill
     assert proc.stderr is not None
     err = proc.stderr.read()
