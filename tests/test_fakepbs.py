@@ -244,6 +244,22 @@ def test_queue_delay_and_comment(pbs: FakePbs) -> None:
     assert job["comment"].startswith("Job run at")
 
 
+def test_estimated_start_while_queued_and_walltime_used_while_running(pbs: FakePbs) -> None:
+    before = int(time.time())
+    jobid = pbs.submit("sleep 30\n", "-l", "walltime=00:10:30",
+                       env={"FAKEPBS_QUEUE_DELAY": "1", "FAKEPBS_ESTIMATED_START": "900"})
+    job = pbs.job(jobid)
+    est = job["estimated"]  # OpenPBS: set on a queued job the scheduler has calendared
+    assert set(est) == {"exec_vnode", "start_time"} and re.fullmatch(r"\(\S+:ncpus=\d+\)", est["exec_vnode"])
+    start = time.mktime(time.strptime(est["start_time"], "%a %b %d %H:%M:%S %Y"))
+    assert before + 900 <= start <= time.time() + 900
+    assert job["Resource_List"]["walltime"] == "00:10:30"
+    job = pbs.wait_state(jobid, "R")
+    assert "estimated" not in job and job["stime"]
+    pbs.wait_for(lambda: pbs.job(jobid)["resources_used"]["walltime"] >= "00:00:01", timeout=5)
+    assert pbs.run("qdel", jobid).returncode == 0
+
+
 def test_walltime_kill(pbs: FakePbs) -> None:
     jobid = pbs.submit("trap '' TERM\nsleep 30\n", "-l", "walltime=1")
     job = pbs.wait_state(jobid, "F", timeout=10)

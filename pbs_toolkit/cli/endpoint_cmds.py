@@ -30,9 +30,10 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
 
     with Client() as c:  # one connection (one MFA prompt) waits, forwards and registers
         record = c.record(job)
-        result = c.update_endpoint(record, registry, fmt=fmt, alias=alias, timeout=timeout,
-                                   follow_symlink=follow_symlink, force_format=force_format, via_tunnel=via_tunnel,
-                                   local_port=local_port, on_progress=progress_printer(as_json))
+        with progress_printer(as_json) as show:
+            result = c.update_endpoint(record, registry, fmt=fmt, alias=alias, timeout=timeout,
+                                       follow_symlink=follow_symlink, force_format=force_format,
+                                       via_tunnel=via_tunnel, local_port=local_port, on_progress=show)
         if as_json:
             echo_json(result.to_dict())
         else:
@@ -81,7 +82,8 @@ def tunnel(job: str | None, local_port: int, timeout: float, as_json: bool) -> N
     from pbs_toolkit.client import Client
 
     with Client() as c:  # the same connection waits and forwards; closing the client closes the tunnel
-        st, t = c.tunnel(job, local_port, timeout=timeout, on_progress=progress_printer(as_json))
+        with progress_printer(as_json) as show:
+            st, t = c.tunnel(job, local_port, timeout=timeout, on_progress=show)
         if as_json:
             echo_json(t.to_dict(st), line=True)
         else:

@@ -10,25 +10,15 @@ import click
 
 from pbs_toolkit.cli.complete import complete_job
 from pbs_toolkit.cli.options import SECONDS, build_request, echo_json, read_key_env, render_options, table
+from pbs_toolkit.cli.progress import Progress, interrupt_hint
+from pbs_toolkit.durations import short
 from pbs_toolkit.jobs.logs import STREAMS
 from pbs_toolkit.schedulers import BACKENDS, stream_aliases
 
 
-def progress_printer(quiet: bool = False) -> Any:
-    """An ``on_progress`` callback that prints one line per change to stderr."""
-
-    def show(st: Any, elapsed: float) -> None:
-        if quiet:
-            return
-        detail = st.phase or st.comment or st.reason or ""
-        if st.state.value == "PENDING":  # the scheduler's own state and explanation
-            said = f"({st.record.scheduler.upper()} {st.scheduler_state or '?'})"
-            detail = f"{said} {st.comment or st.reason or ''}".rstrip()
-        elif st.state.final:
-            detail = st.reason or detail
-        click.echo(f"[{elapsed:6.0f}s] {st.state.value:<8} {detail}", err=True)
-
-    return show
+def progress_printer(quiet: bool = False) -> Progress:
+    """An ``on_progress`` callback for a wait; ``with`` it to get the live line on a terminal (cli/progress.py)."""
+    return Progress(quiet)
 
 
 def _read_key_env(name: str | None) -> str | None:
@@ -57,11 +47,26 @@ def launch(model: str, scheduler: str | None, ssh_host: str | None, accept_new_h
     with Client(accept_new_host_key=accept_new_host_key) as c:  # one connection submits and waits
         result = c.launch_request(req, api_key=_read_key_env(api_key_env), use_api_key=not no_api_key,
                                   dry_run=dry_run)
-        ready = c.wait(result.record, timeout, progress_printer(as_json)) if wait_ready and not dry_run else None
-    _show_launch(result, ready, dry_run, as_json)
+        _show_launch(result, dry_run, as_json)  # the id at once: a long queue must not hide which job it is
+        ready = None
+        if wait_ready and not dry_run:
+            with interrupt_hint(result.record.job_id), progress_printer(as_json) as show:
+                ready = c.wait(result.record, timeout, show)
+    if not dry_run:
+        _show_ready(result, ready, as_json)
 
 
-def _show_launch(result: Any, ready: Any, dry_run: bool, as_json: bool) -> None:
+def _show_ready(result: Any, ready: Any, as_json: bool) -> None:
+    """The end of a launch: the one JSON document, or the ready line after the wait."""
+    rec = result.record
+    if as_json:  # the job object; with --wait, the READY status's (the same fields and the state ones)
+        echo_json({**(ready or rec).to_dict(), "notes": result.rendered.notes})
+    elif ready is not None:
+        click.echo(f"ready: {ready.url}  (model {rec.served_model_name})")
+
+
+def _show_launch(result: Any, dry_run: bool, as_json: bool) -> None:
+    """What the launch did, printed the moment the scheduler took the job (JSON waits for the end instead)."""
     rec, job = result.record, result.rendered
     for note in job.notes:
         click.echo(f"pbstk: note: {note}", err=True)
@@ -72,13 +77,10 @@ def _show_launch(result: Any, ready: Any, dry_run: bool, as_json: bool) -> None:
             click.echo(f"dry run: {job.preset.name} ({job.preset.layout()}) on {job.profile.name}; "
                        f"would write {job.run_dir}\n{job.job_script}", nl=False)
         return
-    if as_json:  # the job object; with --wait, the READY status's (the same fields and the state ones)
-        echo_json({**(ready or rec).to_dict(), "notes": job.notes})
+    if as_json:
         return
     click.echo(f"submitted {rec.job_id} ({rec.preset}: {job.preset.layout()}, profile {rec.profile})")
     click.echo(f"run directory: {rec.run_dir}")
-    if ready is not None:
-        click.echo(f"ready: {ready.url}  (model {rec.served_model_name})")
     click.echo("next:")
     click.echo(f"  pbstk logs {rec.job_id} -f")
     click.echo(f"  pbstk update-endpoint {rec.job_id}")
@@ -94,6 +96,7 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
 
     UNKNOWN means the scheduler did not answer (after retries) and the run directory does not tell;
     nothing is recorded then. With no JOB: every job that has not ended (``--all`` for all).
+    UPTIME and WALLTIME LEFT come from the scheduler; ``!`` marks a job within 10 minutes of its walltime.
     One scheduler query per call.
     """
     from pbs_toolkit.client import Client
@@ -109,14 +112,24 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
     rows = []
     for s in results:
         detail = s.phase if s.state.value == "STARTING" else (s.comment if s.state.value == "PENDING" else s.reason)
+        uptime, left = time_cells(s)
+        if s.walltime_ending:
+            detail = f"ending in {short(s.walltime_left_s or 0)} (walltime); {detail or ''}".rstrip("; ")
         rows.append([s.record.job_id, s.record.name, s.state.value, s.scheduler_state or "-",
-                     s.url or "-", detail or ""])
-    click.echo(table(rows, ["JOB", "NAME", "STATE", "SCHED", "URL", "DETAIL"]))
+                     uptime, left, s.url or "-", detail or ""])
+    click.echo(table(rows, ["JOB", "NAME", "STATE", "SCHED", "UPTIME", "WALLTIME LEFT", "URL", "DETAIL"]))
     for s in results:
         if s.state.value == "FAILED" and s.log_excerpt:
             click.echo(f"\n{s.record.job_id}: {s.reason}")
             for line in s.log_excerpt:
                 click.echo(f"  | {line}")
+
+
+def time_cells(s: Any) -> tuple[str, str]:
+    """UPTIME and WALLTIME LEFT of a status row; ``!`` marks a job within ten minutes of its walltime."""
+    uptime = "-" if s.uptime_s is None else short(s.uptime_s)
+    left = s.walltime_left_s
+    return uptime, "-" if left is None else short(left) + ("!" if s.walltime_ending else "")
 
 
 @click.command()
@@ -195,7 +208,9 @@ def wait(job: str | None, timeout: float, as_json: bool) -> None:
     from pbs_toolkit.client import Client
 
     with Client() as c:
-        st = c.wait(job, timeout, progress_printer(as_json))
+        record = c.record(job)
+        with interrupt_hint(record.job_id), progress_printer(as_json) as show:
+            st = c.wait(record, timeout, show)
     if as_json:
         echo_json(st.to_dict())
     else:

@@ -136,7 +136,7 @@ class _Waiter:
 
     def report(self, st: JobStatus, elapsed: float) -> None:
         """Tell ``on_progress`` only what changed, so a caller's progress lines do not repeat."""
-        key = (st.state, st.phase, st.comment, st.scheduler_state)
+        key = (st.state, st.phase, st.comment, st.scheduler_state, st.estimated_start)
         if self.on_progress and key != self.last_key:
             self.on_progress(st, elapsed)
         self.last_key = key

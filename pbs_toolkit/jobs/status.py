@@ -38,6 +38,8 @@ LOST_AFTER_POLLS = 3
 DEFAULT_LOST_AFTER_S = 60.0
 #: record.extra key owned by this module (``rundir`` owns ``verified_endpoint``)
 ABSENCE_KEY = "sched_absence"
+#: a running job with less walltime left than this is flagged (``walltime_ending``): about to be killed
+WALLTIME_ENDING_S = 600
 
 
 def lost_after_s() -> float:
@@ -85,6 +87,25 @@ class JobStatus:
     restart_expected: bool = False
     #: another server answers on the job's port: how it gave itself away (``rejected the API key (401)``)
     foreign: str | None = None
+    #: seconds the job has been running, per its scheduler (``None``: not running, or not known)
+    uptime_s: float | None = None
+    #: the job's walltime limit in seconds (``None``: none, or not known)
+    walltime_s: int | None = None
+    #: when the scheduler expects the queued job to start (epoch seconds), if it says
+    estimated_start: float | None = None
+
+    @property
+    def walltime_left_s(self) -> float | None:
+        """Seconds until the scheduler kills the running job for its walltime (``None``: not known)."""
+        if self.uptime_s is None or self.walltime_s is None:
+            return None
+        return max(0.0, self.walltime_s - self.uptime_s)
+
+    @property
+    def walltime_ending(self) -> bool:
+        """Within ``WALLTIME_ENDING_S`` of the walltime: clients should expect the server to go away soon."""
+        left = self.walltime_left_s
+        return left is not None and left <= WALLTIME_ENDING_S
 
     @property
     def url(self) -> str | None:
@@ -102,7 +123,14 @@ class JobStatus:
             "comment": self.comment, "reason": self.reason, "eager_fallback": self.eager_fallback,
             "confirmed": self.confirmed, "restart_expected": self.restart_expected, "foreign": self.foreign,
             "log_excerpt": self.log_excerpt,
+            "uptime_s": _rounded(self.uptime_s), "walltime_s": self.walltime_s,
+            "walltime_left_s": _rounded(self.walltime_left_s), "walltime_ending": self.walltime_ending,
+            "estimated_start": self.estimated_start,
         }
+
+
+def _rounded(seconds: float | None) -> int | None:
+    return None if seconds is None else int(round(seconds))
 
 
 @dataclass(frozen=True)
@@ -200,6 +228,7 @@ def _seed(record: JobRecord, sched: SchedulerJob | None, marker: dict[str, Any] 
         st.comment = sched.comment
         st.exit_status = sched.exit_status
         st.node = sched.exec_host or st.node
+        st.uptime_s, st.walltime_s, st.estimated_start = sched.uptime_s, sched.walltime_s, sched.estimated_start
     return st
 
 

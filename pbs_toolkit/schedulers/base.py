@@ -64,6 +64,12 @@ class SchedulerJob:
     outcome: Outcome | None = None
     #: the number that goes with ``outcome`` (see :class:`Outcome`)
     outcome_code: int | None = None
+    #: seconds the job has been running when the scheduler answered (``RUNNING`` only; ``None``: not known)
+    uptime_s: float | None = None
+    #: the job's walltime limit in seconds, when the scheduler says (``None``: none, or not known)
+    walltime_s: int | None = None
+    #: when the scheduler expects a queued job to start (epoch seconds), if it computed that; ``None`` otherwise
+    estimated_start: float | None = None
 
 
 class Scheduler(abc.ABC):

@@ -429,6 +429,9 @@ def qsub(argv: list[str]) -> int:
         "qtime": now,
         "mtime": now,
     }
+    estimate = os.environ.get("FAKEPBS_ESTIMATED_START")
+    if estimate:  # the scheduler calendared the job (strict ordering / backfill): it will say when it expects it
+        internal["estimated_start"] = now + int(float(estimate))
     with locked():
         write_json(job_path(seq), {"id": jobid, "seq": seq, "attrs": attrs, "internal": internal})
     subprocess.Popen(  # noqa: S603 - the runner is this very file
@@ -663,6 +666,10 @@ def public_view(job: dict[str, Any]) -> dict[str, Any]:
         if internal.get(key):
             attrs[key] = pbs_time(internal[key])
     attrs["etime"] = attrs["qtime"]
+    if attrs.get("job_state") == "Q" and internal.get("estimated_start"):
+        # OpenPBS sets ``estimated`` on a queued job the scheduler has calendared: the vnodes and start time
+        attrs["estimated"] = {"exec_vnode": f"({short_host()}:ncpus={internal.get('chunk_ncpus', 1)})",
+                              "start_time": pbs_time(internal["estimated_start"])}
     return attrs
 
 

@@ -2,7 +2,8 @@
 
 The job runs detached in its own session (``setsid``) under a small supervisor that sets the PBS
 variables the script expects, enforces the walltime and leaves markers in ``RUN_DIR/.local-job/``:
-``pid`` (= process group), ``exit_status`` (the script's own exit code, written at the end), ``cancelled``
+``pid`` (= process group; its mtime is when the job started), ``walltime_limit`` (the limit enforced, in seconds),
+``exit_status`` (the script's own exit code, written at the end), ``cancelled``
 (written by ``cancel``), ``walltime`` (written when the walltime stopped it),
 ``token`` (a random value also exported as ``PBSTK_LOCAL_JOB_TOKEN`` into the job's environment: a process group
 is only treated as the job's, by ``query`` and ``cancel``, while one of its processes carries it, so a PGID reused
@@ -83,8 +84,12 @@ for d in "$@"; do
   ex=$(cat "$s/exit_status" 2>/dev/null || echo -)
   c=0; [ -e "$s/cancelled" ] && c=1
   w=0; [ -e "$s/walltime" ] && w=1
+  up=-; if [ "$alive" = 1 ]; then
+    t=$(stat -c %Y "$s/pid" 2>/dev/null || stat -f %m "$s/pid" 2>/dev/null) && up=$(( $(date +%s) - t ))
+  fi
+  wl=$(cat "$s/walltime_limit" 2>/dev/null || echo -)
   [ -d "$s" ] || pid=missing
-  printf '%s\t%s\t%s\t%s\t%s\n' "$pid" "$alive" "$ex" "$c" "$w"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$pid" "$alive" "$ex" "$c" "$w" "$up" "$wl"
 done
 """
 _CANCEL = _OURS + r"""
@@ -145,6 +150,7 @@ class LocalScheduler(Scheduler):
         walltime = walltime_s or self.walltime_seconds
         token = secrets.token_hex(16)
         runner.write_bytes(f"{spool}/token", token.encode(), 0o600)
+        runner.write_bytes(f"{spool}/walltime_limit", f"{walltime}\n".encode(), 0o644)
         runner.write_bytes(f"{run_dir}/job_id", f"{job_id}\n".encode(), 0o644)  # before it can run: adoptable
         argv = ["setsid", "-f", "bash", "-c", _SUPERVISOR, "pbstk-local", spool, script_path, job_id,
                 job_name, run_dir, f"{walltime}s"]
@@ -181,8 +187,16 @@ class LocalScheduler(Scheduler):
         raise SchedulerError(f"could not cancel local job {ref.job_id}: {first_line(result.stderr)}")
 
 
-def _job(job_id: str, pid: str, alive: str, exit_text: str, cancelled: str, walltime: str) -> SchedulerJob | None:
-    """One line of the status script -> the job, with its :class:`Outcome` once it has ended."""
+def _seconds(text: str) -> int | None:
+    return int(text) if re.fullmatch(r"\d+", text.strip()) else None
+
+
+def _job(job_id: str, pid: str, alive: str, exit_text: str, cancelled: str, walltime: str, up: str = "-",
+         limit: str = "-", *_: str) -> SchedulerJob | None:
+    """One line of the status script -> the job, with its :class:`Outcome` once it has ended.
+
+    ``up``: seconds since the supervisor started (the pid marker's age, on the job's host's own clock);
+    ``limit``: the walltime it enforces. Both ``-`` when unknown (a job from an older pbstk has no limit file)."""
     if pid == "missing":
         return None
     code = int(exit_text) if re.fullmatch(r"-?\d+", exit_text) else None
@@ -194,7 +208,9 @@ def _job(job_id: str, pid: str, alive: str, exit_text: str, cancelled: str, wall
         return SchedulerJob(job_id, SchedState.FINISHED, "F", exit_status=code, outcome=how,
                             outcome_code=None if how is Outcome.WALLTIME else code)
     if alive == "1":
-        return SchedulerJob(job_id, SchedState.RUNNING, "R", exec_host="localhost")
+        uptime = _seconds(up)
+        return SchedulerJob(job_id, SchedState.RUNNING, "R", exec_host="localhost",
+                            uptime_s=None if uptime is None else float(uptime), walltime_s=_seconds(limit))
     # no exit marker and no process: killed hard (machine reboot, kill -9 of the group)
     return SchedulerJob(job_id, SchedState.FINISHED, "F", comment="the job's processes are gone without an exit "
                         "status", outcome=Outcome.KILLED, outcome_code=_SIGKILL)

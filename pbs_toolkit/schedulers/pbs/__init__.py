@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,11 @@ SIGNAL_BASE = 256
 PROFILE_KEYS = frozenset({"queue", "account", "account_required", "select", "place", "filesystems", "keep_files",
                           "extra_directives"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.@-]+$")
+#: how PBS prints times (``stime``, ``estimated.start_time``): ctime in the server host's local time
+TIME_FORMAT = "%a %b %d %H:%M:%S %Y"
+#: ``stime`` and ``resources_used.walltime`` may disagree by the MoM's polling lag; by more, the clocks or time
+#: zones of the two hosts differ, and PBS's own counter wins (docs/pbs.md "Uptime and walltime left")
+UPTIME_TOLERANCE_S = 300.0
 _DIRECTIVE_RE = re.compile(r"-[A-Za-z]( [^\s]+)?")
 
 
@@ -96,6 +102,50 @@ def is_transient(result: Result) -> bool:
     return result.rc == 255 or "cannot connect to server" in result.stderr.lower()
 
 
+def sub_attr(info: dict[str, Any], key: str, sub: str) -> Any:
+    """``info[key][sub]`` of a resource-style attribute, ``None`` when absent or not a mapping (a field pbstk
+    only displays must never turn a whole answer into a garbled one)."""
+    value = info.get(key)
+    return value.get(sub) if isinstance(value, dict) else None
+
+
+def duration_s(value: Any) -> int | None:
+    """``HH:MM:SS`` (or ``MM:SS``, or plain seconds: qstat -F json prints those as numbers) -> seconds."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return int(value) if value >= 0 else None
+    parts = str(value).strip().split(":")
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        return None
+    seconds = 0
+    for part in parts:
+        seconds = seconds * 60 + int(part)
+    return seconds
+
+
+def pbs_time(value: Any) -> float | None:
+    """A PBS time string (``Mon Nov 23 10:00:00 2026``) -> epoch seconds, read in this machine's time zone
+    (qstat prints the login node's local time; docs/pbs.md says when the two differ)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return time.mktime(time.strptime(value.strip(), TIME_FORMAT))
+    except (ValueError, OverflowError):
+        return None
+
+
+def uptime(info: dict[str, Any], asked_at: float) -> float | None:
+    """Seconds a running job has run: from ``stime`` (exact) while it agrees with ``resources_used.walltime``
+    (which PBS updates only every MoM poll), else PBS's own counter."""
+    used = duration_s(sub_attr(info, "resources_used", "walltime"))
+    started = pbs_time(info.get("stime"))
+    since = asked_at - started if started is not None else None
+    if since is None or since < 0 or (used is not None and abs(since - used) > UPTIME_TOLERANCE_S):
+        return None if used is None else float(used)
+    return since
+
+
 def parse_status(stdout: str) -> dict[str, SchedulerJob]:
     """Jobs from ``qstat -f -F json`` output (``Jobs`` is absent when nothing matched).
 
@@ -108,13 +158,16 @@ def parse_status(stdout: str) -> dict[str, SchedulerJob]:
     except ValueError as exc:
         raise SchedulerUnavailable(f"qstat -F json printed invalid JSON: {exc}") from exc
     try:
-        jobs = {job_id: _job(str(job_id), info) for job_id, info in (data.get("Jobs") or {}).items()}
+        stamp = data.get("timestamp")
+        asked_at = float(stamp) if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) else time.time()
+        jobs = {job_id: _job(str(job_id), info, asked_at) for job_id, info in (data.get("Jobs") or {}).items()}
     except (AttributeError, TypeError, ValueError) as exc:
         raise SchedulerUnavailable(f"qstat -F json printed JSON of an unexpected shape: {exc}") from exc
     return jobs
 
 
-def _job(job_id: str, info: dict[str, Any]) -> SchedulerJob:
+def _job(job_id: str, info: dict[str, Any], asked_at: float | None = None) -> SchedulerJob:
+    """One job of the answer; ``asked_at``: when qstat answered (its document's ``timestamp``), for the uptime."""
     raw_state = str(info.get("job_state", "?"))
     exit_status = info.get("Exit_status")
     exec_host = info.get("exec_host")
@@ -135,6 +188,12 @@ def _job(job_id: str, info: dict[str, Any]) -> SchedulerJob:
         raw=info,
         outcome=how,
         outcome_code=how_code,
+        uptime_s=uptime(info, time.time() if asked_at is None else asked_at)
+        if state is SchedState.RUNNING else None,
+        walltime_s=duration_s(sub_attr(info, "Resource_List", "walltime")),
+        # OpenPBS: ``estimated.start_time``, set when the scheduler calendars the job (backfill, strict order)
+        estimated_start=pbs_time(sub_attr(info, "estimated", "start_time"))
+        if state is SchedState.QUEUED else None,
     )
 
 
