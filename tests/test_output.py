@@ -98,6 +98,9 @@ def test_jobs_and_status_agree_on_the_record_fields(fakepbs: Path, standins: Pat
     (cancelled,) = json_of("cancel", record.job_id, "--json")
     assert cancelled == {"schema_version": SCHEMA_VERSION, "kind": "cancellation", "job_id": record.job_id,
                          "name": "same", "cancelled": True, "outcome": "cancelled"}
+    deadline = time.monotonic() + 60  # qdel returns before the job has ended (E, then F): wait for the end
+    while json_of("status", record.job_id, "--json")[0]["state"] != "CANCELLED" and time.monotonic() < deadline:
+        time.sleep(0.5)
     (again,) = json_of("cancel", record.job_id, "--json")
     assert again["cancelled"] is False and again["outcome"] == "already ended"
 
@@ -204,7 +207,7 @@ def test_status_on_a_terminal_is_coloured_and_in_a_pipe_plain(fakepbs: Path, sta
         no_color = run_in_pty(["status"], {**env, "NO_COLOR": "1"})
         assert record.job_id in no_color and ANSI not in no_color and "─" in no_color
         piped = pbstk("status")
-        assert piped.stdout.splitlines()[0].split() == ["JOB", "NAME", "STATE", "SCHED", "URL", "DETAIL"]
+        assert piped.stdout.splitlines()[0].split() == ["JOB", "NAME", "STATE", "SCHED", "UPTIME", "WALLTIME-LEFT", "URL", "DETAIL"]
         assert ANSI not in piped.stdout and "─" not in piped.stdout
     finally:
         pbstk("cancel", record.job_id)

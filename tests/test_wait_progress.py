@@ -243,7 +243,7 @@ def test_status_shows_uptime_and_walltime_left_and_flags_the_last_ten_minutes(pb
     assert later["uptime_s"] > flagged["uptime_s"] and later["walltime_left_s"] < flagged["walltime_left_s"]
 
     table = pbstk("status").stdout.splitlines()
-    assert table[0].split()[:7] == ["JOB", "NAME", "STATE", "SCHED", "UPTIME", "WALLTIME", "LEFT"], table[0]
+    assert table[0].split()[:7] == ["JOB", "NAME", "STATE", "SCHED", "UPTIME", "WALLTIME-LEFT", "URL"], table[0]
     row = {line.split()[0]: line for line in table[1:]}
     assert re.search(r" R\s+\d+s\s+9m\d\ds!\s", row[ending]) and "ending in 9m" in row[ending], row[ending]
     assert re.search(r" R\s+\d+s\s+1h5\dm\s", row[long]) and "ending in" not in row[long], row[long]

@@ -96,7 +96,7 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
 
     UNKNOWN means the scheduler did not answer (after retries) and the run directory does not tell;
     nothing is recorded then. With no JOB: every job that has not ended (``--all`` for all).
-    UPTIME and WALLTIME LEFT come from the scheduler; ``!`` marks a job within 10 minutes of its walltime.
+    UPTIME and WALLTIME-LEFT come from the scheduler; ``!`` marks a job within 10 minutes of its walltime.
     One scheduler query per call.
     """
     from pbs_toolkit.client import Client
@@ -117,7 +117,7 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
             detail = f"ending in {short(s.walltime_left_s or 0)} (walltime); {detail or ''}".rstrip("; ")
         rows.append([s.record.job_id, s.record.name, s.state.value, s.scheduler_state or "-",
                      uptime, left, s.url or "-", detail or ""])
-    click.echo(table(rows, ["JOB", "NAME", "STATE", "SCHED", "UPTIME", "WALLTIME LEFT", "URL", "DETAIL"]))
+    click.echo(table(rows, ["JOB", "NAME", "STATE", "SCHED", "UPTIME", "WALLTIME-LEFT", "URL", "DETAIL"]))
     for s in results:
         if s.state.value == "FAILED" and s.log_excerpt:
             click.echo(f"\n{s.record.job_id}: {s.reason}")
@@ -126,7 +126,7 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
 
 
 def time_cells(s: Any) -> tuple[str, str]:
-    """UPTIME and WALLTIME LEFT of a status row; ``!`` marks a job within ten minutes of its walltime."""
+    """UPTIME and WALLTIME-LEFT of a status row; ``!`` marks a job within ten minutes of its walltime."""
     uptime = "-" if s.uptime_s is None else short(s.uptime_s)
     left = s.walltime_left_s
     return uptime, "-" if left is None else short(left) + ("!" if s.walltime_ending else "")

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pbs_toolkit.schema import stamp
 from pbs_toolkit.errors import UsageError
+from pbs_toolkit.schema import stamp
 from pbs_toolkit.settings.config import DEFAULT_PRESET, how_to_set, profile_kinds, resolve_settings
 from pbs_toolkit.settings.placeholders import fill_profile, unfilled
 from pbs_toolkit.settings.profiles import Profile, load_profile, profile_file_keys
