@@ -207,7 +207,8 @@ def test_status_on_a_terminal_is_coloured_and_in_a_pipe_plain(fakepbs: Path, sta
         no_color = run_in_pty(["status"], {**env, "NO_COLOR": "1"})
         assert record.job_id in no_color and ANSI not in no_color and "─" in no_color
         piped = pbstk("status")
-        assert piped.stdout.splitlines()[0].split() == ["JOB", "NAME", "STATE", "SCHED", "UPTIME", "WALLTIME-LEFT", "URL", "DETAIL"]
+        header = ["JOB", "NAME", "STATE", "SCHED", "UPTIME", "WALLTIME-LEFT", "URL", "DETAIL"]
+        assert piped.stdout.splitlines()[0].split() == header
         assert ANSI not in piped.stdout and "─" not in piped.stdout
     finally:
         pbstk("cancel", record.job_id)
