@@ -149,14 +149,17 @@ def jobs(show_all: bool, as_json: bool) -> None:
 
 @click.command()
 @click.argument("jobs", nargs=-1, required=True)
-def cancel(jobs: tuple[str, ...]) -> None:
-    """Stop jobs through their scheduler. Already-ended jobs are not an error."""
+@click.option("--keep-endpoint", is_flag=True, help="Leave the jobs' registry entries in place (default: removed).")
+def cancel(jobs: tuple[str, ...], keep_endpoint: bool) -> None:
+    """Stop jobs through their scheduler. Already-ended jobs are not an error.
+
+    Registry entries the jobs wrote (update-endpoint) are removed, if they still point at them."""
     from pbs_toolkit.client import Client
 
     with Client() as c:
         records = [c.record(j) for j in jobs]  # every name resolves before anything is stopped
         for record in records:
-            stopped = c.cancel(record)
+            stopped = c.cancel(record, keep_endpoint=keep_endpoint)
             click.echo(f"{record.job_id}: {'cancelled' if stopped else 'already ended'}")
 
 
