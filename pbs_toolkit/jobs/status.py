@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import enum
 import os
+import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pbs_toolkit.errors import SchedulerUnavailable
+from pbs_toolkit.errors import SchedulerError, SchedulerUnavailable
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView, look, look_all
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.schedulers import JobRef, Outcome, SchedState, SchedulerJob, get_scheduler
@@ -365,33 +366,54 @@ def query_group(runner: Runner, records: Sequence[JobRecord]) -> dict[str, Sched
     return {r.job_id: found.get(r.job_id) for r in records}
 
 
+def _warn(message: str) -> None:
+    sys.stderr.write(f"pbstk: warning: {message}\n")
+
+
+def _query_or_why(runner: Runner, records: Sequence[JobRecord]) -> tuple[dict[str, SchedulerJob | None], str | None,
+                                                                           SchedulerError | None]:
+    """The scheduler's answer for one group, or why there is none: ``(answer, why, error)``.
+
+    A scheduler that did not answer (``SchedulerUnavailable``) or refused (``SchedulerError``: not on PATH,
+    permission denied, ...) leaves its jobs to the run directory and HTTP; ``error`` is the refusal."""
+    try:
+        return query_group(runner, records), None, None
+    except SchedulerUnavailable as exc:
+        return {}, str(exc), None
+    except SchedulerError as exc:
+        return {}, str(exc), exc
+
+
 def status(records: Iterable[JobRecord], store: JobStore | None = None,
-           runners: dict[str, Runner] | None = None) -> list[JobStatus]:
-    """Current state of ``records``. Final states are remembered in ``store`` and not queried again."""
+           runners: dict[str, Runner] | None = None, *,
+           warn: Callable[[str], None] | None = None) -> list[JobStatus]:
+    """Current state of ``records``. Final states are remembered in ``store`` and not queried again.
+
+    One scheduler that did not answer or refused does not hide the others' jobs: its jobs are judged from their
+    run directories (UNKNOWN where those do not tell) and ``warn`` (default: stderr) hears one line naming it.
+    Only when it is the only scheduler asked and nothing else is shown does its refusal raise (exit 3)."""
     records = list(records)
     out: dict[int, JobStatus] = {}
     groups: dict[tuple[str, str], list[tuple[int, JobRecord]]] = {}
     for index, record in enumerate(records):
         if record.final_state:
-            extra = record.extra
-            out[index] = JobStatus(record=record, state=ServerState(record.final_state),
-                                   reason=extra.get("final_reason") or "(final state recorded earlier)",
-                                   exit_status=extra.get("exit_status"),
-                                   scheduler_state=extra.get("final_scheduler_state"),
-                                   log_excerpt=list(extra.get("log_excerpt") or []))
+            out[index] = recorded_status(record)
         else:
             groups.setdefault((record.transport, record.scheduler), []).append((index, record))
     own_runners = runners is None
     runners = runners if runners is not None else {}
+    warnings: list[str] = []
+    refusals: list[SchedulerError] = []
     try:
-        for (transport, _), items in groups.items():
+        for (transport, scheduler), items in groups.items():
             runner = runners.get(transport) or runners.setdefault(transport, open_runner(transport or None))
-            why = None
-            try:
-                sched = query_group(runner, [r for _, r in items])
-            except SchedulerUnavailable as exc:
-                # Transient: judge from the run directory and HTTP alone, and record nothing as final.
-                sched, why = {}, str(exc)
+            sched, why, refused = _query_or_why(runner, [r for _, r in items])
+            if why is not None:
+                where = f" on {transport}" if transport else ""
+                warnings.append(f"{scheduler.upper()}{where} did not answer: {why}; its {len(items)} job(s) are "
+                                "shown from their run directories (UNKNOWN where those do not tell)")
+            if refused is not None:
+                refusals.append(refused)
             views = look_all(runner, [(record, sched.get(record.job_id)) for _, record in items])
             for (index, record), view in zip(items, views):
                 job = sched.get(record.job_id)
@@ -405,4 +427,17 @@ def status(records: Iterable[JobRecord], store: JobStore | None = None,
         if own_runners:
             for runner in runners.values():
                 runner.close()
+    if refusals and len(refusals) == len(groups) and not any(r.final_state for r in records):
+        raise refusals[0]  # nothing but that scheduler's jobs, and it refused: the command fails as before
+    for line in warnings:
+        (warn or _warn)(line)
     return [out[i] for i in range(len(records))]
+
+
+def recorded_status(record: JobRecord) -> JobStatus:
+    """The status a record recorded as final keeps, without asking anyone."""
+    extra = record.extra
+    return JobStatus(record=record, state=ServerState(record.final_state or "UNKNOWN"),
+                     reason=extra.get("final_reason") or "(final state recorded earlier)",
+                     exit_status=extra.get("exit_status"), scheduler_state=extra.get("final_scheduler_state"),
+                     log_excerpt=list(extra.get("log_excerpt") or []))
