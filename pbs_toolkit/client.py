@@ -27,6 +27,7 @@ from pbs_toolkit.errors import ServerFailed, UsageError
 if TYPE_CHECKING:
     from pbs_toolkit.endpoints import EndpointUpdate
     from pbs_toolkit.endpoints.retire import Removal
+    from pbs_toolkit.jobs.clean import CleanReport
     from pbs_toolkit.jobs.launch import LaunchResult
     from pbs_toolkit.jobs.render import RenderedJob, RenderRequest
     from pbs_toolkit.jobs.status import JobStatus
@@ -256,9 +257,11 @@ class Client:
 
     def status(self, *jobs: Job | JobRecord | str, all: bool = False) -> list[JobStatus]:  # noqa: A002
         """Status of ``jobs`` (default: every job not ended; ``all``: every job). One scheduler query each."""
+        return self._status_of([self.record(j) for j in jobs] if jobs else self._records(all))
+
+    def _status_of(self, records: list[JobRecord]) -> list[JobStatus]:
         from pbs_toolkit.jobs.status import status
 
-        records = [self.record(j) for j in jobs] if jobs else self._records(all)
         for transport in {r.transport for r in records}:
             self.runner(transport)
         results = status(records, self.store, runners=self._runners)
@@ -278,6 +281,42 @@ class Client:
         """Launches whose job id is not recorded yet (being submitted, or interrupted): a submitted job must
         never go unmentioned, so ``pbstk jobs`` names each."""
         return self.store.intents()
+
+    def clean(self, older_than: float = 7 * 86400.0, *, dry_run: bool = False) -> CleanReport:
+        """Remove the run directories and records of jobs that ended at least ``older_than`` seconds ago
+        (``pbstk clean``; see ``jobs.clean`` for what makes a directory safe to delete). Jobs not recorded as
+        ended get one status query first; one whose scheduler or login node does not answer is left alone."""
+        from pbs_toolkit import paths
+        from pbs_toolkit.errors import PbstkError
+        from pbs_toolkit.jobs.clean import CleanItem, CleanReport, clean_one, select
+        from pbs_toolkit.jobs.store import forget_run_dirs
+
+        report = CleanReport(older_than, dry_run)
+        pending = [r for r in self.store.all() if not r.final_state]
+        for transport in sorted({r.transport for r in pending}):
+            group = [r for r in pending if r.transport == transport]
+            try:
+                self._status_of(group)
+            except PbstkError as exc:  # a refusing scheduler, an unreachable login node: its jobs stay
+                report.warnings.append(f"could not ask about {len(group)} job(s) via {transport or 'this machine'}"
+                                       f" ({exc.message}); they are left alone")
+        now = time.time()
+        old, report.active, report.recent = select(self.store.all(), older_than, now)
+        removed_here: set[str] = set()
+        for record in old:
+            try:
+                item = clean_one(self.runner(record.transport), record, dry_run, now)
+            except PbstkError as exc:  # the login node did not answer: nothing there is touched
+                item = CleanItem(record.job_id, record.name, record.transport, record.final_state or "",
+                                 record.run_dir, 0.0, "skipped", exc.message)
+            if item.action == "removed":
+                self.store.remove(record)
+                if not record.transport:
+                    removed_here.add(record.run_dir)
+            report.items.append(item)
+        if removed_here:
+            forget_run_dirs(paths.user_state_dir(), removed_here)
+        return report
 
     def _records(self, show_all: bool) -> list[JobRecord]:
         return [r for r in self.store.all() if show_all or not r.final_state]

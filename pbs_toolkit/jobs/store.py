@@ -77,6 +77,8 @@ CREATE TABLE IF NOT EXISTS endpoints (
     PRIMARY KEY (transport, job_id, registry, alias)
 );
 """
+#: extra key: when the job was first recorded as ended (``pbstk clean --older-than`` counts from it)
+FINAL_AT_KEY = "final_at"
 #: final states a record may carry (status.ServerState's final members)
 FINAL_STATES = frozenset({"FAILED", "FINISHED", "CANCELLED", "LOST"})
 #: what a scheduler job id may look like in a ``RUN_DIR/job_id`` marker
@@ -328,9 +330,10 @@ class JobStore:
             raise StoreError(f"job {record.job_id} could not be recorded: {exc}") from None
 
     def set_final_state(self, record: JobRecord, state: str, **extra: Any) -> None:
-        """Record the final state (and ``extra`` values such as the reason) in one transaction."""
+        """Record the final state (and ``extra`` values such as the reason, and when) in one transaction."""
         record.final_state = state
         record.extra.update(extra)
+        record.extra.setdefault(FINAL_AT_KEY, time.time())
         with self._connect() as conn:
             conn.execute("UPDATE jobs SET final_state = ?, extra = ? WHERE job_id = ? AND transport = ?",
                          (state, json.dumps(record.extra), record.job_id, record.transport))
@@ -671,6 +674,28 @@ def log_run_dir(state_dir: Path, run_dir: str) -> None:
             os.close(fd)
     except OSError as exc:
         raise StoreError(f"cannot write {state_dir / 'run_dirs.log'}: {exc.strerror or exc}") from None
+
+
+def forget_run_dirs(state_dir: Path, removed: set[str]) -> None:
+    """Drop removed run directories from ``run_dirs.log`` (``pbstk clean``), so it does not grow forever either.
+
+    Rewritten to a temp file and renamed over the log; a launch appending meanwhile may lose its line, which
+    only matters if the store is lost too (its job is then not re-adopted). Best effort: errors are ignored."""
+    import contextlib
+
+    log = state_dir / "run_dirs.log"
+    with contextlib.suppress(OSError):
+        lines = log.read_bytes().decode("utf-8", "replace").splitlines()
+        kept = [line for line in lines if line not in removed]
+        if len(kept) == len(lines):
+            return
+        tmp = log.with_name(f".run_dirs.log.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, "".join(line + "\n" for line in kept).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, log)
 
 
 def _logged_run_dirs(state_dir: Path) -> list[str]:
