@@ -288,7 +288,7 @@ class Client:
         ended get one status query first; one whose scheduler or login node does not answer is left alone."""
         from pbs_toolkit import paths
         from pbs_toolkit.errors import PbstkError
-        from pbs_toolkit.jobs.clean import CleanItem, CleanReport, clean_one, select
+        from pbs_toolkit.jobs.clean import CleanItem, CleanReport, clean_one, ended_at, select
         from pbs_toolkit.jobs.store import forget_run_dirs
 
         report = CleanReport(older_than, dry_run)
@@ -308,7 +308,7 @@ class Client:
                 item = clean_one(self.runner(record.transport), record, dry_run, now)
             except PbstkError as exc:  # the login node did not answer: nothing there is touched
                 item = CleanItem(record.job_id, record.name, record.transport, record.final_state or "",
-                                 record.run_dir, 0.0, "skipped", exc.message)
+                                 record.run_dir, round(now - ended_at(record), 1), "skipped", exc.message)
             if item.action == "removed":
                 self.store.remove(record)
                 if not record.transport:

@@ -59,6 +59,8 @@ def test_round_trip_and_final_state() -> None:
     store.set_final_state(got, "FAILED", final_reason="walltime exceeded", exit_status=-29)
     again = store.find("7.pbs01")
     assert again.final_state == "FAILED" and again.spec == record.spec
+    ended = again.extra.pop("final_at")  # when it was recorded as ended: `pbstk clean --older-than` counts from it
+    assert isinstance(ended, float) and abs(time.time() - ended) < 60
     assert again.extra == {"sched_absence": 1, "final_reason": "walltime exceeded", "exit_status": -29}
     store.remove(again)
     assert store.all() == []
