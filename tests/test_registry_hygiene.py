@@ -193,3 +193,15 @@ def test_update_endpoint_leaves_nothing_beside_the_registry(fakepbs: Path, stand
     registered(path)
     registered(path, "--alias", "second")
     assert os.listdir(path.parent) == [path.name]
+
+
+def test_wait_that_sees_the_end_removes_the_entry(fakepbs: Path, standins: Path, tmp_path: Path) -> None:
+    record = launch("--name", "waited")
+    path = tmp_path / "endpoints.py"
+    path.write_text(OTHERS["py"])
+    registered(path)
+    subprocess.run([str(FAKEPBS_BIN / "qdel"), record.job_id], check=True)  # noqa: S603 - not through pbstk
+    result = pbstk("wait", record.job_id, "--timeout", "30")
+    assert result.exit_code == 5, result.output
+    assert f"pbstk: note: removed 'waited' -> {job_url(record)} from {path}" in result.stderr
+    assert path.read_text() == OTHERS["py"]
