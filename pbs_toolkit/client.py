@@ -303,9 +303,10 @@ class Client:
         now = time.time()
         old, report.active, report.recent = select(self.store.all(), older_than, now)
         removed_here: set[str] = set()
+        roots: dict[tuple[str, str], Any] = {}
         for record in old:
             try:
-                item = clean_one(self.runner(record.transport), record, dry_run, now)
+                item = clean_one(self.runner(record.transport), record, dry_run, now, roots)
             except PbstkError as exc:  # the login node did not answer: nothing there is touched
                 item = CleanItem(record.job_id, record.name, record.transport, record.final_state or "",
                                  record.run_dir, round(now - ended_at(record), 1), "skipped", exc.message)

@@ -130,14 +130,22 @@ def clean_run_dir(runner: Runner, record: JobRecord, root: str, dry_run: bool) -
     return "skip", f"the check failed (exit {result.rc}): {(result.stderr or result.stdout).strip()[:200]}"
 
 
-def clean_one(runner: Runner, record: JobRecord, dry_run: bool, now: float) -> CleanItem:
-    """Clean one ended job's run directory; the caller forgets the record when ``action`` is ``removed``."""
+def clean_one(runner: Runner, record: JobRecord, dry_run: bool, now: float,
+              roots: dict[tuple[str, str], str | PbstkError] | None = None) -> CleanItem:
+    """Clean one ended job's run directory; the caller forgets the record when ``action`` is ``removed``.
+    ``roots``: runs roots already resolved, by (transport, profile), shared between calls."""
     item = CleanItem(record.job_id, record.name, record.transport, record.final_state or "", record.run_dir,
                      round(now - ended_at(record), 1), "skipped")
-    try:
-        root = runs_root(record, runner)
-    except PbstkError as exc:
-        item.detail = f"cannot tell the runs root of profile {record.profile!r}: {exc.message}"
+    roots = {} if roots is None else roots
+    key = (record.transport, record.profile)
+    if key not in roots:
+        try:
+            roots[key] = runs_root(record, runner)
+        except PbstkError as exc:
+            roots[key] = exc
+    root = roots[key]
+    if isinstance(root, PbstkError):
+        item.detail = f"cannot tell the runs root of profile {record.profile!r}: {root.message}"
         return item
     word, reason = clean_run_dir(runner, record, root, dry_run)
     if word == "skip":
