@@ -196,7 +196,23 @@ def remove_endpoint(
 ) -> bool:
     """Remove the entry for ``alias``; True if it was there. The file keeps its mode and everything else.
 
-    ``only_url``: remove it only while it still points there (checked under the lock), so a job's end never
+    ``only_url``: remove it only while it still points there (see :func:`remove_entry`)."""
+    return remove_entry(path, alias, fmt, follow_symlink=follow_symlink, force_format=force_format,
+                        only_url=only_url)[0]
+
+
+def remove_entry(
+    path: str | os.PathLike[str] | None,
+    alias: str,
+    fmt: str = "auto",
+    *,
+    follow_symlink: bool = False,
+    force_format: bool = False,
+    only_url: str | None = None,
+) -> tuple[bool, EndpointEntry | None]:
+    """:func:`remove_endpoint`, and the entry found under the lock when ``only_url`` is given (``None``: absent).
+
+    ``only_url``: remove it only while it still points there, checked under the lock, so a job's end never
     removes an alias that the user or a newer job has re-pointed meanwhile."""
     from pbs_toolkit.endpoints import atomic
     from pbs_toolkit.endpoints import target as safety
@@ -208,14 +224,15 @@ def remove_endpoint(
         safety.refuse_non_regular(target, target)
         text = atomic.read_text(target, follow=False)
         if text is None:
-            return False
+            return False, None
+        current = None
         if only_url is not None:
             current = FORMATS[kind].parse(text, target).get(alias)
             if current is None or current.url != only_url:
-                return False
+                return False, current
         new_text = FORMATS[kind].remove(text, alias, target)
         if new_text is None:
-            return False
+            return False, None
         mode = atomic.existing_mode(target)
         atomic.replace_atomically(target, new_text, atomic.MODE_PLAIN if mode is None else mode)
-    return True
+    return True, current

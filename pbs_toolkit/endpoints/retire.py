@@ -59,28 +59,31 @@ def print_removal(removal: Removal) -> None:
 
 
 def retire_entry(entry: RegistryEntry) -> Removal:
-    """Remove ``entry`` from its registry if it still holds the recorded URL. Never raises ``RegistryError``."""
-    from pbs_toolkit.endpoints.registry import read_endpoints, remove_endpoint
+    """Remove ``entry`` from its registry if it still holds the recorded URL. Never raises ``RegistryError``.
+
+    One locked read-check-remove: the file is parsed once for the check (a 4 MB ``endpoints.py`` in about as
+    long as a write takes), never read beforehand without the lock."""
+    import os
+
+    from pbs_toolkit.endpoints.registry import remove_entry
 
     def outcome(kind: str, detail: str | None = None) -> Removal:
         return Removal(entry.registry, entry.alias, kind, entry.url, entry.job_id, detail)
 
+    if not os.path.lexists(entry.registry):
+        return outcome(ABSENT)  # the registry (or its directory) is gone: nothing left to clean
     try:
-        current = read_endpoints(entry.registry, entry.format).get(entry.alias)
-        if current is None:
-            return outcome(ABSENT)
-        if current.url != entry.url:
-            return outcome(REPOINTED, current.url)
         # the recorded path is the real file that was written: no symlink left to follow; the format is the one
         # that was used, even where it disagreed with the suffix (--force-format then)
-        if remove_endpoint(entry.registry, entry.alias, entry.format, force_format=True, only_url=entry.url):
-            return outcome(REMOVED)
-        again = read_endpoints(entry.registry, entry.format).get(entry.alias)  # changed under our feet
-        return outcome(ABSENT) if again is None else outcome(REPOINTED, again.url)
+        removed, current = remove_entry(entry.registry, entry.alias, entry.format, force_format=True,
+                                        only_url=entry.url)
     except RegistryError as exc:
         return outcome(FAILED, exc.message)
     except OSError as exc:
         return outcome(FAILED, exc.strerror or str(exc))
+    if removed:
+        return outcome(REMOVED)
+    return outcome(ABSENT) if current is None else outcome(REPOINTED, current.url)
 
 
 def retire(store: JobStore, record: JobRecord, *, include_kept: bool = False,
