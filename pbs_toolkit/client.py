@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pbs_toolkit.errors import ServerFailed, UsageError
+from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 
 if TYPE_CHECKING:
     from pbs_toolkit.endpoints import EndpointUpdate
@@ -260,11 +261,26 @@ class Client:
         return self._status_of([self.record(j) for j in jobs] if jobs else self._records(all))
 
     def _status_of(self, records: list[JobRecord]) -> list[JobStatus]:
-        from pbs_toolkit.jobs.status import status
+        """``status`` of ``records``; a login node that cannot be reached leaves its jobs UNKNOWN with one warning
+        line, unless nothing else would be shown (then its ``TransportError``, exit 4, as before)."""
+        from pbs_toolkit.errors import TransportError
+        from pbs_toolkit.jobs.status import status, unreachable_status, unreachable_warning
 
-        for transport in {r.transport for r in records}:
-            self.runner(transport)
-        results = status(records, self.store, runners=self._runners)
+        unreachable: dict[str, TransportError] = {}
+        for transport in sorted({r.transport for r in records if not r.final_state}):  # ended jobs need none
+            try:
+                self.runner(transport)
+            except TransportError as exc:
+                unreachable[transport] = exc
+        asked = [r for r in records if r.final_state or r.transport not in unreachable]
+        if unreachable and not asked:
+            raise next(iter(unreachable.values()))
+        answered = iter(status(asked, self.store, runners=self._runners))
+        results = [next(answered) if r.final_state or r.transport not in unreachable else
+                   unreachable_status(r, unreachable[r.transport]) for r in records]
+        for transport, error in unreachable.items():
+            count = sum(1 for r in records if r.transport == transport and not r.final_state)
+            sys.stderr.write(f"pbstk: warning: {unreachable_warning(transport, error, count)}\n")
         # a job seen ended takes its registry entries with it (a log-only failure may still restart: not yet)
         self._retire_ended([s.record for s in results if s.state.final and s.confirmed])
         return results
@@ -287,7 +303,6 @@ class Client:
         (``pbstk clean``; see ``jobs.clean`` for what makes a directory safe to delete). Jobs not recorded as
         ended get one status query first; one whose scheduler or login node does not answer is left alone."""
         from pbs_toolkit import paths
-        from pbs_toolkit.errors import PbstkError
         from pbs_toolkit.jobs.clean import CleanItem, CleanReport, clean_one, ended_at, select
         from pbs_toolkit.jobs.store import forget_run_dirs
 

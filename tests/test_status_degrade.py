@@ -73,3 +73,32 @@ def test_a_refusing_scheduler_alone_still_fails_and_so_does_wait(fakepbs: Path, 
         assert result.stderr.strip() == "pbstk: error: qstat failed (exit 2): qstat: Permission denied", command
     set_faults(fakepbs)
     pbstk("cancel", job)
+
+
+def test_an_unreachable_login_node_does_not_hide_this_machines_jobs(fakepbs: Path, standins: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from pbs_toolkit.jobs.store import JobRecord
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = int(sock.getsockname()[1])
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host deadhost\n    HostName 127.0.0.1\n    Port {closed}\n")
+    monkeypatch.setenv("PBSTK_SSH_CONFIG", str(config))
+    JobStore().add(JobRecord(job_id="41.pbs01", scheduler="pbs", profile="generic-pbspro", model="org/m",
+                             served_model_name="org/m", preset="dp4", name="far", run_dir="/runs/far",
+                             transport="deadhost"))
+    here = launch("--name", "here").job_id
+    result = pbstk("status", "--json")
+    assert result.exit_code == 0, result.output
+    states = {s["job_id"]: s for s in json.loads(result.stdout)}
+    assert states["41.pbs01"]["state"] == "UNKNOWN" and "deadhost cannot be reached" in states["41.pbs01"]["reason"]
+    assert states[here]["state"] in ("STARTING", "READY", "PENDING"), states[here]
+    warnings = result.stderr.strip().splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith("pbstk: warning: deadhost cannot be reached: "), warnings
+    alone = pbstk("status", "41.pbs01")  # nothing else to show: the SSH failure is the answer (exit 4)
+    assert alone.exit_code == 4 and alone.stderr.startswith("pbstk: error: "), alone.output
+    assert len(alone.stderr.strip().splitlines()) == 1
+    pbstk("cancel", here)

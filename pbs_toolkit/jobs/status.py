@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pbs_toolkit.errors import SchedulerError, SchedulerUnavailable
+from pbs_toolkit.errors import PbstkError, SchedulerError, SchedulerUnavailable, TransportError
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView, look, look_all
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.schedulers import JobRef, Outcome, SchedState, SchedulerJob, get_scheduler
@@ -371,17 +371,44 @@ def _warn(message: str) -> None:
 
 
 def _query_or_why(runner: Runner, records: Sequence[JobRecord]) -> tuple[dict[str, SchedulerJob | None], str | None,
-                                                                           SchedulerError | None]:
+                                                                           PbstkError | None]:
     """The scheduler's answer for one group, or why there is none: ``(answer, why, error)``.
 
     A scheduler that did not answer (``SchedulerUnavailable``) or refused (``SchedulerError``: not on PATH,
-    permission denied, ...) leaves its jobs to the run directory and HTTP; ``error`` is the refusal."""
+    permission denied, ...) leaves its jobs to the run directory and HTTP; ``error`` is the refusal, or the
+    ``TransportError`` of a login node that cannot be reached (nothing there can be looked at then)."""
     try:
         return query_group(runner, records), None, None
     except SchedulerUnavailable as exc:
         return {}, str(exc), None
-    except SchedulerError as exc:
+    except (SchedulerError, TransportError) as exc:
         return {}, str(exc), exc
+
+
+def _judge_group(runner: Runner, items: list[tuple[int, JobRecord]], sched: dict[str, SchedulerJob | None],
+                 why: str | None, store: JobStore | None) -> list[tuple[int, JobStatus]]:
+    """Judge one group's jobs from the scheduler's answer (``why``: there was none) and their run directories."""
+    out = []
+    views = look_all(runner, [(record, sched.get(record.job_id)) for _, record in items])
+    for (index, record), view in zip(items, views):
+        job = sched.get(record.job_id)
+        st = judge(record, job, view, store=store, answered=why is None)
+        if why is not None:
+            st = without_scheduler(st, why)
+        else:
+            remember_final(store, st, job)
+        out.append((index, st))
+    return out
+
+
+def unreachable_status(record: JobRecord, error: PbstkError) -> JobStatus:
+    """UNKNOWN, for a job whose login node cannot be reached (nothing about it could be looked at)."""
+    return JobStatus(record=record, state=ServerState.UNKNOWN, scheduler_state="?", comment=error.message,
+                     reason=f"{record.transport} cannot be reached ({error.message}); try again later")
+
+
+def unreachable_warning(transport: str, error: PbstkError, count: int) -> str:
+    return f"{transport} cannot be reached: {error.message}; its {count} job(s) are shown as UNKNOWN"
 
 
 def status(records: Iterable[JobRecord], store: JobStore | None = None,
@@ -403,26 +430,23 @@ def status(records: Iterable[JobRecord], store: JobStore | None = None,
     own_runners = runners is None
     runners = runners if runners is not None else {}
     warnings: list[str] = []
-    refusals: list[SchedulerError] = []
+    refusals: list[PbstkError] = []
     try:
         for (transport, scheduler), items in groups.items():
             runner = runners.get(transport) or runners.setdefault(transport, open_runner(transport or None))
             sched, why, refused = _query_or_why(runner, [r for _, r in items])
+            if isinstance(refused, TransportError):
+                refusals.append(refused)
+                warnings.append(unreachable_warning(transport, refused, len(items)))
+                out.update((index, unreachable_status(record, refused)) for index, record in items)
+                continue
             if why is not None:
                 where = f" on {transport}" if transport else ""
                 warnings.append(f"{scheduler.upper()}{where} did not answer: {why}; its {len(items)} job(s) are "
                                 "shown from their run directories (UNKNOWN where those do not tell)")
             if refused is not None:
                 refusals.append(refused)
-            views = look_all(runner, [(record, sched.get(record.job_id)) for _, record in items])
-            for (index, record), view in zip(items, views):
-                job = sched.get(record.job_id)
-                st = judge(record, job, view, store=store, answered=why is None)
-                if why is not None:
-                    st = without_scheduler(st, why)
-                else:
-                    remember_final(store, st, job)
-                out[index] = st
+            out.update(_judge_group(runner, items, sched, why, store))
     finally:
         if own_runners:
             for runner in runners.values():
