@@ -136,7 +136,7 @@ def test_remove_by_alias_is_atomic_byte_for_byte_and_idempotent(fakepbs: Path, s
         assert result.stdout.startswith(f"{path}: removed mine -> http://"), result.output
         assert path.read_text() == text and path.stat().st_mode == mode
         assert os.listdir(tmp_path).count(path.name) == 1
-        again = pbstk("update-endpoint", "--remove", "mine", "--registry", str(path))
+        again = pbstk("update-endpoint", "--remove", "--alias", "mine", "--registry", str(path))
         assert again.exit_code == 0 and again.stdout == ""
         assert again.stderr == f"pbstk: note: no entry 'mine' in {path}; nothing removed\n"
         assert path.read_text() == text

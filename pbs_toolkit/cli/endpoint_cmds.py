@@ -37,8 +37,8 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
     """
     from pbs_toolkit.client import Client
 
-    if remove:
-        _remove(job, registry, fmt, force_format, follow_symlink, as_json)
+    if remove:  # `--remove --alias NAME` reads as well as `--remove NAME`
+        _remove(alias or job, registry, fmt, force_format, follow_symlink, as_json)
         return
     with Client() as c:  # one connection (one MFA prompt) waits, forwards and registers
         record = c.record(job)
