@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pbs_toolkit.errors import ServerFailed, UsageError
+from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 
 if TYPE_CHECKING:
     from pbs_toolkit.endpoints import EndpointUpdate
+    from pbs_toolkit.endpoints.retire import Removal
+    from pbs_toolkit.jobs.clean import CleanReport
     from pbs_toolkit.jobs.launch import LaunchResult
     from pbs_toolkit.jobs.render import RenderedJob, RenderRequest
     from pbs_toolkit.jobs.status import JobStatus
@@ -199,17 +202,22 @@ class Client:
 
     ``store``: a ``JobStore`` (default: the user's). ``profile``: the default site profile for ``launch``.
     ``runner_factory``: how a transport's runner is opened (default ``open_runner``); called at most once per
-    transport while the client is open. Use it as a context manager, or call ``close()``.
+    transport while the client is open. ``on_removal``: hears each registry entry taken out (or left, or not
+    removable) when a job ends or is cancelled (default: one line on stderr). Use it as a context manager, or
+    call ``close()``.
     """
 
     def __init__(self, store: JobStore | None = None, profile: str | None = None, *,
-                 accept_new_host_key: bool = False, runner_factory: RunnerFactory | None = None) -> None:
+                 accept_new_host_key: bool = False, runner_factory: RunnerFactory | None = None,
+                 on_removal: Callable[[Removal], None] | None = None) -> None:
+        from pbs_toolkit.endpoints.retire import print_removal
         from pbs_toolkit.jobs.store import JobStore
 
         self.store = store or JobStore()
         self.profile = profile
         self.accept_new_host_key = accept_new_host_key
         self._factory = runner_factory or self._open_runner
+        self.on_removal = on_removal or print_removal
         self._runners: dict[str, Runner] = {}
         #: tunnels this client opened (``tunnel``, ``update_endpoint(via_tunnel=True)``); closed by ``close()``
         self.tunnels: list[Tunnel] = []
@@ -310,17 +318,42 @@ class Client:
         from pbs_toolkit.jobs.readiness import wait_until_ready
 
         record = self.record(job)
-        return wait_until_ready(record, timeout=timeout, store=self.store, runner=self.runner(record.transport),
-                                on_progress=on_progress)
+        try:
+            return wait_until_ready(record, timeout=timeout, store=self.store, runner=self.runner(record.transport),
+                                    on_progress=on_progress)
+        except ServerFailed:
+            ended = [r for r in self.store.all() if (r.job_id, r.transport) == (record.job_id, record.transport)]
+            self._retire_ended([r for r in ended if r.final_state])
+            raise
 
     def status(self, *jobs: Job | JobRecord | str, all: bool = False) -> list[JobStatus]:  # noqa: A002
         """Status of ``jobs`` (default: every job not ended; ``all``: every job). One scheduler query each."""
-        from pbs_toolkit.jobs.status import status
+        return self._status_of([self.record(j) for j in jobs] if jobs else self._records(all))
 
-        records = [self.record(j) for j in jobs] if jobs else self._records(all)
-        for transport in {r.transport for r in records}:
-            self.runner(transport)
-        return status(records, self.store, runners=self._runners)
+    def _status_of(self, records: list[JobRecord]) -> list[JobStatus]:
+        """``status`` of ``records``; a login node that cannot be reached leaves its jobs UNKNOWN with one warning
+        line, unless nothing else would be shown (then its ``TransportError``, exit 4, as before)."""
+        from pbs_toolkit.errors import TransportError
+        from pbs_toolkit.jobs.status import status, unreachable_status, unreachable_warning
+
+        unreachable: dict[str, TransportError] = {}
+        for transport in sorted({r.transport for r in records if not r.final_state}):  # ended jobs need none
+            try:
+                self.runner(transport)
+            except TransportError as exc:
+                unreachable[transport] = exc
+        asked = [r for r in records if r.final_state or r.transport not in unreachable]
+        if unreachable and not asked:
+            raise next(iter(unreachable.values()))
+        answered = iter(status(asked, self.store, runners=self._runners))
+        results = [next(answered) if r.final_state or r.transport not in unreachable else
+                   unreachable_status(r, unreachable[r.transport]) for r in records]
+        for transport, error in unreachable.items():
+            count = sum(1 for r in records if r.transport == transport and not r.final_state)
+            sys.stderr.write(f"pbstk: warning: {unreachable_warning(transport, error, count)}\n")
+        # a job seen ended takes its registry entries with it (a log-only failure may still restart: not yet)
+        self._retire_ended([s.record for s in results if s.state.final and s.confirmed])
+        return results
 
     def jobs(self, all: bool = False) -> list[Job]:  # noqa: A002
         """Jobs pbstk launched, newest first (default: those not recorded as ended). No scheduler query."""
@@ -335,15 +368,58 @@ class Client:
         never go unmentioned, so ``pbstk jobs`` names each."""
         return self.store.intents()
 
+    def clean(self, older_than: float = 7 * 86400.0, *, dry_run: bool = False) -> CleanReport:
+        """Remove the run directories and records of jobs that ended at least ``older_than`` seconds ago
+        (``pbstk clean``; see ``jobs.clean`` for what makes a directory safe to delete). Jobs not recorded as
+        ended get one status query first; one whose scheduler or login node does not answer is left alone."""
+        from pbs_toolkit import paths
+        from pbs_toolkit.jobs.clean import CleanItem, CleanReport, clean_one, ended_at, select
+        from pbs_toolkit.jobs.store import forget_run_dirs
+
+        report = CleanReport(older_than, dry_run)
+        pending = [r for r in self.store.all() if not r.final_state]
+        for transport in sorted({r.transport for r in pending}):
+            group = [r for r in pending if r.transport == transport]
+            try:
+                self._status_of(group)
+            except PbstkError as exc:  # a refusing scheduler, an unreachable login node: its jobs stay
+                report.warnings.append(f"could not ask about {len(group)} job(s) via {transport or 'this machine'}"
+                                       f" ({exc.message}); they are left alone")
+        now = time.time()
+        old, report.active, report.recent = select(self.store.all(), older_than, now)
+        removed_here: set[str] = set()
+        roots: dict[tuple[str, str], Any] = {}
+        for record in old:
+            try:
+                item = clean_one(self.runner(record.transport), record, dry_run, now, roots)
+            except PbstkError as exc:  # the login node did not answer: nothing there is touched
+                item = CleanItem(record.job_id, record.name, record.transport, record.final_state or "",
+                                 record.run_dir, round(now - ended_at(record), 1), "skipped", exc.message)
+            if item.action == "removed":
+                self.store.remove(record)
+                if not record.transport:
+                    removed_here.add(record.run_dir)
+            report.items.append(item)
+        if removed_here:
+            forget_run_dirs(paths.user_state_dir(), removed_here)
+        return report
+
     def _records(self, show_all: bool) -> list[JobRecord]:
         return [r for r in self.store.all() if show_all or not r.final_state]
 
-    def cancel(self, job: Job | JobRecord | str) -> bool:
-        """Stop the job; ``True`` if stopped now, ``False`` if it had already ended."""
+    def cancel(self, job: Job | JobRecord | str, *, keep_endpoint: bool = False) -> bool:
+        """Stop the job; ``True`` if stopped now, ``False`` if it had already ended. The registry entries it
+        wrote are removed (``on_removal`` hears each; a registry that cannot be written never fails the cancel),
+        or with ``keep_endpoint`` kept for good."""
         from pbs_toolkit.jobs.launch import cancel
 
         record = self.record(job)
-        return cancel(record, runner=self.runner(record.transport))
+        stopped = cancel(record, runner=self.runner(record.transport))
+        if keep_endpoint:
+            self.store.keep_registry_entries(record)
+        else:
+            self.retire_endpoints(record)
+        return stopped
 
     def logs(self, job: Job | JobRecord | str | None = None, lines: int = 50, follow: bool = False, *,
              stream: str = "vllm", final_every: float = 5.0,
@@ -484,25 +560,77 @@ class Client:
     def update_endpoint(self, job: Job | JobRecord | str | None = None, registry: str | None = None, *,
                         fmt: str = "auto", alias: str | None = None, timeout: float = 3600.0,
                         follow_symlink: bool = False, force_format: bool = False, via_tunnel: bool = False,
-                        local_port: int = 0, on_progress: Progress | None = None) -> EndpointUpdate:
+                        local_port: int = 0, on_progress: Progress | None = None,
+                        keep_after_end: bool = False) -> EndpointUpdate:
         """Wait until the job is ready, then write its endpoint into ``registry`` (checked before waiting, not
         an hour later). ``via_tunnel``: register a tunnel's local URL instead (the tunnel is the last of
-        ``tunnels`` and stays open until ``close()``)."""
+        ``tunnels`` and stays open until ``close()``). The entry is recorded with the job and removed when it
+        ends or is cancelled, unless ``keep_after_end``."""
         from pbs_toolkit.endpoints import check_registry, update_endpoint
+        from pbs_toolkit.jobs.store import RegistryEntry
 
         record = self.record(job)
         fmt = check_registry(record, registry, fmt, alias, follow_symlink=follow_symlink, force_format=force_format)
         st = self.wait(record, timeout, on_progress)
         local_url = self.tunnel(st, local_port)[1].url if via_tunnel else None
-        return update_endpoint(st, registry=registry, fmt=fmt, alias=alias, local_url=local_url,
-                               follow_symlink=follow_symlink, force_format=force_format)
+        result = update_endpoint(st, registry=registry, fmt=fmt, alias=alias, local_url=local_url,
+                                 follow_symlink=follow_symlink, force_format=force_format)
+        self.store.forget_alias(result.registry, result.alias)  # the alias is this job's now, not an older one's
+        self.store.add_registry_entry(RegistryEntry(record.job_id, record.transport, result.registry, result.format,
+                                                    result.alias, result.url, keep=keep_after_end))
+        return result
 
     def remove_endpoint(self, alias: str, registry: str | None = None, *, fmt: str = "auto",
                         follow_symlink: bool = False, force_format: bool = False) -> bool:
         """Remove ``alias`` from ``registry`` (default: pbstk's own); ``True`` if it was there."""
-        from pbs_toolkit.endpoints.registry import remove_endpoint
+        from pbs_toolkit.endpoints.registry import check_target, remove_endpoint
 
-        return remove_endpoint(registry, alias, fmt, follow_symlink=follow_symlink, force_format=force_format)
+        target, kind = check_target(registry, fmt, follow_symlink=follow_symlink, force_format=force_format)
+        removed = remove_endpoint(registry, alias, kind, follow_symlink=follow_symlink, force_format=force_format)
+        self.store.forget_alias(str(target), alias)
+        return removed
+
+    def remove_endpoints(self, ref: str, registry: str | None = None, *, fmt: str = "auto",
+                         follow_symlink: bool = False, force_format: bool = False) -> list[Removal]:
+        """``update-endpoint --remove REF``: the entry ``REF`` in ``registry`` (default: pbstk's own) if there is
+        one, else every entry job ``REF`` wrote (only into ``registry`` when it is given) that still holds its
+        URL, kept ones too. Nothing to remove is one ``absent`` outcome, not an error."""
+        from pbs_toolkit.endpoints.registry import check_target, read_endpoints, remove_endpoint
+        from pbs_toolkit.endpoints.retire import ABSENT, REMOVED, Removal, retire
+        from pbs_toolkit.errors import JobNotFound
+
+        target, kind = check_target(registry, fmt, follow_symlink=follow_symlink, force_format=force_format)
+        current = read_endpoints(target, kind).get(ref)
+        if current is not None:
+            remove_endpoint(registry, ref, kind, follow_symlink=follow_symlink, force_format=force_format)
+            self.store.forget_alias(str(target), ref)
+            return [Removal(str(target), ref, REMOVED, current.url)]
+        try:
+            record = self.store.find(ref)
+        except JobNotFound:
+            return [Removal(str(target), ref, ABSENT)]
+        entries = [e for e in self.store.registry_entries(record) if registry is None or e.registry == str(target)]
+        return retire(self.store, record, include_kept=True, entries=entries) or [Removal(str(target), ref, ABSENT)]
+
+    def retire_endpoints(self, job: Job | JobRecord | str, *, include_kept: bool = False) -> list[Removal]:
+        """Remove the registry entries the job wrote that still hold its URL (``on_removal`` hears each)."""
+        from pbs_toolkit.endpoints.retire import retire
+
+        return retire(self.store, self.record(job), include_kept=include_kept, notice=self.on_removal)
+
+    def _retire_ended(self, records: Sequence[JobRecord]) -> None:
+        """Retire the entries of ``records`` (jobs seen ended): one store read, nothing when none wrote any."""
+        from pbs_toolkit.endpoints.retire import retire
+
+        if not records:
+            return
+        wrote: dict[tuple[str, str], list[Any]] = {}
+        for entry in self.store.registry_entries():
+            wrote.setdefault((entry.transport, entry.job_id), []).append(entry)
+        for record in records:
+            entries = wrote.get((record.transport, record.job_id))
+            if entries:
+                retire(self.store, record, entries=entries, notice=self.on_removal)
 
     # -- performance ----------------------------------------------------------------------------------------
 

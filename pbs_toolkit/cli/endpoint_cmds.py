@@ -22,18 +22,32 @@ from pbs_toolkit.cli.options import LOCAL_PORT, SECONDS, SECONDS_OR_ZERO, echo_j
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--via-tunnel", is_flag=True, help="Register a local tunnel's URL and keep the tunnel open.")
 @click.option("--local-port", type=LOCAL_PORT, default=0, help="Local port for --via-tunnel (default: any free one).")
+@click.option("--keep-after-end", is_flag=True,
+              help="Leave the entry in the registry when the job ends or is cancelled (default: removed then).")
+@click.option("--remove", is_flag=True,
+              help="Remove the entry named JOB (an alias), or every entry job JOB wrote, instead of adding one.")
 @click.option("--json", "as_json", is_flag=True)
 def update_endpoint(job: str | None, registry: str | None, fmt: str, force_format: bool, follow_symlink: bool,
-                    alias: str | None, timeout: float, via_tunnel: bool, local_port: int, as_json: bool) -> None:
-    """Wait until JOB (default: the newest) is ready, then write its endpoint into a registry."""
+                    alias: str | None, timeout: float, via_tunnel: bool, local_port: int, keep_after_end: bool,
+                    remove: bool, as_json: bool) -> None:
+    """Wait until JOB (default: the newest) is ready, then write its endpoint into a registry.
+
+    The entry is removed again when the job ends or is cancelled (unless --keep-after-end).
+    With --remove: take out the entry whose alias is JOB, or every entry job JOB wrote
+    (absent: a note, exit 0).
+    """
     from pbs_toolkit.client import Client
 
+    if remove:  # `--remove --alias NAME` reads as well as `--remove NAME`
+        _remove(alias or job, registry, fmt, force_format, follow_symlink, as_json)
+        return
     with Client() as c:  # one connection (one MFA prompt) waits, forwards and registers
         record = c.record(job)
         with progress_printer(as_json) as show:
             result = c.update_endpoint(record, registry, fmt=fmt, alias=alias, timeout=timeout,
                                        follow_symlink=follow_symlink, force_format=force_format,
-                                       via_tunnel=via_tunnel, local_port=local_port, on_progress=show)
+                                       via_tunnel=via_tunnel, local_port=local_port, on_progress=show,
+                                       keep_after_end=keep_after_end)
         if as_json:
             echo_json(result.to_dict())
         else:
@@ -45,6 +59,32 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
             tunnel = c.tunnels[-1]
             click.echo(f"tunnel open on {tunnel.url}; Ctrl-C closes it", err=True)
             tunnel.serve_forever()
+
+
+def _remove(ref: str | None, registry: str | None, fmt: str, force_format: bool, follow_symlink: bool,
+            as_json: bool) -> None:
+    """``update-endpoint --remove REF``: one line per entry on stdout; a failed removal is exit 8."""
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.endpoints.retire import ABSENT, FAILED, REMOVED
+    from pbs_toolkit.errors import RegistryError, UsageError
+
+    if not ref:
+        raise UsageError("update-endpoint --remove needs the ALIAS (or JOB) to remove")
+    with Client() as c:
+        removals = c.remove_endpoints(ref, registry, fmt=fmt, follow_symlink=follow_symlink,
+                                      force_format=force_format)
+    if as_json:
+        echo_json([r.to_dict() for r in removals])
+    for r in [] if as_json else removals:
+        if r.outcome == REMOVED:
+            click.echo(f"{r.registry}: removed {r.alias} -> {r.url}")
+        elif r.outcome == ABSENT:
+            click.echo(f"pbstk: note: no entry {r.alias!r} in {r.registry}; nothing removed", err=True)
+        elif r.outcome != FAILED:
+            click.echo(r.message(), err=True)
+    failed = [r for r in removals if r.outcome == FAILED]
+    if failed:
+        raise RegistryError(f"could not remove {failed[0].alias!r} from {failed[0].registry}: {failed[0].detail}")
 
 
 @click.command("env")

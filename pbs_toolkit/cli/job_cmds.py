@@ -159,16 +159,19 @@ def jobs(show_all: bool, as_json: bool) -> None:
 
 @click.command()
 @click.argument("jobs", nargs=-1, required=True, shell_complete=complete_job)
+@click.option("--keep-endpoint", is_flag=True, help="Leave the jobs' registry entries in place (default: removed).")
 @click.option("--json", "as_json", is_flag=True, help="Print a list of cancellation objects.")
-def cancel(jobs: tuple[str, ...], as_json: bool) -> None:
-    """Stop jobs through their scheduler. Already-ended jobs are not an error."""
+def cancel(jobs: tuple[str, ...], keep_endpoint: bool, as_json: bool) -> None:
+    """Stop jobs through their scheduler. Already-ended jobs are not an error.
+
+    Registry entries the jobs wrote (update-endpoint) are removed, if they still point at them."""
     from pbs_toolkit.client import Cancellation, Client
 
     done = []
     with Client() as c:
         records = [c.record(j) for j in jobs]  # every name resolves before anything is stopped
         for record in records:
-            done.append(Cancellation(record.job_id, record.name, c.cancel(record)))
+            done.append(Cancellation(record.job_id, record.name, c.cancel(record, keep_endpoint=keep_endpoint)))
             if not as_json:
                 click.echo(f"{record.job_id}: {done[-1].outcome}")
     if as_json:

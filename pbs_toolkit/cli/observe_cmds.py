@@ -199,7 +199,10 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
     """Launch each preset for MODEL, benchmark them identically, and recommend the fastest."""
     from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
-    from pbs_toolkit.perf.tune import plot, render_table
+    from pbs_toolkit.perf.tune import plot, render_table, require_matplotlib
+
+    if png:
+        require_matplotlib()  # before launching anything, not after the whole tune
 
     def progress(message: str) -> None:
         click.echo(message, err=True)

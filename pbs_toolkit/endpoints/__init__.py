@@ -38,12 +38,14 @@ _WILDCARD_ADDRESSES = ("0.0.0.0", "::", "[::]")
 
 
 def endpoint_url(st: JobStatus, local_url: str | None = None) -> str:
-    """``http://host:port/v1`` that clients use: a tunnel's local URL, else the node's address.
+    """``http://host:port/v1`` that clients use: a tunnel's local URL (with or without its ``/v1``), else the
+    node's address.
 
     Never a wildcard bind address (``0.0.0.0`` is where a server listens, not where clients connect).
     """
     if local_url:
-        return local_url.rstrip("/") + "/v1"
+        base = local_url.rstrip("/")
+        return base if base.endswith("/v1") else base + "/v1"  # `--local-url http://localhost:9999/v1` too
     if not st.address or not st.port:
         raise UsageError(f"job {st.record.job_id} has no address yet (state {st.state.value})")
     if st.address in _WILDCARD_ADDRESSES:

@@ -1,11 +1,14 @@
 """Read-modify-write of a registry file under a cross-process lock, replacing the file atomically.
 
 Readers take no lock: ``os.replace`` makes them see the old file or the new one, never a half-written one.
+The lock file lives in pbstk's state directory (``locks/<sha256 of the real path>.lock``), never beside the
+user's registry: an evaluation repository's ``configs/`` must not collect ``endpoints.py.lock`` files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import stat
 import tempfile
@@ -20,15 +23,24 @@ MODE_SECRET = 0o600
 
 
 def lock_path(path: Path) -> Path:
-    return path.with_name(path.name + ".lock")
+    """``<state dir>/locks/<sha256 of realpath(path)>.lock``: one lock per real file, whatever name reached it."""
+    from pbs_toolkit import paths
+
+    digest = hashlib.sha256(os.fsencode(os.path.realpath(path))).hexdigest()
+    return paths.user_state_dir() / "locks" / f"{digest}.lock"
 
 
 @contextlib.contextmanager
 def locked(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold ``<path>.lock`` (a ``filelock.FileLock``) for the duration of the block."""
+    """Hold ``path``'s lock in the state directory (a ``filelock.FileLock``) for the duration of the block."""
     from filelock import FileLock, Timeout
 
-    lock = FileLock(str(lock_path(path)), timeout=timeout)
+    where = lock_path(path)
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise RegistryError(f"{path}: cannot create the lock directory {where.parent}: {exc.strerror or exc}") from exc
+    lock = FileLock(str(where), timeout=timeout)
     try:
         lock.acquire(poll_interval=0.01)  # writes take milliseconds; the default 50 ms poll dominates
     except Timeout as exc:

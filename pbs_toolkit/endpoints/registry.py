@@ -6,7 +6,8 @@ Formats (one module each, behind one ``RegistryFormat`` interface in ``formats.F
 * ``toml`` verifiers 0.3.x ``configs/endpoints.toml`` (``verifiers_toml``)
 * ``yaml``/``json`` pbstk's own registry (``data_file``), the only formats that may hold an API key
 
-Every write is a read-modify-write under ``<file>.lock`` followed by an atomic rename (``atomic``), so
+Every write is a read-modify-write under a lock in pbstk's state directory (never a ``.lock`` file beside the
+registry) followed by an atomic rename (``atomic``), so
 concurrent writers never lose each other's entries and readers never see a half-written file. A file that
 does not parse is never touched, and only regular files are ever written (``target``: no devices, FIFOs,
 sockets, pseudo-files or symlinks leading out of the named directory). tomlkit, yaml and filelock are imported
@@ -191,8 +192,28 @@ def remove_endpoint(
     *,
     follow_symlink: bool = False,
     force_format: bool = False,
+    only_url: str | None = None,
 ) -> bool:
-    """Remove the entry for ``alias``; True if it was there. The file keeps its mode and everything else."""
+    """Remove the entry for ``alias``; True if it was there. The file keeps its mode and everything else.
+
+    ``only_url``: remove it only while it still points there (see :func:`remove_entry`)."""
+    return remove_entry(path, alias, fmt, follow_symlink=follow_symlink, force_format=force_format,
+                        only_url=only_url)[0]
+
+
+def remove_entry(
+    path: str | os.PathLike[str] | None,
+    alias: str,
+    fmt: str = "auto",
+    *,
+    follow_symlink: bool = False,
+    force_format: bool = False,
+    only_url: str | None = None,
+) -> tuple[bool, EndpointEntry | None]:
+    """:func:`remove_endpoint`, and the entry found under the lock when ``only_url`` is given (``None``: absent).
+
+    ``only_url``: remove it only while it still points there, checked under the lock, so a job's end never
+    removes an alias that the user or a newer job has re-pointed meanwhile."""
     from pbs_toolkit.endpoints import atomic
     from pbs_toolkit.endpoints import target as safety
 
@@ -203,10 +224,15 @@ def remove_endpoint(
         safety.refuse_non_regular(target, target)
         text = atomic.read_text(target, follow=False)
         if text is None:
-            return False
+            return False, None
+        current = None
+        if only_url is not None:
+            current = FORMATS[kind].parse(text, target).get(alias)
+            if current is None or current.url != only_url:
+                return False, current
         new_text = FORMATS[kind].remove(text, alias, target)
         if new_text is None:
-            return False
+            return False, None
         mode = atomic.existing_mode(target)
         atomic.replace_atomically(target, new_text, atomic.MODE_PLAIN if mode is None else mode)
-    return True
+    return True, current

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import enum
 import os
+import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pbs_toolkit.errors import SchedulerUnavailable
+from pbs_toolkit.errors import PbstkError, SchedulerError, SchedulerUnavailable, TransportError
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView, look, look_all
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.schedulers import JobRef, Outcome, SchedState, SchedulerJob, get_scheduler
@@ -394,44 +395,102 @@ def query_group(runner: Runner, records: Sequence[JobRecord]) -> dict[str, Sched
     return {r.job_id: found.get(r.job_id) for r in records}
 
 
+def _warn(message: str) -> None:
+    sys.stderr.write(f"pbstk: warning: {message}\n")
+
+
+def _query_or_why(runner: Runner, records: Sequence[JobRecord]) -> tuple[dict[str, SchedulerJob | None], str | None,
+                                                                           PbstkError | None]:
+    """The scheduler's answer for one group, or why there is none: ``(answer, why, error)``.
+
+    A scheduler that did not answer (``SchedulerUnavailable``) or refused (``SchedulerError``: not on PATH,
+    permission denied, ...) leaves its jobs to the run directory and HTTP; ``error`` is the refusal, or the
+    ``TransportError`` of a login node that cannot be reached (nothing there can be looked at then)."""
+    try:
+        return query_group(runner, records), None, None
+    except SchedulerUnavailable as exc:
+        return {}, str(exc), None
+    except (SchedulerError, TransportError) as exc:
+        return {}, str(exc), exc
+
+
+def _judge_group(runner: Runner, items: list[tuple[int, JobRecord]], sched: dict[str, SchedulerJob | None],
+                 why: str | None, store: JobStore | None) -> list[tuple[int, JobStatus]]:
+    """Judge one group's jobs from the scheduler's answer (``why``: there was none) and their run directories."""
+    out = []
+    views = look_all(runner, [(record, sched.get(record.job_id)) for _, record in items])
+    for (index, record), view in zip(items, views):
+        job = sched.get(record.job_id)
+        st = judge(record, job, view, store=store, answered=why is None)
+        if why is not None:
+            st = without_scheduler(st, why)
+        else:
+            remember_final(store, st, job)
+        out.append((index, st))
+    return out
+
+
+def unreachable_status(record: JobRecord, error: PbstkError) -> JobStatus:
+    """UNKNOWN, for a job whose login node cannot be reached (nothing about it could be looked at)."""
+    return JobStatus(record=record, state=ServerState.UNKNOWN, scheduler_state="?", comment=error.message,
+                     reason=f"{record.transport} cannot be reached ({error.message}); try again later")
+
+
+def unreachable_warning(transport: str, error: PbstkError, count: int) -> str:
+    return f"{transport} cannot be reached: {error.message}; its {count} job(s) are shown as UNKNOWN"
+
+
 def status(records: Iterable[JobRecord], store: JobStore | None = None,
-           runners: dict[str, Runner] | None = None) -> list[JobStatus]:
-    """Current state of ``records``. Final states are remembered in ``store`` and not queried again."""
+           runners: dict[str, Runner] | None = None, *,
+           warn: Callable[[str], None] | None = None) -> list[JobStatus]:
+    """Current state of ``records``. Final states are remembered in ``store`` and not queried again.
+
+    One scheduler that did not answer or refused does not hide the others' jobs: its jobs are judged from their
+    run directories (UNKNOWN where those do not tell) and ``warn`` (default: stderr) hears one line naming it.
+    Only when it is the only scheduler asked and nothing else is shown does its refusal raise (exit 3)."""
     records = list(records)
     out: dict[int, JobStatus] = {}
     groups: dict[tuple[str, str], list[tuple[int, JobRecord]]] = {}
     for index, record in enumerate(records):
         if record.final_state:
-            extra = record.extra
-            out[index] = JobStatus(record=record, state=ServerState(record.final_state),
-                                   reason=extra.get("final_reason") or "(final state recorded earlier)",
-                                   exit_status=extra.get("exit_status"),
-                                   scheduler_state=extra.get("final_scheduler_state"),
-                                   log_excerpt=list(extra.get("log_excerpt") or []))
+            out[index] = recorded_status(record)
         else:
             groups.setdefault((record.transport, record.scheduler), []).append((index, record))
     own_runners = runners is None
     runners = runners if runners is not None else {}
+    warnings: list[str] = []
+    refusals: list[PbstkError] = []
     try:
-        for (transport, _), items in groups.items():
+        for (transport, scheduler), items in groups.items():
             runner = runners.get(transport) or runners.setdefault(transport, open_runner(transport or None))
-            why = None
-            try:
-                sched = query_group(runner, [r for _, r in items])
-            except SchedulerUnavailable as exc:
-                # Transient: judge from the run directory and HTTP alone, and record nothing as final.
-                sched, why = {}, str(exc)
-            views = look_all(runner, [(record, sched.get(record.job_id)) for _, record in items])
-            for (index, record), view in zip(items, views):
-                job = sched.get(record.job_id)
-                st = judge(record, job, view, store=store, answered=why is None)
-                if why is not None:
-                    st = without_scheduler(st, why)
-                else:
-                    remember_final(store, st, job)
-                out[index] = st
+            sched, why, refused = _query_or_why(runner, [r for _, r in items])
+            if isinstance(refused, TransportError):
+                refusals.append(refused)
+                warnings.append(unreachable_warning(transport, refused, len(items)))
+                out.update((index, unreachable_status(record, refused)) for index, record in items)
+                continue
+            if why is not None:
+                where = f" on {transport}" if transport else ""
+                warnings.append(f"{scheduler.upper()}{where} did not answer: {why}; its {len(items)} job(s) are "
+                                "shown from their run directories (UNKNOWN where those do not tell)")
+            if refused is not None:
+                refusals.append(refused)
+            out.update(_judge_group(runner, items, sched, why, store))
     finally:
         if own_runners:
             for runner in runners.values():
                 runner.close()
+    if refusals and len(refusals) == len(groups) and not any(r.final_state for r in records):
+        raise refusals[0]  # nothing but that scheduler's jobs, and it refused: the command fails as before
+    for line in warnings:
+        (warn or _warn)(line)
     return [out[i] for i in range(len(records))]
+
+
+def recorded_status(record: JobRecord) -> JobStatus:
+    """The status a record recorded as final keeps, without asking anyone."""
+    extra = record.extra
+    return JobStatus(record=record, state=ServerState(record.final_state or "UNKNOWN"),
+                     reason=extra.get("final_reason") or "(final state recorded earlier)",
+                     exit_status=extra.get("exit_status"), scheduler_state=extra.get("final_scheduler_state"),
+                     log_excerpt=list(extra.get("log_excerpt") or []))

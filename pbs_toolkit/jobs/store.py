@@ -31,7 +31,8 @@ from pbs_toolkit.errors import JobNotFound, StoreError, UsageError
 from pbs_toolkit.jobs.spec import SPEC_KEYS, LaunchSpec, split_legacy_extra
 
 #: 2: the launch settings moved from ``extra`` into their own ``spec`` column (see ``_migrate_spec``)
-SCHEMA_VERSION = 2
+#: 3: the ``endpoints`` table: which registry entries each job wrote (removed when the job ends or is cancelled)
+SCHEMA_VERSION = 3
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT NOT NULL,
@@ -64,7 +65,20 @@ CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS endpoints (
+    transport TEXT NOT NULL,
+    job_id TEXT NOT NULL,
+    registry TEXT NOT NULL,
+    format TEXT NOT NULL,
+    alias TEXT NOT NULL,
+    url TEXT NOT NULL,
+    keep INTEGER NOT NULL DEFAULT 0,
+    written REAL NOT NULL,
+    PRIMARY KEY (transport, job_id, registry, alias)
+);
 """
+#: extra key: when the job was first recorded as ended (``pbstk clean --older-than`` counts from it)
+FINAL_AT_KEY = "final_at"
 #: final states a record may carry (status.ServerState's final members)
 FINAL_STATES = frozenset({"FAILED", "FINISHED", "CANCELLED", "LOST"})
 #: what a scheduler job id may look like in a ``RUN_DIR/job_id`` marker
@@ -117,6 +131,25 @@ class JobRecord:
 
 _COLUMNS = tuple(f.name for f in fields(JobRecord))
 _TEXT = ("job_id", "transport", "scheduler", "profile", "model", "served_model_name", "preset", "name", "run_dir")
+
+
+@dataclass
+class RegistryEntry:
+    """One entry a job wrote into an endpoint registry: what ``cancel`` and the job's end remove again."""
+
+    job_id: str
+    transport: str
+    #: the real path of the registry file that was written
+    registry: str
+    format: str
+    alias: str
+    url: str
+    #: ``update-endpoint --keep-after-end`` / ``cancel --keep-endpoint``: leave it when the job ends
+    keep: bool = False
+    written: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
@@ -242,9 +275,9 @@ class JobStore:
         if cols and "spec" not in cols:
             _migrate_spec(conn)
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        if not cols and tables - {"intents", "counters", "sqlite_sequence"}:
+        if not cols and tables - {"intents", "counters", "endpoints", "sqlite_sequence"}:
             return f"not a pbstk job store (tables {', '.join(sorted(tables))})"
-        if version < SCHEMA_VERSION or not {"jobs", "intents", "counters"} <= tables:
+        if version < SCHEMA_VERSION or not {"jobs", "intents", "counters", "endpoints"} <= tables:  # 2 -> 3 too
             self._create(conn)
         return None
 
@@ -306,9 +339,10 @@ class JobStore:
             raise StoreError(f"job {record.job_id} could not be recorded: {exc}") from None
 
     def set_final_state(self, record: JobRecord, state: str, **extra: Any) -> None:
-        """Record the final state (and ``extra`` values such as the reason) in one transaction."""
+        """Record the final state (and ``extra`` values such as the reason, and when) in one transaction."""
         record.final_state = state
         record.extra.update(extra)
+        record.extra.setdefault(FINAL_AT_KEY, time.time())
         with self._connect() as conn:
             conn.execute("UPDATE jobs SET final_state = ?, extra = ? WHERE job_id = ? AND transport = ?",
                          (state, json.dumps(record.extra), record.job_id, record.transport))
@@ -360,8 +394,50 @@ class JobStore:
         raise JobNotFound(f"unknown job {ref!r}: `pbstk jobs` lists the jobs pbstk knows")
 
     def remove(self, record: JobRecord) -> None:
+        """Forget the job and the registry entries it recorded (the entries themselves are not touched)."""
         with self._connect() as conn:
             conn.execute("DELETE FROM jobs WHERE job_id = ? AND transport = ?", (record.job_id, record.transport))
+            conn.execute("DELETE FROM endpoints WHERE job_id = ? AND transport = ?", (record.job_id, record.transport))
+
+    # -- registry entries written by jobs -----------------------------------------------------------------
+
+    def add_registry_entry(self, entry: RegistryEntry) -> None:
+        """Record (or re-record: same job, registry and alias) an entry ``update-endpoint`` wrote."""
+        with self._connect() as conn:
+            conn.execute("INSERT OR REPLACE INTO endpoints (transport, job_id, registry, format, alias, url, keep, "
+                         "written) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                         (entry.transport, entry.job_id, entry.registry, entry.format, entry.alias, entry.url,
+                          int(entry.keep), entry.written))
+
+    def registry_entries(self, record: JobRecord | None = None) -> list[RegistryEntry]:
+        """The entries ``record`` wrote (``None``: every job's), oldest first."""
+        query = "SELECT transport, job_id, registry, format, alias, url, keep, written FROM endpoints"
+        args: tuple[str, ...] = ()
+        if record is not None:
+            query, args = query + " WHERE job_id = ? AND transport = ?", (record.job_id, record.transport)
+        if not self.path.exists():
+            return []
+        with self._connect() as conn:
+            rows = conn.execute(query + " ORDER BY written", args).fetchall()
+        return [RegistryEntry(job_id=r["job_id"], transport=r["transport"], registry=r["registry"],
+                              format=r["format"], alias=r["alias"], url=r["url"], keep=bool(r["keep"]),
+                              written=float(r["written"])) for r in rows]
+
+    def forget_registry_entry(self, entry: RegistryEntry) -> None:
+        with self._connect() as conn:
+            conn.execute("DELETE FROM endpoints WHERE transport = ? AND job_id = ? AND registry = ? AND alias = ?",
+                         (entry.transport, entry.job_id, entry.registry, entry.alias))
+
+    def forget_alias(self, registry: str, alias: str) -> None:
+        """Every job's record of ``alias`` in ``registry`` (the user removed the entry by hand)."""
+        with self._connect() as conn:
+            conn.execute("DELETE FROM endpoints WHERE registry = ? AND alias = ?", (registry, alias))
+
+    def keep_registry_entries(self, record: JobRecord) -> None:
+        """Mark every entry of ``record`` as kept after its end (``cancel --keep-endpoint``)."""
+        with self._connect() as conn:
+            conn.execute("UPDATE endpoints SET keep = 1 WHERE job_id = ? AND transport = ?",
+                         (record.job_id, record.transport))
 
     def next_id(self, scheduler: str) -> int:
         """A number this store never handed out before for ``scheduler``: ids for backends that number their own
@@ -607,6 +683,28 @@ def log_run_dir(state_dir: Path, run_dir: str) -> None:
             os.close(fd)
     except OSError as exc:
         raise StoreError(f"cannot write {state_dir / 'run_dirs.log'}: {exc.strerror or exc}") from None
+
+
+def forget_run_dirs(state_dir: Path, removed: set[str]) -> None:
+    """Drop removed run directories from ``run_dirs.log`` (``pbstk clean``), so it does not grow forever either.
+
+    Rewritten to a temp file and renamed over the log; a launch appending meanwhile may lose its line, which
+    only matters if the store is lost too (its job is then not re-adopted). Best effort: errors are ignored."""
+    import contextlib
+
+    log = state_dir / "run_dirs.log"
+    with contextlib.suppress(OSError):
+        lines = log.read_bytes().decode("utf-8", "replace").splitlines()
+        kept = [line for line in lines if line not in removed]
+        if len(kept) == len(lines):
+            return
+        tmp = log.with_name(f".run_dirs.log.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, "".join(line + "\n" for line in kept).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, log)
 
 
 def _logged_run_dirs(state_dir: Path) -> list[str]:

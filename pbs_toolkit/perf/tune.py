@@ -327,15 +327,23 @@ def load_result(path: str) -> TuneReport:
         raise UsageError(f"{path}: not a tune result: bad field {exc}") from exc
 
 
-def plot(doc: TuneReport, out: str) -> str:
-    """A grouped bar chart of output tokens/s per preset and concurrency (needs matplotlib)."""
+def require_matplotlib() -> None:
+    """Refuse ``--png`` before anything is launched when matplotlib cannot be imported: a chart that fails only
+    after an hour of tuning wastes the hour's allocation."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot  # noqa: F401
     except ImportError:
         raise UsageError("--png needs matplotlib: pip install 'pbs-toolkit[plot]'") from None
+
+
+def plot(doc: TuneReport, out: str) -> str:
+    """A grouped bar chart of output tokens/s per preset and concurrency (needs matplotlib)."""
+    require_matplotlib()
+    import matplotlib.pyplot as plt
+
     runs = doc.runs
     concurrencies = doc.concurrencies
     width = 0.8 / max(1, len(runs))

@@ -1,0 +1,106 @@
+"""Take a job's registry entries out again: on ``cancel``, when the job is first seen ended, and on request.
+
+``update-endpoint`` records every entry it writes in the job store (``RegistryEntry``: registry, format,
+alias, URL). A dead URL left in ``endpoints.py`` makes the next evaluation fail with a connection error far from
+its cause, so those entries are removed when the job ends, unless the user asked to keep them
+(``--keep-after-end``, ``cancel --keep-endpoint``). An entry is only removed while it still holds this job's
+URL: an alias that the user or a newer job re-pointed is left alone, and the user is told. A registry that is
+gone is nothing to do; one that cannot be written is one warning line, never a failed command.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pbs_toolkit.errors import RegistryError
+from pbs_toolkit.jobs.store import JobRecord, JobStore, RegistryEntry
+from pbs_toolkit.schema import stamp
+
+#: what happened to one entry
+REMOVED, ABSENT, REPOINTED, FAILED = "removed", "absent", "re-pointed", "failed"
+
+
+@dataclass(frozen=True)
+class Removal:
+    """The outcome for one registry entry (``to_dict`` for ``--json``)."""
+
+    registry: str
+    alias: str
+    outcome: str
+    url: str | None = None
+    job_id: str | None = None
+    #: the URL the alias points to now (re-pointed), or why the removal failed
+    detail: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return stamp("removal", asdict(self))
+
+    def message(self) -> str | None:
+        """The line to show on stderr (``None``: nothing worth saying)."""
+        job = f" (job {self.job_id})" if self.job_id else ""
+        if self.outcome == REMOVED:
+            return f"pbstk: note: removed {self.alias!r} -> {self.url} from {self.registry}{job}"
+        if self.outcome == REPOINTED:
+            return (f"pbstk: note: left {self.alias!r} in {self.registry}: it now points to {self.detail}, "
+                    f"not to {self.url}{job}")
+        if self.outcome == FAILED:
+            return (f"pbstk: warning: could not remove {self.alias!r} from {self.registry}: {self.detail}; "
+                    f"remove it with `pbstk update-endpoint --remove {self.alias} --registry {self.registry}`")
+        return None
+
+
+def print_removal(removal: Removal) -> None:
+    """The default way a ``Client`` tells about removals: one line on stderr."""
+    line = removal.message()
+    if line:
+        sys.stderr.write(line + "\n")
+
+
+def retire_entry(entry: RegistryEntry) -> Removal:
+    """Remove ``entry`` from its registry if it still holds the recorded URL. Never raises ``RegistryError``.
+
+    One locked read-check-remove: the file is parsed once for the check (a 4 MB ``endpoints.py`` in about as
+    long as a write takes), never read beforehand without the lock."""
+    import os
+
+    from pbs_toolkit.endpoints.registry import remove_entry
+
+    def outcome(kind: str, detail: str | None = None) -> Removal:
+        return Removal(entry.registry, entry.alias, kind, entry.url, entry.job_id, detail)
+
+    if not os.path.lexists(entry.registry):
+        return outcome(ABSENT)  # the registry (or its directory) is gone: nothing left to clean
+    try:
+        # the recorded path is the real file that was written: no symlink left to follow; the format is the one
+        # that was used, even where it disagreed with the suffix (--force-format then)
+        removed, current = remove_entry(entry.registry, entry.alias, entry.format, force_format=True,
+                                        only_url=entry.url)
+    except RegistryError as exc:
+        return outcome(FAILED, exc.message)
+    except OSError as exc:
+        return outcome(FAILED, exc.strerror or str(exc))
+    if removed:
+        return outcome(REMOVED)
+    return outcome(ABSENT) if current is None else outcome(REPOINTED, current.url)
+
+
+def retire(store: JobStore, record: JobRecord, *, include_kept: bool = False,
+           entries: list[RegistryEntry] | None = None,
+           notice: Callable[[Removal], None] | None = None) -> list[Removal]:
+    """Remove the entries ``record`` wrote (``entries``: those already read from the store) and forget them.
+
+    Kept entries are skipped unless ``include_kept`` (an explicit ``update-endpoint --remove JOB``). Every entry
+    is forgotten once handled, a failed one too: its warning says how to remove it by hand."""
+    out = []
+    for entry in store.registry_entries(record) if entries is None else entries:
+        if entry.keep and not include_kept:
+            continue
+        removal = retire_entry(entry)
+        store.forget_registry_entry(entry)
+        if notice is not None:
+            notice(removal)
+        out.append(removal)
+    return out

@@ -1,0 +1,161 @@
+"""``pbstk clean``: remove the run directories and job records of jobs that ended a while ago.
+
+Run directories (logs, scripts, the local scheduler's spool) and job records otherwise only grow. Only a job the
+store records as ended (``final_state``) is ever cleaned; a running, queued or UNKNOWN job never is. A run
+directory is deleted only when, checked on the side that holds it (this machine or the login node, through the
+runner, in one ``sh`` call whose values are arguments, never spliced into the script):
+
+* it is a real directory, not a symlink, directly inside the runs root of the job's profile (compared by
+  physical path, so a symlinked runs root is fine but a run directory leading elsewhere is not);
+* it holds pbstk's markers as regular files: ``pbstk-job.json`` and ``job_id`` naming this very job.
+
+``rm -rf`` never follows symlinks inside the directory. A directory that fails a check is left, with the reason,
+and so is its record (so a later ``clean`` can say it again); one already gone just loses its record.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pbs_toolkit.errors import PbstkError, UsageError
+from pbs_toolkit.jobs.store import FINAL_AT_KEY, JOB_ID_MARKER, RECORD_MARKER, JobRecord
+from pbs_toolkit.schema import stamp
+from pbs_toolkit.transports import Runner
+
+#: ``--older-than`` units
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+DEFAULT_OLDER_THAN = "7d"
+
+# $1 run dir, $2 runs root, $3 job id, $4 1 = only check. Prints one word (and a reason), exit 0 / 3.
+_CHECK_AND_REMOVE = r"""
+d=$1; r=$2
+if [ ! -e "$d" ] && [ ! -L "$d" ]; then echo gone; exit 0; fi
+if [ -L "$d" ] || [ ! -d "$d" ]; then echo "skip: not a directory (or a symlink)"; exit 3; fi
+p=$(cd -P -- "$d/.." 2>/dev/null && pwd) || { echo "skip: cannot resolve its parent"; exit 3; }
+q=$(cd -P -- "$r" 2>/dev/null && pwd) || { echo "skip: the runs root $r does not exist"; exit 3; }
+if [ "$p" != "$q" ]; then echo "skip: not directly inside the runs root $r"; exit 3; fi
+for m in "$5" "$6"; do
+  if [ -L "$d/$m" ] || [ ! -f "$d/$m" ]; then echo "skip: no pbstk marker $m in it"; exit 3; fi
+done
+if [ "$(cat -- "$d/$6")" != "$3" ]; then echo "skip: its $6 marker names another job"; exit 3; fi
+if [ "$4" = 1 ]; then echo ok; exit 0; fi
+rm -rf -- "$d" && echo removed
+"""
+
+
+def parse_duration(text: str) -> float:
+    """``30m``, ``12h``, ``7d``, ``2w``, ``90s`` (or ``0``) -> seconds; anything else is a ``UsageError``."""
+    text = text.strip()
+    if text == "0":
+        return 0.0
+    match = _DURATION.match(text)
+    if not match:
+        raise UsageError(f"--older-than {text!r}: use a number and a unit, e.g. 30m, 12h, 7d, 2w (or 0)")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+@dataclass
+class CleanItem:
+    """One ended job old enough to clean and what became of it: ``removed``, ``would remove`` or ``skipped``."""
+
+    job_id: str
+    name: str
+    transport: str
+    state: str
+    run_dir: str
+    #: seconds since it ended (since its launch for records that predate the recorded end)
+    age_s: float
+    action: str
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class CleanReport:
+    older_than_s: float
+    dry_run: bool
+    items: list[CleanItem] = field(default_factory=list)
+    #: jobs left alone because they have not ended (running, queued, UNKNOWN) or ended too recently
+    active: int = 0
+    recent: int = 0
+    #: problems that kept a whole group of jobs out (a scheduler or login node that did not answer)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return stamp("clean_report", {
+            "older_than_s": self.older_than_s, "dry_run": self.dry_run, "active": self.active,
+            "recent": self.recent, "warnings": self.warnings, "items": [i.to_dict() for i in self.items]})
+
+
+def ended_at(record: JobRecord) -> float:
+    value = record.extra.get(FINAL_AT_KEY)
+    return float(value) if isinstance(value, (int, float)) else record.created
+
+
+def select(records: Sequence[JobRecord], older_than_s: float, now: float | None = None
+           ) -> tuple[list[JobRecord], int, int]:
+    """(ended jobs old enough to clean, how many have not ended, how many ended too recently)."""
+    now = time.time() if now is None else now
+    old = [r for r in records if r.final_state and now - ended_at(r) >= older_than_s]
+    active = sum(1 for r in records if not r.final_state)
+    return old, active, len(records) - len(old) - active
+
+
+def runs_root(record: JobRecord, runner: Runner) -> str:
+    """The runs root of the job's profile under the current settings, expanded where the directory lives."""
+    from pbs_toolkit.jobs.render import RenderRequest, resolve_profile
+
+    profile = resolve_profile(RenderRequest(model=record.model, profile=record.profile))[0]
+    return runner.expanduser(profile.runs_root).rstrip("/") or "/"
+
+
+def clean_run_dir(runner: Runner, record: JobRecord, root: str, dry_run: bool) -> tuple[str, str]:
+    """Check (and unless ``dry_run`` remove) the run directory: ``(word, reason)`` with word one of ``gone``,
+    ``ok`` (dry run), ``removed``, ``skip``."""
+    run_dir = record.run_dir
+    if not run_dir.startswith("/") or "/../" in f"{run_dir}/" or "/./" in f"{run_dir}/" or run_dir.rstrip("/") == "":
+        return "skip", "not an absolute, normalised path"
+    result = runner.run(["sh", "-c", _CHECK_AND_REMOVE, "pbstk-clean", run_dir.rstrip("/"), root, record.job_id,
+                         "1" if dry_run else "0", RECORD_MARKER, JOB_ID_MARKER], timeout=300)
+    word, _, reason = result.stdout.strip().partition(": ")
+    if result.rc == 0 and word in ("gone", "ok", "removed"):
+        return word, ""
+    if word == "skip":
+        return "skip", reason
+    return "skip", f"the check failed (exit {result.rc}): {(result.stderr or result.stdout).strip()[:200]}"
+
+
+def clean_one(runner: Runner, record: JobRecord, dry_run: bool, now: float,
+              roots: dict[tuple[str, str], str | PbstkError] | None = None) -> CleanItem:
+    """Clean one ended job's run directory; the caller forgets the record when ``action`` is ``removed``.
+    ``roots``: runs roots already resolved, by (transport, profile), shared between calls."""
+    item = CleanItem(record.job_id, record.name, record.transport, record.final_state or "", record.run_dir,
+                     round(now - ended_at(record), 1), "skipped")
+    roots = {} if roots is None else roots
+    key = (record.transport, record.profile)
+    if key not in roots:
+        try:
+            roots[key] = runs_root(record, runner)
+        except PbstkError as exc:
+            roots[key] = exc
+    root = roots[key]
+    if isinstance(root, PbstkError):
+        item.detail = f"cannot tell the runs root of profile {record.profile!r}: {root.message}"
+        return item
+    word, reason = clean_run_dir(runner, record, root, dry_run)
+    if word == "skip":
+        item.detail = reason
+    elif dry_run:
+        item.action = "would remove"
+        item.detail = "run directory already gone" if word == "gone" else ""
+    else:
+        item.action = "removed"
+        item.detail = "run directory already gone" if word == "gone" else ""
+    return item
