@@ -112,6 +112,24 @@ def test_launch_wait_prints_the_id_at_once_and_ctrl_c_leaves_the_job_queued(
     assert status_of(job)["state"] == "PENDING"
 
 
+def test_update_endpoint_ctrl_c_names_the_same_registration_and_leaves_the_job(
+        pbs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKEPBS_QUEUE_DELAY", "120")
+    job = pbstk(*LAUNCH, "--name", "reg").stdout.split()[1]
+    registry = tmp_path / "my endpoints.py"
+    proc = pbstk_process("update-endpoint", job, "--registry", str(registry), "--alias", "m1")
+    try:
+        wait_for(lambda: "qstat" in (pbs / "calls.log").read_text(), what="the wait's first qstat")
+        time.sleep(0.5)
+    finally:
+        _, err = interrupt(proc)
+    assert proc.returncode == 130, err
+    lines = err.splitlines()
+    assert f"  pbstk update-endpoint {job} --registry '{registry}' --alias m1" in lines, err
+    assert f"  pbstk cancel {job}" in lines and "Traceback" not in err
+    assert not registry.exists() and fake_state(pbs, job) == "Q"
+
+
 def test_wait_ctrl_c_names_the_commands_and_leaves_the_job(pbs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKEPBS_QUEUE_DELAY", "120")
     result = pbstk(*LAUNCH, "--name", "later")

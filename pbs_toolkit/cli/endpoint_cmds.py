@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
+
 import click
 
 from pbs_toolkit.cli.complete import complete_job
 from pbs_toolkit.cli.job_cmds import progress_printer
 from pbs_toolkit.cli.options import LOCAL_PORT, SECONDS, SECONDS_OR_ZERO, echo_json
+from pbs_toolkit.cli.progress import interrupt_hint
 
 
 @click.command("update-endpoint")
@@ -43,7 +46,12 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
         return
     with Client() as c:  # one connection (one MFA prompt) waits, forwards and registers
         record = c.record(job)
-        with progress_printer(as_json) as show:
+        resume = shlex.join(["pbstk", "update-endpoint", record.job_id,  # the same registration, picked up again
+                             *(["--registry", registry] if registry else []), *(["--alias", alias] if alias else []),
+                             *(["--format", fmt] if fmt != "auto" else []),
+                             *(["--keep-after-end"] if keep_after_end else []),
+                             *(["--via-tunnel"] if via_tunnel else [])])
+        with interrupt_hint(record.job_id, resume), progress_printer(as_json) as show:
             result = c.update_endpoint(record, registry, fmt=fmt, alias=alias, timeout=timeout,
                                        follow_symlink=follow_symlink, force_format=force_format,
                                        via_tunnel=via_tunnel, local_port=local_port, on_progress=show,

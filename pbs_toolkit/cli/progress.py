@@ -128,13 +128,15 @@ def _is_tty(stream: TextIO) -> bool:
 
 
 @contextmanager
-def interrupt_hint(job_id: str) -> Iterator[None]:
-    """Ctrl-C while waiting stops the wait, never the job: say so, and how to come back to it (exit 130)."""
+def interrupt_hint(job_id: str, resume: str | None = None) -> Iterator[None]:
+    """Ctrl-C while waiting stops the wait, never the job: say so, and how to come back to it (exit 130).
+
+    ``resume``: the command that picks up where this one stopped (default ``pbstk wait JOB``)."""
     try:
         yield
     except KeyboardInterrupt:
         click.echo(f"pbstk: interrupted; job {job_id} was left as it is (nothing was cancelled). "
                    "Resume waiting, or stop it, with:", err=True)
-        click.echo(f"  pbstk wait {job_id}", err=True)
+        click.echo(f"  {resume or 'pbstk wait ' + job_id}", err=True)
         click.echo(f"  pbstk cancel {job_id}", err=True)
         raise click.exceptions.Exit(130) from None
