@@ -45,9 +45,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from pbs_toolkit.cli import endpoint_cmds, job_cmds, observe_cmds, render_cmds
+    from pbs_toolkit.cli import endpoint_cmds, job_cmds, observe_cmds, render_cmds, ssh_cmds
 
-    for module in (render_cmds, job_cmds, endpoint_cmds, observe_cmds):
+    for module in (render_cmds, job_cmds, endpoint_cmds, observe_cmds, ssh_cmds):
         for command in module.COMMANDS:
             cli.add_command(command)
 

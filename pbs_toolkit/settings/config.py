@@ -127,7 +127,7 @@ def _checked_top_level(cfg: dict[str, Any], source: str) -> dict[str, Any]:
 
     The ``profiles`` and ``default_presets`` mappings pass through unchanged; they are checked on their own.
     """
-    known = set(ENV_VARS) | {"profiles", "default_presets"}
+    known = set(ENV_VARS) | {"profiles", "default_presets", "ssh_persist"}  # ssh_persist: transports.ssh_mux
     for key in cfg:
         if key not in known:
             raise ConfigError(f"{source}: unknown key {key!r} (known: {', '.join(sorted(known))})")

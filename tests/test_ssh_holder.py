@@ -1,0 +1,298 @@
+"""One SSH login per working session: the connection holder, against a real sshd on loopback.
+
+sshd here accepts public keys only (keyboard-interactive needs PAM, which a container's sshd does not have), so
+logins are counted from sshd's own log (``LogLevel VERBOSE``: one "Accepted publickey" per authentication).
+Every test stops the holders it started (fixture teardown) and waits for their processes to be gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import MODEL, launched_id, pbstk, until
+from sshd import SshdInfo, start_sshd
+
+from pbs_toolkit.jobs.store import JobStore
+from pbs_toolkit.transports import ssh_mux
+
+pytestmark = pytest.mark.ssh
+
+PBS = ["--preset", "dp4", "--profile", "generic-pbspro", "--port", "auto"]
+
+
+def logins(info: SshdInfo) -> int:
+    return info.log.read_text(errors="replace").count("Accepted publickey")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by init) counts as gone
+    status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    return status[0] != "Z"
+
+
+def _holder_pids() -> list[int]:
+    return [h.pid for h in ssh_mux.holders()]
+
+
+@pytest.fixture
+def sockets(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A short private socket dir (pytest's tmp paths can exceed a Unix socket path's 108 bytes), holders on;
+    at the end every holder in it is closed (SIGKILL if it does not go) and the dir removed."""
+    directory = Path(tempfile.mkdtemp(prefix="pbstk-t-"))
+    monkeypatch.setenv("PBSTK_SSH_SOCKET_DIR", str(directory))
+    monkeypatch.setenv("PBSTK_SSH_PERSIST", "120")
+    pids: list[int] = []
+    yield directory
+    try:
+        for holder in ssh_mux.holders():
+            pids.append(holder.pid)
+            ssh_mux.close_holder(holder)
+        for pid in pids:
+            until(lambda pid=pid: not _alive(pid), 10, f"holder {pid} to exit")  # type: ignore[misc]
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def login(fakepbs: Path, standins: Path, tmp_path: Path, sockets: Path,
+          monkeypatch: pytest.MonkeyPatch) -> Iterator[SshdInfo]:
+    """An sshd whose sessions find the fake PBS and the stand-ins; the client side points at it."""
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    monkeypatch.setenv("FAKEPBS_QUEUE_DELAY", "60")  # jobs stay queued: status is one qstat per call
+    passed = {k: v for k, v in os.environ.items() if k.startswith(("FAKEPBS_", "PBSTK_TEST_"))}
+    with start_sshd(tmp_path / "login", passed) as info:
+        monkeypatch.setenv("PBSTK_SSH_CONFIG", str(info.ssh_config))
+        monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(info.known_hosts))
+        yield info
+
+
+def _launch(name: str, *extra: str) -> str:
+    return launched_id(pbstk("launch", MODEL, "--ssh", "pbstk-test", "--name", name, *PBS, *extra))
+
+
+def _ok(*args: str) -> str:
+    result = pbstk(*args)
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    return result.stdout
+
+
+def test_twenty_commands_one_login(login: SshdInfo) -> None:
+    job = _launch("held")
+    run_dir = Path(JobStore().find(job).run_dir)  # the "login node" is this machine: write the log it would have
+    (run_dir / "vllm.log").write_text("".join(f"INFO line {n}\n" for n in range(10)))
+    for i in range(20):
+        if i % 2:
+            assert _ok("logs", job, "-n", "2").splitlines() == ["INFO line 8", "INFO line 9"]  # over SFTP
+        else:
+            assert json.loads(_ok("status", "--json"))[0]["state"] == "PENDING"
+    assert logins(login) == 1  # launch and 20 commands: one authentication
+    [holder] = list(ssh_mux.holders())
+    assert holder.host == "pbstk-test" and holder.destination.endswith(f"@127.0.0.1:{login.port}")
+
+
+def test_socket_is_private(login: SshdInfo, sockets: Path) -> None:
+    _launch("private")
+    [holder] = list(ssh_mux.holders())
+    path = Path(holder.socket)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(sockets).st_mode) == 0o700
+    assert os.stat(path).st_uid == os.getuid()
+
+    if os.getuid() != 0:
+        pytest.skip("another uid can be tried only as root")
+    # defence in depth: even with the directory and socket opened up, another user gets no answer
+    os.chmod(sockets, 0o711)
+    os.chmod(path, 0o666)
+    assert _answer_as(65534, path) == b""  # connected, then closed without a word
+    assert _ok("status", "--json")  # we still are served
+
+
+def _answer_as(uid: int, path: Path) -> bytes:
+    """What the holder at ``path`` answers an ``info`` request from a process running as ``uid`` (a forked
+    child: it only connects, sends, reads and exits)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 1
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.settimeout(5)
+                sock.connect(str(path))
+                sock.sendall(b'{"op": "info"}\n')
+                try:
+                    answer = sock.recv(100)
+                except ConnectionResetError:  # closed with our request unread
+                    answer = b""
+                os.write(write_fd, b"answer:" + answer)
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            os.write(write_fd, f"child failed: {exc!r}".encode())
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read_fd, "rb") as fh:
+        data = fh.read()
+    assert os.waitstatus_to_exitcode(status) == 0 and data.startswith(b"answer:"), data
+    return data.removeprefix(b"answer:")
+
+
+def test_idle_timeout_ends_the_holder(login: SshdInfo, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBSTK_SSH_PERSIST", "1")
+    _launch("idle")
+    [pid] = _holder_pids()
+    until(lambda: not _alive(pid), 10, "the idle holder to exit")
+    assert _holder_pids() == [] and not list(Path(os.environ["PBSTK_SSH_SOCKET_DIR"]).glob("*.sock"))
+    _ok("status")  # the next command logs in again
+    assert logins(login) == 2
+
+
+def test_ssh_status_and_close(login: SshdInfo) -> None:
+    assert _ok("ssh", "status").strip() == "no SSH connection held"
+    _launch("closing")
+    [entry] = json.loads(_ok("ssh", "status", "--json"))
+    assert entry["host"] == "pbstk-test" and entry["persist"] == 120
+    assert set(entry) >= {"destination", "pid", "since", "idle", "socket"}
+    assert "pbstk-test" in _ok("ssh", "status")
+
+    result = pbstk("ssh", "close", "elsewhere")
+    assert result.exit_code == 4 and result.stderr.startswith("pbstk: error: no SSH connection held for elsewhere")
+    assert f"pid {entry['pid']}" in _ok("ssh", "close", "pbstk-test")
+    until(lambda: not _alive(entry["pid"]), 10, "the closed holder to exit")
+    assert json.loads(_ok("ssh", "status", "--json")) == []
+
+
+def test_killed_holder_means_one_more_login(login: SshdInfo) -> None:
+    _launch("killed")
+    [pid] = _holder_pids()
+    os.kill(pid, signal.SIGKILL)
+    until(lambda: not _alive(pid), 10, "the killed holder to be gone")
+    result = pbstk("status", "--json")
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    assert "logging in to pbstk-test again" in result.stderr
+    assert logins(login) == 2
+    _ok("status")
+    assert logins(login) == 2
+
+
+def test_dropped_connection_means_one_more_login(login: SshdInfo) -> None:
+    """sshd ends the held session (its per-connection process killed): the holder exits, the next command
+    logs in again with a note, no traceback."""
+    _launch("dropped")
+    [pid] = _holder_pids()
+    sessions = subprocess.run(["pgrep", "-f", f"sshd: {login.user}"], capture_output=True, text=True,  # noqa: S603,S607
+                              check=False).stdout.split()
+    mine = [int(p) for p in sessions if _parent_chain_has(int(p), _sshd_pid(login))]
+    assert mine, "no sshd session process found"
+    for session in mine:
+        os.kill(session, signal.SIGTERM)
+    until(lambda: not _alive(pid), 15, "the holder to notice the drop")
+    result = pbstk("status", "--json")
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    assert logins(login) == 2
+
+
+def _sshd_pid(info: SshdInfo) -> int:
+    return int((info.directory / "sshd.pid").read_text().strip())
+
+
+def _parent_chain_has(pid: int, ancestor: int) -> bool:
+    for _ in range(10):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+        except OSError:
+            return False
+        pid = int(fields[1])
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
+def test_host_key_still_verified(login: SshdInfo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    known = tmp_path / "empty_known_hosts"
+    known.write_text("")
+    monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(known))
+    result = pbstk("launch", MODEL, "--ssh", "pbstk-test", "--name", "stranger", *PBS)
+    assert result.exit_code == 4, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not known" in lines[0] and "--accept-new-host-key" in lines[0], result.stderr
+    assert known.read_text() == "" and _holder_pids() == []  # nothing held, nothing written
+
+    _launch("stranger", "--accept-new-host-key")
+    assert "[127.0.0.1]:" in known.read_text()
+    assert len(_holder_pids()) == 1
+
+
+def test_persist_zero_connects_per_command(login: SshdInfo, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBSTK_SSH_PERSIST", "0")
+    _launch("direct")
+    for _ in range(3):
+        _ok("status")
+    assert logins(login) == 4 and _holder_pids() == []
+
+
+def test_tcp_through_the_holder(login: SshdInfo) -> None:
+    """``open_connection`` (tunnels, /health) is a direct-tcpip channel relayed by the holder."""
+    from pbs_toolkit.transports.ssh import SSHRunner
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+        runner = SSHRunner("pbstk-test")
+        try:
+            stream = runner.open_connection("127.0.0.1", port)
+            conn, _ = server.accept()
+            with conn, stream:
+                stream.sendall(b"ping")
+                stream.shutdown(socket.SHUT_WR)
+                assert conn.recv(10) == b"ping" and conn.recv(10) == b""  # half-close passed on
+                conn.sendall(b"pong")
+                conn.shutdown(socket.SHUT_WR)
+                assert stream.recv(10) == b"pong"
+            with pytest.raises(ConnectionRefusedError):
+                runner.open_connection("127.0.0.1", _closed_port())
+            assert runner.run(["sh", "-c", "cat; echo err >&2; exit 3"], stdin="in\n").__dict__ == {
+                "rc": 3, "stdout": "in\n", "stderr": "err\n"}
+            runner.write_bytes(str(login.directory / "w.txt"), b"abc")
+            assert runner.read_bytes(str(login.directory / "w.txt"), 1) == b"bc"
+        finally:
+            runner.close()
+    assert logins(login) == 1
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_bad_persist_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBSTK_SSH_PERSIST", "soon")
+    from pbs_toolkit.transports.ssh import SSHRunner
+
+    with pytest.raises(Exception, match="PBSTK_SSH_PERSIST: bad value 'soon'"):
+        SSHRunner("somewhere").run(["true"])
