@@ -7,6 +7,7 @@ Every test stops the holders it started (fixture teardown) and waits for their p
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -14,20 +15,26 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import test_ssh_transport as transport_tests
 from helpers import MODEL, launched_id, pbstk, until
 from sshd import SshdInfo, start_sshd
+from test_logs import Follower, _append
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.transports import ssh_mux
+from pbs_toolkit.transports.ssh import SSHRunner
 
 pytestmark = pytest.mark.ssh
 
 PBS = ["--preset", "dp4", "--profile", "generic-pbspro", "--port", "auto"]
+login_node = transport_tests.login_node  # fixtures shared with the transport tests
+http_port = transport_tests.http_port
 
 
 def logins(info: SshdInfo) -> int:
@@ -256,8 +263,6 @@ def test_persist_zero_connects_per_command(login: SshdInfo, monkeypatch: pytest.
 
 def test_tcp_through_the_holder(login: SshdInfo) -> None:
     """``open_connection`` (tunnels, /health) is a direct-tcpip channel relayed by the holder."""
-    from pbs_toolkit.transports.ssh import SSHRunner
-
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
@@ -292,7 +297,123 @@ def _closed_port() -> int:
 
 def test_bad_persist_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PBSTK_SSH_PERSIST", "soon")
-    from pbs_toolkit.transports.ssh import SSHRunner
-
     with pytest.raises(Exception, match="PBSTK_SSH_PERSIST: bad value 'soon'"):
         SSHRunner("somewhere").run(["true"])
+
+
+# -- the Runner interface through a holder: the transport tests' checks, held ----------------------------------
+
+
+@pytest.fixture
+def held_runner(sshd_server: SshdInfo, sockets: Path) -> Iterator[SSHRunner]:
+    with SSHRunner(sshd_server.alias, config_path=sshd_server.ssh_config,
+                   known_hosts_path=sshd_server.known_hosts) as runner:
+        assert isinstance(runner, SSHRunner)
+        yield runner
+        assert runner._client is None  # nothing went around the holder
+
+
+@pytest.mark.parametrize("check", [
+    transport_tests.test_run_returns_rc_stdout_stderr, transport_tests.test_hostile_arguments_arrive_literally,
+    transport_tests.test_missing_command_gives_127, transport_tests.test_large_output_on_both_streams,
+    transport_tests.test_timeout_raises, transport_tests.test_files,
+    transport_tests.test_http_get_through_open_connection, transport_tests.test_refused_port_raises_connection_refused,
+], ids=lambda check: check.__name__.removeprefix("test_"))
+def test_runner_behaviour_through_the_holder(check: Callable[..., None], held_runner: SSHRunner, tmp_path: Path,
+                                             http_port: int) -> None:
+    available = {"runner": held_runner, "tmp_path": tmp_path, "http_port": http_port}
+    check(**{name: available[name] for name in inspect.signature(check).parameters})
+    assert len(_holder_pids()) == 1
+
+
+def test_follow_through_the_holder_drains_a_rotated_file_and_survives_a_killed_holder(
+        held_runner: SSHRunner, tmp_path: Path) -> None:
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"old\n")
+    f = Follower(held_runner, path)
+    f.wait_for("old")
+    _append(path, b"old 2, written just before the rotation\n")
+    os.rename(path, tmp_path / "vllm.log.1")
+    path.write_bytes(b"new file, first line, longer than the old one\nnew 2\n")
+    f.wait_for("new 2")
+    [pid] = _holder_pids()
+    os.kill(pid, signal.SIGKILL)  # the held login is lost under the follower: one new login, same lines
+    until(lambda: not _alive(pid), 10, "the killed holder to be gone")
+    _append(path, b"after the kill\n")
+    f.wait_for("after the kill", timeout=20)
+    f.stop()
+    assert f.error is None
+    assert f.lines == ["old", "old 2, written just before the rotation",
+                       "new file, first line, longer than the old one", "new 2", "after the kill"]
+
+
+# -- keyboard-interactive MFA through a holder: asked once, on the terminal, then never again ------------------
+
+
+def _run_in_pty(argv: list[str], env: dict[str, str], answer: str | None, timeout: float = 30.0) -> str:
+    """Run ``argv`` on a new pseudo-terminal (its controlling tty); type ``answer`` at the first prompt."""
+    import pty
+    import select
+    import time
+
+    pid, fd = pty.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.execve(argv[0], argv, env)
+        finally:
+            os._exit(127)
+    output = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                output += chunk
+                if answer is not None and b"code: " in output:
+                    os.write(fd, answer.encode() + b"\n")
+                    answer = None
+            elif os.waitpid(pid, os.WNOHANG)[0]:
+                pid = 0
+                break
+    finally:
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+        os.close(fd)
+    return output.decode(errors="replace").replace("\r\n", "\n")
+
+
+def test_mfa_passcode_is_asked_once_for_many_commands(login_node: SshdInfo, tmp_path: Path,
+                                                      sockets: Path) -> None:
+    server = transport_tests._MfaServer(tmp_path, login_node.user_key.with_suffix(".pub"))
+    try:
+        fields = (tmp_path / "mfa_host.pub").read_text().split()
+        known_hosts = tmp_path / "known_hosts"
+        known_hosts.write_text(f"[127.0.0.1]:{server.port} {fields[0]} {fields[1]}\n")
+        config = tmp_path / "config"
+        config.write_text(f"Host mfa\n    HostName 127.0.0.1\n    Port {server.port}\n    User {login_node.user}\n"
+                          f"    IdentityFile {login_node.user_key}\n    IdentitiesOnly yes\n")
+        env = {**os.environ, "PBSTK_SSH_CONFIG": str(config), "PBSTK_KNOWN_HOSTS": str(known_hosts),
+               "PYTHONPATH": str(Path(__file__).parent.parent)}
+        script = ("import sys; from pbs_toolkit.transports.ssh import SSHRunner;"
+                  "print('OUT', SSHRunner('mfa').run(['qstat', '-x']).stdout.strip())")
+        first = _run_in_pty([sys.executable, "-c", script], env, answer="123456")
+        assert "Verification code: " in first and "OUT ran: qstat -x" in first, first
+        for _ in range(5):  # no terminal now: a prompt would fail ("needs interactive authentication")
+            out = subprocess.run([sys.executable, "-c", script], env=env, stdin=subprocess.DEVNULL,  # noqa: S603
+                                 capture_output=True, text=True, timeout=30, check=False)
+            assert out.returncode == 0 and out.stdout.strip() == "OUT ran: qstat -x", out.stderr
+        assert len(server.transports) == 1  # one connection, one passcode
+    finally:
+        for holder in ssh_mux.holders():
+            ssh_mux.close_holder(holder)
+        server.close()
