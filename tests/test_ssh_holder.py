@@ -417,3 +417,20 @@ def test_mfa_passcode_is_asked_once_for_many_commands(login_node: SshdInfo, tmp_
         for holder in ssh_mux.holders():
             ssh_mux.close_holder(holder)
         server.close()
+
+
+def test_concurrent_first_commands_log_in_once(sshd_server: SshdInfo, sockets: Path) -> None:
+    """Commands started together with no holder yet: one starts it (one login), the others wait and use it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = logins(sshd_server)
+    runners = [SSHRunner(sshd_server.alias, config_path=sshd_server.ssh_config,
+                         known_hosts_path=sshd_server.known_hosts) for _ in range(4)]
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            outputs = list(pool.map(lambda r: r.run(["echo", "hi"]).stdout, runners))
+    finally:
+        for runner in runners:
+            runner.close()
+    assert outputs == ["hi\n"] * 4
+    assert logins(sshd_server) - before == 1 and len(_holder_pids()) == 1

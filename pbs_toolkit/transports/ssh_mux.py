@@ -25,8 +25,10 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -210,6 +212,7 @@ class MuxClient:
         self.path = socket_path(runner)
         #: holders this client started (each one is one authentication)
         self.started = 0
+        self._spawn_lock = threading.Lock()
 
     def _spawn(self, note: str | None) -> None:
         if note:
@@ -225,8 +228,14 @@ class MuxClient:
             return request(self.path, message, timeout)
         except HolderGone as exc:
             reason = str(exc)
-        existed = self.path.exists() or self.started
-        self._spawn(f"the held SSH connection is gone ({reason})" if existed else None)
+        # one login for all: threads of this process and other pbstk processes wait for the first one's holder
+        with self._spawn_lock, _file_lock(self.path.with_suffix(".lock")):
+            try:
+                return request(self.path, message, timeout)
+            except HolderGone:
+                pass
+            existed = self.path.exists() or self.started
+            self._spawn(f"the held SSH connection is gone ({reason})" if existed else None)
         try:
             return request(self.path, message, timeout)
         except HolderGone as exc:
@@ -285,6 +294,19 @@ class MuxClient:
         if code == "timeout":
             raise TimeoutError(text)
         raise TransportError(f"through {self.runner.host}: {text}")
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (0600, in the private socket dir) for the duration of the block."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def spawn_holder(runner: SSHRunner, path: Path, persist: float) -> None:
