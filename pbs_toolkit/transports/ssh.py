@@ -4,6 +4,10 @@ Login nodes of most sites ask for MFA on every new connection, so a runner opens
 lazily and reuses it for every exec channel, the SFTP session and ``direct-tcpip`` forwards. Only this
 module and :mod:`~pbs_toolkit.transports.ssh_auth` (host keys, authentication) import paramiko
 (``open_runner`` imports this one lazily), which keeps ``pbstk --help`` fast.
+
+Between commands the login is kept by a connection holder (:mod:`.ssh_holder`, reached through
+:mod:`.ssh_mux`) unless ``persist`` is 0: the runner then sends its exec, SFTP and ``direct-tcpip`` requests
+to the holder instead of opening a connection of its own, so a day of commands costs one MFA prompt.
 """
 
 from __future__ import annotations
