@@ -26,6 +26,7 @@ from helpers import MODEL, launched_id, pbstk, until
 from sshd import SshdInfo, start_sshd
 from test_logs import Follower, _append
 
+from pbs_toolkit.errors import TransportError
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.transports import ssh_mux
 from pbs_toolkit.transports.ssh import SSHRunner
@@ -434,3 +435,17 @@ def test_concurrent_first_commands_log_in_once(sshd_server: SshdInfo, sockets: P
             runner.close()
     assert outputs == ["hi\n"] * 4
     assert logins(sshd_server) - before == 1 and len(_holder_pids()) == 1
+
+
+def test_too_many_sessions_on_the_held_connection_is_one_clear_error(tmp_path: Path, sockets: Path) -> None:
+    """One connection carries every command's sessions; past sshd's MaxSessions the error says so."""
+    with start_sshd(tmp_path / "one-session", extra_config=["MaxSessions 1"]) as info:
+        with SSHRunner(info.alias, config_path=info.ssh_config, known_hosts_path=info.known_hosts) as runner:
+            assert runner.size(str(info.log)) is not None  # its SFTP session stays open: the one allowed
+            with pytest.raises(TransportError, match="MaxSessions"):
+                runner.run(["true"])
+            runner.close()  # the SFTP session ends: commands run again, on the same login
+            assert runner.run(["echo", "again"]).stdout == "again\n"
+        assert logins(info) == 1
+        for holder in ssh_mux.holders():
+            ssh_mux.close_holder(holder)

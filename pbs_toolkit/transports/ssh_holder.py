@@ -141,7 +141,7 @@ class Holder:
         if op == "exec":
             self._exec(conn, transport, str(message["command"]), message.get("stdin"))
         elif op == "sftp":
-            self._open_and_relay(conn, lambda: _sftp_channel(transport, self.runner.connect_timeout))
+            self._open_and_relay(conn, lambda: _sftp_channel(transport, self.runner.connect_timeout), session=True)
         elif op == "direct-tcpip":
             host, port = str(message["host"]), int(message["port"])
             timeout = float(message.get("timeout") or 5.0)
@@ -150,25 +150,29 @@ class Holder:
         else:
             send_line(conn, {"ok": False, "code": "usage", "error": f"unknown op {op!r}"})
 
-    def _failure(self, exc: BaseException) -> dict[str, Any]:
+    def _failure(self, exc: BaseException, *, session: bool = False) -> dict[str, Any]:
         import paramiko
 
         if self.transport() is None:
             self.stop.set()
             return {"ok": False, "code": "dropped", "error": f"the SSH connection dropped: {exc}"}
+        if session and isinstance(exc, paramiko.ChannelException):  # OpenSSH says "Connect failed"
+            return {"ok": False, "code": "busy", "error": (
+                f"{self.runner.host} refused one more session on the held connection ({exc.text}; sshd's "
+                "MaxSessions, 10 by default): end some `pbstk logs -f`, or set PBSTK_SSH_PERSIST=0")}
         if isinstance(exc, paramiko.ChannelException):
             return {"ok": False, "code": "forbidden" if exc.code == 1 else "refused", "error": exc.text}
         if "Timeout" in str(exc) or isinstance(exc, TimeoutError):
             return {"ok": False, "code": "timeout", "error": str(exc) or "timed out"}
         return {"ok": False, "code": "failed", "error": str(exc) or type(exc).__name__}
 
-    def _open_and_relay(self, conn: socket.socket, opener: Any) -> None:
+    def _open_and_relay(self, conn: socket.socket, opener: Any, *, session: bool = False) -> None:
         import paramiko
 
         try:
             channel = opener()
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            send_line(conn, self._failure(exc))
+            send_line(conn, self._failure(exc, session=session))
             return
         try:
             send_line(conn, {"ok": True})
@@ -185,7 +189,7 @@ class Holder:
             channel = transport.open_session(timeout=self.runner.connect_timeout)
             channel.exec_command(command)
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            send_line(conn, self._failure(exc))
+            send_line(conn, self._failure(exc, session=True))
             return
         try:
             send_line(conn, {"ok": True})

@@ -257,7 +257,7 @@ class MuxClient:
         err: list[bytes] = []
         try:
             if not answer.get("ok"):
-                raise OSError(str(answer.get("error", "the holder refused")))
+                raise TransportError(f"cannot run a command on {self.runner.host}: {answer.get('error')}")
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -293,6 +293,8 @@ class MuxClient:
             raise ConnectionRefusedError(errno.ECONNREFUSED, text)
         if code == "timeout":
             raise TimeoutError(text)
+        if code == "busy":
+            raise TransportError(f"cannot open SFTP on {self.runner.host}: {text}")
         raise TransportError(f"through {self.runner.host}: {text}")
 
 
