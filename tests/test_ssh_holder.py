@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -169,7 +170,9 @@ def test_idle_timeout_ends_the_holder(login: SshdInfo, monkeypatch: pytest.Monke
     monkeypatch.setenv("PBSTK_SSH_PERSIST", "1")
     _launch("idle")
     [pid] = _holder_pids()
-    until(lambda: not _alive(pid), 10, "the idle holder to exit")
+    # asking for its state (what `pbstk ssh status` does) every 0.05 s is no use: it still ends
+    until(lambda: _holder_pids() == [], 10, "the idle holder to exit")
+    until(lambda: not _alive(pid), 10, "the idle holder's process to end")
     assert _holder_pids() == [] and not list(Path(os.environ["PBSTK_SSH_SOCKET_DIR"]).glob("*.sock"))
     _ok("status")  # the next command logs in again
     assert logins(login) == 2
@@ -178,8 +181,10 @@ def test_idle_timeout_ends_the_holder(login: SshdInfo, monkeypatch: pytest.Monke
 def test_ssh_status_and_close(login: SshdInfo) -> None:
     assert _ok("ssh", "status").strip() == "no SSH connection held"
     _launch("closing")
-    [entry] = json.loads(_ok("ssh", "status", "--json"))
-    assert entry["host"] == "pbstk-test" and entry["persist"] == 120
+    # idle grows while we keep asking: the asking connection is not "use"
+    [entry] = until(lambda: [e for e in json.loads(_ok("ssh", "status", "--json")) if e["idle"] >= 0.5], 10,
+                    "the holder to report being idle")
+    assert entry["host"] == "pbstk-test" and entry["persist"] == 120 and entry["active"] == 0
     assert set(entry) >= {"destination", "pid", "since", "idle", "socket"}
     assert "pbstk-test" in _ok("ssh", "status")
 
@@ -355,7 +360,6 @@ def _run_in_pty(argv: list[str], env: dict[str, str], answer: str | None, timeou
     """Run ``argv`` on a new pseudo-terminal (its controlling tty); type ``answer`` at the first prompt."""
     import pty
     import select
-    import time
 
     pid, fd = pty.fork()
     if pid == 0:  # pragma: no cover - child

@@ -87,8 +87,7 @@ class Holder:
                 except TimeoutError:
                     continue
                 with self._lock:
-                    self._active += 1
-                    self._last = time.monotonic()
+                    self._active += 1  # not idle while it is served (``_last`` moves for real work only)
                 threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
         finally:
             self._server.close()
@@ -101,12 +100,13 @@ class Holder:
     def info(self) -> dict[str, Any]:
         runner = self.runner
         with self._lock:
-            idle = 0.0 if self._active else time.monotonic() - self._last
-            active = self._active
+            active = self._active - 1  # not counting the connection asking
+            idle = 0.0 if active else time.monotonic() - self._last
         return {"ok": True, "destination": f"{runner.user}@{runner.hostname}:{runner.port}", "host": runner.host,
                 "pid": os.getpid(), "since": self.since, "idle": idle, "persist": self.persist, "active": active}
 
     def _handle(self, conn: socket.socket) -> None:
+        work = False  # ``info`` and ``close`` (pbstk ssh status/close) do not count as use
         try:
             with conn:
                 if peer_uid(conn) != os.getuid():
@@ -114,6 +114,9 @@ class Holder:
                 conn.settimeout(10.0)
                 message = read_line(conn, limit=16 << 20)
                 conn.settimeout(None)
+                work = message.get("op") not in ("info", "close")
+                if work:
+                    self._touch()
                 self._dispatch(conn, message)
         except (OSError, EOFError, ValueError):
             pass
@@ -122,7 +125,12 @@ class Holder:
         finally:
             with self._lock:
                 self._active -= 1
-                self._last = time.monotonic()
+                if work:
+                    self._last = time.monotonic()
+
+    def _touch(self) -> None:
+        with self._lock:
+            self._last = time.monotonic()
 
     def _dispatch(self, conn: socket.socket, message: dict[str, Any]) -> None:
         op = message.get("op")
