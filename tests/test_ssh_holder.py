@@ -27,8 +27,9 @@ from helpers import MODEL, launched_id, pbstk, until
 from sshd import SshdInfo, start_sshd
 from test_logs import Follower, _append
 
-from pbs_toolkit.errors import TransportError
+from pbs_toolkit.errors import ConfigError, TransportError
 from pbs_toolkit.jobs.store import JobStore
+from pbs_toolkit.settings.config import resolve_settings
 from pbs_toolkit.transports import ssh_mux
 from pbs_toolkit.transports.ssh import SSHRunner
 
@@ -453,3 +454,20 @@ def test_too_many_sessions_on_the_held_connection_is_one_clear_error(tmp_path: P
         assert logins(info) == 1
         for holder in ssh_mux.holders():
             ssh_mux.close_holder(holder)
+
+
+def test_persist_setting_order_and_checks(isolated_user: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = isolated_user / "config" / "pbstk" / "config.yaml"
+    config.parent.mkdir(parents=True)
+    monkeypatch.delenv("PBSTK_SSH_PERSIST")
+    assert ssh_mux.persist_seconds() == 8 * 3600  # a working day by default
+    config.write_text("ssh_persist: 3600\n")
+    assert ssh_mux.persist_seconds() == 3600
+    assert "ssh_persist" not in resolve_settings({}).profile_overrides  # a known key, not a profile setting
+    monkeypatch.setenv("PBSTK_SSH_PERSIST", "0")  # the variable wins; 0 = connect per command
+    assert ssh_mux.persist_seconds() == 0
+    monkeypatch.delenv("PBSTK_SSH_PERSIST")
+    for bad in ("abc", "-5", "[1]", "true", ".nan"):
+        config.write_text(f"ssh_persist: {bad}\n")
+        with pytest.raises(ConfigError, match=r"config.yaml: key 'ssh_persist': bad value"):
+            ssh_mux.persist_seconds()
