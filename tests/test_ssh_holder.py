@@ -148,10 +148,10 @@ def _answer_as(uid: int, path: Path) -> bytes:
             with socket.socket(socket.AF_UNIX) as sock:
                 sock.settimeout(5)
                 sock.connect(str(path))
-                sock.sendall(b'{"op": "info"}\n')
                 try:
+                    sock.sendall(b'{"op": "info"}\n')
                     answer = sock.recv(100)
-                except ConnectionResetError:  # closed with our request unread
+                except (BrokenPipeError, ConnectionResetError):  # closed before or with our request unread
                     answer = b""
                 os.write(write_fd, b"answer:" + answer)
             code = 0
