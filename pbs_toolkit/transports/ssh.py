@@ -392,6 +392,7 @@ class SSHRunner(Runner):
         mux = self._holder()
         if mux is not None:
             return self._held_sftp_call(mux, operation)
+
         def call(transport: paramiko.Transport) -> _T:
             with self._sftp_lock:
                 sftp = self._sftp
@@ -485,8 +486,10 @@ class SSHRunner(Runner):
         mux = self._holder()
         if mux is not None:
             try:
-                return mux.channel({"op": "direct-tcpip", "host": host, "port": port, "timeout": timeout},
-                                   timeout=max(timeout, 10.0))
+                stream = mux.channel({"op": "direct-tcpip", "host": host, "port": port, "timeout": timeout},
+                                     timeout=max(timeout, 10.0))
+                stream.settimeout(timeout)  # like the channel's below: reads time out as the caller asked
+                return stream
             except ConnectionRefusedError as exc:
                 raise ConnectionRefusedError(
                     errno.ECONNREFUSED, f"connection to {host}:{port} from {self.host} failed: {exc.strerror}"
