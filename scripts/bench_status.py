@@ -153,6 +153,7 @@ def main() -> None:
             "PATH": f"{FAKEPBS_BIN}{os.pathsep}{os.environ['PATH']}", "FAKEPBS_HOME": str(fakepbs_home),
             "FAKEPBS_EXITING_DELAY": "0", "XDG_CONFIG_HOME": str(tmp / "config"),
             "XDG_DATA_HOME": str(tmp / "data"), "PBSTK_RUNS_ROOT": str(tmp / "runs"),
+            "PBSTK_SSH_PERSIST": "0",  # each status pays its own connection (bench_ssh_reuse.py measures the holder)
         })
         os.environ.update(env)
         if args.hung:

@@ -35,6 +35,7 @@ def isolated_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
     monkeypatch.setenv("PBSTK_RUNS_ROOT", str(home / "runs"))
     monkeypatch.setenv("PBSTK_POLL_INTERVALS", "0.3,0.5,1")
+    monkeypatch.setenv("PBSTK_SSH_PERSIST", "0")  # no background SSH holders unless a test asks (test_ssh_holder)
     return home
 
 

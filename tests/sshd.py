@@ -85,8 +85,10 @@ def _wait_for_banner(port: int, proc: subprocess.Popen[bytes], timeout: float = 
 
 
 @contextmanager
-def start_sshd(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Iterator[SshdInfo]:
-    """Run ``sshd -D`` on a free loopback port until the block ends; skips the test when sshd is missing."""
+def start_sshd(tmp_path: Path, extra_env: dict[str, str] | None = None,
+               extra_config: list[str] | None = None) -> Iterator[SshdInfo]:
+    """Run ``sshd -D`` on a free loopback port until the block ends; skips the test when sshd is missing.
+    ``extra_config``: more ``sshd_config`` lines (e.g. ``MaxSessions 1``)."""
     if not os.path.exists(SSHD) or shutil.which("ssh-keygen") is None:
         missing = f"{SSHD} or ssh-keygen is not installed (apt-get install openssh-server)"
         if REQUIRE_SSHD:
@@ -128,6 +130,7 @@ def start_sshd(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Itera
                     "AllowTcpForwarding yes",
                     "LogLevel VERBOSE",
                     f"Subsystem sftp {sftp_server if os.path.exists(sftp_server) else 'internal-sftp'}",
+                    *(extra_config or []),
                     "",
                 ]
             )

@@ -254,7 +254,8 @@ def _checked_top_level(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     The ``profiles`` and ``default_presets`` mappings pass through unchanged; they are checked on their own.
     """
     cfg = _lift_backend_sections(cfg, source, "")
-    known = set(profile_kinds()) | SELECTORS | {"profiles", "default_presets"}
+    # ssh_persist: how long a held SSH login lives (transports.ssh_mux reads it)
+    known = set(profile_kinds()) | SELECTORS | {"profiles", "default_presets", "ssh_persist"}
     for key in cfg:
         if key not in known:
             raise ConfigError(f"{source}: unknown key {key!r} (known: {', '.join(sorted(known | set(BACKENDS)))})")

@@ -4,6 +4,10 @@ Login nodes of most sites ask for MFA on every new connection, so a runner opens
 lazily and reuses it for every exec channel, the SFTP session and ``direct-tcpip`` forwards. Only this
 module and :mod:`~pbs_toolkit.transports.ssh_auth` (host keys, authentication) import paramiko
 (``open_runner`` imports this one lazily), which keeps ``pbstk --help`` fast.
+
+Between commands the login is kept by a connection holder (:mod:`.ssh_holder`, reached through
+:mod:`.ssh_mux`) unless ``persist`` is 0: the runner then sends its exec, SFTP and ``direct-tcpip`` requests
+to the holder instead of opening a connection of its own, so a day of commands costs one MFA prompt.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import paramiko
 
@@ -34,6 +38,7 @@ from pbs_toolkit.transports.ssh_auth import (
     known_hosts_name,
     terminal_prompt,
 )
+from pbs_toolkit.transports.ssh_mux import MuxClient, persist_seconds
 
 __all__ = [
     "AUTH_TIMEOUT_S",
@@ -119,6 +124,7 @@ class SSHRunner(Runner):
         config_path: str | os.PathLike[str] | None = None,
         known_hosts_path: str | os.PathLike[str] | None = None,
         password_prompt: PasswordPrompt | None = None,
+        persist: float | None = None,
     ) -> None:
         self.host = host
         self.name = f"ssh:{host}"
@@ -132,6 +138,9 @@ class SSHRunner(Runner):
         self._sftp: paramiko.SFTPClient | None = None
         self._home: str | None = None
         self._jump: SSHRunner | None = None
+        #: idle seconds a connection holder keeps the login (``None``: the setting; 0: connect directly)
+        self.persist = persist
+        self._mux: MuxClient | None = None
 
         config_file = Path(config_path or os.environ.get("PBSTK_SSH_CONFIG") or "~/.ssh/config").expanduser()
         self.config_path = config_file
@@ -271,13 +280,16 @@ class SSHRunner(Runner):
                 raise
         return operation(self._transport())
 
-    def _close_client(self) -> None:
+    def _close_sftp(self) -> None:
         if self._sftp is not None:
             try:
                 self._sftp.close()
             except Exception:  # noqa: S110 - closing a dead session may fail in many ways
                 pass
             self._sftp = None
+
+    def _close_client(self) -> None:
+        self._close_sftp()
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -288,6 +300,19 @@ class SSHRunner(Runner):
     def close(self) -> None:
         with self._lock:
             self._close_client()
+
+    def _holder(self) -> MuxClient | None:
+        """The connection holder client when logins are kept between commands (``persist`` > 0), else ``None``.
+
+        A caller's own ``password_prompt`` cannot reach a background process: such a runner connects itself."""
+        with self._lock:
+            if self._mux is None:
+                if self.persist is None:
+                    self.persist = persist_seconds()
+                if self.persist <= 0 or self.password_prompt is not None:
+                    return None
+                self._mux = MuxClient(self, self.persist)
+            return self._mux
 
     # -- commands ---------------------------------------------------------------------------------
 
@@ -304,6 +329,9 @@ class SSHRunner(Runner):
 
         log_command(f"ssh {self.host}", argv, env=env, cwd=cwd, stdin=stdin)
         command = build_remote_command(argv, env, cwd)
+        mux = self._holder()
+        if mux is not None:
+            return self._run_held(mux, argv[0], command, stdin, timeout)
 
         def start(transport: paramiko.Transport) -> paramiko.Channel:
             channel = transport.open_session(timeout=self.connect_timeout)
@@ -326,9 +354,48 @@ class SSHRunner(Runner):
             channel.close()
         return Result(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
 
+    def _run_held(self, mux: MuxClient, name: str, command: str, stdin: str | None,
+                  timeout: float | None) -> Result:
+        try:
+            rc, out, err = mux.exec(command, stdin, timeout)
+        except TimeoutError as exc:
+            raise TransportError(f"{name} on {self.host} did not finish within {timeout:g} s") from exc
+        except (EOFError, OSError) as exc:
+            raise TransportError(f"lost the connection to {self.host} while running {name}: {exc}") from exc
+        return Result(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+
     # -- files ------------------------------------------------------------------------------------
 
+    def _held_sftp_call(self, mux: MuxClient, operation: Callable[[paramiko.SFTPClient], _T]) -> _T:
+        """``operation`` on an SFTP session relayed by the holder; once more on a new one if the holder is gone."""
+
+        def call() -> _T:
+            with self._sftp_lock:
+                if self._sftp is None:
+                    self._sftp = paramiko.SFTPClient(cast(Any, mux.channel({"op": "sftp"})))
+                return operation(self._sftp)
+
+        try:
+            try:
+                return call()
+            except (FileNotFoundError, PermissionError, FileExistsError):
+                raise
+            except (paramiko.SSHException, EOFError, OSError):
+                if mux.alive():
+                    raise
+            with self._lock:
+                self._close_sftp()
+            return call()
+        except (FileNotFoundError, PermissionError, FileExistsError):
+            raise
+        except (paramiko.SSHException, EOFError) as exc:
+            raise TransportError(f"SFTP on {self.host} failed: {exc}") from exc
+
     def _sftp_call(self, operation: Callable[[paramiko.SFTPClient], _T]) -> _T:
+        mux = self._holder()
+        if mux is not None:
+            return self._held_sftp_call(mux, operation)
+
         def call(transport: paramiko.Transport) -> _T:
             with self._sftp_lock:
                 sftp = self._sftp
@@ -417,7 +484,21 @@ class SSHRunner(Runner):
     # -- TCP --------------------------------------------------------------------------------------
 
     def open_connection(self, host: str, port: int, timeout: float = 5.0) -> Any:
-        """A ``direct-tcpip`` channel to ``host:port`` as the login node sees it (socket-like)."""
+        """A ``direct-tcpip`` channel to ``host:port`` as the login node sees it (socket-like; through a
+        connection holder, a Unix socket relaying the channel)."""
+        mux = self._holder()
+        if mux is not None:
+            try:
+                stream = mux.channel({"op": "direct-tcpip", "host": host, "port": port, "timeout": timeout},
+                                     timeout=max(timeout, 10.0))
+                stream.settimeout(timeout)  # like the channel's below: reads time out as the caller asked
+                return stream
+            except ConnectionRefusedError as exc:
+                raise ConnectionRefusedError(
+                    errno.ECONNREFUSED, f"connection to {host}:{port} from {self.host} failed: {exc.strerror}"
+                ) from exc
+            except TimeoutError as exc:
+                raise TimeoutError(f"opening {host}:{port} through {self.host} timed out") from exc
 
         def open_channel(transport: paramiko.Transport) -> paramiko.Channel:
             return transport.open_channel("direct-tcpip", (host, port), ("127.0.0.1", 0), timeout=timeout)
