@@ -23,7 +23,7 @@ from sshd import SshdInfo, sshd_server, start_sshd  # noqa: E402,F401  (sshd_ser
 
 
 @pytest.fixture(autouse=True)
-def isolated_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def isolated_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     for key in list(os.environ):
         if key.startswith(("PBSTK_", "FAKEPBS_")) or key in ("VLLM_API_KEY",):
             monkeypatch.delenv(key)
@@ -36,7 +36,23 @@ def isolated_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PBSTK_RUNS_ROOT", str(home / "runs"))
     monkeypatch.setenv("PBSTK_POLL_INTERVALS", "0.3,0.5,1")
     monkeypatch.setenv("PBSTK_SSH_PERSIST", "0")  # no background SSH holders unless a test asks (test_ssh_holder)
-    return home
+    yield home
+    _stop_local_jobs()
+
+
+def _stop_local_jobs() -> None:
+    """A test that failed before its own ``pbstk cancel`` must not leave a local job's server running: stop every
+    local job still recorded as active in this test's store (the scheduler checks the job's token first)."""
+    import contextlib
+
+    from pbs_toolkit.jobs.launch import cancel
+    from pbs_toolkit.jobs.store import JobStore
+
+    with contextlib.suppress(Exception):
+        for record in JobStore().all():
+            if record.scheduler == "local" and not record.transport and not record.final_state:
+                with contextlib.suppress(Exception):
+                    cancel(record)
 
 
 @pytest.fixture
