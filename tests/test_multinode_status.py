@@ -1,0 +1,293 @@
+"""status, wait, cancel and logs of a job over several nodes: every node's marker (``RUN_DIR/nodes/K.json``)
+read from a real run directory, and a real fake-PBS job whose run directory the test gives node markers.
+
+The markers and worker logs are written by hand here (the start script that writes them is tested in
+test_multinode_run.py); what is tested is how pbstk reads them: READY only with every node up, STARTING
+naming the node still loading, FAILED naming the worker that failed and quoting its log, ``wait`` failing
+fast on it (exit 5), ``cancel`` writing ``RUN_DIR/stop``, ``logs --node K``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import MODEL, pbstk, status_of, wait_for
+
+from pbs_toolkit.jobs.nodes import read_nodes
+from pbs_toolkit.jobs.rundir import RunDirView, look
+from pbs_toolkit.jobs.status import ServerState, judge
+from pbs_toolkit.jobs.store import JobRecord, JobStore
+from pbs_toolkit.schedulers import SchedulerJob, pbs
+from pbs_toolkit.transports.http import Identity
+from pbs_toolkit.transports.local import LocalRunner
+
+NOW = 1_800_000_000.0
+WORKER_OOM = [
+    "pbstk: 02:38:27 attempt 1: starting vLLM on 127.0.0.3 (node 1 of 2, headless)",
+    "INFO 11-22 02:38:29 [default_loader.py:1] Loading weights took 0.05 seconds",
+    "ERROR 11-22 02:38:30 [core.py:1] EngineCore failed to start.",
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    "RuntimeError: Engine core initialization failed. See root cause above.",
+]
+
+
+def write_node(run_dir: Path, rank: int, phase: str, *, nnodes: int = 2, exit_code: int | None = None,
+               attempt: int = 1, updated: float = NOW, pid: int | None = 4242) -> None:
+    """``nodes/K.json`` as the start script writes it (contract: replaced atomically)."""
+    (run_dir / "nodes").mkdir(exist_ok=True)
+    data = {"rank": rank, "nnodes": nnodes, "host": f"fakenode{rank}", "address": f"127.0.0.{2 + rank}",
+            "phase": phase, "pid": pid, "exit_code": exit_code, "attempt": attempt, "updated": updated}
+    tmp = run_dir / "nodes" / f".{rank}.tmp"
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, run_dir / "nodes" / f"{rank}.json")
+
+
+def write_server(run_dir: Path, phase: str, **more: Any) -> None:
+    data = {"phase": phase, "job_id": "7.pbs01", "host": "fakenode0", "address": "127.0.0.2", "port": 8000,
+            "pid": 4242, "attempt": 1, "eager_fallback": False, "exit_code": None, **more}
+    (run_dir / "server.json").write_text(json.dumps(data))
+
+
+def record(run_dir: Path) -> JobRecord:
+    return JobRecord(job_id="7.pbs01", scheduler="pbs", profile="generic-pbspro", model="org/m",
+                     served_model_name="org/m", preset="dp8", name="m", run_dir=str(run_dir))
+
+
+def sched(raw: str = "R", exit_status: int | None = None) -> SchedulerJob:
+    info: dict[str, Any] = {"job_state": raw, "exec_host": "fakenode0/0*4+fakenode1/0*4"}
+    if exit_status is not None:
+        info["Exit_status"] = exit_status
+    return pbs._job("7.pbs01", info)
+
+
+def judged(run_dir: Path, job: SchedulerJob | None = None, *, ours: bool = False) -> Any:
+    """Read the run directory for real; the head's HTTP answer is given (``ours``: /v1/models proved it)."""
+    rec = record(run_dir)
+    view = look(LocalRunner(), rec, job or sched())
+    if ours:
+        view.health, view.identity = 200, Identity(True)
+    return judge(rec, job or sched(), view)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "run"
+    path.mkdir()
+    (path / "vllm.log").write_text("pbstk: 02:38:20 attempt 1: starting vLLM on 127.0.0.2:8000\n"
+                                   "INFO 11-22 02:38:25 [api_server.py:1] Starting vLLM API server on http://x\n")
+    return path
+
+
+# -- status from the markers --------------------------------------------------------------------------------
+
+
+def test_ready_needs_the_heads_answer_and_every_node(run_dir: Path) -> None:
+    write_server(run_dir, "ready", nnodes=2)
+    write_node(run_dir, 0, "ready")
+    write_node(run_dir, 1, "ready")
+    st = judged(run_dir, ours=True)
+    assert st.state is ServerState.READY and (st.nnodes, st.nodes_ready) == (2, 2)
+    assert st.nodes_text == "2/2 nodes"
+    doc = st.to_dict()
+    assert doc["nnodes"] == 2 and doc["nodes_ready"] == 2 and doc["failed_node"] is None
+    assert doc["nodes"][1] == {"rank": 1, "host": "fakenode1", "address": "127.0.0.3", "phase": "ready",
+                               "pid": 4242, "exit_code": None}
+    # the head's answer alone is not enough: a node without a marker keeps the job STARTING
+    (run_dir / "nodes" / "1.json").unlink()
+    st = judged(run_dir, ours=True)
+    assert st.state is ServerState.STARTING and st.phase == "1/2 nodes up (node 1: no marker yet)"
+
+
+def test_starting_names_the_node_still_loading(run_dir: Path) -> None:
+    write_server(run_dir, "starting")  # no nnodes in server.json: the count comes from nodes/0.json
+    write_node(run_dir, 0, "ready")
+    write_node(run_dir, 1, "starting")
+    (run_dir / "vllm.node1.log").write_text(
+        "pbstk: 02:38:27 attempt 1: starting vLLM on 127.0.0.3 (node 1 of 2, headless)\n"
+        "INFO 11-22 02:38:28 [default_loader.py:1] Loading weights\n")
+    st = judged(run_dir)  # the head does not answer yet
+    assert st.state is ServerState.STARTING
+    assert st.phase == "1/2 nodes up (node 1 (fakenode1): loading weights)"
+    write_node(run_dir, 1, "setup")
+    assert judged(run_dir).phase == "1/2 nodes up (node 1 (fakenode1): waiting for the head)"
+
+
+def test_a_failed_worker_fails_the_job_while_the_head_still_answers(run_dir: Path) -> None:
+    write_server(run_dir, "ready", nnodes=2)
+    write_node(run_dir, 0, "ready")
+    write_node(run_dir, 1, "failed", exit_code=1)
+    (run_dir / "vllm.node1.log").write_text("\n".join(WORKER_OOM) + "\n")
+    st = judged(run_dir, ours=True)
+    assert st.state is ServerState.FAILED and st.confirmed and st.failed_node == 1
+    assert st.reason.startswith("node 1 (fakenode1) failed with exit 1: ")
+    assert "CUDA out of memory" in st.reason
+    assert any("CUDA out of memory" in line for line in st.log_excerpt)
+    assert st.log_file == f"{run_dir}/vllm.node1.log"
+    assert st.nodes_ready == 1
+
+
+def test_the_node_that_failed_first_is_named(run_dir: Path) -> None:
+    """The head fails after the worker (it noticed and stopped); node 2 was stopped (143) on the same second."""
+    write_server(run_dir, "failed", nnodes=3, exit_code=1)
+    write_node(run_dir, 0, "failed", nnodes=3, exit_code=1, updated=NOW + 2)
+    write_node(run_dir, 1, "failed", nnodes=3, exit_code=137, updated=NOW)
+    write_node(run_dir, 2, "failed", nnodes=3, exit_code=143, updated=NOW)
+    (run_dir / "vllm.node1.log").write_text("INFO loading\nKilled\n")
+    st = judged(run_dir, sched("F", 1))
+    assert st.state is ServerState.FAILED and st.failed_node == 1
+    assert st.reason == "node 1 (fakenode1) failed with exit 137: Killed"
+    assert st.log_excerpt == ["INFO loading", "Killed"]
+
+
+def test_a_worker_that_exits_is_a_failure_unless_the_job_ended_normally(run_dir: Path) -> None:
+    write_server(run_dir, "ready", nnodes=2)
+    write_node(run_dir, 0, "ready")
+    write_node(run_dir, 1, "exited", exit_code=2)
+    assert judged(run_dir, ours=True).reason.startswith("node 1 (fakenode1) exited with exit 2: (nothing in")
+    write_node(run_dir, 1, "exited", exit_code=0)
+    write_server(run_dir, "exited", nnodes=2, exit_code=0)
+    assert judged(run_dir, sched("F", 0)).state is ServerState.FINISHED
+
+
+def test_an_earlier_attempts_failure_is_not_the_jobs(run_dir: Path) -> None:
+    """The eager fallback restarts every node with a new attempt: the worker's old marker is about to change."""
+    write_server(run_dir, "starting", nnodes=2, attempt=2, eager_fallback=True)
+    write_node(run_dir, 0, "starting", attempt=2)
+    write_node(run_dir, 1, "failed", exit_code=1, attempt=1)
+    st = judged(run_dir)
+    assert st.state is ServerState.STARTING and st.failed_node is None
+
+
+def test_a_worker_compile_failure_waits_for_the_eager_restart(run_dir: Path) -> None:
+    write_server(run_dir, "starting", nnodes=2)
+    write_node(run_dir, 0, "starting")
+    write_node(run_dir, 1, "failed", exit_code=1)
+    (run_dir / "vllm.node1.log").write_text("torch._dynamo.exc.BackendCompilerFailed: inductor failed\n")
+    st = judged(run_dir)
+    assert st.state is ServerState.FAILED and st.restart_expected and not st.confirmed
+    st = judged(run_dir, sched("F", 1))  # the job ended: no restart to wait for
+    assert st.state is ServerState.FAILED and st.confirmed and not st.restart_expected
+
+
+def test_a_cancelled_job_stays_cancelled(run_dir: Path) -> None:
+    write_server(run_dir, "cancelled", nnodes=2, exit_code=143)
+    write_node(run_dir, 0, "cancelled", exit_code=143)
+    write_node(run_dir, 1, "failed", exit_code=143)
+    st = judged(run_dir, sched("F", 271))
+    assert st.state is ServerState.CANCELLED and st.failed_node is None
+
+
+def test_single_node_jobs_are_unchanged(run_dir: Path) -> None:
+    write_server(run_dir, "ready")
+    assert read_nodes(LocalRunner(), str(run_dir), json.loads((run_dir / "server.json").read_text())) is None
+    st = judged(run_dir, ours=True)
+    assert st.state is ServerState.READY and (st.nnodes, st.nodes_ready, st.nodes) == (1, None, [])
+    write_node(run_dir, 0, "ready", nnodes=1)
+    write_server(run_dir, "ready", nnodes=1)
+    assert judged(run_dir, ours=True).nodes_text is None
+
+
+def test_garbled_markers_spoil_only_their_node(run_dir: Path) -> None:
+    write_server(run_dir, "starting", nnodes=2)
+    write_node(run_dir, 0, "ready")
+    (run_dir / "nodes" / "1.json").write_text("{not json")
+    st = judge(record(run_dir), sched(), RunDirView())  # nothing read: single-node view, unchanged
+    assert st.nnodes == 1
+    st = judged(run_dir)
+    assert st.state is ServerState.STARTING and st.nodes[1]["phase"] is None
+
+
+# -- a real fake-PBS job --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def job(fakepbs: Path, standins: Path) -> tuple[str, Path]:
+    """A READY single-node job (stand-in vLLM under the fake PBS); the test makes it a 2-node one."""
+    result = pbstk("launch", MODEL, "--preset", "dp4", "--profile", "generic-pbspro", "--port", "auto",
+                   "--name", "mn", "--wait", "--timeout", "30")
+    assert result.exit_code == 0, result.output
+    job_id = result.stdout.splitlines()[0].split()[1]
+    return job_id, Path(JobStore().find(job_id).run_dir)
+
+
+def _cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pbs_toolkit", *args], capture_output=True, text=True,  # noqa: S603
+                          timeout=timeout, check=False)
+
+
+def test_status_wait_logs_cancel_on_a_real_job(job: tuple[str, Path]) -> None:
+    job_id, run_dir = job
+    write_node(run_dir, 0, "ready", updated=time.time())
+    write_node(run_dir, 1, "setup", updated=time.time())
+    st = status_of(job_id)
+    assert st["state"] == "STARTING" and st["phase"] == "1/2 nodes up (node 1 (fakenode1): waiting for the head)"
+
+    write_node(run_dir, 1, "ready", updated=time.time())
+    (run_dir / "vllm.node1.log").write_text("worker line 1\nworker line 2\n")
+    st = status_of(job_id)
+    assert st["state"] == "READY" and st["nodes_ready"] == 2 and st["nnodes"] == 2
+    assert [n["host"] for n in st["nodes"]] == ["fakenode0", "fakenode1"]
+    row = next(line for line in pbstk("status").stdout.splitlines() if line.startswith(job_id))
+    assert "READY" in row and row.rstrip().endswith("2/2 nodes")
+
+    # logs --node K: the worker's own log; the head's by default; an unknown node is one error line
+    assert _cli("logs", job_id, "--node", "1").stdout == "worker line 1\nworker line 2\n"
+    head = _cli("logs", job_id, "--node", "0").stdout
+    assert head == _cli("logs", job_id).stdout and "starting vLLM" in head
+    bad = _cli("logs", job_id, "--node", "2")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == f"pbstk: error: job {job_id} has 2 nodes (0 to 1): there is no node 2\n"
+    bad = _cli("logs", job_id, "--node", "1", "--stream", "sched-out")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--node" in bad.stderr
+
+    # wait fails fast when a worker's marker says failed while the head still answers
+    waiter = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "wait", job_id, "--timeout", "60"],  # noqa: S603
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)
+        assert waiter.poll() is not None  # READY: the wait returned at once
+        write_node(run_dir, 1, "failed", exit_code=1, updated=time.time())
+        (run_dir / "vllm.node1.log").write_text("\n".join(WORKER_OOM) + "\n")
+        started = time.monotonic()
+        result = _cli("wait", job_id, "--timeout", "60")
+        took = time.monotonic() - started
+    finally:
+        waiter.kill()
+        waiter.wait()
+    assert result.returncode == 5, result.stderr
+    lines = result.stderr.splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("pbstk: error:")]
+    assert len(errors) == 1, result.stderr  # (progress lines come before it)
+    first, details = lines[errors[0]], lines[errors[0] + 1:]
+    assert details and all(line.startswith("  | ") for line in details), result.stderr
+    assert first.startswith(f"pbstk: error: job {job_id} is FAILED: node 1 (fakenode1) failed with exit 1: ")
+    assert first.endswith(f"(log: {run_dir}/vllm.node1.log)")
+    assert any("CUDA out of memory" in line for line in details)
+    assert took < 10, took
+    print(f"wait failed on the worker's marker after {took:.2f} s")
+    st = status_of(job_id)
+    assert st["state"] == "FAILED" and st["failed_node"] == 1 and not JobStore().find(job_id).final_state
+
+    # cancel: the scheduler's cancel, plus RUN_DIR/stop for nodes started over ssh; again: still fine
+    assert pbstk("cancel", job_id).exit_code == 0
+    assert (run_dir / "stop").read_text() == "pbstk cancel\n"
+    (run_dir / "stop").unlink()
+    again = pbstk("cancel", job_id)
+    assert again.exit_code == 0 and again.stdout.strip() in (f"{job_id}: cancelled", f"{job_id}: already ended")
+    wait_for(lambda: status_of(job_id)["state"] == "CANCELLED", what="CANCELLED")
+
+
+def test_cancel_of_a_single_node_job_writes_no_stop(job: tuple[str, Path]) -> None:
+    job_id, run_dir = job
+    assert pbstk("cancel", job_id).exit_code == 0
+    assert not (run_dir / "stop").exists()
+    bad = _cli("logs", job_id, "--node", "1")
+    assert bad.returncode == 2
+    assert bad.stderr == f"pbstk: error: job {job_id} runs on 1 node (node 0 only): there is no node 1\n"
