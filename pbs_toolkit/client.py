@@ -408,9 +408,10 @@ class Client:
         return [r for r in self.store.all() if show_all or not r.final_state]
 
     def cancel(self, job: Job | JobRecord | str, *, keep_endpoint: bool = False) -> bool:
-        """Stop the job; ``True`` if stopped now, ``False`` if it had already ended. The registry entries it
-        wrote are removed (``on_removal`` hears each; a registry that cannot be written never fails the cancel),
-        or with ``keep_endpoint`` kept for good."""
+        """Stop the job; ``True`` if stopped now, ``False`` if it had already ended. A job over several nodes also
+        gets ``RUN_DIR/stop``, which every node's start script obeys. The registry entries it wrote are removed
+        (``on_removal`` hears each; a registry that cannot be written never fails the cancel), or with
+        ``keep_endpoint`` kept for good."""
         from pbs_toolkit.jobs.launch import cancel
 
         record = self.record(job)

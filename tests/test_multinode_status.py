@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from helpers import MODEL, pbstk, status_of, wait_for
 
+from pbs_toolkit.client import Client
 from pbs_toolkit.jobs.nodes import read_nodes
 from pbs_toolkit.jobs.rundir import RunDirView, look
 from pbs_toolkit.jobs.status import ServerState, judge
@@ -222,7 +223,7 @@ def _cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
                           timeout=timeout, check=False)
 
 
-def test_status_wait_logs_cancel_on_a_real_job(job: tuple[str, Path]) -> None:
+def test_status_wait_logs_cancel_on_a_real_job(job: tuple[str, Path], tmp_path: Path) -> None:
     job_id, run_dir = job
     write_node(run_dir, 0, "ready", updated=time.time())
     write_node(run_dir, 1, "setup", updated=time.time())
@@ -248,32 +249,46 @@ def test_status_wait_logs_cancel_on_a_real_job(job: tuple[str, Path]) -> None:
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--node" in bad.stderr
 
     # wait fails fast when a worker's marker says failed while the head still answers
-    waiter = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "wait", job_id, "--timeout", "60"],  # noqa: S603
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        time.sleep(1.0)
-        assert waiter.poll() is not None  # READY: the wait returned at once
+    write_node(run_dir, 1, "setup", updated=time.time())  # the head answers, the worker has not joined: waiting
+    progress = tmp_path / "wait.err"
+    with progress.open("w") as err:
+        waiter = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "wait", job_id, "--timeout", "60"],  # noqa: S603
+                                  stdout=subprocess.DEVNULL, stderr=err, text=True)
+    try:  # STARTING, 1/2 nodes up: the wait goes on
+        wait_for(lambda: "1/2 nodes up (node 1 (fakenode1): waiting for the head)" in progress.read_text(),
+                 30, "wait's progress line")
+        assert waiter.poll() is None
         write_node(run_dir, 1, "failed", exit_code=1, updated=time.time())
         (run_dir / "vllm.node1.log").write_text("\n".join(WORKER_OOM) + "\n")
         started = time.monotonic()
-        result = _cli("wait", job_id, "--timeout", "60")
+        waiter.wait(timeout=30)
         took = time.monotonic() - started
     finally:
-        waiter.kill()
-        waiter.wait()
-    assert result.returncode == 5, result.stderr
-    lines = result.stderr.splitlines()
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.wait()
+    stderr = progress.read_text()
+    assert waiter.returncode == 5, stderr
+    lines = stderr.splitlines()
     errors = [i for i, line in enumerate(lines) if line.startswith("pbstk: error:")]
-    assert len(errors) == 1, result.stderr  # (progress lines come before it)
+    assert len(errors) == 1, stderr  # (progress lines come before it)
     first, details = lines[errors[0]], lines[errors[0] + 1:]
-    assert details and all(line.startswith("  | ") for line in details), result.stderr
+    assert details and all(line.startswith("  | ") for line in details), stderr
     assert first.startswith(f"pbstk: error: job {job_id} is FAILED: node 1 (fakenode1) failed with exit 1: ")
     assert first.endswith(f"(log: {run_dir}/vllm.node1.log)")
     assert any("CUDA out of memory" in line for line in details)
-    assert took < 10, took
+    assert took < 5, took
     print(f"wait failed on the worker's marker after {took:.2f} s")
+    registry = tmp_path / "endpoints.py"
+    result = _cli("update-endpoint", job_id, "--registry", str(registry), "--timeout", "60")
+    assert result.returncode == 5 and "node 1 (fakenode1) failed" in result.stderr and not registry.exists()
     st = status_of(job_id)
     assert st["state"] == "FAILED" and st["failed_node"] == 1 and not JobStore().find(job_id).final_state
+
+    with Client() as c:  # logs --node 1 -f: the worker's log, followed
+        followed = c.logs(job_id, 2, follow=True, node=1)
+        assert [next(followed), next(followed)] == WORKER_OOM[-2:]
+        followed.close()
 
     # cancel: the scheduler's cancel, plus RUN_DIR/stop for nodes started over ssh; again: still fine
     assert pbstk("cancel", job_id).exit_code == 0
