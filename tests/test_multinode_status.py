@@ -147,12 +147,13 @@ def test_the_node_that_failed_first_is_named(run_dir: Path) -> None:
     assert st.log_excerpt == ["INFO loading", "Killed"]
 
 
-def test_a_worker_that_exits_is_a_failure_unless_the_job_ended_normally(run_dir: Path) -> None:
+def test_a_worker_that_exits_is_a_failure_while_the_job_runs(run_dir: Path) -> None:
     write_server(run_dir, "ready", nnodes=2)
     write_node(run_dir, 0, "ready")
     write_node(run_dir, 1, "exited", exit_code=2)
     assert judged(run_dir, ours=True).reason.startswith("node 1 (fakenode1) exited with exit 2: (nothing in")
-    write_node(run_dir, 1, "exited", exit_code=0)
+    write_node(run_dir, 1, "exited", exit_code=0)  # even exit 0: the head is left alone
+    assert judged(run_dir, ours=True).reason.startswith("node 1 (fakenode1) exited with exit 0: ")
     write_server(run_dir, "exited", nnodes=2, exit_code=0)
     assert judged(run_dir, sched("F", 0)).state is ServerState.FINISHED
 

@@ -61,10 +61,12 @@ class NodeMarker:
         """``node 1 (x3001c0s1b0n0)``: how messages name it."""
         return f"node {self.rank} ({self.host})" if self.host else f"node {self.rank}"
 
-    @property
-    def failed(self) -> bool:
-        """The node's vLLM failed, or exited with a non-zero code (a worker must not end while the job runs)."""
-        return self.phase == "failed" or (self.phase == "exited" and self.exit_code not in (0, None))
+    def failed(self, running: bool = False) -> bool:
+        """The node's vLLM failed, or exited with a non-zero code; ``running``: the job should still be serving,
+        so a worker that exited at all left the head hanging."""
+        if self.phase == "exited":
+            return running or self.exit_code not in (0, None)
+        return self.phase == "failed"
 
 
 def _int(value: Any) -> int | None:
@@ -108,7 +110,7 @@ class NodesView:
         """The newest start attempt any node reports (the eager fallback restarts them all with a new one)."""
         return max((m.attempt or 0 for m in self.markers if m), default=0)
 
-    def culprit(self) -> NodeMarker | None:
+    def culprit(self, running: bool = False) -> NodeMarker | None:
         """The node whose failure ended the job: the first to fail in the current attempt.
 
         When a worker dies the head writes ``stop`` and fails too, and the other workers stop (143): those come
@@ -116,7 +118,7 @@ class NodesView:
         by itself). A marker of an earlier attempt is about to be rewritten and is not looked at.
         """
         current = self.attempt
-        failed = [m for m in self.markers if m and m.failed and (m.attempt or 0) >= current]
+        failed = [m for m in self.markers if m and m.failed(running) and (m.attempt or 0) >= current]
         if not failed:
             return None
         return min(failed, key=lambda m: (m.updated if m.updated is not None else math.inf,
@@ -167,7 +169,7 @@ def read_nodes(runner: Runner, run_dir: str, server_marker: dict[str, Any] | Non
         raw = _read(runner, f"{run_dir}/{NODES_DIR}/{rank}.json")
         markers.append(parse_node(raw, rank) if raw is not None else None)
     view = NodesView(count, markers)
-    wanted = {m.rank for m in markers if m and m.failed}
+    wanted = {m.rank for m in markers if m and m.failed(running=True)}
     down = view.first_down(head_ours=False)
     if down is not None:
         wanted.add(down)

@@ -340,9 +340,9 @@ def with_nodes(st: JobStatus, nodes: NodesView) -> JobStatus:
     st.nnodes, st.nodes = nodes.nnodes, nodes.node_dicts()
     head_ours = st.state is ServerState.READY
     st.nodes_ready = sum(nodes.up(head_ours))
-    culprit = nodes.culprit()
+    running = not st.state.final or not st.confirmed  # the job should still be serving (or restarting)
+    culprit = nodes.culprit(running)
     if culprit is not None and culprit.rank > 0 and st.state not in (ServerState.PENDING, ServerState.CANCELLED):
-        running = not st.state.final or not st.confirmed  # the start scripts may still restart every node
         return _node_failed(st, culprit, current_attempt(nodes.logs.get(culprit.rank, [])), running)
     down = nodes.first_down(head_ours)
     if down is None or st.state not in (ServerState.READY, ServerState.STARTING):
