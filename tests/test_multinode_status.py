@@ -21,7 +21,8 @@ import pytest
 from helpers import MODEL, pbstk, status_of, wait_for
 
 from pbs_toolkit.client import Client
-from pbs_toolkit.jobs.nodes import read_nodes
+from pbs_toolkit.errors import UsageError
+from pbs_toolkit.jobs.nodes import node_log_path, read_nodes, request_stop
 from pbs_toolkit.jobs.rundir import RunDirView, look
 from pbs_toolkit.jobs.status import ServerState, judge
 from pbs_toolkit.jobs.store import JobRecord, JobStore
@@ -204,6 +205,26 @@ def test_garbled_markers_spoil_only_their_node(run_dir: Path) -> None:
     assert st.nnodes == 1
     st = judged(run_dir)
     assert st.state is ServerState.STARTING and st.nodes[1]["phase"] is None
+
+
+def test_stop_is_written_only_into_a_multinode_run_dir(run_dir: Path, tmp_path: Path) -> None:
+    runner = LocalRunner()
+    assert not request_stop(runner, str(tmp_path / "gone"))  # a run directory that is gone is not recreated
+    assert not (tmp_path / "gone").exists()
+    write_server(run_dir, "ready")
+    assert not request_stop(runner, str(run_dir)) and not (run_dir / "stop").exists()  # single-node
+    write_node(run_dir, 0, "ready")
+    assert request_stop(runner, str(run_dir)) and (run_dir / "stop").read_text() == "pbstk cancel\n"
+    assert request_stop(runner, str(run_dir))  # again: replaced, harmless
+
+
+def test_node_logs_before_the_job_started(tmp_path: Path) -> None:
+    """No marker yet: the node count is not known, any node is taken (``-f`` waits for its file)."""
+    runner = LocalRunner()
+    assert node_log_path(runner, str(tmp_path), "7.pbs01", 3) == f"{tmp_path}/vllm.node3.log"
+    assert node_log_path(runner, str(tmp_path), "7.pbs01", 0) == f"{tmp_path}/vllm.log"
+    with pytest.raises(UsageError, match="--node must be 0"):
+        node_log_path(runner, str(tmp_path), "7.pbs01", -1)
 
 
 # -- a real fake-PBS job --------------------------------------------------------------------------------------
