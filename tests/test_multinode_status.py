@@ -127,6 +127,10 @@ def test_a_failed_worker_fails_the_job_while_the_head_still_answers(run_dir: Pat
     write_node(run_dir, 1, "failed", exit_code=1)
     (run_dir / "vllm.node1.log").write_text("\n".join(WORKER_OOM) + "\n")
     st = judged(run_dir, ours=True)
+    # until the head reacts (within a second: it writes `stop` and fails) the verdict is not confirmed
+    assert st.state is ServerState.FAILED and not st.confirmed and not st.restart_expected
+    (run_dir / "stop").write_text("")
+    st = judged(run_dir, ours=True)
     assert st.state is ServerState.FAILED and st.confirmed and st.failed_node == 1
     assert st.reason.startswith("node 1 (fakenode1) failed with exit 1: ")
     assert "CUDA out of memory" in st.reason
@@ -175,8 +179,22 @@ def test_a_worker_compile_failure_waits_for_the_eager_restart(run_dir: Path) -> 
     (run_dir / "vllm.node1.log").write_text("torch._dynamo.exc.BackendCompilerFailed: inductor failed\n")
     st = judged(run_dir)
     assert st.state is ServerState.FAILED and st.restart_expected and not st.confirmed
+    # the head's own compile failure: its workers lose it and fail with another error; a restart is coming too
+    (run_dir / "vllm.node1.log").write_text("RuntimeError: connection to the head lost\n")
+    with (run_dir / "vllm.log").open("a") as log:
+        log.write("torch._dynamo.exc.BackendCompilerFailed: inductor failed\n")
+    assert judged(run_dir).restart_expected
     st = judged(run_dir, sched("F", 1))  # the job ended: no restart to wait for
     assert st.state is ServerState.FAILED and st.confirmed and not st.restart_expected
+
+
+def test_the_heads_own_reason_when_no_worker_failed(run_dir: Path) -> None:
+    """The launcher could not start a node: the head's marker says why (no worker marker ever failed)."""
+    write_server(run_dir, "failed", nnodes=2, exit_code=1, reason="mpiexec not found on fakenode0")
+    write_node(run_dir, 0, "failed", exit_code=1)
+    st = judged(run_dir, sched("F", 1))
+    assert st.state is ServerState.FAILED and st.reason == "mpiexec not found on fakenode0"
+    assert st.failed_node is None and st.log_file == f"{run_dir}/vllm.log"
 
 
 def test_a_cancelled_job_stays_cancelled(run_dir: Path) -> None:
@@ -214,7 +232,7 @@ def test_stop_is_written_only_into_a_multinode_run_dir(run_dir: Path, tmp_path: 
     write_server(run_dir, "ready")
     assert not request_stop(runner, str(run_dir)) and not (run_dir / "stop").exists()  # single-node
     write_node(run_dir, 0, "ready")
-    assert request_stop(runner, str(run_dir)) and (run_dir / "stop").read_text() == "pbstk cancel\n"
+    assert request_stop(runner, str(run_dir)) and (run_dir / "stop").read_text() == ""
     assert request_stop(runner, str(run_dir))  # again: replaced, harmless
 
 
@@ -280,9 +298,11 @@ def test_status_wait_logs_cancel_on_a_real_job(job: tuple[str, Path], tmp_path: 
         wait_for(lambda: "1/2 nodes up (node 1 (fakenode1): waiting for the head)" in progress.read_text(),
                  30, "wait's progress line")
         assert waiter.poll() is None
-        write_node(run_dir, 1, "failed", exit_code=1, updated=time.time())
         (run_dir / "vllm.node1.log").write_text("\n".join(WORKER_OOM) + "\n")
+        write_node(run_dir, 1, "failed", exit_code=1, updated=time.time())
         started = time.monotonic()
+        time.sleep(1.0)
+        (run_dir / "stop").write_text("")  # the head's reaction (it checks its workers each second)
         waiter.wait(timeout=30)
         took = time.monotonic() - started
     finally:
@@ -300,7 +320,7 @@ def test_status_wait_logs_cancel_on_a_real_job(job: tuple[str, Path], tmp_path: 
     assert first.endswith(f"(log: {run_dir}/vllm.node1.log)")
     assert any("CUDA out of memory" in line for line in details)
     assert took < 5, took
-    print(f"wait failed on the worker's marker after {took:.2f} s")
+    print(f"wait failed {took:.2f} s after the worker's marker (the head's `stop` came after 1 s)")
     registry = tmp_path / "endpoints.py"
     result = _cli("update-endpoint", job_id, "--registry", str(registry), "--timeout", "60")
     assert result.returncode == 5 and "node 1 (fakenode1) failed" in result.stderr and not registry.exists()
@@ -313,8 +333,9 @@ def test_status_wait_logs_cancel_on_a_real_job(job: tuple[str, Path], tmp_path: 
         followed.close()
 
     # cancel: the scheduler's cancel, plus RUN_DIR/stop for nodes started over ssh; again: still fine
+    (run_dir / "stop").unlink()  # (the head's, above)
     assert pbstk("cancel", job_id).exit_code == 0
-    assert (run_dir / "stop").read_text() == "pbstk cancel\n"
+    assert (run_dir / "stop").read_text() == ""  # empty: text in it would be a failure's reason
     (run_dir / "stop").unlink()
     again = pbstk("cancel", job_id)
     assert again.exit_code == 0 and again.stdout.strip() in (f"{job_id}: cancelled", f"{job_id}: already ended")

@@ -101,6 +101,8 @@ class NodesView:
     markers: list[NodeMarker | None]
     #: log tails by rank: the failed nodes' and the first node still starting (rank 0's is the job's vllm.log)
     logs: dict[int, list[str]] = field(default_factory=dict)
+    #: ``RUN_DIR/stop`` exists: someone (the head, the job script, ``pbstk cancel``) decided the job is over
+    stopped: bool = False
 
     def node_dicts(self) -> list[dict[str, Any]]:
         return [(m or NodeMarker(rank=k)).to_dict() for k, m in enumerate(self.markers)]
@@ -168,7 +170,7 @@ def read_nodes(runner: Runner, run_dir: str, server_marker: dict[str, Any] | Non
     for rank in range(count):
         raw = _read(runner, f"{run_dir}/{NODES_DIR}/{rank}.json")
         markers.append(parse_node(raw, rank) if raw is not None else None)
-    view = NodesView(count, markers)
+    view = NodesView(count, markers, stopped=runner.size(f"{run_dir}/stop") is not None)
     wanted = {m.rank for m in markers if m and m.failed(running=True)}
     down = view.first_down(head_ours=False)
     if down is not None:
@@ -194,19 +196,20 @@ def node_phase_text(view: NodesView, rank: int, head_phase: str | None, lines: S
     return f"{marker.name}: {doing}"
 
 
-def request_stop(runner: Runner, run_dir: str, why: str = "pbstk cancel") -> bool:
+def request_stop(runner: Runner, run_dir: str) -> bool:
     """Create ``RUN_DIR/stop`` for a job over several nodes; ``True`` when written.
 
     Every node's start script checks the file each second and stops its vLLM: the scheduler's cancel ends the
-    job script, but nodes it started over ``ssh`` are not the scheduler's processes. Idempotent (the file is
-    replaced); nothing is written for a single-node job or a run directory that is gone, and a file that cannot
-    be written never fails the cancel (the scheduler's cancel is the main path).
+    job script, but nodes it started over ``ssh`` are not the scheduler's processes. The file is left empty: a
+    ``stop`` with text in it is a failure whose reason is that text (the launcher's), and the head would fail
+    with it. Idempotent (the file is replaced); nothing is written for a single-node job or a run directory that
+    is gone, and a file that cannot be written never fails the cancel (the scheduler's cancel is the main path).
     """
     count = node_count(runner, run_dir, _server_marker(runner, run_dir))
     if count is None or count <= 1:
         return False
     try:
-        runner.write_bytes(f"{run_dir}/stop", f"{why}\n".encode())
+        runner.write_bytes(f"{run_dir}/stop", b"")
     except OSError:
         return False
     return True

@@ -330,20 +330,26 @@ def _unlisted(st: JobStatus, ours: bool, answered: bool, absence: Absence | None
     return st
 
 
-def with_nodes(st: JobStatus, nodes: NodesView) -> JobStatus:
+def with_nodes(st: JobStatus, nodes: NodesView, head_reason: Any = None, head_lines: Sequence[str] = ()) -> JobStatus:
     """A job over several nodes: READY only once every node is up, FAILED naming the worker that failed first.
 
     The head alone would hang (or answer ``/health`` for nothing) when a worker died, so a worker's ``failed``
     marker beats the head's answer. A node failure explains a job the scheduler ended badly, or a job still
-    running; a cancelled or queued job stays what it is. Pure: tested without any I/O.
+    running; a cancelled or queued job stays what it is. ``head_reason``: ``server.json``'s ``reason``, the
+    head's own words when it failed because of something other than a worker's marker (the launcher could not
+    start a node, ...); ``head_lines``: the head's log (its compile failure restarts every node). Pure.
     """
     st.nnodes, st.nodes = nodes.nnodes, nodes.node_dicts()
+    if st.state is ServerState.FAILED and st.confirmed and isinstance(head_reason, str) and head_reason.strip():
+        st.reason = head_reason.strip()
     head_ours = st.state is ServerState.READY
     st.nodes_ready = sum(nodes.up(head_ours))
     running = not st.state.final or not st.confirmed  # the job should still be serving (or restarting)
     culprit = nodes.culprit(running)
     if culprit is not None and culprit.rank > 0 and st.state not in (ServerState.PENDING, ServerState.CANCELLED):
-        return _node_failed(st, culprit, current_attempt(nodes.logs.get(culprit.rank, [])), running)
+        settled = not running or nodes.stopped  # the job ended, or the head (or launcher) decided it is over
+        attempts = (current_attempt(nodes.logs.get(culprit.rank, [])), current_attempt(head_lines))
+        return _node_failed(st, culprit, attempts, settled)
     down = nodes.first_down(head_ours)
     if down is None or st.state not in (ServerState.READY, ServerState.STARTING):
         return st
@@ -352,10 +358,17 @@ def with_nodes(st: JobStatus, nodes: NodesView) -> JobStatus:
     return st
 
 
-def _node_failed(st: JobStatus, node: NodeMarker, attempt: list[str], running: bool) -> JobStatus:
-    """FAILED because worker ``node`` failed: its reason and log lines, not the head's."""
+def _node_failed(st: JobStatus, node: NodeMarker, attempts: tuple[list[str], list[str]], settled: bool) -> JobStatus:
+    """FAILED because worker ``node`` failed: its reason and log lines, not the head's.
+
+    Confirmed once ``settled``. Before that the head has not decided yet (it checks its workers each second):
+    it stops every node and fails, or, after a graph/compile error on any node (a worker also loses the head
+    whose own compile failed), restarts them all in eager mode with a new attempt, and this marker is then old.
+    ``wait`` gives an unconfirmed verdict a few seconds (120 s when an eager restart is expected).
+    ``attempts``: the current attempt's lines of the node's log and of the head's."""
     from pbs_toolkit.vllm.startup import find_fatal, is_compile_failure
 
+    attempt, head_attempt = attempts
     fatal = find_fatal(attempt)
     tail = [line for line in attempt[-8:] if line.strip()]
     verb = "failed" if node.phase == Phase.FAILED else "exited"
@@ -363,10 +376,10 @@ def _node_failed(st: JobStatus, node: NodeMarker, attempt: list[str], running: b
     said = fatal[0] if fatal else (tail[-1] if tail else f"(nothing in {node_log_name(node.rank)})")
     st.state, st.reason, st.failed_node = ServerState.FAILED, f"{node.name} {verb}{code}: {said}", node.rank
     st.log_excerpt = fatal or tail
-    # a graph/compile failure on a worker: the head restarts every node in eager mode (a new attempt)
-    st.restart_expected = (running and not st.record.spec.eager and not st.eager_fallback
-                           and is_compile_failure(attempt))
-    st.confirmed = not st.restart_expected
+    eager_next = not st.record.spec.eager and not st.eager_fallback
+    compile_failed = is_compile_failure(attempt) or is_compile_failure(head_attempt)  # as the head decides
+    st.restart_expected = not settled and eager_next and compile_failed
+    st.confirmed = settled
     return st
 
 
@@ -411,7 +424,7 @@ def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, st
     st = combine(record, sched, view.marker, view.lines, view.health, identity=view.identity, absence=absence,
                  answered=answered)
     if view.nodes is not None:
-        st = with_nodes(st, view.nodes)
+        st = with_nodes(st, view.nodes, (view.marker or {}).get("reason"), view.lines)
     if view.identity is not None and view.identity.ours and view.marker:
         where = f"{view.marker.get('address') or '127.0.0.1'}:{view.marker['port']}"
         if record.extra.get(VERIFIED_KEY) != where:
