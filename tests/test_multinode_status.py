@@ -145,11 +145,12 @@ def test_the_node_that_failed_first_is_named(run_dir: Path) -> None:
     write_node(run_dir, 0, "failed", nnodes=3, exit_code=1, updated=NOW + 2)
     write_node(run_dir, 1, "failed", nnodes=3, exit_code=137, updated=NOW)
     write_node(run_dir, 2, "failed", nnodes=3, exit_code=143, updated=NOW)
-    (run_dir / "vllm.node1.log").write_text("INFO loading\nKilled\n")
+    died = "pbstk: 09:28:31 vLLM exited with code 137 before it was ready"  # the start script's own line
+    (run_dir / "vllm.node1.log").write_text(f"INFO loading\n{died}\n")
     st = judged(run_dir, sched("F", 1))
     assert st.state is ServerState.FAILED and st.failed_node == 1
-    assert st.reason == "node 1 (fakenode1) failed with exit 137: Killed"
-    assert st.log_excerpt == ["INFO loading", "Killed"]
+    assert st.reason == "node 1 (fakenode1) failed with exit 137: vLLM exited with code 137 before it was ready"
+    assert st.log_excerpt == ["INFO loading", died]
 
 
 def test_a_worker_that_exits_is_a_failure_while_the_job_runs(run_dir: Path) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -358,6 +359,10 @@ def with_nodes(st: JobStatus, nodes: NodesView, head_reason: Any = None, head_li
     return st
 
 
+#: the start script's own log lines begin ``pbstk: HH:MM:SS``; a reason quoting one leaves that out
+_PBSTK_STAMP = re.compile(r"^pbstk: (?:\d\d:\d\d:\d\d )?")
+
+
 def _node_failed(st: JobStatus, node: NodeMarker, attempts: tuple[list[str], list[str]], settled: bool) -> JobStatus:
     """FAILED because worker ``node`` failed: its reason and log lines, not the head's.
 
@@ -374,6 +379,7 @@ def _node_failed(st: JobStatus, node: NodeMarker, attempts: tuple[list[str], lis
     verb = "failed" if node.phase == Phase.FAILED else "exited"
     code = f" with exit {node.exit_code}" if node.exit_code is not None else ""
     said = fatal[0] if fatal else (tail[-1] if tail else f"(nothing in {node_log_name(node.rank)})")
+    said = _PBSTK_STAMP.sub("", said)  # "pbstk: 09:28:31 vLLM exited with code 137 ..." -> "vLLM exited ..."
     st.state, st.reason, st.failed_node = ServerState.FAILED, f"{node.name} {verb}{code}: {said}", node.rank
     st.log_excerpt = fatal or tail
     eager_next = not st.record.spec.eager and not st.eager_fallback
