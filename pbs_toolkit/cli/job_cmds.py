@@ -97,6 +97,7 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
     UNKNOWN means the scheduler did not answer (after retries) and the run directory does not tell;
     nothing is recorded then. With no JOB: every job that has not ended (``--all`` for all).
     UPTIME and WALLTIME-LEFT come from the scheduler; ``!`` marks a job within 10 minutes of its walltime.
+    A job over several nodes is READY only with every node up (DETAIL ``2/2 nodes``); a failed node is named.
     One scheduler query per call.
     """
     from pbs_toolkit.client import Client
