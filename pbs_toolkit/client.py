@@ -408,9 +408,10 @@ class Client:
         return [r for r in self.store.all() if show_all or not r.final_state]
 
     def cancel(self, job: Job | JobRecord | str, *, keep_endpoint: bool = False) -> bool:
-        """Stop the job; ``True`` if stopped now, ``False`` if it had already ended. The registry entries it
-        wrote are removed (``on_removal`` hears each; a registry that cannot be written never fails the cancel),
-        or with ``keep_endpoint`` kept for good."""
+        """Stop the job; ``True`` if stopped now, ``False`` if it had already ended. A job over several nodes also
+        gets ``RUN_DIR/stop``, which every node's start script obeys. The registry entries it wrote are removed
+        (``on_removal`` hears each; a registry that cannot be written never fails the cancel), or with
+        ``keep_endpoint`` kept for good."""
         from pbs_toolkit.jobs.launch import cancel
 
         record = self.record(job)
@@ -423,11 +424,12 @@ class Client:
 
     def logs(self, job: Job | JobRecord | str | None = None, lines: int = 50, follow: bool = False, *,
              stream: str = "vllm", final_every: float = 5.0,
-             notice: Callable[[str], None] | None = None) -> Iterator[str]:
+             notice: Callable[[str], None] | None = None, node: int | None = None) -> Iterator[str]:
         """The job's log lines (without newlines): the last ``lines``; with ``follow``, then new ones until the
         job ends (its status is asked at most every ``final_every`` s). Closing the iterator stops following.
-        ``notice`` hears what happens to the file while following (rotated, truncated, ...)."""
-        record, path = self._log_path(job, lines, stream)
+        ``notice`` hears what happens to the file while following (rotated, truncated, ...). ``node``: that
+        node's vLLM log on a job over several nodes (0, the head's, is the default ``vllm`` stream)."""
+        record, path = self._log_path(job, lines, stream, node)
         if follow:
             return self._follow(record, path, lines, final_every, notice or (lambda m: _log.info("%s", m)))
         if lines == 0:
@@ -436,18 +438,24 @@ class Client:
         return iter("".join(self._tail_pieces(record, path, lines)).splitlines())
 
     def log_text(self, job: Job | JobRecord | str | None = None, lines: int = 50, *,
-                 stream: str = "vllm") -> Iterator[str]:
+                 stream: str = "vllm", node: int | None = None) -> Iterator[str]:
         """The last ``lines`` lines exactly as the file holds them (line ends kept, in pieces: ``lines=10**6``
         never holds a second full copy of the text)."""
-        record, path = self._log_path(job, lines, stream)
+        record, path = self._log_path(job, lines, stream, node)
         return self._tail_pieces(record, path, lines)
 
-    def _log_path(self, job: Job | JobRecord | str | None, lines: int, stream: str) -> tuple[JobRecord, str]:
+    def _log_path(self, job: Job | JobRecord | str | None, lines: int, stream: str,
+                  node: int | None = None) -> tuple[JobRecord, str]:
         from pbs_toolkit.jobs.logs import stream_path
+        from pbs_toolkit.jobs.nodes import node_log_path
 
         if lines < 0:
             raise UsageError("lines must not be negative")
+        if node is not None and stream != "vllm":
+            raise UsageError(f"--node picks one node's vLLM log; the {stream} stream is the job's, not a node's")
         record = self.record(job)
+        if node is not None:
+            return record, node_log_path(self.runner(record.transport), record.run_dir, record.job_id, node)
         return record, stream_path(record.run_dir, record.scheduler, stream)
 
     def _tail_pieces(self, record: JobRecord, path: str, lines: int) -> Iterator[str]:

@@ -97,6 +97,7 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
     UNKNOWN means the scheduler did not answer (after retries) and the run directory does not tell;
     nothing is recorded then. With no JOB: every job that has not ended (``--all`` for all).
     UPTIME and WALLTIME-LEFT come from the scheduler; ``!`` marks a job within 10 minutes of its walltime.
+    A job over several nodes is READY only with every node up (DETAIL ``2/2 nodes``); a failed node is named.
     One scheduler query per call.
     """
     from pbs_toolkit.client import Client
@@ -112,6 +113,8 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
     rows = []
     for s in results:
         detail = s.phase if s.state.value == "STARTING" else (s.comment if s.state.value == "PENDING" else s.reason)
+        if s.state.value == "READY" and s.nodes_text:  # READY 2/2 nodes
+            detail = f"{s.nodes_text}; {detail}" if detail else s.nodes_text
         uptime, left = time_cells(s)
         if s.walltime_ending:
             detail = f"ending in {short(s.walltime_left_s or 0)} (walltime); {detail or ''}".rstrip("; ")
@@ -185,7 +188,9 @@ def cancel(jobs: tuple[str, ...], keep_endpoint: bool, as_json: bool) -> None:
 @click.option("--stream", type=click.Choice(STREAMS), default="vllm", show_default=True,
               help=f"vllm, or the scheduler's job output (sched-out, sched-err; {', '.join(stream_aliases())} "
               "still work).")
-def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
+@click.option("--node", type=int, default=None, metavar="K",
+              help="On a job over several nodes: node K's vLLM log (0, the head's, is the default).")
+def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | None) -> None:
     """The realtime vLLM log of JOB (default: the newest job), locally or over SSH."""
     from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
@@ -194,10 +199,11 @@ def logs(job: str | None, follow: bool, lines: int, stream: str) -> None:
         raise UsageError("-n must not be negative")
     with Client() as c:
         if not follow:
-            for piece in c.log_text(job, lines, stream=stream):  # -n 1000000: no second full copy of the text
+            # -n 1000000: no second full copy of the text
+            for piece in c.log_text(job, lines, stream=stream, node=node):
                 click.echo(piece, nl=False)
             return
-        for line in c.logs(job, lines, follow=True, stream=stream,
+        for line in c.logs(job, lines, follow=True, stream=stream, node=node,
                            notice=lambda m: click.echo(f"pbstk: {m}", err=True)):
             click.echo(line)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import PbstkError, UsageError
+from pbs_toolkit.jobs.nodes import request_stop
 from pbs_toolkit.jobs.render import RenderedJob, RenderRequest, render, run_dir_errors
 from pbs_toolkit.jobs.spec import LaunchSpec
 from pbs_toolkit.jobs.store import (
@@ -283,7 +284,9 @@ def cancel(record: JobRecord, *, runner: Runner | None = None) -> bool:
     own = runner is None
     runner = runner or open_runner(record.transport or None)
     try:
-        return get_scheduler(record.scheduler).cancel(runner, JobRef(record.job_id, record.run_dir))
+        stopped = get_scheduler(record.scheduler).cancel(runner, JobRef(record.job_id, record.run_dir))
+        request_stop(runner, record.run_dir)  # nodes started over ssh are not the scheduler's to stop
+        return stopped
     finally:
         if own:
             runner.close()

@@ -41,10 +41,10 @@ def scheduler_intervals() -> tuple[float, ...]:
 
 
 def _failure(st: JobStatus, runner: Runner) -> ServerFailed:
-    where = f" (log: {st.record.run_dir}/vllm.log)"
+    where = f" (log: {st.log_file})"  # a failed worker's own log on a job over several nodes
     details = st.log_excerpt
     if not details:  # cancelled, lost or walltime: the log's last lines still say how far it got
-        details = [line for line in tail_lines(runner, f"{st.record.run_dir}/vllm.log", 8) if line.strip()]
+        details = [line for line in tail_lines(runner, st.log_file, 8) if line.strip()]
     return ServerFailed(f"job {st.record.job_id} is {st.state.value}: {st.reason or 'no reason given'}{where}",
                         details=details)
 
@@ -57,8 +57,8 @@ def _confirm_end(runner: Runner, record: JobRecord, st: JobStatus,
     job is finished. A few queries, once per job, then the run directory's verdict stands. Returns the status and
     the scheduler's latest view of the job.
     """
-    if sched is None or sched.state is SchedState.FINISHED:
-        return st, sched
+    if sched is None or sched.state is SchedState.FINISHED or st.failed_node is not None:
+        return st, sched  # (a failed worker's marker already says why; the scheduler adds nothing to that)
     deadline = time.monotonic() + CONFIRM_END_S
     while True:
         try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pbs_toolkit.jobs.logs import tail_lines
+from pbs_toolkit.jobs.nodes import NodesView, read_nodes
 from pbs_toolkit.jobs.store import JobRecord
 from pbs_toolkit.schedulers import SchedState, SchedulerJob
 from pbs_toolkit.server.phases import LISTENING_PHASES
@@ -41,6 +42,8 @@ class RunDirView:
     identity: Identity | None = None
     #: (log size, marker checksum): a change between scheduler polls is a sign of life
     fingerprint: list[int | None] = field(default_factory=lambda: [None, None])
+    #: a job over several nodes: every node's marker (``nodes/K.json``); ``None`` for a single-node job
+    nodes: NodesView | None = None
 
 
 def _port(value: Any) -> int | None:
@@ -106,6 +109,7 @@ def look(runner: Runner, record: JobRecord, sched: SchedulerJob | None) -> RunDi
     except OSError:
         log_size = None
     view.fingerprint = [log_size, zlib.crc32(raw) if raw is not None else None]
+    view.nodes = read_nodes(runner, record.run_dir, view.marker)
     marker = view.marker or {}
     if marker.get("port") and marker.get("phase") in LISTENING_PHASES:
         host, port = marker.get("address") or "127.0.0.1", int(marker["port"])

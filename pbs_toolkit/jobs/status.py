@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pbs_toolkit.errors import PbstkError, SchedulerError, SchedulerUnavailable, TransportError
+from pbs_toolkit.jobs.nodes import NodeMarker, NodesView, node_log_name, node_phase_text
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView, look, look_all
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.schedulers import JobRef, Outcome, SchedState, SchedulerJob, get_scheduler
@@ -94,6 +96,24 @@ class JobStatus:
     walltime_s: int | None = None
     #: when the scheduler expects the queued job to start (epoch seconds), if it says
     estimated_start: float | None = None
+    #: a job over several nodes: how many, how many are up (``None``: single-node), every node's marker
+    nnodes: int = 1
+    nodes_ready: int | None = None
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    #: the worker whose failure ended the job (its log is ``vllm.node<K>.log``); ``None``: the head, or none
+    failed_node: int | None = None
+
+    @property
+    def nodes_text(self) -> str | None:
+        """``2/2 nodes`` for a job over several nodes, ``None`` for a single-node one."""
+        if self.nnodes <= 1 or self.nodes_ready is None:
+            return None
+        return f"{self.nodes_ready}/{self.nnodes} nodes"
+
+    @property
+    def log_file(self) -> str:
+        """The log that explains this status: the failed worker's, else the head's ``vllm.log``."""
+        return f"{self.record.run_dir}/{node_log_name(self.failed_node or 0)}"
 
     @property
     def walltime_left_s(self) -> float | None:
@@ -127,6 +147,8 @@ class JobStatus:
             "uptime_s": _rounded(self.uptime_s), "walltime_s": self.walltime_s,
             "walltime_left_s": _rounded(self.walltime_left_s), "walltime_ending": self.walltime_ending,
             "estimated_start": self.estimated_start,
+            "nnodes": self.nnodes, "nodes_ready": self.nodes_ready, "nodes": self.nodes,
+            "failed_node": self.failed_node,
         }
 
 
@@ -309,6 +331,64 @@ def _unlisted(st: JobStatus, ours: bool, answered: bool, absence: Absence | None
     return st
 
 
+def with_nodes(st: JobStatus, nodes: NodesView, head_reason: Any = None, head_lines: Sequence[str] = ()) -> JobStatus:
+    """A job over several nodes: READY only once every node is up, FAILED naming the worker that failed first.
+
+    The head alone would hang (or answer ``/health`` for nothing) when a worker died, so a worker's ``failed``
+    marker beats the head's answer. A node failure explains a job the scheduler ended badly, or a job still
+    running; a cancelled or queued job stays what it is. ``head_reason``: ``server.json``'s ``reason``, the
+    head's own words when it failed because of something other than a worker's marker (the launcher could not
+    start a node, ...); ``head_lines``: the head's log (its compile failure restarts every node). Pure.
+    """
+    st.nnodes, st.nodes = nodes.nnodes, nodes.node_dicts()
+    if st.state is ServerState.FAILED and st.confirmed and isinstance(head_reason, str) and head_reason.strip():
+        st.reason = head_reason.strip()
+    head_ours = st.state is ServerState.READY
+    st.nodes_ready = sum(nodes.up(head_ours))
+    running = not st.state.final or not st.confirmed  # the job should still be serving (or restarting)
+    culprit = nodes.culprit(running)
+    if culprit is not None and culprit.rank > 0 and st.state not in (ServerState.PENDING, ServerState.CANCELLED):
+        settled = not running or nodes.stopped  # the job ended, or the head (or launcher) decided it is over
+        attempts = (current_attempt(nodes.logs.get(culprit.rank, [])), current_attempt(head_lines))
+        return _node_failed(st, culprit, attempts, settled)
+    down = nodes.first_down(head_ours)
+    if down is None or st.state not in (ServerState.READY, ServerState.STARTING):
+        return st
+    doing = node_phase_text(nodes, down, st.phase, current_attempt(nodes.logs.get(down, [])))
+    st.state, st.phase = ServerState.STARTING, f"{st.nodes_ready}/{nodes.nnodes} nodes up ({doing})"
+    return st
+
+
+#: the start script's own log lines begin ``pbstk: HH:MM:SS``; a reason quoting one leaves that out
+_PBSTK_STAMP = re.compile(r"^pbstk: (?:\d\d:\d\d:\d\d )?")
+
+
+def _node_failed(st: JobStatus, node: NodeMarker, attempts: tuple[list[str], list[str]], settled: bool) -> JobStatus:
+    """FAILED because worker ``node`` failed: its reason and log lines, not the head's.
+
+    Confirmed once ``settled``. Before that the head has not decided yet (it checks its workers each second):
+    it stops every node and fails, or, after a graph/compile error on any node (a worker also loses the head
+    whose own compile failed), restarts them all in eager mode with a new attempt, and this marker is then old.
+    ``wait`` gives an unconfirmed verdict a few seconds (120 s when an eager restart is expected).
+    ``attempts``: the current attempt's lines of the node's log and of the head's."""
+    from pbs_toolkit.vllm.startup import find_fatal, is_compile_failure
+
+    attempt, head_attempt = attempts
+    fatal = find_fatal(attempt)
+    tail = [line for line in attempt[-8:] if line.strip()]
+    verb = "failed" if node.phase == Phase.FAILED else "exited"
+    code = f" with exit {node.exit_code}" if node.exit_code is not None else ""
+    said = fatal[0] if fatal else (tail[-1] if tail else f"(nothing in {node_log_name(node.rank)})")
+    said = _PBSTK_STAMP.sub("", said)  # "pbstk: 09:28:31 vLLM exited with code 137 ..." -> "vLLM exited ..."
+    st.state, st.reason, st.failed_node = ServerState.FAILED, f"{node.name} {verb}{code}: {said}", node.rank
+    st.log_excerpt = fatal or tail
+    eager_next = not st.record.spec.eager and not st.eager_fallback
+    compile_failed = is_compile_failure(attempt) or is_compile_failure(head_attempt)  # as the head decides
+    st.restart_expected = not settled and eager_next and compile_failed
+    st.confirmed = settled
+    return st
+
+
 def _save(store: JobStore | None, record: JobRecord, **values: Any) -> None:
     if store is not None:
         store.update_extra(record, **values)
@@ -349,6 +429,8 @@ def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, st
         _save(store, record, **{ABSENCE_KEY: None})
     st = combine(record, sched, view.marker, view.lines, view.health, identity=view.identity, absence=absence,
                  answered=answered)
+    if view.nodes is not None:
+        st = with_nodes(st, view.nodes, (view.marker or {}).get("reason"), view.lines)
     if view.identity is not None and view.identity.ours and view.marker:
         where = f"{view.marker.get('address') or '127.0.0.1'}:{view.marker['port']}"
         if record.extra.get(VERIFIED_KEY) != where:
