@@ -258,9 +258,10 @@ def test_missing_launcher_fails_the_head_marker_with_one_reason(make_multi: Any)
     job.wait("the job finished", lambda: qstat(job).get("Exit_status") == 127)
 
 
-def test_compile_error_on_a_worker_restarts_every_node_eager(make_multi: Any) -> None:
+@pytest.mark.parametrize("failing", ["0", "1"])
+def test_a_compile_error_on_any_node_restarts_every_node_eager(make_multi: Any, failing: str) -> None:
     job = make_multi(2, "dp", "pbsdsh")
-    qsub(job, PBSTK_TEST_STANDIN_MODE_NODE1="compile-fail-once")
+    qsub(job, **{f"PBSTK_TEST_STANDIN_MODE_NODE{failing}": "compile-fail-once"})
     job.wait_ready(timeout=30)
     assert job.read("head.json")["attempt"] == 2 and job.read("head.json")["eager"] is True
     by_rank: dict[str, list[list[str]]] = {}

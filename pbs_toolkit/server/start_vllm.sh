@@ -18,6 +18,7 @@ if [ "${1:-}" = --node ]; then
   NODE_RANK=${2:-$NODE_RANK}
 fi
 [ -n "$NODE_RANK" ] && NODE_ROLE=true
+[ "$NNODES" -gt 1 ] || NODE_ROLE=false  # one node: today's script, whatever the environment says
 LAUNCHER=false
 [ "$NNODES" -gt 1 ] && [ "$NODE_ROLE" = false ] && LAUNCHER=true
 NODE=${PBSTK_NODE_HOST:-$(hostname -s 2>/dev/null || hostname)}
@@ -459,7 +460,9 @@ pbstk_head_watch() {
     FAILED_NODE=$k
     FAILED_RC=$(pbstk_json_get "$marker" exit_code)
     HEAD_ACTION=fail
-    if [ "$EAGER" = false ] && [ "$NODE_ENGINE" != ray ] && grep -Eq "$COMPILE_ERROR_RE" "$RUN_DIR/vllm.node$k.log" 2>/dev/null; then
+    # the worker's compile error, or the head's own (its workers lose the head and fail too)
+    if [ "$EAGER" = false ] && [ "$NODE_ENGINE" != ray ] \
+      && { grep -Eq "$COMPILE_ERROR_RE" "$RUN_DIR/vllm.node$k.log" 2>/dev/null || pbstk_attempt_log | grep -Eq "$COMPILE_ERROR_RE"; }; then
       HEAD_ACTION=eager
     fi
     break
@@ -589,9 +592,10 @@ pbstk_worker() {
     pbstk_log "vLLM exited with code $RC before it was ready"
     REASON="vLLM exited with code $RC before it was ready"
     pbstk_state "$PHASE_FAILED" "$RC"
-    # a compile error: the head decides on the eager restart of every node; wait for it (bounded)
-    if [ "$HEAD_EAGER" != true ] && [ "$EAGER" = false ] && pbstk_attempt_log | grep -Eq "$COMPILE_ERROR_RE"; then
-      pbstk_log "graph/compile error: waiting for the head to restart every node with --enforce-eager"
+    # The head decides on an eager restart of every node (a compile error here or on the head, whose loss may be
+    # what ended this vLLM); wait for its decision, bounded: a new attempt, or `stop`.
+    if [ "$HEAD_EAGER" != true ] && [ "$EAGER" = false ] && [ "$NODE_ENGINE" != ray ]; then
+      pbstk_attempt_log | grep -Eq "$COMPILE_ERROR_RE" && pbstk_log "graph/compile error: waiting for the head's decision"
       if timeout_wait_head "$seen"; then
         REASON=
         continue
@@ -601,7 +605,7 @@ pbstk_worker() {
     exit "$RC"
   done
 }
-# The head's eager decision comes within a few seconds of our failed marker; 60 s bounds the wait.
+# The head's decision (a new attempt, or `stop`) comes within a few seconds of our failed marker; 60 s bounds it.
 timeout_wait_head() {
   local i attempt
   for ((i = 0; i < 60; i++)); do
