@@ -32,6 +32,25 @@ FIXED_PORT=false
 PORT_SPAN=100
 MODEL=Qwen/Qwen3-VL-2B-Instruct
 VLLM_ENTRYPOINT=serve
+# Nodes: NNODES (1 = one node), NODE_ENGINE single|dp|nnodes|ray, the layout TP x PP x DP (DP_LOCAL ranks per
+# node), NODE_LAUNCHER (how the job starts one start script per node), NCCL_IFNAME/GLOO_IFNAME (exported as
+# NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME when non-empty). VLLM_ARGS below is the same on every node: it has
+# --tensor-parallel-size/--pipeline-parallel-size/--data-parallel-size when > 1, and for dp also
+# --data-parallel-size-local, for ray --distributed-executor-backend ray (TP/PP) or --data-parallel-backend ray
+# (DP). The body appends the rank-specific flags: dp --data-parallel-address/--data-parallel-rpc-port (+ workers
+# --headless --data-parallel-start-rank); nnodes --nnodes/--node-rank/--master-addr/--master-port (+ --headless).
+# shellcheck disable=SC2034  # read by the body's multi-node steps; a body without them still runs one node
+{
+NNODES=1
+NODE_ENGINE=single
+TP=1
+PP=1
+DP=4
+DP_LOCAL=4
+NODE_LAUNCHER=mpiexec
+NCCL_IFNAME=''
+GLOO_IFNAME=''
+}
 VLLM_ARGS=(
   --served-model-name Qwen/Qwen3-VL-2B-Instruct
   --data-parallel-size 4
