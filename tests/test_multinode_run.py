@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -358,3 +359,83 @@ def test_standin_rank_outside_the_layout_fails_and_a_lone_worker_gives_up(standi
     started = time.monotonic()
     out, _ = lone.communicate(timeout=10)
     assert lone.returncode == 1 and "could not connect to the head" in out and time.monotonic() - started >= 1
+
+
+# --- end to end through the CLI: render (the node plan), submit, READY with every node, answer, cancel ---
+def _pbstk(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pbs_toolkit", *args], capture_output=True, text=True,  # noqa: S603
+                          env=env, timeout=120, check=False)
+
+
+def _answer_and_cancel(job_id: str, env: dict[str, str] | None = None) -> None:
+    launched = json.loads(_pbstk("status", job_id, "--json", env=env).stdout)
+    record = launched[0] if isinstance(launched, list) else launched
+    run_dir = Path(next(v for k, v in _walk(record) if k == "run_dir"))
+    server = json.loads((run_dir / "server.json").read_text())
+    deadline = time.monotonic() + 5  # a worker sees the head's READY within its next poll (1 s)
+    while time.monotonic() < deadline:
+        markers = [json.loads((run_dir / "nodes" / f"{k}.json").read_text()) for k in (0, 1)]
+        if [m["phase"] for m in markers] == ["ready", "ready"]:
+            break
+        time.sleep(0.1)
+    assert [m["phase"] for m in markers] == ["ready", "ready"]
+    assert [m["address"] for m in markers] == ["127.0.0.2", "127.0.0.3"]
+    key = (run_dir / "api_key").read_text()
+    request = urllib.request.Request(f"http://{server['address']}:{server['port']}/v1/models",
+                                     headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:  # noqa: S310
+        assert resp.status == 200
+    pids = [m["pid"] for m in markers]
+    assert _pbstk("cancel", job_id, env=env).returncode == 0
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        phases = [json.loads((run_dir / "nodes" / f"{k}.json").read_text())["phase"] for k in (0, 1)]
+        alive = [p for p in pids if _alive(p)]
+        if phases == ["cancelled", "cancelled"] and not alive:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"nodes {phases}, vLLM pids still alive: {alive}")
+
+
+def _walk(obj: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield key, value
+            yield from _walk(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from _walk(value)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_launch_dp8_on_two_fake_pbs_nodes_end_to_end(fakepbs: Path, standins: Path,
+                                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-empty"))
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0.1")
+    result = _pbstk("launch", "Qwen/Qwen3-0.6B", "-P", "generic-pbspro", "--nodes", "2", "--preset", "dp8",
+                    "--wait", "--timeout", "60")
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = re.search(r"submitted (\S+)", result.stdout + result.stderr).group(1)  # type: ignore[union-attr]
+    _answer_and_cancel(job_id)
+
+
+def test_launch_on_the_local_scheduler_as_two_nodes(standins: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-empty"))
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0.1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    result = _pbstk("launch", "Qwen/Qwen3-0.6B", "-P", "generic-pbspro", "--scheduler", "local", "--nodes", "2",
+                    "--preset", "dp8", "--wait", "--timeout", "60")
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = re.search(r"submitted (\S+)", result.stdout + result.stderr).group(1)  # type: ignore[union-attr]
+    starts = {s["env"]["PBSTK_NODE_RANK"]: s["env"] for s in
+              (json.loads(line) for line in (standins / "argv.jsonl").read_text().splitlines())}
+    assert starts["0"]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and starts["1"]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    _answer_and_cancel(job_id)

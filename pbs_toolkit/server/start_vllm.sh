@@ -418,9 +418,9 @@ pbstk_engine_flags() {
     ray)
       if [ "$DP" -gt 1 ]; then
         pbstk_add_size --data-parallel-size "$DP"
-        ENGINE_FLAGS+=(--data-parallel-backend ray)
+        pbstk_add_size --data-parallel-backend ray
       else
-        ENGINE_FLAGS+=(--distributed-executor-backend ray)
+        pbstk_add_size --distributed-executor-backend ray
       fi
       ;;
   esac
