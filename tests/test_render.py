@@ -139,14 +139,15 @@ def rendered_matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             syntax = [subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True)  # noqa: S603,S607
                       for p in pair]
             results[case_id] = {"job": job, "files": pair, "bash_n": syntax}
-    # shellcheck costs ~0.2 s a file: one call per CPU over a share of the list
+    # shellcheck costs ~0.2 s a job script and ~1.5 s a start script (the multi-node body): one call per CPU over a
+    # share of the list, with room for a loaded machine
     workers = max(2, min(8, os.cpu_count() or 2))
     procs = [subprocess.Popen(["shellcheck", "-f", "json1", *map(str, files[i::workers])],  # noqa: S603,S607
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(workers) if files[i::workers]]
     comments: list[dict[str, Any]] = []
     for proc in procs:
-        stdout, stderr = proc.communicate(timeout=120)
+        stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode in (0, 1), stderr  # 1 = findings (asserted per case below)
         comments += json.loads(stdout)["comments"]
     for value in results.values():

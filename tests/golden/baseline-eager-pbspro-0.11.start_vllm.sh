@@ -63,11 +63,8 @@ PORT_IN_USE_RE='(Address already in use|Errno 98)'
 # settings header the launch rendered in front of it; no Jinja here, so shellcheck checks this file as it runs.
 set -uo pipefail
 # --- several nodes (docs: RUN_DIR/nodes/K.json, head.json, stop). A header without these is one node ---
-NNODES=${NNODES:-1}
-NODE_ENGINE=${NODE_ENGINE:-single}
-TP=${TP:-1} PP=${PP:-1} DP=${DP:-1} DP_LOCAL=${DP_LOCAL:-1}
-NODE_LAUNCHER=${NODE_LAUNCHER:-pbsdsh}
-NCCL_IFNAME=${NCCL_IFNAME:-} GLOO_IFNAME=${GLOO_IFNAME:-}
+: "${NNODES:=1}" "${NODE_ENGINE:=single}" "${TP:=1}" "${PP:=1}" "${DP:=1}" "${DP_LOCAL:=1}"
+: "${NODE_LAUNCHER:=pbsdsh}" "${NCCL_IFNAME:=}" "${GLOO_IFNAME:=}"
 # A node's copy is started as `start_vllm.sh --node [K]` (pbsdsh and ssh pass no environment; under mpiexec the
 # rank comes from the node's place in the host list) or with PBSTK_NODE_RANK exported (local launcher).
 NODE_RANK=${PBSTK_NODE_RANK:-}
@@ -477,9 +474,9 @@ pbstk_engine_flags() {
     ray)
       if [ "$DP" -gt 1 ]; then
         pbstk_add_size --data-parallel-size "$DP"
-        ENGINE_FLAGS+=(--data-parallel-backend ray)
+        pbstk_add_size --data-parallel-backend ray
       else
-        ENGINE_FLAGS+=(--distributed-executor-backend ray)
+        pbstk_add_size --distributed-executor-backend ray
       fi
       ;;
   esac
