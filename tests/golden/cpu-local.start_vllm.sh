@@ -500,21 +500,28 @@ pbstk_write_head() {
     "$(pbstk_json_int "$PORT")" "$(pbstk_json_int "$RPC_PORT")" "$(pbstk_json_int "$ATTEMPT")" "$EAGER" >"$tmp" \
     && mv -f "$tmp" "$RUN_DIR/head.json"
 }
-# pbstk_json_get FILE KEY: a value from one of our own one-line markers (strings unquoted).
-pbstk_json_get() { sed -n "s/.*\"$2\": \"\{0,1\}\([^\",}]*\).*/\1/p" "$1" 2>/dev/null | head -n 1; }
+# pbstk_json_get VAR FILE KEY: VAR = a value from one of our own one-line markers (strings unquoted), "" if none.
+# Builtins only, no $(...): the polling loops call it each second, and bash 5.2 can fail to run a trap (qdel's TERM)
+# that arrives while it parses a command substitution ("trap: unexpected EOF while looking for matching `)'").
+pbstk_json_get() {
+  local _jline='' _jre="\"$3\": \"?([^\",}]*)"
+  [ -r "$2" ] && IFS= read -r _jline 2>/dev/null <"$2"
+  if [[ $_jline =~ $_jre ]]; then printf -v "$1" '%s' "${BASH_REMATCH[1]}"; else printf -v "$1" '%s' ""; fi
+}
 
 # The head, each second: a worker that failed ends the attempt (HEAD_ACTION fail, or eager when it was a compile
 # error and eager is not on yet); `stop` with a reason (the launcher saw a node's starter die) fails it too.
 pbstk_head_watch() {
-  local k marker phase
+  local k marker phase attempt
   [ -n "$HEAD_ACTION" ] && return 0
   for ((k = 1; k < NNODES; k++)); do
     marker="$RUN_DIR/nodes/$k.json"
-    [ "$(pbstk_json_get "$marker" attempt)" = "$ATTEMPT" ] || continue
-    phase=$(pbstk_json_get "$marker" phase)
+    pbstk_json_get attempt "$marker" attempt
+    [ "$attempt" = "$ATTEMPT" ] || continue
+    pbstk_json_get phase "$marker" phase
     case "$phase" in "$PHASE_FAILED" | "$PHASE_EXITED") ;; *) continue ;; esac
     FAILED_NODE=$k
-    FAILED_RC=$(pbstk_json_get "$marker" exit_code)
+    pbstk_json_get FAILED_RC "$marker" exit_code
     HEAD_ACTION=fail
     # the worker's compile error, or the head's own (its workers lose the head and fail too)
     if [ "$EAGER" = false ] && [ "$NODE_ENGINE" != ray ] \
@@ -535,7 +542,7 @@ pbstk_head_watch() {
 pbstk_head_fail() {
   local host lines
   if [ -n "$FAILED_NODE" ]; then
-    host=$(pbstk_json_get "$RUN_DIR/nodes/$FAILED_NODE.json" host)
+    pbstk_json_get host "$RUN_DIR/nodes/$FAILED_NODE.json" host
     lines=$(tail -n 20 "$RUN_DIR/vllm.node$FAILED_NODE.log" 2>/dev/null | grep -v "^pbstk: " | tail -n 4)
     REASON="node $FAILED_NODE (host $host) failed: ${lines:-exit code ${FAILED_RC:-?}}"
   else
@@ -576,15 +583,15 @@ pbstk_wait_head() {
   local attempt phase
   while true; do
     [ -e "$RUN_DIR/stop" ] && return 1
-    attempt=$(pbstk_json_get "$RUN_DIR/head.json" attempt)
+    pbstk_json_get attempt "$RUN_DIR/head.json" attempt
     if [[ $attempt =~ ^[0-9]+$ ]] && [ "$attempt" -gt "$1" ]; then
-      HEAD_ADDR=$(pbstk_json_get "$RUN_DIR/head.json" address)
-      RPC_PORT=$(pbstk_json_get "$RUN_DIR/head.json" rpc_port)
-      HEAD_EAGER=$(pbstk_json_get "$RUN_DIR/head.json" eager)
+      pbstk_json_get HEAD_ADDR "$RUN_DIR/head.json" address
+      pbstk_json_get RPC_PORT "$RUN_DIR/head.json" rpc_port
+      pbstk_json_get HEAD_EAGER "$RUN_DIR/head.json" eager
       ATTEMPT=$attempt
       return 0
     fi
-    phase=$(pbstk_json_get "$STATE" phase)
+    pbstk_json_get phase "$STATE" phase
     case "$phase" in "$PHASE_FAILED" | "$PHASE_EXITED" | "$PHASE_CANCELLED") return 1 ;; esac
     sleep 1 &
     wait $! 2>/dev/null
@@ -593,7 +600,7 @@ pbstk_wait_head() {
 
 # A worker's run: one vLLM (or `ray start`) per head attempt; it is READY once the head is.
 pbstk_worker() {
-  local seen=0 restart head_phase
+  local seen=0 restart head_phase head_attempt
   local -a extra
   while true; do
     pbstk_wait_head "$seen" || { pbstk_state "$PHASE_CANCELLED" 143; exit 143; }
@@ -614,7 +621,7 @@ pbstk_worker() {
     SERVER_PID=$!
     pbstk_state "$PHASE_STARTING"
     while kill -0 "$SERVER_PID" 2>/dev/null; do
-      head_phase=$(pbstk_json_get "$STATE" phase)
+      pbstk_json_get head_phase "$STATE" phase
       if [ "$READY" = false ] && [ "$head_phase" = "$PHASE_READY" ]; then
         READY=true
         pbstk_state "$PHASE_READY"
@@ -627,8 +634,9 @@ pbstk_worker() {
         pbstk_state "$PHASE_CANCELLED" 143
         exit 143
       fi
-      if [ "$NODE_ENGINE" != ray ] && [ "$(pbstk_json_get "$RUN_DIR/head.json" attempt)" != "$seen" ]; then
-        pbstk_log "the head started attempt $(pbstk_json_get "$RUN_DIR/head.json" attempt); restarting with it"
+      pbstk_json_get head_attempt "$RUN_DIR/head.json" attempt
+      if [ "$NODE_ENGINE" != ray ] && [ "$head_attempt" != "$seen" ]; then
+        pbstk_log "the head started attempt $head_attempt; restarting with it"
         pbstk_kill_server
         restart=true
         break
@@ -665,7 +673,7 @@ pbstk_worker() {
 timeout_wait_head() {
   local i attempt
   for ((i = 0; i < 60; i++)); do
-    attempt=$(pbstk_json_get "$RUN_DIR/head.json" attempt)
+    pbstk_json_get attempt "$RUN_DIR/head.json" attempt
     [[ $attempt =~ ^[0-9]+$ ]] && [ "$attempt" -gt "$1" ] && return 0
     [ -e "$RUN_DIR/stop" ] && return 1
     sleep 1 &
