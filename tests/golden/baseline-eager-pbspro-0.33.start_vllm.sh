@@ -302,6 +302,7 @@ pbstk_start_nodes() {
 
 # shellcheck disable=SC2317  # invoked by the trap below
 pbstk_launcher_stop() {
+  trap '' TERM INT HUP  # once (see pbstk_stop)
   pbstk_log "received a stop signal; stopping every node"
   : >"$RUN_DIR/stop"
   LAUNCH_RC=143
@@ -426,6 +427,9 @@ fi
 
 # shellcheck disable=SC2317  # invoked by the trap below
 pbstk_stop() {
+  # once: a second TERM (the scheduler signals the whole job, the launcher forwards) must not interrupt this
+  # handler; bash 5.2 may even fail to parse a trap that lands inside a $(...) here
+  trap '' TERM INT HUP
   pbstk_log "received a stop signal; stopping vLLM (pid $SERVER_PID)"
   [ "$NNODES" -gt 1 ] && : >>"$RUN_DIR/stop"
   pbstk_kill_server
