@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from pbs_toolkit.perf.benchjob import LevelResult
     from pbs_toolkit.perf.doctor import Finding
     from pbs_toolkit.perf.tune import TuneReport
+    from pbs_toolkit.settings.layout import NodePlan
+    from pbs_toolkit.settings.presets import Preset
     from pbs_toolkit.transports import Runner
     from pbs_toolkit.transports.tunnel import Tunnel
     from pbs_toolkit.vllm.prom import MetricsSnapshot
@@ -287,6 +289,14 @@ class Client:
 
         req = self.request(model, preset, profile, **options)
         return render(req, self._request_runner(req) if connect else None)
+
+    def plan_layout(self, model: str, preset: str | None = None, profile: str | None = None,
+                    **options: Any) -> tuple[Preset, NodePlan, float | None]:
+        """(concrete preset, node plan, model size in billions) a render would use; offline, no account needed
+        (``pbstk presets show NAME --model M``)."""
+        from pbs_toolkit.jobs.render import plan_layout
+
+        return plan_layout(self.request(model, preset, profile, **options))
 
     def _request_runner(self, req: RenderRequest) -> Runner:
         """The runner of the transport ``req``'s profile submits through; a profile that cannot launch (account

@@ -132,9 +132,11 @@ def test_env_integer_must_be_integer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_env_gpus_per_node_is_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # explicit: a smaller preset is not shrunk to fit it (a larger one spans nodes: test_multinode_render.py)
+    monkeypatch.setenv("PBSTK_GPUS_PER_NODE", "4")
+    with pytest.raises(UsageError, match="requests 4"):
+        _render(profile="generic-pbspro", preset="dp2")
     monkeypatch.setenv("PBSTK_GPUS_PER_NODE", "2")
-    with pytest.raises(UsageError, match="requests 2"):
-        _render(profile="generic-pbspro", preset="dp4")
     assert "ngpus=2" in _render(profile="generic-pbspro", preset="dp2").job_script
 
 

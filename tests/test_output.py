@@ -282,8 +282,8 @@ def test_completion_of_jobs_presets_and_profiles(isolated_user: Path) -> None:
     assert complete("pbstk cancel 4") == ["42.pbs01", "41.pbs01"] or set(complete("pbstk cancel 4")) == {
         "41.pbs01", "42.pbs01"}
     assert complete("pbstk logs al") == ["alpha"]
-    assert set(complete("pbstk launch org/m --preset d")) == {"dp2", "dp4"}
-    assert set(complete("pbstk presets show d")) == {"dp2", "dp4"}
+    assert set(complete("pbstk launch org/m --preset d")) == {"dp2", "dp4", "dp8"}
+    assert set(complete("pbstk presets show d")) == {"dp2", "dp4", "dp8"}
     user_presets = isolated_user / "config" / "pbstk" / "presets"
     user_presets.mkdir(parents=True)
     (user_presets / "dmine.yaml").write_text((Path(__file__).parents[1] / "pbs_toolkit" / "settings" / "presets"
@@ -297,4 +297,4 @@ def test_completion_with_a_broken_store_offers_nothing_and_never_fails(isolated_
     store_dir.mkdir(parents=True, exist_ok=True)
     (store_dir / "jobs.sqlite3").write_bytes(b"this is not a database" * 100)
     assert complete("pbstk status ") == []
-    assert set(complete("pbstk launch m --preset d")) == {"dp2", "dp4"}  # presets do not need the store
+    assert set(complete("pbstk launch m --preset d")) == {"dp2", "dp4", "dp8"}  # presets do not need the store

@@ -66,6 +66,12 @@ def _preset_gpus() -> dict[str, tuple[str, int]]:
         return {p.name: ("auto" if p.auto else p.device, p.gpus) for p in list_presets()}
 
 
+def _preset_replica() -> dict[str, tuple[int, int]]:
+    """(GPUs per replica, replicas) of each shipped preset."""
+    with tempfile.TemporaryDirectory() as empty, mock.patch.dict(os.environ, {"XDG_CONFIG_HOME": empty}):
+        return {p.name: (p.tensor_parallel * p.pipeline_parallel, p.data_parallel) for p in list_presets()}
+
+
 def _expected_valid(preset: str, profile: str) -> bool:
     kind, need = _preset_gpus()[preset]
     have = _profile_gpus()[profile]
@@ -73,7 +79,10 @@ def _expected_valid(preset: str, profile: str) -> bool:
         return have == 0
     if kind == "auto":  # MODEL is a 2B model: one GPU per replica, any GPU count works
         return have >= 1
-    return 1 <= need <= have  # a smaller preset shrinks the request to the GPUs it uses
+    # a smaller preset shrinks the request to the GPUs it uses; a larger one spans whole nodes (issue 14)
+    # (several replicas each spanning nodes are refused: vLLM's DP needs every replica inside a node)
+    replica, replicas = _preset_replica()[preset]
+    return 1 <= need <= have or have >= 1 and need % have == 0 and (replica <= have or replicas == 1)
 
 
 def _matrix_kwargs(profile: str) -> dict[str, Any]:
@@ -130,14 +139,15 @@ def rendered_matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             syntax = [subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True)  # noqa: S603,S607
                       for p in pair]
             results[case_id] = {"job": job, "files": pair, "bash_n": syntax}
-    # shellcheck costs ~0.2 s a file: one call per CPU over a share of the list
+    # shellcheck costs ~0.2 s a job script and ~1.5 s a start script (the multi-node body): one call per CPU over a
+    # share of the list, with room for a loaded machine
     workers = max(2, min(8, os.cpu_count() or 2))
     procs = [subprocess.Popen(["shellcheck", "-f", "json1", *map(str, files[i::workers])],  # noqa: S603,S607
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(workers) if files[i::workers]]
     comments: list[dict[str, Any]] = []
     for proc in procs:
-        stdout, stderr = proc.communicate(timeout=120)
+        stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode in (0, 1), stderr  # 1 = findings (asserted per case below)
         comments += json.loads(stdout)["comments"]
     for value in results.values():
@@ -185,7 +195,9 @@ def test_variation_layouts(rendered_matrix: dict[str, Any]) -> None:
                     "auto-8x7b-gpn4", "auto-2b-local-gpu", "dp2-gpn2", "single-gpn1")
     }
     assert layouts == {
-        "auto-2b-gpn8": "DP8", "auto-8b-gpn4": "TP2xDP2", "auto-32b-gpn8": "TP4xDP2", "auto-70b-gpn4": "TP4",
+        "auto-2b-gpn8": "DP8", "auto-8b-gpn4": "TP2xDP2", "auto-32b-gpn8": "TP4xDP2",
+        # polaris knows its 40 GB GPUs: 70B x 2 bytes = 141 GB is over 70% of a node's 152 GB -> two nodes
+        "auto-70b-gpn4": "TP4xPP2",
         "auto-405b-gpn8": "TP8", "auto-8x7b-gpn4": "TP4", "auto-2b-local-gpu": "DP1", "dp2-gpn2": "DP2",
         "single-gpn1": "DP1",
     }
@@ -193,8 +205,12 @@ def test_variation_layouts(rendered_matrix: dict[str, Any]) -> None:
 
 def test_gpu_count_mismatch_names_preset_and_counts() -> None:
     with pytest.raises(UsageError) as err:
-        _render(preset="dp4", profile="generic-pbspro", gpus_per_node=2)
-    assert "dp4" in str(err.value) and "4 GPU" in str(err.value) and "requests 2" in str(err.value)
+        _render(preset="dp4", profile="generic-pbspro", gpus_per_node=2, nodes=1)
+    assert "dp4" in str(err.value) and "4 GPUs = 2 node(s) of 2 GPUs" in str(err.value), err.value
+    assert "--nodes 1 gives 2" in str(err.value)
+    with pytest.raises(UsageError) as err:
+        _render(preset="dp4", profile="generic-pbspro", gpus_per_node=3)
+    assert "dp4" in str(err.value) and "not a whole number of nodes of 3 GPUs" in str(err.value)
     with pytest.raises(UsageError) as err:
         _render(preset="cpu", profile="polaris", account="PROJ")
     assert "cpu" in str(err.value) and "polaris" in str(err.value) and "4 GPU" in str(err.value)

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from pbs_toolkit.cli.complete import complete_preset
-from pbs_toolkit.cli.options import build_request, echo_json, render_options, table
+from pbs_toolkit.cli.options import GPUS_PER_NODE, NODES, build_request, echo_json, render_options, table
 
 
 @click.group(invoke_without_command=True)
@@ -33,13 +33,23 @@ def presets(ctx: click.Context, as_json: bool) -> None:
 @presets.command("show")
 @click.argument("name", shell_complete=complete_preset)
 @click.option("--json", "as_json", is_flag=True, help="Print the preset object.")
-def presets_show(name: str, as_json: bool) -> None:
-    """Show a preset: layout, the flags it renders, and why."""
+@click.option("--model", "-m", help="Resolve the layout for this model (auto: sized from its parameters, dtype and "
+                                    "the profile's gpu_memory_gb) and show the nodes it spans.")
+@click.option("--profile", "-P", help="Profile the layout is resolved for (with --model).")
+@click.option("--nodes", type=NODES, help="Nodes asked for (with --model).")
+@click.option("--gpus-per-node", type=GPUS_PER_NODE, help="GPUs per node (with --model).")
+@click.option("--vllm-version", help="vLLM version the layout must run on (with --model).")
+def presets_show(name: str, as_json: bool, model: str | None, **settings: Any) -> None:
+    """Show a preset: layout, the flags it renders, and why; with --model, the layout chosen for that model
+    on the profile's nodes (``presets show auto --model M --profile polaris`` explains auto's numbers)."""
     import textwrap
 
     from pbs_toolkit.settings.presets import load_preset
 
     p = load_preset(name)
+    if model is not None:
+        _show_plan(name, model, settings, as_json)
+        return
     if as_json:
         echo_json(p.to_dict())
         return
@@ -55,6 +65,20 @@ def presets_show(name: str, as_json: bool) -> None:
     click.echo(f"  source:  {p.source}")
     click.echo("")
     click.echo(textwrap.fill(p.rationale, width=100))
+
+
+def _show_plan(name: str, model: str, flags: dict[str, Any], as_json: bool) -> None:
+    """``presets show NAME --model M``: the concrete layout, its nodes and engine, and (auto) why."""
+    from pbs_toolkit.client import Client
+
+    preset, plan, params = Client().plan_layout(model, name, **flags)
+    if as_json:
+        echo_json({**preset.to_dict(), "model": model, "params_b": params, "plan": plan.to_dict()})
+        return
+    nodes = f"{plan.nnodes} node(s), engine {plan.engine}" + (f", launcher {plan.launcher}" if plan.nnodes > 1 else "")
+    click.echo(f"{preset.name}: {preset.layout()} = {preset.gpus} GPU(s) on {nodes}")
+    click.echo(f"  model:   {model} ({f'{params:.1f}B parameters' if params is not None else 'size unknown'})")
+    click.echo(f"  why:     {preset.summary}")
 
 
 @click.group(invoke_without_command=True)
@@ -77,7 +101,7 @@ def profiles(ctx: click.Context, as_json: bool) -> None:
 
 def setting_options(f: Any) -> Any:
     """The flags that set profile keys (as on render/launch), for ``config show``."""
-    from pbs_toolkit.cli.options import GPUS_PER_NODE, NODES, parse_port
+    from pbs_toolkit.cli.options import parse_port
 
     options = [
         click.option("--queue", "-q"), click.option("--account", "-A"), click.option("--walltime", "-t"),

@@ -21,7 +21,16 @@ from pbs_toolkit import __version__
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.schedulers import backend_class
 from pbs_toolkit.server.phases import bash_assignments
+from pbs_toolkit.settings.config import flag_name as setting_flag
 from pbs_toolkit.settings.config import resolve_settings
+from pbs_toolkit.settings.layout import (
+    DEFAULT_MEMORY_UTILIZATION,
+    NodePlan,
+    auto_by_memory,
+    bytes_per_param,
+    node_plan,
+    nodes_needed,
+)
 from pbs_toolkit.settings.placeholders import fill_profile
 from pbs_toolkit.settings.presets import Preset, load_preset, params_from_config, params_from_name, resolve_auto
 from pbs_toolkit.settings.profiles import Profile, load_profile, walltime_seconds
@@ -86,6 +95,7 @@ class RenderedJob:
     vllm_args: list[str]
     notes: list[str]
     params_b: float | None = None
+    plan: NodePlan | None = None
 
     @property
     def script_name(self) -> str:
@@ -98,6 +108,7 @@ class RenderedJob:
             "preset": self.preset.name, "layout": self.preset.layout(), "profile": self.profile.name,
             "scheduler": self.profile.scheduler, "run_dir": self.run_dir, "port": self.port,
             "vllm_args": self.vllm_args, "notes": self.notes,
+            "nodes": self.plan.nnodes if self.plan else 1, "node_engine": self.plan.engine if self.plan else "single",
         }
 
     def to_dict(self, *, dry_run: bool = False, scripts: bool = True) -> dict[str, Any]:
@@ -290,9 +301,18 @@ def request_flags(req: RenderRequest) -> dict[str, Any]:
     }
 
 
-def resolve_profile(req: RenderRequest) -> tuple[Profile, str | None, bool]:
+@dataclass(frozen=True)
+class NodesAsked:
+    """A node count the user asked for (flag, ``PBSTK_NODES``, config.yaml, or a profile that says more than
+    one), and how to name it in an error; ``count`` ``None``: the preset decides."""
+
+    count: int | None = None
+    named: str = "--nodes"
+
+
+def resolve_profile(req: RenderRequest) -> tuple[Profile, str | None, bool, NodesAsked]:
     """(profile with every layer applied, placeholders not filled yet; preset name or ``None``; whether the
-    GPU count was set by the user)."""
+    GPU count was set by the user; the node count asked for)."""
     settings = resolve_settings(request_flags(req))
     profile = load_profile(settings.profile)
     overrides = dict(settings.profile_overrides)
@@ -300,7 +320,14 @@ def resolve_profile(req: RenderRequest) -> tuple[Profile, str | None, bool]:
         overrides["env"] = settings.merged_env(profile.env)
     profile = profile.with_overrides(overrides)
     preset = settings.preset or settings.default_presets.get(req.model)
-    return profile, preset, "gpus_per_node" in settings.profile_overrides
+    if "nodes" in settings.profile_overrides:
+        source = settings.sources.get("nodes", "")
+        asked = NodesAsked(profile.nodes, setting_flag("nodes") if source.startswith("flag") else f"nodes ({source})")
+    elif profile.nodes > 1:  # a profile of one node is the default, not a request: a larger preset widens it
+        asked = NodesAsked(profile.nodes, f"nodes (profile {profile.name})")
+    else:
+        asked = NodesAsked()
+    return profile, preset, "gpus_per_node" in settings.profile_overrides, asked
 
 
 def checked_profile(req: RenderRequest) -> Profile:
@@ -338,18 +365,20 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
     The steps run in a fixed order (profile, walltime, model, preset, names, flags, env, port, run directory)
     so the first problem reported is always the same one for the same input.
     """
-    profile, preset_name, gpus_given = resolve_profile(req)
+    profile, preset_name, gpus_given, nodes_asked = resolve_profile(req)
     _check_profile(profile)
     profile = fill_profile(profile)
     walltime = _normalised_walltime(profile)
     model_path, config = resolve_model(req.model, runner, remote_offline=runner is None and bool(profile.ssh_host))
-    preset, params = _choose_preset(req, profile, preset_name, config)
-    profile = _fit_profile_to_preset(profile, preset, gpus_given)
+    preset, params = _choose_preset(req, profile, preset_name, config, nodes_asked)
+    profile = _fit_profile_to_preset(profile, preset, gpus_given, nodes_asked)
+    plan = node_plan(preset.name, preset.tensor_parallel, preset.pipeline_parallel, preset.data_parallel,
+                     profile.nodes, profile)
 
     version = version_tuple(profile.vllm_version)
     job_name = _job_name(req)
     served = req.served_model_name or (req.model if _HF_ID.match(req.model) and "/" in req.model else job_name)
-    args, notes = _vllm_args(req, preset, profile, served, version)
+    args, notes = _vllm_args(req, preset, profile, served, version, plan)
     env = _job_env(req, profile, preset, version)
     port, fixed_port = _port(req, profile)
     run_dir = _run_dir(req, profile, job_name, runner)
@@ -362,7 +391,7 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
         "vllm_arg_lines": _pair_flags(args), "port_span": PORT_SPAN,
         "compile_error_re": COMPILE_ERROR_RE, "port_in_use_re": PORT_IN_USE_RE,
         "proxy": any(k.lower() in ("http_proxy", "https_proxy") for k in env),
-        "phase_lines": bash_assignments(),
+        "phase_lines": bash_assignments(), "plan": plan,
     }
     backend = backend_class(profile.scheduler)
     jenv = _environment(backend.template_dir)
@@ -371,18 +400,29 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
         start_script=render_start_script(jenv, context),
         run_dir=run_dir, job_name=job_name, model=req.model, served_model_name=served, preset=preset,
         profile=profile, port=port, fixed_port=fixed_port, vllm_args=args, notes=notes, params_b=params,
+        plan=plan,
     )
 
 
+def plan_layout(req: RenderRequest) -> tuple[Preset, NodePlan, float | None]:
+    """(preset, node plan, model size in billions) that :func:`render` would choose for ``req``, offline and
+    without the account check: ``presets show auto --model M --profile P`` explains a choice before a launch."""
+    profile, preset_name, gpus_given, nodes_asked = resolve_profile(req)
+    _, config = resolve_model(req.model, None, remote_offline=bool(profile.ssh_host))
+    preset, params = _choose_preset(req, profile, preset_name, config, nodes_asked)
+    profile = _fit_profile_to_preset(profile, preset, gpus_given, nodes_asked)
+    plan = node_plan(preset.name, preset.tensor_parallel, preset.pipeline_parallel, preset.data_parallel,
+                     profile.nodes, profile)
+    return preset, plan, params
+
+
 def _check_profile(profile: Profile) -> None:
-    """Refuse profiles pbstk cannot launch: an account the site requires is missing, or more than one node."""
+    """Refuse profiles pbstk cannot launch: an account the site requires is missing."""
     if profile.account_required and not profile.account:
         raise UsageError(
             f"profile {profile.name} needs an account: pass --account, set PBSTK_ACCOUNT, "
             "or add 'account:' to your pbstk config.yaml"
         )
-    if profile.nodes > 1:
-        raise UsageError("multi-node servers are not supported yet: use --nodes 1 (up to one node's GPUs)")
 
 
 def _normalised_walltime(profile: Profile) -> str:
@@ -392,7 +432,8 @@ def _normalised_walltime(profile: Profile) -> str:
 
 
 def _choose_preset(
-    req: RenderRequest, profile: Profile, preset_name: str | None, config: dict[str, Any] | None
+    req: RenderRequest, profile: Profile, preset_name: str | None, config: dict[str, Any] | None,
+    nodes_asked: NodesAsked,
 ) -> tuple[Preset, float | None]:
     """The preset to launch with (``auto`` resolved by model size, ``--eager`` applied) and the size in billions."""
     preset = load_preset(preset_name or _default_preset(profile))
@@ -400,17 +441,41 @@ def _choose_preset(
     if params is None:
         params = params_from_name(req.model)
     if preset.auto:
-        preset = resolve_auto(preset, params, profile.gpus)
+        preset = _resolve_auto(preset, params, profile, config, nodes_asked)
     if req.eager is not None:
         preset = replace(preset, eager=req.eager)
     return preset, params
 
 
-def _fit_profile_to_preset(profile: Profile, preset: Preset, gpus_given: bool) -> Profile:
+def _resolve_auto(preset: Preset, params: float | None, profile: Profile, config: dict[str, Any] | None,
+                  nodes_asked: NodesAsked) -> Preset:
+    """``auto``: by weights against the profile's GPU memory when both are known (several nodes when one is too
+    small), else by parameter count over the GPUs requested (``presets.auto_layout``)."""
+    if params is None or not profile.gpu_memory_gb or profile.gpus_per_node < 1:
+        return resolve_auto(preset, params, profile.gpus)
+    size, note = bytes_per_param(config)
+    util = preset.vllm_args.get("--gpu-memory-utilization", DEFAULT_MEMORY_UTILIZATION)
+    utilization = float(util) if isinstance(util, (int, float, str)) and not isinstance(util, bool) else 0.95
+    fit = auto_by_memory(params, size, note, profile.gpu_memory_gb, utilization, profile.gpus_per_node,
+                         nodes_asked.count)
+    layout = "x".join(f"{k}{v}" for k, v in (("TP", fit.tp), ("PP", fit.pp), ("DP", fit.dp)) if v > 1) or "DP1"
+    return replace(preset, name=f"auto ({layout.replace('x', ' x ')})", tensor_parallel=fit.tp,
+                   pipeline_parallel=fit.pp, data_parallel=fit.dp, auto=False, summary=f"{preset.summary} -> {fit.why}")
+
+
+def _fit_profile_to_preset(profile: Profile, preset: Preset, gpus_given: bool, nodes_asked: NodesAsked) -> Profile:
     """``profile`` requesting exactly the GPUs ``preset`` uses, or a ``UsageError`` when the two disagree.
 
-    A preset smaller than the node shrinks the request unless the user asked for a GPU count themselves.
+    A preset larger than one node spreads over ``GPUs / gpus_per_node`` nodes (``--nodes`` must agree); one
+    smaller than the node shrinks the request unless the user asked for a GPU count themselves.
     """
+    if preset.device == "gpu" and profile.gpus_per_node:
+        nodes = nodes_needed(preset.name, preset.layout(), preset.gpus, profile.gpus_per_node, nodes_asked.count,
+                             nodes_asked.named)
+        profile = replace(profile, nodes=nodes)
+    if preset.device == "cpu" and profile.nodes > 1:
+        raise UsageError(f"preset {preset.name} runs on CPU (0 GPUs) on one node; {nodes_asked.named} "
+                         f"{profile.nodes} asks for several: pass --nodes 1 or pick a GPU preset")
     if preset.device == "cpu" and profile.gpus:
         raise UsageError(
             f"preset {preset.name} runs on CPU (0 GPUs) but profile {profile.name} requests {profile.gpus} GPU(s) "
@@ -439,17 +504,12 @@ def _job_name(req: RenderRequest) -> str:
 
 
 def _vllm_args(
-    req: RenderRequest, preset: Preset, profile: Profile, served: str, version: tuple[int, ...]
+    req: RenderRequest, preset: Preset, profile: Profile, served: str, version: tuple[int, ...], plan: NodePlan
 ) -> tuple[list[str], list[str]]:
     """vLLM's command-line arguments (name, parallel layout, preset flags, ``--vllm-arg``s) and notes on what
-    was dropped because the profile's vLLM version refuses it or does it by itself."""
-    args: list[str] = ["--served-model-name", served]
-    if preset.tensor_parallel > 1:
-        args += ["--tensor-parallel-size", str(preset.tensor_parallel)]
-    if preset.pipeline_parallel > 1:
-        args += ["--pipeline-parallel-size", str(preset.pipeline_parallel)]
-    if preset.data_parallel > 1:
-        args += ["--data-parallel-size", str(preset.data_parallel)]
+    was dropped because the profile's vLLM version refuses it or does it by itself. The same on every node:
+    the start script adds each node's rank-specific flags (``NodePlan.parallel_args`` says which are here)."""
+    args: list[str] = ["--served-model-name", served, *plan.parallel_args()]
     notes: list[str] = []
     args += _preset_flags(preset, profile, version, notes)
     check_vllm_args(req.vllm_args, version)

@@ -21,6 +21,12 @@ from pbs_toolkit.settings.yamlio import Fields, load_yaml_mapping, require_file
 #: the registered scheduler backends (schedulers/__init__.py is the one list)
 SCHEDULERS = tuple(BACKENDS)
 ADDRESS_RULES = ("short", "fqdn", "ip", "loopback")
+#: how a multi-node job starts one start script per node (the local scheduler always uses its own, ``local``)
+NODE_LAUNCHERS = ("mpiexec", "pbsdsh", "ssh")
+#: how vLLM spans nodes: its own engines (native DP, ``--nnodes``), or a Ray cluster started per job
+MULTINODE_ENGINES = ("native", "ray")
+#: names a socket interface may have (``hsn0``, ``ib0``, ``eth0,eth1``, ``^lo,docker``); reaches a shell line quoted
+_IFNAME = re.compile(r"^\^?[A-Za-z0-9_.:=-]+(,[A-Za-z0-9_.:=-]+)*$")
 ENTRYPOINTS = ("serve", "api_server")
 
 
@@ -58,6 +64,16 @@ class Profile:
     port: int = 8000
     vllm_version: str = DEFAULT_VLLM_VERSION
     vllm_entrypoint: str = "serve"
+    # -- several nodes (docs/vllm.md "Several nodes")
+    #: how the job starts one start script per node: mpiexec (Cray PALS, --ppn 1), pbsdsh, ssh
+    node_launcher: str = "pbsdsh"
+    #: ``native`` (vLLM's DP / --nnodes engines) or ``ray``
+    multinode_engine: str = "native"
+    #: exported as NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME on every node when set (hosts with several interfaces)
+    nccl_socket_ifname: str = ""
+    gloo_socket_ifname: str = ""
+    #: memory of one GPU in GB, for ``auto`` sizing by weights; 0 = unknown (auto sizes by parameter count)
+    gpu_memory_gb: int = 0
     source: str = "builtin"
 
     @property
@@ -128,6 +144,7 @@ MAX_WALLTIME_HOURS = 10000
 MAX_NODES = 10000
 MAX_GPUS_PER_NODE = 64
 MAX_CPUS_PER_NODE = 4096
+MAX_GPU_MEMORY_GB = 4096
 
 
 def walltime_seconds(text: str) -> int:
@@ -175,11 +192,30 @@ def validate(p: Profile) -> Profile:
         version_tuple(p.vllm_version)
     except ValueError as exc:
         raise ConfigError(f"{where}: key 'vllm_version': {exc}") from exc
+    _validate_multinode(p, where)
     for key in ("runs_root", "venv", "hf_home", "vllm_cache_root"):
         value = getattr(p, key)
         if value is not None and ("\n" in value or not value.strip()):
             raise ConfigError(f"{where}: key {key!r} must be a path on one line")
     return p
+
+
+def _validate_multinode(p: Profile, where: str) -> None:
+    """The multi-node keys: a launcher and engine pbstk knows, interface names, a plausible GPU memory."""
+    if p.node_launcher not in NODE_LAUNCHERS:
+        raise ConfigError(f"{where}: key 'node_launcher' must be one of {', '.join(NODE_LAUNCHERS)}, "
+                          f"got {p.node_launcher!r}")
+    if p.multinode_engine not in MULTINODE_ENGINES:
+        raise ConfigError(f"{where}: key 'multinode_engine' must be one of {', '.join(MULTINODE_ENGINES)}, "
+                          f"got {p.multinode_engine!r}")
+    for key in ("nccl_socket_ifname", "gloo_socket_ifname"):
+        value = getattr(p, key)
+        if value and not _IFNAME.fullmatch(str(value)):
+            raise ConfigError(f"{where}: key {key!r} must be interface names like hsn0 or eth0,eth1, got {value!r}")
+    gb = p.gpu_memory_gb
+    if isinstance(gb, bool) or not isinstance(gb, int) or not 0 <= gb <= MAX_GPU_MEMORY_GB:
+        raise ConfigError(f"{where}: key 'gpu_memory_gb' must be a whole number of GB between 0 (unknown) and "
+                          f"{MAX_GPU_MEMORY_GB}, got {gb!r}")
 
 
 def _flatten_backend_section(data: dict[str, Any], source: Path) -> dict[str, Any]:

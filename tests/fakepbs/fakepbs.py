@@ -425,6 +425,7 @@ def qsub(argv: list[str]) -> int:
         "walltime_s": walltime_s,
         "nchunks": nchunks,
         "chunk_ncpus": int(chunk.get("ncpus") or 64),
+        "chunk_mpiprocs": int(chunk.get("mpiprocs") or 1),
         "ctime": now,
         "qtime": now,
         "mtime": now,
@@ -453,6 +454,23 @@ def qsub(argv: list[str]) -> int:
 
 def is_vanished(job: dict[str, Any]) -> bool:
     return bool(job["internal"].get("vanished")) or job["id"] in (read_faults().get("vanish") or [])
+
+
+NODEBIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nodebin")
+
+
+def node_tools(env: dict[str, str], job_id: str) -> None:
+    """A multi-node job runs on fakenode0 and finds the per-node launchers there (mpiexec, pbsdsh) plus a
+    `hostname` that answers for the node. FAKEPBS_MISSING_TOOLS (comma list) leaves some out, like a site
+    without them."""
+    missing = set(filter(None, env.get("FAKEPBS_MISSING_TOOLS", "").split(",")))
+    bindir = os.path.join(home(), "nodebin", job_id)
+    os.makedirs(bindir, exist_ok=True)
+    for tool in os.listdir(NODEBIN):
+        if tool not in missing and not os.path.exists(os.path.join(bindir, tool)):
+            os.symlink(os.path.join(NODEBIN, tool), os.path.join(bindir, tool))
+    env["PATH"] = f"{bindir}:{env.get('PATH', '')}"
+    env["PBSTK_FAKE_HOSTNAME"] = "fakenode0"
 
 
 def job_env(job: dict[str, Any], tmpdir: str, nodefile: str) -> dict[str, str]:
@@ -530,6 +548,8 @@ def run_job(seq: int) -> None:
 
     ncpus = internal["chunk_ncpus"]
     host = short_host()
+    # several chunks: as many distinct hosts (fakenode0..N-1, each with its own loopback address, see nodebin/)
+    hosts = [host] if internal["nchunks"] == 1 else [f"fakenode{i}" for i in range(internal["nchunks"])]
     start = time.time()
     with locked():
         job = load_job(seq)
@@ -539,9 +559,10 @@ def run_job(seq: int) -> None:
         job["attrs"].update(
             job_state="R",
             substate=42,
-            exec_host="+".join(f"{host}/{i}*{ncpus}" for i in range(internal["nchunks"])),
-            exec_vnode="+".join(f"({host}:ncpus={ncpus})" for _ in range(internal["nchunks"])),
-            comment=f"Job run at {run_at} on ({host}:ncpus={ncpus})",
+            exec_host="+".join(f"{h}/0*{ncpus}" for h in hosts) if len(hosts) > 1
+            else "+".join(f"{host}/{i}*{ncpus}" for i in range(internal["nchunks"])),
+            exec_vnode="+".join(f"({hosts[i % len(hosts)]}:ncpus={ncpus})" for i in range(internal["nchunks"])),
+            comment=f"Job run at {run_at} on ({hosts[0]}:ncpus={ncpus})",
             run_count=1,
             session_id=0,
             resources_used={"cpupercent": 0, "cput": "00:00:00", "mem": "0kb", "ncpus": ncpus,
@@ -555,7 +576,10 @@ def run_job(seq: int) -> None:
     nodefile = os.path.join(home(), "aux", job["id"])
     os.makedirs(os.path.dirname(nodefile), exist_ok=True)
     with open(nodefile, "w") as fh:
-        fh.write("".join(f"{host}\n" for _ in range(internal["nchunks"])))
+        if len(hosts) > 1:  # one line per MPI process of each chunk, as PBS writes it
+            fh.write("".join(f"{h}\n" * internal.get("chunk_mpiprocs", 1) for h in hosts))
+        else:
+            fh.write("".join(f"{host}\n" for _ in range(internal["nchunks"])))
     script = os.path.join(home(), "jobs", f"{seq}.SC")
     with open(script, "w") as fh:
         fh.write(internal["script_text"])
@@ -570,6 +594,8 @@ def run_job(seq: int) -> None:
     out_fh = open(out_path, "wb")  # noqa: SIM115 - closed after the job ends
     err_fh = out_fh if joined else open(err_path, "wb")  # noqa: SIM115
     env = job_env(job, tmpdir, nodefile)
+    if len(hosts) > 1:
+        node_tools(env, job["id"])
     cwd = env.get("HOME", "/")
     proc = subprocess.Popen(  # noqa: S603
         ["bash", script], cwd=cwd if os.path.isdir(cwd) else "/", env=env,

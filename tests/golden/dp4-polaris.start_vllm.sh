@@ -32,6 +32,25 @@ FIXED_PORT=false
 PORT_SPAN=100
 MODEL=Qwen/Qwen3-VL-2B-Instruct
 VLLM_ENTRYPOINT=serve
+# Nodes: NNODES (1 = one node), NODE_ENGINE single|dp|nnodes|ray, the layout TP x PP x DP (DP_LOCAL ranks per
+# node), NODE_LAUNCHER (how the job starts one start script per node), NCCL_IFNAME/GLOO_IFNAME (exported as
+# NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME when non-empty). VLLM_ARGS below is the same on every node: it has
+# --tensor-parallel-size/--pipeline-parallel-size/--data-parallel-size when > 1, and for dp also
+# --data-parallel-size-local, for ray --distributed-executor-backend ray (TP/PP) or --data-parallel-backend ray
+# (DP). The body appends the rank-specific flags: dp --data-parallel-address/--data-parallel-rpc-port (+ workers
+# --headless --data-parallel-start-rank); nnodes --nnodes/--node-rank/--master-addr/--master-port (+ --headless).
+# shellcheck disable=SC2034  # read by the body's multi-node steps; a body without them still runs one node
+{
+NNODES=1
+NODE_ENGINE=single
+TP=1
+PP=1
+DP=4
+DP_LOCAL=4
+NODE_LAUNCHER=mpiexec
+NCCL_IFNAME=''
+GLOO_IFNAME=''
+}
 VLLM_ARGS=(
   --served-model-name Qwen/Qwen3-VL-2B-Instruct
   --data-parallel-size 4
@@ -50,8 +69,36 @@ PORT_IN_USE_RE='(Address already in use|Errno 98)'
 # The static body of every rendered start_vllm.sh (pbs_toolkit/server/start_vllm.sh): plain bash that reads the
 # settings header the launch rendered in front of it; no Jinja here, so shellcheck checks this file as it runs.
 set -uo pipefail
+# --- several nodes (docs: RUN_DIR/nodes/K.json, head.json, stop). A header without these is one node ---
+: "${NNODES:=1}" "${NODE_ENGINE:=single}" "${TP:=1}" "${PP:=1}" "${DP:=1}" "${DP_LOCAL:=1}"
+: "${NODE_LAUNCHER:=pbsdsh}" "${NCCL_IFNAME:=}" "${GLOO_IFNAME:=}"
+# A node's copy is started as `start_vllm.sh --node [K]` (pbsdsh and ssh pass no environment; under mpiexec the
+# rank comes from the node's place in the host list) or with PBSTK_NODE_RANK exported (local launcher).
+NODE_RANK=${PBSTK_NODE_RANK:-}
+NODE_ROLE=false
+if [ "${1:-}" = --node ]; then
+  NODE_ROLE=true
+  NODE_RANK=${2:-$NODE_RANK}
+fi
+[ -n "$NODE_RANK" ] && NODE_ROLE=true
+[ "$NNODES" -gt 1 ] || NODE_ROLE=false  # one node: today's script, whatever the environment says
+LAUNCHER=false
+[ "$NNODES" -gt 1 ] && [ "$NODE_ROLE" = false ] && LAUNCHER=true
+NODE=${PBSTK_NODE_HOST:-$(hostname -s 2>/dev/null || hostname)}
+HOSTFILE="$RUN_DIR/nodes/hostfile"
+if [ "$NODE_ROLE" = true ] && [ -z "$NODE_RANK" ]; then
+  # mpiexec: the position of this host's short name in the de-duplicated host list, else the launcher's rank
+  NODE_RANK=$(awk -v h="$NODE" '{ sub(/\..*/, "") } $0 == h { print NR - 1; exit }' "$HOSTFILE" 2>/dev/null)
+  NODE_RANK=${NODE_RANK:-${PALS_NODEID:-${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-}}}}}
+fi
 LOG="$RUN_DIR/vllm.log"
+[ "$NODE_ROLE" = true ] && [ "${NODE_RANK:-0}" != 0 ] && LOG="$RUN_DIR/vllm.node$NODE_RANK.log"
 STATE="$RUN_DIR/server.json"
+NODE_STATE=
+[ "$NODE_ROLE" = true ] && NODE_STATE="$RUN_DIR/nodes/${NODE_RANK:-unknown}.json"
+# server.json is the head's (and the launcher's before the nodes start); workers write only their node marker
+WRITE_SERVER=true
+[ "$NODE_ROLE" = true ] && [ "$NODE_RANK" != 0 ] && WRITE_SERVER=false
 # PBS spools job output until the job ends: log straight into the run directory instead, line by line.
 exec >>"$LOG" 2>&1
 export PYTHONUNBUFFERED=1
@@ -61,7 +108,7 @@ EAGER_FALLBACK=false
 PORT=0
 SERVER_PID=0
 ADDRESS=
-NODE=$(hostname -s 2>/dev/null || hostname)
+REASON=
 
 pbstk_log() { echo "pbstk: $(date '+%H:%M:%S') $*"; }
 
@@ -84,19 +131,55 @@ pbstk_json_str() {
 # A JSON number for $1, or null: the marker never carries a bare word where a number belongs.
 pbstk_json_int() { if [[ $1 =~ ^-?[0-9]+$ ]]; then printf '%s' "$1"; else printf 'null'; fi; }
 
-# server.json is replaced atomically so readers never see half a file.
-pbstk_state() {
-  local phase=$1 exit_code=${2:-null} tmp="$STATE.tmp.$$"
-  {
-    printf '{"phase": %s, "job_id": %s, ' "$(pbstk_json_str "$phase")" "$(pbstk_json_str "${PBS_JOBID:-}")"
-    printf '"host": %s, "address": %s, ' "$(pbstk_json_str "$NODE")" "$(pbstk_json_str "$ADDRESS")"
-    printf '"port": %s, "pid": %s, ' "$(pbstk_json_int "$PORT")" "$(pbstk_json_int "$SERVER_PID")"
-    printf '"attempt": %s, "eager_fallback": %s, ' "$(pbstk_json_int "$ATTEMPT")" "$EAGER_FALLBACK"
-    printf '"exit_code": %s, "updated": %s}\n' "$(pbstk_json_int "$exit_code")" "$(date +%s)"
-  } >"$tmp" && mv -f "$tmp" "$STATE"
+# Extra keys of a multi-node marker: the node count and, once known, why it failed.
+pbstk_multi_keys() {
+  [ "$NNODES" -gt 1 ] || return 0
+  printf '"nnodes": %s, ' "$(pbstk_json_int "$NNODES")"
+  [ -z "$REASON" ] || printf '"reason": %s, ' "$(pbstk_json_str "$REASON")"
 }
 
-pbstk_fail() { pbstk_log "error: $1"; pbstk_state "$PHASE_FAILED" "${2:-1}"; exit "${2:-1}"; }
+# server.json (the head's) and RUN_DIR/nodes/K.json (every node's) are replaced atomically so readers never see
+# half a file.
+pbstk_state() {
+  local phase=$1 exit_code=${2:-null} tmp="$STATE.tmp.$$"
+  if [ "$WRITE_SERVER" = true ]; then
+    {
+      printf '{"phase": %s, "job_id": %s, ' "$(pbstk_json_str "$phase")" "$(pbstk_json_str "${PBS_JOBID:-}")"
+      printf '"host": %s, "address": %s, ' "$(pbstk_json_str "$NODE")" "$(pbstk_json_str "$ADDRESS")"
+      printf '"port": %s, "pid": %s, ' "$(pbstk_json_int "$PORT")" "$(pbstk_json_int "$SERVER_PID")"
+      printf '"attempt": %s, "eager_fallback": %s, ' "$(pbstk_json_int "$ATTEMPT")" "$EAGER_FALLBACK"
+      pbstk_multi_keys
+      printf '"exit_code": %s, "updated": %s}\n' "$(pbstk_json_int "$exit_code")" "$(date +%s)"
+    } >"$tmp" && mv -f "$tmp" "$STATE"
+  fi
+  if [ -n "$NODE_STATE" ]; then
+    pbstk_node_state "$NODE_STATE" "${NODE_RANK:-null}" "$phase" "$exit_code"
+  fi
+}
+
+# pbstk_node_state FILE RANK PHASE EXIT_CODE: one node's marker.
+pbstk_node_state() {
+  local tmp="$1.tmp.$$"
+  mkdir -p "${1%/*}" 2>/dev/null
+  {
+    printf '{"rank": %s, "nnodes": %s, ' "$(pbstk_json_int "$2")" "$(pbstk_json_int "$NNODES")"
+    printf '"host": %s, "address": %s, ' "$(pbstk_json_str "$NODE")" "$(pbstk_json_str "$ADDRESS")"
+    printf '"phase": %s, "pid": %s, ' "$(pbstk_json_str "$3")" "$(pbstk_json_int "$SERVER_PID")"
+    printf '"exit_code": %s, "attempt": %s, ' "$(pbstk_json_int "$4")" "$(pbstk_json_int "$ATTEMPT")"
+    [ -z "$REASON" ] || printf '"reason": %s, ' "$(pbstk_json_str "$REASON")"
+    printf '"updated": %s}\n' "$(date +%s)"
+  } >"$tmp" && mv -f "$tmp" "$1"
+}
+
+pbstk_fail() {
+  pbstk_log "error: $1"
+  [ "$NNODES" -gt 1 ] && REASON=$1
+  pbstk_state "$PHASE_FAILED" "${2:-1}"
+  # the launcher failed before any node started: the head's marker says why
+  [ "$LAUNCHER" = true ] && pbstk_node_state "$RUN_DIR/nodes/0.json" 0 "$PHASE_FAILED" "${2:-1}"
+  [ "$NNODES" -gt 1 ] && : >"$RUN_DIR/stop"
+  exit "${2:-1}"
+}
 
 pbstk_state "$PHASE_SETUP"
 
@@ -160,7 +243,137 @@ pbstk_map_gpu_uuids() {
 }
 pbstk_map_gpu_uuids
 
-# --- the address clients use to reach this node ---
+# --- several nodes, launcher role (the job script's copy, on the first node): one copy of this script per node ---
+NODE_PIDS=()
+# GPUs per node: DP_LOCAL replicas of TP GPUs, or the TP x PP model spread evenly over the nodes.
+pbstk_gpus_per_node() {
+  if [ "$NODE_ENGINE" = dp ] || [ "$DP" -gt 1 ]; then echo $((DP_LOCAL * TP)); else echo $((TP * PP / NNODES)); fi
+}
+
+# local launcher: node K of this machine gets its own slice of its GPUs (and its own loopback address).
+pbstk_local_gpus() {
+  local k=$1 per all
+  per=$(pbstk_gpus_per_node)
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    IFS=',' read -ra all <<<"$CUDA_VISIBLE_DEVICES"
+  elif command -v nvidia-smi >/dev/null 2>&1; then
+    mapfile -t all < <(nvidia-smi --query-gpu=index,uuid --format=csv,noheader 2>/dev/null | awk -F', *' '{ print $1 }')
+  else
+    return 0
+  fi
+  [ "${#all[@]}" -ge $((per * NNODES)) ] \
+    || pbstk_fail "this machine has ${#all[@]} GPUs; $NNODES nodes of $per GPUs need $((per * NNODES))"
+  (IFS=,; echo "${all[*]:$((k * per)):$per}")
+}
+
+# Starts every node's copy through NODE_LAUNCHER; their pids (one for mpiexec) go to NODE_PIDS.
+pbstk_start_nodes() {
+  local script k idx bash_path
+  script="$RUN_DIR/start_vllm.sh"
+  bash_path=$(command -v bash)
+  case "$NODE_LAUNCHER" in
+    mpiexec)
+      pbstk_log "starting $NNODES nodes: mpiexec -n $NNODES --ppn 1 --hostfile $HOSTFILE"
+      mpiexec -n "$NNODES" --ppn 1 --hostfile "$HOSTFILE" "$bash_path" "$script" --node &
+      NODE_PIDS+=($!)
+      ;;
+    pbsdsh)
+      for ((k = 0; k < NNODES; k++)); do
+        # pbsdsh -n counts lines of $PBS_NODEFILE (duplicates included): the node's first line
+        idx=$(awk -v h="${HOSTS[k]}" '$1 == h { print NR - 1; exit }' "$PBS_NODEFILE")
+        pbstk_log "starting node $k on ${HOSTS[k]}: pbsdsh -n $idx"
+        pbsdsh -n "$idx" -- "$bash_path" "$script" --node "$k" &
+        NODE_PIDS+=($!)
+      done
+      ;;
+    ssh)
+      "$bash_path" "$script" --node 0 &
+      NODE_PIDS+=($!)
+      for ((k = 1; k < NNODES; k++)); do
+        pbstk_log "starting node $k on ${HOSTS[k]}: ssh"
+        ssh -o BatchMode=yes "${HOSTS[k]}" "$(printf '%q ' "$bash_path" "$script" --node "$k")" </dev/null &
+        NODE_PIDS+=($!)
+      done
+      ;;
+    local)
+      for ((k = 0; k < NNODES; k++)); do
+        local gpus
+        gpus=$(pbstk_local_gpus "$k") || exit 1
+        pbstk_log "starting node $k (${HOSTS[k]}) on this machine: address 127.0.0.$((2 + k))${gpus:+, GPUs $gpus}"
+        env PBSTK_NODE_RANK="$k" PBSTK_NNODES="$NNODES" PBSTK_NODE_ADDRESS="127.0.0.$((2 + k))" \
+          PBSTK_NODE_HOST="${HOSTS[k]}" ${gpus:+CUDA_VISIBLE_DEVICES="$gpus"} "$bash_path" "$script" &
+        NODE_PIDS+=($!)
+      done
+      ;;
+  esac
+}
+
+# shellcheck disable=SC2317  # invoked by the trap below
+pbstk_launcher_stop() {
+  trap '' TERM INT HUP  # once (see pbstk_stop)
+  pbstk_log "received a stop signal; stopping every node"
+  : >"$RUN_DIR/stop"
+  LAUNCH_RC=143
+  kill -TERM "${NODE_PIDS[@]}" 2>/dev/null
+}
+
+# The launcher: the host list, the launcher program, then one copy per node; it waits for all of them. The first
+# copy to end (failed, or vLLM exited) ends the job: `stop` tells the others, who get STOP_GRACE seconds.
+pbstk_launch_nodes() {
+  local k pid rc stop_at=
+  mkdir -p "$RUN_DIR/nodes"
+  rm -f "$RUN_DIR/stop" "$RUN_DIR/head.json" "$RUN_DIR"/nodes/*.json
+  if [ "$NODE_LAUNCHER" = local ]; then
+    for ((k = 0; k < NNODES; k++)); do echo "$NODE-node$k"; done >"$HOSTFILE"
+  else
+    [ -r "${PBS_NODEFILE:-}" ] || pbstk_fail "PBS_NODEFILE is not set or not readable: cannot find the job's nodes"
+    awk 'NF && !seen[$1]++ { print $1 }' "$PBS_NODEFILE" >"$HOSTFILE"
+    command -v "$NODE_LAUNCHER" >/dev/null 2>&1 \
+      || pbstk_fail "$NODE_LAUNCHER not found on $NODE: cannot start the other nodes (profile key node_launcher)" 127
+  fi
+  mapfile -t HOSTS <"$HOSTFILE"
+  [ "${#HOSTS[@]}" -eq "$NNODES" ] \
+    || pbstk_fail "the job has ${#HOSTS[@]} nodes (${HOSTS[*]}); the layout needs $NNODES"
+  LAUNCH_RC=0
+  trap pbstk_launcher_stop TERM INT HUP
+  pbstk_start_nodes
+  while [ "${#NODE_PIDS[@]}" -gt 0 ]; do
+    for k in "${!NODE_PIDS[@]}"; do
+      pid=${NODE_PIDS[k]}
+      kill -0 "$pid" 2>/dev/null && continue
+      wait "$pid"
+      rc=$?
+      unset 'NODE_PIDS[k]'
+      pbstk_log "node starter $k exited with code $rc"
+      [ "$LAUNCH_RC" = 0 ] && LAUNCH_RC=$rc
+      : >"$RUN_DIR/stop"
+    done
+    if [ -e "$RUN_DIR/stop" ] && [ -z "$stop_at" ]; then
+      stop_at=$SECONDS
+    fi
+    if [ -n "$stop_at" ] && [ $((SECONDS - stop_at)) -gt "${STOP_GRACE:-60}" ] && [ "${#NODE_PIDS[@]}" -gt 0 ]; then
+      pbstk_log "nodes still running ${STOP_GRACE:-60} s after stop; killing them"
+      kill -KILL "${NODE_PIDS[@]}" 2>/dev/null
+    fi
+    sleep 1 &
+    wait $! 2>/dev/null
+  done
+  # the head's marker was written by the node itself; an unset exit (all 0) still means the server ended
+  exit "$LAUNCH_RC"
+}
+
+if [ "$LAUNCHER" = true ]; then
+  pbstk_launch_nodes
+fi
+if [ "$NODE_ROLE" = true ]; then
+  if ! [[ $NODE_RANK =~ ^[0-9]+$ ]] || [ "$NODE_RANK" -ge "$NNODES" ]; then
+    NODE_STATE="$RUN_DIR/nodes/unknown-$NODE.json"
+    pbstk_fail "cannot tell this node's rank ($NODE is not in $HOSTFILE and the launcher set no rank)"
+  fi
+  export PBSTK_NODE_RANK=$NODE_RANK PBSTK_NNODES=$NNODES
+fi
+
+# --- the address clients (and the other nodes) use to reach this node; a launcher may name it ---
 case "$ADDRESS_MODE" in
   loopback) ADDRESS=127.0.0.1 ;;
   fqdn) ADDRESS=$(hostname -f 2>/dev/null || hostname) ;;
@@ -168,6 +381,16 @@ case "$ADDRESS_MODE" in
   *) ADDRESS=$NODE ;;
 esac
 ADDRESS="$ADDRESS$ADDRESS_SUFFIX"
+if [ "$NODE_ROLE" = true ]; then
+  ADDRESS=${PBSTK_NODE_ADDRESS:-$ADDRESS}
+  # a node standing in on this machine (local launcher, tests) has its own loopback address: serve there
+  [ -n "${PBSTK_NODE_ADDRESS:-}" ] && [ "$BIND_HOST" = 127.0.0.1 ] && BIND_HOST=$ADDRESS
+  # vLLM, NCCL and Ray must agree on this node's address (else placement hangs: vLLM #7815)
+  export VLLM_HOST_IP=$ADDRESS
+  pbstk_state "$PHASE_SETUP"
+fi
+[ -n "$NCCL_IFNAME" ] && export NCCL_SOCKET_IFNAME=$NCCL_IFNAME
+[ -n "$GLOO_IFNAME" ] && export GLOO_SOCKET_IFNAME=$GLOO_IFNAME
 
 # --- port: with FIXED_PORT exactly the requested one (--port N), refused when it is taken. Otherwise a free one
 # in the window of PORT_SPAN ports from the requested one. Each try starts at a random place in the window and
@@ -212,15 +435,273 @@ fi
 
 # shellcheck disable=SC2317  # invoked by the trap below
 pbstk_stop() {
+  # once: a second TERM (the scheduler signals the whole job, the launcher forwards) must not interrupt this
+  # handler; bash 5.2 may even fail to parse a trap that lands inside a $(...) here
+  trap '' TERM INT HUP
   pbstk_log "received a stop signal; stopping vLLM (pid $SERVER_PID)"
+  [ "$NNODES" -gt 1 ] && : >>"$RUN_DIR/stop"
+  pbstk_kill_server
+  pbstk_state "$PHASE_CANCELLED" 143
+  exit 143
+}
+pbstk_kill_server() {
   if [ "$SERVER_PID" -gt 0 ]; then
     kill -TERM "$SERVER_PID" 2>/dev/null
     wait "$SERVER_PID" 2>/dev/null
   fi
-  pbstk_state "$PHASE_CANCELLED" 143
-  exit 143
+  if [ "${RAY_PID:-0}" -gt 0 ]; then
+    kill -TERM "$RAY_PID" 2>/dev/null
+    wait "$RAY_PID" 2>/dev/null
+  fi
 }
 trap pbstk_stop TERM INT HUP
+
+# --- several nodes: the engine's per-rank flags, the head's ports in head.json, the nodes watching each other ---
+pbstk_has_arg() {
+  local a
+  for a in "${VLLM_ARGS[@]}"; do
+    [ "$a" = "$1" ] || [[ $a == "$1="* ]] && return 0
+  done
+  return 1
+}
+# A layout flag the preset's arguments do not already carry.
+pbstk_add_size() { pbstk_has_arg "$1" || ENGINE_FLAGS+=("$1" "$2"); }
+# pbstk_engine_flags HEAD_ADDR RPC_PORT: ENGINE_FLAGS for this node's rank (FACTS: vLLM's multi-node engines).
+pbstk_engine_flags() {
+  ENGINE_FLAGS=()
+  pbstk_has_arg -tp || [ "$TP" -le 1 ] || pbstk_add_size --tensor-parallel-size "$TP"
+  pbstk_has_arg -pp || [ "$PP" -le 1 ] || pbstk_add_size --pipeline-parallel-size "$PP"
+  case "$NODE_ENGINE" in
+    dp)
+      pbstk_add_size --data-parallel-size "$DP"
+      pbstk_add_size --data-parallel-size-local "$DP_LOCAL"
+      ENGINE_FLAGS+=(--data-parallel-address "$1" --data-parallel-rpc-port "$2")
+      [ "$NODE_RANK" -gt 0 ] && ENGINE_FLAGS+=(--headless --data-parallel-start-rank $((NODE_RANK * DP_LOCAL)))
+      ;;
+    nnodes)
+      ENGINE_FLAGS+=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$1" --master-port "$2")
+      [ "$NODE_RANK" -gt 0 ] && ENGINE_FLAGS+=(--headless)
+      ;;
+    ray)
+      if [ "$DP" -gt 1 ]; then
+        pbstk_add_size --data-parallel-size "$DP"
+        pbstk_add_size --data-parallel-backend ray
+      else
+        pbstk_add_size --distributed-executor-backend ray
+      fi
+      ;;
+  esac
+}
+
+# A free port for the engine's RPC (DP coordinator, torch master, Ray GCS) on this node's address, not PORT.
+pbstk_pick_rpc_port() {
+  local i port start=$((20000 + RANDOM % 9000))
+  for ((i = 0; i < 200; i++)); do
+    port=$((start + i))
+    [ "$port" = "$PORT" ] && continue
+    (exec 3<>"/dev/tcp/$ADDRESS/$port") 2>/dev/null || { echo "$port"; return 0; }
+  done
+  return 1
+}
+
+# head.json: what the workers start with; a new attempt number makes every worker restart (eager fallback).
+pbstk_write_head() {
+  local tmp="$RUN_DIR/head.json.tmp.$$"
+  printf '{"address": %s, "port": %s, "rpc_port": %s, "attempt": %s, "eager": %s}\n' "$(pbstk_json_str "$ADDRESS")" \
+    "$(pbstk_json_int "$PORT")" "$(pbstk_json_int "$RPC_PORT")" "$(pbstk_json_int "$ATTEMPT")" "$EAGER" >"$tmp" \
+    && mv -f "$tmp" "$RUN_DIR/head.json"
+}
+# pbstk_json_get VAR FILE KEY: VAR = a value from one of our own one-line markers (strings unquoted), "" if none.
+# Builtins only, no $(...): the polling loops call it each second, and bash 5.2 can fail to run a trap (qdel's TERM)
+# that arrives while it parses a command substitution ("trap: unexpected EOF while looking for matching `)'").
+pbstk_json_get() {
+  local _jline='' _jre="\"$3\": \"?([^\",}]*)"
+  [ -r "$2" ] && IFS= read -r _jline 2>/dev/null <"$2"
+  if [[ $_jline =~ $_jre ]]; then printf -v "$1" '%s' "${BASH_REMATCH[1]}"; else printf -v "$1" '%s' ""; fi
+}
+
+# The head, each second: a worker that failed ends the attempt (HEAD_ACTION fail, or eager when it was a compile
+# error and eager is not on yet); `stop` with a reason (the launcher saw a node's starter die) fails it too.
+pbstk_head_watch() {
+  local k marker phase attempt
+  [ -n "$HEAD_ACTION" ] && return 0
+  for ((k = 1; k < NNODES; k++)); do
+    marker="$RUN_DIR/nodes/$k.json"
+    pbstk_json_get attempt "$marker" attempt
+    [ "$attempt" = "$ATTEMPT" ] || continue
+    pbstk_json_get phase "$marker" phase
+    case "$phase" in "$PHASE_FAILED" | "$PHASE_EXITED") ;; *) continue ;; esac
+    FAILED_NODE=$k
+    pbstk_json_get FAILED_RC "$marker" exit_code
+    HEAD_ACTION=fail
+    # the worker's compile error, or the head's own (its workers lose the head and fail too)
+    if [ "$EAGER" = false ] && [ "$NODE_ENGINE" != ray ] \
+      && { grep -Eq "$COMPILE_ERROR_RE" "$RUN_DIR/vllm.node$k.log" 2>/dev/null || pbstk_attempt_log | grep -Eq "$COMPILE_ERROR_RE"; }; then
+      HEAD_ACTION=eager
+    fi
+    break
+  done
+  if [ -z "$HEAD_ACTION" ] && [ -e "$RUN_DIR/stop" ]; then
+    HEAD_ACTION=stop
+    [ -s "$RUN_DIR/stop" ] && HEAD_ACTION=fail && FAILED_NODE=
+  fi
+  [ -n "$HEAD_ACTION" ] && [ "$SERVER_PID" -gt 0 ] && kill -TERM "$SERVER_PID" 2>/dev/null
+  return 0
+}
+
+# The head gives up because of another node: every node stops, the head's markers say which node and why.
+pbstk_head_fail() {
+  local host lines
+  if [ -n "$FAILED_NODE" ]; then
+    pbstk_json_get host "$RUN_DIR/nodes/$FAILED_NODE.json" host
+    lines=$(tail -n 20 "$RUN_DIR/vllm.node$FAILED_NODE.log" 2>/dev/null | grep -v "^pbstk: " | tail -n 4)
+    REASON="node $FAILED_NODE (host $host) failed: ${lines:-exit code ${FAILED_RC:-?}}"
+  else
+    REASON=$(head -c 2000 "$RUN_DIR/stop")
+  fi
+  : >>"$RUN_DIR/stop"
+  pbstk_kill_server
+  pbstk_log "error: $REASON"
+  pbstk_state "$PHASE_FAILED" "${FAILED_RC:-1}"
+  exit 1
+}
+
+# Ray: the head's `ray start --head` and a bounded wait until `ray status` counts every node.
+pbstk_ray_head() {
+  local i count
+  RPC_PORT=$(pbstk_pick_rpc_port) || pbstk_fail "no free port for Ray on $ADDRESS"
+  ATTEMPT=1
+  pbstk_write_head
+  ATTEMPT=0
+  pbstk_log "starting the Ray head on $ADDRESS:$RPC_PORT"
+  ray start --head --node-ip-address="$ADDRESS" --port="$RPC_PORT" --block &
+  RAY_PID=$!
+  for ((i = 0; i < ${RAY_WAIT_S:-600}; i++)); do
+    kill -0 "$RAY_PID" 2>/dev/null || pbstk_fail "the Ray head exited before the cluster formed"
+    count=$(ray status --address "$ADDRESS:$RPC_PORT" 2>/dev/null | grep -cE '^ *[0-9]+ node_')
+    [ "$count" -ge "$NNODES" ] && { pbstk_log "Ray cluster has $count nodes"; return 0; }
+    pbstk_head_watch
+    [ "$HEAD_ACTION" = stop ] && pbstk_stop
+    [ -n "$HEAD_ACTION" ] && pbstk_head_fail
+    sleep 1 &
+    wait $! 2>/dev/null
+  done
+  pbstk_fail "the Ray cluster did not reach $NNODES nodes in ${RAY_WAIT_S:-600} s"
+}
+
+# A worker: wait for head.json (a newer attempt than SEEN), stop on `stop` or a head that has ended.
+pbstk_wait_head() {
+  local attempt phase
+  while true; do
+    [ -e "$RUN_DIR/stop" ] && return 1
+    pbstk_json_get attempt "$RUN_DIR/head.json" attempt
+    if [[ $attempt =~ ^[0-9]+$ ]] && [ "$attempt" -gt "$1" ]; then
+      pbstk_json_get HEAD_ADDR "$RUN_DIR/head.json" address
+      pbstk_json_get RPC_PORT "$RUN_DIR/head.json" rpc_port
+      pbstk_json_get HEAD_EAGER "$RUN_DIR/head.json" eager
+      ATTEMPT=$attempt
+      return 0
+    fi
+    pbstk_json_get phase "$STATE" phase
+    case "$phase" in "$PHASE_FAILED" | "$PHASE_EXITED" | "$PHASE_CANCELLED") return 1 ;; esac
+    sleep 1 &
+    wait $! 2>/dev/null
+  done
+}
+
+# A worker's run: one vLLM (or `ray start`) per head attempt; it is READY once the head is.
+pbstk_worker() {
+  local seen=0 restart head_phase head_attempt
+  local -a extra
+  while true; do
+    pbstk_wait_head "$seen" || { pbstk_state "$PHASE_CANCELLED" 143; exit 143; }
+    seen=$ATTEMPT
+    extra=()
+    [ "$HEAD_EAGER" = true ] && [ "$EAGER" = false ] && { extra=(--enforce-eager); EAGER_FALLBACK=true; }
+    pbstk_engine_flags "$HEAD_ADDR" "$RPC_PORT"
+    ATTEMPT_START=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
+    READY=false
+    restart=false
+    if [ "$NODE_ENGINE" = ray ]; then
+      pbstk_log "attempt $ATTEMPT: joining the Ray cluster at $HEAD_ADDR:$RPC_PORT as $ADDRESS"
+      ray start --address="$HEAD_ADDR:$RPC_PORT" --node-ip-address="$ADDRESS" --block &
+    else
+      pbstk_log "attempt $ATTEMPT: starting vLLM node $NODE_RANK on $ADDRESS: ${VLLM_CMD[*]} ${VLLM_ARGS[*]} ${extra[*]} ${ENGINE_FLAGS[*]}"
+      "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" "${extra[@]}" "${ENGINE_FLAGS[@]}" &
+    fi
+    SERVER_PID=$!
+    pbstk_state "$PHASE_STARTING"
+    while kill -0 "$SERVER_PID" 2>/dev/null; do
+      pbstk_json_get head_phase "$STATE" phase
+      if [ "$READY" = false ] && [ "$head_phase" = "$PHASE_READY" ]; then
+        READY=true
+        pbstk_state "$PHASE_READY"
+        pbstk_log "the head is ready; node $NODE_RANK serves with it"
+      fi
+      case "$head_phase" in "$PHASE_FAILED" | "$PHASE_EXITED" | "$PHASE_CANCELLED") : >>"$RUN_DIR/stop" ;; esac
+      if [ -e "$RUN_DIR/stop" ]; then
+        pbstk_log "stop: the job is over; stopping vLLM (pid $SERVER_PID)"
+        pbstk_kill_server
+        pbstk_state "$PHASE_CANCELLED" 143
+        exit 143
+      fi
+      pbstk_json_get head_attempt "$RUN_DIR/head.json" attempt
+      if [ "$NODE_ENGINE" != ray ] && [ "$head_attempt" != "$seen" ]; then
+        pbstk_log "the head started attempt $head_attempt; restarting with it"
+        pbstk_kill_server
+        restart=true
+        break
+      fi
+      sleep 1 &
+      wait $! 2>/dev/null
+    done
+    [ "$restart" = true ] && continue
+    wait "$SERVER_PID"
+    RC=$?
+    if [ "$READY" = true ]; then
+      pbstk_log "vLLM exited with code $RC"
+      pbstk_state "$PHASE_EXITED" "$RC"
+      : >>"$RUN_DIR/stop"
+      exit "$RC"
+    fi
+    pbstk_log "vLLM exited with code $RC before it was ready"
+    REASON="vLLM exited with code $RC before it was ready"
+    pbstk_state "$PHASE_FAILED" "$RC"
+    # The head decides on an eager restart of every node (a compile error here or on the head, whose loss may be
+    # what ended this vLLM); wait for its decision, bounded: a new attempt, or `stop`.
+    if [ "$HEAD_EAGER" != true ] && [ "$EAGER" = false ] && [ "$NODE_ENGINE" != ray ]; then
+      pbstk_attempt_log | grep -Eq "$COMPILE_ERROR_RE" && pbstk_log "graph/compile error: waiting for the head's decision"
+      if timeout_wait_head "$seen"; then
+        REASON=
+        continue
+      fi
+    fi
+    : >>"$RUN_DIR/stop"
+    exit "$RC"
+  done
+}
+# The head's decision (a new attempt, or `stop`) comes within a few seconds of our failed marker; 60 s bounds it.
+timeout_wait_head() {
+  local i attempt
+  for ((i = 0; i < 60; i++)); do
+    pbstk_json_get attempt "$RUN_DIR/head.json" attempt
+    [[ $attempt =~ ^[0-9]+$ ]] && [ "$attempt" -gt "$1" ] && return 0
+    [ -e "$RUN_DIR/stop" ] && return 1
+    sleep 1 &
+    wait $! 2>/dev/null
+  done
+  return 1
+}
+if [ "$NODE_ROLE" = true ] && [ "$NODE_RANK" -gt 0 ]; then
+  pbstk_attempt_log() { tail -c +"$((ATTEMPT_START + 1))" "$LOG" 2>/dev/null; }
+  pbstk_worker
+fi
+HEAD_ACTION=
+FAILED_NODE=
+FAILED_RC=
+RPC_PORT=0
+RAY_PID=0
+[ "$NODE_ROLE" = true ] && [ "$NODE_ENGINE" = ray ] && pbstk_ray_head
 
 # Runs one attempt; sets RC and READY. Readiness here is "the port accepts connections": vLLM binds it
 # only once the engine is up. pbstk itself checks /health and /v1/models.
@@ -236,6 +717,15 @@ pbstk_attempt() {
     pbstk_fail "no free port in $PORT_LO..$PORT_HI on $NODE"
   fi
   PORT=$picked
+  if [ "$NODE_ROLE" = true ]; then
+    # the head: its engine port, then head.json, before its vLLM starts (the workers start from it)
+    if [ "$NODE_ENGINE" != ray ]; then
+      RPC_PORT=$(pbstk_pick_rpc_port) || pbstk_fail "no free port for the engine's RPC on $ADDRESS"
+    fi
+    pbstk_engine_flags "$ADDRESS" "$RPC_PORT"
+    extra+=("${ENGINE_FLAGS[@]}")
+    pbstk_write_head
+  fi
   ATTEMPT_START=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
   pbstk_log "attempt $ATTEMPT: starting vLLM on $ADDRESS:$PORT: ${VLLM_CMD[*]} ${VLLM_ARGS[*]} --host $BIND_HOST --port $PORT ${extra[*]}"
   if command -v stdbuf >/dev/null 2>&1; then
@@ -251,6 +741,7 @@ pbstk_attempt() {
       pbstk_state "$PHASE_READY"
       pbstk_log "vLLM is listening on $ADDRESS:$PORT"
     fi
+    [ "$NNODES" -gt 1 ] && pbstk_head_watch
     sleep 1 &
     wait $! 2>/dev/null
   done
@@ -264,6 +755,22 @@ EXTRA=()
 [ "$EAGER" = true ] && EXTRA=(--enforce-eager)
 while true; do
   pbstk_attempt "${EXTRA[@]}"
+  case "$HEAD_ACTION" in
+    stop)
+      pbstk_log "stop: the job is over"
+      pbstk_state "$PHASE_CANCELLED" 143
+      exit 143
+      ;;
+    fail) pbstk_head_fail ;;
+    eager)
+      pbstk_log "node $FAILED_NODE failed before it was ready with a graph/compile error; restarting every node with --enforce-eager"
+      HEAD_ACTION=
+      EAGER=true
+      EAGER_FALLBACK=true
+      EXTRA=(--enforce-eager)
+      continue
+      ;;
+  esac
   # Checked before READY: another server may have answered on our port while vLLM was still importing,
   # and our vLLM then failed to bind it.
   if [ "$RC" != 0 ] && pbstk_attempt_log | grep -Eq "$PORT_IN_USE_RE"; then
@@ -296,4 +803,5 @@ else
   pbstk_log "vLLM exited with code $RC before it was ready"
   pbstk_state "$PHASE_FAILED" "$RC"
 fi
+[ "$NNODES" -gt 1 ] && : >>"$RUN_DIR/stop"
 exit "$RC"
