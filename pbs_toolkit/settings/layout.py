@@ -71,10 +71,12 @@ class NodePlan:
 
 
 def nodes_needed(name: str, layout: str, gpus: int, gpus_per_node: int, nodes_asked: int | None,
-                 asked_as: str) -> int:
+                 asked_as: str, *, widen: bool = True) -> int:
     """Nodes for a preset of ``gpus`` GPUs on nodes of ``gpus_per_node``; ``nodes_asked`` (``--nodes``, config or
-    profile) must agree. A preset smaller than one node stays on one node."""
-    if gpus <= gpus_per_node or gpus_per_node == 0:
+    profile) must agree. A preset smaller than one node stays on one node. ``widen=False`` (the local scheduler,
+    whose "nodes" are stand-ins on one host): several nodes only when asked for; else one, and the caller's GPU
+    count check refuses the preset as before."""
+    if gpus <= gpus_per_node or gpus_per_node == 0 or not widen and nodes_asked is None:
         needed = 1
     elif gpus % gpus_per_node:
         raise UsageError(f"preset {name} ({layout}) needs {gpus} GPUs, not a whole number of nodes of "
