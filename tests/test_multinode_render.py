@@ -131,6 +131,18 @@ def test_nodes_from_config_yaml_must_agree_too(tmp_path: Path, isolated_user: Pa
     assert "preset dp4" in line and "4 GPUs = 1 node(s) of 4 GPUs" in line and "config.yaml" in line, line
 
 
+def test_local_stand_in_nodes_only_when_asked(tmp_path: Path) -> None:
+    """The local scheduler's "nodes" share one host: a preset larger than its node is refused as before unless
+    --nodes asks for stand-in nodes (then launcher local, one GPU slice each)."""
+    line = _one_error(_cli("render", MODEL, "--preset", "dp2", "--profile", "local-gpu"))
+    assert "needs 2 GPU(s) but profile local-gpu requests 1" in line and "--nodes 2 (stand-in nodes" in line, line
+    _, settings, argv = _render(tmp_path, "--preset", "dp2", "--profile", "local-gpu", "--nodes", "2")
+    assert settings.items() >= {"NNODES": "2", "NODE_ENGINE": "dp", "DP_LOCAL": "1", "NODE_LAUNCHER": "local"}.items()
+    assert _flag(argv, "--data-parallel-size-local") == "1"
+    _, settings, _ = _render(tmp_path, "--preset", "tp2", "--profile", "local-gpu", "--nodes", "2")
+    assert settings.items() >= {"NNODES": "2", "NODE_ENGINE": "nnodes", "TP": "2"}.items()
+
+
 def test_interface_names_reach_the_header_quoted(tmp_path: Path) -> None:
     site = _profile(tmp_path, nccl_socket_ifname="hsn0,hsn1", gloo_socket_ifname="^lo,docker")
     _, settings, _ = _render(tmp_path, "--preset", "dp8", "--profile", site)
@@ -233,11 +245,12 @@ def test_auto_without_gpu_memory_keeps_the_parameter_rule(tmp_path: Path) -> Non
 def test_multinode_scripts_pass_shellcheck(tmp_path: Path) -> None:
     ray = _profile(tmp_path, multinode_engine="ray", nccl_socket_ifname="hsn0")
     cases = [("dp8", "generic-pbspro"), ("tp4pp2", "polaris"), ("tp8", "polaris"), ("dp8", ray), ("tp4pp2", ray),
-             ("dp8", "local-gpu")]
+             ("dp2", "local-gpu", "--nodes", "2"), ("tp2", "local-gpu", "--nodes", "2")]
     files: list[str] = []
-    for preset, profile in cases:
+    for preset, profile, *extra in cases:
         out = tmp_path / f"sc{len(files)}"
-        result = pbstk("render", MODEL, "-o", str(out), "--preset", preset, "--profile", profile, "--account", "P")
+        result = pbstk("render", MODEL, "-o", str(out), "--preset", preset, "--profile", profile, "--account", "P",
+                       *extra)
         assert result.exit_code == 0, result.output
         files += [str(p) for p in sorted(out.iterdir())]
     for path in files:

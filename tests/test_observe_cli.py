@@ -209,5 +209,6 @@ def test_bench_auto_prefers_vllm_and_falls_back_to_the_builtin_client(standins: 
 def test_doctor_recommends_the_preset_that_has_the_auto_layout() -> None:
     from pbs_toolkit.settings.presets import preset_for_layout
 
-    layouts = [(1, 4), (4, 1), (2, 2), (1, 1), (1, 2), (2, 1), (8, 1)]
-    assert [preset_for_layout(*x) for x in layouts] == ["dp4", "tp4", "tp2dp2", "single", "dp2", "tp2", "auto"]
+    layouts = [(1, 4), (4, 1), (2, 2), (1, 1), (1, 2), (2, 1), (8, 1), (1, 8), (2, 4)]
+    assert [preset_for_layout(*x) for x in layouts] == ["dp4", "tp4", "tp2dp2", "single", "dp2", "tp2", "tp8", "dp8",
+                                                        "auto"]

@@ -61,6 +61,12 @@ def _profile_gpus() -> dict[str, int]:
         return {p.name: p.gpus for p in list_profiles()}
 
 
+def _local_profiles() -> set[str]:
+    """Profiles of the local scheduler: stand-in nodes only with --nodes, so larger presets are refused there."""
+    with tempfile.TemporaryDirectory() as empty, mock.patch.dict(os.environ, {"XDG_CONFIG_HOME": empty}):
+        return {p.name for p in list_profiles() if p.scheduler == "local"}
+
+
 def _preset_gpus() -> dict[str, tuple[str, int]]:
     with tempfile.TemporaryDirectory() as empty, mock.patch.dict(os.environ, {"XDG_CONFIG_HOME": empty}):
         return {p.name: ("auto" if p.auto else p.device, p.gpus) for p in list_presets()}
@@ -82,7 +88,8 @@ def _expected_valid(preset: str, profile: str) -> bool:
     # a smaller preset shrinks the request to the GPUs it uses; a larger one spans whole nodes (issue 14)
     # (several replicas each spanning nodes are refused: vLLM's DP needs every replica inside a node)
     replica, replicas = _preset_replica()[preset]
-    return 1 <= need <= have or have >= 1 and need % have == 0 and (replica <= have or replicas == 1)
+    spans = profile not in _local_profiles() and have >= 1 and need % have == 0 and (replica <= have or replicas == 1)
+    return 1 <= need <= have or spans
 
 
 def _matrix_kwargs(profile: str) -> dict[str, Any]:

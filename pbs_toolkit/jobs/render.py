@@ -471,7 +471,7 @@ def _fit_profile_to_preset(profile: Profile, preset: Preset, gpus_given: bool, n
     """
     if preset.device == "gpu" and profile.gpus_per_node:
         nodes = nodes_needed(preset.name, preset.layout(), preset.gpus, profile.gpus_per_node, nodes_asked.count,
-                             nodes_asked.named)
+                             nodes_asked.named, widen=profile.scheduler != "local")
         profile = replace(profile, nodes=nodes)
     if preset.device == "cpu" and profile.nodes > 1:
         raise UsageError(f"preset {preset.name} runs on CPU (0 GPUs) on one node; {nodes_asked.named} "
@@ -488,9 +488,17 @@ def _fit_profile_to_preset(profile: Profile, preset: Preset, gpus_given: bool, n
         raise UsageError(
             f"preset {preset.name} ({preset.layout()}) needs {preset.gpus} GPU(s) but profile {profile.name} "
             f"requests {profile.gpus} ({profile.nodes} node(s) x {profile.gpus_per_node}); "
-            f"pass --gpus-per-node {preset.gpus} or pick another preset"
+            f"pass --gpus-per-node {preset.gpus}{_local_nodes_hint(profile, preset)} or pick another preset"
         )
     return profile
+
+
+def _local_nodes_hint(profile: Profile, preset: Preset) -> str:
+    """On the local scheduler, stand-in nodes on this host are opt-in: say how to ask for them."""
+    per_node = profile.gpus_per_node
+    if profile.scheduler != "local" or not per_node or preset.gpus <= per_node or preset.gpus % per_node:
+        return ""
+    return f", --nodes {preset.gpus // per_node} (stand-in nodes of {per_node} GPU(s) on this host)"
 
 
 def _job_name(req: RenderRequest) -> str:

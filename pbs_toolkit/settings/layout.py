@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pbs_toolkit.errors import UsageError
+from pbs_toolkit.settings.profiles import MAX_NODES
 from pbs_toolkit.settings.vllm_flags import version_tuple
 
 #: first vLLM with each multi-node engine (FACTS "Scale": from vLLM's sources)
@@ -71,10 +72,12 @@ class NodePlan:
 
 
 def nodes_needed(name: str, layout: str, gpus: int, gpus_per_node: int, nodes_asked: int | None,
-                 asked_as: str) -> int:
+                 asked_as: str, *, widen: bool = True) -> int:
     """Nodes for a preset of ``gpus`` GPUs on nodes of ``gpus_per_node``; ``nodes_asked`` (``--nodes``, config or
-    profile) must agree. A preset smaller than one node stays on one node."""
-    if gpus <= gpus_per_node or gpus_per_node == 0:
+    profile) must agree. A preset smaller than one node stays on one node. ``widen=False`` (the local scheduler,
+    whose "nodes" are stand-ins on one host): several nodes only when asked for; else one, and the caller's GPU
+    count check refuses the preset as before."""
+    if gpus <= gpus_per_node or gpus_per_node == 0 or not widen and nodes_asked is None:
         needed = 1
     elif gpus % gpus_per_node:
         raise UsageError(f"preset {name} ({layout}) needs {gpus} GPUs, not a whole number of nodes of "
@@ -173,6 +176,9 @@ def auto_by_memory(params_b: float, bytes_each: float, dtype_note: str, gpu_memo
             room = f"TP{tp} holds {WEIGHTS_SHARE:.0%} x {tp} x {usable:.0f} = {WEIGHTS_SHARE * usable * tp:.0f} GB"
             return AutoSize(tp, 1, dp, nodes, f"{head}; {room} -> {layout}{where}")
     pp = math.ceil(weights / (WEIGHTS_SHARE * node))
+    if pp > MAX_NODES:
+        raise UsageError(f"preset auto: {head}, so one replica would need {pp} nodes; that is not a model to serve "
+                         "here (check the model's size)")
     if nodes_asked is not None and nodes_asked != pp:
         problem = "is too few" if nodes_asked < pp else "would need DP over multi-node replicas (not supported)"
         raise UsageError(f"preset auto: {head}, so one replica needs TP{gpus_per_node} x PP{pp} over {pp} nodes; "
