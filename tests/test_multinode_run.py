@@ -196,6 +196,8 @@ def test_native_dp_every_node_starts_with_its_rank_then_cancel_stops_all(
         assert _flag(argv, "--data-parallel-size-local") == "4"
         assert ("--headless" in argv) == (k > 0)
         assert _flag(argv, "--data-parallel-start-rank") == (str(4 * k) if k else None)
+        # one API server per DP rank on the head (else one process serves every node); workers refuse the flag
+        assert _flag(argv, "--api-server-count") == (str(4 * nnodes) if k == 0 else None)
         assert ("--port" in argv) == (k == 0)
     subprocess.run(["qdel", job.job_id], check=True)  # noqa: S603,S607
     job.wait("every node cancelled", lambda: all(job.node(k).get("phase") == "cancelled" for k in range(nnodes)))
