@@ -441,3 +441,47 @@ def test_launch_on_the_local_scheduler_as_two_nodes(standins: Path, monkeypatch:
               (json.loads(line) for line in (standins / "argv.jsonl").read_text().splitlines())}
     assert starts["0"]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and starts["1"]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     _answer_and_cancel(job_id)
+
+
+def test_tp4pp2_over_two_nodes_reports_both_registers_one_url_and_cancel_takes_it_back(
+        fakepbs: Path, standins: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 14's "done when" for a TP/PP preset, through pbstk only: READY with both nodes reporting, the URL
+    update-endpoint registers answers with the job's key, and cancel stops every node and takes the entry back."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-empty"))
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0.1")
+    result = _pbstk("launch", "Qwen/Qwen3-0.6B", "-P", "generic-pbspro", "--nodes", "2", "--preset", "tp4pp2",
+                    "--name", "big", "--wait", "--timeout", "60")
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = re.search(r"submitted (\S+)", result.stdout).group(1)  # type: ignore[union-attr]
+    deadline = time.monotonic() + 10  # the worker marks itself ready within a poll of the head's READY
+    while True:
+        (st,) = json.loads(_pbstk("status", job_id, "--json").stdout)
+        if st["nodes_ready"] == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert st["state"] == "READY" and st["nnodes"] == 2 and st["nodes_ready"] == 2, st
+    assert [n["address"] for n in st["nodes"]] == ["127.0.0.2", "127.0.0.3"]
+    assert "2/2 nodes" in _pbstk("status", job_id).stdout
+    registry = tmp_path / "endpoints.yaml"
+    reg = _pbstk("update-endpoint", job_id, "--registry", str(registry), "--json")
+    assert reg.returncode == 0, reg.stderr
+    text = registry.read_text()
+    assert st["url"] in text and "big" in text
+    key = (Path(st["run_dir"]) / "api_key").read_text()
+    request = urllib.request.Request(f"{st['url']}/models", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:  # noqa: S310 - loopback
+        assert resp.status == 200
+    starts = {s["env"]["PBSTK_NODE_RANK"]: s["argv"] for s in
+              (json.loads(line) for line in (standins / "argv.jsonl").read_text().splitlines())}
+    for rank, argv in starts.items():
+        assert _flag(argv, "--nnodes") == "2" and _flag(argv, "--node-rank") == rank
+        assert _flag(argv, "--tensor-parallel-size") == "4" and _flag(argv, "--pipeline-parallel-size") == "2"
+    assert _pbstk("cancel", job_id).returncode == 0
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        phases = [n["phase"] for n in json.loads(_pbstk("status", job_id, "--json").stdout)[0]["nodes"]]
+        if phases == ["cancelled", "cancelled"]:
+            break
+        time.sleep(0.3)
+    assert phases == ["cancelled", "cancelled"]
+    assert st["url"] not in registry.read_text()  # the entry left with its job
