@@ -280,6 +280,12 @@ def test_bad_marker_fields_are_dropped_and_named(raw: bytes, problem: str) -> No
     assert st.state is S.STARTING and st.port is None
 
 
+def test_port_zero_means_not_chosen_yet_not_a_broken_marker() -> None:
+    """The start script writes port 0 until it has picked one: no problem to report while it starts."""
+    mark, why = parse_marker(b'{"phase": "setup", "port": 0}')
+    assert why is None and mark is not None and mark["port"] is None
+
+
 def test_port_as_digits_is_accepted() -> None:
     mark, why = parse_marker(b'{"phase": "ready", "port": "8001", "address": "n1"}')
     assert why is None and mark is not None and mark["port"] == 8001

@@ -64,7 +64,8 @@ def parse_marker(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
         return None, "server.json is not a JSON object"
     marker = dict(data)
     problems = []
-    if "port" in marker and marker["port"] not in (None, "") and _port(marker["port"]) is None:
+    # 0: the start script has not picked its port yet (it writes a number from the first marker on)
+    if "port" in marker and marker["port"] not in (None, "", 0) and _port(marker["port"]) is None:
         problems.append(f"port {marker['port']!r} is not a port number")
     marker["port"] = _port(marker.get("port"))
     for key in ("phase", "address", "host"):
