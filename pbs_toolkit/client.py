@@ -313,14 +313,16 @@ class Client:
         return Job.from_record(result.record, result.rendered.notes)
 
     def launch_request(self, req: RenderRequest, *, api_key: str | None = None, use_api_key: bool = True,
-                       dry_run: bool = False) -> LaunchResult:
+                       dry_run: bool = False, begin_at: float | None = None,
+                       after: str | None = None) -> LaunchResult:
         """``launch`` with everything it rendered (scripts, preset, notes); ``dry_run`` writes and submits
-        nothing, and connects nowhere (a remote ``~`` stays for the remote shell: ``"$HOME"/...``)."""
+        nothing, and connects nowhere (a remote ``~`` stays for the remote shell: ``"$HOME"/...``).
+        ``begin_at`` (epoch seconds) / ``after`` (a job id that must start first): when the job may start."""
         from pbs_toolkit.jobs.launch import launch
 
         runner = None if dry_run else self._request_runner(req)
         return launch(req, store=self.store, runner=runner, api_key=api_key, use_api_key=use_api_key,
-                      dry_run=dry_run)
+                      dry_run=dry_run, begin_at=begin_at, after=after)
 
     def wait(self, job: Job | JobRecord | str | None, timeout: float = 3600.0,
              on_progress: Callable[[JobStatus, float], None] | None = None) -> JobStatus:

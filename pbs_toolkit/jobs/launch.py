@@ -120,9 +120,12 @@ def launch(
     use_api_key: bool = True,
     dry_run: bool = False,
     accept_unknown_host: bool = False,
+    begin_at: float | None = None,
+    after: str | None = None,
 ) -> LaunchResult:
     """Render, write, submit and record one job. With ``dry_run`` only render: nothing is written, and without
-    a ``runner`` nothing is connected to (paths on a remote host stay ``$HOME``-relative)."""
+    a ``runner`` nothing is connected to (paths on a remote host stay ``$HOME``-relative). ``begin_at`` and
+    ``after``: when the scheduler may start it (``Scheduler.submit``; a service's keep-alive successors)."""
     store = store or JobStore()
     if dry_run and runner is None:
         return _dry_run(req, use_api_key, api_key)
@@ -143,7 +146,8 @@ def launch(
         with file_lock(store.path.parent / ".launch.lock", store.timeout, store.path):
             _refuse_active_name(store, runner, rendered.job_name, transport)
             intent = store.add_intent(record)  # the plan is on disk before anything is submitted
-        _submit_and_record(store, runner, scheduler, rendered, record, intent, key)
+        _submit_and_record(store, runner, scheduler, rendered, record, intent, key,
+                           begin_at=begin_at, after=after)
         return LaunchResult(record, rendered)
     finally:
         if own_runner:
@@ -211,7 +215,8 @@ def _resolve_remote_intents(store: JobStore, runner: Runner, intents: list[Inten
 
 
 def _submit_and_record(store: JobStore, runner: Runner, scheduler: Scheduler, rendered: RenderedJob,
-                       record: JobRecord, intent: int, key: str | None) -> None:
+                       record: JobRecord, intent: int, key: str | None, *, begin_at: float | None = None,
+                       after: str | None = None) -> None:
     """Write the run directory, submit, record the id; if anything fails after the scheduler took the job,
     say which job it is and how to stop it (the run directory keeps the id for the next `pbstk jobs`)."""
     run_dir = rendered.run_dir
@@ -220,7 +225,8 @@ def _submit_and_record(store: JobStore, runner: Runner, scheduler: Scheduler, re
         with _defer_interrupts():
             marking = _MarkingRunner(runner, run_dir, scheduler.submit_program)
             record.job_id = scheduler.submit(marking, f"{run_dir}/{scheduler.script_name}", run_dir,
-                                             rendered.job_name, walltime_s=walltime_seconds(rendered.profile.walltime))
+                                             rendered.job_name, walltime_s=walltime_seconds(rendered.profile.walltime),
+                                             begin_at=begin_at, after=after)
             store.record_submitted(intent, record)
     except BaseException as exc:
         job_id = record.job_id or _marker_job_id(runner, run_dir)

@@ -109,10 +109,13 @@ class Scheduler(abc.ABC):
 
     @abc.abstractmethod
     def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
-               walltime_s: int | None = None) -> str:
+               walltime_s: int | None = None, begin_at: float | None = None, after: str | None = None) -> str:
         """Submit the job script; return the full job id. Raises ``SchedulerError`` with the scheduler's words.
 
-        ``walltime_s``: the profile's walltime, for backends that enforce it themselves."""
+        ``walltime_s``: the profile's walltime, for backends that enforce it themselves. ``begin_at``: the job
+        must not start before this time (epoch seconds). ``after``: the job must not start before job ``after``
+        has started (a successor that overlaps its predecessor). A backend that cannot honour one raises
+        ``UsageError`` before submitting anything."""
 
     @abc.abstractmethod
     def query(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, SchedulerJob]:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pbs_toolkit.errors import SchedulerError
+from pbs_toolkit.errors import SchedulerError, UsageError
 from pbs_toolkit.schedulers.base import JobRef, Outcome, SchedState, Scheduler, SchedulerJob, first_line
 from pbs_toolkit.schedulers.pbs import PBSScheduler, validate_directives
 from pbs_toolkit.transports.base import Runner
@@ -141,7 +141,9 @@ class LocalScheduler(Scheduler):
         return f"{self.id_source()}.{host}.local"
 
     def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
-               walltime_s: int | None = None) -> str:
+               walltime_s: int | None = None, begin_at: float | None = None, after: str | None = None) -> str:
+        if begin_at is not None or after is not None:
+            raise UsageError(f"the {self.name} scheduler cannot delay a job yet")
         if runner.size(script_path) is None:
             raise SchedulerError(f"job script {script_path} does not exist")
         job_id = self.new_job_id(runner)

@@ -244,7 +244,9 @@ class PBSScheduler(Scheduler):
         return f"qdel {job_id}"
 
     def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
-               walltime_s: int | None = None) -> str:
+               walltime_s: int | None = None, begin_at: float | None = None, after: str | None = None) -> str:
+        if begin_at is not None or after is not None:
+            raise UsageError(f"the {self.name} scheduler cannot delay a job yet")
         result = run_with_retry(runner, submit_argv(script_path), is_transient)
         if result.rc != 0:
             raise SchedulerError(f"qsub refused the job: {first_line(result.stderr or result.stdout)}")
