@@ -1,0 +1,308 @@
+"""The real vllm-router (from this venv, never from PATH) in front of stand-in vLLM servers on 127.0.0.1:
+start/stop, identity token, free ports, worker add/remove, API key pass-through, a worker killed under load,
+and a router started on a login node over SSH (real sshd on loopback) reached through a tunnel."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from conftest import STANDINS
+from helpers import until
+
+from pbs_toolkit.services import router as router_mod
+from pbs_toolkit.services.router import (
+    RouterError,
+    RouterInfo,
+    open_admin,
+    router_alive,
+    start_router,
+    stop_router,
+)
+from pbs_toolkit.transports.local import LocalRunner
+
+ROUTER = Path(sys.executable).parent / "vllm-router"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Worker:
+    """A stand-in vLLM server on 127.0.0.1; ``served()`` counts the completions it answered (its /metrics)."""
+
+    def __init__(self, key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+        env["PBSTK_TEST_STANDIN_DELAY"] = "0"
+        if key:
+            env["VLLM_API_KEY"] = key
+        self.proc = subprocess.Popen(  # noqa: S603 - argument list
+            [sys.executable, str(STANDINS / "vllm"), "serve", "m", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        until(self._healthy, 15, f"stand-in on {self.port}")
+
+    def _healthy(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/health", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def served(self) -> int:
+        text = requests.get(f"{self.url}/metrics", timeout=5).text
+        match = re.search(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.]+)$", text, re.M)
+        assert match, text
+        return int(float(match.group(1)))  # max_tokens=1 per request
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(5)
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    """Started on demand (``workers.append(Worker())``); all killed at the end."""
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.kill()
+
+
+@pytest.fixture
+def routers() -> Iterator[list[tuple[Any, RouterInfo]]]:
+    """Routers a test started, stopped at the end even when the test failed."""
+    started: list[tuple[Any, RouterInfo]] = []
+    yield started
+    for runner, info in started:
+        stop_router(runner, info, timeout=3)
+
+
+@pytest.fixture
+def local_router(tmp_path: Path, routers: list[tuple[Any, RouterInfo]]) -> Any:
+    assert ROUTER.exists(), f"{ROUTER} is missing: install the test extra (pip install -e '.[test]')"
+
+    def start(name: str = "router", **kwargs: Any) -> RouterInfo:
+        runner = LocalRunner()
+        info = start_router(runner, str(tmp_path / name), command=[str(ROUTER)], **kwargs)
+        routers.append((runner, info))
+        return info
+
+    return start
+
+
+def chat(url: str, key: str | None = None) -> requests.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return requests.post(f"{url}/v1/chat/completions", json=CHAT, headers=headers, timeout=30)
+
+
+def test_starts_without_workers_then_balances_and_removes(local_router: Any, workers: list[Worker]) -> None:
+    info = local_router()
+    assert info.host == "127.0.0.1" and info.transport == "" and info.policy == "round_robin"
+    assert {info.port, info.prometheus_port}.isdisjoint({30000, 29000, 8000}) and info.port != info.prometheus_port
+    record = Path(info.run_dir) / "router.json"
+    assert record.stat().st_mode & 0o777 == 0o600
+    assert RouterInfo.from_dict(__import__("json").loads(record.read_text())) == info
+    assert router_alive(LocalRunner(), info)
+
+    no_workers = chat(info.url)
+    assert no_workers.status_code == 503, no_workers.text
+
+    workers.extend([Worker(), Worker()])
+    with open_admin(LocalRunner(), info) as admin:
+        assert admin.workers() == []
+        for worker in workers:
+            admin.add_worker(worker.url)
+            admin.add_worker(worker.url)  # idempotent: the router's own answer is 400 "already exists"
+        assert sorted(admin.workers()) == sorted(w.url for w in workers)
+        for _ in range(10):
+            assert chat(info.url).status_code == 200
+        assert [w.served() for w in workers] == [5, 5]  # round_robin
+
+        admin.remove_worker(workers[1].url)
+        admin.remove_worker(workers[1].url)  # idempotent
+        assert admin.workers() == [workers[0].url]
+        for _ in range(6):
+            assert chat(info.url).status_code == 200
+        assert [w.served() for w in workers] == [11, 5]
+
+        with pytest.raises(RouterError, match="not an http"):
+            admin.add_worker("127.0.0.1:1")
+
+
+def test_two_routers_on_one_host_get_their_own_ports(local_router: Any, workers: list[Worker]) -> None:
+    first, second = local_router("a"), local_router("b")
+    ports = {first.port, first.prometheus_port, second.port, second.prometheus_port}
+    assert len(ports) == 4
+    workers.append(Worker())
+    for info in (first, second):
+        with open_admin(LocalRunner(), info) as admin:
+            admin.add_worker(workers[0].url)
+        assert chat(info.url).status_code == 200
+        metrics = requests.get(f"http://127.0.0.1:{info.prometheus_port}/metrics", timeout=5)
+        assert metrics.status_code == 200
+
+
+def test_stop_kills_it_and_a_second_stop_says_false(local_router: Any) -> None:
+    runner = LocalRunner()
+    info = local_router()
+    assert stop_router(runner, info) is True
+    assert not router_alive(runner, info)
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{info.url}/list_workers", timeout=2)
+    assert stop_router(runner, info) is False
+
+
+def test_a_pid_without_the_token_is_never_signalled(local_router: Any, tmp_path: Path) -> None:
+    """A recycled pid (here: a process of ours that carries another token, and one that carries none) and the
+    live router under a wrong token: none of them is 'alive' as the router, none is signalled."""
+    runner = LocalRunner()
+    env = {**os.environ, router_mod.TOKEN_ENV: "someone-else"}
+    others = [subprocess.Popen(["sleep", "60"], env=env, start_new_session=True),  # noqa: S603,S607
+              subprocess.Popen(["sleep", "60"], start_new_session=True)]  # noqa: S603,S607
+    real = local_router()
+    try:
+        for proc in others:
+            fake = RouterInfo(host="127.0.0.1", port=1, prometheus_port=2, pid=proc.pid, policy="round_robin",
+                              run_dir=str(tmp_path), token="0123456789abcdef")
+            assert not router_alive(runner, fake)
+            assert stop_router(runner, fake, timeout=1) is False
+            assert proc.poll() is None
+        wrong = RouterInfo(**{**real.to_dict(), "token": "not-its-token"})
+        assert stop_router(runner, wrong, timeout=1) is False
+        assert stop_router(runner, RouterInfo(**{**real.to_dict(), "token": ""}), timeout=1) is False
+        assert router_alive(runner, real)
+        assert requests.get(f"{real.url}/list_workers", timeout=5).status_code == 200
+    finally:
+        for proc in others:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_the_client_key_is_passed_through_to_the_replicas(local_router: Any, workers: list[Worker]) -> None:
+    """The router checks no key; it forwards the client's Authorization header and the replicas check it."""
+    import openai
+
+    workers.extend([Worker(key="s3cret"), Worker(key="s3cret")])
+    info = local_router(worker_urls=[w.url for w in workers])  # health checks pass: /health needs no key
+    assert chat(info.url).status_code == 401
+    assert chat(info.url, key="wrong").status_code == 401
+    good = openai.OpenAI(base_url=f"{info.url}/v1", api_key="s3cret", max_retries=0)
+    for _ in range(4):
+        reply = good.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        assert reply.choices[0].message.content == "word"
+    assert [w.served() for w in workers] == [2, 2]
+    bad = openai.OpenAI(base_url=f"{info.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    cmdline = Path(f"/proc/{info.pid}/cmdline").read_bytes()
+    assert b"s3cret" not in cmdline and b"--api-key" not in cmdline
+
+
+def test_router_command_missing_or_failing_is_one_clear_error(tmp_path: Path) -> None:
+    runner = LocalRunner()
+    with pytest.raises(RouterError) as missing:
+        start_router(runner, str(tmp_path / "r1"), command=[str(tmp_path / "no-such-router")])
+    assert "not found on this machine" in str(missing.value)
+    assert "pip install vllm-router" in str(missing.value) and "router_command" in str(missing.value)
+    with pytest.raises(RouterError) as failed:
+        start_router(runner, str(tmp_path / "r2"), command=[str(ROUTER)], extra_args=["--no-such-flag"])
+    assert "exited" in str(failed.value)
+    assert any("unrecognized arguments: --no-such-flag" in line for line in failed.value.details)
+
+
+def test_a_lost_bind_race_is_retried_with_other_ports(local_router: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    taken = busy.getsockname()[1]
+    real = router_mod._free_ports
+    calls: list[tuple[int, int]] = []
+
+    def racy(runner: Any, bind: str) -> tuple[int, int]:
+        ports = (taken, free_port()) if not calls else real(runner, bind)
+        calls.append(ports)
+        return ports
+
+    monkeypatch.setattr(router_mod, "_free_ports", racy)
+    try:
+        info = local_router()
+    finally:
+        busy.close()
+    assert len(calls) == 2 and info.port == calls[1][0] != taken
+    assert "Address already in use" in (Path(info.run_dir) / "router.log").read_text()
+
+
+def test_one_of_three_workers_killed_under_steady_load(local_router: Any, workers: list[Worker]) -> None:
+    """8 clients in a bounded loop for 12 s; one of 3 workers SIGKILLed after 3 s: the router retries what
+    failed to reach it on the others (measured: 0 failed requests), and the survivors take all later traffic."""
+    workers.extend([Worker(), Worker(), Worker()])
+    info = local_router(worker_urls=[w.url for w in workers])
+    results: Counter[str] = Counter()
+    lock = threading.Lock()
+    stop_at = time.monotonic() + 12
+
+    def client() -> None:
+        session = requests.Session()
+        while time.monotonic() < stop_at:
+            try:
+                code = str(session.post(f"{info.url}/v1/chat/completions", json=CHAT, timeout=30).status_code)
+            except requests.RequestException as exc:
+                code = type(exc).__name__
+            with lock:
+                results[code] += 1
+
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(8):
+            pool.submit(client)
+        time.sleep(3)
+        before = [w.served() for w in workers]
+        workers[1].proc.send_signal(signal.SIGKILL)
+        workers[1].proc.wait(5)
+        after_kill = [workers[0].served(), workers[2].served()]
+    assert set(results) == {"200"}, results
+    assert results["200"] > 200 and before[1] > 0
+    assert workers[0].served() > after_kill[0] and workers[2].served() > after_kill[1]
+
+
+@pytest.mark.ssh
+def test_a_router_on_a_login_node_outlives_the_connection_and_is_reached_through_a_tunnel(
+    login_node: Any, workers: list[Worker], tmp_path: Path
+) -> None:
+    from pbs_toolkit.transports.ssh import SSHRunner
+
+    def ssh() -> SSHRunner:
+        return SSHRunner(login_node.alias, config_path=login_node.ssh_config, known_hosts_path=login_node.known_hosts)
+
+    workers.append(Worker())
+    run_dir = str(tmp_path / "remote-router")
+    with ssh() as runner:
+        info = start_router(runner, run_dir, command=[str(ROUTER)])
+    try:
+        assert info.transport == login_node.alias and info.host
+        with ssh() as runner:  # a new connection: the router survived the first one closing
+            assert router_alive(runner, info)
+            with open_admin(runner, info) as admin:
+                assert admin.base_url != info.url  # through the tunnel's local port
+                admin.add_worker(workers[0].url)
+                assert admin.workers() == [workers[0].url]
+    finally:
+        with ssh() as runner:
+            assert stop_router(runner, info) is True
