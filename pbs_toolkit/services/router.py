@@ -18,8 +18,9 @@ docs/services.md "## The router"):
   environment variable for it: the launcher is plain argparse, and ``OPENAI_API_KEY`` in the router's environment
   is not added to forwarded requests either.
 * **Admin endpoints are not authenticated** (``/add_worker``, ``/remove_worker``, ``/list_workers``), with or
-  without ``--api-key``: anyone who reaches the router's port can add a worker of theirs and receive prompts. Bind
-  it to 127.0.0.1 unless clients on other hosts must reach it.
+  without ``--api-key``: anyone who reaches the router's port can add a worker of theirs and receive prompts with
+  the clients' ``Authorization`` header (the service's key). Bind it to 127.0.0.1 unless clients on other hosts
+  must reach it.
 * **Health checks** are ``GET /health`` without any ``Authorization`` header, also with ``--api-key``: fine for
   vLLM, whose ``/health`` needs no key. ``/add_worker`` waits until the worker's ``/health`` answers
   (``--worker-startup-timeout-secs``, default 600 s, checked every ``--worker-startup-check-interval`` = 30 s):
@@ -31,7 +32,9 @@ docs/services.md "## The router"):
   non-streaming request in flight when it died) are retried on another worker (``--retry-max-retries`` 5,
   backoff 50 ms x1.5); after 10 failures its circuit breaker opens and it gets no traffic for 60 s, then one probe.
   Measured: 3 workers, 8 clients, one worker SIGKILLed, 4907 requests, 0 failed with the router's defaults
-  (tests/test_router.py keeps that measurement). A streaming response already under way cannot be retried.
+  (tests/test_router.py keeps that measurement). A streaming response already under way is not retried: when its
+  worker dies the stream just ends (HTTP 200, no ``data: [DONE]``), so streaming clients should check for a
+  ``finish_reason``.
   pbstk adds ``--health-check-interval-secs 5`` (default 60) so a dead worker is marked unhealthy within ~15 s
   (3 failed checks) instead of 3 minutes; the service removes a replica from the router when its job ends anyway.
 * ``SIGTERM`` starts a graceful shutdown that can take up to a minute while connections drain: ``stop_router``
