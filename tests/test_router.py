@@ -27,6 +27,7 @@ from pbs_toolkit.services import router as router_mod
 from pbs_toolkit.services.router import (
     RouterError,
     RouterInfo,
+    load_info,
     open_admin,
     router_alive,
     start_router,
@@ -148,7 +149,8 @@ def test_starts_without_workers_then_balances_and_removes(local_router: Any, wor
 
 
 def test_two_routers_on_one_host_get_their_own_ports(local_router: Any, workers: list[Worker]) -> None:
-    first, second = local_router("a"), local_router("b")
+    with ThreadPoolExecutor(2) as pool:  # started at the same time: each picks its own free ports
+        first, second = pool.map(local_router, ["a", "b"])
     ports = {first.port, first.prometheus_port, second.port, second.prometheus_port}
     assert len(ports) == 4
     workers.append(Worker())
@@ -163,11 +165,16 @@ def test_two_routers_on_one_host_get_their_own_ports(local_router: Any, workers:
 def test_stop_kills_it_and_a_second_stop_says_false(local_router: Any) -> None:
     runner = LocalRunner()
     info = local_router()
+    with pytest.raises(RouterError, match=f"already running from .* \\(pid {info.pid}"):
+        local_router()  # the same run directory: its record would be overwritten
+    assert router_alive(runner, info) and load_info(runner, info.run_dir) == info
     assert stop_router(runner, info) is True
     assert not router_alive(runner, info)
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{info.url}/list_workers", timeout=2)
     assert stop_router(runner, info) is False
+    again = local_router()  # a stopped router's run directory can be reused
+    assert again.pid != info.pid and router_alive(runner, again)
 
 
 def test_a_pid_without_the_token_is_never_signalled(local_router: Any, tmp_path: Path) -> None:

@@ -37,6 +37,8 @@ docs/services.md "## The router"):
   ``finish_reason``.
   pbstk adds ``--health-check-interval-secs 5`` (default 60) so a dead worker is marked unhealthy within ~15 s
   (3 failed checks) instead of 3 minutes; the service removes a replica from the router when its job ends anyway.
+* An unhealthy worker stays in ``/list_workers`` (the router's ``/health`` names it: ``Unhealthy servers: [...]``)
+  and returns to rotation after 2 good checks: the worker list is what was added, not what is up.
 * ``SIGTERM`` starts a graceful shutdown that can take up to a minute while connections drain: ``stop_router``
   waits ``timeout`` seconds, then kills the process group.
 """
@@ -289,6 +291,7 @@ def start_router(
     """
     _check_command(runner, command)
     runner.makedirs(run_dir, 0o700)
+    _refuse_running(runner, run_dir)
     transport = _transport(runner)
     host = advertise or (bind if bind not in _WILDCARDS else _default_advertise(runner))
     deadline = time.monotonic() + timeout
@@ -309,6 +312,29 @@ def start_router(
             return info
     raise RouterError(f"the router on {_where(runner)} could not bind a free port in {_BIND_ATTEMPTS} attempts",
                       details=_log_tail(runner, run_dir))
+
+
+def load_info(runner: Runner, run_dir: str) -> RouterInfo | None:
+    """The router recorded in ``run_dir/router.json``, or None when there is none."""
+    try:
+        data = runner.read_bytes(f"{run_dir}/{INFO_FILE}")
+    except FileNotFoundError:
+        return None
+    try:
+        return RouterInfo.from_dict(json.loads(data))
+    except ValueError as exc:
+        raise RouterError(f"{run_dir}/{INFO_FILE} is not a router record: {exc}") from exc
+
+
+def _refuse_running(runner: Runner, run_dir: str) -> None:
+    """One run directory, one router: a second start would overwrite the record of a router still running."""
+    try:
+        info = load_info(runner, run_dir)
+    except RouterError:
+        return  # an unreadable record proves nothing runs: the new start rewrites it
+    if info is not None and router_alive(runner, info):
+        raise RouterError(f"a router is already running from {run_dir} on {_where(runner)} (pid {info.pid}, "
+                          f"{info.url}): stop it first")
 
 
 def _default_advertise(runner: Runner) -> str:
