@@ -2,10 +2,13 @@
 
 The router runs on the machine a :class:`Runner` reaches (this one, or a login node over SSH), detached in its own
 session (``setsid -f``), so it outlives pbstk and the SSH connection. Its pid, ports and an identity token live in
-``RUN_DIR/router.json`` (mode 0600); the token is also in the router's environment (``PBSTK_ROUTER_TOKEN``), and a
-pid is only signalled while ``/proc/PID/environ`` still carries it, so a pid recycled by another process after the
-router died is never killed. Ports are chosen free on the router's host (never the defaults 30000/29000: two
-services on one login node would collide); a bind race that is lost is retried with new ports.
+``RUN_DIR/router.json`` (mode 0600); the token is also in the environment (``PBSTK_ROUTER_TOKEN``) of the small bash
+wrapper that leads the router's process group (the recorded pid), and that group is only signalled while
+``/proc/PID/environ`` still carries it, so a pid recycled by another process after the router died is never killed.
+(The router itself cannot carry it: it renames itself ``vllm::router``, which overwrites its /proc/PID/environ.)
+Linux only: without /proc (macOS) a router is never taken for alive, nor stopped. Ports are chosen free on the
+router's host (never the defaults 30000/29000: two services on one login node would collide); a bind race that is
+lost is retried with new ports.
 
 What vllm-router 0.1.17 does (measured on loopback with tests/standins/vllm and a header-logging worker; see
 docs/services.md "## The router"):
