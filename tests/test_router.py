@@ -313,3 +313,52 @@ def test_a_router_on_a_login_node_outlives_the_connection_and_is_reached_through
     finally:
         with ssh() as runner:
             assert stop_router(runner, info) is True
+
+
+def test_a_request_in_flight_on_a_removed_worker_still_completes(local_router: Any, workers: list[Worker]) -> None:
+    """Keep-alive handover removes the predecessor first, then drains it: the router must not cut what it already
+    sent there (measured: it does not; later requests go to the others only)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    release = threading.Event()
+
+    class Slow(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _answer(self, body: bytes) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # /health
+            self._answer(b"")
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            release.wait(20)
+            self._answer(b'{"from": "slow"}')
+
+    slow = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=slow.serve_forever, daemon=True).start()
+    slow_url = f"http://127.0.0.1:{slow.server_address[1]}"
+    workers.append(Worker())
+    try:
+        info = local_router(worker_urls=[slow_url, workers[0].url])
+        with ThreadPoolExecutor(2) as pool:
+            pending = [pool.submit(chat, info.url) for _ in range(2)]  # round_robin: one of them goes to slow
+            until(lambda: sum(f.done() for f in pending) == 1, 10, "the fast worker's answer")
+            with open_admin(LocalRunner(), info) as admin:
+                admin.remove_worker(slow_url)
+                assert admin.workers() == [workers[0].url]
+            assert all(chat(info.url).status_code == 200 for _ in range(3))
+            release.set()
+            answers = sorted(f.result().text for f in pending)
+        assert answers[-1] == '{"from": "slow"}' and all(f.result().status_code == 200 for f in pending)
+        assert workers[0].served() == 4
+    finally:
+        release.set()
+        slow.shutdown()
+        slow.server_close()

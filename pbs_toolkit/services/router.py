@@ -42,6 +42,8 @@ docs/services.md "## The router"):
   (3 failed checks) instead of 3 minutes; the service removes a replica from the router when its job ends anyway.
 * An unhealthy worker stays in ``/list_workers`` (the router's ``/health`` names it: ``Unhealthy servers: [...]``)
   and returns to rotation after 2 good checks: the worker list is what was added, not what is up.
+* ``/remove_worker`` does not cut requests already sent to that worker: they complete there (a handover removes
+  the predecessor, then drains it by watching its own ``/metrics``; the router does not count them any more).
 * ``SIGTERM`` starts a graceful shutdown that can take up to a minute while connections drain: ``stop_router``
   waits ``timeout`` seconds, then kills the process group.
 """
