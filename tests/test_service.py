@@ -89,7 +89,7 @@ def test_serve_two_replicas_one_url_then_cancel_stops_everything(svc_profile: st
 
     text = pbstk("status")
     assert text.exit_code == 0, text.output
-    line = next(l for l in text.stdout.splitlines() if l.startswith("qs "))
+    line = next(row for row in text.stdout.splitlines() if row.startswith("qs "))
     assert "READY 2/2 replicas" in line and "http://127.0.0.1:" in line, text.stdout
     doc = service_json("qs")
     assert doc["kind"] == "service" and doc["schema_version"]
@@ -133,3 +133,117 @@ def test_serve_two_replicas_one_url_then_cancel_stops_everything(svc_profile: st
                  == "CANCELLED", 15, f"{job} CANCELLED")
     assert records.find(JobStore(), "qs").state == "CANCELLED"
     assert "qs" not in pbstk("status").stdout
+
+
+class Load:
+    """A bounded request loop on loopback in a few threads: counts successes and failures until stopped."""
+
+    def __init__(self, send: Any, threads: int = 3, limit_s: float = 120.0) -> None:
+        self.send, self.ok, self.failed, self.errors = send, 0, 0, []  # type: list[str]
+        self._stop = threading.Event()
+        self._deadline = time.monotonic() + limit_s
+        self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads)]
+        self._lock = threading.Lock()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set() and time.monotonic() < self._deadline:
+            try:
+                self.send()
+                ok, err = True, ""
+            except Exception as exc:  # noqa: BLE001 - every failure counts, whatever raised it
+                ok, err = False, f"{type(exc).__name__}: {str(exc)[:200]}"
+            with self._lock:
+                if ok:
+                    self.ok += 1
+                else:
+                    self.failed += 1
+                    self.errors.append(err)
+            time.sleep(0.01)
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+
+def test_losing_a_replica_under_load_degrades_and_leaves_the_router(svc_profile: str) -> None:
+    result = serve("--replicas", "3", "--name", "loss", "--wait", "--timeout", "90")
+    assert result.exit_code == 0, result.output
+    rec = records.find(JobStore(), "loss")
+    url, key = rec.url, rec.api_key
+    assert url and key
+    workers = url[:-3] + "/list_workers"
+    wait_for(lambda: len(requests.get(workers, timeout=5).json()["urls"]) == 3, 10, "three workers")
+
+    def send() -> None:
+        response = chat(url, key)
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+
+    victim = JobStore().find("loss-r1")
+    server = json.loads(Path(victim.run_dir, "server.json").read_text())
+    with Load(send) as load:
+        wait_for(lambda: load.ok >= 30, 30, "steady load")
+        os.kill(int(server["pid"]), signal.SIGKILL)
+        dead = f"http://127.0.0.1:{server['port']}"
+        wait_for(lambda: dead not in requests.get(workers, timeout=5).json()["urls"], 15,
+                 "the dead replica to leave the router")
+        before = load.ok
+        wait_for(lambda: load.ok >= before + 30, 30, "load to go on")
+    print(f"replica loss under load: {load.ok} ok, {load.failed} failed: {load.errors[:3]}")
+    assert load.failed <= 3, load.errors  # only what reached the dead worker before its removal (no retry)
+    doc = wait_for(lambda: (d := service_json("loss"))["state"] == "DEGRADED" and d, 15, "DEGRADED")
+    assert doc["ready"] == 2 and doc["replicas"] == 3
+    line = pbstk("status").stdout
+    assert "DEGRADED 2/3 replicas" in line, line
+    assert sorted(requests.get(workers, timeout=5).json()["urls"]) == sorted(
+        f"http://127.0.0.1:{json.loads(Path(JobStore().find(n).run_dir, 'server.json').read_text())['port']}"
+        for n in ("loss-r0", "loss-r2"))
+    assert pbstk("cancel", "loss").exit_code == 0
+
+
+def test_keep_alive_hands_over_under_openai_load_with_zero_failures(svc_profile: str, isolated_user: Path) -> None:
+    import openai
+
+    result = serve("--replicas", "1", "--name", "ka", "--keep-alive", "--walltime", "00:01:15", "--handover", "45",
+                   "--wait", "--timeout", "60")
+    assert result.exit_code == 0, result.output
+    rec = records.find(JobStore(), "ka")
+    first = rec.slots[0].current
+    registry = isolated_user / "endpoints.yaml"
+    assert pbstk("update-endpoint", "ka", "--registry", str(registry)).exit_code == 0
+    before = registry.read_bytes()
+    client = openai.OpenAI(base_url=rec.url, api_key=rec.api_key, max_retries=0, timeout=10)
+
+    def send() -> None:
+        client.chat.completions.create(model=rec.served_model_name, max_tokens=3,
+                                       messages=[{"role": "user", "content": "hi"}])
+
+    def handed_over() -> bool:
+        now = records.find(JobStore(), "ka").slots[0]
+        return now.current != first and now.draining is None
+
+    with Load(send, threads=2, limit_s=150) as load:
+        # the successor is eligible 45 s before the 75 s walltime ends: about 30 s after the first started
+        doc = wait_for(lambda: service_json("ka")["slots"][0]["successor"] and service_json("ka"), 30, "a successor")
+        assert any(j["state"] == "PENDING" and "eligible at" in (j["comment"] or "") for j in doc["jobs"]), doc
+        wait_for(handed_over, 75, "the handover", interval=0.5)
+        done = load.ok
+        wait_for(lambda: load.ok >= done + 20, 30, "load after the handover")
+    print(f"keep-alive handover under load: {load.ok} ok, {load.failed} failed: {load.errors[:3]}")
+    assert load.failed == 0, load.errors
+    assert registry.read_bytes() == before
+    now = records.find(JobStore(), "ka").slots[0]
+    assert now.current == JobStore().find("ka-r0-g1").job_id
+    wait_for(lambda: pbstk("status", first, "--json").exit_code == 0 and JobStore().find(first).final_state
+             == "CANCELLED", 15, "the predecessor CANCELLED")
+    successor = json.loads(Path(JobStore().find("ka-r0-g1").run_dir, "server.json").read_text())
+    assert requests.get(rec.url[:-3] + "/list_workers", timeout=5).json()["urls"] == [
+        f"http://127.0.0.1:{successor['port']}"]
+    assert service_json("ka")["state"] == "READY"
+    assert pbstk("cancel", "ka").exit_code == 0
