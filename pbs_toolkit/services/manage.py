@@ -59,14 +59,14 @@ def router_place(profile: Profile) -> str:
 
 def check_keep_alive(profile: Profile, replicas: int, handover_s: float, walltime_s: int) -> None:
     """Refuse keep-alive that cannot overlap: a queue limit below replicas x 2, or a handover >= walltime."""
-    if handover_s >= walltime_s:
-        raise UsageError(f"--handover {handover_s:g} s is not shorter than the walltime ({walltime_s} s): the "
-                         f"successor would start before its predecessor")
     limit = profile.max_running_jobs
     if limit and limit < replicas * 2:
         raise UsageError(f"--keep-alive needs {replicas * 2} jobs running at once ({replicas} replicas and their "
                          f"successors) but profile {profile.name} allows {limit} running job(s) per user "
                          f"(max_running_jobs); a handover could not overlap")
+    if handover_s >= walltime_s:
+        raise UsageError(f"--handover {handover_s:g} s is not shorter than the walltime ({walltime_s} s): the "
+                         f"successor would start before its predecessor")
 
 
 def check_router_command(client: Client, profile: Profile, command: list[str]) -> None:
