@@ -1,148 +1,413 @@
-"""PRIVATE STAND-IN of ROUTER's ``services/router.py`` (branch wp-router wins at merge): just enough of the
-contract's API to run the service layer's tests on this machine. Local runner only."""
+"""Start, check and stop one ``vllm-router`` and add or remove its workers.
+
+The router runs on the machine a :class:`Runner` reaches (this one, or a login node over SSH), detached in its own
+session (``setsid -f``), so it outlives pbstk and the SSH connection. Its pid, ports and an identity token live in
+``RUN_DIR/router.json`` (mode 0600); the token is also in the router's environment (``PBSTK_ROUTER_TOKEN``), and a
+pid is only signalled while ``/proc/PID/environ`` still carries it, so a pid recycled by another process after the
+router died is never killed. Ports are chosen free on the router's host (never the defaults 30000/29000: two
+services on one login node would collide); a bind race that is lost is retried with new ports.
+
+What vllm-router 0.1.17 does (measured on loopback with tests/standins/vllm and a header-logging worker; see
+docs/services.md "## The router"):
+
+* **API key**: the router forwards the client's ``Authorization`` header to the worker unchanged and checks no key
+  itself. A service's replicas share one key (``VLLM_API_KEY``); clients send it to the router URL and the replicas
+  check it (no or a wrong key -> the replica's own 401, passed through). ``--api-key`` is only "the key for
+  authorization with workers" for data-parallel routing; in regular mode it is neither required from clients nor
+  added to forwarded requests, so pbstk never passes it (and a secret never goes in argv anyway). There is no
+  environment variable for it: the launcher is plain argparse, and ``OPENAI_API_KEY`` in the router's environment
+  is not added to forwarded requests either.
+* **Admin endpoints are not authenticated** (``/add_worker``, ``/remove_worker``, ``/list_workers``), with or
+  without ``--api-key``: anyone who reaches the router's port can add a worker of theirs and receive prompts with
+  the clients' ``Authorization`` header (the service's key). Bind it to 127.0.0.1 unless clients on other hosts
+  must reach it.
+* **Health checks** are ``GET /health`` without any ``Authorization`` header, also with ``--api-key``: fine for
+  vLLM, whose ``/health`` needs no key. ``/add_worker`` waits until the worker's ``/health`` answers
+  (``--worker-startup-timeout-secs``, default 600 s, checked every ``--worker-startup-check-interval`` = 30 s):
+  an unreachable URL used to hold the admin call for minutes, so pbstk starts the router with 20 s / 1 s.
+* **Add / remove**: adding a URL already there is ``400 ... already exists``; removing one that is not there is
+  ``200`` (logged as skipped). :class:`RouterAdmin` makes both idempotent.
+* **No workers**: chat requests get ``503 No available workers (all circuits open or unhealthy)``.
+* **A worker killed under load**: requests that fail to reach it (connection refused or reset, also a
+  non-streaming request in flight when it died) are retried on another worker (``--retry-max-retries`` 5,
+  backoff 50 ms x1.5); after 10 failures its circuit breaker opens and it gets no traffic for 60 s, then one probe.
+  Measured: 3 workers, 8 clients, one worker SIGKILLed, 4907 requests, 0 failed with the router's defaults
+  (tests/test_router.py keeps that measurement). A streaming response already under way is not retried: when its
+  worker dies the stream just ends (HTTP 200, no ``data: [DONE]``), so streaming clients should check for a
+  ``finish_reason``.
+  pbstk adds ``--health-check-interval-secs 5`` (default 60) so a dead worker is marked unhealthy within ~15 s
+  (3 failed checks) instead of 3 minutes; the service removes a replica from the router when its job ends anyway.
+* ``SIGTERM`` starts a graceful shutdown that can take up to a minute while connections drain: ``stop_router``
+  waits ``timeout`` seconds, then kills the process group.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
+import random
+import re
 import secrets
-import signal
-import socket
-import subprocess
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+import requests
 
 from pbs_toolkit.errors import PbstkError
-from pbs_toolkit.transports import Runner
+from pbs_toolkit.transports.base import Runner
+
+TOKEN_ENV = "PBSTK_ROUTER_TOKEN"
+INFO_FILE = "router.json"
+LOG_FILE = "router.log"
+#: added before ``extra_args`` (argparse: a later repeat of an option wins, so callers can override each)
+DEFAULT_ARGS: tuple[str, ...] = (
+    "--health-check-interval-secs", "5",
+    "--worker-startup-timeout-secs", "20",
+    "--worker-startup-check-interval", "1",
+)
+#: how long ``/add_worker`` may wait for the worker's ``/health`` (``--worker-startup-timeout-secs`` above)
+ADD_WAIT_S = 20.0
+_BIND_ATTEMPTS = 4
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+# Constant scripts; every value arrives as a positional parameter, never spliced into the text.
+_LAUNCH = r"""
+d=$1; shift
+exec </dev/null >>"$d/router.log" 2>&1
+echo "$$" >"$d/router.pid.tmp" && mv -f "$d/router.pid.tmp" "$d/router.pid"
+"$@" &
+child=$!
+trap 'kill -TERM "$child" 2>/dev/null' TERM INT HUP
+while :; do
+  wait "$child"
+  kill -0 "$child" 2>/dev/null || break
+done
+"""
+# ours PID TOKEN: is PID (the wrapper above, leader of the router's process group) alive, not a zombie, and
+# carrying the router's token? A pid recycled by another process, or one of another user (environ unreadable), is
+# not ours. The wrapper stays because the router renames itself (``vllm::router``, setproctitle), which
+# overwrites its own /proc/PID/environ: the token could not be read from the router itself.
+_OURS = r"""
+ours() {
+  [ -n "$2" ] || return 1
+  read -r st 2>/dev/null <"/proc/$1/stat" || return 1
+  rest=${st##*) }
+  [ "${rest%% *}" = Z ] && return 1
+  tr '\0' '\n' 2>/dev/null <"/proc/$1/environ" | grep -qxF "PBSTK_ROUTER_TOKEN=$2"
+}
+"""
+_ALIVE = _OURS + 'ours "$1" "$2"\n'
+_STOP = _OURS + r"""
+ours "$1" "$2" || exit 2
+kill -TERM -- "-$1" 2>/dev/null || kill -TERM "$1" 2>/dev/null || exit 2
+n=$(( $3 * 10 ))
+while [ "$n" -gt 0 ]; do ours "$1" "$2" || exit 0; sleep 0.1; n=$((n - 1)); done
+kill -KILL -- "-$1" 2>/dev/null || kill -KILL "$1" 2>/dev/null
+exit 0
+"""
+# two free TCP ports on the router's host (bound together, so they differ), or nothing when python3 is missing
+_FREE_PORTS = r"""
+import socket, sys
+socks = [socket.socket() for _ in range(2)]
+for s in socks:
+    s.bind((sys.argv[1], 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+"""
 
 
 class RouterError(PbstkError):
-    pass
+    """The router could not be started, reached or stopped (exit 1): the message says which and where."""
 
 
 @dataclass
 class RouterInfo:
-    host: str
+    """Where a started router is and how to prove a pid is still it (``router.json``)."""
+
+    host: str  # the address clients use (127.0.0.1 for a local router; the login node's address over ssh)
     port: int
     prometheus_port: int
     pid: int
     policy: str
-    run_dir: str
-    transport: str = ""
-    token: str = ""
+    run_dir: str  # on the router's host: router.json (0600), router.log
+    transport: str = ""  # "" = this machine, else the ssh host (as JobRecord.transport)
+    token: str = ""  # identity token (in the router's environment) so a recycled pid is never killed
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RouterInfo:
-        return cls(**{k: d[k] for k in ("host", "port", "prometheus_port", "pid", "policy", "run_dir")},
-                   transport=d.get("transport", ""), token=d.get("token", ""))
-
-
-def _free_port(bind: str) -> int:
-    with socket.socket() as s:
-        s.bind((bind, 0))
-        return int(s.getsockname()[1])
-
-
-def start_router(runner: Runner, run_dir: str, *, command: Sequence[str] = ("vllm-router",), bind: str = "127.0.0.1",
-                 advertise: str | None = None, policy: str = "round_robin", worker_urls: Sequence[str] = (),
-                 extra_args: Sequence[str] = (), timeout: float = 30.0) -> RouterInfo:
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    port, prom = _free_port(bind), _free_port(bind)
-    token = secrets.token_hex(16)
-    argv = [*command, "--host", bind, "--port", str(port), "--prometheus-port", str(prom), "--policy", policy,
-            *(["--worker-urls", *worker_urls] if worker_urls else []), *extra_args]
-    try:
-        with open(os.path.join(run_dir, "router.log"), "ab") as log:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,  # noqa: S603
-                                    start_new_session=True, env={**os.environ, "PBSTK_ROUTER_TOKEN": token})
-    except OSError as exc:
-        raise RouterError(f"cannot start the router {command[0]!r}: {exc.strerror or exc}") from None
-    info = RouterInfo(advertise or bind, port, prom, proc.pid, policy, run_dir, "", token)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RouterError(f"the router exited at once (code {proc.returncode}); see {run_dir}/router.log")
         try:
-            with socket.create_connection((bind, port), timeout=0.5):
+            return cls(
+                host=str(d["host"]), port=int(d["port"]), prometheus_port=int(d["prometheus_port"]),
+                pid=int(d["pid"]), policy=str(d["policy"]), run_dir=str(d["run_dir"]),
+                transport=str(d.get("transport") or ""), token=str(d.get("token") or ""),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RouterError(f"router record is incomplete or malformed: {exc}") from exc
+
+
+def _where(runner: Runner) -> str:
+    return "this machine" if runner.name == "local" else runner.name.split(":", 1)[-1]
+
+
+def _transport(runner: Runner) -> str:
+    return "" if runner.name == "local" else runner.name.split(":", 1)[-1]
+
+
+def _reach(bind: str) -> str:
+    """The address to connect to on the router's own host for a router bound to ``bind``."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bind, bind)
+
+
+def _free_ports(runner: Runner, bind: str) -> tuple[int, int]:
+    result = runner.run(["python3", "-c", _FREE_PORTS, _reach(bind)], timeout=30)
+    fields = result.stdout.split()
+    if result.ok and len(fields) == 2 and all(f.isdigit() for f in fields):
+        return int(fields[0]), int(fields[1])
+    # no python3 on that host: random high ports; a lost race shows as "Address already in use" and is retried
+    port = random.randrange(20000, 60000)
+    return port, port + 1
+
+
+def _check_command(runner: Runner, command: Sequence[str]) -> None:
+    if not command:
+        raise RouterError("the router command is empty (profile key router_command)")
+    result = runner.run(["bash", "-c", 'command -v -- "$1"', "pbstk-which", command[0]], timeout=30)
+    if not result.ok:
+        raise RouterError(
+            f"router command {command[0]!r} not found on {_where(runner)}: install it there "
+            "(pip install vllm-router) or name it with the profile key router_command"
+        )
+
+
+def _log_tail(runner: Runner, run_dir: str, lines: int = 8) -> list[str]:
+    path = f"{run_dir}/{LOG_FILE}"
+    size = runner.size(path)
+    if not size:
+        return []
+    data = runner.read_bytes(path, max(0, size - 8192)).decode(errors="replace")
+    kept = [_plain(line) for line in data.splitlines() if line.strip() and not line.startswith("DEBUG:")]
+    return kept[-lines:]
+
+
+def _plain(line: str) -> str:
+    """A log line without the ANSI colours the router writes even to a file."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", line).rstrip()
+
+
+def _http_status(runner: Runner, host: str, port: int, path: str, timeout: float = 3.0) -> int | None:
+    """Status of ``GET path`` as the router's host sees it (a socket or an SSH channel), or None: no answer."""
+    try:
+        conn = runner.open_connection(host, port, timeout)
+    except (OSError, PbstkError):
+        return None
+    try:
+        conn.settimeout(timeout)
+        conn.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        head = b""
+        while b"\r\n" not in head and len(head) < 4096:
+            chunk = conn.recv(1024)
+            if not chunk:
                 break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        raise RouterError("the router did not answer in time")
-    Path(run_dir, "router.json").write_text(json.dumps(info.to_dict()))
-    return info
+            head += chunk
+        fields = head.split(b"\r\n", 1)[0].split()
+        return int(fields[1]) if len(fields) >= 2 and fields[1].isdigit() else None
+    except OSError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            conn.close()
+
+
+def _read_pid(runner: Runner, run_dir: str, deadline: float) -> int:
+    path = f"{run_dir}/router.pid"
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            text = runner.read_bytes(path).decode().strip()
+            if text.isdigit():
+                return int(text)
+        time.sleep(0.05)
+    raise RouterError(f"the router did not start on {_where(runner)} (no pid in {path})",
+                      details=_log_tail(runner, run_dir))
+
+
+def _launch_once(runner: Runner, run_dir: str, argv: Sequence[str], token: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        runner.run(["rm", "-f", "--", f"{run_dir}/router.pid"], timeout=30)
+    result = runner.run(["setsid", "-f", "bash", "-c", _LAUNCH, "pbstk-router", run_dir, *argv],
+                        env={TOKEN_ENV: token}, timeout=30)
+    if not result.ok:
+        raise RouterError(f"could not start the router on {_where(runner)}: {result.stderr.strip() or result.rc}")
+
+
+def _wait_ready(runner: Runner, info: RouterInfo, reach: str, log_from: int, deadline: float) -> str:
+    """"ready", or "port" when the router died on a lost bind race; raises when it exited otherwise or hung."""
+    delay = 0.05
+    while True:
+        if _http_status(runner, reach, info.port, "/list_workers") == 200:
+            return "ready"
+        if not router_alive(runner, info):
+            new_log = runner.read_bytes(f"{info.run_dir}/{LOG_FILE}", log_from).decode(errors="replace")
+            if "Address already in use" in new_log or "address already in use" in new_log.lower():
+                return "port"
+            raise RouterError(f"the router exited on {_where(runner)} before it answered (log: "
+                              f"{info.run_dir}/{LOG_FILE})", details=_log_tail(runner, info.run_dir))
+        if time.monotonic() > deadline:
+            stop_router(runner, info, timeout=2)
+            raise RouterError(f"the router on {_where(runner)} did not answer within the time allowed "
+                              f"(log: {info.run_dir}/{LOG_FILE})", details=_log_tail(runner, info.run_dir))
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+
+
+def start_router(
+    runner: Runner,
+    run_dir: str,
+    *,
+    command: Sequence[str] = ("vllm-router",),
+    bind: str = "127.0.0.1",
+    advertise: str | None = None,
+    policy: str = "round_robin",
+    worker_urls: Sequence[str] = (),
+    extra_args: Sequence[str] = (),
+    timeout: float = 30.0,
+) -> RouterInfo:
+    """Start a router detached on the runner's host and return once it answers ``GET /list_workers``.
+
+    ``bind``: the address it listens on (its Prometheus endpoint too); ``advertise``: the address clients use
+    (default: ``bind``, or for a wildcard bind 127.0.0.1 here / the host's name over SSH). Writes
+    ``run_dir/router.json`` (0600) and appends the router's output to ``run_dir/router.log``.
+    """
+    _check_command(runner, command)
+    runner.makedirs(run_dir, 0o700)
+    transport = _transport(runner)
+    host = advertise or (bind if bind not in _WILDCARDS else _default_advertise(runner))
+    deadline = time.monotonic() + timeout
+    for _attempt in range(_BIND_ATTEMPTS):
+        port, prom_port = _free_ports(runner, bind)
+        token = secrets.token_hex(16)
+        argv = [*command, "--host", bind, "--port", str(port), "--prometheus-port", str(prom_port),
+                "--prometheus-host", bind, "--policy", policy, *DEFAULT_ARGS, *extra_args]
+        if worker_urls:
+            argv += ["--worker-urls", *worker_urls]
+        log_from = runner.size(f"{run_dir}/{LOG_FILE}") or 0
+        _launch_once(runner, run_dir, argv, token)
+        pid = _read_pid(runner, run_dir, deadline)
+        info = RouterInfo(host=host, port=port, prometheus_port=prom_port, pid=pid, policy=policy,
+                          run_dir=run_dir, transport=transport, token=token)
+        if _wait_ready(runner, info, _reach(bind), log_from, deadline) == "ready":
+            runner.write_bytes(f"{run_dir}/{INFO_FILE}", json.dumps(info.to_dict(), indent=2).encode(), 0o600)
+            return info
+    raise RouterError(f"the router on {_where(runner)} could not bind a free port in {_BIND_ATTEMPTS} attempts",
+                      details=_log_tail(runner, run_dir))
+
+
+def _default_advertise(runner: Runner) -> str:
+    if runner.name == "local":
+        return "127.0.0.1"
+    result = runner.run(["hostname", "-f"], timeout=30)
+    name = result.stdout.strip()
+    return name if result.ok and name else _transport(runner)
 
 
 def router_alive(runner: Runner, info: RouterInfo) -> bool:
-    # vllm-router sets its process title ("vllm::router"), which overwrites the environ area: the token cannot
-    # be read back from /proc/PID/environ, so the stand-in also accepts that title
-    try:
-        env = Path(f"/proc/{info.pid}/environ").read_bytes()
-        cmdline = Path(f"/proc/{info.pid}/cmdline").read_bytes()
-        state = Path(f"/proc/{info.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
+    """Whether the router's pid is alive and still carries its token (a recycled pid is not the router)."""
+    if info.pid <= 0 or not info.token:
         return False
-    if state == "Z":
-        return False
-    return f"PBSTK_ROUTER_TOKEN={info.token}".encode() in env or cmdline.startswith(b"vllm::router")
+    return runner.run(["bash", "-c", _ALIVE, "pbstk-router-alive", str(info.pid), info.token], timeout=30).ok
 
 
 def stop_router(runner: Runner, info: RouterInfo, timeout: float = 10.0) -> bool:
-    if not router_alive(runner, info):
+    """Stop the router (TERM, then KILL after ``timeout`` s). False when it was already gone (or the pid is no
+    longer the router's: then nothing is signalled)."""
+    if info.pid <= 0 or not info.token:
         return False
-    os.kill(info.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.waitpid(info.pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        if not router_alive(runner, info):
-            return True
-        time.sleep(0.1)
-    os.kill(info.pid, signal.SIGKILL)
-    return True
+    seconds = max(1, int(round(timeout)))
+    result = runner.run(["bash", "-c", _STOP, "pbstk-router-stop", str(info.pid), info.token, str(seconds)],
+                        timeout=seconds + 30)
+    if result.rc == 0:
+        return True
+    if result.rc == 2:
+        return False
+    raise RouterError(f"could not stop the router (pid {info.pid}) on {_where(runner)}: "
+                      f"{result.stderr.strip() or result.rc}")
 
 
 class RouterAdmin:
-    def __init__(self, base_url: str, timeout: float = 5.0) -> None:
-        import requests
+    """The router's admin API (``/list_workers``, ``/add_worker``, ``/remove_worker``): plain synchronous HTTP."""
 
-        self.base_url, self.timeout, self.session = base_url.rstrip("/"), timeout, requests.Session()
+    def __init__(self, base_url: str, timeout: float = 5.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.session = requests.Session()
+        self.session.trust_env = False  # a proxy from the environment must not see (or break) loopback calls
+
+    def _call(self, method: str, path: str, timeout: float, **params: str) -> requests.Response:
+        try:
+            return self.session.request(method, f"{self.base_url}{path}", params=params or None, timeout=timeout)
+        except requests.RequestException as exc:
+            raise RouterError(f"the router at {self.base_url} did not answer {path}: {type(exc).__name__}") from exc
 
     def workers(self) -> list[str]:
-        r = self.session.get(self.base_url + "/list_workers", timeout=self.timeout)
-        r.raise_for_status()
-        data = r.json()
-        return list(data.get("urls") or data.get("workers") or []) if isinstance(data, dict) else list(data)
+        response = self._call("GET", "/list_workers", self.timeout)
+        try:
+            urls = response.json()["urls"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RouterError(f"the router at {self.base_url} answered /list_workers with "
+                              f"{response.status_code}: {response.text[:200]}") from exc
+        return [str(u) for u in urls]
 
     def add_worker(self, url: str) -> None:
-        r = self.session.post(self.base_url + "/add_worker", params={"url": url}, timeout=self.timeout)
-        if r.status_code >= 400 and "already" not in r.text.lower():
-            raise RouterError(f"add_worker {url}: {r.status_code} {r.text[:200]}")
+        """Add ``url`` (idempotent). The router first waits for the worker's ``/health`` (up to ``ADD_WAIT_S``)."""
+        _check_url(url)
+        response = self._call("POST", "/add_worker", self.timeout + ADD_WAIT_S, url=url)
+        if response.ok or (response.status_code == 400 and "already exists" in response.text):
+            return
+        raise RouterError(f"the router at {self.base_url} refused worker {url}: "
+                          f"{response.status_code} {response.text.strip()[:200]}")
 
     def remove_worker(self, url: str) -> None:
-        self.session.post(self.base_url + "/remove_worker", params={"url": url}, timeout=self.timeout)
+        """Remove ``url`` (idempotent: a URL that is not there is fine)."""
+        response = self._call("POST", "/remove_worker", self.timeout, url=url)
+        if response.ok or "not found" in response.text:
+            return
+        raise RouterError(f"the router at {self.base_url} did not remove worker {url}: "
+                          f"{response.status_code} {response.text.strip()[:200]}")
 
     def close(self) -> None:
         self.session.close()
 
+    def __enter__(self) -> RouterAdmin:
+        return self
 
-@contextmanager
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_url(url: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise RouterError(f"worker URL {url!r} is not an http(s) URL")
+
+
+@contextlib.contextmanager
 def open_admin(runner: Runner, info: RouterInfo) -> Iterator[RouterAdmin]:
-    admin = RouterAdmin(info.url)
-    try:
+    """A :class:`RouterAdmin` for ``info``: direct for a router on this machine, through an SSH tunnel
+    (``transports/tunnel.py``, one ``direct-tcpip`` channel per connection) for one on a login node."""
+    if not info.transport:
+        with RouterAdmin(info.url) as admin:
+            yield admin
+        return
+    from pbs_toolkit.transports.tunnel import start_tunnel
+
+    with start_tunnel(runner, info.host, info.port) as tunnel, RouterAdmin(tunnel.url) as admin:
         yield admin
-    finally:
-        admin.close()
