@@ -76,12 +76,16 @@ def service() -> None:
 
 @service.command("resume")
 @click.argument("name")
-def resume(name: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the service object once the keeper runs.")
+def resume(name: str, as_json: bool) -> None:
     """Start the service's keeper again (after a reboot or a kill); a running keeper is left alone."""
     from pbs_toolkit.client import Client
 
     with Client() as c:
         pid = c.resume_service(name)
+        if as_json:
+            echo_json(c.service_status(name).to_dict())
+            return
     click.echo(f"service {name}: keeper {'already running' if not pid else f'started (pid {pid})'}")
 
 
