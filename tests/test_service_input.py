@@ -115,11 +115,14 @@ def test_schema_3_store_gains_the_services_table_and_keeps_its_jobs(isolated_use
 # -- the local scheduler: begin_at and after ----------------------------------------------------------------
 
 
+_IDS = iter(range(100, 10**6))
+
+
 def _submit(run_dir: Path, **kw: object) -> tuple[str, JobRef]:
     run_dir.mkdir()
     script = run_dir / "job.pbs"
     script.write_text("#!/bin/bash\necho started >\"$PBS_O_WORKDIR/started\"\nsleep 300\n")
-    job_id = LocalScheduler(id_source=iter(range(100, 200)).__next__).submit(
+    job_id = LocalScheduler(id_source=_IDS.__next__).submit(
         LocalRunner(), str(script), str(run_dir), "t", walltime_s=600, **kw)  # type: ignore[arg-type]
     return job_id, JobRef(job_id, str(run_dir))
 
@@ -161,3 +164,26 @@ def test_local_after_waits_until_that_job_has_started(tmp_path: Path, monkeypatc
     assert (tmp_path / "a" / "started").exists()
     for r in (ref, later):
         LocalScheduler().cancel(LocalRunner(), r)
+
+
+def test_local_replicas_get_their_own_gpus_when_the_machine_has_them(
+        isolated_user: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from pbs_toolkit.services.manage import gpu_env
+
+    profile(isolated_user, "")
+    (isolated_user / "config" / "pbstk" / "profiles" / "svc.yaml").write_text(
+        "name: svc\nscheduler: local\ngpus_per_node: 2\naddress: loopback\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nfor i in 0 1 2 3; do echo \"GPU $i: H200 (UUID: GPU-$i)\"; done\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    svc = rec(3)
+    svc.scheduler, svc.request = "local", {"model": MODEL, "profile": "svc"}
+    assert [gpu_env(svc, s) for s in svc.slots] == [
+        {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}, {}]  # no 5th and 6th GPU: left alone
+    svc.transport = "login1"
+    assert gpu_env(svc, svc.slots[0]) == {}  # only on this machine's local scheduler
