@@ -2,10 +2,13 @@
 
 The router runs on the machine a :class:`Runner` reaches (this one, or a login node over SSH), detached in its own
 session (``setsid -f``), so it outlives pbstk and the SSH connection. Its pid, ports and an identity token live in
-``RUN_DIR/router.json`` (mode 0600); the token is also in the router's environment (``PBSTK_ROUTER_TOKEN``), and a
-pid is only signalled while ``/proc/PID/environ`` still carries it, so a pid recycled by another process after the
-router died is never killed. Ports are chosen free on the router's host (never the defaults 30000/29000: two
-services on one login node would collide); a bind race that is lost is retried with new ports.
+``RUN_DIR/router.json`` (mode 0600); the token is also in the environment (``PBSTK_ROUTER_TOKEN``) of the small bash
+wrapper that leads the router's process group (the recorded pid), and that group is only signalled while
+``/proc/PID/environ`` still carries it, so a pid recycled by another process after the router died is never killed.
+(The router itself cannot carry it: it renames itself ``vllm::router``, which overwrites its /proc/PID/environ.)
+Linux only: without /proc (macOS) a router is never taken for alive, nor stopped. Ports are chosen free on the
+router's host (never the defaults 30000/29000: two services on one login node would collide); a bind race that is
+lost is retried with new ports.
 
 What vllm-router 0.1.17 does (measured on loopback with tests/standins/vllm and a header-logging worker; see
 docs/services.md "## The router"):
@@ -37,6 +40,10 @@ docs/services.md "## The router"):
   ``finish_reason``.
   pbstk adds ``--health-check-interval-secs 5`` (default 60) so a dead worker is marked unhealthy within ~15 s
   (3 failed checks) instead of 3 minutes; the service removes a replica from the router when its job ends anyway.
+* An unhealthy worker stays in ``/list_workers`` (the router's ``/health`` names it: ``Unhealthy servers: [...]``)
+  and returns to rotation after 2 good checks: the worker list is what was added, not what is up.
+* ``/remove_worker`` does not cut requests already sent to that worker: they complete there (a handover removes
+  the predecessor, then drains it by watching its own ``/metrics``; the router does not count them any more).
 * ``SIGTERM`` starts a graceful shutdown that can take up to a minute while connections drain: ``stop_router``
   waits ``timeout`` seconds, then kills the process group.
 """
@@ -289,6 +296,7 @@ def start_router(
     """
     _check_command(runner, command)
     runner.makedirs(run_dir, 0o700)
+    _refuse_running(runner, run_dir)
     transport = _transport(runner)
     host = advertise or (bind if bind not in _WILDCARDS else _default_advertise(runner))
     deadline = time.monotonic() + timeout
@@ -309,6 +317,29 @@ def start_router(
             return info
     raise RouterError(f"the router on {_where(runner)} could not bind a free port in {_BIND_ATTEMPTS} attempts",
                       details=_log_tail(runner, run_dir))
+
+
+def load_info(runner: Runner, run_dir: str) -> RouterInfo | None:
+    """The router recorded in ``run_dir/router.json``, or None when there is none."""
+    try:
+        data = runner.read_bytes(f"{run_dir}/{INFO_FILE}")
+    except FileNotFoundError:
+        return None
+    try:
+        return RouterInfo.from_dict(json.loads(data))
+    except ValueError as exc:
+        raise RouterError(f"{run_dir}/{INFO_FILE} is not a router record: {exc}") from exc
+
+
+def _refuse_running(runner: Runner, run_dir: str) -> None:
+    """One run directory, one router: a second start would overwrite the record of a router still running."""
+    try:
+        info = load_info(runner, run_dir)
+    except RouterError:
+        return  # an unreadable record proves nothing runs: the new start rewrites it
+    if info is not None and router_alive(runner, info):
+        raise RouterError(f"a router is already running from {run_dir} on {_where(runner)} (pid {info.pid}, "
+                          f"{info.url}): stop it first")
 
 
 def _default_advertise(runner: Runner) -> str:
