@@ -279,3 +279,31 @@ def records_dir() -> Path:
     from pbs_toolkit.services.manage import service_dir
 
     return service_dir("x").parent
+
+
+@pytest.mark.ssh
+def test_serve_through_a_login_node_router_on_the_login_node_replicas_on_fake_pbs(
+        login_node: Any, isolated_user: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBSTK_SSH_CONFIG", str(login_node.ssh_config))
+    monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(login_node.known_hosts))
+    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "svcssh.yaml").write_text(
+        f"name: svcssh\nscheduler: pbs\nssh_host: {login_node.alias}\nnodes: 1\ngpus_per_node: 1\n"
+        "cpus_per_node: 2\naddress: loopback\nbind_host: 127.0.0.1\nwalltime: '00:10:00'\n"
+        f"router_command: {ROUTER}\nrouter_bind: 127.0.0.1\n")
+    try:
+        result = pbstk("serve", MODEL, "--profile", "svcssh", "--preset", "single", "--replicas", "2",
+                       "--name", "remote", "--wait", "--timeout", "90")
+        assert result.exit_code == 0, result.output
+        rec = records.find(JobStore(), "remote")
+        assert rec.transport == login_node.alias and rec.router["transport"] == login_node.alias
+        doc = service_json("remote")
+        assert (doc["state"], doc["ready"], doc["router_running"]) == ("READY", 2, True)
+        assert rec.url and chat(rec.url, rec.api_key).status_code == 200  # loopback: the login node is here
+        router_pid = rec.router["pid"]
+        assert pbstk("cancel", "remote").exit_code == 0
+        wait_for(lambda: not alive(router_pid), 15, "the router on the login node to be gone")
+    finally:
+        _stop_services()

@@ -152,7 +152,9 @@ def _start_router(client: Client, rec: ServiceRecord, profile: Profile, command:
     else:
         run_dir = f"{runner.home()}/.pbstk/services/{rec.name}-{int(rec.created)}/router"
         bind = profile.router_bind or profile.bind_host
-    info = start_router(runner, run_dir, command=command, bind=bind, policy=rec.policy)
+    # a loopback bind is reached as itself; otherwise the router module names the host (hostname -f there)
+    advertise = bind if bind.startswith("127.") else None
+    info = start_router(runner, run_dir, command=command, bind=bind, advertise=advertise, policy=rec.policy)
     rec.router = info.to_dict()
     records.save(client.store, rec)
 
