@@ -91,6 +91,9 @@ def test_serve_two_replicas_one_url_then_cancel_stops_everything(svc_profile: st
     assert text.exit_code == 0, text.output
     line = next(row for row in text.stdout.splitlines() if row.startswith("qs "))
     assert "READY 2/2 replicas" in line and "http://127.0.0.1:" in line, text.stdout
+    shown = pbstk("status", "qs").stdout
+    assert shown.startswith("service qs: READY 2/2 replicas  http://127.0.0.1:"), shown
+    assert "qs-r0" in shown and "qs-r1" in shown and "keeper running" in shown, shown
     doc = service_json("qs")
     assert doc["kind"] == "service" and doc["schema_version"]
     assert (doc["state"], doc["ready"], doc["replicas"]) == ("READY", 2, 2)

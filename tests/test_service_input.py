@@ -187,3 +187,19 @@ def test_local_replicas_get_their_own_gpus_when_the_machine_has_them(
         {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}, {}]  # no 5th and 6th GPU: left alone
     svc.transport = "login1"
     assert gpu_env(svc, svc.slots[0]) == {}  # only on this machine's local scheduler
+
+
+def test_a_job_with_exactly_that_name_wins_over_a_service(isolated_user: Path) -> None:
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.jobs.store import JobRecord
+
+    store = JobStore()
+    store.put_service("twin", "", time.time(), rec(1).data().replace('"name": "s"', '"name": "twin"'), "k")
+    store.put_service("solo", "", time.time(), rec(1).data().replace('"name": "s"', '"name": "solo"'), "k")
+    store.add(JobRecord("5.h.local", "local", "local", "m", "m", "single", "twin", str(isolated_user)))
+    with Client(store) as c:
+        assert c.service("twin") is None  # the job named twin wins
+        assert c.service("solo") is not None and c.service("solo").name == "solo"  # type: ignore[union-attr]
+        assert c.service("5.h.local") is None
+    with pytest.raises(Exception, match="already active"):
+        store.put_service("solo", "", time.time(), "{}", "k")
