@@ -203,3 +203,18 @@ def test_a_job_with_exactly_that_name_wins_over_a_service(isolated_user: Path) -
         assert c.service("5.h.local") is None
     with pytest.raises(Exception, match="already active"):
         store.put_service("solo", "", time.time(), "{}", "k")
+
+
+def test_a_replica_launch_that_fails_stops_the_router_and_ends_the_service(isolated_user: Path) -> None:
+    import json
+
+    profile(isolated_user)
+    result = pbstk("serve", MODEL, "--profile", "svc", "--preset", "nosuch-preset", "--name", "half")
+    assert result.exit_code == 2 and result.stderr.startswith("pbstk: error: "), result.output
+    rows = JobStore().service_rows("half")
+    assert rows and rows[0]["ended"] is not None and json.loads(rows[0]["data"])["state"] == "ENDED"
+    router = json.loads(rows[0]["data"])["router"]
+    if router:  # started before the replica failed: stopped again
+        stat = Path(f"/proc/{router['pid']}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", stat.read_text()
+    assert not JobStore().all()
