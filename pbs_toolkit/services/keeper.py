@@ -191,16 +191,17 @@ def _running(client: Client, st: JobStatus) -> bool:
 
 
 def _replace(client: Client, rec: ServiceRecord, slot: Slot, suc: JobStatus | None) -> None:
-    """The current job has ended: a successor already starting takes its place; with keep-alive a queued one
-    (waiting for its handover time) is cancelled and a replacement is launched now."""
+    """The current job has ended: a successor already starting (or queued past its begin time) takes its place;
+    with keep-alive one still waiting for its handover time (state W) is cancelled and a replacement launched now."""
     if not rec.keep_alive:
         if suc is not None and not suc.state.final:
             slot.current, slot.successor = slot.successor, None
         return
-    if suc is not None and suc.state.value == "STARTING":
+    if suc is not None and not suc.state.final and suc.scheduler_state != "W":
+        # starting, or queued past its begin time (waiting for resources): it keeps its place in the queue
         slot.current, slot.successor = slot.successor, None
         return
-    if suc is not None and not suc.state.final:
+    if suc is not None and not suc.state.final:  # still waiting for its handover time (W): too late now
         client.cancel(suc.record)
     ended = slot.current
     slot.successor = None
