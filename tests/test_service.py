@@ -175,8 +175,10 @@ class Load:
 
 
 def test_losing_a_replica_under_load_degrades_and_leaves_the_router(svc_profile: str) -> None:
-    result = serve("--replicas", "3", "--name", "loss", "--wait", "--timeout", "90")
+    result = serve("--replicas", "3", "--name", "loss", "--wait", "--timeout", "90", "--json")
     assert result.exit_code == 0, result.output
+    served = json.loads(result.stdout)  # serve --json --wait: one service object, READY
+    assert (served["kind"], served["state"], served["ready"], served["replicas"]) == ("service", "READY", 3, 3)
     rec = records.find(JobStore(), "loss")
     url, key = rec.url, rec.api_key
     assert url and key
