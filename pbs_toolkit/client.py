@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from pbs_toolkit.perf.benchjob import LevelResult
     from pbs_toolkit.perf.doctor import Finding
     from pbs_toolkit.perf.tune import TuneReport
+    from pbs_toolkit.services.manage import ServiceStatus
+    from pbs_toolkit.services.record import ServiceRecord
     from pbs_toolkit.settings.layout import NodePlan
     from pbs_toolkit.settings.presets import Preset
     from pbs_toolkit.transports import Runner
@@ -651,6 +653,129 @@ class Client:
             entries = wrote.get((record.transport, record.job_id))
             if entries:
                 retire(self.store, record, entries=entries, notice=self.on_removal)
+
+    # -- services (several replicas behind one router: services/, docs/services.md) ----------------------------
+
+    def serve(self, model: str | RenderRequest, preset: str | None = None, profile: str | None = None, *,
+              replicas: int = 1, name: str | None = None, keep_alive: bool = False, handover_s: float = 600.0,
+              policy: str | None = None, nodes_per_replica: int | None = None, api_key: str | None = None,
+              **options: Any) -> ServiceRecord:
+        """Start a service: ``replicas`` jobs of ``model`` behind one vllm-router, one URL and one key, kept by
+        a detached keeper; returns at once (``wait_service`` waits). ``options``: as for ``launch``."""
+        from pbs_toolkit.services.manage import ServeOptions, start
+
+        req = self.request(model, preset, profile, **options)
+        return start(self, req, ServeOptions(replicas=replicas, name=name, keep_alive=keep_alive,
+                                             handover_s=handover_s, policy=policy,
+                                             nodes_per_replica=nodes_per_replica, api_key=api_key))
+
+    def services(self, all: bool = False) -> list[ServiceRecord]:  # noqa: A002
+        """Services pbstk started, newest first (default: those not ended). No scheduler query."""
+        from pbs_toolkit.services.record import all_services
+
+        return all_services(self.store, include_ended=all)
+
+    def service(self, ref: str | None) -> ServiceRecord | None:
+        """The service ``ref`` names, when no job has that exact id or name (a job of that name wins)."""
+        from pbs_toolkit.services.record import load
+
+        if not ref:
+            return None
+        found = load(self.store, ref)
+        if found is None or any(r.job_id == ref or r.name == ref for r in self.store.all()):
+            return None
+        return found
+
+    def service_status(self, name: str | ServiceRecord) -> ServiceStatus:
+        """The service's state (``READY 3/4 replicas``), each replica's status, whether keeper and router run."""
+        from pbs_toolkit.services.manage import look
+        from pbs_toolkit.services.record import find
+
+        return look(self, find(self.store, name) if isinstance(name, str) else name)
+
+    def wait_service(self, name: str | ServiceRecord, timeout: float = 3600.0,
+                     on_progress: Callable[[ServiceStatus, float], None] | None = None) -> ServiceStatus:
+        """Block until every replica is READY behind the router (``WaitTimeout``; ``ServerFailed`` when the
+        service ended or every replica failed)."""
+        from pbs_toolkit.errors import WaitTimeout
+        from pbs_toolkit.jobs.readiness import scheduler_intervals
+
+        start = time.monotonic()
+        intervals = iter(scheduler_intervals())
+        step = 1.0
+        while True:
+            st = self.service_status(name)
+            if on_progress is not None:
+                on_progress(st, time.monotonic() - start)
+            if st.state == "READY":
+                return st
+            if st.record.ended is not None or (st.replicas and all(j.state.final for j in st.replicas)):
+                raise ServerFailed(f"service {st.record.name} is {st.state}: no replica can become ready "
+                                   f"(`pbstk status {st.record.name}` shows each)")
+            if time.monotonic() - start > timeout:
+                raise WaitTimeout(f"service {st.record.name} is {st.summary} after {timeout:g} s")
+            step = next(intervals, step)
+            time.sleep(step)
+
+    def cancel_service(self, name: str | ServiceRecord, *, keep_endpoint: bool = False) -> list[Cancellation]:
+        """Stop the keeper, every replica job (queued successors too) and the router; take the service's
+        registry entries back unless ``keep_endpoint``. An ended service: nothing to stop (empty list)."""
+        from pbs_toolkit.services.manage import teardown
+        from pbs_toolkit.services.record import find
+
+        rec = find(self.store, name) if isinstance(name, str) else name
+        if rec.ended is not None:
+            return []
+        return [Cancellation(job_id, job_name, stopped)
+                for job_id, job_name, stopped in teardown(self, rec, "CANCELLED", keep_endpoint=keep_endpoint)]
+
+    def resume_service(self, name: str) -> int:
+        """Start the service's keeper again (after a reboot, a kill); its pid. A running keeper is kept."""
+        from pbs_toolkit.services.manage import keeper_alive, spawn_keeper
+        from pbs_toolkit.services.record import find
+
+        rec = find(self.store, name)
+        if rec.ended is not None:
+            raise UsageError(f"service {name} has ended ({rec.state}); start a new one with `pbstk serve`")
+        if keeper_alive(name):
+            return 0
+        return spawn_keeper(name)
+
+    def service_endpoint(self, name: str | ServiceRecord) -> Endpoint:
+        """The router's base URL and the service's key (what ``pbstk env NAME`` exports)."""
+        from pbs_toolkit.endpoints import endpoint_url, env_values
+        from pbs_toolkit.services.manage import service_job_status
+        from pbs_toolkit.services.record import find
+
+        rec = find(self.store, name) if isinstance(name, str) else name
+        if rec.ended is not None or not rec.router:
+            raise ServerFailed(f"service {rec.name} is {rec.state}: no router to point at")
+        st = service_job_status(rec)
+        return Endpoint(base_url=endpoint_url(st), api_key=rec.api_key, model=rec.served_model_name,
+                        job_id=rec.entry_id, env=env_values(st))
+
+    def update_service_endpoint(self, name: str | ServiceRecord, registry: str | None = None, *,
+                                fmt: str = "auto", alias: str | None = None, follow_symlink: bool = False,
+                                force_format: bool = False, keep_after_end: bool = False) -> EndpointUpdate:
+        """Register the router's URL under the service's name (the registry never changes across handovers);
+        recorded as ``service:NAME`` and taken back by ``cancel_service``."""
+        from pbs_toolkit.endpoints import check_registry, update_endpoint
+        from pbs_toolkit.jobs.store import RegistryEntry
+        from pbs_toolkit.services.manage import service_job_status
+        from pbs_toolkit.services.record import find
+
+        rec = find(self.store, name) if isinstance(name, str) else name
+        if rec.ended is not None or not rec.router:
+            raise ServerFailed(f"service {rec.name} is {rec.state}: no router to register")
+        st = service_job_status(rec)
+        fmt = check_registry(st.record, registry, fmt, alias, follow_symlink=follow_symlink,
+                             force_format=force_format)
+        result = update_endpoint(st, registry=registry, fmt=fmt, alias=alias, follow_symlink=follow_symlink,
+                                 force_format=force_format)
+        self.store.forget_alias(result.registry, result.alias)
+        self.store.add_registry_entry(RegistryEntry(rec.entry_id, rec.transport, result.registry, result.format,
+                                                    result.alias, result.url, keep=keep_after_end))
+        return result
 
     # -- performance ----------------------------------------------------------------------------------------
 

@@ -297,7 +297,7 @@ def test_a_schema_1_store_is_migrated_launch_keys_into_spec(isolated_user: Path)
     rows = dict(conn.execute("SELECT job_id, extra FROM jobs").fetchall())
     spec = json.loads(conn.execute("SELECT spec FROM jobs WHERE job_id = '9.pbs01'").fetchone()[0])
     conn.close()
-    assert version == 3 and spec["layout"] == "TP2xDP2"
+    assert version == 4 and spec["layout"] == "TP2xDP2"
     assert json.loads(rows["9.pbs01"]) == {"final_reason": "walltime exceeded", "sched_absence": 2}
     assert rows["10.pbs01"] == "{not json"  # left as it was: read with a warning, as before
     listed = {r["job_id"]: r for r in json.loads(_cli_ok("jobs", "--all", "--json").stdout)}

@@ -177,7 +177,7 @@ PRAGMA user_version = 2;
     store.add_registry_entry(RegistryEntry(record.job_id, "", "/r/e.py", "py", "old", "http://n:1/v1"))
     assert [e.alias for e in store.registry_entries(record)] == ["old"]
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     conn.close()
     result = pbstk("jobs", "--all")
     assert result.exit_code == 0 and "7.pbs01" in result.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from typing import Any
 
 import click
 
@@ -45,6 +46,16 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
         _remove(alias or job, registry, fmt, force_format, follow_symlink, as_json)
         return
     with Client() as c:  # one connection (one MFA prompt) waits, forwards and registers
+        svc = c.service(job)
+        if svc is not None:  # a service: the router's URL and the service's key (docs/services.md)
+            if via_tunnel:
+                from pbs_toolkit.errors import UsageError
+
+                raise UsageError("--via-tunnel is for a job; a service registers its router's URL")
+            result = c.update_service_endpoint(svc, registry, fmt=fmt, alias=alias, follow_symlink=follow_symlink,
+                                               force_format=force_format, keep_after_end=keep_after_end)
+            _show_update(result, svc.name, as_json)
+            return
         record = c.record(job)
         resume = shlex.join(["pbstk", "update-endpoint", record.job_id,  # the same registration, picked up again
                              *(["--registry", registry] if registry else []), *(["--alias", alias] if alias else []),
@@ -56,17 +67,21 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
                                        follow_symlink=follow_symlink, force_format=force_format,
                                        via_tunnel=via_tunnel, local_port=local_port, on_progress=show,
                                        keep_after_end=keep_after_end)
-        if as_json:
-            echo_json(result.to_dict())
-        else:
-            click.echo(f"{result.registry}: {result.alias} -> {result.url} (model {result.model}, "
-                       f"key in ${result.key_env or '-'})")
-            if result.key_env:
-                click.echo(f"set the key with: eval \"$(pbstk env {record.job_id})\"")
+        _show_update(result, record.job_id, as_json)
         if via_tunnel:
             tunnel = c.tunnels[-1]
             click.echo(f"tunnel open on {tunnel.url}; Ctrl-C closes it", err=True)
             tunnel.serve_forever()
+
+
+def _show_update(result: Any, ref: str, as_json: bool) -> None:
+    if as_json:
+        echo_json(result.to_dict())
+        return
+    click.echo(f"{result.registry}: {result.alias} -> {result.url} (model {result.model}, "
+               f"key in ${result.key_env or '-'})")
+    if result.key_env:
+        click.echo(f"set the key with: eval \"$(pbstk env {ref})\"")
 
 
 def _remove(ref: str | None, registry: str | None, fmt: str, force_format: bool, follow_symlink: bool,
@@ -111,8 +126,12 @@ def env_cmd(job: str | None, local_url: str | None, timeout: float, as_json: boo
     from pbs_toolkit.client import Client
 
     with Client() as c:
-        ep = c.endpoint(job, local_url, timeout=timeout, on_progress=progress_printer(True),
-                        hint="use --timeout S to wait, or `pbstk wait`")
+        svc = c.service(job)
+        if svc is not None:  # a service: the router's URL and the service's key
+            ep = c.service_endpoint(svc)
+        else:
+            ep = c.endpoint(job, local_url, timeout=timeout, on_progress=progress_printer(True),
+                            hint="use --timeout S to wait, or `pbstk wait`")
     if as_json:
         echo_json(ep.to_dict(secrets=True))
         return

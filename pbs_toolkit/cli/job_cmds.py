@@ -100,12 +100,18 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
     A job over several nodes is READY only with every node up (DETAIL ``2/2 nodes``); a failed node is named.
     One scheduler query per call.
     """
+    from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
 
     with Client() as c:
+        services = service_cmds.status_services(c, jobs, show_all, as_json)  # services above jobs
+        if services is None:  # only service names: shown in full
+            return
         results = c.status(*jobs, all=show_all)
     if as_json:
-        echo_json([s.to_dict() for s in results])
+        echo_json([s.to_dict() for s in services] + [s.to_dict() for s in results])
+        return
+    if service_cmds.print_service_lines(services, bool(results)) and not results:
         return
     if not results:
         click.echo("no active jobs (`pbstk jobs --all` lists earlier ones)")
@@ -172,7 +178,16 @@ def cancel(jobs: tuple[str, ...], keep_endpoint: bool, as_json: bool) -> None:
 
     done = []
     with Client() as c:
-        records = [c.record(j) for j in jobs]  # every name resolves before anything is stopped
+        services = {j: c.service(j) for j in jobs}  # a service name (no job of that name): docs/services.md
+        records = [c.record(j) for j in jobs if services[j] is None]  # every name resolves before anything stops
+        for name, svc in services.items():
+            if svc is None:
+                continue
+            stopped = c.cancel_service(svc, keep_endpoint=keep_endpoint)
+            done.extend(stopped)
+            if not as_json:
+                click.echo(f"{name}: {'cancelled' if stopped else 'already ended'} (service: "
+                           f"{len(stopped)} job(s), router, keeper)")
         for record in records:
             done.append(Cancellation(record.job_id, record.name, c.cancel(record, keep_endpoint=keep_endpoint)))
             if not as_json:

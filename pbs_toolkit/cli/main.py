@@ -76,9 +76,17 @@ def _show_commands(ctx: click.Context) -> None:
 
 
 def _register() -> None:
-    from pbs_toolkit.cli import clean_cmds, endpoint_cmds, job_cmds, observe_cmds, render_cmds, ssh_cmds
+    from pbs_toolkit.cli import (
+        clean_cmds,
+        endpoint_cmds,
+        job_cmds,
+        observe_cmds,
+        render_cmds,
+        service_cmds,
+        ssh_cmds,
+    )
 
-    for module in (render_cmds, job_cmds, endpoint_cmds, observe_cmds, clean_cmds, ssh_cmds):
+    for module in (render_cmds, job_cmds, service_cmds, endpoint_cmds, observe_cmds, clean_cmds, ssh_cmds):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -32,7 +32,8 @@ from pbs_toolkit.jobs.spec import SPEC_KEYS, LaunchSpec, split_legacy_extra
 
 #: 2: the launch settings moved from ``extra`` into their own ``spec`` column (see ``_migrate_spec``)
 #: 3: the ``endpoints`` table: which registry entries each job wrote (removed when the job ends or is cancelled)
-SCHEMA_VERSION = 3
+#: 4: the ``services`` table: several replica jobs behind one router (``pbstk serve``; services/record.py)
+SCHEMA_VERSION = 4
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT NOT NULL,
@@ -76,7 +77,17 @@ CREATE TABLE IF NOT EXISTS endpoints (
     written REAL NOT NULL,
     PRIMARY KEY (transport, job_id, registry, alias)
 );
+CREATE TABLE IF NOT EXISTS services (
+    name TEXT PRIMARY KEY,
+    transport TEXT NOT NULL,
+    created REAL NOT NULL,
+    ended REAL,
+    api_key TEXT,
+    data TEXT NOT NULL
+);
 """
+#: every table of the current schema (a store lacking one gets it, keeping its rows)
+_TABLES = frozenset({"jobs", "intents", "counters", "endpoints", "services"})
 #: extra key: when the job was first recorded as ended (``pbstk clean --older-than`` counts from it)
 FINAL_AT_KEY = "final_at"
 #: final states a record may carry (status.ServerState's final members)
@@ -275,9 +286,9 @@ class JobStore:
         if cols and "spec" not in cols:
             _migrate_spec(conn)
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        if not cols and tables - {"intents", "counters", "endpoints", "sqlite_sequence"}:
+        if not cols and tables - _TABLES - {"sqlite_sequence"}:
             return f"not a pbstk job store (tables {', '.join(sorted(tables))})"
-        if version < SCHEMA_VERSION or not {"jobs", "intents", "counters", "endpoints"} <= tables:  # 2 -> 3 too
+        if version < SCHEMA_VERSION or not _TABLES <= tables:  # 2 -> 3 -> 4: new tables, old rows kept
             self._create(conn)
         return None
 
@@ -454,6 +465,43 @@ class JobStore:
                 value = int(row[0]) + 1
                 conn.execute("UPDATE counters SET value = ? WHERE name = ?", (value, scheduler))
         return value
+
+    # -- services (rows are services/record.py's JSON; the key in its own column, like a job's) ----------
+
+    def put_service(self, name: str, transport: str, created: float, data: str, api_key: str | None) -> None:
+        """Record a new service, replacing an ended one of that name; an active one of that name is refused."""
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            row = conn.execute("SELECT ended FROM services WHERE name = ?", (name,)).fetchone()
+            if row is not None and row["ended"] is None:
+                raise UsageError(f"a service named {name!r} is already active; cancel it or pass another --name")
+            conn.execute("INSERT OR REPLACE INTO services (name, transport, created, ended, api_key, data) "
+                         "VALUES (?, ?, ?, NULL, ?, ?)", (name, transport, created, api_key, data))
+
+    def update_service(self, name: str, data: str, *, ended: float | None = None, only_active: bool = True) -> bool:
+        """Rewrite a service's data (``ended``: mark it ended too). ``only_active``: never over an ended one (the
+        keeper's writes after a cancel must not bring it back). ``False`` when nothing was written."""
+        query = "UPDATE services SET data = ?" + (", ended = ?" if ended is not None else "") + " WHERE name = ?"
+        args: tuple[Any, ...] = (data, ended, name) if ended is not None else (data, name)
+        if only_active:
+            query += " AND ended IS NULL"
+        with self._connect() as conn:
+            return conn.execute(query, args).rowcount > 0
+
+    def service_rows(self, name: str | None = None) -> list[dict[str, Any]]:
+        """Service rows (``name``: that one), newest first, as dictionaries."""
+        if not self.path.exists():
+            return []
+        query = "SELECT name, transport, created, ended, api_key, data FROM services"
+        args: tuple[str, ...] = ()
+        if name is not None:
+            query, args = query + " WHERE name = ?", (name,)
+        with self._connect() as conn:
+            return [dict(r) for r in conn.execute(query + " ORDER BY created DESC", args).fetchall()]
+
+    def remove_service(self, name: str) -> None:
+        with self._connect() as conn:
+            conn.execute("DELETE FROM services WHERE name = ?", (name,))
 
     # -- intents ----------------------------------------------------------------------------------------
 

@@ -28,6 +28,10 @@ MULTINODE_ENGINES = ("native", "ray")
 #: names a socket interface may have (``hsn0``, ``ib0``, ``eth0,eth1``, ``^lo,docker``); reaches a shell line quoted
 _IFNAME = re.compile(r"^\^?[A-Za-z0-9_.:=-]+(,[A-Za-z0-9_.:=-]+)*$")
 ENTRYPOINTS = ("serve", "api_server")
+#: where a service's router may run (``job``: in a small CPU job, not implemented yet)
+ROUTER_PLACES = ("auto", "local", "login", "job")
+ROUTER_POLICIES = ("round_robin", "power_of_two", "random", "cache_aware", "kv_aware", "consistent_hash",
+                   "sticky_least_loaded")
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,17 @@ class Profile:
     gloo_socket_ifname: str = ""
     #: memory of one GPU in GB, for ``auto`` sizing by weights; 0 = unknown (auto sizes by parameter count)
     gpu_memory_gb: int = 0
+    # -- services (``pbstk serve``; docs/services.md)
+    #: where a service's router runs: auto (local without ssh_host, else login), local, login, job (not yet)
+    router: str = "auto"
+    #: the router program, split like a shell line (no shell runs it)
+    router_command: str = "vllm-router"
+    #: the router's load-balancing policy (round_robin: cache_aware measured -16% on GPUs)
+    router_policy: str = "round_robin"
+    #: the address the router binds ("" = 127.0.0.1 for a local router, ``bind_host`` on the login node)
+    router_bind: str = ""
+    #: the queue's running-job limit per user (0 = unknown or none); keep-alive needs replicas x 2 to run at once
+    max_running_jobs: int = 0
     source: str = "builtin"
 
     @property
@@ -193,6 +208,7 @@ def validate(p: Profile) -> Profile:
     except ValueError as exc:
         raise ConfigError(f"{where}: key 'vllm_version': {exc}") from exc
     _validate_multinode(p, where)
+    _validate_router(p, where)
     for key in ("runs_root", "venv", "hf_home", "vllm_cache_root"):
         value = getattr(p, key)
         if value is not None and ("\n" in value or not value.strip()):
@@ -216,6 +232,22 @@ def _validate_multinode(p: Profile, where: str) -> None:
     if isinstance(gb, bool) or not isinstance(gb, int) or not 0 <= gb <= MAX_GPU_MEMORY_GB:
         raise ConfigError(f"{where}: key 'gpu_memory_gb' must be a whole number of GB between 0 (unknown) and "
                           f"{MAX_GPU_MEMORY_GB}, got {gb!r}")
+
+
+def _validate_router(p: Profile, where: str) -> None:
+    """The service keys: a known placement and policy, a router command on one line, a sane bind address."""
+    if p.router not in ROUTER_PLACES:
+        raise ConfigError(f"{where}: key 'router' must be one of {', '.join(ROUTER_PLACES)}, got {p.router!r}")
+    if p.router_policy not in ROUTER_POLICIES:
+        raise ConfigError(f"{where}: key 'router_policy' must be one of {', '.join(ROUTER_POLICIES)}, "
+                          f"got {p.router_policy!r}")
+    if not str(p.router_command).strip() or "\n" in str(p.router_command):
+        raise ConfigError(f"{where}: key 'router_command' must be a command on one line")
+    if p.router_bind and not re.fullmatch(r"[A-Za-z0-9.:_-]+", str(p.router_bind)):
+        raise ConfigError(f"{where}: key 'router_bind' must be an address like 127.0.0.1, got {p.router_bind!r}")
+    jobs = p.max_running_jobs
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or not 0 <= jobs <= 100000:
+        raise ConfigError(f"{where}: key 'max_running_jobs' must be a whole number >= 0 (0: unknown), got {jobs!r}")
 
 
 def _flatten_backend_section(data: dict[str, Any], source: Path) -> dict[str, Any]:

@@ -43,6 +43,27 @@ hostname >"$spool/nodefile"
 export PBS_JOBID=$3 PBS_JOBNAME=$4 PBS_O_WORKDIR=$5 PBS_NODEFILE="$spool/nodefile"
 export PBS_ENVIRONMENT=PBS_BATCH PBS_O_HOST="$(hostname)" PBS_QUEUE=local
 cd "$HOME" || exit 1
+# begin_at ($7, epoch seconds) / after ($8, another local job's spool): wait QUEUED, "$spool/waiting" holding the
+# comment; a cancel meanwhile ends the wait as a cancelled job. The pid marker is touched when the wait ends:
+# its mtime is when the job started.
+if [ -n "$7$8" ]; then
+  stop() { echo 143 >"$spool/exit_status.tmp" && mv -f "$spool/exit_status.tmp" "$spool/exit_status"; exit 143; }
+  trap stop TERM INT HUP
+  if [ -n "$7" ]; then
+    printf 'eligible at %s\n' "$(date -d "@$7" +%H:%M:%S 2>/dev/null || date -r "$7" +%H:%M:%S)" >"$spool/waiting"
+    while [ "$(date +%s)" -lt "$7" ]; do sleep 0.5 & wait $!; done
+  fi
+  if [ -n "$8" ]; then
+    printf 'waiting for job %s to start\n' "$9" >"$spool/waiting"
+    while [ ! -s "$8/pid" ] || [ -e "$8/waiting" ]; do
+      [ -e "$8/exit_status" ] && break
+      sleep 0.5 & wait $!
+    done
+  fi
+  trap - TERM INT HUP
+  rm -f "$spool/waiting"
+  touch "$spool/pid"
+fi
 # --foreground keeps the job in this process group, so cancelling the group reaches every process.
 timeout --foreground --signal=TERM --kill-after=30 "$6" bash "$script" >"$spool/stdout" 2>"$spool/stderr" &
 child=$!
@@ -88,8 +109,9 @@ for d in "$@"; do
     t=$(stat -c %Y "$s/pid" 2>/dev/null || stat -f %m "$s/pid" 2>/dev/null) && up=$(( $(date +%s) - t ))
   fi
   wl=$(cat "$s/walltime_limit" 2>/dev/null || echo -)
+  wait_for=; [ "$alive" = 1 ] && [ -e "$s/waiting" ] && wait_for=$(head -c 200 "$s/waiting" 2>/dev/null | tr -d '\t\n')
   [ -d "$s" ] || pid=missing
-  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$pid" "$alive" "$ex" "$c" "$w" "$up" "$wl"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$pid" "$alive" "$ex" "$c" "$w" "$up" "$wl" "$wait_for"
 done
 """
 _CANCEL = _OURS + r"""
@@ -142,8 +164,7 @@ class LocalScheduler(Scheduler):
 
     def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
                walltime_s: int | None = None, begin_at: float | None = None, after: str | None = None) -> str:
-        if begin_at is not None or after is not None:
-            raise UsageError(f"the {self.name} scheduler cannot delay a job yet")
+        after_spool = self._after_spool(after) if after else ""
         if runner.size(script_path) is None:
             raise SchedulerError(f"job script {script_path} does not exist")
         job_id = self.new_job_id(runner)
@@ -154,8 +175,9 @@ class LocalScheduler(Scheduler):
         runner.write_bytes(f"{spool}/token", token.encode(), 0o600)
         runner.write_bytes(f"{spool}/walltime_limit", f"{walltime}\n".encode(), 0o644)
         runner.write_bytes(f"{run_dir}/job_id", f"{job_id}\n".encode(), 0o644)  # before it can run: adoptable
+        begin = "" if begin_at is None else str(int(begin_at))
         argv = ["setsid", "-f", "bash", "-c", _SUPERVISOR, "pbstk-local", spool, script_path, job_id,
-                job_name, run_dir, f"{walltime}s"]
+                job_name, run_dir, f"{walltime}s", begin, after_spool, after or ""]
         # in the environment the supervisor starts with, so /proc/<group leader>/environ shows it too
         result = runner.run(argv, timeout=30, env={"PBSTK_LOCAL_JOB_TOKEN": token})
         if result.rc != 0:
@@ -165,6 +187,21 @@ class LocalScheduler(Scheduler):
                 return job_id
             time.sleep(0.05)
         raise SchedulerError(f"the local job did not start (see {spool}/supervisor.log)")
+
+    @staticmethod
+    def _after_spool(after: str) -> str:
+        """The spool of local job ``after`` (from the job store: a local job id says nothing about its run
+        directory), whose start the new job waits for."""
+        from pbs_toolkit.errors import JobNotFound
+        from pbs_toolkit.jobs.store import JobStore
+
+        try:
+            record = JobStore().find(after)
+        except JobNotFound:
+            raise UsageError(f"after: no local job {after!r} in the job store") from None
+        if record.scheduler != "local":
+            raise UsageError(f"after: job {after} is not a local job")
+        return f"{record.run_dir}/{SPOOL}"
 
     def query(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, SchedulerJob]:
         if not refs:
@@ -194,7 +231,7 @@ def _seconds(text: str) -> int | None:
 
 
 def _job(job_id: str, pid: str, alive: str, exit_text: str, cancelled: str, walltime: str, up: str = "-",
-         limit: str = "-", *_: str) -> SchedulerJob | None:
+         limit: str = "-", waiting: str = "", *_: str) -> SchedulerJob | None:
     """One line of the status script -> the job, with its :class:`Outcome` once it has ended.
 
     ``up``: seconds since the supervisor started (the pid marker's age, on the job's host's own clock);
@@ -209,6 +246,8 @@ def _job(job_id: str, pid: str, alive: str, exit_text: str, cancelled: str, wall
             how = Outcome.CANCELLED if cancelled == "1" else Outcome.EXITED
         return SchedulerJob(job_id, SchedState.FINISHED, "F", exit_status=code, outcome=how,
                             outcome_code=None if how is Outcome.WALLTIME else code)
+    if alive == "1" and waiting:  # begin_at / after: not started yet, like PBS's W state
+        return SchedulerJob(job_id, SchedState.QUEUED, "W", comment=waiting, walltime_s=_seconds(limit))
     if alive == "1":
         uptime = _seconds(up)
         return SchedulerJob(job_id, SchedState.RUNNING, "R", exec_host="localhost",

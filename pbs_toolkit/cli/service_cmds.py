@@ -1,0 +1,176 @@
+"""``pbstk serve`` (several replicas behind one router), ``pbstk service resume``, the hidden ``_keeper``, and
+the service lines ``status``/``cancel``/``update-endpoint``/``env`` print for a service name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from pbs_toolkit.cli.options import SECONDS, BoundedInt, build_request, echo_json, read_key_env, render_options, table
+
+
+def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    from pbs_toolkit.errors import UsageError
+    from pbs_toolkit.jobs.clean import parse_duration
+
+    try:  # plain seconds too (45), or a unit: 90s, 10m, 1h
+        seconds = float(value) if value.strip().replace(".", "", 1).isdigit() else parse_duration(value)
+    except (UsageError, ValueError):
+        raise UsageError(f"--handover {value!r}: expected a duration like 10m, 90s or 1h") from None
+    if seconds <= 0:
+        raise UsageError(f"--handover {value!r}: must be positive")
+    return seconds
+
+
+@click.command()
+@click.argument("model")
+@click.option("--replicas", "-n", type=BoundedInt(-(10**6), 10**6), default=1, show_default=True,
+              help="How many replica jobs serve behind the one URL.")
+@click.option("--nodes-per-replica", type=BoundedInt(1, 10000), help="Nodes of each replica job (--nodes).")
+@click.option("--keep-alive", is_flag=True, help="Keep a successor queued for every replica across walltimes.")
+@click.option("--handover", default="10m", show_default=True, callback=_handover,
+              help="With --keep-alive: the successor becomes eligible this long before the walltime ends.")
+@click.option("--policy", help="Router policy (default: the profile's router_policy, round_robin).")
+@click.option("--api-key-env", help="Take the service's API key from this environment variable.")
+@click.option("--wait/--no-wait", "wait_ready", default=False, help="Wait until every replica is READY.")
+@click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait with --wait.")
+@click.option("--json", "as_json", is_flag=True)
+@render_options
+def serve(model: str, replicas: int, nodes_per_replica: int | None, keep_alive: bool, handover: float,
+          policy: str | None, api_key_env: str | None, wait_ready: bool, timeout: float, as_json: bool,
+          **kw: Any) -> None:
+    """Serve MODEL as a service: N replica jobs behind one vllm-router, one URL and one key.
+
+    \b
+      pbstk serve Qwen/Qwen3-VL-2B-Instruct --replicas 2 --name qwen --wait
+      pbstk update-endpoint qwen        # registers the router's URL
+      pbstk cancel qwen                 # replicas, router and keeper
+    """
+    import os
+
+    from pbs_toolkit.client import Client
+
+    name = kw.pop("name", None)
+    req = build_request(model, **kw)
+    with Client() as c:
+        rec = c.serve(req, replicas=replicas, name=name, keep_alive=keep_alive, handover_s=handover, policy=policy,
+                      nodes_per_replica=nodes_per_replica, api_key=read_key_env(api_key_env, os.environ))
+        if not as_json:
+            click.echo(f"service {rec.name}: {rec.replicas} replica(s) submitted, router at {rec.url}")
+            click.echo("next:")
+            click.echo(f"  pbstk status {rec.name}")
+            click.echo(f"  pbstk update-endpoint {rec.name}")
+            click.echo(f"  pbstk cancel {rec.name}")
+        st = c.wait_service(rec, timeout) if wait_ready else c.service_status(rec)
+    if as_json:
+        echo_json(st.to_dict())
+    elif wait_ready:
+        click.echo(f"ready: {rec.url}  ({st.summary}, model {rec.served_model_name})")
+
+
+@click.group()
+def service() -> None:
+    """Services started with `pbstk serve` (status, cancel, update-endpoint and env take a service name too)."""
+
+
+@service.command("resume")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print the service object once the keeper runs.")
+def resume(name: str, as_json: bool) -> None:
+    """Start the service's keeper again (after a reboot or a kill); a running keeper is left alone."""
+    from pbs_toolkit.client import Client
+
+    with Client() as c:
+        pid = c.resume_service(name)
+        if as_json:
+            echo_json(c.service_status(name).to_dict())
+            return
+    click.echo(f"service {name}: keeper {'already running' if not pid else f'started (pid {pid})'}")
+
+
+@click.command("_keeper", hidden=True)
+@click.argument("name")
+def keeper(name: str) -> None:
+    """The detached keeper of service NAME (started by `serve` and `service resume`)."""
+    from pbs_toolkit.services.keeper import run
+
+    raise SystemExit(run(name))
+
+
+# -- what status / cancel print for services ------------------------------------------------------------------
+
+
+def keeper_note(st: Any) -> str | None:
+    if st.record.ended is None and not st.keeper_running:
+        return (f"pbstk: warning: the keeper of service {st.record.name} is not running (replicas are not "
+                f"added to or removed from the router); restart it with `pbstk service resume {st.record.name}`")
+    return None
+
+
+def service_lines(statuses: list[Any]) -> list[str]:
+    """One line per service above the jobs table: ``NAME  READY 3/4 replicas  URL``."""
+    rows = [[st.record.name, st.summary, st.url or "-"] for st in statuses]
+    return table(rows, ["SERVICE", "STATE", "URL"]).splitlines() if rows else []
+
+
+def status_services(c: Any, jobs: tuple[str, ...], show_all: bool, as_json: bool) -> list[Any] | None:
+    """``status``'s services: every service when no JOB is named; each in full when every JOB names a service
+    (printed here: ``None`` returned); none when jobs are named."""
+    if not jobs:
+        return [c.service_status(s) for s in c.services(all=show_all)]
+    named = [c.service(j) for j in jobs]  # a service name (no job of that name): docs/services.md
+    if not all(named):
+        return []
+    services = [c.service_status(s) for s in named]
+    if as_json:
+        echo_json([s.to_dict() for s in services])
+    else:
+        for st in services:
+            show_service(st)
+    return None
+
+
+def print_service_lines(services: list[Any], jobs_follow: bool) -> bool:
+    """The service lines (and a keeper warning per service whose keeper is gone); ``True`` if any."""
+    for line in service_lines(services):
+        click.echo(line)
+    for st in services:
+        note = keeper_note(st)
+        if note:
+            click.echo(note, err=True)
+    if services and jobs_follow:
+        click.echo("")
+    return bool(services)
+
+
+def show_service(st: Any) -> None:
+    """``status NAME`` of a service: its line, then each replica."""
+    from pbs_toolkit.cli.job_cmds import time_cells
+
+    rec = st.record
+    click.echo(f"service {rec.name}: {st.summary}  {st.url or '-'}")
+    click.echo(f"model {rec.served_model_name}, profile {rec.profile}, policy {rec.policy}, "
+               f"keep-alive {'on (handover ' + format(rec.handover_s, 'g') + ' s)' if rec.keep_alive else 'off'}, "
+               f"router {'running' if st.router_running else 'not running'}, "
+               f"keeper {'running' if st.keeper_running else 'not running'}")
+    by_id = {s.record.job_id: s for s in st.replicas}
+    rows = []
+    for slot in rec.slots:
+        for role, job in (("current", slot.current), ("successor", slot.successor), ("draining", slot.draining)):
+            s = by_id.get(job or "")
+            if s is None:
+                continue
+            uptime, left = time_cells(s)
+            detail = s.comment if s.state.value == "PENDING" else (s.phase if s.state.value == "STARTING" else s.reason)
+            rows.append([f"r{slot.index}", role, s.record.job_id, s.record.name, s.state.value, uptime, left,
+                         s.url or "-", detail or ""])
+    if rows:
+        click.echo(table(rows, ["REPLICA", "ROLE", "JOB", "NAME", "STATE", "UPTIME", "WALLTIME-LEFT", "URL",
+                                "DETAIL"]))
+    note = keeper_note(st)
+    if note:
+        click.echo(note, err=True)
+
+
+COMMANDS = [serve, service, keeper]

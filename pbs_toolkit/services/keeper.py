@@ -1,0 +1,209 @@
+"""The keeper: one detached process per service that keeps the router's worker list true to the replicas.
+
+Started by ``serve`` as ``python -m pbs_toolkit _keeper NAME`` in its own session, on the machine where pbstk
+runs (same job store, same transports). It holds ``services/NAME/keeper.lock`` while it runs, so only one keeper
+per service ever runs and ``status`` can tell whether it does. Each tick (``PBSTK_SERVICE_POLL_S``, default 15):
+one ``Client.status`` over the service's jobs (one scheduler query), then for each replica slot:
+
+* a READY job that is not in the router is added; one that is not READY (ended, failed, restarting) is removed
+  at once;
+* keep-alive: a running job with a known walltime gets its successor, eligible ``handover`` seconds before the
+  walltime ends (``begin_at``); when the successor is READY it is added, the predecessor removed, drained (its
+  ``/metrics`` shows no running request, at most ``PBSTK_SERVICE_DRAIN_S``, default 60) and cancelled. A job that
+  ends unexpectedly is replaced at once.
+
+It stops when the service is recorded ended (``pbstk cancel NAME``) or its record is gone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.services import record as records
+from pbs_toolkit.services.manage import launch_replica, poll_seconds, service_dir
+from pbs_toolkit.services.record import ServiceRecord, Slot
+from pbs_toolkit.services.state import ready_count, service_state
+
+if TYPE_CHECKING:
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.jobs.status import JobStatus
+    from pbs_toolkit.services.router import RouterAdmin
+
+#: a drained predecessor is looked at no sooner than this after leaving the router (requests in flight)
+DRAIN_MIN_S = 2.0
+
+
+def drain_seconds() -> float:
+    """``PBSTK_SERVICE_DRAIN_S``: the most a predecessor is drained before it is cancelled (default 60)."""
+    try:
+        value = float(os.environ.get("PBSTK_SERVICE_DRAIN_S") or 60.0)
+    except ValueError:
+        return 60.0
+    return value if 0 <= value <= 86400 else 60.0
+
+
+def _log(message: str) -> None:
+    sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+    sys.stderr.flush()
+
+
+def run(name: str) -> int:
+    """The keeper's life: take the lock (another keeper holds it: exit 0), tick until the service ends."""
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.jobs.store import launcher_token
+
+    directory = service_dir(name)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(directory / "keeper.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        _log(f"another keeper already keeps service {name}")
+        return 0
+    (directory / "keeper.json").write_text(json.dumps({"pid": os.getpid(), "token": launcher_token()}))
+    _log(f"keeper of service {name} started (pid {os.getpid()})")
+    try:
+        with Client(on_removal=lambda r: None) as client:
+            while True:
+                rec = records.load(client.store, name)
+                if rec is None or rec.ended is not None:
+                    _log(f"service {name} {'is gone' if rec is None else 'ended'}; keeper stops")
+                    return 0
+                try:
+                    tick(client, rec)
+                except PbstkError as exc:
+                    _log(f"tick failed: {exc.message}")
+                time.sleep(poll_seconds())
+    finally:
+        os.close(fd)
+
+
+def worker_url(st: JobStatus) -> str | None:
+    """``http://host:port`` of a job's server (the router adds ``/v1/...`` itself)."""
+    from pbs_toolkit.endpoints import endpoint_url
+
+    if not st.address or not st.port:
+        return None
+    return endpoint_url(st)[: -len("/v1")]
+
+
+def tick(client: Client, rec: ServiceRecord) -> None:
+    """One look and the reconciliation it calls for; the record is saved unless the service ended meanwhile
+    (then whatever this tick launched is cancelled again)."""
+    from pbs_toolkit.services.router import RouterInfo, open_admin
+
+    jobs = [j for s in rec.slots for j in s.jobs()]
+    statuses = {st.record.job_id: st for st in client.status(*jobs)} if jobs else {}
+    before = set(jobs)
+    with open_admin(client.runner(rec.transport), RouterInfo.from_dict(rec.router)) as admin:
+        in_router = set(admin.workers())
+        for slot in rec.slots:
+            _reconcile(client, rec, slot, statuses, admin, in_router)
+    states = {j: st.state.value for j, st in statuses.items()}
+    rec.ready = ready_count(rec.slots, states)
+    rec.ever_ready = rec.ever_ready or rec.ready > 0
+    rec.state = service_state(rec, rec.ready)
+    if not records.save(client.store, rec):
+        for job in {j for s in rec.slots for j in s.jobs()} - before:
+            _log(f"service ended while {job} was launched: cancelling it")
+            client.cancel(job)
+
+
+def _sync_router(st: JobStatus | None, admin: RouterAdmin, in_router: set[str]) -> None:
+    """READY and not in the router: add; in the router and not READY: remove."""
+    url = worker_url(st) if st is not None else None
+    if st is None or url is None:
+        return
+    if st.state.value == "READY" and url not in in_router:
+        admin.add_worker(url)
+        in_router.add(url)
+        _log(f"added {st.record.job_id} ({url}) to the router")
+    elif st.state.value != "READY" and url in in_router:
+        admin.remove_worker(url)
+        in_router.discard(url)
+        _log(f"removed {st.record.job_id} ({url}) from the router: {st.state.value}")
+
+
+def _reconcile(client: Client, rec: ServiceRecord, slot: Slot, statuses: dict[str, JobStatus],
+               admin: RouterAdmin, in_router: set[str]) -> None:
+    cur = statuses.get(slot.current) if slot.current else None
+    suc = statuses.get(slot.successor) if slot.successor else None
+    _sync_router(cur, admin, in_router)
+    _sync_router(suc, admin, in_router)
+    if suc is not None and suc.state.value == "READY":
+        _hand_over(slot, cur, suc, admin, in_router)
+        cur, suc = suc, None
+    _drain(client, slot, statuses)
+    slot.state = cur.state.value if cur is not None else "LOST"
+    if cur is None or cur.state.final:
+        _replace(client, rec, slot, suc)
+    elif rec.keep_alive and slot.successor is None and cur.uptime_s is not None and cur.walltime_s:
+        begin = time.time() - cur.uptime_s + cur.walltime_s - rec.handover_s
+        slot.successor = launch_replica(client, rec, slot, begin_at=begin if begin > time.time() + 1 else None)
+        _log(f"slot {slot.index}: successor {slot.successor} of {slot.current} eligible at "
+             f"{time.strftime('%H:%M:%S', time.localtime(max(begin, time.time())))}")
+
+
+def _hand_over(slot: Slot, cur: JobStatus | None, suc: JobStatus, admin: RouterAdmin, in_router: set[str]) -> None:
+    """The successor is READY (and in the router): the predecessor leaves the router and starts draining."""
+    if cur is not None:
+        url = worker_url(cur)
+        if url and url in in_router:
+            admin.remove_worker(url)
+            in_router.discard(url)
+        if not cur.state.final:
+            slot.draining, slot.drain_started = slot.current, time.time()
+    _log(f"slot {slot.index}: {suc.record.job_id} took over from {slot.current}")
+    slot.current, slot.successor = slot.successor, None
+
+
+def _drain(client: Client, slot: Slot, statuses: dict[str, JobStatus]) -> None:
+    """Cancel the drained predecessor once its server runs no request (or after the drain bound)."""
+    if not slot.draining:
+        return
+    st = statuses.get(slot.draining)
+    waited = time.time() - (slot.drain_started or 0)
+    if st is not None and not st.state.final:
+        if waited < min(DRAIN_MIN_S, drain_seconds()):
+            return
+        if waited < drain_seconds() and _running(client, st):
+            return
+        client.cancel(st.record)
+        _log(f"slot {slot.index}: drained and cancelled {slot.draining} after {waited:.0f} s")
+    slot.draining, slot.drain_started = None, None
+
+
+def _running(client: Client, st: JobStatus) -> bool:
+    """Whether the server still runs requests (its ``/metrics``); a server that does not answer runs none."""
+    from pbs_toolkit.perf.scrape import scrape
+
+    try:
+        snap = scrape(client.runner(st.record.transport), st, timeout=3.0)
+    except PbstkError:
+        return False
+    return bool(snap.running)
+
+
+def _replace(client: Client, rec: ServiceRecord, slot: Slot, suc: JobStatus | None) -> None:
+    """The current job has ended: a successor already starting (or queued past its begin time) takes its place;
+    with keep-alive one still waiting for its handover time (state W) is cancelled and a replacement launched now."""
+    if not rec.keep_alive:
+        if suc is not None and not suc.state.final:
+            slot.current, slot.successor = slot.successor, None
+        return
+    if suc is not None and not suc.state.final and suc.scheduler_state != "W":
+        # starting, or queued past its begin time (waiting for resources): it keeps its place in the queue
+        slot.current, slot.successor = slot.successor, None
+        return
+    if suc is not None and not suc.state.final:  # still waiting for its handover time (W): too late now
+        client.cancel(suc.record)
+    ended = slot.current
+    slot.successor = None
+    slot.current = launch_replica(client, rec, slot)
+    _log(f"slot {slot.index}: {ended} ended unexpectedly; replacement {slot.current} launched")

@@ -1,0 +1,390 @@
+"""Start, look at and stop a service: N replica jobs behind one vllm-router, one URL and one key.
+
+Replica ``k`` is an ordinary pbstk job named ``NAME-r<k>`` (its keep-alive successors ``NAME-r<k>-g<gen>``),
+launched through the normal launch path with the service's key, so the one key works through the router (the
+router passes the client's ``Authorization`` header on to the worker). Replica jobs never get registry entries
+of their own: the service's entry is the router's URL. The keeper (services/keeper.py) then adds READY
+replicas to the router, removes the ones that end, and with keep-alive launches successors.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pbs_toolkit import paths
+from pbs_toolkit.errors import PbstkError, UsageError
+from pbs_toolkit.services import record as records
+from pbs_toolkit.services.record import ServiceRecord, Slot
+from pbs_toolkit.services.state import ready_count, service_state, serving_job
+
+if TYPE_CHECKING:
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.jobs.render import RenderRequest
+    from pbs_toolkit.jobs.status import JobStatus
+    from pbs_toolkit.settings.profiles import Profile
+
+#: ``--handover`` default: the successor becomes eligible this long before its predecessor's walltime ends
+DEFAULT_HANDOVER_S = 600.0
+
+
+def service_dir(name: str) -> Path:
+    """``$XDG_STATE_HOME/pbstk/services/NAME``: the keeper's lock, pid file and log, a local router's files."""
+    return paths.user_state_dir() / "services" / name
+
+
+def replica_name(service: str, slot: Slot) -> str:
+    return f"{service}-r{slot.index}" if slot.gen == 0 else f"{service}-r{slot.index}-g{slot.gen}"
+
+
+def router_place(profile: Profile) -> str:
+    """Where the router runs: ``auto`` is this machine without an SSH host, the login node with one."""
+    place = profile.router
+    if place == "auto":
+        place = "login" if profile.ssh_host else "local"
+    if place == "job":
+        raise UsageError("router: job (the router in a small CPU job) is not implemented yet; "
+                         "use router: login or router: local in the profile")
+    if place == "local" and profile.ssh_host:
+        raise UsageError("router: local with an ssh_host profile is not supported: the router must reach the "
+                         "compute nodes; use router: login")
+    return place
+
+
+def check_keep_alive(profile: Profile, replicas: int, handover_s: float, walltime_s: int) -> None:
+    """Refuse keep-alive that cannot overlap: a queue limit below replicas x 2, or a handover >= walltime."""
+    limit = profile.max_running_jobs
+    if limit and limit < replicas * 2:
+        raise UsageError(f"--keep-alive needs {replicas * 2} jobs running at once ({replicas} replicas and their "
+                         f"successors) but profile {profile.name} allows {limit} running job(s) per user "
+                         f"(max_running_jobs); a handover could not overlap")
+    if handover_s >= walltime_s:
+        raise UsageError(f"--handover {handover_s:g} s is not shorter than the walltime ({walltime_s} s): the "
+                         f"successor would start before its predecessor")
+
+
+def check_router_command(client: Client, profile: Profile, command: list[str]) -> None:
+    """The router program must exist where it will run (one clear line now, not a failed start later)."""
+    program = command[0]
+    if not profile.ssh_host:
+        if not (shutil.which(program) or (os.sep in program and os.access(program, os.X_OK))):
+            raise UsageError(f"router command {program!r} not found (profile key router_command; "
+                             f"pip install vllm-router)")
+        return
+    result = client.runner(profile.ssh_host).run(["sh", "-c", 'command -v "$1"', "sh", program], timeout=30)
+    if result.rc != 0:
+        raise UsageError(f"router command {program!r} not found on {profile.ssh_host} (profile key "
+                         f"router_command; pip install vllm-router there)")
+
+
+def _served_name(req: RenderRequest, name: str) -> str:
+    from pbs_toolkit.jobs.render import _HF_ID
+
+    return req.served_model_name or (req.model if _HF_ID.match(req.model) and "/" in req.model else name)
+
+
+@dataclass
+class ServeOptions:
+    replicas: int = 1
+    name: str | None = None
+    keep_alive: bool = False
+    handover_s: float = DEFAULT_HANDOVER_S
+    policy: str | None = None
+    nodes_per_replica: int | None = None
+    api_key: str | None = None
+
+
+def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceRecord:
+    """Check everything, record the service, start the router, launch the replicas, start the keeper."""
+    from pbs_toolkit.jobs.render import checked_profile, slug
+    from pbs_toolkit.settings.profiles import ROUTER_POLICIES, walltime_seconds
+
+    if opts.replicas < 1:
+        raise UsageError(f"--replicas {opts.replicas}: a service needs at least 1 replica")
+    name = opts.name or slug(req.model.rsplit("/", 1)[-1])
+    records.check_name(name)
+    if opts.nodes_per_replica:
+        req = replace(req, nodes=opts.nodes_per_replica)
+    req = replace(req, name=None, served_model_name=_served_name(req, name))
+    profile = checked_profile(req)
+    place = router_place(profile)
+    policy = opts.policy or profile.router_policy
+    if policy not in ROUTER_POLICIES:
+        raise UsageError(f"--policy {policy!r}: must be one of {', '.join(ROUTER_POLICIES)}")
+    walltime_s = walltime_seconds(profile.walltime)
+    if opts.keep_alive:
+        check_keep_alive(profile, opts.replicas, opts.handover_s, walltime_s)
+    command = shlex.split(profile.router_command)
+    check_router_command(client, profile, command)
+    rec = ServiceRecord(name=name, model=req.model, served_model_name=req.served_model_name or name,
+                        profile=profile.name, replicas=opts.replicas, request=asdict(req),
+                        transport=profile.ssh_host or "", scheduler=profile.scheduler, keep_alive=opts.keep_alive,
+                        handover_s=opts.handover_s, walltime_s=walltime_s, policy=policy,
+                        slots=[Slot(k) for k in range(opts.replicas)],
+                        api_key=opts.api_key or secrets.token_urlsafe(32))
+    records.create(client.store, rec)  # refuses a second active service of that name
+    try:
+        _start_router(client, rec, profile, command, place)
+        for slot in rec.slots:
+            slot.current = launch_replica(client, rec, slot)
+            records.save(client.store, rec)
+        spawn_keeper(name)
+    except BaseException:
+        teardown(client, rec, "ENDED")
+        raise
+    return rec
+
+
+def _start_router(client: Client, rec: ServiceRecord, profile: Profile, command: list[str], place: str) -> None:
+    from pbs_toolkit.services.router import start_router
+
+    runner = client.runner(rec.transport)
+    if place == "local":
+        run_dir = str(service_dir(rec.name) / "router")
+        Path(run_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+        bind = profile.router_bind or "127.0.0.1"
+    else:
+        run_dir = f"{runner.home()}/.pbstk/services/{rec.name}-{int(rec.created)}/router"
+        bind = profile.router_bind or profile.bind_host
+    # a loopback bind is reached as itself; otherwise the router module names the host (hostname -f there)
+    advertise = bind if bind.startswith("127.") else None
+    info = start_router(runner, run_dir, command=command, bind=bind, advertise=advertise, policy=rec.policy)
+    rec.router = info.to_dict()
+    records.save(client.store, rec)
+
+
+def launch_replica(client: Client, rec: ServiceRecord, slot: Slot, begin_at: float | None = None) -> str:
+    """Launch the slot's next job (the same request, its own name, the service's key); its job id."""
+    from pbs_toolkit.jobs.render import RenderRequest
+
+    fields: dict[str, Any] = dict(rec.request)
+    fields["name"] = replica_name(rec.name, slot)
+    fields["env"] = {**(fields.get("env") or {}), **gpu_env(rec, slot)}
+    slot.gen += 1
+    result = client.launch_request(RenderRequest(**fields), api_key=rec.api_key, begin_at=begin_at)
+    return result.record.job_id
+
+
+def gpu_env(rec: ServiceRecord, slot: Slot) -> dict[str, str]:
+    """On the local scheduler each replica gets its own GPUs (``k*g .. k*g+g-1``) when this machine has them."""
+    if rec.scheduler != "local" or rec.transport:
+        return {}
+    from pbs_toolkit.jobs.render import RenderRequest, resolve_profile
+
+    g = resolve_profile(RenderRequest(**rec.request))[0].gpus_per_node
+    have = _local_gpu_count()
+    first = slot.index * g
+    if g <= 0 or have < first + g:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(first, first + g))}
+
+
+def _local_gpu_count() -> int:
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False)  # noqa: S607
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+# -- the keeper process --------------------------------------------------------------------------------------
+
+
+def spawn_keeper(name: str, wait_s: float = 10.0) -> int:
+    """``python -m pbs_toolkit _keeper NAME`` in its own session, logging to the service dir; its pid once it
+    holds its lock (so ``status`` right after never says it is not running)."""
+    import subprocess
+    import sys
+
+    directory = service_dir(name)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(directory / "keeper.log", os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "_keeper", name],  # noqa: S603
+                                stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True,
+                                close_fds=True)
+    finally:
+        os.close(fd)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if keeper_alive(name):
+            return proc.pid
+        if proc.poll() is not None:
+            raise PbstkError(f"the keeper of service {name} exited at once; see {directory / 'keeper.log'}")
+        time.sleep(0.05)
+    raise PbstkError(f"the keeper of service {name} did not start; see {directory / 'keeper.log'}")
+
+
+def keeper_alive(name: str) -> bool:
+    """Whether a keeper holds the service's lock (a lock, not a pid: a reused pid can never look alive)."""
+    import fcntl
+
+    path = service_dir(name) / "keeper.lock"
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock taken here
+    return False
+
+
+def stop_keeper(name: str, timeout: float) -> None:
+    """Wait for the keeper to see the service ended; then SIGTERM it (only the process holding our token)."""
+    import json
+    import signal
+
+    from pbs_toolkit.jobs.store import launcher_alive
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not keeper_alive(name):
+            return
+        time.sleep(0.1)
+    try:
+        info = json.loads((service_dir(name) / "keeper.json").read_text())
+        if launcher_alive(info["token"]):
+            os.kill(int(info["pid"]), signal.SIGTERM)
+    except (OSError, ValueError, KeyError):
+        pass
+
+
+# -- looking at a service ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ServiceStatus:
+    record: ServiceRecord
+    state: str
+    ready: int
+    replicas: list[JobStatus]
+    keeper_running: bool
+    router_running: bool
+
+    @property
+    def url(self) -> str | None:
+        return self.record.url
+
+    @property
+    def summary(self) -> str:
+        """``READY 3/4 replicas``"""
+        return f"{self.state} {self.ready}/{self.record.replicas} replicas"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A ``service`` object (docs/json.md): no key in it."""
+        from pbs_toolkit.schema import stamp
+
+        rec = self.record
+        return stamp("service", {
+            "name": rec.name, "model": rec.model, "served_model_name": rec.served_model_name,
+            "profile": rec.profile, "transport": rec.transport or "local", "state": self.state,
+            "ready": self.ready, "replicas": rec.replicas, "url": rec.url, "keep_alive": rec.keep_alive,
+            "handover_s": rec.handover_s, "policy": rec.policy, "created": rec.created, "ended": rec.ended,
+            "keeper_running": self.keeper_running, "router_running": self.router_running,
+            "router": {k: v for k, v in rec.router.items() if k != "token"},
+            "slots": [asdict(s) for s in rec.slots],
+            "jobs": [s.to_dict() for s in self.replicas],
+        })
+
+
+def look(client: Client, rec: ServiceRecord) -> ServiceStatus:
+    """One status query over the service's jobs, the router and the keeper: what ``status NAME`` shows."""
+    from pbs_toolkit.services.router import RouterInfo, router_alive
+
+    jobs = [j for s in rec.slots for j in s.jobs()]
+    statuses = client.status(*jobs) if jobs and rec.ended is None else []
+    states = {st.record.job_id: st.state.value for st in statuses}
+    ready = ready_count(rec.slots, states) if rec.ended is None else 0
+    if ready:
+        rec.ever_ready = True
+    router = False
+    if rec.router and rec.ended is None:
+        try:
+            router = router_alive(client.runner(rec.transport), RouterInfo.from_dict(rec.router))
+        except PbstkError:
+            router = False
+    state = service_state(rec, ready)
+    if rec.ended is None and not router and rec.router:
+        state = "DOWN"
+    return ServiceStatus(rec, state, ready, statuses, keeper_alive(rec.name) if rec.ended is None else False,
+                         router)
+
+
+# -- stopping ----------------------------------------------------------------------------------------------
+
+
+def teardown(client: Client, rec: ServiceRecord, final: str, *, keep_endpoint: bool = False,
+             keeper_wait_s: float | None = None) -> list[tuple[str, str, bool]]:
+    """Mark the service ended (the keeper stops on its next tick), wait for the keeper, cancel every replica
+    job (queued successors too), stop the router, take the service's registry entries back. Returns (job id,
+    name, stopped now) per job."""
+    from pbs_toolkit.services.router import RouterInfo, stop_router
+
+    records.end(client.store, rec, final)
+    stop_keeper(rec.name, keeper_wait_s if keeper_wait_s is not None else poll_seconds() + 5)
+    fresh = records.load(client.store, rec.name) or rec  # the keeper's last write may hold a new job
+    done = []
+    for job in [j for s in fresh.slots for j in s.jobs()]:
+        try:
+            record = client.record(job)
+            done.append((record.job_id, record.name, client.cancel(record)))
+        except PbstkError as exc:
+            done.append((job, f"not cancelled: {exc.message}", False))
+    if fresh.router:
+        try:
+            stop_router(client.runner(fresh.transport), RouterInfo.from_dict(fresh.router))
+        except PbstkError:
+            pass
+    entry = service_job_record(fresh)
+    if keep_endpoint:
+        client.store.keep_registry_entries(entry)
+    else:
+        from pbs_toolkit.endpoints.retire import retire
+
+        retire(client.store, entry, notice=client.on_removal)
+    return done
+
+
+def poll_seconds() -> float:
+    """``PBSTK_SERVICE_POLL_S``: seconds between two looks of the keeper (default 15)."""
+    try:
+        value = float(os.environ.get("PBSTK_SERVICE_POLL_S") or 15.0)
+    except ValueError:
+        return 15.0
+    return value if 0.1 <= value <= 3600 else 15.0
+
+
+# -- the service as a job, for the registry code (endpoints/ takes a JobStatus) ----------------------------
+
+
+def service_job_record(rec: ServiceRecord) -> Any:
+    """A ``JobRecord`` standing for the service: id ``service:NAME``, the router's key and the service's name."""
+    from pbs_toolkit.jobs.launch import key_env_name
+    from pbs_toolkit.jobs.store import JobRecord
+
+    return JobRecord(job_id=rec.entry_id, scheduler=rec.scheduler, profile=rec.profile, model=rec.model,
+                     served_model_name=rec.served_model_name, preset="service", name=rec.name,
+                     run_dir=str(service_dir(rec.name)), transport=rec.transport, created=rec.created,
+                     api_key=rec.api_key, api_key_env=key_env_name(rec.name) if rec.api_key else None)
+
+
+def service_job_status(rec: ServiceRecord) -> JobStatus:
+    """A READY ``JobStatus`` at the router's address: what ``update_endpoint`` and ``env_values`` read."""
+    from pbs_toolkit.jobs.status import JobStatus, ServerState
+
+    return JobStatus(record=service_job_record(rec), state=ServerState.READY, address=rec.router["host"],
+                     port=int(rec.router["port"]))
+
+
+__all__ = ["ServeOptions", "ServiceStatus", "look", "serving_job", "start", "teardown"]

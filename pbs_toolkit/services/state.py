@@ -1,0 +1,34 @@
+"""A service's state from its replicas' states: pure, so the rules are tested without any process.
+
+STARTING (none ready yet), READY n/N (all), DEGRADED n/N (some, after having been ready; also while a successor
+is late), DOWN (none, after having been up), then CANCELLED or ENDED once recorded so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from pbs_toolkit.services.record import ServiceRecord, Slot
+
+
+def serving_job(slot: Slot, states: Mapping[str, str]) -> str | None:
+    """The slot's job that serves (READY) now: the current one, else its successor, else ``None``."""
+    for job in (slot.current, slot.successor):
+        if job and states.get(job) == "READY":
+            return job
+    return None
+
+
+def ready_count(slots: Sequence[Slot], states: Mapping[str, str]) -> int:
+    return sum(1 for slot in slots if serving_job(slot, states))
+
+
+def service_state(record: ServiceRecord, ready: int) -> str:
+    """The word for ``ready`` of ``record.replicas`` replicas, given whether the service was ever up."""
+    if record.ended is not None:
+        return record.state if record.state in ("CANCELLED", "ENDED") else "ENDED"
+    if ready >= record.replicas:
+        return "READY"
+    if ready == 0:
+        return "DOWN" if record.ever_ready else "STARTING"
+    return "DEGRADED" if record.ever_ready else "STARTING"

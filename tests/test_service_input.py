@@ -1,0 +1,220 @@
+"""``pbstk serve`` refusals (one ``pbstk: error:`` line, nothing started), the service state rules, the job
+store's schema 4 migration, and the local scheduler's ``begin_at`` / ``after`` waits."""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import MODEL, pbstk, wait_for
+
+from pbs_toolkit.jobs.store import JobStore
+from pbs_toolkit.schedulers import JobRef, Outcome, SchedState
+from pbs_toolkit.schedulers.local import LocalScheduler
+from pbs_toolkit.services.record import ServiceRecord, Slot
+from pbs_toolkit.services.state import ready_count, service_state
+from pbs_toolkit.transports import LocalRunner
+
+ROUTER = Path(sys.executable).parent / "vllm-router"
+
+
+def profile(home: Path, extra: str = "") -> None:
+    directory = home / "config" / "pbstk" / "profiles"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "svc.yaml").write_text(
+        "name: svc\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
+        f"address: loopback\nbind_host: 127.0.0.1\nrouter_command: {ROUTER}\n{extra}")
+
+
+def refused(*args: str) -> str:
+    result = pbstk("serve", MODEL, "--profile", "svc", "--preset", "single", *args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pbstk: error: "), result.output
+    assert not JobStore().all() and not JobStore().service_rows()  # nothing started, nothing recorded
+    return lines[0]
+
+
+def test_keep_alive_refused_by_the_queue_limit_and_by_a_long_handover(isolated_user: Path) -> None:
+    profile(isolated_user, "max_running_jobs: 1\n")
+    line = refused("--replicas", "1", "--keep-alive")
+    assert "needs 2 jobs running at once" in line and "max_running_jobs" in line
+    profile(isolated_user, "max_running_jobs: 4\n")
+    line = refused("--replicas", "3", "--keep-alive")
+    assert "needs 6 jobs" in line and "allows 4" in line
+    line = refused("--replicas", "2", "--keep-alive", "--walltime", "00:10:00", "--handover", "10m")
+    assert "not shorter than the walltime" in line
+
+
+def test_bad_replicas_router_and_names(isolated_user: Path) -> None:
+    profile(isolated_user)
+    assert "at least 1 replica" in refused("--replicas", "0")
+    assert "at least 1 replica" in refused("--replicas", "-2")
+    assert "service name" in refused("--name", "bad name")
+    assert "--handover" in refused("--keep-alive", "--handover", "soon")
+    profile(isolated_user, "router: job\n")
+    assert "not implemented yet" in refused()
+    (isolated_user / "config" / "pbstk" / "profiles" / "svc.yaml").write_text(
+        "name: svc\nscheduler: local\ngpus_per_node: 1\naddress: loopback\nrouter_command: /nonexistent/router\n")
+    assert "router command '/nonexistent/router' not found" in refused()
+
+
+def test_unknown_service_and_bad_profile_keys(isolated_user: Path) -> None:
+    result = pbstk("service", "resume", "nosuch")
+    assert result.exit_code == 7 and result.stderr.strip() == (
+        "pbstk: error: unknown service 'nosuch': `pbstk status` lists the services pbstk knows"), result.output
+    result = pbstk("cancel", "nosuch")
+    assert result.exit_code == 7 and result.stderr.count("\n") == 1, result.output
+    profile(isolated_user, "router_policy: fastest\n")
+    result = pbstk("serve", MODEL, "--profile", "svc")
+    assert result.exit_code == 2 and "router_policy" in result.stderr, result.output
+
+
+def rec(replicas: int = 3, ever: bool = False) -> ServiceRecord:
+    return ServiceRecord(name="s", model="m", served_model_name="m", profile="p", replicas=replicas, request={},
+                         slots=[Slot(i, current=f"{i}.x") for i in range(replicas)], ever_ready=ever)
+
+
+def test_service_states() -> None:
+    r = rec()
+    states = {"0.x": "READY", "1.x": "STARTING", "2.x": "READY"}
+    assert ready_count(r.slots, states) == 2
+    assert service_state(r, 0) == "STARTING" and service_state(r, 2) == "STARTING"
+    assert service_state(r, 3) == "READY"
+    r.ever_ready = True
+    assert service_state(r, 2) == "DEGRADED" and service_state(r, 0) == "DOWN"
+    r.slots[1].successor = "9.x"  # a successor READY while its predecessor is not: the slot serves
+    assert ready_count(r.slots, {**states, "9.x": "READY"}) == 3
+    r.ended, r.state = time.time(), "CANCELLED"
+    assert service_state(r, 0) == "CANCELLED"
+
+
+def test_schema_3_store_gains_the_services_table_and_keeps_its_jobs(isolated_user: Path) -> None:
+    path = isolated_user / "state" / "pbstk" / "jobs.sqlite3"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    store = JobStore(path)
+    store.service_rows()  # creates nothing when missing
+    from pbs_toolkit.jobs.store import JobRecord
+
+    store.add(JobRecord("1.h.local", "local", "local", "m", "m", "single", "old", str(isolated_user)))
+    conn = sqlite3.connect(path)
+    conn.execute("DROP TABLE services")
+    conn.execute("PRAGMA user_version = 3")
+    conn.commit()
+    conn.close()
+    again = JobStore(path)
+    assert [r.job_id for r in again.all()] == ["1.h.local"]
+    again.put_service("s", "", time.time(), "{}", "k")
+    assert again.service_rows("s")[0]["api_key"] == "k"
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 4
+
+
+# -- the local scheduler: begin_at and after ----------------------------------------------------------------
+
+
+_IDS = iter(range(100, 10**6))
+
+
+def _submit(run_dir: Path, **kw: object) -> tuple[str, JobRef]:
+    run_dir.mkdir()
+    script = run_dir / "job.pbs"
+    script.write_text("#!/bin/bash\necho started >\"$PBS_O_WORKDIR/started\"\nsleep 300\n")
+    job_id = LocalScheduler(id_source=_IDS.__next__).submit(
+        LocalRunner(), str(script), str(run_dir), "t", walltime_s=600, **kw)  # type: ignore[arg-type]
+    return job_id, JobRef(job_id, str(run_dir))
+
+
+def _query(ref: JobRef) -> object:
+    return LocalScheduler().query(LocalRunner(), [ref]).get(ref.job_id)
+
+
+def test_local_begin_at_waits_queued_then_runs_and_a_cancel_while_waiting_works(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _, ref = _submit(tmp_path / "a", begin_at=time.time() + 2.5)
+    job = _query(ref)
+    assert job.state is SchedState.QUEUED and job.raw_state == "W"  # type: ignore[attr-defined]
+    assert job.comment.startswith("eligible at ")  # type: ignore[attr-defined]
+    assert not (tmp_path / "a" / "started").exists()
+    wait_for(lambda: (tmp_path / "a" / "started").exists(), 10, "the job to start at its time")
+    job = _query(ref)
+    assert job.state is SchedState.RUNNING and job.uptime_s < 3  # type: ignore[attr-defined]  # from the start
+    assert LocalScheduler().cancel(LocalRunner(), ref)
+
+    _, waiting = _submit(tmp_path / "b", begin_at=time.time() + 3600)
+    assert _query(waiting).state is SchedState.QUEUED  # type: ignore[attr-defined]
+    assert LocalScheduler().cancel(LocalRunner(), waiting)
+    job = wait_for(lambda: (j := _query(waiting)).state is SchedState.FINISHED and j, 10, "cancelled")
+    assert job.outcome is Outcome.CANCELLED and not (tmp_path / "b" / "started").exists()
+
+
+def test_local_after_waits_until_that_job_has_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pbs_toolkit.jobs.store import JobRecord
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    first, ref = _submit(tmp_path / "a", begin_at=time.time() + 2.5)
+    JobStore().add(JobRecord(first, "local", "local", "m", "m", "single", "a", str(tmp_path / "a")))
+    _, later = _submit(tmp_path / "b", after=first)
+    job = _query(later)
+    assert job.state is SchedState.QUEUED and job.comment == f"waiting for job {first} to start"  # type: ignore[attr-defined]
+    wait_for(lambda: (tmp_path / "b" / "started").exists(), 10, "the second job to start after the first")
+    assert (tmp_path / "a" / "started").exists()
+    for r in (ref, later):
+        LocalScheduler().cancel(LocalRunner(), r)
+
+
+def test_local_replicas_get_their_own_gpus_when_the_machine_has_them(
+        isolated_user: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from pbs_toolkit.services.manage import gpu_env
+
+    profile(isolated_user, "")
+    (isolated_user / "config" / "pbstk" / "profiles" / "svc.yaml").write_text(
+        "name: svc\nscheduler: local\ngpus_per_node: 2\naddress: loopback\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nfor i in 0 1 2 3; do echo \"GPU $i: H200 (UUID: GPU-$i)\"; done\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    svc = rec(3)
+    svc.scheduler, svc.request = "local", {"model": MODEL, "profile": "svc"}
+    assert [gpu_env(svc, s) for s in svc.slots] == [
+        {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}, {}]  # no 5th and 6th GPU: left alone
+    svc.transport = "login1"
+    assert gpu_env(svc, svc.slots[0]) == {}  # only on this machine's local scheduler
+
+
+def test_a_job_with_exactly_that_name_wins_over_a_service(isolated_user: Path) -> None:
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.jobs.store import JobRecord
+
+    store = JobStore()
+    store.put_service("twin", "", time.time(), rec(1).data().replace('"name": "s"', '"name": "twin"'), "k")
+    store.put_service("solo", "", time.time(), rec(1).data().replace('"name": "s"', '"name": "solo"'), "k")
+    store.add(JobRecord("5.h.local", "local", "local", "m", "m", "single", "twin", str(isolated_user)))
+    with Client(store) as c:
+        assert c.service("twin") is None  # the job named twin wins
+        assert c.service("solo") is not None and c.service("solo").name == "solo"  # type: ignore[union-attr]
+        assert c.service("5.h.local") is None
+    with pytest.raises(Exception, match="already active"):
+        store.put_service("solo", "", time.time(), "{}", "k")
+
+
+def test_a_replica_launch_that_fails_stops_the_router_and_ends_the_service(isolated_user: Path) -> None:
+    import json
+
+    profile(isolated_user)
+    result = pbstk("serve", MODEL, "--profile", "svc", "--preset", "nosuch-preset", "--name", "half")
+    assert result.exit_code == 2 and result.stderr.startswith("pbstk: error: "), result.output
+    rows = JobStore().service_rows("half")
+    assert rows and rows[0]["ended"] is not None and json.loads(rows[0]["data"])["state"] == "ENDED"
+    router = json.loads(rows[0]["data"])["router"]
+    if router:  # started before the replica failed: stopped again
+        stat = Path(f"/proc/{router['pid']}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", stat.read_text()
+    assert not JobStore().all()
