@@ -149,7 +149,7 @@ def slurm_conf(root: Path, socket_path: Path, ctld_port: int, node_ports: list[i
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
         "SchedulerType=sched/backfill",
-        "SchedulerParameters=sched_interval=5",
+        "SchedulerParameters=sched_interval=2,bf_interval=2",  # begin times and dependencies start promptly
         "PreemptType=preempt/partition_prio",
         "PreemptMode=CANCEL",
         "MpiDefault=none",
@@ -227,7 +227,7 @@ def _wait(what: str, check: Callable[[], bool], proc: subprocess.Popen[bytes], l
 
 def _start(root: Path, socket_dir: Path, daemons: _Daemons, timeout: float) -> SlurmCluster:
     for sub in ("state", "munge", "bin", "gpu", *(f"spool-{n}" for n in NODES)):
-        (root / sub).mkdir(mode=0o755, exist_ok=True)
+        (root / sub).mkdir(mode=0o755, parents=True, exist_ok=True)
     for name in CLIENTS:
         link = root / "bin" / name
         if not link.exists():

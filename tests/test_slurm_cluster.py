@@ -12,8 +12,10 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+import slurm_cluster as fixture_module
 from helpers import wait_for
-from slurm_cluster import FINAL_STATES, SlurmCluster
+from slurm_cluster import FINAL_STATES, SlurmCluster, SlurmStartError, start_slurm_cluster
 
 #: the one batched status call (state, reason, nodes, time limit, start time, exit status) for a list of ids
 STATUS_FORMAT = "JobID:|,State:|,Reason:|,NodeList:|,TimeLimit:|,StartTime:|,exit_code:"
@@ -63,7 +65,8 @@ def test_batch_job_runs_writes_output_and_squeue_shows_it(slurm_cluster: SlurmCl
     job = sbatch(slurm_cluster, tmp_path, "--nodelist=n1", "--job-name=pbstk-probe",
                  script='echo "node=$SLURMD_NODENAME id=$SLURM_JOB_ID"; sleep 3')
     row = wait_state(slurm_cluster, job, {"RUNNING"})
-    assert row["nodes"] == "n1" and row["reason"] == "None" and row["limit"] == "UNLIMITED"
+    # no --time: UNLIMITED, or 365 days when the backfill scheduler started it (preemption is configured)
+    assert row["nodes"] == "n1" and row["reason"] == "None" and row["limit"] in {"UNLIMITED", "365-00:00:00"}
 
     listing = json.loads(slurm_cluster.run("squeue", "--json").stdout)
     ours = [j for j in listing["jobs"] if str(j["job_id"]) == job]
@@ -167,3 +170,40 @@ def test_cancel_all_leaves_nothing_running(slurm_cluster: SlurmCluster, tmp_path
     slurm_cluster.cancel_all()
     assert slurm_cluster.active_jobs() == []
     assert {status(slurm_cluster, *jobs)[j]["state"] for j in jobs} == {"CANCELLED"}
+
+
+def test_missing_packages_skip_unless_required(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(fixture_module, "DAEMONS", {**fixture_module.DAEMONS, "slurmd": "/nonexistent/slurmd"})
+    monkeypatch.setattr(fixture_module, "REQUIRE_SLURM", False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install slurmctld slurmd slurm-client munge"), \
+            start_slurm_cluster(tmp_path):
+        pass
+    monkeypatch.setattr(fixture_module, "REQUIRE_SLURM", True)
+    with pytest.raises(pytest.fail.Exception, match="PBSTK_TEST_REQUIRE_SLURM=1 forbids skipping"), \
+            start_slurm_cluster(tmp_path):
+        pass
+
+
+def test_a_daemon_that_dies_is_named_with_its_log(slurm_cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    """A broken slurm.conf: slurmctld exits at once; the error names it and shows its log, and the munged that
+    was already started is stopped again."""
+    good = fixture_module.slurm_conf
+    monkeypatch.setattr(fixture_module, "slurm_conf", lambda *a: good(*a) + "NoSuchOption=1\n")
+    with pytest.raises(SlurmStartError, match=r"(?s)slurmctld exited with status \d+.*NoSuchOption"), \
+            start_slurm_cluster(tmp_path / "broken", timeout=20):
+        pass
+    assert "Created socket" in (tmp_path / "broken" / "munge" / "munged.log").read_text()  # munged did start
+    assert _processes_mentioning(str(tmp_path)) == []
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in argv:
+            found.append(argv)
+    return found
