@@ -4,7 +4,8 @@
 ``slurmctld`` and two ``slurmd`` (``-N n1`` / ``-N n2``, one port each) in the foreground as children of this
 process, waits (bounded) until both nodes are idle, and at session end cancels every job and stops the daemons by
 pid. Nothing is written under /etc, /run or /var; the ports are picked free at start, so two pytest sessions on
-one host do not clash. Register it in ``conftest.py`` with ``from slurm_cluster import slurm_cluster``.
+one host do not clash (a port taken between the pick and the bind: the start is tried again in ``root/retry1``).
+Register it in ``conftest.py`` with ``from slurm_cluster import slurm_cluster``.
 
 Why it looks the way it does (Debian 12, Slurm 22.05):
 
@@ -219,13 +220,16 @@ def _wait(what: str, check: Callable[[], bool], proc: subprocess.Popen[bytes], l
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SlurmStartError(f"{what} exited with status {proc.returncode} while starting\n{_tail(what, log)}")
-        if check():
-            return
+        try:
+            if check():
+                return
+        except subprocess.TimeoutExpired:
+            pass  # a client that hung counts as "not yet"; the deadline still holds
         time.sleep(0.2)
     raise SlurmStartError(f"{what} not ready after {timeout} s\n{_tail(what, log)}")
 
 
-def _start(root: Path, socket_dir: Path, daemons: _Daemons, timeout: float) -> SlurmCluster:
+def _start(root: Path, munge_socket: Path, daemons: _Daemons, timeout: float) -> SlurmCluster:
     for sub in ("state", "munge", "bin", "gpu", *(f"spool-{n}" for n in NODES)):
         (root / sub).mkdir(mode=0o755, parents=True, exist_ok=True)
     for name in CLIENTS:
@@ -234,7 +238,6 @@ def _start(root: Path, socket_dir: Path, daemons: _Daemons, timeout: float) -> S
             link.symlink_to(shutil.which(name, path=STANDARD_PATH) or name)
     for k in range(GPUS_PER_NODE):
         (root / "gpu" / f"nvidia{k}").touch()
-    munge_socket = socket_dir / "sock"
     key = root / "munge" / "munge.key"
     subprocess.run([DAEMONS["mungekey"], "--create", "--keyfile", str(key)], check=True,  # noqa: S603
                    capture_output=True, timeout=30)
@@ -297,7 +300,16 @@ def start_slurm_cluster(root: Path, timeout: float = 60) -> Iterator[SlurmCluste
     socket_dir = Path(tempfile.mkdtemp(prefix="pbstk-munge-", dir="/tmp"))
     socket_dir.chmod(0o711)  # munged wants every parent of its socket searchable by all
     try:
-        cluster = _start(root, socket_dir, daemons, timeout)
+        for attempt in range(2):  # a port picked free may be taken before the daemon binds it: once more then
+            try:
+                cluster = _start(root / f"retry{attempt}" if attempt else root, socket_dir / f"sock{attempt}",
+                                 daemons, timeout)
+                break
+            except SlurmStartError as exc:
+                daemons.stop()
+                if attempt or "Address already in use" not in str(exc):
+                    raise
+        assert cluster is not None
         yield cluster
     finally:
         if cluster is not None:

@@ -207,3 +207,30 @@ def _processes_mentioning(text: str) -> list[str]:
         if text in argv:
             found.append(argv)
     return found
+
+
+def test_a_port_taken_before_slurmctld_binds_it_is_retried(slurm_cluster: SlurmCluster,
+                                                            monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Another session may take the port picked free before slurmctld binds it: the start is tried once more
+    with new ports (in ``root/retry1``) instead of failing."""
+    import socket
+
+    real = fixture_module._free_ports
+    picks: list[list[int]] = []
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+
+        def first_taken(count: int) -> list[int]:
+            ports = real(count)
+            picks.append([busy.getsockname()[1], *ports[1:]] if not picks else ports)
+            return picks[-1]
+
+        monkeypatch.setattr(fixture_module, "_free_ports", first_taken)
+        with start_slurm_cluster(tmp_path, timeout=30) as second:
+            assert second.root == tmp_path / "retry1"
+            assert "Address already in use" in (tmp_path / "slurmctld.log").read_text()
+            out = second.run("sinfo", "--noheader", "--Node", "--format=%N %T").stdout
+            assert sorted(set(out.split())) == ["idle", "n1", "n2"]
+    assert len(picks) == 2
+    assert _processes_mentioning(str(tmp_path)) == []
