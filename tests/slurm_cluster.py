@@ -19,6 +19,8 @@ Why it looks the way it does (Debian 12, Slurm 22.05):
 - No accounting database: plain ``sacct`` says "accounting storage is disabled"; ``JobCompType=jobcomp/filetxt``
   makes ``sacct -c`` (``--completion``) read finished jobs from ``jobcomp.txt``. ``MinJobAge=600`` keeps finished
   jobs in ``squeue --states=all`` for ten minutes.
+- Each node has its own loopback address (``NodeAddr`` 127.0.0.2, 127.0.0.3: ``node_addresses``), but ``hostname``
+  inside a job is this machine's on both: a job tells its node by ``$SLURMD_NODENAME``.
 - ``OverTimeLimit=0`` and ``KillWait=2``: a job is signalled at its time limit and killed two seconds later.
 - A second partition ``urgent`` (higher ``PriorityTier``, ``PreemptMode=CANCEL``) preempts jobs of ``debug`` when
   it needs their nodes: the way to produce PREEMPTED. ``debug`` is the default partition.
@@ -50,6 +52,9 @@ CLIENTS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo", "srun", "sacct", 
 PACKAGES = "slurmctld slurmd slurm-client munge"
 STANDARD_PATH = "/usr/local/bin:/usr/bin:/bin"
 NODES = ("n1", "n2")
+#: each node's own loopback address (slurmd listens on all of them; slurmctld and srun reach node K here), as the
+#: fake PBS nodes have: ``scontrol show node n2`` says ``NodeAddr=127.0.0.3``
+NODE_ADDRESSES = {name: f"127.0.0.{2 + k}" for k, name in enumerate(NODES)}
 GPUS_PER_NODE = 4
 CPUS_PER_NODE = 4
 #: job states after which nothing runs any more (squeue's long names)
@@ -71,6 +76,7 @@ class SlurmCluster:
     partition: str = "debug"
     nodes: list[str] = field(default_factory=lambda: list(NODES))
     gpus_per_node: int = GPUS_PER_NODE
+    node_addresses: dict[str, str] = field(default_factory=lambda: dict(NODE_ADDRESSES))
     munge_socket: Path = Path()
     logs: dict[str, Path] = field(default_factory=dict)  # daemon name -> its log
 
@@ -176,7 +182,7 @@ def slurm_conf(root: Path, socket_path: Path, ctld_port: int, node_ports: list[i
         "GresTypes=gpu",
     ]
     for name, port in zip(NODES, node_ports, strict=True):
-        lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
+        lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr={NODE_ADDRESSES[name]} Port={port} "
                      f"CPUs={CPUS_PER_NODE} RealMemory=1000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN")
     nodes = ",".join(NODES)
     lines += [

@@ -9,6 +9,7 @@ ignores ``--jobs``; ``-O exit_code`` and the JSON ``exit_code`` are raw wait sta
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def test_both_nodes_idle_with_four_gpus(slurm_cluster: SlurmCluster) -> None:
     assert nodes == {"n1": "gpu:4", "n2": "gpu:4"}
     assert slurm_cluster.partition == "debug" and slurm_cluster.nodes == ["n1", "n2"]
     assert set(slurm_cluster.env) == {"SLURM_CONF", "PATH"}
+    shown = slurm_cluster.run("scontrol", "show", "node", "--oneliner", "n2").stdout
+    assert "NodeAddr=127.0.0.3 " in shown and slurm_cluster.node_addresses == {"n1": "127.0.0.2", "n2": "127.0.0.3"}
 
 
 def test_batch_job_runs_writes_output_and_squeue_shows_it(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
@@ -213,8 +216,6 @@ def test_a_port_taken_before_slurmctld_binds_it_is_retried(slurm_cluster: SlurmC
                                                             monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Another session may take the port picked free before slurmctld binds it: the start is tried once more
     with new ports (in ``root/retry1``) instead of failing."""
-    import socket
-
     real = fixture_module._free_ports
     picks: list[list[int]] = []
     with socket.socket() as busy:
@@ -234,3 +235,30 @@ def test_a_port_taken_before_slurmctld_binds_it_is_retried(slurm_cluster: SlurmC
             assert sorted(set(out.split())) == ["idle", "n1", "n2"]
     assert len(picks) == 2
     assert _processes_mentioning(str(tmp_path)) == []
+
+
+def test_steps_inside_a_two_node_job(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """What a per-node launcher in a job script can rely on: the node list, one step for all nodes (SLURM_NODEID
+    is the node's index), per-node steps with ``-w`` in parallel (``--overlap``; their SLURM_NODEID is 0), and
+    each node's address from ``scontrol show node``. ``hostname`` is this machine's on both nodes."""
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --gres=gpu:4\n"
+        'echo "batch $SLURMD_NODENAME $(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd,) $(hostname)"\n'
+        "srun --ntasks-per-node=1 bash -c 'echo \"all $SLURMD_NODENAME $SLURM_NODEID\"' | sort\n"
+        "for node in n2 n1; do\n"
+        "  srun --nodes=1 --ntasks=1 -w \"$node\" --overlap bash -c 'echo \"one $SLURMD_NODENAME $SLURM_NODEID "
+        "$SLURM_GPUS_ON_NODE $(scontrol show node \"$SLURMD_NODENAME\" -o | grep -o \"NodeAddr=[^ ]*\")\"; "
+        "sleep 2' > \"$node.step\" &\n"
+        "done\nwait\ncat n1.step n2.step\n"
+    )
+    result = slurm_cluster.run("sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/%j.out",
+                               str(script))
+    job = result.stdout.strip()
+    wait_state(slurm_cluster, job, {"COMPLETED"}, timeout=60)
+    assert (tmp_path / f"{job}.out").read_text().splitlines() == [
+        f"batch n1 n1,n2 {socket.gethostname()}",
+        "all n1 0", "all n2 1",
+        "one n1 0 4 NodeAddr=127.0.0.2", "one n2 0 4 NodeAddr=127.0.0.3",
+    ]
