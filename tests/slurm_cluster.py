@@ -220,6 +220,28 @@ class _Daemons:
         self.procs.clear()
 
 
+def cluster_processes(root: Path) -> list[int]:
+    """Pids of every process started for the cluster under ``root``: daemons, slurmstepd and jobs all carry its
+    ``SLURM_CONF`` in their environment (slurmstepd detaches from slurmd, so its pid is known to nobody here)."""
+    marker = f"SLURM_CONF={root}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            pid = int(environ.parent.name)
+            if pid != os.getpid() and any(v.startswith(marker) for v in environ.read_bytes().split(b"\0")):
+                found.append(pid)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _kill_leftovers(root: Path) -> None:
+    """SIGKILL what outlived the daemons (jobs a failed cancel left running, their slurmstepd), by pid."""
+    for pid in cluster_processes(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _wait(what: str, check: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
     """``check()`` until true; raise SlurmStartError naming ``what`` with its log tail on death or timeout."""
     deadline = time.monotonic() + timeout
@@ -322,6 +344,7 @@ def start_slurm_cluster(root: Path, timeout: float = 60) -> Iterator[SlurmCluste
             with contextlib.suppress(Exception):
                 cluster.cancel_all()
         daemons.stop()
+        _kill_leftovers(root)
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 

@@ -262,3 +262,17 @@ def test_steps_inside_a_two_node_job(slurm_cluster: SlurmCluster, tmp_path: Path
         "all n1 0", "all n2 1",
         "one n1 0 4 NodeAddr=127.0.0.2", "one n2 0 4 NodeAddr=127.0.0.3",
     ]
+
+
+def test_jobs_a_failed_cancel_left_running_are_stopped_with_the_cluster(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """slurmstepd detaches from slurmd: without a final sweep, a job that scancel did not stop would outlive the
+    session (with its slurmstepd). Every process carrying the cluster's SLURM_CONF is stopped at the end."""
+    monkeypatch.setattr(SlurmCluster, "cancel_all", lambda self, timeout=30: None)
+    with start_slurm_cluster(tmp_path, timeout=30) as cluster:
+        daemons = len(fixture_module.cluster_processes(tmp_path))
+        job = sbatch(cluster, tmp_path, script="sleep 300")
+        wait_state(cluster, job, {"RUNNING"})
+        wait_for(lambda: len(fixture_module.cluster_processes(tmp_path)) >= daemons + 3, timeout=10,
+                 what="the job's processes (slurmstepd, its shell, sleep)")
+    wait_for(lambda: fixture_module.cluster_processes(tmp_path) == [], timeout=5, what="no process left")
