@@ -152,6 +152,17 @@ def test_begin_time_holds_the_job(slurm_cluster: SlurmCluster, tmp_path: Path) -
     assert started >= int(submitted) + 7
 
 
+def test_dependency_after_start(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """``after:A``: B waits (reason Dependency) while A is pending and starts once A has started."""
+    first = sbatch(slurm_cluster, tmp_path, "--begin=now+4", script="date +%s; sleep 30")
+    second = sbatch(slurm_cluster, tmp_path, f"--dependency=after:{first}", script="date +%s")
+    row = status(slurm_cluster, second)[second]
+    assert (row["state"], row["reason"]) == ("PENDING", "Dependency")
+    wait_state(slurm_cluster, second, {"COMPLETED"}, timeout=40)
+    assert int((tmp_path / f"{second}.out").read_text()) >= int((tmp_path / f"{first}.out").read_text())
+    slurm_cluster.run("scancel", first)
+
+
 def test_dependency_after_start_plus_minutes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """``after:A+1``: B may start one minute after A started (the +N is minutes, not seconds)."""
     first = sbatch(slurm_cluster, tmp_path, script="sleep 90")
