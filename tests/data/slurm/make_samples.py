@@ -71,22 +71,26 @@ def main(out: Path) -> None:  # noqa: C901 - one straight recipe, state after st
         work.mkdir()
         jobs = {
             "pending": submit(cluster, work, "--begin=now+3600"),
+            "pending-resources": submit(cluster, work, "--nodes=2", "--gres=gpu:4", "--begin=now+2"),
             "running": submit(cluster, work, "--nodelist=n1", "--time=30"),
-            "running-two-nodes": submit(cluster, work, "--nodes=2", "--ntasks-per-node=1"),
+            "running-two-nodes": submit(cluster, work, "--nodes=2", "--ntasks-per-node=1", "--gres=gpu:4"),
             "completed": submit(cluster, work, script="true"),
             "failed": submit(cluster, work, script="exit 3"),
             "cancelled": submit(cluster, work),
             "timeout": submit(cluster, work, "--time=1"),
         }
+        jobs["pending-dependency"] = submit(cluster, work, f"--dependency=after:{jobs['pending']}")
         for name in ("running", "running-two-nodes", "cancelled", "timeout"):
             wait(cluster, jobs[name], {"RUNNING"})
+        time.sleep(4)  # pending-resources: eligible now, but every GPU is taken by running-two-nodes
         ok(cluster, "scancel", jobs["cancelled"])
         ok(cluster, "scontrol", "update", f"JobId={jobs['timeout']}", "EndTime=now+1")
         for name in ("completed", "failed", "cancelled", "timeout"):
             wait(cluster, jobs[name], FINAL_STATES)
-        for name in ("pending", "running", "running-two-nodes", "completed", "failed", "cancelled", "timeout"):
+        for name in ("pending", "pending-dependency", "pending-resources", "running", "running-two-nodes",
+                     "completed", "failed", "cancelled", "timeout"):
             capture(cluster, out, name, jobs[name])
-        ok(cluster, "scancel", jobs["running-two-nodes"])
+        ok(cluster, "scancel", jobs["running-two-nodes"], jobs["pending-resources"], jobs["pending-dependency"])
         wait(cluster, jobs["running-two-nodes"], FINAL_STATES)
 
         # NODE_FAIL: the node under a running job is set DOWN by the admin. A batch job is requeued by default
@@ -120,6 +124,22 @@ def main(out: Path) -> None:  # noqa: C901 - one straight recipe, state after st
         (out / "batch.sacct.txt").write_text(ok(
             cluster, "sacct", "--completion", f"--jobs={ids}", "--parsable2", f"--format={SACCT_FORMAT}"))
         (out / "jobs.json").write_text(json.dumps(jobs, indent=2) + "\n")
+        known = jobs["completed"]
+        errors = [cluster.run(*argv, timeout=60) for argv in (
+            ["squeue", "--noheader", "--states=all", "--jobs=99999", "-O", STATUS_FORMAT],
+            ["squeue", "--noheader", "--states=all", "--jobs=99998,99999", "-O", STATUS_FORMAT],
+            ["squeue", "--noheader", "--states=all", f"--jobs={known},99999", "-O", STATUS_FORMAT],
+            ["squeue", "--noheader", "--states=all", "--jobs=abc", "-O", STATUS_FORMAT],
+            ["scontrol", "show", "job", "--oneliner", "99999"],
+            ["sacct", "--completion", "--jobs=99999", "--parsable2", f"--format={SACCT_FORMAT}"],
+            ["scancel", "99999"],
+            ["scancel", known],
+            ["sbatch", "--parsable", "--partition=nosuch", "--wrap=true"],
+            ["sbatch", "--parsable", "--gres=gpu:5", "--wrap=true"],
+        )]
+        (out / "errors.json").write_text(json.dumps(
+            [{"argv": r.args, "rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr} for r in errors],
+            indent=2) + "\n")
         cluster.cancel_all()
 
 
