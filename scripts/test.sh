@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 
 # What a bare Debian + Python 3.11 lacks: python3-venv (ensurepip, for `python3 -m venv`), shellcheck (render
 # tests), openssh-server and -client (sshd, ssh-keygen: the login-node tests), hostname (the job scripts),
-# libnuma1 (vLLM's CPU build links libnuma.so.1). Installed only where missing.
+# libnuma1 (vLLM's CPU build links libnuma.so.1), slurmctld slurmd slurm-client munge (the real two-node Slurm
+# that tests/slurm_cluster.py starts on loopback). Installed only where missing.
 need=()
 python3 -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 command -v shellcheck >/dev/null 2>&1 || need+=(shellcheck)
@@ -16,6 +17,10 @@ command -v shellcheck >/dev/null 2>&1 || need+=(shellcheck)
 command -v ssh-keygen >/dev/null 2>&1 || need+=(openssh-client)
 command -v hostname >/dev/null 2>&1 || need+=(hostname)
 dpkg -s libnuma1 >/dev/null 2>&1 || need+=(libnuma1)
+[ -x /usr/sbin/slurmctld ] || need+=(slurmctld)
+[ -x /usr/sbin/slurmd ] || need+=(slurmd)
+command -v sbatch >/dev/null 2>&1 || need+=(slurm-client)
+[ -x /usr/sbin/munged ] || need+=(munge)
 if [ "${#need[@]}" -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" = 0 ] || SUDO=sudo
@@ -38,4 +43,5 @@ echo "== ruff and mypy"
 echo "== pytest"
 export PBSTK_TEST_VLLM_VENV="$PWD/.venv-vllm"
 export PBSTK_TEST_REQUIRE_SSHD=1  # sshd was installed above: a missing one fails the SSH tests, never skips them
+export PBSTK_TEST_REQUIRE_SLURM=1  # so was Slurm: a missing one fails the Slurm tests, never skips them
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
