@@ -463,7 +463,7 @@ def test_cvtdate_rolls_forward_like_openpbs() -> None:
 
 
 def test_qsub_a_waits_in_w_then_runs(pbs: FakePbs) -> None:
-    when = int(time.time()) + 3
+    when = int(time.time()) + 6
     marker = pbs.submit_dir / "ran"
     jobid = pbs.submit(f"date +%s > {marker}\n", "-a", a_time(when))
     job = pbs.job(jobid)
@@ -471,7 +471,7 @@ def test_qsub_a_waits_in_w_then_runs(pbs: FakePbs) -> None:
     assert job["Execution_Time"] == time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(when))
     assert "comment" not in job and "Exit_status" not in job  # the scheduler has not looked at it yet
     assert not marker.exists()
-    pbs.wait_state(jobid, "F", timeout=12)
+    pbs.wait_state(jobid, "F", timeout=20)
     assert int(marker.read_text()) >= when
 
 
@@ -486,24 +486,27 @@ def test_qsub_a_in_the_past_runs_at_once_and_directive_form(pbs: FakePbs) -> Non
 
 
 def test_depend_after_waits_for_the_start_only(pbs: FakePbs) -> None:
-    parent = pbs.submit("sleep 30\n", env={"FAKEPBS_QUEUE_DELAY": "1.5"})
+    parent = pbs.submit("sleep 30\n", env={"FAKEPBS_QUEUE_DELAY": "4"})
     child = pbs.submit("true\n", "-W", f"depend=after:{parent}")
-    job = pbs.job(child)
-    assert (job["job_state"], job["Hold_Types"], job["substate"]) == ("H", "s", 22)
+    _, doc, _ = pbs.status(parent, child)
+    job = doc["Jobs"][child]
+    assert doc["Jobs"][parent]["job_state"] == "Q"  # one answer: the parent is still queued, so...
+    assert (job["job_state"], job["Hold_Types"], job["substate"]) == ("H", "s", 22)  # ...the child is held
     assert job["depend"] == f"after:{parent}@fakepbs" and "comment" not in job
-    time.sleep(0.8)
-    assert pbs.job(child)["job_state"] == "H"  # parent still queued
     pbs.wait_state(parent, "R")
     assert pbs.wait_state(child, "F")["Exit_status"] == 0  # ran while the parent still runs
     assert pbs.job(parent)["job_state"] == "R"
 
 
 def test_depend_afterok_and_afternotok(pbs: FakePbs) -> None:
-    parent = pbs.submit("sleep 1; exit 3\n")
+    marker = pbs.submit_dir / "go"
+    parent = pbs.submit(f"while [ ! -e {marker} ]; do sleep 0.1; done; exit 3\n")
     ok = pbs.submit("true\n", "-W", f"depend=afterok:{parent}")
     notok = pbs.submit("true\n", "-W", f"depend=afternotok:{parent.split('.')[0]}")
     anyway = pbs.submit("#PBS -W depend=afterany:" + parent + "\ntrue\n")
+    time.sleep(0.5)
     assert {pbs.job(j)["job_state"] for j in (ok, notok, anyway)} == {"H"}
+    marker.touch()  # the parent ends now, with exit 3
     pbs.wait_state(parent, "F")
     assert pbs.wait_state(notok, "F")["Exit_status"] == 0
     assert pbs.wait_state(anyway, "F")["Exit_status"] == 0
