@@ -99,3 +99,36 @@ def test_after_must_be_a_pbs_job_id(pbs: Path) -> None:
     with pytest.raises(UsageError, match="not a PBS job id"):
         launch(client, "bad", after="1; rm -rf ~")
     assert read_calls(pbs, "qsub") == []
+
+
+def test_after_an_unknown_job_never_runs_and_says_so(pbs: Path) -> None:
+    # OpenPBS takes the job (qsub prints an id), then aborts it when the parent cannot be registered
+    client = Client()
+    job_id = launch(client, "orphan", after="4242.fakepbs")
+    st = None
+    deadline = time.monotonic() + 20
+    while st is None or not st.state.final:
+        assert time.monotonic() < deadline, st
+        time.sleep(0.3)
+        st = client.status(job_id)[0]
+    assert st.state.value == "CANCELLED" and st.exit_status is None
+    assert st.reason == "deleted before it ran"
+
+
+def test_a_user_run_limit_keeps_the_second_job_pending_with_its_reason(pbs: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKEPBS_MAX_RUN_PER_USER", "1")
+    client = Client()
+    first = launch(client, "one")
+    assert client.wait(first, timeout=40).state.value == "READY"
+    second = launch(client, "two", begin_at=time.time())  # eligible at once, yet it cannot run
+    reason = "Not Running: User has reached queue workq running job limit."
+    deadline = time.monotonic() + 20
+    while (st := client.status(second)[0]).comment != reason:
+        assert time.monotonic() < deadline, st
+        time.sleep(0.3)
+    assert (st.state.value, st.scheduler_state) == ("PENDING", "Q")
+    assert reason in pbstk("status").stdout
+    client.cancel(first)
+    assert client.wait(second, timeout=40).state.value == "READY"
+    client.cancel(second)
