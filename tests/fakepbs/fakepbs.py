@@ -56,6 +56,7 @@ SUBSTATE = {"Q": 10, "H": 22, "W": 30}  # H: JOB_SUBSTATE_DEPNHOLD, W: JOB_SUBST
 DEPEND_TYPES = ("after", "afterok", "afternotok", "afterany")
 TIME_FMT = "%a %b %d %H:%M:%S %Y"
 POLL = 0.05
+WAIT_POLL = 0.2  # while held, waiting for an -a time or a run slot: such jobs may wait minutes, on shared CPUs
 
 
 class PbsError(Exception):
@@ -803,7 +804,7 @@ def wait_eligible(seq: str) -> bool:
                 write_json(job_path(seq), job)
         if state == "Q":
             return True
-        time.sleep(POLL)
+        time.sleep(WAIT_POLL)
 
 
 def running_jobs_of(user: str) -> int:
@@ -874,7 +875,7 @@ def run_job(key: str) -> None:
                 return
             if not over_run_limit(job):
                 break
-        time.sleep(POLL)
+        time.sleep(WAIT_POLL)
     start = time.time()
     with locked():
         job = load_job(seq)
