@@ -747,15 +747,16 @@ def job_summary(job: dict[str, Any] | None) -> tuple[bool, bool, int | None]:
     return bool(job["internal"].get("stime")), state in ("F", "X"), job["attrs"].get("Exit_status")
 
 
-def array_exit_status(subs: list[dict[str, Any] | None]) -> int:
-    """An ended array job's Exit_status (PBS Professional User's Guide, job arrays): 0 when every subjob
-    exited 0, 1 when one exited non-zero, 2 when one was deleted (never ran or had to be killed)."""
-    codes = [None if sub is None else sub["attrs"].get("Exit_status") for sub in subs]
-    deleted = any(c is None or (sub is not None and sub["internal"].get("delete_requested"))
-                  for c, sub in zip(codes, subs))
-    if deleted:
-        return 2
-    return 0 if all(c == 0 for c in codes) else 1
+def array_exit_status(subs: list[dict[str, Any] | None]) -> int | None:
+    """An array job's Exit_status, as OpenPBS's src/server/array_func.c sets it each time a subjob ends: from that
+    subjob alone (the last one to end wins): 0 if it exited 0, 1 above 0 (a qdel'd one: 271), 2 below 0 (walltime,
+    other PBS codes). None while no subjob has an Exit_status (all deleted before they ran)."""
+    ended = [sub for sub in subs if sub is not None and sub["attrs"].get("Exit_status") is not None]
+    if not ended:
+        return None
+    last = max(ended, key=lambda sub: (sub["internal"].get("obittime") or 0, sub["internal"].get("mtime") or 0))
+    code = int(last["attrs"]["Exit_status"])
+    return 1 if code > 0 else (2 if code < 0 else 0)
 
 
 def depend_verdict(dtype: str, parent_key: str) -> str:
@@ -1047,8 +1048,9 @@ def array_view(job: dict[str, Any], attrs: dict[str, Any]) -> None:
         attrs["comment"] = f"Job Array Began at {began}"  # openpbs test pbs_job_array_comment.py
     if all(state == "X" for state in states):
         attrs.update(job_state="F", substate=92)
-        if stimes:
-            attrs["Exit_status"] = array_exit_status([sub for _, sub in subs])
+        code = array_exit_status([sub for _, sub in subs])
+        if code is not None:
+            attrs["Exit_status"] = code
     elif stimes:
         attrs.update(job_state="B", substate=41)
     else:
