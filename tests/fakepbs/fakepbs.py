@@ -1020,7 +1020,7 @@ def public_view(job: dict[str, Any]) -> dict[str, Any]:
         if internal.get(key):
             attrs[key] = pbs_time(internal[key])
     attrs["etime"] = attrs["qtime"]
-    if internal.get("exec_at"):  # qsub -a: ATTR_a, shown by qstat -f as Execution_Time (server-local ctime)
+    if internal.get("exec_at"):  # qsub -a: ATTR_a "Execution_Time", a ctime string (src/cmds/qstat.c, as stime)
         attrs["Execution_Time"] = pbs_time(int(internal["exec_at"]))
     if internal.get("array"):
         array_view(job, attrs)
