@@ -418,3 +418,183 @@ def test_fault_qstat_script_plays_one_entry_per_call(pbs: FakePbs) -> None:
     assert json.loads((pbs.home / "faults.json").read_text())["qstat_script"] == []
     assert pbs.status(jobid)[0] == 0  # and so is an empty script
     assert len(pbs.calls("qstat")) == 6
+
+
+# --------------------------------------------------------------------------- -a, -W depend, -J, run limits
+
+
+def load_fake_module() -> Any:
+    """tests/fakepbs/fakepbs.py as a module, for its date parser (a port of OpenPBS cvtdate)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fakepbs_mod", BIN.parent / "fakepbs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def a_time(epoch: float) -> str:
+    """``qsub -a`` in its longest form, this host's local time (as pbstk formats it on the login node)."""
+    return time.strftime("%Y%m%d%H%M.%S", time.localtime(epoch))
+
+
+@pytest.mark.parametrize("value", ["99", "1260", "2400", "12.5", "abc", "202613011200", "1200.60", "12345"])
+def test_qsub_a_refuses_bad_times_like_openpbs(pbs: FakePbs, value: str) -> None:
+    path = pbs.script("true\n")
+    res = pbs.run("qsub", "-a", value, path.name)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.startswith("qsub: illegal -a value\nusage: qsub [-a date_time]")
+    directive = pbs.script(f"#PBS -a {value}\ntrue\n", name="d.sh")
+    assert pbs.run("qsub", directive.name).returncode == 2
+    assert not list((pbs.home / "jobs").glob("*.json"))
+
+
+def test_cvtdate_rolls_forward_like_openpbs() -> None:
+    fake = load_fake_module()
+    now = time.mktime((2026, 11, 23, 12, 30, 0, 0, 0, -1))
+    at = lambda text: time.localtime(fake.cvtdate(text, now))[:6]  # noqa: E731
+    assert at("1300") == (2026, 11, 23, 13, 0, 0)
+    assert at("1230") == (2026, 11, 24, 12, 30, 0)  # not later than now: tomorrow
+    assert at("221300") == (2026, 12, 22, 13, 0, 0)  # a past day: next month
+    assert at("10011300") == (2027, 10, 1, 13, 0, 0)  # a past month: next year
+    assert at("2611221300.15") == (2026, 11, 22, 13, 0, 15)  # a full date may be in the past
+    assert at("202611231245") == (2026, 11, 23, 12, 45, 0)
+
+
+def test_qsub_a_waits_in_w_then_runs(pbs: FakePbs) -> None:
+    when = int(time.time()) + 6
+    marker = pbs.submit_dir / "ran"
+    jobid = pbs.submit(f"date +%s > {marker}\n", "-a", a_time(when))
+    job = pbs.job(jobid)
+    assert job["job_state"] == "W" and job["substate"] == 30
+    assert job["Execution_Time"] == time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(when))
+    assert "comment" not in job and "Exit_status" not in job  # the scheduler has not looked at it yet
+    assert not marker.exists()
+    pbs.wait_state(jobid, "F", timeout=20)
+    assert int(marker.read_text()) >= when
+
+
+def test_qsub_a_in_the_past_runs_at_once_and_directive_form(pbs: FakePbs) -> None:
+    past = pbs.submit("true\n", "-a", a_time(time.time() - 86400 * 3).split(".")[0])
+    future = pbs.submit(f"#PBS -a {a_time(time.time() + 600)}\ntrue\n")
+    assert pbs.wait_state(past, "F")["Exit_status"] == 0
+    assert pbs.job(future)["job_state"] == "W"
+    pbs.run("qdel", future)
+    job = pbs.wait_state(future, "F")
+    assert job["comment"] == "Job deleted" and "Exit_status" not in job
+
+
+def test_depend_after_waits_for_the_start_only(pbs: FakePbs) -> None:
+    parent = pbs.submit("sleep 30\n", env={"FAKEPBS_QUEUE_DELAY": "4"})
+    child = pbs.submit("true\n", "-W", f"depend=after:{parent}")
+    _, doc, _ = pbs.status(parent, child)
+    job = doc["Jobs"][child]
+    assert doc["Jobs"][parent]["job_state"] == "Q"  # one answer: the parent is still queued, so...
+    assert (job["job_state"], job["Hold_Types"], job["substate"]) == ("H", "s", 22)  # ...the child is held
+    assert job["depend"] == f"after:{parent}@fakepbs" and "comment" not in job
+    pbs.wait_state(parent, "R")
+    assert pbs.wait_state(child, "F")["Exit_status"] == 0  # ran while the parent still runs
+    assert pbs.job(parent)["job_state"] == "R"
+
+
+def test_depend_afterok_and_afternotok(pbs: FakePbs) -> None:
+    marker = pbs.submit_dir / "go"
+    parent = pbs.submit(f"while [ ! -e {marker} ]; do sleep 0.1; done; exit 3\n")
+    ok = pbs.submit("true\n", "-W", f"depend=afterok:{parent}")
+    notok = pbs.submit("true\n", "-W", f"depend=afternotok:{parent.split('.')[0]}")
+    anyway = pbs.submit("#PBS -W depend=afterany:" + parent + "\ntrue\n")
+    time.sleep(0.5)
+    assert {pbs.job(j)["job_state"] for j in (ok, notok, anyway)} == {"H"}
+    marker.touch()  # the parent ends now, with exit 3
+    pbs.wait_state(parent, "F")
+    assert pbs.wait_state(notok, "F")["Exit_status"] == 0
+    assert pbs.wait_state(anyway, "F")["Exit_status"] == 0
+    deleted = pbs.wait_state(ok, "F")  # the dependency can never be met: deleted, never ran
+    assert "Exit_status" not in deleted and "stime" not in deleted
+
+
+def test_depend_on_unknown_or_unsatisfiable_parent_aborts_after_qsub_printed_an_id(pbs: FakePbs) -> None:
+    # OpenPBS queues the job, then the parent's registration fails (req_register.c): qsub said rc 0
+    ghost = pbs.submit("true\n", "-W", "depend=after:4242.fakepbs")
+    other_server = pbs.submit("true\n", "-W", "depend=afterok:1.elsewhere")
+    done = pbs.submit("true\n")
+    pbs.wait_state(done, "F")
+    unmet = pbs.submit("true\n", "-W", f"depend=afternotok:{done}")
+    met = pbs.submit("true\n", "-W", f"depend=afterok:{done}")
+    for jobid in (ghost, other_server, unmet):
+        job = pbs.wait_state(jobid, "F")
+        assert "Exit_status" not in job and "stime" not in job
+    assert pbs.wait_state(met, "F")["Exit_status"] == 0
+
+
+@pytest.mark.parametrize("value", ["depend=afterok:", "depend=afterok", "depend=later:1", "depend"])
+def test_depend_syntax_errors_are_illegal_w(pbs: FakePbs, value: str) -> None:
+    path = pbs.script("true\n")
+    res = pbs.run("qsub", "-W", value, path.name)
+    assert res.returncode == 2 and res.stderr.startswith("qsub: illegal -W value\nusage: qsub")
+
+
+def test_array_job_ids_states_and_environment(pbs: FakePbs) -> None:
+    out = pbs.submit_dir / "out"
+    out.mkdir()
+    jobid = pbs.submit(f"#PBS -J 1-5:2\necho $PBS_ARRAY_INDEX $PBS_ARRAY_ID $PBS_JOBID > {out}/$PBS_ARRAY_INDEX\n"
+                       "sleep 1.5\n")
+    seq = jobid.split("[")[0]
+    assert jobid == f"{seq}[].fakepbs"
+    subs = [f"{seq}[{i}].fakepbs" for i in (1, 3, 5)]
+    parent = pbs.wait_state(jobid, "B")
+    assert parent["array"] == "True" and parent["array_indices_submitted"] == "1-5:2"
+    assert parent["comment"].startswith("Job Array Began at ")
+    rc, doc, _ = pbs.status(jobid)
+    assert rc == 0 and list(doc["Jobs"]) == [jobid]  # subjobs only with -t
+    res = pbs.run("qstat", "-t", "-x", "-f", "-F", "json", jobid)
+    listed = json.loads(res.stdout)["Jobs"]
+    assert list(listed) == [jobid, *subs]
+    assert listed[subs[1]]["array_id"] == jobid and listed[subs[1]]["array_index"] == 3
+    assert pbs.run("qstat", seq).returncode == 153  # an array job is N[], never N
+    pbs.wait_for(lambda: all(pbs.job(s)["job_state"] == "X" for s in subs), timeout=15)
+    done = pbs.wait_state(jobid, "F")
+    assert done["Exit_status"] == 0 and done["array_state_count"] == "Queued:0 Running:0 Exiting:0 Expired:3"
+    assert sorted(p.name for p in out.iterdir()) == ["1", "3", "5"]
+    assert (out / "3").read_text().split() == ["3", jobid, subs[1]]
+    assert (pbs.submit_dir / f"job.sh.o{seq}.5").exists()  # per-subjob output files
+
+
+def test_array_qdel_stops_every_subjob(pbs: FakePbs) -> None:
+    jobid = pbs.submit("sleep 30\n", "-J", "0-2")
+    pbs.wait_state(jobid, "B")
+    assert pbs.run("qdel", jobid).returncode == 0
+    done = pbs.wait_state(jobid, "F", timeout=10)
+    assert done["Exit_status"] == 1  # the last subjob to end was killed by qdel (271 > 0: array_func.c says 1)
+    seq = jobid.split("[")[0]
+    for i in range(3):
+        assert pbs.job(f"{seq}[{i}].fakepbs")["job_state"] == "X"
+    assert pbs.run("qdel", jobid).returncode == 35
+
+
+@pytest.mark.parametrize(("opts", "rc", "message"), [
+    (["-J", "3-1"], 166, "qsub: Illegal attribute or resource value"),
+    (["-J", "1-3:0"], 166, "qsub: Illegal attribute or resource value"),
+    (["-J", "5"], 166, "qsub: Illegal attribute or resource value"),
+    (["-J", "1-500"], 3, "qsub: Array job exceeds server or queue size limit"),
+    (["-r", "n", "-J", "1-3"], 2, "qsub:  cannot submit non-rerunable Array Job"),
+])
+def test_array_refusals(pbs: FakePbs, opts: list[str], rc: int, message: str) -> None:
+    path = pbs.script("true\n")
+    res = pbs.run("qsub", *opts, path.name)
+    assert res.returncode == rc and res.stderr.splitlines()[0] == message
+
+
+def test_user_run_limit_keeps_extra_jobs_queued_with_the_openpbs_comment(pbs: FakePbs) -> None:
+    limit = {"FAKEPBS_MAX_RUN_PER_USER": "1"}
+    first = pbs.submit("sleep 30\n", env=limit)
+    pbs.wait_state(first, "R")
+    second = pbs.submit("true\n", env=limit)
+    pbs.wait_for(lambda: pbs.job(second).get("comment", "").startswith("Not Running: User"))
+    time.sleep(0.5)
+    job = pbs.job(second)
+    assert job["job_state"] == "Q"
+    assert job["comment"] == "Not Running: User has reached queue workq running job limit."
+    pbs.run("qdel", first)
+    assert pbs.wait_state(second, "F", timeout=10)["Exit_status"] == 0

@@ -36,8 +36,27 @@ RC_NO_SERVER = 255
 JOB_EXEC_KILL_WALLTIME = -29
 HELD_COMMENT = "job held, too many failed attempts to run"
 QUEUED_COMMENT = "Not Running: Not enough free nodes available"
+# OpenPBS scheduler, src/scheduler/job_info.cpp (QUEUE_USER_LIMIT_REACHED) with the "Not Running: " prefix
+# (NOT_RUN_PREFIX): what a queue's per-user running-job limit (max_user_run) leaves on the jobs it holds back.
+USER_LIMIT_COMMENT = "Not Running: User has reached queue {queue} running job limit."
+# src/cmds/qsub_sup.c ``usage[]``: printed after every "qsub: illegal -X value" (exit 2), as qsub.c does
+QSUB_USAGE = (
+    "usage: qsub [-a date_time] [-A account_string] [-c interval]\n"
+    "\t[-C directive_prefix] [-e path] [-f ] [-h ] [-I [-X]] [-j oe|eo] [-J X-Y[:Z]]\n"
+    "\t[-k keep] [-l resource_list] [-m mail_options] [-M user_list]\n"
+    "\t[-N jobname] [-o path] [-p priority] [-P project] [-q queue] [-r y|n]\n"
+    "\t[-R o|e|oe] [-S path] [-u user_list] [-W otherattributes=value...]\n"
+    "\t[-v variable_list] [-V ] [-z] [script | -- command [arg1 ...]]\n"
+    "       qsub --version"
+)
+RC_BADATVAL = 15014 % 256  # PBSE_BADATVAL "Illegal attribute or resource value"
+RC_MAX_ARRAY = 15107 % 256  # PBSE_MaxArraySize
+# job substates (src/include/job.h) for the states this fake adds
+SUBSTATE = {"Q": 10, "H": 22, "W": 30}  # H: JOB_SUBSTATE_DEPNHOLD, W: JOB_SUBSTATE_WAITING
+DEPEND_TYPES = ("after", "afterok", "afternotok", "afterany")
 TIME_FMT = "%a %b %d %H:%M:%S %Y"
 POLL = 0.05
+WAIT_POLL = 0.2  # while held, waiting for an -a time or a run slot: such jobs may wait minutes, on shared CPUs
 
 
 class PbsError(Exception):
@@ -93,11 +112,12 @@ def write_json(path: str, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def job_path(seq: int) -> str:
+def job_path(seq: int | str) -> str:
+    """``seq`` is a job's key: its sequence number, or ``N[i]`` for subjob i of array job N."""
     return os.path.join(home(), "jobs", f"{seq}.json")
 
 
-def load_job(seq: int) -> dict[str, Any] | None:
+def load_job(seq: int | str) -> dict[str, Any] | None:
     try:
         with open(job_path(seq)) as fh:
             return json.load(fh)
@@ -105,7 +125,7 @@ def load_job(seq: int) -> dict[str, Any] | None:
         return None
 
 
-def update_job(seq: int, **changes: Any) -> dict[str, Any]:
+def update_job(seq: int | str, **changes: Any) -> dict[str, Any]:
     """Apply ``changes`` (top-level keys; ``attrs``/``internal`` merged) under the lock."""
     with locked():
         job = load_job(seq)
@@ -188,12 +208,25 @@ def log_call(tool: str, argv: list[str]) -> None:
         os.close(fd)
 
 
-def resolve_id(text: str) -> int | None:
-    """Map a job id as a user types it (``12`` or ``12.server``) to its sequence number."""
-    seq, _, server = text.partition(".")
-    if not seq.isdigit() or (server and server != server_name()):
-        return None
-    return int(seq)
+_ID_RE = re.compile(r"(\d+)(\[(\d*)\])?(?:\.(.+))?")
+
+
+def lookup(text: str) -> tuple[str | None, str, dict[str, Any] | None]:
+    """A job id as a user types it -> (key, the full id to print, the job or None when unknown).
+
+    Forms: ``12``, ``12.server``; an array job only as ``12[]`` (OpenPBS knows no ``12`` for it, and
+    ``12[]`` of a plain job is unknown too); subjob i as ``12[i]``.
+    """
+    m = _ID_RE.fullmatch(text)
+    if not m or (m.group(4) and m.group(4) != server_name()):
+        return None, text, None
+    seq, brackets, index = m.group(1), m.group(2), m.group(3)
+    shown = f"{seq}{brackets or ''}.{server_name()}"
+    key = f"{seq}[{index}]" if index else seq
+    job = load_job(key)
+    if job is not None and index is None and bool(brackets) != bool(job["internal"].get("array")):
+        job = None
+    return key, shown, job
 
 
 def full_id(seq: int) -> str:
@@ -237,11 +270,18 @@ def directive_args(script_text: str) -> list[str]:
 
 
 def merge_options(cmd: list[tuple[str, str]], directives: list[tuple[str, str]]) -> dict[str, Any]:
-    """Fold options; command line wins. ``-l`` merges per resource, ``-v`` accumulates."""
-    opts: dict[str, Any] = {"-l": {}, "-v": []}
+    """Fold options; command line wins. ``-l`` merges per resource, ``-W`` per attribute, ``-v`` accumulates."""
+    opts: dict[str, Any] = {"-l": {}, "-v": [], "-W": {}}
     for source in (directives, cmd):  # later source overrides
         for flag, value in source:
-            if flag == "-l":
+            if flag == "-W":
+                # qsub.c: -W attr=value[,attr=value]; a value may hold commas (depend=afterok:1,after:2)
+                for item in re.split(r",(?=\s*[A-Za-z_]+=)", value.strip()):
+                    key, eq, val = item.partition("=")
+                    if not eq or not key.strip() or not val:
+                        raise PbsError("qsub: illegal -W value\n" + QSUB_USAGE, 2)
+                    opts["-W"][key.strip()] = val
+            elif flag == "-l":
                 for item in value.split(","):
                     key, eq, val = item.partition("=")
                     if not eq or not key:
@@ -252,6 +292,101 @@ def merge_options(cmd: list[tuple[str, str]], directives: list[tuple[str, str]])
             else:
                 opts[flag] = value
     return opts
+
+
+def cvtdate(text: str, now: float | None = None) -> float:
+    """``qsub -a [[[[CC]YY]MM]DD]hhmm[.SS]`` -> epoch seconds, in this host's local time.
+
+    A port of OpenPBS src/lib/Libcmds/cvtdate.c: a time of day without a day that is not later than now means
+    tomorrow, a day before today (no month given) means next month, a month before this one (no year given) means
+    next year; a full date in the past is accepted (the job is eligible at once). ValueError where cvtdate returns
+    -1 (qsub then says "illegal -a value").
+    """
+    date, dot, secs = text.partition(".")
+    sec = 0
+    if dot:
+        if not re.fullmatch(r"[0-9]{2}", secs) or int(secs) > 59:
+            raise ValueError(text)
+        sec = int(secs)
+    if not re.fullmatch(r"[0-9]+", date) or len(date) not in (4, 6, 8, 10, 12):
+        raise ValueError(text)
+    lt = time.localtime(now)
+    year, mon, mday = lt.tm_year, lt.tm_mon, lt.tm_mday
+    year_given = month_given = day_given = False
+    if len(date) == 12:
+        year, date, year_given = int(date[:4]), date[4:], True
+    elif len(date) == 10:
+        yy = int(date[:2])
+        year, date, year_given = (1900 + yy if yy > 68 else 2000 + yy), date[2:], True
+    if len(date) == 8:
+        mon, date, month_given = int(date[:2]), date[2:], True
+        if not 1 <= mon <= 12:
+            raise ValueError(text)
+        if not year_given and mon < lt.tm_mon:
+            year += 1
+    if len(date) == 6:
+        mday, date, day_given = int(date[:2]), date[2:], True
+        if not 1 <= mday <= 31:
+            raise ValueError(text)
+        if not month_given and mday < lt.tm_mday:
+            mon += 1
+    hour, minute = int(date[:2]), int(date[2:])
+    if hour > 23 or minute > 59:
+        raise ValueError(text)
+    if not day_given and (hour, minute) <= (lt.tm_hour, lt.tm_min):
+        mday += 1
+    # mktime normalises a 13th month or a day past the month's end, as C's mktime does for cvtdate
+    return time.mktime((year, mon, mday, hour, minute, sec, 0, 0, -1))
+
+
+def parse_depend(value: str) -> list[tuple[str, str]]:
+    """``type:id[:id...][,type:id...]`` -> [(type, id), ...]; a malformed list is qsub's own "illegal -W value"
+    (client side, as for the empty id of openpbs PR #1769)."""
+    deps: list[tuple[str, str]] = []
+    for item in value.split(","):
+        dtype, _, ids = item.strip().partition(":")
+        if dtype in ("before", "beforeok", "beforenotok", "beforeany", "on", "runone"):
+            raise PbsError(f"fakepbs: -W depend={dtype} is not modelled", 2)
+        parts = ids.split(":")
+        if dtype not in DEPEND_TYPES or not all(parts):
+            raise PbsError("qsub: illegal -W value\n" + QSUB_USAGE, 2)
+        deps += [(dtype, part) for part in parts]
+    return deps
+
+
+def parse_array(spec: str) -> list[int]:
+    """``-J X-Y[:Z]`` -> the subjob indices. The server checks the range (src/lib/Libutil/range.c
+    parse_subjob_index: X < Y, Z >= 1, else PBSE_BADATVAL) and the size (max_array_size, PBSE_MaxArraySize;
+    this fake's limit is FAKEPBS_MAX_ARRAY_SIZE, default 100, as every subjob is a real process here)."""
+    if "%" in spec:
+        raise PbsError("fakepbs: -J X-Y%N (max_run_subjobs) is not modelled", 2)
+    m = re.fullmatch(r"(\d+)-(\d+)(?::(\d+))?", spec)
+    start, end, step = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 1)) if m else (0, 0, 0)
+    if not m or start >= end or step < 1:
+        raise PbsError("qsub: Illegal attribute or resource value", RC_BADATVAL)
+    indices = list(range(start, end + 1, step))
+    if len(indices) > int(os.environ.get("FAKEPBS_MAX_ARRAY_SIZE", "100")):
+        raise PbsError("qsub: Array job exceeds server or queue size limit", RC_MAX_ARRAY)
+    return indices
+
+
+def fmt_indices(indices: list[int], step: int) -> str:
+    """Subjob indices as OpenPBS prints ranges (``1-4``, ``1-9:2``, ``1,3-4``); ``-`` for none."""
+    if not indices:
+        return "-"
+    runs: list[list[int]] = [[indices[0]]]
+    for i in indices[1:]:
+        if i - runs[-1][-1] == step:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    parts = []
+    for run in runs:
+        if len(run) == 1:
+            parts.append(str(run[0]))
+        else:
+            parts.append(f"{run[0]}-{run[-1]}" + (f":{step}" if step != 1 else ""))
+    return ",".join(parts)
 
 
 def parse_select(select: str) -> tuple[int, dict[str, str]]:
@@ -291,6 +426,16 @@ def qsub(argv: list[str]) -> int:
     except getopt.GetoptError:
         raise PbsError("qsub: directive error: illegal option in #PBS line") from None
     opts = merge_options(cmd_opts, dir_opts)
+    # client-side checks of qsub.c (process_opts): message, the usage text, exit 2
+    exec_at: float | None = None
+    if "-a" in opts:
+        try:
+            exec_at = cvtdate(opts["-a"])
+        except ValueError:
+            raise PbsError("qsub: illegal -a value\n" + QSUB_USAGE, 2) from None
+    depend = parse_depend(opts["-W"]["depend"]) if "depend" in opts["-W"] else []
+    if "-J" in opts and opts.get("-r", "y") != "y":
+        raise PbsError("qsub:  cannot submit non-rerunable Array Job\n" + QSUB_USAGE, 2)  # NO_RERUN_ARRAY, sic
 
     if faults.get("qsub_reject"):
         raise PbsError(str(faults["qsub_reject"]))
@@ -325,6 +470,7 @@ def qsub(argv: list[str]) -> int:
     name = opts.get("-N") or os.path.basename(script)
     if not re.fullmatch(r"[A-Za-z0-9_+\-][^\s@:/]{0,235}", name):
         raise PbsError("qsub: illegal -N value")
+    indices = parse_array(opts["-J"]) if "-J" in opts else None
 
     nchunks, chunk = parse_select(resources.get("select", "1"))
     if "select" in resources:
@@ -369,19 +515,22 @@ def qsub(argv: list[str]) -> int:
             seq = int(os.environ.get("FAKEPBS_SEQ_START", "1"))
         with open(counter, "w") as fh:
             fh.write(str(seq))
-    jobid = full_id(seq)
+    jobid = f"{seq}[].{server_name()}" if indices else full_id(seq)
     if faults.get("reject_after_submit"):
         print(jobid)  # a routing queue will drop it: never runs, never seen by qstat
         return 0
 
-    def out_path(flag: str, suffix: str, ext: str) -> str:
+    def out_path(flag: str, suffix: str, ext: str, index: int | None = None) -> str:
+        """Subjob i: ``name.o<seq>.<i>`` by default (OpenPBS), ``^array_index^`` replaced in a given path."""
         given = opts.get(flag)
+        tail = "" if index is None else f".{index}"
         if not given:
-            return os.path.join(submit_dir, f"{name}.{suffix}{seq}")
+            return os.path.join(submit_dir, f"{name}.{suffix}{seq}{tail}")
         given = given.split(":", 1)[1] if re.match(r"^[\w.\-]+:/", given) else given
-        path = os.path.join(submit_dir, given)
+        path = os.path.join(submit_dir, given.replace("^array_index^", "" if index is None else str(index)))
         if given.endswith("/") or os.path.isdir(path):
-            path = os.path.join(path, f"{jobid}.{ext}")
+            sub_id = jobid if index is None else f"{seq}[{index}].{server_name()}"
+            path = os.path.join(path, f"{sub_id}.{ext}")
         return os.path.normpath(path)
 
     out_final, err_final = out_path("-o", "o", "OU"), out_path("-e", "e", "ER")
@@ -412,8 +561,8 @@ def qsub(argv: list[str]) -> int:
     }
     if opts.get("-A"):
         attrs["Account_Name"] = opts["-A"]
-    if opts.get("-W"):
-        attrs["depend_or_W"] = opts["-W"]  # recorded, not enforced
+    if depend:
+        attrs["depend"] = fmt_depend(depend)
     internal = {
         "script_text": script_text,
         "submit_dir": submit_dir,
@@ -433,20 +582,86 @@ def qsub(argv: list[str]) -> int:
     estimate = os.environ.get("FAKEPBS_ESTIMATED_START")
     if estimate:  # the scheduler calendared the job (strict ordering / backfill): it will say when it expects it
         internal["estimated_start"] = now + int(float(estimate))
+    if exec_at is not None:
+        internal["exec_at"] = exec_at
+    if depend:
+        internal["depend"], internal["dep_rejected"] = register_depend(depend)
+    first_state(attrs, internal, now)
+    records = [{"id": jobid, "seq": seq, "key": str(seq), "attrs": attrs, "internal": internal}]
+    if indices:
+        step = indices[1] - indices[0] if len(indices) > 1 else 1
+        attrs.update(array="True", array_indices_submitted=fmt_indices(indices, step))
+        internal["array"] = {"indices": indices, "step": step}
+        for index in indices:
+            out_i, err_i = out_path("-o", "o", "OU", index), out_path("-e", "e", "ER", index)
+            sub_attrs = json.loads(json.dumps(attrs))
+            for key in ("array", "array_indices_submitted"):
+                sub_attrs.pop(key)
+            sub_attrs.update(array_id=jobid, array_index=index, Output_Path=f"{host}:{out_i}",
+                             Error_Path=f"{host}:{err_i}")
+            sub_internal = {**internal, "array": None, "array_index": index, "parent": str(seq),
+                            "out_final": out_i, "err_final": err_i}
+            records.append({"id": f"{seq}[{index}].{server_name()}", "seq": seq, "key": f"{seq}[{index}]",
+                            "attrs": sub_attrs, "internal": sub_internal})
     with locked():
-        write_json(job_path(seq), {"id": jobid, "seq": seq, "attrs": attrs, "internal": internal})
-    subprocess.Popen(  # noqa: S603 - the runner is this very file
-        [sys.executable, os.path.abspath(__file__), "run", str(seq)],
-        start_new_session=True,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        close_fds=True,
-    )
+        for record in records:
+            write_json(job_path(record["key"]), record)
+    for record in records[1:] if indices else records:  # an array's parent has no runner: its subjobs run
+        subprocess.Popen(  # noqa: S603 - the runner is this very file
+            [sys.executable, os.path.abspath(__file__), "run", record["key"]],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            close_fds=True,
+        )
     if faults.get("slow_qsub"):  # a loaded server: the job exists before qsub prints its id
         time.sleep(float(faults["slow_qsub"]))
     print(jobid)
     return 0
+
+
+def fmt_depend(depend: list[tuple[str, str]]) -> str:
+    """The ``depend`` attribute as qstat -f shows it: ``afterok:12.server@server:13.server@server,after:...``."""
+    by_type: dict[str, list[str]] = {}
+    for dtype, text in depend:
+        _, shown, _ = lookup(text)
+        by_type.setdefault(dtype, []).append(f"{shown}@{server_name()}")
+    return ",".join(f"{dtype}:" + ":".join(ids) for dtype, ids in by_type.items())
+
+
+def register_depend(depend: list[tuple[str, str]]) -> tuple[list[list[str]], bool]:
+    """What the server registers for each dependency, and whether a registration was rejected.
+
+    OpenPBS (src/server/req_register.c): the new job is queued first, then each parent is asked to register the
+    dependency; an unknown parent (PBSE_UNKJOBID: never existed, or gone from history), a subjob as parent, or a
+    finished parent whose end does not satisfy the type (PBSE_HISTDEPEND) makes post_doq() abort the new job:
+    qsub has printed its id, and the job is finished without ever running (no Exit_status).
+    """
+    history_on = read_faults().get("history", True) is not False
+    registered: list[list[str]] = []
+    rejected = False
+    for dtype, text in depend:
+        key, _, job = lookup(text)
+        gone = job is None or is_vanished(job) or (job["attrs"]["job_state"] == "F" and not history_on)
+        if gone or key is None or job.get("key", "").endswith("]"):
+            rejected = True
+            continue
+        registered.append([dtype, key])
+        if depend_verdict(dtype, key) == "fail":
+            rejected = True
+    return registered, rejected
+
+
+def first_state(attrs: dict[str, Any], internal: dict[str, Any], now: float) -> None:
+    """State at submission: dependencies hold the job (H, system hold), a future -a time makes it wait (W); the
+    scheduler has not looked at either, so they carry no comment yet (OpenPBS sets none on them)."""
+    if internal.get("depend") or internal.get("dep_rejected"):
+        attrs.update(job_state="H", substate=SUBSTATE["H"], Hold_Types="s")
+        attrs.pop("comment", None)
+    elif internal.get("exec_at", 0) > now:
+        attrs.update(job_state="W", substate=SUBSTATE["W"])
+        attrs.pop("comment", None)
 
 
 # --------------------------------------------------------------------------- the runner (scheduler + MoM)
@@ -484,6 +699,9 @@ def job_env(job: dict[str, Any], tmpdir: str, nodefile: str) -> dict[str, str]:
         env.update({k: v for k, v in sub.items() if k.startswith(("FAKEPBS_", "PBSTK_TEST_"))})
     env.update({k: v for k, v in attrs["Variable_List"].items() if k.startswith("PBS_O_")})
     env.update(job["internal"]["v_vars"])
+    if job["internal"].get("array_index") is not None:  # src/resmom/start_exec.c: the subjob's index, parent id
+        env["PBS_ARRAY_INDEX"] = str(job["internal"]["array_index"])
+        env["PBS_ARRAY_ID"] = attrs["array_id"]
     env.update(
         {
             "PBS_JOBID": job["id"],
@@ -504,6 +722,8 @@ def job_env(job: dict[str, Any], tmpdir: str, nodefile: str) -> dict[str, str]:
 def stream_target(job: dict[str, Any], which: str) -> tuple[str, bool]:
     """Where the MoM writes stream ``which`` ('o'/'e') while running, and whether it is final."""
     internal, attrs, seq = job["internal"], job["attrs"], job["seq"]
+    if internal.get("array_index") is not None:
+        seq = f"{seq}.{internal['array_index']}"
     keep = attrs["Keep_Files"]
     final = internal["out_final"] if which == "o" else internal["err_final"]
     if which in keep and "d" in keep:
@@ -514,7 +734,105 @@ def stream_target(job: dict[str, Any], which: str) -> tuple[str, bool]:
     return os.path.join(home(), "spool", f"{job['id']}.{'OU' if which == 'o' else 'ER'}"), False
 
 
-def sleep_while_queued(seq: int, seconds: float) -> bool:
+def job_summary(job: dict[str, Any] | None) -> tuple[bool, bool, int | None]:
+    """(has started, has ended, Exit_status) of a job or of an array job (all its subjobs)."""
+    if job is None:
+        return False, True, None
+    if job["internal"].get("array"):
+        subs = [load_job(f"{job['seq']}[{i}]") for i in job["internal"]["array"]["indices"]]
+        ended = all(sub is None or sub["attrs"]["job_state"] == "X" for sub in subs)
+        started = any(sub is not None and sub["internal"].get("stime") for sub in subs)
+        return started, ended, array_exit_status(subs) if ended else None
+    state = job["attrs"]["job_state"]
+    return bool(job["internal"].get("stime")), state in ("F", "X"), job["attrs"].get("Exit_status")
+
+
+def array_exit_status(subs: list[dict[str, Any] | None]) -> int | None:
+    """An array job's Exit_status, as OpenPBS's src/server/array_func.c sets it each time a subjob ends: from that
+    subjob alone (the last one to end wins): 0 if it exited 0, 1 above 0 (a qdel'd one: 271), 2 below 0 (walltime,
+    other PBS codes). None while no subjob has an Exit_status (all deleted before they ran)."""
+    ended = [sub for sub in subs if sub is not None and sub["attrs"].get("Exit_status") is not None]
+    if not ended:
+        return None
+    last = max(ended, key=lambda sub: (sub["internal"].get("obittime") or 0, sub["internal"].get("mtime") or 0))
+    code = int(last["attrs"]["Exit_status"])
+    return 1 if code > 0 else (2 if code < 0 else 0)
+
+
+def depend_verdict(dtype: str, parent_key: str) -> str:
+    """``ok``, ``wait`` or ``fail`` for one dependency (OpenPBS: ``after`` is released when the parent starts;
+    afterok/afternotok/afterany when it ends, by its exit status; a dependency that can no longer be met
+    deletes the dependent job, "Job deleted as result of dependency on job X" in the server log)."""
+    started, ended, code = job_summary(load_job(parent_key))
+    if dtype == "after":
+        return "ok" if started else ("fail" if ended else "wait")
+    if not ended:
+        return "wait"
+    if dtype == "afterany":
+        return "ok"
+    good = code == 0 and started
+    return "ok" if good == (dtype == "afterok") else "fail"
+
+
+def wait_eligible(seq: str) -> bool:
+    """Hold the job (H) while a dependency waits, then (W) until its -a time, then make it Q.
+    False when it ended meanwhile (qdel, vanished, or a dependency that can no longer be met)."""
+    while True:
+        with locked():
+            job = load_job(seq)
+            if job is None or is_vanished(job) or job["attrs"]["job_state"] not in ("Q", "W", "H"):
+                return False
+            verdicts = [depend_verdict(dtype, parent) for dtype, parent in job["internal"].get("depend") or []]
+            if job["internal"].get("dep_rejected") or "fail" in verdicts:
+                now = int(time.time())
+                job["attrs"].update(job_state="X" if job["internal"].get("array_index") is not None else "F",
+                                    substate=91, Hold_Types="n")
+                job["attrs"].pop("comment", None)
+                job["internal"].update(mtime=now, obittime=now)
+                write_json(job_path(seq), job)
+                return False
+            if "wait" in verdicts:
+                state = "H"
+            elif job["internal"].get("exec_at", 0) > time.time():
+                state = "W"
+            else:
+                state = "Q"
+            if job["attrs"]["job_state"] != state:
+                job["attrs"].update(job_state=state, substate=SUBSTATE[state], Hold_Types="s" if state == "H" else "n")
+                if state == "Q":
+                    job["attrs"]["comment"] = QUEUED_COMMENT
+                job["internal"]["mtime"] = int(time.time())
+                write_json(job_path(seq), job)
+        if state == "Q":
+            return True
+        time.sleep(WAIT_POLL)
+
+
+def running_jobs_of(user: str) -> int:
+    """Jobs and subjobs of ``user`` that hold a run slot (R or E); an array's parent is not one."""
+    count = 0
+    for name in os.listdir(os.path.join(home(), "jobs")):
+        if name.endswith(".json"):
+            other = load_job(name[:-5])
+            if other and other["attrs"].get("euser") == user and other["attrs"]["job_state"] in ("R", "E"):
+                count += 1
+    return count
+
+
+def over_run_limit(job: dict[str, Any]) -> bool:
+    """FAKEPBS_MAX_RUN_PER_USER=N plays a queue's ``max_user_run``: the scheduler leaves extra jobs queued with
+    OpenPBS's comment (call under the lock)."""
+    limit = os.environ.get("FAKEPBS_MAX_RUN_PER_USER")
+    if not limit or running_jobs_of(job["attrs"]["euser"]) < int(limit):
+        return False
+    comment = USER_LIMIT_COMMENT.format(queue=job["attrs"]["queue"])
+    if job["attrs"].get("comment") != comment:
+        job["attrs"]["comment"] = comment
+        write_json(job_path(job["key"]), job)
+    return True
+
+
+def sleep_while_queued(seq: int | str, seconds: float) -> bool:
     """Wait in state Q; False when the job was deleted or vanished meanwhile."""
     deadline = time.time() + seconds
     while True:
@@ -526,9 +844,10 @@ def sleep_while_queued(seq: int, seconds: float) -> bool:
         time.sleep(min(POLL, max(0.0, deadline - time.time())))
 
 
-def run_job(seq: int) -> None:
+def run_job(key: str) -> None:
+    seq = key
     job = load_job(seq)
-    if job is None:
+    if job is None or not wait_eligible(seq):
         return
     if not sleep_while_queued(seq, env_float("FAKEPBS_QUEUE_DELAY", 0.0)):
         return
@@ -550,6 +869,14 @@ def run_job(seq: int) -> None:
     host = short_host()
     # several chunks: as many distinct hosts (fakenode0..N-1, each with its own loopback address, see nodebin/)
     hosts = [host] if internal["nchunks"] == 1 else [f"fakenode{i}" for i in range(internal["nchunks"])]
+    while True:
+        with locked():
+            job = load_job(seq)
+            if job is None or job["attrs"]["job_state"] != "Q" or is_vanished(job):
+                return
+            if not over_run_limit(job):
+                break
+        time.sleep(WAIT_POLL)
     start = time.time()
     with locked():
         job = load_job(seq)
@@ -673,7 +1000,8 @@ def run_job(seq: int) -> None:
                 os.unlink(path)
     time.sleep(env_float("FAKEPBS_EXITING_DELAY", 0.5))
     now = int(time.time())
-    update_job(seq, attrs={"job_state": "F", "substate": 92}, internal={"obittime": now, "endtime": now})
+    final = "X" if internal.get("array_index") is not None else "F"  # an ended subjob is X (expired)
+    update_job(seq, attrs={"job_state": final, "substate": 92}, internal={"obittime": now, "endtime": now})
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
@@ -692,11 +1020,42 @@ def public_view(job: dict[str, Any]) -> dict[str, Any]:
         if internal.get(key):
             attrs[key] = pbs_time(internal[key])
     attrs["etime"] = attrs["qtime"]
+    if internal.get("exec_at"):  # qsub -a: ATTR_a "Execution_Time", a ctime string (src/cmds/qstat.c, as stime)
+        attrs["Execution_Time"] = pbs_time(int(internal["exec_at"]))
+    if internal.get("array"):
+        array_view(job, attrs)
     if attrs.get("job_state") == "Q" and internal.get("estimated_start"):
         # OpenPBS sets ``estimated`` on a queued job the scheduler has calendared: the vnodes and start time
         attrs["estimated"] = {"exec_vnode": f"({short_host()}:ncpus={internal.get('chunk_ncpus', 1)})",
                               "start_time": pbs_time(internal["estimated_start"])}
     return attrs
+
+
+def array_view(job: dict[str, Any], attrs: dict[str, Any]) -> None:
+    """An array job's own attributes follow its subjobs: Q/W/H as they are, ``B`` (begun) once one has started,
+    ``F`` when all have ended (X); ``array_state_count`` and ``array_indices_remaining`` as OpenPBS shows them."""
+    info = job["internal"]["array"]
+    subs = [(i, load_job(f"{job['seq']}[{i}]")) for i in info["indices"]]
+    states = [sub["attrs"]["job_state"] if sub else "X" for _, sub in subs]
+    queued = [i for (i, _), state in zip(subs, states) if state in ("Q", "W", "H")]
+    attrs["array_state_count"] = (f"Queued:{len(queued)} Running:{states.count('R')} Exiting:{states.count('E')} "
+                                  f"Expired:{states.count('X')}")
+    attrs["array_indices_remaining"] = fmt_indices(queued, info["step"])
+    stimes = [sub["internal"]["stime"] for _, sub in subs if sub and sub["internal"].get("stime")]
+    if stimes:
+        attrs["stime"] = pbs_time(min(stimes))
+        began = time.strftime("%a %b %d at %H:%M", time.localtime(min(stimes)))
+        attrs["comment"] = f"Job Array Began at {began}"  # openpbs test pbs_job_array_comment.py
+    if all(state == "X" for state in states):
+        attrs.update(job_state="F", substate=92)
+        code = array_exit_status([sub for _, sub in subs])
+        if code is not None:
+            attrs["Exit_status"] = code
+    elif stimes:
+        attrs.update(job_state="B", substate=41)
+    else:
+        state = next((s for s in ("H", "W", "Q") if s in states), "Q")
+        attrs.update(job_state=state, substate=SUBSTATE[state])
 
 
 NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?")
@@ -800,31 +1159,40 @@ def qstat(argv: list[str]) -> int:
     errors: list[str] = []
     rc = 0
 
-    def visible(job: dict[str, Any] | None) -> bool:
+    def visible(job: dict[str, Any] | None, view: dict[str, Any]) -> bool:
         if job is None or is_vanished(job):
             return False
-        return history_on or job["attrs"]["job_state"] != "F"
+        return history_on or view.get("job_state") != "F"
+
+    def add(job: dict[str, Any], view: dict[str, Any]) -> None:
+        """The job, then with -t the subjobs of an array job (OpenPBS lists them only with -t)."""
+        found[job["id"]] = view
+        if "-t" in flags and job["internal"].get("array"):
+            for index in job["internal"]["array"]["indices"]:
+                sub = load_job(f"{job['seq']}[{index}]")
+                if sub is not None:
+                    found[sub["id"]] = public_view(sub)
 
     if ids:
         for text in ids:
-            seq = resolve_id(text)
-            job = load_job(seq) if seq is not None else None
-            shown = text if seq is None else full_id(seq)
-            if job is None or not visible(job):
+            _, shown, job = lookup(text)
+            view = public_view(job) if job is not None else {}
+            if job is None or not visible(job, view):
                 errors.append(f"qstat: Unknown Job Id {shown}")
                 rc = RC_UNKNOWN_JOB
-            elif job["attrs"]["job_state"] == "F" and not history:
+            elif view["job_state"] == "F" and not history:
                 errors.append(
                     f"qstat: {shown} Job has finished, use -x or -H to obtain historical job information"
                 )
                 rc = RC_HISTORY
             else:
-                found[job["id"]] = public_view(job)
+                add(job, view)
     else:
         for number in all_seqs():
             listed = load_job(number)
-            if listed is not None and visible(listed) and (history or listed["attrs"]["job_state"] != "F"):
-                found[listed["id"]] = public_view(listed)
+            view = public_view(listed) if listed is not None else {}
+            if listed is not None and visible(listed, view) and (history or view["job_state"] != "F"):
+                add(listed, view)
     if fmt == "json":
         sys.stdout.write(qstat_json(found) + "\n")
     elif "-f" in flags:
@@ -858,27 +1226,42 @@ def qdel(argv: list[str]) -> int:
     rc = 0
     history_on = read_faults().get("history", True) is not False
     for text in ids:
-        seq = resolve_id(text)
-        shown = text if seq is None else full_id(seq)
+        key, shown, job = lookup(text)
+        state = public_view(job)["job_state"] if job is not None else None  # an array job's follows its subjobs
+        if key is None or job is None or is_vanished(job) or (state == "F" and not history_on):
+            sys.stderr.write(f"qdel: Unknown Job Id {shown}\n")
+            rc = RC_UNKNOWN_JOB
+            continue
+        if state in ("F", "X"):
+            sys.stderr.write(f"qdel: Job has finished {shown}\n")
+            rc = RC_HISTORY
+            continue
+        array = job["internal"].get("array")
+        # qdel N[] deletes every subjob: queued ones at once, running ones through their runner
+        targets = [f"{job['seq']}[{i}]" for i in array["indices"]] if array else [key]
         with locked():
-            job = load_job(seq) if seq is not None else None
-            state = job["attrs"]["job_state"] if job else None
-            if seq is None or job is None or is_vanished(job) or (state == "F" and not history_on):
-                sys.stderr.write(f"qdel: Unknown Job Id {shown}\n")
-                rc = RC_UNKNOWN_JOB
-                continue
-            if state == "F":
-                sys.stderr.write(f"qdel: Job has finished {shown}\n")
-                rc = RC_HISTORY
-                continue
-            now = int(time.time())
-            if state in ("Q", "H"):
-                job["attrs"].update(job_state="F", substate=91, comment="Job deleted")
-                job["internal"].update(mtime=now, obittime=now)
-            else:  # R or E: the runner signals the session and records Exit_status
-                job["internal"].update(delete_requested=True, mtime=now)
-            write_json(job_path(seq), job)
+            for target in targets:
+                delete_one(target)
     return rc
+
+
+def delete_one(key: str) -> None:
+    """Delete one job or subjob (call under the lock): a queued/held/waiting one ends at once without an
+    Exit_status; a running one is signalled by its runner, which records the Exit_status."""
+    job = load_job(key)
+    if job is None:
+        return
+    state = job["attrs"]["job_state"]
+    now = int(time.time())
+    if state in ("Q", "H", "W"):
+        final = "X" if job["internal"].get("array_index") is not None else "F"
+        job["attrs"].update(job_state=final, substate=91, comment="Job deleted")
+        job["internal"].update(mtime=now, obittime=now)
+    elif state in ("R", "E"):  # the runner signals the session and records Exit_status
+        job["internal"].update(delete_requested=True, mtime=now)
+    else:
+        return
+    write_json(job_path(key), job)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -892,7 +1275,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if tool == "fakepbs.py" and argv[1:2] == ["run"]:
             home()
-            run_job(int(argv[2]))
+            run_job(argv[2])
             return 0
         if tool not in TOOLS:
             raise PbsError(f"fakepbs: unknown tool {tool!r}", 2)

@@ -9,9 +9,10 @@ answer (a hang past ``PBSTK_SCHEDULER_TIMEOUT_S``, a killed qstat, empty or garb
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,9 @@ TIME_FORMAT = "%a %b %d %H:%M:%S %Y"
 #: zones of the two hosts differ, and PBS's own counter wins (docs/pbs.md "Uptime and walltime left")
 UPTIME_TOLERANCE_S = 300.0
 _DIRECTIVE_RE = re.compile(r"-[A-Za-z]( [^\s]+)?")
+#: ``qsub -a`` in its longest form, ``CCYYMMDDhhmm.SS``: no year/month/day roll-over guesses by qsub's cvtdate
+EXEC_TIME_FORMAT = "%Y%m%d%H%M.%S"
+_EXEC_TIME_RE = re.compile(r"^\d{12}\.\d{2}$")
 
 
 def outcome(exit_status: int | None) -> tuple[Outcome, int | None]:
@@ -83,8 +87,70 @@ def validate_directives(p: Any, where: str) -> None:
         raise ConfigError(f"{where}: key 'runs_root' must not contain spaces (PBS -o/-e paths cannot)")
 
 
-def submit_argv(script_path: str) -> list[str]:
-    return ["qsub", script_path]
+def submit_argv(script_path: str, *, exec_time: str | None = None, after: str | None = None) -> list[str]:
+    """``qsub [-a CCYYMMDDhhmm.SS] [-W depend=after:ID] script`` (command-line options win over ``#PBS`` lines)."""
+    argv = ["qsub"]
+    if exec_time is not None:
+        argv += ["-a", exec_time]
+    if after is not None:
+        argv += ["-W", f"depend=after:{after}"]
+    return [*argv, script_path]
+
+
+def exec_time(runner: Runner, begin_at: float) -> tuple[str, dict[str, str]]:
+    """The ``-a`` value for ``begin_at`` (epoch seconds), and the environment qsub must run with.
+
+    qsub parses ``-a`` in its own local time (OpenPBS cvtdate.c, on the login node), so the string is made there:
+    ``date -d @EPOCH`` through the runner, whatever this machine's time zone. Where that fails (no GNU date), the
+    time is written in UTC and qsub runs with ``TZ=UTC0``: cvtdate then reads it as UTC, equally exact; the only
+    trace is ``PBS_O_TZ=UTC0`` in the job's variable list. Rounded up: never eligible before ``begin_at``.
+    """
+    epoch = int(math.ceil(begin_at))
+    result = runner.run(["date", "-d", f"@{epoch}", f"+{EXEC_TIME_FORMAT}"], timeout=scheduler_timeout())
+    value = result.stdout.strip()
+    if result.rc == 0 and _EXEC_TIME_RE.match(value):
+        return value, {}
+    return time.strftime(EXEC_TIME_FORMAT, time.gmtime(epoch)), {"TZ": "UTC0"}
+
+
+class _EnvRunner(Runner):
+    """``inner`` with extra environment variables for every command (the launch's runner wraps qsub to leave
+    its marker, so the variables go through ``env=``, never as an ``env`` prefix that would hide qsub)."""
+
+    def __init__(self, inner: Runner, env: Mapping[str, str]) -> None:
+        self.inner, self.env, self.name = inner, dict(env), inner.name
+
+    def run(self, argv: Sequence[str], **kw: Any) -> Result:
+        return self.inner.run(argv, **{**kw, "env": {**(kw.get("env") or {}), **self.env}})
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        return self.inner.read_bytes(path, offset, length)
+
+    def size(self, path: str) -> int | None:
+        return self.inner.size(path)
+
+    def write_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        self.inner.write_bytes(path, data, mode)
+
+    def makedirs(self, path: str, mode: int = 0o755) -> None:
+        self.inner.makedirs(path, mode)
+
+    def home(self) -> str:
+        return self.inner.home()
+
+    def open_connection(self, host: str, port: int, timeout: float = 5.0) -> Any:
+        return self.inner.open_connection(host, port, timeout)
+
+
+def waiting_comment(raw_state: str, info: dict[str, Any]) -> str | None:
+    """What pbstk says about a job the scheduler has not commented on: OpenPBS's scheduler never looks at a job
+    waiting for its ``-a`` time (state W) or held by a dependency (H, ``Hold_Types`` s), so qstat shows no
+    comment there; the job's own ``Execution_Time`` and ``depend`` say why it waits (server-local time, verbatim)."""
+    if raw_state == "W" and isinstance(info.get("Execution_Time"), str):
+        return f"eligible at {info['Execution_Time']} (qsub -a)"
+    if raw_state == "H" and info.get("depend"):
+        return f"held until its dependency is met: {re.sub(r'@[^:,]+', '', str(info['depend']))}"
+    return None
 
 
 def parse_job_id(stdout: str) -> str:
@@ -172,6 +238,8 @@ def _job(job_id: str, info: dict[str, Any], asked_at: float | None = None) -> Sc
     exit_status = info.get("Exit_status")
     exec_host = info.get("exec_host")
     comment = info.get("comment")
+    if comment is None:
+        comment = waiting_comment(raw_state, info)
     code = int(exit_status) if exit_status is not None else None
     state = STATES.get(raw_state, SchedState.QUEUED)
     # PBS sets Exit_status on entering E and keeps it at F; a job at F without one never ran
@@ -245,9 +313,11 @@ class PBSScheduler(Scheduler):
 
     def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
                walltime_s: int | None = None, begin_at: float | None = None, after: str | None = None) -> str:
-        if begin_at is not None or after is not None:
-            raise UsageError(f"the {self.name} scheduler cannot delay a job yet")
-        result = run_with_retry(runner, submit_argv(script_path), is_transient)
+        if after is not None and not _JOB_ID.match(after):
+            raise UsageError(f"cannot start a job after {after!r}: not a PBS job id")
+        when, env = exec_time(runner, begin_at) if begin_at is not None else (None, {})
+        argv = submit_argv(script_path, exec_time=when, after=after)
+        result = run_with_retry(_EnvRunner(runner, env) if env else runner, argv, is_transient)
         if result.rc != 0:
             raise SchedulerError(f"qsub refused the job: {first_line(result.stderr or result.stdout)}")
         return parse_job_id(result.stdout)
