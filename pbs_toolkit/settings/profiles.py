@@ -158,7 +158,7 @@ MAX_GPU_MEMORY_GB = 4096
 def walltime_seconds(text: str) -> int:
     """``HH:MM:SS`` (hours may exceed 24), ``MM:SS`` or plain seconds -> seconds; ``UsageError`` otherwise.
 
-    Plain seconds are PBS's own form, and what YAML 1.1 makes of an unquoted ``walltime: 02:00:00`` (7200).
+    Plain seconds are one scheduler's own form, and what YAML 1.1 makes of an unquoted ``walltime: 02:00:00`` (7200).
     """
     match = _WALLTIME_RE.fullmatch(str(text).strip()) or _SECONDS_RE.fullmatch(str(text).strip())
     if not match:
