@@ -1,5 +1,5 @@
 """Shared fixtures: an isolated user (XDG dirs, runs root), the fake PBS on PATH, stand-in executables,
-the real sshd on loopback.
+the real sshd on loopback, a real Slurm cluster (tests/slurm_cluster.py).
 
 Every test runs with its own XDG config/state/data directories and no PBSTK_* variables from the caller,
 so a developer's ~/.config/pbstk never leaks in.
@@ -19,6 +19,7 @@ FAKEPBS_BIN = TESTS / "fakepbs" / "bin"
 STANDINS = TESTS / "standins"
 sys.path.insert(0, str(TESTS))
 
+from slurm_cluster import slurm_cluster  # noqa: E402,F401  (session fixture: a real two-node Slurm on loopback)
 from sshd import SshdInfo, sshd_server, start_sshd  # noqa: E402,F401  (sshd_server: fixture re-exported)
 
 
