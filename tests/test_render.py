@@ -22,6 +22,7 @@ import pytest
 
 from pbs_toolkit.errors import ConfigError, UsageError
 from pbs_toolkit.jobs.render import RenderedJob, RenderRequest, render
+from pbs_toolkit.schedulers import backend_class
 from pbs_toolkit.settings.presets import list_presets, params_from_config, params_from_name
 from pbs_toolkit.settings.profiles import list_profiles
 
@@ -235,6 +236,7 @@ GOLDEN_CASES = {
     "cpu-local": dict(model="Qwen/Qwen3-0.6B", preset="cpu", profile="local"),
     "baseline-eager-pbspro-0.11": dict(preset="baseline-eager", profile="generic-pbspro", vllm_version="0.11.0"),
     "baseline-eager-pbspro-0.33": dict(preset="baseline-eager", profile="generic-pbspro", vllm_version="0.33.0"),
+    "dp8-perlmutter": dict(preset="dp8", profile="perlmutter", account="PROJ"),
 }
 
 
@@ -244,7 +246,8 @@ def test_golden(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", "/home/golden")
     kw = dict(GOLDEN_CASES[name])
     job = _render(str(kw.pop("model", MODEL)), **kw)
-    for suffix, text in ((".job.pbs", job.job_script), (".start_vllm.sh", job.start_script)):
+    script_name = backend_class(job.profile.scheduler).script_name  # job.pbs, job.slurm
+    for suffix, text in ((f".{script_name}", job.job_script), (".start_vllm.sh", job.start_script)):
         path = GOLDEN / f"{name}{suffix}"
         if REGEN_GOLDEN:
             path.write_text(text, encoding="utf-8")

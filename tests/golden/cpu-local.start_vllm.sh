@@ -60,6 +60,7 @@ PORT_IN_USE_RE='(Address already in use|Errno 98)'
 # started without the job script's environment, and the `pbsdsh` node launcher.
 : "${PBSTK_JOB_ID:=${PBS_JOBID:-}}" "${PBSTK_NODEFILE:=${PBS_NODEFILE:-}}"
 # pbstk_launch_node_pbsdsh K HOST BASH SCRIPT: start node K's copy on HOST in the background, its pid to NODE_PIDS.
+# shellcheck disable=SC2317  # called by the body (pbstk_start_nodes) through NODE_LAUNCHER
 pbstk_launch_node_pbsdsh() {
   local idx
   # pbsdsh -n counts lines of the node file (duplicates included): the node's first line
@@ -283,14 +284,6 @@ pbstk_start_nodes() {
       mpiexec -n "$NNODES" --ppn 1 --hostfile "$HOSTFILE" "$bash_path" "$script" --node &
       NODE_PIDS+=($!)
       ;;
-    *)
-      # a scheduler's own launcher: its function comes with the backend's lines in the header
-      declare -F "pbstk_launch_node_$NODE_LAUNCHER" >/dev/null \
-        || pbstk_fail "this job's scheduler has no node launcher $NODE_LAUNCHER (profile key node_launcher)"
-      for ((k = 0; k < NNODES; k++)); do
-        "pbstk_launch_node_$NODE_LAUNCHER" "$k" "${HOSTS[k]}" "$bash_path" "$script"
-      done
-      ;;
     ssh)
       "$bash_path" "$script" --node 0 &
       NODE_PIDS+=($!)
@@ -308,6 +301,14 @@ pbstk_start_nodes() {
         env PBSTK_NODE_RANK="$k" PBSTK_NNODES="$NNODES" PBSTK_NODE_ADDRESS="127.0.0.$((2 + k))" \
           PBSTK_NODE_HOST="${HOSTS[k]}" ${gpus:+CUDA_VISIBLE_DEVICES="$gpus"} "$bash_path" "$script" &
         NODE_PIDS+=($!)
+      done
+      ;;
+    *)
+      # a scheduler's own launcher: its function comes with the backend's lines in the header
+      declare -F "pbstk_launch_node_$NODE_LAUNCHER" >/dev/null \
+        || pbstk_fail "this job's scheduler has no node launcher $NODE_LAUNCHER (profile key node_launcher)"
+      for ((k = 0; k < NNODES; k++)); do
+        "pbstk_launch_node_$NODE_LAUNCHER" "$k" "${HOSTS[k]}" "$bash_path" "$script"
       done
       ;;
   esac

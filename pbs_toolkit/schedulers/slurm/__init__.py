@@ -269,7 +269,8 @@ class SlurmScheduler(Scheduler):
     streams = {"sched-out": "slurm.out", "sched-err": "slurm.err"}
     profile_keys = PROFILE_KEYS
     submit_program = "sbatch"
-    #: how the job starts one start script per node when the profile does not say (node_launch.sh.j2)
+    #: one job step per node (node_launch.sh.j2)
+    node_launchers = ("srun",)
     default_node_launcher = "srun"
 
     def validate_profile(self, profile: Any, where: str) -> None:
