@@ -226,3 +226,29 @@ def test_validate_direct() -> None:
     validate_directives(Profile(name="x", scheduler="slurm", extra_directives=["--licenses=scratch"]), "x")
     with pytest.raises(ConfigError):
         validate_directives(Profile(name="x", scheduler="slurm", extra_directives=["--output=/tmp/x"]), "x")
+
+
+def test_node_launchers_come_from_the_backend(tmp_path: Path) -> None:
+    import json
+
+    result = pbstk("render", MODEL, "--profile", _profile(tmp_path, nodes=2, node_launcher="srun"), "--preset", "dp8",
+                   "--json")
+    assert result.exit_code == 0, result.output
+    start = json.loads(result.stdout)["start_script"]
+    assert "NODE_LAUNCHER=srun\n" in start and "pbstk_launch_node_srun() {" in start
+    assert "pbstk_launch_node_pbsdsh" not in start
+    pbs = tmp_path / "p.yaml"
+    pbs.write_text("scheduler: pbs\nnode_launcher: srun\n")
+    refused = pbstk("render", MODEL, "--profile", str(pbs), "--preset", "dp4")
+    assert refused.exit_code == 2 and "mpiexec, pbsdsh, ssh" in refused.output, refused.output
+
+
+def test_shipped_profiles() -> None:
+    from pbs_toolkit.settings.profiles import load_profile
+
+    generic, nersc = load_profile("slurm"), load_profile("perlmutter")
+    assert generic.scheduler == nersc.scheduler == "slurm" and generic.queue == "gpu"
+    assert nersc.account_required and nersc.constraint == "gpu" and nersc.qos == "regular"
+    assert nersc.gpu_directive == "gpus-per-node" and nersc.gpus_per_node == 4 and nersc.node_launcher == "srun"
+    refused = pbstk("render", MODEL, "--profile", "perlmutter")
+    assert refused.exit_code == 2 and "needs an account" in refused.output
