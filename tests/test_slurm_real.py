@@ -117,3 +117,35 @@ def test_two_nodes_ready_both_report(slurm_cluster: SlurmCluster, cli: Any, tmp_
     assert "srun -w" in (run_dir / "vllm.log").read_text()
     assert cli("cancel", job).returncode == 0
     _wait_state(cli, job, ("CANCELLED", "FAILED", "EXITED"), 60)
+
+
+def test_begin_at_and_after(slurm_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``begin_at`` holds the job (PENDING, BeginTime, the start time as estimate); ``after`` waits for a job."""
+    from pbs_toolkit.schedulers.slurm import SlurmScheduler
+    from pbs_toolkit.transports import LocalRunner
+
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    script = tmp_path / "job.slurm"
+    script.write_text("#!/bin/bash\n#SBATCH --time=1\n#SBATCH --output=/dev/null\nsleep 30\n")
+    sched, runner = SlurmScheduler(), LocalRunner()
+    begin = time.time() + 300
+    try:
+        _begin_and_after(sched, runner, str(script), str(tmp_path), begin)
+    finally:
+        slurm_cluster.cancel_all()
+
+
+def _begin_and_after(sched: Any, runner: Any, script: str, run_dir: str, begin: float) -> None:
+    from pbs_toolkit.schedulers import JobRef, SchedState
+
+    later = sched.submit(runner, script, run_dir, "t", begin_at=begin)
+    follower = sched.submit(runner, script, run_dir, "t", after=later)
+    jobs = sched.query(runner, [JobRef(later, run_dir), JobRef(follower, run_dir)])
+    assert jobs[later].state is SchedState.QUEUED and jobs[later].comment == "BeginTime", jobs[later]
+    assert jobs[later].estimated_start is not None and abs(jobs[later].estimated_start - begin) < 5
+    assert jobs[follower].state is SchedState.QUEUED and jobs[follower].comment == "Dependency", jobs[follower]
+    assert sched.cancel(runner, JobRef(later, run_dir)) is True
+    assert sched.cancel(runner, JobRef(later, run_dir)) is False  # already gone: not an error
+    # the one id asked for is one Slurm never had: squeue fails the call; pbstk reads "not known"
+    assert sched.query(runner, [JobRef("999999", run_dir)]) == {}
