@@ -8,6 +8,7 @@ them and review the diff:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -93,8 +94,14 @@ def _expected_valid(preset: str, profile: str) -> bool:
     return 1 <= need <= have or spans
 
 
+@functools.lru_cache(maxsize=1)
+def _profiles_by_name() -> dict[str, Any]:
+    return {p.name: p for p in list_profiles()}
+
+
 def _matrix_kwargs(profile: str) -> dict[str, Any]:
-    return {"account": "PROJ"} if profile == "polaris" else {}
+    # profiles that require an account (polaris, perlmutter) get one
+    return {"account": "PROJ"} if _profiles_by_name()[profile].account_required else {}
 
 
 # --- the whole matrix: bash -n and shellcheck ------------------------------------------------------------

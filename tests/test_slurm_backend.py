@@ -140,19 +140,57 @@ class FakeRunner:
         return self.results.pop(0)
 
 
+NO_ACCOUNTING = Result(1, "", "Slurm accounting storage is disabled\n")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_sacct_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pbs_toolkit.schedulers.slurm._NO_SACCT", set())
+
+
 def test_query_one_call_unknown_and_transient(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pbs_toolkit.schedulers.base.time.sleep", lambda _s: None)
-    refs = [JobRef(j, "/r") for j in ("1", "2", "404")]
+    refs = [JobRef(j, "/r") for j in ("1", "2", "9")]
     runner = FakeRunner(Result(1, "", "slurm_load_jobs error: Socket timed out on send/recv operation\n"),
                         Result(0, SAMPLE, ""))
     jobs = SlurmScheduler().query(runner, refs)  # type: ignore[arg-type]
-    assert sorted(jobs) == ["1", "2"] and len(runner.calls) == 2 and runner.calls[0] == runner.calls[1]
+    assert sorted(jobs) == ["1", "2", "9"] and len(runner.calls) == 2 and runner.calls[0] == runner.calls[1]
     # squeue fails the whole call when the only id asked for is unknown: that is an answer ("not known")
-    gone = FakeRunner(Result(1, "", "slurm_load_jobs error: Invalid job id specified\n"))
+    gone = FakeRunner(Result(1, "", "slurm_load_jobs error: Invalid job id specified\n"), NO_ACCOUNTING)
     assert SlurmScheduler().query(gone, [JobRef("404", "/r")]) == {}  # type: ignore[arg-type]
+    assert [c[0] for c in gone.calls] == ["squeue", "sacct"]
     broken = FakeRunner(Result(1, "", "squeue: error: something else\n"))
     with pytest.raises(SchedulerError):
         SlurmScheduler().query(broken, refs)  # type: ignore[arg-type]
+
+
+# `sacct -c --noheader --parsable2 --jobs=... --format=<SACCT_FIELDS>` on the same cluster (jobcomp/filetxt: the
+# time limit in minutes); the last line is the slurmdbd form (`CANCELLED by UID`, HH:MM:SS limits).
+SACCT = """\
+1|FAILED|2026-11-23T11:39:32|00:00:03|1|n1|3:0
+4|CANCELLED|2026-11-23T11:39:48|00:00:00|UNLIMITED|(null)|0:0
+2|TIMEOUT|2026-11-23T11:39:32|00:01:19|1|n1|0:0
+7|FAILED|2026-11-23T11:43:35|00:00:00|UNLIMITED|n1|0:9
+11|CANCELLED by 1000|2026-11-23T11:48:14|00:01:09|00:10:00|n1|0:15
+"""
+
+
+def test_sacct_for_jobs_squeue_forgot() -> None:
+    refs = [JobRef(j, "/r") for j in ("9", "1", "4", "2", "7", "11", "12")]
+    running = "9|RUNNING|None|2026-11-23T11:43:35|0:03|UNLIMITED|n1|0|\n"
+    runner = FakeRunner(Result(0, running, ""), Result(0, SACCT, ""))
+    jobs = SlurmScheduler().query(runner, refs)  # type: ignore[arg-type]
+    assert runner.calls[1][0] == "sacct" and runner.calls[1][4] == "--jobs=1,4,2,7,11,12"
+    got = {j: (jobs[j].outcome, jobs[j].outcome_code, jobs[j].walltime_s) for j in jobs if j != "9"}
+    assert got == {"1": (Outcome.EXITED, 3, 60), "4": (Outcome.NEVER_RAN, None, None),
+                   "2": (Outcome.WALLTIME, None, 60), "7": (Outcome.KILLED, 9, None),
+                   "11": (Outcome.CANCELLED, None, 600)}
+    assert "12" not in jobs and jobs["9"].state is SchedState.RUNNING
+    # no accounting: asked once, then not again in this process
+    first = FakeRunner(Result(0, running, ""), NO_ACCOUNTING)
+    assert sorted(SlurmScheduler().query(first, refs)) == ["9"]  # type: ignore[arg-type]
+    again = FakeRunner(Result(0, running, ""))
+    assert sorted(SlurmScheduler().query(again, refs)) == ["9"] and len(again.calls) == 1  # type: ignore[arg-type]
 
 
 def test_cancel_gone_is_false() -> None:

@@ -4,8 +4,9 @@ The status answer is a fixed ``--Format`` (the same columns on every Slurm since
 between 22.05 and 23.02, a fixed format did not). Exit codes are data (docs/slurm.md): squeue exits 1 with
 "Invalid job id specified" when the only id asked for is unknown (a list with some unknown ids answers about the
 known ones), "Socket timed out" / "Unable to contact slurm controller" are transient (retried). Finished jobs stay
-in squeue for ``MinJobAge`` seconds (default 300); after that a job is absent from the answer and pbstk goes by
-its run directory's markers (no ``sacct``: it needs accounting, which many sites restrict).
+in squeue for ``MinJobAge`` seconds (default 300); after that one ``sacct`` call asks the accounting database about
+the ids squeue no longer knows (only then, and not again in this process where sacct does not work: many sites
+restrict accounting); what neither knows is absent, and pbstk goes by its run directory's markers.
 """
 
 from __future__ import annotations
@@ -254,6 +255,52 @@ def check_answer(result: Result, ids: Sequence[str]) -> bool:
     raise SchedulerError(f"squeue failed (exit {result.rc}): {first_line(result.stderr)}")
 
 
+#: the sacct columns read for jobs squeue has forgotten (``--parsable2``: ``|`` between columns, none after)
+SACCT_FIELDS = ("JobID", "State", "Start", "Elapsed", "Timelimit", "NodeList", "ExitCode")
+#: runners (by name) whose sacct did not answer: not asked again in this process
+_NO_SACCT: set[str] = set()
+
+
+def sacct_argv(job_ids: Sequence[str]) -> list[str]:
+    return ["sacct", "--noheader", "--parsable2", "--allocations", f"--jobs={','.join(job_ids)}",
+            f"--format={','.join(SACCT_FIELDS)}"]
+
+
+def parse_sacct(stdout: str, asked_at: float | None = None) -> dict[str, SchedulerJob]:
+    """Finished jobs from the ``sacct_argv`` answer, read like squeue's. ``State`` may say ``CANCELLED by 1000``,
+    ``Timelimit`` is ``HH:MM:SS`` (slurmdbd) or minutes (jobcomp), ``ExitCode`` is ``N:S``. Jobs not finished,
+    and lines of another shape, are left out: sacct is a second opinion, never a reason to drop a poll."""
+    jobs: dict[str, SchedulerJob] = {}
+    for line in stdout.splitlines():
+        cols = [c.strip() for c in line.split(_SEP)]
+        if len(cols) != len(SACCT_FIELDS) or not _JOB_ID.fullmatch(cols[0]):
+            continue
+        row = dict(zip(SACCT_FIELDS, cols, strict=True))
+        state = row["State"].split(" ", 1)[0]
+        if STATES.get(state) is not SchedState.FINISHED:
+            continue
+        limit = row["Timelimit"]
+        info = {"JobID": row["JobID"], "State": state, "Reason": "", "StartTime": row["Start"],
+                "TimeUsed": row["Elapsed"], "NodeList": row["NodeList"], "exit_code": row["ExitCode"],
+                "TimeLimit": f"{limit}:00" if limit.isdigit() else limit}
+        jobs[row["JobID"]] = _job(info, time.time() if asked_at is None else asked_at)
+    return jobs
+
+
+def ask_sacct(runner: Runner, job_ids: Sequence[str]) -> dict[str, SchedulerJob]:
+    """What the accounting database says about ``job_ids`` (finished jobs only); ``{}`` when sacct cannot say."""
+    if runner.name in _NO_SACCT:
+        return {}
+    try:
+        result = run_with_retry(runner, sacct_argv(job_ids), is_transient, attempts=1, timeout=scheduler_timeout())
+    except (SchedulerError, SchedulerUnavailable):
+        result = Result(1, "", "")
+    if result.rc != 0:
+        _NO_SACCT.add(runner.name)  # "Slurm accounting storage is disabled", no sacct, a hang: do not ask again
+        return {}
+    return parse_sacct(result.stdout)
+
+
 def cancel_argv(job_id: str) -> list[str]:
     # -v: without it scancel says nothing, and exits 0, for an id it did not stop
     return ["scancel", "-v", job_id]
@@ -292,8 +339,11 @@ class SlurmScheduler(Scheduler):
         ids = list(dict.fromkeys(ref.job_id for ref in refs))
         result = run_with_retry(runner, status_argv(ids), is_transient, timeout=scheduler_timeout())
         if not check_answer(result, ids):
-            return {}
+            return ask_sacct(runner, ids)
         found = parse_status(result.stdout)
+        missing = [job_id for job_id in ids if job_id not in found]
+        if missing:
+            found.update(ask_sacct(runner, missing))
         return {job_id: found[job_id] for job_id in ids if job_id in found}
 
     def cancel(self, runner: Runner, ref: JobRef) -> bool:
