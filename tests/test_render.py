@@ -487,7 +487,7 @@ def _user_profile(name: str, body: str) -> Path:
      ("extra_directives: [\"-l a=b\\n#PBS -V\"]", "extra_directives"),
      ("extra_directives: ['-l a=b -V']", "extra_directives"), ("extra_directives: ['-V']", "extra_directives"),
      ("extra_directives: ['#PBS -V']", "extra_directives"),
-     ("keep_files: ''", "keep_files"), ("scheduler: slurm", "scheduler")],
+     ("keep_files: ''", "keep_files"), ("scheduler: lsf", "scheduler")],
 )
 def test_hostile_profile_values_refused(line: str, key: str) -> None:
     path = _user_profile("hostile", f"gpus_per_node: 4\n{line}\n")

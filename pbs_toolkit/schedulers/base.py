@@ -100,6 +100,8 @@ class Scheduler(abc.ABC):
     #: ``node_launch.sh.j2`` in ``template_dir``), and the one a multi-node job uses when the profile names none
     node_launchers: tuple[str, ...] = ()
     default_node_launcher: str = "ssh"
+    #: the launcher this backend always uses, whatever the profile says (its ``node_launcher`` is then ignored)
+    fixed_node_launcher: str | None = None
     #: hands out numbers never used before, for backends that make their own job ids (launch sets it)
     id_source: Callable[[], int] | None = None
 

@@ -210,8 +210,10 @@ def validate(p: Profile) -> Profile:
 
 def _validate_multinode(p: Profile, where: str) -> None:
     """The multi-node keys: a launcher and engine pbstk knows, interface names, a plausible GPU memory."""
-    launchers = sorted({*NODE_LAUNCHERS, *BACKENDS[p.scheduler].node_launchers})
-    if p.node_launcher and p.node_launcher not in launchers:
+    backend = BACKENDS[p.scheduler]
+    launchers = sorted({*NODE_LAUNCHERS, *backend.node_launchers})
+    # a backend with a fixed launcher ignores the key (a cluster profile tried with --scheduler local keeps its own)
+    if p.node_launcher and p.node_launcher not in launchers and not backend.fixed_node_launcher:
         raise ConfigError(f"{where}: key 'node_launcher' must be one of {', '.join(launchers)}, "
                           f"got {p.node_launcher!r}")
     if p.multinode_engine not in MULTINODE_ENGINES:
