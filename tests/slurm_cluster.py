@@ -4,7 +4,8 @@
 ``slurmctld`` and two ``slurmd`` (``-N n1`` / ``-N n2``, one port each) in the foreground as children of this
 process, waits (bounded) until both nodes are idle, and at session end cancels every job and stops the daemons by
 pid. Nothing is written under /etc, /run or /var; the ports are picked free at start, so two pytest sessions on
-one host do not clash. Register it in ``conftest.py`` with ``from slurm_cluster import slurm_cluster``.
+one host do not clash (a port taken between the pick and the bind: the start is tried again in ``root/retry1``).
+Register it in ``conftest.py`` with ``from slurm_cluster import slurm_cluster``.
 
 Why it looks the way it does (Debian 12, Slurm 22.05):
 
@@ -18,6 +19,8 @@ Why it looks the way it does (Debian 12, Slurm 22.05):
 - No accounting database: plain ``sacct`` says "accounting storage is disabled"; ``JobCompType=jobcomp/filetxt``
   makes ``sacct -c`` (``--completion``) read finished jobs from ``jobcomp.txt``. ``MinJobAge=600`` keeps finished
   jobs in ``squeue --states=all`` for ten minutes.
+- Each node has its own loopback address (``NodeAddr`` 127.0.0.2, 127.0.0.3: ``node_addresses``), but ``hostname``
+  inside a job is this machine's on both: a job tells its node by ``$SLURMD_NODENAME``.
 - ``OverTimeLimit=0`` and ``KillWait=2``: a job is signalled at its time limit and killed two seconds later.
 - A second partition ``urgent`` (higher ``PriorityTier``, ``PreemptMode=CANCEL``) preempts jobs of ``debug`` when
   it needs their nodes: the way to produce PREEMPTED. ``debug`` is the default partition.
@@ -49,6 +52,9 @@ CLIENTS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo", "srun", "sacct", 
 PACKAGES = "slurmctld slurmd slurm-client munge"
 STANDARD_PATH = "/usr/local/bin:/usr/bin:/bin"
 NODES = ("n1", "n2")
+#: each node's own loopback address (slurmd listens on all of them; slurmctld and srun reach node K here), as the
+#: fake PBS nodes have: ``scontrol show node n2`` says ``NodeAddr=127.0.0.3``
+NODE_ADDRESSES = {name: f"127.0.0.{2 + k}" for k, name in enumerate(NODES)}
 GPUS_PER_NODE = 4
 CPUS_PER_NODE = 4
 #: job states after which nothing runs any more (squeue's long names)
@@ -70,6 +76,7 @@ class SlurmCluster:
     partition: str = "debug"
     nodes: list[str] = field(default_factory=lambda: list(NODES))
     gpus_per_node: int = GPUS_PER_NODE
+    node_addresses: dict[str, str] = field(default_factory=lambda: dict(NODE_ADDRESSES))
     munge_socket: Path = Path()
     logs: dict[str, Path] = field(default_factory=dict)  # daemon name -> its log
 
@@ -175,7 +182,7 @@ def slurm_conf(root: Path, socket_path: Path, ctld_port: int, node_ports: list[i
         "GresTypes=gpu",
     ]
     for name, port in zip(NODES, node_ports, strict=True):
-        lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
+        lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr={NODE_ADDRESSES[name]} Port={port} "
                      f"CPUs={CPUS_PER_NODE} RealMemory=1000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN")
     nodes = ",".join(NODES)
     lines += [
@@ -213,19 +220,44 @@ class _Daemons:
         self.procs.clear()
 
 
+def cluster_processes(root: Path) -> list[int]:
+    """Pids of every process started for the cluster under ``root``: daemons, slurmstepd and jobs all carry its
+    ``SLURM_CONF`` in their environment (slurmstepd detaches from slurmd, so its pid is known to nobody here)."""
+    marker = f"SLURM_CONF={root}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            pid = int(environ.parent.name)
+            if pid != os.getpid() and any(v.startswith(marker) for v in environ.read_bytes().split(b"\0")):
+                found.append(pid)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _kill_leftovers(root: Path) -> None:
+    """SIGKILL what outlived the daemons (jobs a failed cancel left running, their slurmstepd), by pid."""
+    for pid in cluster_processes(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _wait(what: str, check: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
     """``check()`` until true; raise SlurmStartError naming ``what`` with its log tail on death or timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SlurmStartError(f"{what} exited with status {proc.returncode} while starting\n{_tail(what, log)}")
-        if check():
-            return
+        try:
+            if check():
+                return
+        except subprocess.TimeoutExpired:
+            pass  # a client that hung counts as "not yet"; the deadline still holds
         time.sleep(0.2)
     raise SlurmStartError(f"{what} not ready after {timeout} s\n{_tail(what, log)}")
 
 
-def _start(root: Path, socket_dir: Path, daemons: _Daemons, timeout: float) -> SlurmCluster:
+def _start(root: Path, munge_socket: Path, daemons: _Daemons, timeout: float) -> SlurmCluster:
     for sub in ("state", "munge", "bin", "gpu", *(f"spool-{n}" for n in NODES)):
         (root / sub).mkdir(mode=0o755, parents=True, exist_ok=True)
     for name in CLIENTS:
@@ -234,7 +266,6 @@ def _start(root: Path, socket_dir: Path, daemons: _Daemons, timeout: float) -> S
             link.symlink_to(shutil.which(name, path=STANDARD_PATH) or name)
     for k in range(GPUS_PER_NODE):
         (root / "gpu" / f"nvidia{k}").touch()
-    munge_socket = socket_dir / "sock"
     key = root / "munge" / "munge.key"
     subprocess.run([DAEMONS["mungekey"], "--create", "--keyfile", str(key)], check=True,  # noqa: S603
                    capture_output=True, timeout=30)
@@ -297,13 +328,23 @@ def start_slurm_cluster(root: Path, timeout: float = 60) -> Iterator[SlurmCluste
     socket_dir = Path(tempfile.mkdtemp(prefix="pbstk-munge-", dir="/tmp"))
     socket_dir.chmod(0o711)  # munged wants every parent of its socket searchable by all
     try:
-        cluster = _start(root, socket_dir, daemons, timeout)
+        for attempt in range(2):  # a port picked free may be taken before the daemon binds it: once more then
+            try:
+                cluster = _start(root / f"retry{attempt}" if attempt else root, socket_dir / f"sock{attempt}",
+                                 daemons, timeout)
+                break
+            except SlurmStartError as exc:
+                daemons.stop()
+                if attempt or "Address already in use" not in str(exc):
+                    raise
+        assert cluster is not None
         yield cluster
     finally:
         if cluster is not None:
             with contextlib.suppress(Exception):
                 cluster.cancel_all()
         daemons.stop()
+        _kill_leftovers(root)
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 

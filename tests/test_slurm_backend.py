@@ -17,6 +17,7 @@ from helpers import MODEL, pbstk
 from pbs_toolkit.errors import ConfigError, SchedulerError, SchedulerUnavailable, UsageError
 from pbs_toolkit.schedulers import BACKENDS, JobRef, Outcome, SchedState
 from pbs_toolkit.schedulers.slurm import (
+    FIELDS,
     SlurmScheduler,
     cancel_argv,
     exit_parts,
@@ -29,18 +30,19 @@ from pbs_toolkit.schedulers.slurm import (
 )
 from pbs_toolkit.transports.base import Result
 
-# `squeue --noheader --states=all --jobs=... --Format=<FORMAT>` on Slurm 22.05.8, Debian 12 (test cluster):
+# `squeue --noheader --states=all --jobs=... --Format=<FORMAT>` on Slurm 22.05.8, Debian 12 (test cluster; captured
+# with TimeUsed as the 5th column, shown here in FORMAT's current order):
 # 4 cancelled while pending (--begin), 6 `pbstk cancel` of a running job (its script exited 143), 8 exit 0,
 # 1 `exit 3`, 7 `kill -9 $$`, 3 pending until its --begin time, 9 running, 2 over its 1-minute time limit.
 SAMPLE = """\
-4|CANCELLED|BeginTime|2026-11-23T11:39:48|0:00|UNLIMITED||0|
-6|CANCELLED|None|2026-11-23T11:43:24|0:02|10:00|n1|36608|
-8|COMPLETED|None|2026-11-23T11:43:35|0:00|UNLIMITED|n1|0|
-1|FAILED|NonZeroExitCode|2026-11-23T11:39:32|0:03|1:00|n1|768|
-7|FAILED|JobLaunchFailure|2026-11-23T11:43:35|0:00|UNLIMITED|n1|9|
-3|PENDING|BeginTime|2026-11-23T11:49:32|0:00|UNLIMITED||0|
-9|RUNNING|None|2026-11-23T11:43:35|0:03|UNLIMITED|n1|0|
-2|TIMEOUT|TimeLimit|2026-11-23T11:39:32|1:19|1:00|n1|15|
+4|CANCELLED|BeginTime||UNLIMITED|2026-11-23T11:39:48|0|0:00|
+6|CANCELLED|None|n1|10:00|2026-11-23T11:43:24|36608|0:02|
+8|COMPLETED|None|n1|UNLIMITED|2026-11-23T11:43:35|0|0:00|
+1|FAILED|NonZeroExitCode|n1|1:00|2026-11-23T11:39:32|768|0:03|
+7|FAILED|JobLaunchFailure|n1|UNLIMITED|2026-11-23T11:43:35|9|0:00|
+3|PENDING|BeginTime||UNLIMITED|2026-11-23T11:49:32|0|0:00|
+9|RUNNING|None|n1|UNLIMITED|2026-11-23T11:43:35|0|0:03|
+2|TIMEOUT|TimeLimit|n1|1:00|2026-11-23T11:39:32|15|1:19|
 """
 #: when the sample was taken (its pending job's StartTime is 6 minutes later)
 ASKED_AT = time.mktime(time.strptime("2026-11-23T11:43:38", "%Y-%m-%dT%H:%M:%S"))
@@ -71,6 +73,69 @@ def test_parse_status_real_sample() -> None:
     assert timed_out.walltime_s == 60 and timed_out.comment == "TimeLimit" and timed_out.uptime_s is None
 
 
+DATA = Path(__file__).parent / "data" / "slurm"
+#: sample (tests/data/slurm, SLURMFIX's real Slurm output) -> (state, outcome, outcome code, comment)
+EXPECTED = {
+    "pending": (SchedState.QUEUED, None, None, "BeginTime"),
+    "pending-dependency": (SchedState.QUEUED, None, None, "Dependency"),
+    "pending-resources": (SchedState.QUEUED, None, None, "Resources"),
+    "node_fail-requeued": (SchedState.QUEUED, None, None, "BeginTime"),
+    "running": (SchedState.RUNNING, None, None, None),
+    "running-two-nodes": (SchedState.RUNNING, None, None, None),
+    "completed": (SchedState.FINISHED, Outcome.EXITED, 0, None),
+    "failed": (SchedState.FINISHED, Outcome.EXITED, 3, "NonZeroExitCode"),
+    "cancelled": (SchedState.FINISHED, Outcome.CANCELLED, None, None),
+    "timeout": (SchedState.FINISHED, Outcome.WALLTIME, None, "TimeLimit"),
+    "node_fail": (SchedState.FINISHED, Outcome.SCHEDULER_ERROR, None, "NodeDown"),
+    "preempted": (SchedState.FINISHED, Outcome.KILLED, 15, None),
+}
+
+
+def _with_time_used(text: str) -> str:
+    """The samples' squeue lines are FORMAT without its last column (TimeUsed): add an unknown one."""
+    return "".join(f"{line.rstrip()}|0:00|\n" for line in text.splitlines() if line.strip())
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_real_samples(name: str) -> None:
+    import json
+
+    assert FIELDS[:-1] == ("JobID", "State", "Reason", "NodeList", "TimeLimit", "StartTime", "exit_code")
+    job_id = json.loads((DATA / "jobs.json").read_text())[name]
+    job = parse_status(_with_time_used((DATA / f"{name}.squeue.txt").read_text()))[job_id]
+    assert (job.state, job.outcome, job.outcome_code, job.comment) == EXPECTED[name]
+    if name == "running":
+        assert job.walltime_s == 1800 and job.exec_host == "n1"
+    if name == "running-two-nodes":
+        assert job.exec_host == "n1" and job.walltime_s == 365 * 86400
+    if name == "pending-dependency":
+        assert job.estimated_start is None  # StartTime N/A
+    if name == "pending-resources":
+        assert job.estimated_start is not None and job.estimated_start > time.time()  # Slurm's estimate
+
+
+def test_real_batch_and_errors() -> None:
+    import json
+
+    jobs = parse_status(_with_time_used((DATA / "batch.squeue.txt").read_text()))
+    assert len(jobs) == 12 and all(j.state is SchedState.FINISHED for j in jobs.values())
+    errors = {" ".join(e["argv"][:4]): e for e in json.loads((DATA / "errors.json").read_text())}
+
+    def answer(key: str) -> Result:
+        e = errors[key]
+        return Result(e["rc"], e["stdout"], e["stderr"])
+
+    one_unknown = FakeRunner(answer("squeue --noheader --states=all --jobs=99999"), NO_ACCOUNTING)
+    assert SlurmScheduler().query(one_unknown, [JobRef("99999", "/r")]) == {}  # type: ignore[arg-type]
+    bad = FakeRunner(answer("squeue --noheader --states=all --jobs=abc"))
+    with pytest.raises(SchedulerError):
+        SlurmScheduler().query(bad, [JobRef("abc", "/r")])  # type: ignore[arg-type]
+    for key in ("sbatch --parsable --partition=nosuch --wrap=true", "sbatch --parsable --gres=gpu:5 --wrap=true"):
+        refused = FakeRunner(answer(key))
+        with pytest.raises(SchedulerError, match="sbatch refused the job: sbatch: error"):
+            SlurmScheduler().submit(refused, "/r/job.slurm", "/r", "t")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("state", "code", "ran", "expected"), [
     ("COMPLETED", "0", True, (Outcome.EXITED, 0)),
     ("FAILED", "3:0", True, (Outcome.EXITED, 3)),
@@ -93,19 +158,19 @@ def test_outcomes(state: str, code: str, ran: bool, expected: tuple[Outcome, int
     ("RUNNING", SchedState.RUNNING), ("COMPLETING", SchedState.EXITING), ("OUT_OF_MEMORY", SchedState.FINISHED),
 ])
 def test_states(state: str, sched: SchedState) -> None:
-    job = parse_status(f"5|{state}|None|N/A|0:00|1:00:00|||\n")["5"]
+    job = parse_status(f"5|{state}|None||1:00:00|N/A||0:00|\n")["5"]
     assert job.state is sched and job.raw_state == state
     assert (job.outcome is None) == (sched is not SchedState.FINISHED)
 
 
 def test_times_and_hosts() -> None:
-    job = parse_status("5|RUNNING|None|2026-11-23T11:00:00|1-02:03:04|2-00:00:00|gpu[0012-0013],x1|0|\n")["5"]
+    job = parse_status("5|RUNNING|None|gpu[0012-0013],x1|2-00:00:00|2026-11-23T11:00:00|0|1-02:03:04|\n")["5"]
     assert job.uptime_s == 86400 + 2 * 3600 + 3 * 60 + 4 and job.walltime_s == 2 * 86400
     assert job.exec_host == "gpu0012"
     assert first_host("") is None and first_host("n3") == "n3"
 
 
-@pytest.mark.parametrize("line", ["garbage", "5|RUNNING|None|", "x|RUNNING|None|N/A|0:00|1:00|n1|0|",
+@pytest.mark.parametrize("line", ["garbage", "5|RUNNING|None|", "x|RUNNING|None|n1|1:00|N/A|0|0:00|",
                                   "5|RUNNING|a|b|c|d|e|f|g|"])
 def test_garbled_answer_is_unavailable(line: str) -> None:
     with pytest.raises(SchedulerUnavailable):
@@ -177,7 +242,7 @@ SACCT = """\
 
 def test_sacct_for_jobs_squeue_forgot() -> None:
     refs = [JobRef(j, "/r") for j in ("9", "1", "4", "2", "7", "11", "12")]
-    running = "9|RUNNING|None|2026-11-23T11:43:35|0:03|UNLIMITED|n1|0|\n"
+    running = "9|RUNNING|None|n1|UNLIMITED|2026-11-23T11:43:35|0|0:03|\n"
     runner = FakeRunner(Result(0, running, ""), Result(0, SACCT, ""))
     jobs = SlurmScheduler().query(runner, refs)  # type: ignore[arg-type]
     assert runner.calls[1][0] == "sacct" and runner.calls[1][4] == "--jobs=1,4,2,7,11,12"

@@ -46,7 +46,7 @@ STATES: dict[str, SchedState] = {
     "SPECIAL_EXIT": SchedState.FINISHED, "REVOKED": SchedState.FINISHED,
 }
 #: the squeue columns pbstk reads, in this order; each ends with ``|`` (a ``--Format`` suffix: no width, no padding)
-FIELDS = ("JobID", "State", "Reason", "StartTime", "TimeUsed", "TimeLimit", "NodeList", "exit_code")
+FIELDS = ("JobID", "State", "Reason", "NodeList", "TimeLimit", "StartTime", "exit_code", "TimeUsed")
 FORMAT = ",".join(f"{name}:|" for name in FIELDS)
 _SEP = "|"
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
