@@ -1,4 +1,4 @@
-"""pbs-toolkit: serve models with vLLM on PBS clusters and point evaluations at them.
+"""pbs-toolkit: serve models with vLLM on batch-scheduled HPC clusters and point evaluations at them.
 
 The public API is re-exported lazily so that ``import pbs_toolkit`` (and ``pbstk --help``) stays fast.
 ``launch``, ``status``, ``render`` and ``cancel`` are functions defined here that open a ``Client`` for one call;

@@ -233,7 +233,7 @@ def test_scheduler_down_longer_than_the_retries_changes_nothing(
     assert len(backoff) == 3  # 4 tries
     assert states[ready]["state"] == "READY"  # the server itself still answers
     assert states[queued]["state"] == "UNKNOWN"  # not FAILED, not LOST
-    assert "could not reach the PBS server" in states[queued]["reason"]
+    assert "could not reach the scheduler" in states[queued]["reason"]
     assert all(r.final_state is None for r in JobStore().all())
     set_faults(pbs)
     assert status_of(queued)["state"] == "PENDING"

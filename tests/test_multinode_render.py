@@ -176,8 +176,9 @@ def test_too_old_vllm_names_version_and_minimum(tmp_path: Path) -> None:
     assert "over Ray" in line and ">= 0.9.1" in line and "0.9.0" in line, line
 
 
-@pytest.mark.parametrize("value", ["srun", ""])
-def test_unknown_or_empty_launcher_is_refused(tmp_path: Path, value: str) -> None:
+# srun is Slurm's: refused for a PBS profile; an empty value means the scheduler's default (pbsdsh here)
+@pytest.mark.parametrize("value", ["srun", "lsrun"])
+def test_unknown_launcher_is_refused(tmp_path: Path, value: str) -> None:
     line = _one_error(_cli("render", MODEL, "--preset", "dp8", "--profile", _profile(tmp_path, node_launcher=value)))
     assert "node_launcher" in line and "mpiexec, pbsdsh, ssh" in line and repr(value) in line, line
 

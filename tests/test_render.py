@@ -8,6 +8,7 @@ them and review the diff:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import pytest
 
 from pbs_toolkit.errors import ConfigError, UsageError
 from pbs_toolkit.jobs.render import RenderedJob, RenderRequest, render
+from pbs_toolkit.schedulers import backend_class
 from pbs_toolkit.settings.presets import list_presets, params_from_config, params_from_name
 from pbs_toolkit.settings.profiles import list_profiles
 
@@ -92,8 +94,14 @@ def _expected_valid(preset: str, profile: str) -> bool:
     return 1 <= need <= have or spans
 
 
+@functools.lru_cache(maxsize=1)
+def _profiles_by_name() -> dict[str, Any]:
+    return {p.name: p for p in list_profiles()}
+
+
 def _matrix_kwargs(profile: str) -> dict[str, Any]:
-    return {"account": "PROJ"} if profile == "polaris" else {}
+    # profiles that require an account (polaris, perlmutter) get one
+    return {"account": "PROJ"} if _profiles_by_name()[profile].account_required else {}
 
 
 # --- the whole matrix: bash -n and shellcheck ------------------------------------------------------------
@@ -235,6 +243,7 @@ GOLDEN_CASES = {
     "cpu-local": dict(model="Qwen/Qwen3-0.6B", preset="cpu", profile="local"),
     "baseline-eager-pbspro-0.11": dict(preset="baseline-eager", profile="generic-pbspro", vllm_version="0.11.0"),
     "baseline-eager-pbspro-0.33": dict(preset="baseline-eager", profile="generic-pbspro", vllm_version="0.33.0"),
+    "dp8-perlmutter": dict(preset="dp8", profile="perlmutter", account="PROJ"),
 }
 
 
@@ -244,7 +253,8 @@ def test_golden(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", "/home/golden")
     kw = dict(GOLDEN_CASES[name])
     job = _render(str(kw.pop("model", MODEL)), **kw)
-    for suffix, text in ((".job.pbs", job.job_script), (".start_vllm.sh", job.start_script)):
+    script_name = backend_class(job.profile.scheduler).script_name  # job.pbs, job.slurm
+    for suffix, text in ((f".{script_name}", job.job_script), (".start_vllm.sh", job.start_script)):
         path = GOLDEN / f"{name}{suffix}"
         if REGEN_GOLDEN:
             path.write_text(text, encoding="utf-8")
@@ -477,7 +487,7 @@ def _user_profile(name: str, body: str) -> Path:
      ("extra_directives: [\"-l a=b\\n#PBS -V\"]", "extra_directives"),
      ("extra_directives: ['-l a=b -V']", "extra_directives"), ("extra_directives: ['-V']", "extra_directives"),
      ("extra_directives: ['#PBS -V']", "extra_directives"),
-     ("keep_files: ''", "keep_files"), ("scheduler: slurm", "scheduler")],
+     ("keep_files: ''", "keep_files"), ("scheduler: lsf", "scheduler")],
 )
 def test_hostile_profile_values_refused(line: str, key: str) -> None:
     path = _user_profile("hostile", f"gpus_per_node: 4\n{line}\n")

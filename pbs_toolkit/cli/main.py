@@ -35,7 +35,7 @@ class PbstkGroup(click.Group):
               help="Show every scheduler and SSH command pbstk runs, on stderr (also PBSTK_VERBOSE=1).")
 @click.pass_context
 def cli(ctx: click.Context, verbose: bool) -> None:
-    """Serve models with vLLM on PBS clusters (or this machine) and point evaluations at them.
+    """Serve models with vLLM on HPC clusters (or this machine) and point evaluations at them.
 
     \b
       pbstk launch Qwen/Qwen3-VL-2B-Instruct --preset dp4 --profile polaris

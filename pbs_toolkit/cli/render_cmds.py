@@ -179,7 +179,7 @@ def _shown(value: Any) -> str:
 @render_options
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False),
               help="Write the job script and start_vllm.sh into this directory, which becomes the run "
-                   "directory (qsub DIR/job.pbs then works as written).")
+                   "directory (submitting DIR's job script by hand then works as written).")
 @click.option("--run-dir", help="Run directory the scripts refer to (default: -o DIR, else a new one under "
                                 "runs_root).")
 @click.option("--json", "as_json", is_flag=True, help="Print the render object (with -o: without the scripts).")

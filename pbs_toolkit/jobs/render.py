@@ -582,7 +582,7 @@ def _run_dir(req: RenderRequest, profile: Profile, job_name: str, runner: Runner
     """The run directory: given, or a fresh one under the runs root; checked to be safe unquoted in directives.
 
     Rendered for a remote host without connecting, it may start with ``$HOME/`` (the job script then writes
-    no ``-o``/``-e`` directive: PBS does not expand variables there)."""
+    no ``-o``/``-e`` directive: schedulers do not expand variables there)."""
     expand = _expander(profile, runner)
     run_dir = expand(req.run_dir) if req.run_dir else _default_run_dir(profile, job_name, expand)
     checked = run_dir[len(HOME_VAR):] if run_dir.startswith(HOME_VAR + "/") else run_dir

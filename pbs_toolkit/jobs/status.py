@@ -1,6 +1,6 @@
 """Server state: the scheduler's view, the run directory's markers and the server's own HTTP answer, combined.
 
-One scheduler query per transport per call, whatever the number of jobs (docs/pbs.md "Status: qstat": never
+One scheduler query per transport per call, whatever the number of jobs (docs/pbs.md "Status": never
 poll per job); the run directories and servers are then looked at concurrently, each probe with a short timeout.
 
 Two rules keep status from lying:

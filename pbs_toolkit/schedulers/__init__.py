@@ -11,9 +11,10 @@ from pbs_toolkit.errors import UsageError
 from pbs_toolkit.schedulers.base import JobRef, Outcome, SchedState, Scheduler, SchedulerJob
 from pbs_toolkit.schedulers.local import LocalScheduler
 from pbs_toolkit.schedulers.pbs import PBSScheduler
+from pbs_toolkit.schedulers.slurm import SlurmScheduler
 
 #: name -> backend class (the first is the default for profiles that do not say)
-BACKENDS: dict[str, type[Scheduler]] = {cls.name: cls for cls in (PBSScheduler, LocalScheduler)}
+BACKENDS: dict[str, type[Scheduler]] = {cls.name: cls for cls in (PBSScheduler, LocalScheduler, SlurmScheduler)}
 #: the backend a profile without ``scheduler:`` uses
 DEFAULT_BACKEND = next(iter(BACKENDS))
 

@@ -30,7 +30,7 @@ class SchedState(enum.Enum):
 class Outcome(enum.Enum):
     """How a finished job ended, in words every backend can say; ``SchedulerJob.outcome_code`` adds the number.
 
-    Each backend maps its own exit information here (PBS: docs/pbs.md "Exit_status"), so the generic layer
+    Each backend maps its own exit information here (docs/<scheduler>.md says how), so the generic layer
     (``jobs/status.py``) never decodes a scheduler's codes.
     """
 
@@ -96,6 +96,12 @@ class Scheduler(abc.ABC):
     #: whether ``cancel`` may still be called for a job already recorded final (the scheduler forgets ids
     #: safely; a process group id, for one, may belong to anything once the job has ended)
     cancel_when_final: bool = True
+    #: node launchers of this scheduler (profile key ``node_launcher``; their shell functions come with
+    #: ``node_launch.sh.j2`` in ``template_dir``), and the one a multi-node job uses when the profile names none
+    node_launchers: tuple[str, ...] = ()
+    default_node_launcher: str = "ssh"
+    #: the launcher this backend always uses, whatever the profile says (its ``node_launcher`` is then ignored)
+    fixed_node_launcher: str | None = None
     #: hands out numbers never used before, for backends that make their own job ids (launch sets it)
     id_source: Callable[[], int] | None = None
 
@@ -131,7 +137,7 @@ DEFAULT_SCHEDULER_TIMEOUT_S = 30.0
 
 
 def scheduler_timeout() -> float:
-    """``PBSTK_SCHEDULER_TIMEOUT_S`` (default 30): a hung ``qstat`` must not look like a dead SSH link."""
+    """``PBSTK_SCHEDULER_TIMEOUT_S`` (default 30): a hung status command must not look like a dead SSH link."""
     try:
         value = float(os.environ.get("PBSTK_SCHEDULER_TIMEOUT_S") or DEFAULT_SCHEDULER_TIMEOUT_S)
     except ValueError:
@@ -147,7 +153,8 @@ def timed_out(exc: TransportError) -> bool:
 def was_killed(rc: int) -> bool:
     """A signal ended the command: negative locally, 128+N through a shell, -1 over SSH without a status.
 
-    153 (128+25) is PBS's "Unknown Job Id", not SIGXFSZ: callers check their data codes first.
+    Some schedulers use such codes as data (one says "unknown job" with 153 = 128+25): callers check their data
+    codes first.
     """
     return rc < 0 or 128 < rc < 255
 
@@ -178,14 +185,14 @@ def run_with_retry(
             raise SchedulerUnavailable(f"{argv[0]} did not answer within {timeout:g} s") from exc
         if result.rc == 127:
             where = "" if runner.name == "local" else f" on {runner.name.split(':', 1)[-1]}"
-            raise SchedulerError(f"{argv[0]} not found on PATH{where}: is this a PBS login node?")
+            raise SchedulerError(f"{argv[0]} not found on PATH{where}: is this the cluster's login node?")
         if not is_transient(result):
             return result
         if attempt + 1 < attempts:
             sleep(delay)
             delay *= 2
     raise SchedulerUnavailable(
-        f"{argv[0]} could not reach the PBS server after {attempts} tries: {first_line(result.stderr)}"
+        f"{argv[0]} could not reach the scheduler after {attempts} tries: {first_line(result.stderr)}"
     )
 
 

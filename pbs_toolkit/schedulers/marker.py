@@ -1,4 +1,4 @@
-"""Submission that leaves the job id on disk even when pbstk dies right after ``qsub``.
+"""Submission that leaves the job id on disk even when pbstk dies right after the scheduler's submit command.
 
 The submit command runs under a tiny ``bash`` wrapper in its own session (the runners start every command
 with ``start_new_session``), so a SIGKILL of pbstk does not stop it. The wrapper writes

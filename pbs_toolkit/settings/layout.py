@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pbs_toolkit.errors import UsageError
+from pbs_toolkit.schedulers import backend_class
 from pbs_toolkit.settings.profiles import MAX_NODES
 from pbs_toolkit.settings.vllm_flags import version_tuple
 
@@ -92,7 +93,8 @@ def nodes_needed(name: str, layout: str, gpus: int, gpus_per_node: int, nodes_as
 
 def node_plan(name: str, tp: int, pp: int, dp: int, nnodes: int, profile: Any) -> NodePlan:
     """The engine that runs TP x PP x DP over ``nnodes`` nodes of ``profile``, checked against its vLLM version."""
-    launcher = "local" if profile.scheduler == "local" else profile.node_launcher
+    backend = backend_class(profile.scheduler)
+    launcher = backend.fixed_node_launcher or profile.node_launcher or backend.default_node_launcher
     common = {"tp": tp, "pp": pp, "dp": dp, "launcher": launcher, "nccl_ifname": profile.nccl_socket_ifname,
               "gloo_ifname": profile.gloo_socket_ifname}
     if nnodes <= 1:

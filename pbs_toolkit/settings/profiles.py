@@ -21,8 +21,9 @@ from pbs_toolkit.settings.yamlio import Fields, load_yaml_mapping, require_file
 #: the registered scheduler backends (schedulers/__init__.py is the one list)
 SCHEDULERS = tuple(BACKENDS)
 ADDRESS_RULES = ("short", "fqdn", "ip", "loopback")
-#: how a multi-node job starts one start script per node (the local scheduler always uses its own, ``local``)
-NODE_LAUNCHERS = ("mpiexec", "pbsdsh", "ssh")
+#: how a multi-node job starts one start script per node, whatever the scheduler (a backend adds its own:
+#: ``Scheduler.node_launchers``; the local scheduler always uses its own, ``local``)
+NODE_LAUNCHERS = ("mpiexec", "ssh")
 #: how vLLM spans nodes: its own engines (native DP, ``--nnodes``), or a Ray cluster started per job
 MULTINODE_ENGINES = ("native", "ray")
 #: names a socket interface may have (``hsn0``, ``ib0``, ``eth0,eth1``, ``^lo,docker``); reaches a shell line quoted
@@ -52,6 +53,12 @@ class Profile:
     gpus_per_node: int = 4
     cpus_per_node: int = 32
     keep_files: str | None = "doe"
+    #: quality of service, node features, and how GPUs are asked for (``gres`` or ``gpus-per-node``)
+    qos: str | None = None
+    constraint: str | None = None
+    gpu_directive: str = "gres"
+    #: the job takes whole nodes
+    exclusive: bool = False
     extra_directives: list[str] = field(default_factory=list)
     #: shell lines run before vLLM starts (modules, conda); trusted site configuration, rendered as written
     setup: list[str] = field(default_factory=list)
@@ -69,8 +76,9 @@ class Profile:
     vllm_version: str = DEFAULT_VLLM_VERSION
     vllm_entrypoint: str = "serve"
     # -- several nodes (docs/vllm.md "Several nodes")
-    #: how the job starts one start script per node: mpiexec (Cray PALS, --ppn 1), pbsdsh, ssh
-    node_launcher: str = "pbsdsh"
+    #: how the job starts one start script per node: mpiexec (Cray PALS, --ppn 1), ssh, or the scheduler's own
+    #: (``Scheduler.node_launchers``); empty: the scheduler's default
+    node_launcher: str = ""
     #: ``native`` (vLLM's DP / --nnodes engines) or ``ray``
     multinode_engine: str = "native"
     #: exported as NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME on every node when set (hosts with several interfaces)
@@ -165,7 +173,7 @@ MAX_GPU_MEMORY_GB = 4096
 def walltime_seconds(text: str) -> int:
     """``HH:MM:SS`` (hours may exceed 24), ``MM:SS`` or plain seconds -> seconds; ``UsageError`` otherwise.
 
-    Plain seconds are PBS's own form, and what YAML 1.1 makes of an unquoted ``walltime: 02:00:00`` (7200).
+    Plain seconds are one scheduler's own form, and what YAML 1.1 makes of an unquoted ``walltime: 02:00:00`` (7200).
     """
     match = _WALLTIME_RE.fullmatch(str(text).strip()) or _SECONDS_RE.fullmatch(str(text).strip())
     if not match:
@@ -218,8 +226,11 @@ def validate(p: Profile) -> Profile:
 
 def _validate_multinode(p: Profile, where: str) -> None:
     """The multi-node keys: a launcher and engine pbstk knows, interface names, a plausible GPU memory."""
-    if p.node_launcher not in NODE_LAUNCHERS:
-        raise ConfigError(f"{where}: key 'node_launcher' must be one of {', '.join(NODE_LAUNCHERS)}, "
+    backend = BACKENDS[p.scheduler]
+    launchers = sorted({*NODE_LAUNCHERS, *backend.node_launchers})
+    # a backend with a fixed launcher ignores the key (a cluster profile tried with --scheduler local keeps its own)
+    if p.node_launcher and p.node_launcher not in launchers and not backend.fixed_node_launcher:
+        raise ConfigError(f"{where}: key 'node_launcher' must be one of {', '.join(launchers)}, "
                           f"got {p.node_launcher!r}")
     if p.multinode_engine not in MULTINODE_ENGINES:
         raise ConfigError(f"{where}: key 'multinode_engine' must be one of {', '.join(MULTINODE_ENGINES)}, "

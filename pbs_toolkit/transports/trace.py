@@ -1,7 +1,7 @@
-"""``pbstk -v``: one log record per command a runner starts (qsub, qstat, qdel, ssh ...), for every backend.
+"""``pbstk -v``: one log record per command a runner starts (submit, status, cancel, ssh ...), for every backend.
 
 Both runners call :func:`log_command` first thing in ``run``; the CLI's ``-v`` (or ``PBSTK_VERBOSE=1``) shows
-the records on stderr as ``pbstk: run: qstat -x -f -F json 12.pbs`` or ``pbstk: ssh user@host: qstat ...``.
+the records on stderr as ``pbstk: run: <status command> 12`` or ``pbstk: ssh user@host: <status command> ...``.
 
 Secrets stay out: stdin (where a key would travel) is never shown, only that there was some; environment
 variables are shown by name only; an inline script (``bash -c '...'``) is shown as its line count, not its text.

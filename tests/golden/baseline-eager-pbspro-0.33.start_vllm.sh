@@ -55,6 +55,19 @@ EAGER=true
 # "Failed" too: torch reports "torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised: ...".
 COMPILE_ERROR_RE='(Error|Exception|[Ff]ailed).*([Dd]ynamo|[Ii]nductor|[Cc]ompil|[Gg]raph|[Cc]apturing|[Tt]riton)|([Dd]ynamo|[Ii]nductor|[Cc]ompil|[Cc]uda[Gg]raph|CUDA graph|[Tt]riton).*(Error|Exception|[Ff]ailed)'
 PORT_IN_USE_RE='(Address already in use|Errno 98)'
+# PBS's part of the start script (schedulers/pbs/node_launch.sh.j2): the job's id and node file for node copies
+# started without the job script's environment, and the `pbsdsh` node launcher.
+: "${PBSTK_JOB_ID:=${PBS_JOBID:-}}" "${PBSTK_NODEFILE:=${PBS_NODEFILE:-}}"
+# pbstk_launch_node_pbsdsh K HOST BASH SCRIPT: start node K's copy on HOST in the background, its pid to NODE_PIDS.
+# shellcheck disable=SC2317  # called by the body (pbstk_start_nodes) through NODE_LAUNCHER
+pbstk_launch_node_pbsdsh() {
+  local idx
+  # pbsdsh -n counts lines of the node file (duplicates included): the node's first line
+  idx=$(awk -v h="$2" '$1 == h { print NR - 1; exit }' "$PBSTK_NODEFILE")
+  pbstk_log "starting node $1 on $2: pbsdsh -n $idx"
+  pbsdsh -n "$idx" -- "$3" "$4" --node "$1" &
+  NODE_PIDS+=($!)
+}
 
 # shellcheck shell=bash
 # shellcheck disable=SC2154  # the settings (RUN_DIR, MODEL, PHASE_*, ...) come from the rendered header above
@@ -63,8 +76,9 @@ PORT_IN_USE_RE='(Address already in use|Errno 98)'
 set -uo pipefail
 # --- several nodes (docs: RUN_DIR/nodes/K.json, head.json, stop). A header without these is one node ---
 : "${NNODES:=1}" "${NODE_ENGINE:=single}" "${TP:=1}" "${PP:=1}" "${DP:=1}" "${DP_LOCAL:=1}"
-: "${NODE_LAUNCHER:=pbsdsh}" "${NCCL_IFNAME:=}" "${GLOO_IFNAME:=}"
-# A node's copy is started as `start_vllm.sh --node [K]` (pbsdsh and ssh pass no environment; under mpiexec the
+: "${NODE_LAUNCHER:=ssh}" "${NCCL_IFNAME:=}" "${GLOO_IFNAME:=}"
+# A node's copy is started as `start_vllm.sh --node [K]` (a scheduler's launcher and ssh may pass no environment;
+# the backend's lines in the header set PBSTK_JOB_ID/PBSTK_NODEFILE for them; under mpiexec the
 # rank comes from the node's place in the host list) or with PBSTK_NODE_RANK exported (local launcher).
 NODE_RANK=${PBSTK_NODE_RANK:-}
 NODE_ROLE=false
@@ -91,7 +105,7 @@ NODE_STATE=
 # server.json is the head's (and the launcher's before the nodes start); workers write only their node marker
 WRITE_SERVER=true
 [ "$NODE_ROLE" = true ] && [ "$NODE_RANK" != 0 ] && WRITE_SERVER=false
-# PBS spools job output until the job ends: log straight into the run directory instead, line by line.
+# A scheduler may spool job output until the job ends: log straight into the run directory instead, line by line.
 exec >>"$LOG" 2>&1
 export PYTHONUNBUFFERED=1
 
@@ -136,7 +150,7 @@ pbstk_state() {
   local phase=$1 exit_code=${2:-null} tmp="$STATE.tmp.$$"
   if [ "$WRITE_SERVER" = true ]; then
     {
-      printf '{"phase": %s, "job_id": %s, ' "$(pbstk_json_str "$phase")" "$(pbstk_json_str "${PBS_JOBID:-}")"
+      printf '{"phase": %s, "job_id": %s, ' "$(pbstk_json_str "$phase")" "$(pbstk_json_str "${PBSTK_JOB_ID:-}")"
       printf '"host": %s, "address": %s, ' "$(pbstk_json_str "$NODE")" "$(pbstk_json_str "$ADDRESS")"
       printf '"port": %s, "pid": %s, ' "$(pbstk_json_int "$PORT")" "$(pbstk_json_int "$SERVER_PID")"
       printf '"attempt": %s, "eager_fallback": %s, ' "$(pbstk_json_int "$ATTEMPT")" "$EAGER_FALLBACK"
@@ -200,7 +214,7 @@ if [ -n "$VLLM_CACHE_DIR" ]; then
   mkdir -p "$VLLM_CACHE_ROOT"
 fi
 
-# --- vLLM puts ZMQ IPC sockets under $TMPDIR; a Unix socket path must fit in 107 bytes, and a PBS job's
+# --- vLLM puts ZMQ IPC sockets under $TMPDIR; a Unix socket path must fit in 107 bytes, and a batch job's
 # TMPDIR (/var/tmp/pbs.<full job id>) plus vLLM's 37-character names can exceed that ---
 TMPDIR=${TMPDIR:-}
 if [ "${#TMPDIR}" -gt 60 ]; then
@@ -215,7 +229,7 @@ if [ -f "$RUN_DIR/api_key" ]; then
   export VLLM_API_KEY
 fi
 
-# --- GPUs: PBS may put UUIDs (GPU-5f2c...) in CUDA_VISIBLE_DEVICES; vLLM needs indices ---
+# --- GPUs: a scheduler may put UUIDs (GPU-5f2c...) in CUDA_VISIBLE_DEVICES; vLLM needs indices ---
 pbstk_map_gpu_uuids() {
   local cvd=${CUDA_VISIBLE_DEVICES:-} table uuid idx
   local -a uuids indices=()
@@ -260,7 +274,7 @@ pbstk_local_gpus() {
 
 # Starts every node's copy through NODE_LAUNCHER; their pids (one for mpiexec) go to NODE_PIDS.
 pbstk_start_nodes() {
-  local script k idx bash_path
+  local script k bash_path
   script="$RUN_DIR/start_vllm.sh"
   bash_path=$(command -v bash)
   case "$NODE_LAUNCHER" in
@@ -268,15 +282,6 @@ pbstk_start_nodes() {
       pbstk_log "starting $NNODES nodes: mpiexec -n $NNODES --ppn 1 --hostfile $HOSTFILE"
       mpiexec -n "$NNODES" --ppn 1 --hostfile "$HOSTFILE" "$bash_path" "$script" --node &
       NODE_PIDS+=($!)
-      ;;
-    pbsdsh)
-      for ((k = 0; k < NNODES; k++)); do
-        # pbsdsh -n counts lines of $PBS_NODEFILE (duplicates included): the node's first line
-        idx=$(awk -v h="${HOSTS[k]}" '$1 == h { print NR - 1; exit }' "$PBS_NODEFILE")
-        pbstk_log "starting node $k on ${HOSTS[k]}: pbsdsh -n $idx"
-        pbsdsh -n "$idx" -- "$bash_path" "$script" --node "$k" &
-        NODE_PIDS+=($!)
-      done
       ;;
     ssh)
       "$bash_path" "$script" --node 0 &
@@ -295,6 +300,14 @@ pbstk_start_nodes() {
         env PBSTK_NODE_RANK="$k" PBSTK_NNODES="$NNODES" PBSTK_NODE_ADDRESS="127.0.0.$((2 + k))" \
           PBSTK_NODE_HOST="${HOSTS[k]}" ${gpus:+CUDA_VISIBLE_DEVICES="$gpus"} "$bash_path" "$script" &
         NODE_PIDS+=($!)
+      done
+      ;;
+    *)
+      # a scheduler's own launcher: its function comes with the backend's lines in the header
+      declare -F "pbstk_launch_node_$NODE_LAUNCHER" >/dev/null \
+        || pbstk_fail "this job's scheduler has no node launcher $NODE_LAUNCHER (profile key node_launcher)"
+      for ((k = 0; k < NNODES; k++)); do
+        "pbstk_launch_node_$NODE_LAUNCHER" "$k" "${HOSTS[k]}" "$bash_path" "$script"
       done
       ;;
   esac
@@ -318,8 +331,8 @@ pbstk_launch_nodes() {
   if [ "$NODE_LAUNCHER" = local ]; then
     for ((k = 0; k < NNODES; k++)); do echo "$NODE-node$k"; done >"$HOSTFILE"
   else
-    [ -r "${PBS_NODEFILE:-}" ] || pbstk_fail "PBS_NODEFILE is not set or not readable: cannot find the job's nodes"
-    awk 'NF && !seen[$1]++ { print $1 }' "$PBS_NODEFILE" >"$HOSTFILE"
+    [ -r "${PBSTK_NODEFILE:-}" ] || pbstk_fail "PBSTK_NODEFILE is not set or not readable: cannot find the job's nodes"
+    awk 'NF && !seen[$1]++ { print $1 }' "$PBSTK_NODEFILE" >"$HOSTFILE"
     command -v "$NODE_LAUNCHER" >/dev/null 2>&1 \
       || pbstk_fail "$NODE_LAUNCHER not found on $NODE: cannot start the other nodes (profile key node_launcher)" 127
   fi
@@ -511,7 +524,7 @@ pbstk_write_head() {
     && mv -f "$tmp" "$RUN_DIR/head.json"
 }
 # pbstk_json_get VAR FILE KEY: VAR = a value from one of our own one-line markers (strings unquoted), "" if none.
-# Builtins only, no $(...): the polling loops call it each second, and bash 5.2 can fail to run a trap (qdel's TERM)
+# Builtins only, no $(...): the polling loops call it each second, and bash 5.2 can fail to run a trap (a cancel's TERM)
 # that arrives while it parses a command substitution ("trap: unexpected EOF while looking for matching `)'").
 pbstk_json_get() {
   local _jline='' _jre="\"$3\": \"?([^\",}]*)"

@@ -139,6 +139,7 @@ class LocalScheduler(Scheduler):
     script_name = PBSScheduler.script_name
     streams = {"sched-out": f"{SPOOL}/stdout", "sched-err": f"{SPOOL}/stderr"}  # what the supervisor captures
     cancel_when_final = False  # a process group id may belong to anything once the job has ended
+    fixed_node_launcher = "local"  # the start script's own: every node's copy on this machine
 
     def validate_profile(self, profile: Any, where: str) -> None:
         # the shared template still renders the directive lines: keep them single, plain lines

@@ -304,6 +304,8 @@ class PBSScheduler(Scheduler):
     stream_aliases = {"pbs-out": "sched-out", "pbs-err": "sched-err"}
     profile_keys = PROFILE_KEYS
     submit_program = "qsub"
+    node_launchers = ("pbsdsh",)
+    default_node_launcher = "pbsdsh"
 
     def validate_profile(self, profile: Any, where: str) -> None:
         validate_directives(profile, where)
