@@ -194,3 +194,56 @@ def test_router_job_keys_are_checked() -> None:
         _profile("pbs", router_job_queue="a b")
     with pytest.raises(PbstkError, match="bad walltime"):
         _profile("pbs", router_job_walltime="soon")
+
+
+# -- a real Slurm (tests/slurm_cluster.py): the router job is one more sbatch --------------------------------
+
+
+@needs_router
+def test_router_job_on_a_real_slurm(isolated_user: Path, slurm_cluster: Any, tmp_path: Path) -> None:
+    import os
+    import time
+
+    import yaml
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, **slurm_cluster.env, "PBSTK_TEST_RECORD": str(tmp_path), "PYTHONPATH": str(tests.parent),
+           "PBSTK_SERVICE_POLL_S": "0.5", "PBSTK_TEST_STANDIN_DELAY": "0"}
+    env["PATH"] = f"{tests / 'standins'}{os.pathsep}{slurm_cluster.env['PATH']}"
+    directory = isolated_user / "config" / "pbstk" / "profiles"
+    directory.mkdir(parents=True)
+    (directory / "rjs.yaml").write_text(yaml.safe_dump({
+        "name": "rjs", "scheduler": "slurm", "queue": slurm_cluster.partition, "nodes": 1,
+        "gpus_per_node": slurm_cluster.gpus_per_node, "cpus_per_node": 1, "walltime": "00:10:00",
+        "address": "loopback", "bind_host": "127.0.0.1", "vllm_version": "0.11.0", "router": "job",
+        "router_command": str(ROUTER), "router_job_walltime": "00:05:00"}))
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pbs_toolkit", *args], env=env, capture_output=True,  # noqa: S603
+                              text=True, timeout=150, check=False)
+
+    try:
+        result = cli("serve", MODEL, "--profile", "rjs", "--preset", "single", "--replicas", "2", "--name", "rjs",
+                     "--wait", "--timeout", "120")
+        assert result.returncode == 0, result.stdout + result.stderr
+        rec = records.find(JobStore(), "rjs")
+        script = Path(rec.router_job["run_dir"], "job.slurm").read_text()
+        assert "--time=00:05:00" in script and "gres" not in script and "gpus" not in script, script
+        doc = json.loads(cli("status", "rjs", "--json").stdout)[0]
+        assert (doc["state"], doc["ready"], doc["router_running"]) == ("READY", 2, True), doc
+        assert chat(doc["url"], rec.api_key).status_code == 200
+        squeue = slurm_cluster.run("squeue", "-h", "-o", "%i %j %T")
+        assert f"{rec.router_job['job_id']} rjs-router RUNNING" in squeue.stdout, squeue.stdout
+        assert cli("cancel", "rjs").returncode == 0
+
+        def active() -> bool:
+            listed = slurm_cluster.run("squeue", "-h", "-t", "PD,R,CG", "-o", "%i").stdout.split()
+            return rec.router_job["job_id"] in listed
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and active():
+            time.sleep(0.5)
+        assert not active(), "the router job is still in squeue after cancel"
+    finally:
+        cli("cancel", "rjs")
+        slurm_cluster.cancel_all()

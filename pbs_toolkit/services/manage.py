@@ -148,10 +148,12 @@ def _start_router(client: Client, rec: ServiceRecord, profile: Profile, command:
     from pbs_toolkit.services.router import start_router
 
     if place == "job":
+        from pbs_toolkit.jobs.launch import _defer_interrupts
         from pbs_toolkit.services import router_job
 
-        rec.router_job = router_job.submit(client, rec, profile, command)
-        records.save(client.store, rec)  # recorded before the wait: a failed start cancels it
+        with _defer_interrupts():  # a Ctrl-C cannot fall between the submission and its record
+            rec.router_job = router_job.submit(client, rec, profile, command)
+            records.save(client.store, rec)  # recorded before the wait: a failed start cancels it
         rec.router = router_job.wait_router(client, rec).to_dict()
         records.save(client.store, rec)
         return
