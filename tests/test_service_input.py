@@ -56,7 +56,8 @@ def test_bad_replicas_router_and_names(isolated_user: Path) -> None:
     assert "service name" in refused("--name", "bad name")
     assert "--handover" in refused("--keep-alive", "--handover", "soon")
     profile(isolated_user, "router: job\n")
-    assert "not implemented yet" in refused()
+    line = refused("--replicas", "2", "--keep-alive")
+    assert "router inside a job ends at its walltime" in line and "use router: login for --keep-alive" in line
     (isolated_user / "config" / "pbstk" / "profiles" / "svc.yaml").write_text(
         "name: svc\nscheduler: local\ngpus_per_node: 1\naddress: loopback\nrouter_command: /nonexistent/router\n")
     assert "router command '/nonexistent/router' not found" in refused()

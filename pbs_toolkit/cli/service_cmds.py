@@ -144,6 +144,13 @@ def print_service_lines(services: list[Any], jobs_follow: bool) -> bool:
     return bool(services)
 
 
+def _router_job(rec: Any, st: Any) -> str:
+    """`` (job ID, running)`` for a router inside a job (profile ``router: job``)."""
+    if not rec.router_job:
+        return ""
+    return f" (job {rec.router_job['job_id']}, {st.router_job_state or 'unknown'})"
+
+
 def show_service(st: Any) -> None:
     """``status NAME`` of a service: its line, then each replica."""
     from pbs_toolkit.cli.job_cmds import time_cells
@@ -152,7 +159,7 @@ def show_service(st: Any) -> None:
     click.echo(f"service {rec.name}: {st.summary}  {st.url or '-'}")
     click.echo(f"model {rec.served_model_name}, profile {rec.profile}, policy {rec.policy}, "
                f"keep-alive {'on (handover ' + format(rec.handover_s, 'g') + ' s)' if rec.keep_alive else 'off'}, "
-               f"router {'running' if st.router_running else 'not running'}, "
+               f"router {'running' if st.router_running else 'not running'}{_router_job(rec, st)}, "
                f"keeper {'running' if st.keeper_running else 'not running'}")
     by_id = {s.record.job_id: s for s in st.replicas}
     rows = []

@@ -44,13 +44,11 @@ def replica_name(service: str, slot: Slot) -> str:
 
 
 def router_place(profile: Profile) -> str:
-    """Where the router runs: ``auto`` is this machine without an SSH host, the login node with one."""
+    """Where the router runs: ``auto`` is this machine without an SSH host, the login node with one; ``job`` a
+    small CPU job of the profile's scheduler (services/router_job.py)."""
     place = profile.router
     if place == "auto":
         place = "login" if profile.ssh_host else "local"
-    if place == "job":
-        raise UsageError("router: job (the router in a small CPU job) is not implemented yet; "
-                         "use router: login or router: local in the profile")
     if place == "local" and profile.ssh_host:
         raise UsageError("router: local with an ssh_host profile is not supported: the router must reach the "
                          "compute nodes; use router: login")
@@ -119,9 +117,14 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
         raise UsageError(f"--policy {policy!r}: must be one of {', '.join(ROUTER_POLICIES)}")
     walltime_s = walltime_seconds(profile.walltime)
     if opts.keep_alive:
+        if place == "job":  # the router's own job would end at its walltime, and the URL with it
+            from pbs_toolkit.services.router_job import KEEP_ALIVE_REFUSED
+
+            raise UsageError(KEEP_ALIVE_REFUSED)
         check_keep_alive(profile, opts.replicas, opts.handover_s, walltime_s)
     command = shlex.split(profile.router_command)
-    check_router_command(client, profile, command)
+    if place != "job":  # a router job looks for it on its node (and fails with its own line)
+        check_router_command(client, profile, command)
     rec = ServiceRecord(name=name, model=req.model, served_model_name=req.served_model_name or name,
                         profile=profile.name, replicas=opts.replicas, request=asdict(req),
                         transport=profile.ssh_host or "", scheduler=profile.scheduler, keep_alive=opts.keep_alive,
@@ -144,6 +147,16 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
 def _start_router(client: Client, rec: ServiceRecord, profile: Profile, command: list[str], place: str) -> None:
     from pbs_toolkit.services.router import start_router
 
+    if place == "job":
+        from pbs_toolkit.jobs.launch import _defer_interrupts
+        from pbs_toolkit.services import router_job
+
+        with _defer_interrupts():  # a Ctrl-C cannot fall between the submission and its record
+            rec.router_job = router_job.submit(client, rec, profile, command)
+            records.save(client.store, rec)  # recorded before the wait: a failed start cancels it
+        rec.router = router_job.wait_router(client, rec).to_dict()
+        records.save(client.store, rec)
+        return
     runner = client.runner(rec.transport)
     if place == "local":
         run_dir = str(service_dir(rec.name) / "router")
@@ -271,6 +284,8 @@ class ServiceStatus:
     replicas: list[JobStatus]
     keeper_running: bool
     router_running: bool
+    #: ``router: job``: the router job's scheduler state (``running``, ``queued``, ...; ``gone`` when unknown)
+    router_job_state: str | None = None
 
     @property
     def url(self) -> str | None:
@@ -293,6 +308,7 @@ class ServiceStatus:
             "handover_s": rec.handover_s, "policy": rec.policy, "created": rec.created, "ended": rec.ended,
             "keeper_running": self.keeper_running, "router_running": self.router_running,
             "router": {k: v for k, v in rec.router.items() if k != "token"},
+            "router_job": {**rec.router_job, "state": self.router_job_state} if rec.router_job else None,
             "slots": [asdict(s) for s in rec.slots],
             "jobs": [s.to_dict() for s in self.replicas],
         })
@@ -308,8 +324,10 @@ def look(client: Client, rec: ServiceRecord) -> ServiceStatus:
     ready = ready_count(rec.slots, states) if rec.ended is None else 0
     if ready:
         rec.ever_ready = True
-    router = False
-    if rec.router and rec.ended is None:
+    router, job_state = False, None
+    if rec.router_job and rec.ended is None:
+        router, job_state = _router_job_alive(client, rec)
+    elif rec.router and rec.ended is None:
         try:
             router = router_alive(client.runner(rec.transport), RouterInfo.from_dict(rec.router))
         except PbstkError:
@@ -318,7 +336,24 @@ def look(client: Client, rec: ServiceRecord) -> ServiceStatus:
     if rec.ended is None and not router and rec.router:
         state = "DOWN"
     return ServiceStatus(rec, state, ready, statuses, keeper_alive(rec.name) if rec.ended is None else False,
-                         router)
+                         router, job_state)
+
+
+def _router_job_alive(client: Client, rec: ServiceRecord) -> tuple[bool, str | None]:
+    """(router running, the router job's state): the job runs and its router answers."""
+    from pbs_toolkit.schedulers import SchedState
+    from pbs_toolkit.services import router_job
+    from pbs_toolkit.services.router import RouterInfo
+
+    try:
+        seen = router_job.query(client, rec)
+    except PbstkError:
+        return False, None  # the scheduler did not answer: unknown, shown as not running
+    if seen is None:
+        return False, "gone"
+    if seen.state != SchedState.RUNNING or not rec.router:
+        return False, seen.state.value
+    return router_job.router_answers(client, RouterInfo.from_dict(rec.router)), seen.state.value
 
 
 # -- stopping ----------------------------------------------------------------------------------------------
@@ -341,7 +376,15 @@ def teardown(client: Client, rec: ServiceRecord, final: str, *, keep_endpoint: b
             done.append((record.job_id, record.name, client.cancel(record)))
         except PbstkError as exc:
             done.append((job, f"not cancelled: {exc.message}", False))
-    if fresh.router:
+    if fresh.router_job:
+        from pbs_toolkit.services import router_job
+
+        rj = fresh.router_job
+        try:
+            done.append((rj["job_id"], rj["name"], router_job.cancel(client, fresh)))
+        except PbstkError as exc:
+            done.append((rj["job_id"], f"not cancelled: {exc.message}", False))
+    elif fresh.router:
         try:
             stop_router(client.runner(fresh.transport), RouterInfo.from_dict(fresh.router))
         except PbstkError:

@@ -57,6 +57,8 @@ class ServiceRecord:
     slots: list[Slot] = field(default_factory=list)
     #: services/router.py ``RouterInfo.to_dict()``; empty until the router runs
     router: dict[str, Any] = field(default_factory=dict)
+    #: ``router: job``: the router's own job (``job_id``, ``run_dir``, ``scheduler``); empty otherwise
+    router_job: dict[str, Any] = field(default_factory=dict)
     #: STARTING, READY, DEGRADED, DOWN (the keeper's last look), then CANCELLED or ENDED
     state: str = "STARTING"
     ready: int = 0

@@ -29,7 +29,7 @@ MULTINODE_ENGINES = ("native", "ray")
 #: names a socket interface may have (``hsn0``, ``ib0``, ``eth0,eth1``, ``^lo,docker``); reaches a shell line quoted
 _IFNAME = re.compile(r"^\^?[A-Za-z0-9_.:=-]+(,[A-Za-z0-9_.:=-]+)*$")
 ENTRYPOINTS = ("serve", "api_server")
-#: where a service's router may run (``job``: in a small CPU job, not implemented yet)
+#: where a service's router may run (``job``: in a small CPU job of the profile's scheduler)
 ROUTER_PLACES = ("auto", "local", "login", "job")
 ROUTER_POLICIES = ("round_robin", "power_of_two", "random", "cache_aware", "kv_aware", "consistent_hash",
                    "sticky_least_loaded")
@@ -87,7 +87,7 @@ class Profile:
     #: memory of one GPU in GB, for ``auto`` sizing by weights; 0 = unknown (auto sizes by parameter count)
     gpu_memory_gb: int = 0
     # -- services (``pbstk serve``; docs/services.md)
-    #: where a service's router runs: auto (local without ssh_host, else login), local, login, job (not yet)
+    #: where a service's router runs: auto (local without ssh_host, else login), local, login, job
     router: str = "auto"
     #: the router program, split like a shell line (no shell runs it)
     router_command: str = "vllm-router"
@@ -95,6 +95,10 @@ class Profile:
     router_policy: str = "round_robin"
     #: the address the router binds ("" = 127.0.0.1 for a local router, ``bind_host`` on the login node)
     router_bind: str = ""
+    #: ``router: job``: the queue (partition) of the router's CPU job ("" = the profile's queue)
+    router_job_queue: str = ""
+    #: ``router: job``: the router job's walltime ("" = the profile's walltime)
+    router_job_walltime: str = ""
     #: the queue's running-job limit per user (0 = unknown or none); keep-alive needs replicas x 2 to run at once
     max_running_jobs: int = 0
     source: str = "builtin"
@@ -256,6 +260,11 @@ def _validate_router(p: Profile, where: str) -> None:
         raise ConfigError(f"{where}: key 'router_command' must be a command on one line")
     if p.router_bind and not re.fullmatch(r"[A-Za-z0-9.:_-]+", str(p.router_bind)):
         raise ConfigError(f"{where}: key 'router_bind' must be an address like 127.0.0.1, got {p.router_bind!r}")
+    if p.router_job_queue and not re.fullmatch(r"[A-Za-z0-9_.@-]+", str(p.router_job_queue)):
+        raise ConfigError(f"{where}: key 'router_job_queue' must be a queue name (letters, digits, _ . @ -), "
+                          f"got {p.router_job_queue!r}")
+    if p.router_job_walltime:
+        walltime_seconds(str(p.router_job_walltime))
     jobs = p.max_running_jobs
     if isinstance(jobs, bool) or not isinstance(jobs, int) or not 0 <= jobs <= 100000:
         raise ConfigError(f"{where}: key 'max_running_jobs' must be a whole number >= 0 (0: unknown), got {jobs!r}")

@@ -1,0 +1,106 @@
+
+# --- the body of start_router.sh: static; every setting is a variable of the header above -------------------
+# A service's vllm-router inside a small CPU job (profile `router: job`). It chooses free ports on this node,
+# starts the router bound to BIND_HOST, and once the router answers /list_workers writes RUN_DIR/router.json
+# (host = this node's address as ADDRESS_MODE names it, port, prometheus_port, pid; 0644, no secret in it) for
+# pbstk to read. SIGTERM (a cancel, the walltime) is passed on to the router, which then drains; KILL after
+# STOP_WAIT_S. The job ends when the router does.
+set -uo pipefail
+cd "$RUN_DIR" || exit 1
+LOG="$RUN_DIR/router.log"
+rm -f "$RUN_DIR/router.json"
+
+pbstk_log() { printf '%s pbstk-router: %s\n' "$(date '+%Y-%m-%dT%H:%M:%S%z')" "$*" >>"$LOG"; }
+pbstk_fail() { pbstk_log "error: $1"; echo "pbstk: $1" >&2; exit "${2:-1}"; }
+
+if [ -n "$VENV" ]; then
+  # shellcheck disable=SC1091  # the user's environment, not ours to lint
+  source "$VENV/bin/activate" || pbstk_fail "cannot activate the Python environment $VENV"
+fi
+command -v -- "${ROUTER_CMD[0]}" >/dev/null 2>&1 \
+  || pbstk_fail "router command ${ROUTER_CMD[0]} not found on $(hostname) (profile key router_command)" 127
+
+NODE=$(hostname -s 2>/dev/null || hostname)
+case "$ADDRESS_MODE" in
+  loopback) ADDRESS=127.0.0.1 ;;
+  fqdn) ADDRESS=$(hostname -f 2>/dev/null || hostname) ;;
+  ip) ADDRESS=$(hostname -i 2>/dev/null | awk '{ print $1 }') ;;
+  *) ADDRESS=$NODE ;;
+esac
+ADDRESS="$ADDRESS$ADDRESS_SUFFIX"
+# a loopback bind is only reachable as itself
+case "$BIND_HOST" in 127.*) ADDRESS=$BIND_HOST ;; esac
+# what router.json may carry without escaping: a host name or an address
+[[ $ADDRESS =~ ^[A-Za-z0-9.:_-]+$ ]] || pbstk_fail "this node's address ${ADDRESS@Q} is not a plain host name"
+case "$BIND_HOST" in
+  0.0.0.0 | "") REACH=127.0.0.1 ;;
+  ::) REACH=::1 ;;
+  *) REACH=$BIND_HOST ;;
+esac
+
+# two free TCP ports on this node (bound together, so they differ); random high ones without python3
+pbstk_free_ports() {
+  python3 -c 'import socket, sys
+socks = [socket.socket() for _ in range(2)]
+for s in socks:
+    s.bind((sys.argv[1], 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))' "$REACH" 2>/dev/null && return 0
+  local port=$((20000 + RANDOM % 40000))
+  echo "$port $((port + 1))"
+}
+
+# does the router answer GET /list_workers with 200? (bash's /dev/tcp: no curl needed on the node)
+pbstk_answers() {
+  # shellcheck disable=SC2016  # the inner script's own positional parameters
+  timeout 3 bash -c 'exec 3<>"/dev/tcp/$1/$2" || exit 1
+    printf "GET /list_workers HTTP/1.0\r\nHost: %s\r\nConnection: close\r\n\r\n" "$1" >&3
+    read -r _ code _ <&3 && [ "$code" = 200 ]' pbstk-probe "$REACH" "$1" 2>/dev/null
+}
+
+CHILD=
+# shellcheck disable=SC2317  # invoked by the trap below
+pbstk_stop() {
+  trap '' TERM INT HUP
+  if [ -n "$CHILD" ] && kill -0 "$CHILD" 2>/dev/null; then
+    pbstk_log "stopping the router (pid $CHILD)"
+    kill -TERM "$CHILD" 2>/dev/null
+    local n=$((STOP_WAIT_S * 10))
+    while [ "$n" -gt 0 ] && kill -0 "$CHILD" 2>/dev/null; do sleep 0.1; n=$((n - 1)); done
+    kill -KILL "$CHILD" 2>/dev/null
+  fi
+  exit 143
+}
+trap pbstk_stop TERM INT HUP
+
+for attempt in 1 2 3 4; do
+  read -r PORT PROM_PORT < <(pbstk_free_ports)
+  pbstk_log "starting ${ROUTER_CMD[0]} on $BIND_HOST:$PORT (prometheus $PROM_PORT), attempt $attempt"
+  log_from=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
+  "${ROUTER_CMD[@]}" --host "$BIND_HOST" --port "$PORT" --prometheus-port "$PROM_PORT" \
+    --prometheus-host "$BIND_HOST" --policy "$POLICY" "${ROUTER_ARGS[@]}" >>"$LOG" 2>&1 &
+  CHILD=$!
+  waited=0
+  while ! pbstk_answers "$PORT"; do
+    if ! kill -0 "$CHILD" 2>/dev/null; then
+      wait "$CHILD"; rc=$?
+      # a lost race for the port: try new ones
+      tail -c +"$((log_from + 1))" "$LOG" | grep -qi 'address already in use' && { CHILD=; continue 2; }
+      pbstk_fail "the router exited ($rc) before it answered; see $LOG" "$rc"
+    fi
+    [ "$waited" -ge $((START_WAIT_S * 5)) ] && { kill -KILL "$CHILD" 2>/dev/null
+      pbstk_fail "the router did not answer within $START_WAIT_S s; see $LOG"; }
+    sleep 0.2 & wait $!
+    waited=$((waited + 1))
+  done
+  printf '{"host": "%s", "port": %s, "prometheus_port": %s, "pid": %s, "policy": "%s", "run_dir": "%s"}\n' \
+    "$ADDRESS" "$PORT" "$PROM_PORT" "$CHILD" "$POLICY" "$RUN_DIR" >"$RUN_DIR/router.json.tmp"
+  chmod 0644 "$RUN_DIR/router.json.tmp" && mv -f "$RUN_DIR/router.json.tmp" "$RUN_DIR/router.json"
+  pbstk_log "ready at http://$ADDRESS:$PORT"
+  while :; do
+    wait "$CHILD"; rc=$?
+    kill -0 "$CHILD" 2>/dev/null || break
+  done
+  pbstk_log "the router exited ($rc)"
+  exit "$rc"
+done
+pbstk_fail "could not bind a free port in 4 attempts; see $LOG"

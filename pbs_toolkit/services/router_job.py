@@ -1,0 +1,220 @@
+"""``router: job``: a service's vllm-router inside a small CPU job of the profile's scheduler.
+
+For sites where nothing long-running may stay on a login node. The router job goes through the normal backend
+(``submit``/``query``/``cancel``) and is rendered from the very same job template as a server, with another entry
+script: ``start_router.sh`` (a settings header rendered here, then the static body ``server/start_router.sh``).
+It asks for one node, two CPUs and no GPU (a select statement without ``ngpus``), in ``router_job_queue``
+(default: the profile's queue) for ``router_job_walltime`` (default: the profile's walltime). On the node it
+picks free ports, binds ``bind_host``, and once the router answers ``/list_workers`` writes ``router.json``
+(host as the node's ``address`` rule names it, ports, pid; 0644: no secret, the key never reaches the router).
+``serve`` waits for that file (``PBSTK_ROUTER_JOB_WAIT_S``, default 300 s), then the service uses the router like
+any other: its admin API directly, or through the SSH tunnel to the node for an ``ssh_host`` profile.
+
+The router's pid lives on the compute node, so it is never signalled from here: ``cancel`` cancels the job (the
+script passes SIGTERM on to the router), and "router running" means the job runs and the router answers.
+``--keep-alive`` is refused: the router job ends at its walltime and its successor would have another URL.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shlex
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pbs_toolkit.errors import PbstkError, UsageError
+from pbs_toolkit.schedulers import JobRef, SchedState, backend_class, get_scheduler
+from pbs_toolkit.services.router import DEFAULT_ARGS, INFO_FILE, LOG_FILE, RouterError, RouterInfo
+
+if TYPE_CHECKING:
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.schedulers import SchedulerJob
+    from pbs_toolkit.services.record import ServiceRecord
+    from pbs_toolkit.settings.profiles import Profile
+    from pbs_toolkit.transports import Runner
+
+ENTRY_SCRIPT = "start_router.sh"
+_BODY = Path(__file__).resolve().parent.parent / "server" / ENTRY_SCRIPT
+#: CPUs the router job asks for: the router is one small process
+ROUTER_JOB_CPUS = 2
+#: seconds the router gets to answer once started, and to drain after SIGTERM before it is killed
+START_WAIT_S = 60
+STOP_WAIT_S = 20
+
+KEEP_ALIVE_REFUSED = ("--keep-alive with router: job: a router inside a job ends at its walltime and its "
+                      "successor would have another URL; use router: login for --keep-alive")
+
+
+def wait_seconds() -> float:
+    """``PBSTK_ROUTER_JOB_WAIT_S``: how long ``serve`` waits for the router job to run and answer (default 300)."""
+    try:
+        value = float(os.environ.get("PBSTK_ROUTER_JOB_WAIT_S") or 300.0)
+    except ValueError:
+        return 300.0
+    return value if 1 <= value <= 86400 else 300.0
+
+
+def job_profile(profile: Profile) -> Profile:
+    """The profile as the router job uses it: one node, no GPU, two CPUs, its own queue and walltime."""
+    changes: dict[str, Any] = {
+        "nodes": 1, "gpus_per_node": 0, "cpus_per_node": min(ROUTER_JOB_CPUS, profile.cpus_per_node),
+        "queue": profile.router_job_queue or profile.queue,
+        "walltime": str(profile.router_job_walltime or profile.walltime),
+    }
+    if hasattr(profile, "exclusive"):  # a whole node for a router would waste it
+        changes["exclusive"] = False
+    return replace(profile, **changes)
+
+
+def render_job_script(profile: Profile, job_name: str, run_dir: str) -> str:
+    """The backend's job template, rendered for the router job (its entry script: ``start_router.sh``)."""
+    from pbs_toolkit import __version__
+    from pbs_toolkit.jobs.render import _environment, _normalised_walltime
+
+    backend = backend_class(profile.scheduler)
+    # ngpus=0 in a select statement is at best noise (and refused by some servers): a CPU job asks for none
+    select = re.sub(r":ngpus=0(?=:|$)", "", profile.select_statement())
+    context = {"version": __version__, "model": "vllm-router", "preset": _NoPreset(), "profile": profile,
+               "job_name": job_name, "run_dir": run_dir, "select": select,
+               "walltime": _normalised_walltime(profile), "entry_script": ENTRY_SCRIPT}
+    return str(_environment(backend.template_dir).get_template(backend.template_name).render(**context))
+
+
+class _NoPreset:
+    """What the job template reads of a preset (its name, in a comment): a router job has none."""
+
+    name = "router"
+
+
+def render_start_script(profile: Profile, run_dir: str, service: str, command: list[str], policy: str) -> str:
+    """``start_router.sh``: a header of quoted settings, then the static body (shellcheck reads it as it runs)."""
+    from pbs_toolkit import __version__
+    from pbs_toolkit.jobs.render import sh_path
+
+    def array(values: list[str] | tuple[str, ...]) -> str:
+        return "(" + " ".join(shlex.quote(v) for v in values) + ")"
+
+    bind = profile.router_bind or profile.bind_host
+    venv = sh_path(profile.venv) if profile.venv else "''"
+    lines = [
+        "#!/bin/bash",
+        f"# Generated by pbstk {__version__}: the router of service {service} (profile {profile.name}).",
+        "# shellcheck disable=SC2034  # settings the body below reads",
+        f"RUN_DIR={sh_path(run_dir)}",
+        f"ROUTER_CMD={array(command)}",
+        f"ROUTER_ARGS={array(DEFAULT_ARGS)}",
+        f"BIND_HOST={shlex.quote(bind)}",
+        f"ADDRESS_MODE={shlex.quote(profile.address)}",
+        f"ADDRESS_SUFFIX={shlex.quote(profile.address_suffix or '')}",
+        f"POLICY={shlex.quote(policy)}",
+        f"VENV={venv}",
+        f"START_WAIT_S={START_WAIT_S}",
+        f"STOP_WAIT_S={STOP_WAIT_S}",
+    ]
+    return "\n".join(lines) + "\n" + _BODY.read_text(encoding="utf-8")
+
+
+def submit(client: Client, rec: ServiceRecord, profile: Profile, command: list[str]) -> dict[str, str]:
+    """Write the router job's run directory and submit it; ``{job_id, run_dir, scheduler, name}``."""
+    from pbs_toolkit.jobs.render import _RUN_DIR, _default_run_dir
+    from pbs_toolkit.settings.profiles import walltime_seconds
+
+    runner = client.runner(rec.transport)
+    prof = job_profile(profile)
+    job_name = f"{rec.name}-router"
+    run_dir = _default_run_dir(prof, job_name, runner.expanduser)
+    if not _RUN_DIR.fullmatch(run_dir):
+        raise UsageError(f"run directory {run_dir!r} must be an absolute path of letters, digits and _ . / @ + ~ -")
+    if prof.venv:
+        prof = replace(prof, venv=runner.expanduser(prof.venv))
+    scheduler = get_scheduler(prof.scheduler)
+    scheduler.id_source = functools.partial(client.store.next_id, scheduler.name)
+    runner.makedirs(run_dir, 0o755)
+    runner.write_bytes(f"{run_dir}/{scheduler.script_name}", render_job_script(prof, job_name, run_dir).encode(), 0o755)
+    runner.write_bytes(f"{run_dir}/{ENTRY_SCRIPT}",
+                       render_start_script(prof, run_dir, rec.name, command, rec.policy).encode(), 0o755)
+    job_id = scheduler.submit(runner, f"{run_dir}/{scheduler.script_name}", run_dir, job_name,
+                              walltime_s=walltime_seconds(prof.walltime))
+    return {"job_id": job_id, "run_dir": run_dir, "scheduler": prof.scheduler, "name": job_name}
+
+
+def query(client: Client, rec: ServiceRecord) -> SchedulerJob | None:
+    """What the scheduler says of the router job (one query), or None when it no longer knows it."""
+    job = rec.router_job
+    found = get_scheduler(job["scheduler"]).query(client.runner(rec.transport),
+                                                  [JobRef(job["job_id"], job["run_dir"])])
+    return found.get(job["job_id"])
+
+
+def wait_router(client: Client, rec: ServiceRecord, timeout: float | None = None) -> RouterInfo:
+    """Wait (bounded) until the router job wrote ``router.json``; its router. ``RouterError`` when the job ended
+    first, ``WaitTimeout`` when it did not get there in time (the caller cancels it)."""
+    from pbs_toolkit.errors import WaitTimeout
+
+    runner = client.runner(rec.transport)
+    job = rec.router_job
+    path = f"{job['run_dir']}/{INFO_FILE}"
+    limit = wait_seconds() if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    next_query = 0.0
+    state = "not yet queried"
+    while True:
+        info = _read_info(runner, path, rec.transport)
+        if info is not None:
+            return info
+        if time.monotonic() >= next_query:
+            seen = query(client, rec)
+            if seen is None or seen.state == SchedState.FINISHED:
+                raise RouterError(f"the router job {job['job_id']} ended before its router answered "
+                                  f"(log: {job['run_dir']}/{LOG_FILE})",
+                                  details=_tail(runner, job["run_dir"], job["scheduler"]))
+            state = seen.state.value + (f": {seen.comment}" if seen.comment else "")
+            next_query = time.monotonic() + 2.0
+        if time.monotonic() > deadline:
+            raise WaitTimeout(f"the router job {job['job_id']} did not start its router within {limit:g} s "
+                              f"({state}); PBSTK_ROUTER_JOB_WAIT_S sets the wait")
+        time.sleep(0.2)
+
+
+def _read_info(runner: Runner, path: str, transport: str) -> RouterInfo | None:
+    try:
+        data = json.loads(runner.read_bytes(path))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None  # being written (the script renames a complete file in; a partial read is retried)
+    # no token: the router's pid is on the compute node and pbstk never signals it (it cancels the job)
+    return RouterInfo.from_dict({**data, "transport": transport, "token": ""})
+
+
+def _tail(runner: Runner, run_dir: str, scheduler: str, lines: int = 8) -> list[str]:
+    """The last lines of the router's log and of the job's own output (the backend names those files)."""
+    out: list[str] = []
+    for name in (LOG_FILE, *backend_class(scheduler).streams.values()):
+        try:
+            text = runner.read_bytes(f"{run_dir}/{name}").decode(errors="replace")
+        except (OSError, PbstkError):
+            continue
+        out += [f"{name}: {line}" for line in text.splitlines()[-lines:] if line.strip()]
+    return out[-lines:]
+
+
+def router_answers(client: Client, info: RouterInfo) -> bool:
+    """Whether the router answers ``GET /list_workers`` (as the scheduler's host reaches the node)."""
+    from pbs_toolkit.services.router import _http_status
+
+    try:
+        return _http_status(client.runner(info.transport), info.host, info.port, "/list_workers") == 200
+    except PbstkError:
+        return False
+
+
+def cancel(client: Client, rec: ServiceRecord) -> bool:
+    """Cancel the router job (its script passes SIGTERM on to the router); False when it had ended."""
+    job = rec.router_job
+    return get_scheduler(job["scheduler"]).cancel(client.runner(rec.transport), JobRef(job["job_id"], job["run_dir"]))

@@ -1,0 +1,249 @@
+"""Profile ``router: job``: the service's vllm-router inside a small CPU job of the profile's scheduler.
+
+The router job is rendered from the same job template as a server (entry script ``start_router.sh``), submitted
+through the normal backend (the local scheduler, the fake PBS), and the real ``vllm-router`` runs in it; the
+replicas are stand-in vllm jobs. Everything on loopback, every loop bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from helpers import MODEL, pbstk, wait_for
+
+from pbs_toolkit.jobs.store import JobStore
+from pbs_toolkit.services import record as records
+from pbs_toolkit.services import router_job
+from pbs_toolkit.settings.profiles import Profile, validate
+
+ROUTER = Path(sys.executable).parent / "vllm-router"
+needs_router = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
+
+
+def write_profile(home: Path, scheduler: str, extra: str = "") -> None:
+    directory = home / "config" / "pbstk" / "profiles"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "rj.yaml").write_text(
+        f"name: rj\nscheduler: {scheduler}\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
+        f"address: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter: job\nrouter_command: {ROUTER}\n{extra}")
+
+
+def _stop_services() -> None:
+    import contextlib
+
+    from pbs_toolkit.client import Client
+
+    with contextlib.suppress(Exception), Client(on_removal=lambda r: None) as c:
+        for rec in c.services():
+            with contextlib.suppress(Exception):
+                c.cancel_service(rec)
+
+
+def chat(url: str, key: str | None) -> requests.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return requests.post(url + "/chat/completions", json=body, headers=headers, timeout=10)
+
+
+def service_json(name: str) -> dict[str, Any]:
+    result = pbstk("status", name, "--json")
+    assert result.exit_code == 0, result.output
+    return dict(json.loads(result.stdout)[0])
+
+
+def router_pid_alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def serve_two_then_cancel(name: str, timeout: str) -> None:
+    """``serve --replicas 2`` with ``router: job`` -> READY 2/2, one chat through the router's URL; ``cancel``
+    stops the router job (and so the router) with the replicas."""
+    result = pbstk("serve", MODEL, "--profile", "rj", "--preset", "single", "--replicas", "2", "--name", name,
+                   "--wait", "--timeout", timeout)
+    assert result.exit_code == 0, result.output
+    rec = records.find(JobStore(), name)
+    job = rec.router_job
+    assert job["job_id"] and job["name"] == f"{name}-router", rec
+    # the router job's run directory: the job script runs start_router.sh, router.json is 0644 and keyless
+    info_file = Path(job["run_dir"], "router.json")
+    assert oct(info_file.stat().st_mode & 0o777) == "0o644"
+    info = json.loads(info_file.read_text())
+    assert rec.api_key and rec.api_key not in info_file.read_text()
+    assert (rec.router["host"], rec.router["port"]) == (info["host"], info["port"]) and info["host"] == "127.0.0.1"
+    assert rec.router["port"] not in (30000, 8000) and rec.router["prometheus_port"] != 29000
+
+    doc = service_json(name)
+    assert (doc["state"], doc["ready"], doc["router_running"]) == ("READY", 2, True), doc
+    assert doc["router_job"]["job_id"] == job["job_id"] and doc["router_job"]["state"] == "running", doc
+    shown = pbstk("status", name).stdout
+    assert f"router running (job {job['job_id']}, running)" in shown, shown
+    url = doc["url"]
+    wait_for(lambda: len(requests.get(url[:-3] + "/list_workers", timeout=5).json()["urls"]) == 2, 20,
+             "both replicas in the router")
+    assert chat(url, rec.api_key).status_code == 200
+    assert chat(url, None).status_code == 401
+
+    cancelled = pbstk("cancel", name)
+    assert cancelled.exit_code == 0, cancelled.output
+    assert cancelled.stdout.startswith(f"{name}: cancelled (service: 3 job(s)"), cancelled.output
+    wait_for(lambda: not router_pid_alive(int(info["pid"])), 30, "the router in its job to be gone")
+    assert records.find(JobStore(), name).state == "CANCELLED"
+
+
+@needs_router
+def test_router_job_on_the_local_scheduler(isolated_user: Path, standins: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    write_profile(isolated_user, "local")
+    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
+    try:
+        serve_two_then_cancel("rjl", "90")
+    finally:
+        _stop_services()
+
+
+@needs_router
+def test_router_job_on_the_fake_pbs(isolated_user: Path, standins: Path, fakepbs: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    write_profile(isolated_user, "pbs", "router_job_queue: cpuq\nrouter_job_walltime: '00:05:00'\n")
+    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
+    try:
+        serve_two_then_cancel("rjp", "120")
+        job = records.find(JobStore(), "rjp").router_job
+        script = Path(job["run_dir"], "job.pbs").read_text()
+        # one more qsub: a CPU job in its own queue for its own walltime
+        assert "#PBS -q cpuq\n" in script and "#PBS -l walltime=00:05:00\n" in script
+        assert "#PBS -l select=1:ncpus=2\n" in script, script
+    finally:
+        _stop_services()
+
+
+@needs_router
+def test_a_router_job_that_fails_ends_the_service_with_its_reason(isolated_user: Path, standins: Path) -> None:
+    (isolated_user / "config" / "pbstk" / "profiles").mkdir(parents=True)
+    (isolated_user / "config" / "pbstk" / "profiles" / "rj.yaml").write_text(
+        "name: rj\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
+        "address: loopback\nbind_host: 127.0.0.1\nrouter: job\nrouter_command: /nonexistent/vllm-router\n")
+    result = pbstk("serve", MODEL, "--profile", "rj", "--preset", "single", "--name", "bad")
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("pbstk: error: the router job ") and "ended before its router answered" in lines[0]
+    assert any("/nonexistent/vllm-router not found" in line for line in lines[1:]), result.stderr
+    rec = records.find(JobStore(), "bad")
+    assert rec.state == "ENDED" and not rec.slots[0].current  # no replica launched
+
+
+# -- rendering: the same job template, another entry script; every value quoted; shellcheck-clean ------------
+
+
+def _profile(scheduler: str, **extra: Any) -> Profile:
+    base: dict[str, Any] = {"name": "rj", "scheduler": scheduler, "nodes": 4, "gpus_per_node": 4,
+                            "cpus_per_node": 32, "walltime": "06:00:00", "queue": "gpuq", "router": "job"}
+    return validate(Profile(**{**base, **extra}))
+
+
+@pytest.mark.parametrize("scheduler", ["pbs", "slurm", "local"])
+def test_router_job_script_renders_a_cpu_job_that_shellcheck_accepts(scheduler: str, tmp_path: Path) -> None:
+    prof = router_job.job_profile(_profile(scheduler, router_job_queue="cpu.q", router_job_walltime="01:30:00",
+                                           router_command="'/opt/my env/vllm-router' --log-level warn",
+                                           bind_host="0.0.0.0", address="fqdn", address_suffix="-hsn"))
+    run_dir = "/runs/svc-router-1"
+    job = router_job.render_job_script(prof, "svc-router", run_dir)
+    start = router_job.render_start_script(prof, run_dir, "svc", shlex.split(prof.router_command), "round_robin")
+    assert job.rstrip().endswith('exec bash "$RUN_DIR/start_router.sh"'), job
+    if scheduler == "slurm":
+        assert "--partition=cpu.q" in job and "--time=01:30:00" in job and "--nodes=1\n" in job
+        assert "gpu" not in job.lower(), job
+    else:
+        assert "#PBS -q cpu.q" in job and "walltime=01:30:00" in job and "select=1:ncpus=2\n" in job, job
+    assert "ROUTER_CMD=('/opt/my env/vllm-router' --log-level warn)" in start
+    assert "BIND_HOST=0.0.0.0" in start and "ADDRESS_MODE=fqdn" in start and "ADDRESS_SUFFIX=-hsn" in start
+    files = []
+    for name, text in (("job.sh", job), ("start_router.sh", start)):
+        path = tmp_path / name
+        path.write_text(text)
+        files.append(str(path))
+        assert subprocess.run(["bash", "-n", str(path)], check=False).returncode == 0, text  # noqa: S603,S607
+    checked = subprocess.run(["shellcheck", "-s", "bash", *files], capture_output=True, text=True, check=False)  # noqa: S603,S607
+    assert checked.returncode == 0, checked.stdout
+
+
+def test_server_job_scripts_still_run_start_vllm() -> None:
+    """The template's default entry script is unchanged for servers (the golden files pin the whole text)."""
+    from pbs_toolkit.jobs.render import RenderRequest, render
+
+    rendered = render(RenderRequest(model=MODEL, profile="local", preset="cpu"))
+    assert rendered.job_script.rstrip().endswith('exec bash "$RUN_DIR/start_vllm.sh"')
+
+
+def test_router_job_keys_are_checked() -> None:
+    from pbs_toolkit.errors import PbstkError
+
+    with pytest.raises(PbstkError, match="router_job_queue"):
+        _profile("pbs", router_job_queue="a b")
+    with pytest.raises(PbstkError, match="bad walltime"):
+        _profile("pbs", router_job_walltime="soon")
+
+
+# -- a real Slurm (tests/slurm_cluster.py): the router job is one more sbatch --------------------------------
+
+
+@needs_router
+def test_router_job_on_a_real_slurm(isolated_user: Path, slurm_cluster: Any, tmp_path: Path) -> None:
+    import os
+    import time
+
+    import yaml
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, **slurm_cluster.env, "PBSTK_TEST_RECORD": str(tmp_path), "PYTHONPATH": str(tests.parent),
+           "PBSTK_SERVICE_POLL_S": "0.5", "PBSTK_TEST_STANDIN_DELAY": "0"}
+    env["PATH"] = f"{tests / 'standins'}{os.pathsep}{slurm_cluster.env['PATH']}"
+    directory = isolated_user / "config" / "pbstk" / "profiles"
+    directory.mkdir(parents=True)
+    (directory / "rjs.yaml").write_text(yaml.safe_dump({
+        "name": "rjs", "scheduler": "slurm", "queue": slurm_cluster.partition, "nodes": 1,
+        "gpus_per_node": slurm_cluster.gpus_per_node, "cpus_per_node": 1, "walltime": "00:10:00",
+        "address": "loopback", "bind_host": "127.0.0.1", "vllm_version": "0.11.0", "router": "job",
+        "router_command": str(ROUTER), "router_job_walltime": "00:05:00"}))
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pbs_toolkit", *args], env=env, capture_output=True,  # noqa: S603
+                              text=True, timeout=150, check=False)
+
+    try:
+        result = cli("serve", MODEL, "--profile", "rjs", "--preset", "single", "--replicas", "2", "--name", "rjs",
+                     "--wait", "--timeout", "120")
+        assert result.returncode == 0, result.stdout + result.stderr
+        rec = records.find(JobStore(), "rjs")
+        script = Path(rec.router_job["run_dir"], "job.slurm").read_text()
+        assert "--time=00:05:00" in script and "gres" not in script and "gpus" not in script, script
+        doc = json.loads(cli("status", "rjs", "--json").stdout)[0]
+        assert (doc["state"], doc["ready"], doc["router_running"]) == ("READY", 2, True), doc
+        assert chat(doc["url"], rec.api_key).status_code == 200
+        squeue = slurm_cluster.run("squeue", "-h", "-o", "%i %j %T")
+        assert f"{rec.router_job['job_id']} rjs-router RUNNING" in squeue.stdout, squeue.stdout
+        assert cli("cancel", "rjs").returncode == 0
+
+        def active() -> bool:
+            listed = slurm_cluster.run("squeue", "-h", "-t", "PD,R,CG", "-o", "%i").stdout.split()
+            return rec.router_job["job_id"] in listed
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and active():
+            time.sleep(0.5)
+        assert not active(), "the router job is still in squeue after cancel"
+    finally:
+        cli("cancel", "rjs")
+        slurm_cluster.cancel_all()
