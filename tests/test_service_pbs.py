@@ -1,0 +1,97 @@
+"""A service whose replicas are jobs of the fake OpenPBS (tests/fakepbs), its router the real vllm-router here.
+
+The fake PBS runs each replica for real (the stand-in vllm), enforces walltime (SIGTERM at the limit) and keeps a
+``qsub -a`` job in ``W`` with its ``Execution_Time`` until then: the keep-alive handover must beat the walltime
+kill, and the successor must really have waited for its time. Loopback only, every loop bounded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import read_calls
+from helpers import MODEL, pbstk, wait_for
+from test_service import ROUTER, Load, _stop_services, service_json
+
+from pbs_toolkit.jobs.store import JobStore
+from pbs_toolkit.services import record as records
+
+pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
+
+
+@pytest.fixture
+def pbs_svc(isolated_user: Path, fakepbs: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A PBS profile (the fake qsub/qstat/qdel on PATH), the router local; the keeper looks every 0.5 s."""
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "svcpbs.yaml").write_text(
+        "name: svcpbs\nscheduler: pbs\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
+        "address: loopback\nbind_host: 127.0.0.1\n"
+        f"router_command: {ROUTER}\nrouter: local\n")
+    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
+    monkeypatch.setenv("PBSTK_SERVICE_DRAIN_S", "3")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
+    yield fakepbs
+    _stop_services()
+
+
+def fake_job(home: Path, job_id: str) -> dict[str, Any]:
+    return dict(json.loads((home / "jobs" / f"{job_id.split('.')[0]}.json").read_text()))
+
+
+def test_keep_alive_on_pbs_hands_over_before_the_walltime_with_zero_failed_requests(
+        pbs_svc: Path, isolated_user: Path) -> None:
+    import openai
+
+    result = pbstk("serve", MODEL, "--profile", "svcpbs", "--preset", "single", "--replicas", "1", "--name", "pka",
+                   "--keep-alive", "--walltime", "00:01:15", "--handover", "45", "--wait", "--timeout", "60")
+    assert result.exit_code == 0, result.output
+    rec = records.find(JobStore(), "pka")
+    assert rec.scheduler == "pbs" and rec.transport == ""
+    first = rec.slots[0].current
+    assert first and first.endswith(".fakepbs")
+    registry = isolated_user / "endpoints.yaml"
+    assert pbstk("update-endpoint", "pka", "--registry", str(registry)).exit_code == 0
+    before = registry.read_bytes()
+    client = openai.OpenAI(base_url=rec.url, api_key=rec.api_key, max_retries=0, timeout=10)
+
+    def send() -> None:
+        client.chat.completions.create(model=rec.served_model_name, max_tokens=3,
+                                       messages=[{"role": "user", "content": "hi"}])
+
+    def handed_over() -> bool:
+        now = records.find(JobStore(), "pka").slots[0]
+        return now.current != first and now.draining is None
+
+    with Load(send, threads=2, limit_s=150) as load:
+        # eligible 45 s before the 75 s walltime ends: about 30 s after the first job started; W until then
+        doc = wait_for(lambda: (d := service_json("pka"))["slots"][0]["successor"] and d, 30, "a successor")
+        successor = doc["slots"][0]["successor"]
+        waiting = next(j for j in doc["jobs"] if j["job_id"] == successor)
+        assert (waiting["state"], waiting["scheduler_state"]) == ("PENDING", "W"), waiting
+        assert "eligible at" in (waiting["comment"] or ""), waiting
+        wait_for(handed_over, 75, "the handover", interval=0.5)
+        done = load.ok
+        wait_for(lambda: load.ok >= done + 20, 30, "load after the handover")
+    print(f"PBS keep-alive handover under load: {load.ok} ok, {load.failed} failed: {load.errors[:3]}")
+    assert load.failed == 0, load.errors
+    assert registry.read_bytes() == before
+    assert records.find(JobStore(), "pka").slots[0].current == successor == JobStore().find("pka-r0-g1").job_id
+
+    # the successor was submitted with qsub -a and really waited: its Execution_Time, and it started after it
+    # (the successor, running now, has queued its own successor already: keep-alive goes on)
+    qsubs = read_calls(pbs_svc, "qsub")
+    assert "-a" not in qsubs[0] and all("-a" in argv for argv in qsubs[1:]), qsubs
+    job = fake_job(pbs_svc, successor)
+    assert job["internal"]["stime"] >= job["internal"]["exec_at"]
+    assert job["internal"]["exec_at"] <= fake_job(pbs_svc, first)["internal"]["stime"] + 75 - 45 + 2
+    # the predecessor was drained and cancelled (qdel) before the walltime could kill it
+    wait_for(lambda: pbstk("status", first, "--json").exit_code == 0 and JobStore().find(first).final_state
+             == "CANCELLED", 20, "the predecessor CANCELLED")
+    assert any(first.split(".")[0] in " ".join(argv) for argv in read_calls(pbs_svc, "qdel"))
+    assert fake_job(pbs_svc, first)["attrs"]["Exit_status"] != -29  # ended by qdel, not killed at its walltime
+    assert service_json("pka")["state"] == "READY"
+    assert pbstk("cancel", "pka").exit_code == 0
