@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import read_calls
+from conftest import FAKEPBS_BIN, read_calls
 from helpers import MODEL, pbstk, wait_for
 from test_service import ROUTER, Load, _stop_services, service_json
 
@@ -95,3 +95,45 @@ def test_keep_alive_on_pbs_hands_over_before_the_walltime_with_zero_failed_reque
     assert fake_job(pbs_svc, first)["attrs"]["Exit_status"] != -29  # ended by qdel, not killed at its walltime
     assert service_json("pka")["state"] == "READY"
     assert pbstk("cancel", "pka").exit_code == 0
+
+
+def test_status_is_one_qstat_for_every_job_and_every_services_replicas(
+        pbs_svc: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/status.md: one scheduler query per transport per call, services included (their replica jobs join
+    the jobs' batch). A counting ``qstat`` in front of the fake one, put on PATH after the keepers started (they
+    keep the PATH they were started with, so their own looks are not counted)."""
+    import os
+
+    for name in ("sa", "sb"):
+        result = pbstk("serve", MODEL, "--profile", "svcpbs", "--preset", "single", "--replicas", "1",
+                       "--name", name)
+        assert result.exit_code == 0, result.output
+    launched = pbstk("launch", MODEL, "--profile", "svcpbs", "--preset", "single", "--name", "plain")
+    assert launched.exit_code == 0, launched.output
+    shim = tmp_path / "counting"
+    shim.mkdir()
+    calls = tmp_path / "qstat-calls"
+    real = FAKEPBS_BIN / "qstat"
+    assert real.exists(), real
+    (shim / "qstat").write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {real} "$@"\n')
+    (shim / "qstat").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ['PATH']}")
+
+    def count(*args: str) -> tuple[int, Any]:
+        calls.unlink(missing_ok=True)
+        shown = pbstk("status", *args)
+        assert shown.exit_code == 0, shown.output
+        return len(calls.read_text().splitlines()) if calls.exists() else 0, shown
+
+    n, shown = count()
+    assert n == 1, (calls.read_text(), shown.output)
+    assert "sa " in shown.stdout and "sb " in shown.stdout and "plain" in shown.stdout, shown.stdout
+    n, shown = count("--json")
+    doc = json.loads(shown.stdout)
+    assert n == 1 and [d["kind"] for d in doc][:2] == ["service", "service"], (n, doc)
+    assert all(len(d["jobs"]) == 1 for d in doc[:2]), doc  # each service still shows its replica
+    n, shown = count("sa", "sb")
+    assert n == 1 and "service sa:" in shown.stdout and "service sb:" in shown.stdout, shown.output
+    # one service on its own (status NAME) is one query too
+    n, shown = count("sa")
+    assert n == 1, shown.output

@@ -25,6 +25,8 @@ from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.services.state import ready_count, service_state, serving_job
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from pbs_toolkit.client import Client
     from pbs_toolkit.jobs.render import RenderRequest
     from pbs_toolkit.jobs.status import JobStatus
@@ -298,12 +300,16 @@ class ServiceStatus:
         })
 
 
-def look(client: Client, rec: ServiceRecord) -> ServiceStatus:
-    """One status query over the service's jobs, the router and the keeper: what ``status NAME`` shows."""
+def look(client: Client, rec: ServiceRecord, known: Mapping[str, JobStatus] | None = None) -> ServiceStatus:
+    """One status query over the service's jobs, the router and the keeper: what ``status NAME`` shows.
+    ``known``: statuses already taken in a larger batch (``Client.service_statuses``): no query of its own."""
     from pbs_toolkit.services.router import RouterInfo, router_alive
 
     jobs = [j for s in rec.slots for j in s.jobs()]
-    statuses = client.status(*jobs) if jobs and rec.ended is None else []
+    if known is not None:
+        statuses = [known[j] for j in jobs if j in known] if rec.ended is None else []
+    else:
+        statuses = client.status(*jobs) if jobs and rec.ended is None else []
     states = {st.record.job_id: st.state.value for st in statuses}
     ready = ready_count(rec.slots, states) if rec.ended is None else 0
     if ready:
