@@ -71,6 +71,18 @@ def check_keep_alive(profile: Profile, replicas: int, handover_s: float, walltim
                          f"successor would start before its predecessor")
 
 
+def check_fixed_port(profile: Profile, req: RenderRequest, opts: ServeOptions) -> None:
+    """A fixed ``--port N`` on the local scheduler: every replica (and a keep-alive successor, which overlaps its
+    predecessor) runs on this one machine, so a second server would find N taken. Refused rather than silently
+    made automatic: the user asked for that exact port. Other schedulers place replicas on their own nodes."""
+    fixed = isinstance(req.port, int) or (isinstance(req.port, str) and req.port.isdigit())
+    if not fixed or profile.scheduler != "local" or (opts.replicas < 2 and not opts.keep_alive):
+        return
+    why = f"--replicas {opts.replicas}" if opts.replicas > 1 else "--keep-alive (a successor overlaps its predecessor)"
+    raise UsageError(f"--port {req.port} with {why} on the local scheduler: every replica runs on this machine and "
+                     f"would bind the same port; leave --port out (each replica then picks a free port)")
+
+
 def check_router_command(client: Client, profile: Profile, command: list[str]) -> None:
     """The router program must exist where it will run (one clear line now, not a failed start later)."""
     program = command[0]
@@ -115,6 +127,7 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
         req = replace(req, nodes=opts.nodes_per_replica)
     req = replace(req, name=None, served_model_name=_served_name(req, name))
     profile = checked_profile(req)
+    check_fixed_port(profile, req, opts)
     place = router_place(profile)
     policy = opts.policy or profile.router_policy
     if policy not in ROUTER_POLICIES:
