@@ -185,9 +185,14 @@ def _reconcile(client: Client, rec: ServiceRecord, slot: Slot, statuses: dict[st
                admin: RouterAdmin, in_router: set[str]) -> None:
     cur = statuses.get(slot.current) if slot.current else None
     suc = statuses.get(slot.successor) if slot.successor else None
+    # the successor takes over one tick after it joined the router, not in the tick that added it: removing the
+    # predecessor right after /add_worker left the router with no usable worker for an instant (two 503s seen
+    # under load in tests/test_service.py's handover)
+    suc_url = worker_url(suc) if suc is not None else None
+    joined = suc_url is not None and suc_url in in_router
     _sync_router(cur, admin, in_router)
     _sync_router(suc, admin, in_router)
-    if suc is not None and suc.state.value == "READY":
+    if suc is not None and suc.state.value == "READY" and joined:
         _hand_over(slot, cur, suc, admin, in_router)
         cur, suc = suc, None
     _drain(client, slot, statuses)
