@@ -137,3 +137,53 @@ def test_status_is_one_qstat_for_every_job_and_every_services_replicas(
     # one service on its own (status NAME) is one query too
     n, shown = count("sa")
     assert n == 1, shown.output
+
+
+def test_keep_alive_that_cannot_overlap_is_refused_and_an_unrecorded_queue_limit_leaves_the_successor_queued(
+        pbs_svc: Path, isolated_user: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One running job per user (the fake's ``max_user_run``): recorded in the profile, keep-alive is refused; not
+    recorded, the successor waits in ``Q`` with PBS's comment (status shows it), the predecessor is killed at its
+    walltime (no overlap) and only then does the successor run and take the slot: the service comes back READY."""
+    monkeypatch.setenv("FAKEPBS_MAX_RUN_PER_USER", "1")
+    path = isolated_user / "config" / "pbstk" / "profiles" / "svcpbs.yaml"
+    text = path.read_text()
+    path.write_text(text + "max_running_jobs: 1\n")
+    args = ("serve", MODEL, "--profile", "svcpbs", "--preset", "single", "--replicas", "1", "--name", "lim",
+            "--keep-alive", "--walltime", "00:00:40", "--handover", "30")
+    refused = pbstk(*args)
+    assert refused.exit_code == 2 and refused.stderr.startswith("pbstk: error: --keep-alive needs 2 jobs"), \
+        refused.output
+    assert not JobStore().all() and not read_calls(pbs_svc, "qsub")
+    path.write_text(text)  # the limit unknown to pbstk (max_running_jobs: 0): accepted
+    result = pbstk(*args, "--wait", "--timeout", "60")
+    assert result.exit_code == 0, result.output
+    first = records.find(JobStore(), "lim").slots[0].current
+
+    def queued_by_the_limit() -> dict[str, Any] | None:
+        doc = service_json("lim")
+        waiting = [j for j in doc["jobs"] if j["job_id"] == doc["slots"][0]["successor"]]
+        if waiting and waiting[0]["scheduler_state"] == "Q":
+            return doc
+        return None
+
+    doc = wait_for(queued_by_the_limit, 40, "the successor eligible and held in Q by the user limit")
+    successor = doc["slots"][0]["successor"]
+    job = next(j for j in doc["jobs"] if j["job_id"] == successor)
+    assert job["state"] == "PENDING" and "User has reached queue" in (job["comment"] or ""), job
+    assert doc["state"] == "READY" and doc["slots"][0]["current"] == first  # the predecessor still serves
+    shown = pbstk("status", "lim").stdout
+    assert "running job limit" in shown, shown  # not silent: `status NAME` shows why the successor waits
+    # no overlap: the walltime kills the predecessor, then the successor runs and takes the slot
+    seen: list[str] = []
+
+    def serving_again() -> bool:
+        doc = service_json("lim")
+        if not seen or seen[-1] != doc["state"]:
+            seen.append(doc["state"])
+        return bool(doc["slots"][0]["current"] == successor and doc["state"] == "READY")
+
+    wait_for(serving_again, 60, "the successor serving after the predecessor's walltime", interval=0.3)
+    print(f"states while the successor was held by the user limit: {seen}")
+    assert set(seen) <= {"READY", "DOWN"}, seen  # one replica: DOWN in the gap, said so, never gone from status
+    assert fake_job(pbs_svc, first)["attrs"]["Exit_status"] == -29  # JOB_EXEC_KILL_WALLTIME
+    assert pbstk("cancel", "lim").exit_code == 0

@@ -8,9 +8,12 @@ one ``Client.status`` over the service's jobs (one scheduler query), then for ea
 * a READY job that is not in the router is added; one that is not READY (ended, failed, restarting) is removed
   at once;
 * keep-alive: a running job with a known walltime gets its successor, eligible ``handover`` seconds before the
-  walltime ends (``begin_at``); when the successor is READY it is added, the predecessor removed, drained (its
-  ``/metrics`` shows no running request, at most ``PBSTK_SERVICE_DRAIN_S``, default 60) and cancelled. A job that
-  ends unexpectedly is replaced at once.
+  walltime ends (``begin_at``); when the successor is READY it is added, and on the next tick (the router has
+  routed to it by then) the predecessor is removed, drained (its ``/metrics`` shows no running request, at most
+  ``PBSTK_SERVICE_DRAIN_S``, default 60) and cancelled. A job that ends unexpectedly is replaced at once.
+
+The router admin connection (for a login-node router, an SSH tunnel) is kept open across ticks (``AdminLink``)
+and opened afresh only after a failure or for a new router.
 
 It stops when the service is recorded ended (``pbstk cancel NAME``) or its record is gone.
 """
