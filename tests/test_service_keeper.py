@@ -67,3 +67,35 @@ def test_one_router_connection_across_ticks_reopened_after_a_failure(isolated_us
         for info in (first, second):
             if info is not None:
                 router.stop_router(runner, info, timeout=3)
+
+
+@pytest.mark.ssh
+def test_a_login_node_router_is_reached_through_one_tunnel_across_ticks(
+        login_node: Any, isolated_user: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router on the login node (real sshd on loopback): ten ticks, one SSH tunnel, still answering."""
+    from pbs_toolkit.transports import tunnel
+
+    monkeypatch.setenv("PBSTK_SSH_CONFIG", str(login_node.ssh_config))
+    monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(login_node.known_hosts))
+    tunnels: list[Any] = []
+    real = tunnel.start_tunnel
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        tunnels.append(real(*args, **kwargs))
+        return tunnels[-1]
+
+    monkeypatch.setattr(tunnel, "start_tunnel", counting)
+    with Client(on_removal=lambda r: None) as client:
+        runner = client.runner(login_node.alias)
+        info = router.start_router(runner, f"{runner.home()}/.pbstk/test-keeper-router", command=[str(ROUTER)])
+        try:
+            assert info.transport == login_node.alias
+            rec = ServiceRecord(name="k", model="m", served_model_name="m", profile="p", replicas=0, request={},
+                                transport=login_node.alias, router=info.to_dict())
+            with keeper.AdminLink(client) as link:
+                for _ in range(10):
+                    keeper.tick(client, rec, link)
+                assert len(tunnels) == 1
+                assert link.get(rec).workers() == []  # the one tunnel still carries admin calls
+        finally:
+            router.stop_router(runner, info, timeout=5)
