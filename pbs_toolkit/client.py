@@ -693,6 +693,28 @@ class Client:
 
         return look(self, find(self.store, name) if isinstance(name, str) else name)
 
+    def service_statuses(self, services: Sequence[ServiceRecord], jobs: Sequence[JobRecord] = ()
+                         ) -> tuple[list[ServiceStatus], list[JobStatus]]:
+        """``service_status`` of each service and ``status`` of ``jobs`` from one scheduler query per transport:
+        every active service's replica jobs join the jobs' batch (``status`` promises one query per call)."""
+        from pbs_toolkit.errors import JobNotFound
+        from pbs_toolkit.services.manage import look
+
+        wanted = {r.job_id for r in jobs}
+        extra: list[JobRecord] = []
+        for rec in services:
+            for job in [j for s in rec.slots for j in s.jobs()] if rec.ended is None else []:
+                try:
+                    record = self.record(job)
+                except JobNotFound:
+                    continue  # the job store lost it: the service shows it as missing, as look() does
+                if record.job_id not in wanted:
+                    wanted.add(record.job_id)
+                    extra.append(record)
+        statuses = self._status_of([*jobs, *extra]) if jobs or extra else []
+        by_id = {st.record.job_id: st for st in statuses}
+        return [look(self, rec, by_id) for rec in services], statuses[:len(jobs)]
+
     def wait_service(self, name: str | ServiceRecord, timeout: float = 3600.0,
                      on_progress: Callable[[ServiceStatus, float], None] | None = None) -> ServiceStatus:
         """Block until every replica is READY behind the router (``WaitTimeout``; ``ServerFailed`` when the

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -312,3 +313,53 @@ def test_serve_through_a_login_node_router_on_the_login_node_replicas_on_fake_pb
         wait_for(lambda: not alive(router_pid), 15, "the router on the login node to be gone")
     finally:
         _stop_services()
+
+
+def test_a_handover_waits_for_a_slow_request_on_the_predecessor(svc_profile: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drain reads the predecessor's ``vllm:num_requests_running`` (the stand-in counts its requests in
+    flight): a 12 s request sent to it just before the handover completes (200) before it is cancelled."""
+    monkeypatch.setenv("PBSTK_SERVICE_DRAIN_S", "60")  # the drain bound must not be what ends the wait
+    result = serve("--replicas", "1", "--name", "dr", "--keep-alive", "--walltime", "00:01:00", "--handover", "45",
+                   "--wait", "--timeout", "60")
+    assert result.exit_code == 0, result.output
+    rec = records.find(JobStore(), "dr")
+    first = JobStore().find("dr-r0")
+    server = json.loads(Path(first.run_dir, "server.json").read_text())
+    direct = f"http://127.0.0.1:{server['port']}/v1"
+    # the successor is eligible 15 s after the first started: wait until it leaves its queue (starting)
+    doc = wait_for(lambda: (d := service_json("dr"))["slots"][0]["successor"] and d, 20, "a successor")
+    successor = doc["slots"][0]["successor"]
+    wait_for(lambda: next(j for j in service_json("dr")["jobs"] if j["job_id"] == successor)["state"] != "PENDING",
+             40, "the successor to start", interval=0.3)
+    outcome: dict[str, Any] = {}
+
+    def slow() -> None:
+        body = {"model": rec.served_model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                "standin_delay_s": 12}
+        try:
+            response = requests.post(direct + "/chat/completions", json=body, timeout=60,
+                                     headers={"Authorization": f"Bearer {rec.api_key}"})
+            outcome["status"] = response.status_code
+        except requests.RequestException as exc:
+            outcome["error"] = repr(exc)
+        outcome["ended"] = time.time()
+
+    thread = threading.Thread(target=slow, daemon=True)
+    thread.start()
+    running = re.compile(r"^vllm:num_requests_running\{[^}]*\} 1\.0$", re.MULTILINE)
+    wait_for(lambda: running.search(requests.get(direct[:-3] + "/metrics", timeout=5).text), 5,
+             "the stand-in to count the slow request")
+    took_over = wait_for(lambda: (s := records.find(JobStore(), "dr").slots[0]).current == successor
+                         and s.draining == first.job_id and time.time(), 40, "the handover", interval=0.2)
+    thread.join(30)
+    assert outcome.get("status") == 200, outcome  # the predecessor was not cancelled under it
+    wait_for(lambda: pbstk("status", first.job_id, "--json").exit_code == 0 and JobStore().find(
+        first.job_id).final_state == "CANCELLED", 20, "the drained predecessor CANCELLED")
+    log = records_dir() / "dr" / "keeper.log"
+    drained = wait_for(lambda: next((line for line in log.read_text().splitlines()
+                                     if f"drained and cancelled {first.job_id}" in line), None), 5, "the log line")
+    waited = float(drained.rsplit("after ", 1)[1].split()[0])
+    assert waited >= outcome["ended"] - took_over - 1, (drained, outcome["ended"] - took_over)
+    assert outcome["ended"] - took_over > 3, "the slow request should outlast the 2 s minimum drain"
+    assert pbstk("cancel", "dr").exit_code == 0

@@ -49,6 +49,15 @@ def test_keep_alive_refused_by_the_queue_limit_and_by_a_long_handover(isolated_u
     assert "not shorter than the walltime" in line
 
 
+def test_a_fixed_port_with_several_replicas_on_the_local_scheduler_is_refused(isolated_user: Path) -> None:
+    profile(isolated_user)
+    line = refused("--replicas", "2", "--port", "8123")
+    assert "--port 8123 with --replicas 2 on the local scheduler" in line and "leave --port out" in line
+    line = refused("--replicas", "1", "--keep-alive", "--port", "8123")
+    assert "--port 8123 with --keep-alive" in line
+    # (without --port, or with --port auto, each replica picks a free port: tests/test_service.py serves so)
+
+
 def test_bad_replicas_router_and_names(isolated_user: Path) -> None:
     profile(isolated_user)
     assert "at least 1 replica" in refused("--replicas", "0")

@@ -104,10 +104,10 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
     from pbs_toolkit.client import Client
 
     with Client() as c:
-        services = service_cmds.status_services(c, jobs, show_all, as_json)  # services above jobs
-        if services is None:  # only service names: shown in full
+        both = service_cmds.status_services(c, jobs, show_all, as_json)  # services above jobs, one query
+        if both is None:  # only service names: shown in full
             return
-        results = c.status(*jobs, all=show_all)
+        services, results = both
     if as_json:
         echo_json([s.to_dict() for s in services] + [s.to_dict() for s in results])
         return

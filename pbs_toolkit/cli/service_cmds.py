@@ -114,15 +114,16 @@ def service_lines(statuses: list[Any]) -> list[str]:
     return table(rows, ["SERVICE", "STATE", "URL"]).splitlines() if rows else []
 
 
-def status_services(c: Any, jobs: tuple[str, ...], show_all: bool, as_json: bool) -> list[Any] | None:
-    """``status``'s services: every service when no JOB is named; each in full when every JOB names a service
-    (printed here: ``None`` returned); none when jobs are named."""
+def status_services(c: Any, jobs: tuple[str, ...], show_all: bool, as_json: bool) -> tuple[list[Any], list[Any]] | None:
+    """``status``'s services and jobs, from one scheduler query per transport (the services' replica jobs join
+    the jobs' batch): every service when no JOB is named; each in full when every JOB names a service (printed
+    here: ``None`` returned); none when jobs are named."""
     if not jobs:
-        return [c.service_status(s) for s in c.services(all=show_all)]
+        return c.service_statuses(c.services(all=show_all), c.records(all=show_all))  # type: ignore[no-any-return]
     named = [c.service(j) for j in jobs]  # a service name (no job of that name): docs/services.md
     if not all(named):
-        return []
-    services = [c.service_status(s) for s in named]
+        return [], c.status(*jobs, all=show_all)
+    services = c.service_statuses(named)[0]
     if as_json:
         echo_json([s.to_dict() for s in services])
     else:

@@ -8,9 +8,12 @@ one ``Client.status`` over the service's jobs (one scheduler query), then for ea
 * a READY job that is not in the router is added; one that is not READY (ended, failed, restarting) is removed
   at once;
 * keep-alive: a running job with a known walltime gets its successor, eligible ``handover`` seconds before the
-  walltime ends (``begin_at``); when the successor is READY it is added, the predecessor removed, drained (its
-  ``/metrics`` shows no running request, at most ``PBSTK_SERVICE_DRAIN_S``, default 60) and cancelled. A job that
-  ends unexpectedly is replaced at once.
+  walltime ends (``begin_at``); when the successor is READY it is added, and on the next tick (the router has
+  routed to it by then) the predecessor is removed, drained (its ``/metrics`` shows no running request, at most
+  ``PBSTK_SERVICE_DRAIN_S``, default 60) and cancelled. A job that ends unexpectedly is replaced at once.
+
+The router admin connection (for a login-node router, an SSH tunnel) is kept open across ticks (``AdminLink``)
+and opened afresh only after a failure or for a new router.
 
 It stops when the service is recorded ended (``pbstk cancel NAME``) or its record is gone.
 """
@@ -22,7 +25,8 @@ import json
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.services import record as records
@@ -69,19 +73,63 @@ def run(name: str) -> int:
     (directory / "keeper.json").write_text(json.dumps({"pid": os.getpid(), "token": launcher_token()}))
     _log(f"keeper of service {name} started (pid {os.getpid()})")
     try:
-        with Client(on_removal=lambda r: None) as client:
+        with Client(on_removal=lambda r: None) as client, AdminLink(client) as link:
             while True:
                 rec = records.load(client.store, name)
                 if rec is None or rec.ended is not None:
                     _log(f"service {name} {'is gone' if rec is None else 'ended'}; keeper stops")
                     return 0
                 try:
-                    tick(client, rec)
+                    tick(client, rec, link)
                 except PbstkError as exc:
                     _log(f"tick failed: {exc.message}")
                 time.sleep(poll_seconds())
     finally:
         os.close(fd)
+
+
+class AdminLink:
+    """The router's admin connection, kept open across ticks: for a login-node router that is one SSH tunnel
+    for the keeper's life instead of one per tick. Reopened only after a failure (``drop``) or when the
+    router's record changes (a new router, another address)."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._stack: ExitStack | None = None
+        self._admin: RouterAdmin | None = None
+        self._for: dict[str, Any] = {}
+        #: how many times a connection was opened (tests count them)
+        self.opened = 0
+
+    def get(self, rec: ServiceRecord) -> RouterAdmin:
+        from pbs_toolkit.services.router import RouterInfo, open_admin
+
+        if self._admin is not None and self._for == rec.router:
+            return self._admin
+        self.drop()
+        stack = ExitStack()
+        try:
+            admin = stack.enter_context(open_admin(self.client.runner(rec.transport), RouterInfo.from_dict(rec.router)))
+        except BaseException:
+            stack.close()
+            raise
+        self._stack, self._admin, self._for = stack, admin, dict(rec.router)
+        self.opened += 1
+        return admin
+
+    def drop(self) -> None:
+        stack, self._stack, self._admin, self._for = self._stack, None, None, {}
+        if stack is not None:
+            try:
+                stack.close()
+            except Exception as exc:  # noqa: BLE001 - closing a broken tunnel must not end the keeper
+                _log(f"closing the router connection: {exc}")
+
+    def __enter__(self) -> AdminLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.drop()
 
 
 def worker_url(st: JobStatus) -> str | None:
@@ -93,18 +141,24 @@ def worker_url(st: JobStatus) -> str | None:
     return endpoint_url(st)[: -len("/v1")]
 
 
-def tick(client: Client, rec: ServiceRecord) -> None:
+def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> None:
     """One look and the reconciliation it calls for; the record is saved unless the service ended meanwhile
-    (then whatever this tick launched is cancelled again)."""
-    from pbs_toolkit.services.router import RouterInfo, open_admin
-
+    (then whatever this tick launched is cancelled again). ``link``: the router connection kept across ticks
+    (without one, a connection for this tick only)."""
     jobs = [j for s in rec.slots for j in s.jobs()]
     statuses = {st.record.job_id: st for st in client.status(*jobs)} if jobs else {}
     before = set(jobs)
-    with open_admin(client.runner(rec.transport), RouterInfo.from_dict(rec.router)) as admin:
-        in_router = set(admin.workers())
-        for slot in rec.slots:
-            _reconcile(client, rec, slot, statuses, admin, in_router)
+    with ExitStack() as own:
+        if link is None:
+            link = own.enter_context(AdminLink(client))
+        admin = link.get(rec)
+        try:
+            in_router = set(admin.workers())
+            for slot in rec.slots:
+                _reconcile(client, rec, slot, statuses, admin, in_router)
+        except PbstkError:
+            link.drop()  # a router or tunnel that failed is opened afresh next tick
+            raise
     states = {j: st.state.value for j, st in statuses.items()}
     rec.ready = ready_count(rec.slots, states)
     rec.ever_ready = rec.ever_ready or rec.ready > 0
@@ -134,9 +188,14 @@ def _reconcile(client: Client, rec: ServiceRecord, slot: Slot, statuses: dict[st
                admin: RouterAdmin, in_router: set[str]) -> None:
     cur = statuses.get(slot.current) if slot.current else None
     suc = statuses.get(slot.successor) if slot.successor else None
+    # the successor takes over one tick after it joined the router, not in the tick that added it: removing the
+    # predecessor right after /add_worker left the router with no usable worker for an instant (two 503s seen
+    # under load in tests/test_service.py's handover)
+    suc_url = worker_url(suc) if suc is not None else None
+    joined = suc_url is not None and suc_url in in_router
     _sync_router(cur, admin, in_router)
     _sync_router(suc, admin, in_router)
-    if suc is not None and suc.state.value == "READY":
+    if suc is not None and suc.state.value == "READY" and joined:
         _hand_over(slot, cur, suc, admin, in_router)
         cur, suc = suc, None
     _drain(client, slot, statuses)

@@ -25,6 +25,8 @@ from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.services.state import ready_count, service_state, serving_job
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from pbs_toolkit.client import Client
     from pbs_toolkit.jobs.render import RenderRequest
     from pbs_toolkit.jobs.status import JobStatus
@@ -65,6 +67,18 @@ def check_keep_alive(profile: Profile, replicas: int, handover_s: float, walltim
     if handover_s >= walltime_s:
         raise UsageError(f"--handover {handover_s:g} s is not shorter than the walltime ({walltime_s} s): the "
                          f"successor would start before its predecessor")
+
+
+def check_fixed_port(profile: Profile, req: RenderRequest, opts: ServeOptions) -> None:
+    """A fixed ``--port N`` on the local scheduler: every replica (and a keep-alive successor, which overlaps its
+    predecessor) runs on this one machine, so a second server would find N taken. Refused rather than silently
+    made automatic: the user asked for that exact port. Other schedulers place replicas on their own nodes."""
+    fixed = isinstance(req.port, int) or (isinstance(req.port, str) and req.port.isdigit())
+    if not fixed or profile.scheduler != "local" or (opts.replicas < 2 and not opts.keep_alive):
+        return
+    why = f"--replicas {opts.replicas}" if opts.replicas > 1 else "--keep-alive (a successor overlaps its predecessor)"
+    raise UsageError(f"--port {req.port} with {why} on the local scheduler: every replica runs on this machine and "
+                     f"would bind the same port; leave --port out (each replica then picks a free port)")
 
 
 def check_router_command(client: Client, profile: Profile, command: list[str]) -> None:
@@ -111,6 +125,7 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
         req = replace(req, nodes=opts.nodes_per_replica)
     req = replace(req, name=None, served_model_name=_served_name(req, name))
     profile = checked_profile(req)
+    check_fixed_port(profile, req, opts)
     place = router_place(profile)
     policy = opts.policy or profile.router_policy
     if policy not in ROUTER_POLICIES:
@@ -314,12 +329,16 @@ class ServiceStatus:
         })
 
 
-def look(client: Client, rec: ServiceRecord) -> ServiceStatus:
-    """One status query over the service's jobs, the router and the keeper: what ``status NAME`` shows."""
+def look(client: Client, rec: ServiceRecord, known: Mapping[str, JobStatus] | None = None) -> ServiceStatus:
+    """One status query over the service's jobs, the router and the keeper: what ``status NAME`` shows.
+    ``known``: statuses already taken in a larger batch (``Client.service_statuses``): no query of its own."""
     from pbs_toolkit.services.router import RouterInfo, router_alive
 
     jobs = [j for s in rec.slots for j in s.jobs()]
-    statuses = client.status(*jobs) if jobs and rec.ended is None else []
+    if known is not None:
+        statuses = [known[j] for j in jobs if j in known] if rec.ended is None else []
+    else:
+        statuses = client.status(*jobs) if jobs and rec.ended is None else []
     states = {st.record.job_id: st.state.value for st in statuses}
     ready = ready_count(rec.slots, states) if rec.ended is None else 0
     if ready:

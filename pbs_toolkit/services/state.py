@@ -1,7 +1,7 @@
 """A service's state from its replicas' states: pure, so the rules are tested without any process.
 
-STARTING (none ready yet), READY n/N (all), DEGRADED n/N (some, after having been ready; also while a successor
-is late), DOWN (none, after having been up), then CANCELLED or ENDED once recorded so.
+STARTING (none ready yet), READY n/N (all), DEGRADED n/N (some, after having been ready, e.g. a predecessor
+ended before its late successor ran), DOWN (none, after having been up), then CANCELLED or ENDED once recorded so.
 """
 
 from __future__ import annotations

@@ -1,0 +1,101 @@
+"""The keeper keeps one router connection across its ticks (for a login-node router that is one SSH tunnel for
+the keeper's life, not one per tick) and opens it afresh only after a failure or for a new router.
+
+The router is the real vllm-router on loopback; ``open_admin`` (the real one) is wrapped to count the opens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pbs_toolkit.client import Client
+from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.services import keeper, router
+from pbs_toolkit.services.record import ServiceRecord
+from pbs_toolkit.transports.local import LocalRunner
+
+ROUTER = Path(sys.executable).parent / "vllm-router"
+pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
+
+
+@pytest.fixture
+def opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Each ``open_admin`` the keeper makes, by the router URL it opened."""
+    seen: list[str] = []
+    real = router.open_admin
+
+    @contextlib.contextmanager
+    def counting(runner: Any, info: router.RouterInfo) -> Iterator[router.RouterAdmin]:
+        seen.append(info.url)
+        with real(runner, info) as admin:
+            yield admin
+
+    monkeypatch.setattr(router, "open_admin", counting)
+    return seen
+
+
+def test_one_router_connection_across_ticks_reopened_after_a_failure(isolated_user: Path, tmp_path: Path,
+                                                                     opens: list[str]) -> None:
+    runner = LocalRunner()
+    first = router.start_router(runner, str(tmp_path / "r1"), command=[str(ROUTER)])
+    second = None
+    try:
+        rec = ServiceRecord(name="k", model="m", served_model_name="m", profile="p", replicas=0, request={},
+                            router=first.to_dict())
+        with Client(on_removal=lambda r: None) as client, keeper.AdminLink(client) as link:
+            for _ in range(5):
+                keeper.tick(client, rec, link)
+            assert opens == [first.url]  # five ticks, one connection
+            router.stop_router(runner, first, timeout=5)
+            with pytest.raises(PbstkError):
+                keeper.tick(client, rec, link)  # the router is gone: the tick fails, the link is dropped
+            with pytest.raises(PbstkError):
+                keeper.tick(client, rec, link)  # and tried afresh on the next tick
+            assert opens == [first.url] * 2  # the first failing tick used the kept one
+            second = router.start_router(runner, str(tmp_path / "r2"), command=[str(ROUTER)])
+            rec.router = second.to_dict()  # a new router: a new connection, then kept again
+            for _ in range(3):
+                keeper.tick(client, rec, link)
+            assert opens == [first.url] * 2 + [second.url]
+    finally:
+        for info in (first, second):
+            if info is not None:
+                router.stop_router(runner, info, timeout=3)
+
+
+@pytest.mark.ssh
+def test_a_login_node_router_is_reached_through_one_tunnel_across_ticks(
+        login_node: Any, isolated_user: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router on the login node (real sshd on loopback): ten ticks, one SSH tunnel, still answering."""
+    from pbs_toolkit.transports import tunnel
+
+    monkeypatch.setenv("PBSTK_SSH_CONFIG", str(login_node.ssh_config))
+    monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(login_node.known_hosts))
+    tunnels: list[Any] = []
+    real = tunnel.start_tunnel
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        tunnels.append(real(*args, **kwargs))
+        return tunnels[-1]
+
+    monkeypatch.setattr(tunnel, "start_tunnel", counting)
+    with Client(on_removal=lambda r: None) as client:
+        runner = client.runner(login_node.alias)
+        info = router.start_router(runner, f"{runner.home()}/.pbstk/test-keeper-router", command=[str(ROUTER)])
+        try:
+            assert info.transport == login_node.alias
+            rec = ServiceRecord(name="k", model="m", served_model_name="m", profile="p", replicas=0, request={},
+                                transport=login_node.alias, router=info.to_dict())
+            with keeper.AdminLink(client) as link:
+                for _ in range(10):
+                    keeper.tick(client, rec, link)
+                assert len(tunnels) == 1
+                assert link.get(rec).workers() == []  # the one tunnel still carries admin calls
+        finally:
+            router.stop_router(runner, info, timeout=5)
