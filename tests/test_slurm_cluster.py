@@ -163,22 +163,6 @@ def test_dependency_after_start(slurm_cluster: SlurmCluster, tmp_path: Path) -> 
     slurm_cluster.run("scancel", first)
 
 
-def test_dependency_after_start_plus_minutes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    """``after:A+1``: B may start one minute after A started (the +N is minutes, not seconds)."""
-    first = sbatch(slurm_cluster, tmp_path, script="sleep 90")
-    wait_state(slurm_cluster, first, {"RUNNING"})
-    second = sbatch(slurm_cluster, tmp_path, f"--dependency=after:{first}+1", script="date +%s")
-    row = status(slurm_cluster, second)[second]
-    assert (row["state"], row["reason"]) == ("PENDING", "Dependency")
-    shown = slurm_cluster.run("scontrol", "show", "job", "--oneliner", second).stdout
-    assert f"Dependency=after:{first}+1(unfulfilled)" in shown
-    wait_state(slurm_cluster, second, {"COMPLETED"}, timeout=100)
-    first_start = status(slurm_cluster, first)[first]["start"]
-    started = int((tmp_path / f"{second}.out").read_text())
-    assert started >= time.mktime(time.strptime(first_start, "%Y-%m-%dT%H:%M:%S")) + 60
-    slurm_cluster.run("scancel", first)
-
-
 def test_cancel_all_leaves_nothing_running(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     jobs = [sbatch(slurm_cluster, tmp_path, script="sleep 60") for _ in range(3)]
     slurm_cluster.cancel_all()
