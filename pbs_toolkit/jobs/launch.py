@@ -37,7 +37,7 @@ from pbs_toolkit.schedulers import JobRef, Scheduler, backend_class, get_schedul
 from pbs_toolkit.schedulers.marker import marked
 from pbs_toolkit.settings.profiles import walltime_seconds
 from pbs_toolkit.transports import Runner, open_runner
-from pbs_toolkit.transports.base import Result
+from pbs_toolkit.transports.base import Result, WrappingRunner
 
 DEFAULT_KEY_ENV = "PBSTK_API_KEY"
 
@@ -80,35 +80,18 @@ def _defer_interrupts() -> Iterator[list[int]]:
         raise KeyboardInterrupt
 
 
-class _MarkingRunner(Runner):
+class _MarkingRunner(WrappingRunner):
     """The launch's runner, except that the backend's ``submit_program`` runs under the wrapper that leaves
     ``RUN_DIR/job_id`` (schedulers/marker.py); argv[0] stays the program for the scheduler's own messages."""
 
     def __init__(self, inner: Runner, run_dir: str, program: str | None) -> None:
-        self.inner, self.run_dir, self.name, self.program = inner, run_dir, inner.name, program
+        super().__init__(inner)
+        self.run_dir, self.program = run_dir, program
 
     def run(self, argv: Sequence[str], **kw: Any) -> Result:
         if argv and self.program is not None and argv[0] == self.program:
             return self.inner.run(marked(argv, self.run_dir), **kw)
         return self.inner.run(argv, **kw)
-
-    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
-        return self.inner.read_bytes(path, offset, length)
-
-    def size(self, path: str) -> int | None:
-        return self.inner.size(path)
-
-    def write_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        self.inner.write_bytes(path, data, mode)
-
-    def makedirs(self, path: str, mode: int = 0o755) -> None:
-        self.inner.makedirs(path, mode)
-
-    def home(self) -> str:
-        return self.inner.home()
-
-    def open_connection(self, host: str, port: int, timeout: float = 5.0) -> Any:
-        return self.inner.open_connection(host, port, timeout)
 
 
 def launch(

@@ -183,6 +183,36 @@ class Runner(abc.ABC):
         self.close()
 
 
+class WrappingRunner(Runner):
+    """A runner that changes how commands run and hands everything else to ``inner`` (subclasses override ``run``).
+
+    Not closed by ``close()``: the wrapped runner belongs to whoever opened it."""
+
+    def __init__(self, inner: Runner) -> None:
+        self.inner, self.name = inner, inner.name
+
+    def run(self, argv: Sequence[str], **kw: Any) -> Result:
+        return self.inner.run(argv, **kw)
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        return self.inner.read_bytes(path, offset, length)
+
+    def size(self, path: str) -> int | None:
+        return self.inner.size(path)
+
+    def write_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        self.inner.write_bytes(path, data, mode)
+
+    def makedirs(self, path: str, mode: int = 0o755) -> None:
+        self.inner.makedirs(path, mode)
+
+    def home(self) -> str:
+        return self.inner.home()
+
+    def open_connection(self, host: str, port: int, timeout: float = 5.0) -> Any:
+        return self.inner.open_connection(host, port, timeout)
+
+
 def tcp_connect(host: str, port: int, timeout: float) -> socket.socket:
     """Plain TCP connection from this machine (used by ``LocalRunner.open_connection``)."""
     return socket.create_connection((host, port), timeout=timeout)

@@ -28,7 +28,7 @@ from pbs_toolkit.schedulers.base import (
     scheduler_timeout,
     was_killed,
 )
-from pbs_toolkit.transports.base import Result, Runner
+from pbs_toolkit.transports.base import Result, Runner, WrappingRunner
 
 STATES: dict[str, SchedState] = {
     "Q": SchedState.QUEUED, "W": SchedState.QUEUED, "T": SchedState.QUEUED, "M": SchedState.QUEUED,
@@ -113,33 +113,16 @@ def exec_time(runner: Runner, begin_at: float) -> tuple[str, dict[str, str]]:
     return time.strftime(EXEC_TIME_FORMAT, time.gmtime(epoch)), {"TZ": "UTC0"}
 
 
-class _EnvRunner(Runner):
+class _EnvRunner(WrappingRunner):
     """``inner`` with extra environment variables for every command (the launch's runner wraps qsub to leave
     its marker, so the variables go through ``env=``, never as an ``env`` prefix that would hide qsub)."""
 
     def __init__(self, inner: Runner, env: Mapping[str, str]) -> None:
-        self.inner, self.env, self.name = inner, dict(env), inner.name
+        super().__init__(inner)
+        self.env = dict(env)
 
     def run(self, argv: Sequence[str], **kw: Any) -> Result:
         return self.inner.run(argv, **{**kw, "env": {**(kw.get("env") or {}), **self.env}})
-
-    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
-        return self.inner.read_bytes(path, offset, length)
-
-    def size(self, path: str) -> int | None:
-        return self.inner.size(path)
-
-    def write_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        self.inner.write_bytes(path, data, mode)
-
-    def makedirs(self, path: str, mode: int = 0o755) -> None:
-        self.inner.makedirs(path, mode)
-
-    def home(self) -> str:
-        return self.inner.home()
-
-    def open_connection(self, host: str, port: int, timeout: float = 5.0) -> Any:
-        return self.inner.open_connection(host, port, timeout)
 
 
 def waiting_comment(raw_state: str, info: dict[str, Any]) -> str | None:
