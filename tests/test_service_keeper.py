@@ -7,7 +7,9 @@ The router is the real vllm-router on loopback; ``open_admin`` (the real one) is
 from __future__ import annotations
 
 import contextlib
+import http.server
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,38 @@ def test_one_router_connection_across_ticks_reopened_after_a_failure(isolated_us
         for info in (first, second):
             if info is not None:
                 router.stop_router(runner, info, timeout=3)
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_worker_someone_else_added_is_removed_in_the_next_tick(isolated_user: Path, tmp_path: Path) -> None:
+    """The router's admin API has no authentication: a worker the service did not add (it would receive prompts
+    with the service's key) leaves the router in the keeper's next tick."""
+    runner = LocalRunner()
+    info = router.start_router(runner, str(tmp_path / "r"), command=[str(ROUTER)])
+    foreign = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{foreign.server_address[1]}"
+        with router.open_admin(runner, info) as admin:
+            admin.add_worker(url)  # what anyone who reaches the port can do
+            assert admin.workers() == [url]
+            rec = ServiceRecord(name="f", model="m", served_model_name="m", profile="p", replicas=0, request={},
+                                router=info.to_dict())
+            with Client(on_removal=lambda r: None) as client:
+                keeper.tick(client, rec)
+            assert admin.workers() == []
+    finally:
+        foreign.shutdown()
+        router.stop_router(runner, info, timeout=3)
 
 
 @pytest.mark.ssh

@@ -156,6 +156,7 @@ def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> N
             in_router = set(admin.workers())
             for slot in rec.slots:
                 _reconcile(client, rec, slot, statuses, admin, in_router)
+            _remove_foreign(jobs, statuses, admin, in_router)
         except PbstkError:
             link.drop()  # a router or tunnel that failed is opened afresh next tick
             raise
@@ -182,6 +183,21 @@ def _sync_router(st: JobStatus | None, admin: RouterAdmin, in_router: set[str]) 
         admin.remove_worker(url)
         in_router.discard(url)
         _log(f"removed {st.record.job_id} ({url}) from the router: {st.state.value}")
+
+
+def _remove_foreign(jobs: list[str], statuses: dict[str, JobStatus], admin: RouterAdmin,
+                    in_router: set[str]) -> None:
+    """Remove every worker that is none of the service's jobs. The router's admin API has no authentication
+    (docs/services.md "The router"): whoever reaches its port can add a worker of theirs, which would then receive
+    prompts with the service's key. Skipped in a tick where the scheduler did not answer for some job (its
+    worker could be one of those)."""
+    if any(job not in statuses or statuses[job].state.value == "UNKNOWN" for job in jobs):
+        return
+    ours = {url for st in statuses.values() if (url := worker_url(st)) is not None}
+    for url in sorted(in_router - ours):
+        admin.remove_worker(url)
+        in_router.discard(url)
+        _log(f"removed {url} from the router: not a replica of this service (added by someone else)")
 
 
 def _reconcile(client: Client, rec: ServiceRecord, slot: Slot, statuses: dict[str, JobStatus],
