@@ -10,7 +10,9 @@ one ``Client.status`` over the service's jobs (one scheduler query), then for ea
 * keep-alive: a running job with a known walltime gets its successor, eligible ``handover`` seconds before the
   walltime ends (``begin_at``); when the successor is READY it is added, and on the next tick (the router has
   routed to it by then) the predecessor is removed, drained (its ``/metrics`` shows no running request, at most
-  ``PBSTK_SERVICE_DRAIN_S``, default 60) and cancelled. A job that ends unexpectedly is replaced at once.
+  ``PBSTK_SERVICE_DRAIN_S``, default 60) and cancelled. A job that ends unexpectedly is replaced at once;
+* a worker in the router that is none of the service's jobs is removed: the router's admin API has no
+  authentication, so someone else added it.
 
 The router admin connection (for a login-node router, an SSH tunnel) is kept open across ticks (``AdminLink``)
 and opened afresh only after a failure or for a new router.
