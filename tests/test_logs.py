@@ -320,7 +320,8 @@ def _follow_cli(*args: str) -> subprocess.Popen[str]:
 
 def test_cli_follow_from_queued_to_job_end(fakepbs: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Starts while the job is queued (no file yet), shows the startup, stops by itself when the job ends."""
-    monkeypatch.setenv("FAKEPBS_QUEUE_DELAY", "1")
+    # queued long enough for `pbstk logs -f` to start (a Python start-up) before the log exists; 1 s was a race
+    monkeypatch.setenv("FAKEPBS_QUEUE_DELAY", "5")
     monkeypatch.setenv("PBSTK_TEST_STANDIN_MODE", "exit-after-ready")
     monkeypatch.setenv("PBSTK_TEST_STANDIN_SECONDS", "1.5")
     record = launch()
