@@ -18,7 +18,6 @@ Two rules keep status from lying:
 from __future__ import annotations
 
 import enum
-import os
 import re
 import sys
 import time
@@ -26,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, SchedulerError, SchedulerUnavailable, TransportError
 from pbs_toolkit.jobs.nodes import NodeMarker, NodesView, node_log_name, node_phase_text
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView, look, look_all
@@ -47,11 +47,7 @@ WALLTIME_ENDING_S = 600
 
 def lost_after_s() -> float:
     """``PBSTK_LOST_AFTER_S``: how long the scheduler must not know a job before it is LOST (default 60)."""
-    try:
-        value = float(os.environ.get("PBSTK_LOST_AFTER_S") or DEFAULT_LOST_AFTER_S)
-    except ValueError:
-        return DEFAULT_LOST_AFTER_S
-    return value if 0 <= value < float("inf") else DEFAULT_LOST_AFTER_S
+    return env_float("PBSTK_LOST_AFTER_S", DEFAULT_LOST_AFTER_S, lambda v: 0 <= v < float("inf"))
 
 
 class ServerState(enum.Enum):

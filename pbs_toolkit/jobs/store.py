@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pbs_toolkit import paths
+from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import JobNotFound, StoreError, UsageError
 from pbs_toolkit.jobs.spec import SPEC_KEYS, LaunchSpec, split_legacy_extra
 
@@ -213,7 +214,8 @@ class JobStore:
     def __init__(self, path: Path | None = None, *, timeout: float | None = None) -> None:
         self.path = path or paths.user_state_dir() / "jobs.sqlite3"
         #: how long a write waits for another writer's lock before StoreError (PBSTK_STORE_TIMEOUT, default 30)
-        self.timeout = timeout if timeout is not None else _env_float("PBSTK_STORE_TIMEOUT", 30.0)
+        self.timeout = (timeout if timeout is not None
+                        else env_float("PBSTK_STORE_TIMEOUT", 30.0, lambda v: 0 <= v < 1e6))
         self._checked = False
         self._warned: set[str] = set()
 
@@ -778,11 +780,3 @@ def _describe(exc: sqlite3.Error, path: Path) -> str:
     if "readonly" in text or "read-only" in text:
         return f"the job store {path} is read-only: {text}"
     return f"the job store {path} is unusable: {text}"
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        value = float(os.environ.get(name) or default)
-    except ValueError:
-        return default
-    return value if 0 <= value < 1e6 else default

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import abc
 import enum
-import os
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -13,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import SchedulerError, SchedulerUnavailable, TransportError
 from pbs_toolkit.transports.base import Result, Runner
 
@@ -138,11 +138,7 @@ DEFAULT_SCHEDULER_TIMEOUT_S = 30.0
 
 def scheduler_timeout() -> float:
     """``PBSTK_SCHEDULER_TIMEOUT_S`` (default 30): a hung status command must not look like a dead SSH link."""
-    try:
-        value = float(os.environ.get("PBSTK_SCHEDULER_TIMEOUT_S") or DEFAULT_SCHEDULER_TIMEOUT_S)
-    except ValueError:
-        return DEFAULT_SCHEDULER_TIMEOUT_S
-    return value if 0 < value < float("inf") else DEFAULT_SCHEDULER_TIMEOUT_S
+    return env_float("PBSTK_SCHEDULER_TIMEOUT_S", DEFAULT_SCHEDULER_TIMEOUT_S, lambda v: 0 < v < float("inf"))
 
 
 def timed_out(exc: TransportError) -> bool:

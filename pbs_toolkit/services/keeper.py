@@ -30,6 +30,7 @@ import time
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
+from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.manage import launch_replica, poll_seconds, service_dir
@@ -47,11 +48,7 @@ DRAIN_MIN_S = 2.0
 
 def drain_seconds() -> float:
     """``PBSTK_SERVICE_DRAIN_S``: the most a predecessor is drained before it is cancelled (default 60)."""
-    try:
-        value = float(os.environ.get("PBSTK_SERVICE_DRAIN_S") or 60.0)
-    except ValueError:
-        return 60.0
-    return value if 0 <= value <= 86400 else 60.0
+    return env_float("PBSTK_SERVICE_DRAIN_S", 60.0, lambda v: 0 <= v <= 86400)
 
 
 def _log(message: str) -> None:

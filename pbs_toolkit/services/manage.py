@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit import paths
+from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.record import ServiceRecord, Slot
@@ -420,11 +421,7 @@ def teardown(client: Client, rec: ServiceRecord, final: str, *, keep_endpoint: b
 
 def poll_seconds() -> float:
     """``PBSTK_SERVICE_POLL_S``: seconds between two looks of the keeper (default 15)."""
-    try:
-        value = float(os.environ.get("PBSTK_SERVICE_POLL_S") or 15.0)
-    except ValueError:
-        return 15.0
-    return value if 0.1 <= value <= 3600 else 15.0
+    return env_float("PBSTK_SERVICE_POLL_S", 15.0, lambda v: 0.1 <= v <= 3600)
 
 
 # -- the service as a job, for the registry code (endpoints/ takes a JobStatus) ----------------------------

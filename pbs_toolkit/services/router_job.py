@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import shlex
 import time
@@ -27,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.schedulers import JobRef, SchedState, backend_class, get_scheduler
 from pbs_toolkit.services.router import DEFAULT_ARGS, INFO_FILE, LOG_FILE, RouterError, RouterInfo
@@ -52,11 +52,7 @@ KEEP_ALIVE_REFUSED = ("--keep-alive with router: job: a router inside a job ends
 
 def wait_seconds() -> float:
     """``PBSTK_ROUTER_JOB_WAIT_S``: how long ``serve`` waits for the router job to run and answer (default 300)."""
-    try:
-        value = float(os.environ.get("PBSTK_ROUTER_JOB_WAIT_S") or 300.0)
-    except ValueError:
-        return 300.0
-    return value if 1 <= value <= 86400 else 300.0
+    return env_float("PBSTK_ROUTER_JOB_WAIT_S", 300.0, lambda v: 1 <= v <= 86400)
 
 
 def job_profile(profile: Profile) -> Profile:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
+from pbs_toolkit.envvars import env_float
 from pbs_toolkit.transports.base import Runner
 
 #: a server that accepts but does not answer costs at most this long per request (``PBSTK_PROBE_TIMEOUT_S``)
@@ -20,11 +20,7 @@ DEFAULT_PROBE_TIMEOUT_S = 3.0
 
 def probe_timeout() -> float:
     """Seconds one status probe may take; short, since ``status`` asks every job's server."""
-    try:
-        value = float(os.environ.get("PBSTK_PROBE_TIMEOUT_S") or DEFAULT_PROBE_TIMEOUT_S)
-    except ValueError:
-        return DEFAULT_PROBE_TIMEOUT_S
-    return value if 0 < value < float("inf") else DEFAULT_PROBE_TIMEOUT_S
+    return env_float("PBSTK_PROBE_TIMEOUT_S", DEFAULT_PROBE_TIMEOUT_S, lambda v: 0 < v < float("inf"))
 
 
 @dataclass(frozen=True)
