@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -213,9 +214,30 @@ def test_losing_a_replica_under_load_degrades_and_leaves_the_router(svc_profile:
     assert pbstk("cancel", "loss").exit_code == 0
 
 
-def test_keep_alive_hands_over_under_openai_load_with_zero_failures(svc_profile: str, isolated_user: Path) -> None:
+def openai_chat(rec: records.ServiceRecord) -> Callable[[], None]:
+    """One short chat completion through the service's URL with the `openai` client (no retries of its own)."""
     import openai
 
+    client = openai.OpenAI(base_url=rec.url, api_key=rec.api_key, max_retries=0, timeout=10)
+
+    def send() -> None:
+        client.chat.completions.create(model=rec.served_model_name, max_tokens=3,
+                                       messages=[{"role": "user", "content": "hi"}])
+
+    return send
+
+
+def handed_over_from(name: str, first: str | None) -> Callable[[], bool]:
+    """Whether slot 0 of service ``name`` has a new current job and nothing left draining."""
+
+    def done() -> bool:
+        now = records.find(JobStore(), name).slots[0]
+        return now.current != first and now.draining is None
+
+    return done
+
+
+def test_keep_alive_hands_over_under_openai_load_with_zero_failures(svc_profile: str, isolated_user: Path) -> None:
     result = serve("--replicas", "1", "--name", "ka", "--keep-alive", "--walltime", "00:01:15", "--handover", "45",
                    "--wait", "--timeout", "60")
     assert result.exit_code == 0, result.output
@@ -224,15 +246,7 @@ def test_keep_alive_hands_over_under_openai_load_with_zero_failures(svc_profile:
     registry = isolated_user / "endpoints.yaml"
     assert pbstk("update-endpoint", "ka", "--registry", str(registry)).exit_code == 0
     before = registry.read_bytes()
-    client = openai.OpenAI(base_url=rec.url, api_key=rec.api_key, max_retries=0, timeout=10)
-
-    def send() -> None:
-        client.chat.completions.create(model=rec.served_model_name, max_tokens=3,
-                                       messages=[{"role": "user", "content": "hi"}])
-
-    def handed_over() -> bool:
-        now = records.find(JobStore(), "ka").slots[0]
-        return now.current != first and now.draining is None
+    send, handed_over = openai_chat(rec), handed_over_from("ka", first)
 
     with Load(send, threads=2, limit_s=150) as load:
         # the successor is eligible 45 s before the 75 s walltime ends: about 30 s after the first started

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from conftest import FAKEPBS_BIN, read_calls
 from helpers import MODEL, pbstk, wait_for
-from test_service import ROUTER, Load, _stop_services, service_json
+from test_service import ROUTER, Load, _stop_services, handed_over_from, openai_chat, service_json
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
@@ -44,8 +44,6 @@ def fake_job(home: Path, job_id: str) -> dict[str, Any]:
 
 def test_keep_alive_on_pbs_hands_over_before_the_walltime_with_zero_failed_requests(
         pbs_svc: Path, isolated_user: Path) -> None:
-    import openai
-
     result = pbstk("serve", MODEL, "--profile", "svcpbs", "--preset", "single", "--replicas", "1", "--name", "pka",
                    "--keep-alive", "--walltime", "00:01:15", "--handover", "45", "--wait", "--timeout", "60")
     assert result.exit_code == 0, result.output
@@ -56,15 +54,7 @@ def test_keep_alive_on_pbs_hands_over_before_the_walltime_with_zero_failed_reque
     registry = isolated_user / "endpoints.yaml"
     assert pbstk("update-endpoint", "pka", "--registry", str(registry)).exit_code == 0
     before = registry.read_bytes()
-    client = openai.OpenAI(base_url=rec.url, api_key=rec.api_key, max_retries=0, timeout=10)
-
-    def send() -> None:
-        client.chat.completions.create(model=rec.served_model_name, max_tokens=3,
-                                       messages=[{"role": "user", "content": "hi"}])
-
-    def handed_over() -> bool:
-        now = records.find(JobStore(), "pka").slots[0]
-        return now.current != first and now.draining is None
+    send, handed_over = openai_chat(rec), handed_over_from("pka", first)
 
     with Load(send, threads=2, limit_s=150) as load:
         # eligible 45 s before the 75 s walltime ends: about 30 s after the first job started; W until then
