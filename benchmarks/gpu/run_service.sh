@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Issue 15's GPU proof on the lent 2x H200 (local scheduler, one GPU per replica): two replicas behind vllm-router
-# started by `pbstk serve` against one replica at half the load and against in-process dp2, all measured with
-# `vllm bench serve` (random 128 in / 256 out, --ignore-eos), levels long enough (>= 30 s) to be stable.
+# Issue 21's GPU proof on a lent 2-GPU machine (local scheduler, one GPU per replica): two replicas behind vllm-router
+# started by `pbstk serve`, the same two replicas driven directly at once (the "direct pair": a perfect balancer),
+# and in-process dp2, all measured with `vllm bench serve` (random 128 in / 256 out, --ignore-eos) in ONE call on ONE
+# machine, with levels long enough (>= 30 s) to be stable. While each level runs, every replica's
+# vllm:num_requests_running / _waiting is sampled each second into OUT_DIR/LABEL.load (how the router spreads load).
 # Usage, from the checkout root there:  bash benchmarks/gpu/run_service.sh OUT_DIR one|service|dp2 [...]
-# POLICIES="round_robin power_of_two" picks the router policies measured for `service` (default round_robin).
+# POLICIES="round_robin power_of_two" picks the router policies measured for `service` (default round_robin);
+# PROMPTS (default 6000) is the number of prompts of each c=256 level (half of it for each side of the pair).
 set -euo pipefail
 out=${1:?usage: run_service.sh OUT_DIR one|service|dp2 [...]}
 shift
@@ -11,45 +14,89 @@ mkdir -p "$out"
 # shellcheck source=benchmarks/gpu/setup_device.sh
 source benchmarks/gpu/setup_device.sh
 if [ ! -x /tmp/pbstk-site/bin/vllm-router ]; then  # the router wheel and the one dependency the image lacks
-  python3 -m pip install -q --no-index --no-deps --target /tmp/pbstk-site gpu-stage/router/*.whl
+  python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/pbstk-site gpu-stage/router/*.whl
 fi
 profile="$out/profile.yaml"
-{ sed 's/^name: .*/name: local-h200x2-router/' benchmarks/gpu/local-h200x2.yaml
+{ sed 's/^name: .*/name: local-gpu2-router/' benchmarks/gpu/local-h200x2.yaml
   echo "router_command: /tmp/pbstk-site/bin/vllm-router"; } >"$profile"
 model=/root/qwen3-1.7b
 served=qwen3-1.7b
+prompts=${PROMPTS:-6000}
 common=(--profile "$profile" --served-model-name "$served" --vllm-arg=--load-format=dummy --walltime 01:00:00)
+pbstk() { python3 -m pbs_toolkit "$@"; }
 
-bench() {  # LABEL CONCURRENCY PROMPTS: the current OPENAI_BASE_URL/OPENAI_API_KEY
-  local base=${OPENAI_BASE_URL%/v1}
+bench() {  # LABEL CONCURRENCY PROMPTS [BASE_URL]: against BASE_URL or the current OPENAI_BASE_URL
+  local base=${4:-${OPENAI_BASE_URL%/v1}}
   echo "== $1: c=$2, $3 prompts against $base"
   vllm bench serve --backend openai --base-url "$base" --endpoint /v1/completions --model "$served" \
     --tokenizer "$model" --dataset-name random --random-input-len 128 --random-output-len 256 --ignore-eos \
     --max-concurrency "$2" --num-prompts "$3" --save-result --result-dir "$out" --result-filename "$1.json" \
-    2>&1 | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|P99 TTFT|Mean TPOT" || true
+    >"$out/$1.txt" 2>&1 || true
+  grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|P99 TTFT|Mean TPOT" "$out/$1.txt" \
+    | sed "s/^/[$1] /" || true
+}
+
+sample_load() {  # LABEL URL...: one line per second "t url running waiting" until killed
+  local label=$1; shift
+  while :; do
+    for u in "$@"; do
+      curl -s -m 1 "$u/metrics" | awk -v t="$(date +%s)" -v u="$u" '
+        /^vllm:num_requests_running\{/ {r+=$NF} /^vllm:num_requests_waiting\{/ {w+=$NF}
+        END {print t, u, r+0, w+0}' || true
+    done
+    sleep 1
+  done >>"$out/$label.load"
+}
+
+summarise_load() {  # LABEL: mean running/waiting per url over the seconds where anything ran
+  [ -f "$out/$1.load" ] || return 0
+  awk '$3+$4>0 {n[$2]++; r[$2]+=$3; w[$2]+=$4} END {for (u in n) printf "[%s] %s mean running %.1f waiting %.1f (%d samples)\n", L, u, r[u]/n[u], w[u]/n[u], n[u]}' \
+    L="$1" "$out/$1.load"
+}
+
+with_load() {  # LABEL URLS(space-separated) -- command...: run the command while sampling the urls' load
+  local label=$1 urls=$2; shift 3
+  # shellcheck disable=SC2086  # the urls are split on purpose
+  sample_load "$label" $urls & local sampler=$!
+  "$@"
+  kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true
+  summarise_load "$label"
+}
+
+base_of() {  # JOB: its server's base URL, without /v1
+  pbstk env "$1" --json | python3 -c 'import json, sys; print(json.load(sys.stdin)["base_url"].removesuffix("/v1"))'
 }
 
 for what in "$@"; do
   start=$(date +%s)
   case "$what" in
     one)
-      python3 -m pbs_toolkit launch "$model" --name one --preset single --gpus-per-node 1 "${common[@]}" --wait --timeout 420
-      eval "$(python3 -m pbs_toolkit env one)"
-      bench one-c1 1 32; bench one-c128 128 3000
-      python3 -m pbs_toolkit cancel one ;;
+      pbstk launch "$model" --name one --preset single --gpus-per-node 1 "${common[@]}" --wait --timeout 420
+      eval "$(pbstk env one)"
+      bench one-c1 1 32; bench one-c128 128 $((prompts / 2))
+      pbstk cancel one ;;
     dp2)
-      python3 -m pbs_toolkit launch "$model" --name dp2 --preset dp2 --gpus-per-node 2 "${common[@]}" --wait --timeout 420
-      eval "$(python3 -m pbs_toolkit env dp2)"
-      bench dp2-c256 256 6000
-      python3 -m pbs_toolkit cancel dp2 ;;
+      pbstk launch "$model" --name dp2 --preset dp2 --gpus-per-node 2 "${common[@]}" --wait --timeout 420
+      eval "$(pbstk env dp2)"
+      b=$(base_of dp2)
+      with_load dp2-c256 "$b" -- bench dp2-c256 256 "$prompts"
+      pbstk cancel dp2 ;;
     service)
       for policy in ${POLICIES:-round_robin}; do
-        python3 -m pbs_toolkit serve "$model" --name "svc-$policy" --replicas 2 --preset single --gpus-per-node 1 \
+        svc="svc-${policy//_/-}"
+        pbstk serve "$model" --name "$svc" --replicas 2 --preset single --gpus-per-node 1 \
           --policy "$policy" "${common[@]}" --wait --timeout 420
-        python3 -m pbs_toolkit status "svc-$policy"
-        eval "$(python3 -m pbs_toolkit env "svc-$policy")"
-        bench "svc-$policy-c1" 1 32; bench "svc-$policy-c256" 256 6000
-        python3 -m pbs_toolkit cancel "svc-$policy"
+        pbstk status "$svc"
+        eval "$(pbstk env "$svc")"
+        r0=$(base_of "$svc-r0"); r1=$(base_of "$svc-r1")
+        bench "$svc-c1" 1 32
+        with_load "$svc-c256" "$r0 $r1" -- bench "$svc-c256" 256 "$prompts"
+        # the direct pair: the same two replicas driven at once, half the load each (a perfect balancer)
+        pair() { bench "$svc-pair-r0-c128" 128 $((prompts / 2)) "$r0" & local a=$!
+                 bench "$svc-pair-r1-c128" 128 $((prompts / 2)) "$r1"; wait "$a"; }
+        with_load "$svc-pair" "$r0 $r1" -- pair
+        pbstk status "$svc" --json >"$out/$svc-status.json" || true
+        pbstk cancel "$svc"
       done ;;
     *) echo "unknown: $what" >&2; exit 2 ;;
   esac
