@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 from conftest import read_calls
-from helpers import launch, pbstk, until
+from helpers import MODEL, launch, pbstk, until
+from test_service import ROUTER, service_json
+from test_service_pbs import pbs_svc  # noqa: F401  (fixture)
 
 from pbs_toolkit.schedulers.pbs import qstat_text
 
@@ -111,3 +113,21 @@ def test_the_text_form_reads_as_the_json_form() -> None:
     assert jobs["8.vm"] == {"job_state": "F", "Exit_status": "-29"}
     assert qstat_text.unknown_ids("qstat: Unknown Job Id 9.vm\nqstat: Unknown Job Id 10\n") == {"9", "10"}
 
+
+
+@pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
+@pytest.mark.usefixtures("pbs_svc")
+def test_a_services_replicas_keep_their_state_uptime_and_walltime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keeper and ``status NAME`` ask for both replicas in one batch: with the quirk the second replica was
+    UNKNOWN, without uptime nor walltime, and the service never READY 2/2."""
+    monkeypatch.setenv("FAKEPBS_JSON_FIRST_ONLY", "1")  # the keeper inherits it
+    result = pbstk("serve", MODEL, "--profile", "svcpbs", "--preset", "single", "--replicas", "2", "--name", "pq",
+                   "--wait", "--timeout", "60")
+    assert result.exit_code == 0, result.output
+    doc = service_json("pq")
+    assert doc["state"] == "READY" and doc["ready"] == 2, doc
+    for job in doc["jobs"]:
+        assert job["state"] == "READY" and job["scheduler_state"] == "R", job
+        assert job["walltime_s"] == 600 and job["uptime_s"] is not None, job
+    assert qstat_text.batching_broken("local")
+    assert pbstk("cancel", "pq").exit_code == 0
