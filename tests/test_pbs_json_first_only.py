@@ -8,10 +8,11 @@ walltime, ask again only once per server, and keep one ``qstat`` per poll where 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import read_calls
+from conftest import FAKEPBS_BIN, read_calls
 from helpers import MODEL, launch, pbstk, until
 from test_service import ROUTER, service_json
 from test_service_pbs import pbs_svc  # noqa: F401  (fixture)
@@ -131,3 +132,25 @@ def test_a_services_replicas_keep_their_state_uptime_and_walltime(monkeypatch: p
         assert job["walltime_s"] == 600 and job["uptime_s"] is not None, job
     assert qstat_text.batching_broken("local")
     assert pbstk("cancel", "pq").exit_code == 0
+
+
+def test_the_fake_plays_the_quirk_as_the_real_server_does(fakepbs: Path, standins: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """What test_realpbs.py saw on OpenPBS main: the first job found (an unknown id before it does not count),
+    rc and stderr as usual; the text form lists all."""
+    monkeypatch.setenv("FAKEPBS_QUEUE_DELAY", "60")
+    jobs = [launch("--name", f"q{i}").job_id for i in range(2)]
+    monkeypatch.setenv("FAKEPBS_JSON_FIRST_ONLY", "1")
+
+    def qstat(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(FAKEPBS_BIN / "qstat"), *args], capture_output=True, text=True, timeout=30)  # noqa: S603
+
+    whole = qstat("-x", "-f", "-F", "json", *jobs)
+    assert whole.returncode == 0 and not whole.stderr and list(json.loads(whole.stdout)["Jobs"]) == jobs[:1]
+    unknown_first = qstat("-x", "-f", "-F", "json", "999", *jobs)
+    assert unknown_first.returncode == 153 and "Unknown Job Id 999" in unknown_first.stderr
+    assert list(json.loads(unknown_first.stdout)["Jobs"]) == jobs[:1]
+    text = qstat("-x", "-f", "-w", *jobs)
+    assert list(qstat_text.parse_text(text.stdout)) == jobs
+    monkeypatch.delenv("FAKEPBS_JSON_FIRST_ONLY")
+    assert list(json.loads(qstat("-x", "-f", "-F", "json", *jobs).stdout)["Jobs"]) == jobs
