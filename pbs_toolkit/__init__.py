@@ -13,7 +13,9 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Client": ("pbs_toolkit.client", "Client"),
-    "serve": ("pbs_toolkit.client", "serve"),
+    "launched": ("pbs_toolkit.scoped", "launched"),
+    # deprecated (a DeprecationWarning when called): ``launched``'s old name, which ``Client.serve`` also had
+    "serve": ("pbs_toolkit.scoped", "serve"),
     "Job": ("pbs_toolkit.client", "Job"),
     "Endpoint": ("pbs_toolkit.client", "Endpoint"),
     "Metrics": ("pbs_toolkit.client", "Metrics"),

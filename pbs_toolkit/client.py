@@ -1,4 +1,4 @@
-"""``Client`` and ``serve``: the Python API, one object that owns what every call needs.
+"""``Client``: the Python API, one object that owns what every call needs (``scoped.launched``: one job for a block).
 
 The CLI and the library functions take a job store and runners by hand; a notebook should not. A ``Client``
 holds the job store and one runner per transport (``""`` for this machine, else the SSH host), opened on first
@@ -19,11 +19,11 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
+from pbs_toolkit.scoped import serve  # noqa: F401  (the deprecated name, kept for one release)
 
 if TYPE_CHECKING:
     from pbs_toolkit.endpoints import EndpointUpdate
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from pbs_toolkit.transports.tunnel import Tunnel
     from pbs_toolkit.vllm.prom import MetricsSnapshot
 
-__all__ = ["BenchResult", "Cancellation", "Client", "Diagnosis", "Endpoint", "Job", "Metrics", "serve"]
+__all__ = ["BenchResult", "Cancellation", "Client", "Diagnosis", "Endpoint", "Job", "Metrics"]
 
 _log = logging.getLogger("pbs_toolkit")
 
@@ -52,6 +52,8 @@ _log = logging.getLogger("pbs_toolkit")
 RunnerFactory = Callable[[str], "Runner"]
 #: called with each status change while waiting, and the seconds waited so far
 Progress = Callable[["JobStatus", float], None]
+#: ``launch``'s parameters that are not ``RenderRequest`` options
+_NOT_REQUEST_FIELDS = frozenset({"self", "model", "preset", "profile", "api_key", "use_api_key"})
 
 
 @dataclass(frozen=True)
@@ -308,8 +310,17 @@ class Client:
         return self.runner(checked_profile(req).ssh_host or "")
 
     def launch(self, model: str | RenderRequest, preset: str | None = None, profile: str | None = None, *,
-               api_key: str | None = None, use_api_key: bool = True, **options: Any) -> Job:
-        """Render, submit and record a server job for ``model``; returns at once (``wait`` waits)."""
+               name: str | None = None, served_model_name: str | None = None, port: int | str | None = None,
+               queue: str | None = None, account: str | None = None, walltime: str | None = None,
+               nodes: int | None = None, gpus_per_node: int | None = None, venv: str | None = None,
+               runs_root: str | None = None, vllm_version: str | None = None, hf_home: str | None = None,
+               vllm_cache_root: str | None = None, scheduler: str | None = None, ssh_host: str | None = None,
+               eager: bool | None = None, vllm_args: list[str] | None = None, env: dict[str, str] | None = None,
+               run_dir: str | None = None, api_key: str | None = None, use_api_key: bool = True) -> Job:
+        """Render, submit and record a server job for ``model``; returns at once (``wait`` waits). The keywords
+        before ``api_key`` are ``RenderRequest``'s fields (``None``: from the profile, preset or user config);
+        a misspelt one is a ``TypeError``."""
+        options = {k: v for k, v in locals().items() if v is not None and k not in _NOT_REQUEST_FIELDS}
         result = self.launch_request(self.request(model, preset, profile, **options), api_key=api_key,
                                      use_api_key=use_api_key)
         return Job.from_record(result.record, result.rendered.notes)
@@ -947,25 +958,3 @@ def _drain(pending: list[tuple[bool, str]], notice: Callable[[str], None]) -> It
             notice(text)
         else:
             yield text
-
-
-@contextmanager
-def serve(model: str, preset: str | None = None, profile: str | None = None, *, timeout: float = 3600.0,
-          client: Client | None = None, **options: Any) -> Iterator[Endpoint]:
-    """Launch ``model``, wait until it is ready, yield its ``Endpoint``; cancel the job on the way out, whatever
-    ends the block (an exception, Ctrl-C, a failed or timed-out wait). ``client``: reuse one (else a fresh one,
-    closed at the end); ``options``: as for ``Client.launch``."""
-    own = client is None
-    c = client or Client()
-    job: Job | None = None
-    try:
-        job = c.launch(model, preset, profile, **options)
-        c.wait(job, timeout)
-        yield c.endpoint(job)
-    finally:
-        try:
-            if job is not None:
-                c.cancel(job)
-        finally:
-            if own:
-                c.close()

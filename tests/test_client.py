@@ -1,4 +1,4 @@
-"""The Python API: ``pbs_toolkit.Client``, ``pbs_toolkit.serve`` and the package-level shortcuts.
+"""The Python API: ``pbs_toolkit.Client``, ``pbs_toolkit.launched`` and the package-level shortcuts.
 
 Everything runs for real on the ``local`` scheduler with the stand-in ``vllm`` (profile ``local-gpu``, one GPU).
 """
@@ -72,11 +72,11 @@ def test_package_launch_twice_in_one_process_survives_submodule_imports(standins
     assert importlib.import_module("pbs_toolkit.jobs.launch").launch is not pbs_toolkit.launch
 
 
-# -- serve ---------------------------------------------------------------------------------------------------
+# -- launched -------------------------------------------------------------------------------------------------
 
 
-def test_serve_yields_a_working_endpoint_and_cancels_on_exception(standins: Path) -> None:
-    with pytest.raises(RuntimeError, match="boom"), pbs_toolkit.serve(MODEL, timeout=30, name="s", **LOCAL) as ep:
+def test_launched_yields_a_working_endpoint_and_cancels_on_exception(standins: Path) -> None:
+    with pytest.raises(RuntimeError, match="boom"), pbs_toolkit.launched(MODEL, timeout=30, name="s", **LOCAL) as ep:
         assert isinstance(ep, Endpoint) and ep.base_url.startswith("http://127.0.0.1:")
         assert ep.model == MODEL and ep.api_key and ep.api_key not in repr(ep)
         job = Client().jobs()[0]
@@ -86,17 +86,17 @@ def test_serve_yields_a_working_endpoint_and_cancels_on_exception(standins: Path
     assert only_job_cancelled(Client()).state is ServerState.CANCELLED
 
 
-def test_serve_cancels_on_keyboard_interrupt(standins: Path) -> None:
-    with pytest.raises(KeyboardInterrupt), pbs_toolkit.serve(MODEL, timeout=30, **LOCAL):
+def test_launched_cancels_on_keyboard_interrupt(standins: Path) -> None:
+    with pytest.raises(KeyboardInterrupt), pbs_toolkit.launched(MODEL, timeout=30, **LOCAL):
         pid = server_pid(Client().jobs()[0])
         raise KeyboardInterrupt
     wait_for(lambda: gone(pid), 10, "the server to be stopped")
 
 
-def test_serve_cancels_when_the_wait_fails(standins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launched_cancels_when_the_wait_fails(standins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PBSTK_TEST_STANDIN_MODE", "hang")  # never listens
-    with pytest.raises(WaitTimeout), pbs_toolkit.serve(MODEL, timeout=1, **LOCAL):
-        raise AssertionError("a server that never listens cannot be served")
+    with pytest.raises(WaitTimeout), pbs_toolkit.launched(MODEL, timeout=1, **LOCAL):
+        raise AssertionError("a server that never listens cannot be ready")
     assert only_job_cancelled(Client()).state is ServerState.CANCELLED
 
 

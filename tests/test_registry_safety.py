@@ -249,14 +249,14 @@ def test_large_py_registry_is_edited_in_bounded_memory_and_keeps_every_other_byt
 def test_edits_across_parse_chunks_touch_only_their_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The dict is parsed a chunk of elements at a time: replacing and removing entries on either side of the
     chunk boundaries changes exactly their bytes."""
-    from pbs_toolkit.endpoints import py_dict
+    from pbs_toolkit.endpoints import py_locate
 
-    monkeypatch.setattr(py_dict, "CHUNK_BYTES", 1000)  # about 10 entries a chunk
+    monkeypatch.setattr(py_locate, "CHUNK_BYTES", 1000)  # about 10 entries a chunk
 
     def whole_file_parse(*args: object) -> None:
         raise AssertionError("fell back to the whole-file parse")
 
-    monkeypatch.setattr(py_dict, "_slow", whole_file_parse)
+    monkeypatch.setattr(py_locate, "_slow", whole_file_parse)
     path = tmp_path / "endpoints.py"
     source = _big_source(0.01)
     path.write_text(source)

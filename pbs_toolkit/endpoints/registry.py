@@ -23,6 +23,9 @@ from pbs_toolkit.endpoints.entry import EndpointEntry, validate_entry
 from pbs_toolkit.endpoints.formats import FORMATS, RegistryFormat, by_suffix
 from pbs_toolkit.errors import RegistryError
 
+#: a UTF-8 byte order mark (Windows editors write one): kept where it is, never parsed as text
+BOM = "\ufeff"
+
 __all__ = [
     "FORMATS",
     "EndpointEntry",
@@ -34,6 +37,11 @@ __all__ = [
     "remove_endpoint",
     "write_endpoint",
 ]
+
+
+def _without_bom(text: str) -> tuple[str, str]:
+    """(the byte order mark or "", the text after it): formats parse the text, a write puts the mark back."""
+    return (BOM, text[1:]) if text.startswith(BOM) else ("", text)
 
 
 def detect_format(path: str | os.PathLike[str], fmt: str = "auto", *, force: bool = False) -> str:
@@ -121,7 +129,7 @@ def check_target(
     safety.check_writable(target)
     text = atomic.read_text(target, follow=False)
     if text is not None:
-        FORMATS[kind].check(text, target)
+        FORMATS[kind].check(_without_bom(text)[1], target)
     return target, kind
 
 
@@ -159,8 +167,10 @@ def write_endpoint(
     safety.check_writable(target)
     with atomic.locked(target):
         safety.refuse_non_regular(target, target)  # again under the lock: it may have changed meanwhile
-        text = atomic.read_text(target, follow=False)
+        read = atomic.read_text(target, follow=False)
+        bom, text = _without_bom(read) if read is not None else ("", None)
         new_text, holds_secret = fmt_impl.upsert(text, entry, target, api_key)
+        new_text = bom + new_text
         mode = atomic.existing_mode(target)
         if mode is None:
             mode = atomic.MODE_SECRET if holds_secret else atomic.MODE_PLAIN
@@ -182,7 +192,7 @@ def read_endpoints(path: str | os.PathLike[str] | None, fmt: str = "auto") -> di
     text = atomic.read_text(target)
     if text is None:
         return {}
-    return FORMATS[kind].parse(text, target)
+    return FORMATS[kind].parse(_without_bom(text)[1], target)
 
 
 def remove_endpoint(
@@ -222,9 +232,10 @@ def remove_entry(
     safety.check_writable(target)
     with atomic.locked(target):
         safety.refuse_non_regular(target, target)
-        text = atomic.read_text(target, follow=False)
-        if text is None:
+        read = atomic.read_text(target, follow=False)
+        if read is None:
             return False, None
+        bom, text = _without_bom(read)
         current = None
         if only_url is not None:
             current = FORMATS[kind].parse(text, target).get(alias)
@@ -234,5 +245,5 @@ def remove_entry(
         if new_text is None:
             return False, None
         mode = atomic.existing_mode(target)
-        atomic.replace_atomically(target, new_text, atomic.MODE_PLAIN if mode is None else mode)
+        atomic.replace_atomically(target, bom + new_text, atomic.MODE_PLAIN if mode is None else mode)
     return True, current

@@ -116,7 +116,8 @@ class JobRecord:
     #: "" for this machine, else the SSH host the job was submitted through
     transport: str = ""
     created: float = field(default_factory=time.time)
-    api_key: str | None = None
+    #: secret: never in ``repr`` (a notebook prints reprs and saves them) nor in ``public``/``to_dict``
+    api_key: str | None = field(default=None, repr=False)
     api_key_env: str | None = None
     #: set once a final state is known, so later status calls skip the scheduler
     final_state: str | None = None

@@ -14,7 +14,7 @@ import secrets
 import shlex
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,7 +110,7 @@ class ServeOptions:
     handover_s: float = DEFAULT_HANDOVER_S
     policy: str | None = None
     nodes_per_replica: int | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
 
 
 def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceRecord:

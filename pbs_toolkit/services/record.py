@@ -47,7 +47,8 @@ class ServiceRecord:
     profile: str
     replicas: int
     #: the RenderRequest's fields (``dataclasses.asdict``): what every replica and successor is launched from
-    request: dict[str, Any]
+    #: (its ``env`` may hold a token the user passed: not in ``repr``)
+    request: dict[str, Any] = field(repr=False)
     transport: str = ""
     scheduler: str = ""
     keep_alive: bool = False
@@ -55,8 +56,8 @@ class ServiceRecord:
     walltime_s: int = 0
     policy: str = "round_robin"
     slots: list[Slot] = field(default_factory=list)
-    #: services/router.py ``RouterInfo.to_dict()``; empty until the router runs
-    router: dict[str, Any] = field(default_factory=dict)
+    #: services/router.py ``RouterInfo.to_dict()``; empty until the router runs (its token: not in ``repr``)
+    router: dict[str, Any] = field(default_factory=dict, repr=False)
     #: ``router: job``: the router's own job (``job_id``, ``run_dir``, ``scheduler``); empty otherwise
     router_job: dict[str, Any] = field(default_factory=dict)
     #: STARTING, READY, DEGRADED, DOWN (the keeper's last look), then CANCELLED or ENDED

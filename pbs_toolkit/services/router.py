@@ -57,7 +57,7 @@ import re
 import secrets
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -140,7 +140,8 @@ class RouterInfo:
     policy: str
     run_dir: str  # on the router's host: router.json (0600), router.log
     transport: str = ""  # "" = this machine, else the ssh host (as JobRecord.transport)
-    token: str = ""  # identity token (in the router's environment) so a recycled pid is never killed
+    #: identity token (in the router's environment) so a recycled pid is never killed; never in ``repr``
+    token: str = field(default="", repr=False)
 
     @property
     def url(self) -> str:

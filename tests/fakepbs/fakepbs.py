@@ -1173,6 +1173,9 @@ def qstat(argv: list[str]) -> int:
                 if sub is not None:
                     found[sub["id"]] = public_view(sub)
 
+    # OpenPBS main (openpbs #2672): qstat stats one id at a time and the JSON "Jobs" object is made with the first
+    # answer only, so a batched -F json lists the first job found and drops the rest (rc 0, nothing on stderr)
+    first_only = fmt == "json" and os.environ.get("FAKEPBS_JSON_FIRST_ONLY") == "1"
     if ids:
         for text in ids:
             _, shown, job = lookup(text)
@@ -1185,7 +1188,7 @@ def qstat(argv: list[str]) -> int:
                     f"qstat: {shown} Job has finished, use -x or -H to obtain historical job information"
                 )
                 rc = RC_HISTORY
-            else:
+            elif not (first_only and found):  # with the quirk, a later job is found and then dropped
                 add(job, view)
     else:
         for number in all_seqs():

@@ -28,6 +28,7 @@ from pbs_toolkit.schedulers.base import (
     scheduler_timeout,
     was_killed,
 )
+from pbs_toolkit.schedulers.pbs import qstat_text
 from pbs_toolkit.transports.base import Result, Runner, WrappingRunner
 
 STATES: dict[str, SchedState] = {
@@ -261,6 +262,30 @@ def check_answer(result: Result, ids: Sequence[str]) -> None:
         )
 
 
+def _listed(ids: Sequence[str], found: dict[str, SchedulerJob], rc: int) -> dict[str, SchedulerJob]:
+    """``found`` by the ids asked for; qstat exits 153 when it does not know an id, so 0 with an id missing is not
+    an answer about it (``SchedulerUnavailable``)."""
+    jobs = {job_id: found[m] for job_id in ids if (m := match_id(job_id, found))}
+    if rc == 0 and len(jobs) < len(ids):
+        raise SchedulerUnavailable(f"qstat exited 0 without listing {', '.join(i for i in ids if i not in jobs)}")
+    return jobs
+
+
+def _query_text(runner: Runner, ids: Sequence[str]) -> dict[str, SchedulerJob]:
+    """``ids`` asked in qstat's text format (``qstat_text``): one call, every job listed."""
+    result = run_with_retry(runner, qstat_text.text_argv(ids), is_transient, timeout=scheduler_timeout())
+    if result.rc not in (0, *_GONE):
+        check_answer(result, ids)  # raises: killed, or refused
+    if result.rc == 0 and not result.stdout.strip():
+        raise SchedulerUnavailable(f"qstat printed nothing (exit 0) for {len(ids)} job(s)")
+    asked_at = time.time()
+    try:
+        found = {job_id: _job(job_id, info, asked_at) for job_id, info in qstat_text.parse_text(result.stdout).items()}
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise SchedulerUnavailable(f"qstat -f printed a job pbstk cannot read: {exc}") from exc
+    return _listed(ids, found, result.rc)
+
+
 def cancel_argv(job_id: str) -> list[str]:
     return ["qdel", job_id]
 
@@ -311,15 +336,19 @@ class PBSScheduler(Scheduler):
         if not refs:
             return {}
         ids = [ref.job_id for ref in refs]
+        if len(ids) > 1 and qstat_text.batching_broken(runner.name):
+            return _query_text(runner, ids)  # this server's batched JSON lists one job: one call in text
         result = run_with_retry(runner, status_argv(ids), is_transient, timeout=scheduler_timeout())
         check_answer(result, ids)
         found = parse_status(result.stdout)
         jobs = {job_id: found[m] for job_id in ids if (m := match_id(job_id, found))}
-        if result.rc == 0 and len(jobs) < len(ids):
-            # qstat exits 153 when it does not know an id; 0 with an id missing is not an answer about it
-            missing = ", ".join(i for i in ids if i not in jobs)
-            raise SchedulerUnavailable(f"qstat exited 0 without listing {missing}")
-        return jobs
+        unknown = qstat_text.unknown_ids(result.stderr)
+        left_out = [i for i in ids if i not in jobs and i.split(".", 1)[0] not in unknown]
+        if len(ids) > 1 and left_out:
+            # openpbs #2672: a batched JSON answer lists only its first job (qstat_text.py); ask again in text
+            qstat_text.remember_broken(runner.name, qstat_text.server_name(result.stdout))
+            return {**jobs, **_query_text(runner, left_out)}
+        return _listed(ids, found, result.rc)
 
     def cancel(self, runner: Runner, ref: JobRef) -> bool:
         result = run_with_retry(runner, cancel_argv(ref.job_id), is_transient, timeout=scheduler_timeout())
