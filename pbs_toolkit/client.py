@@ -586,20 +586,27 @@ class Client:
                         keep_after_end: bool = False) -> EndpointUpdate:
         """Wait until the job is ready, then write its endpoint into ``registry`` (checked before waiting, not
         an hour later). ``via_tunnel``: register a tunnel's local URL instead (the tunnel is the last of
-        ``tunnels`` and stays open until ``close()``). The entry is recorded with the job and removed when it
-        ends or is cancelled, unless ``keep_after_end``."""
+        ``tunnels`` and stays open until ``close()``; the entry goes when it closes). The entry is recorded with
+        the job and removed when it ends or is cancelled, unless ``keep_after_end``."""
         from pbs_toolkit.endpoints import check_registry, update_endpoint
+        from pbs_toolkit.endpoints.retire import retire
         from pbs_toolkit.jobs.store import RegistryEntry
 
+        if via_tunnel and keep_after_end:
+            raise UsageError("--keep-after-end with --via-tunnel: the tunnel's URL dies with the tunnel, so its "
+                             "entry is removed when the tunnel closes")
         record = self.record(job)
         fmt = check_registry(record, registry, fmt, alias, follow_symlink=follow_symlink, force_format=force_format)
         st = self.wait(record, timeout, on_progress)
-        local_url = self.tunnel(st, local_port)[1].url if via_tunnel else None
-        result = update_endpoint(st, registry=registry, fmt=fmt, alias=alias, local_url=local_url,
+        tunnel = self.tunnel(st, local_port)[1] if via_tunnel else None
+        result = update_endpoint(st, registry=registry, fmt=fmt, alias=alias, local_url=tunnel.url if tunnel else None,
                                  follow_symlink=follow_symlink, force_format=force_format)
         self.store.forget_alias(result.registry, result.alias)  # the alias is this job's now, not an older one's
-        self.store.add_registry_entry(RegistryEntry(record.job_id, record.transport, result.registry, result.format,
-                                                    result.alias, result.url, keep=keep_after_end))
+        entry = RegistryEntry(record.job_id, record.transport, result.registry, result.format, result.alias,
+                              result.url, keep=keep_after_end)
+        self.store.add_registry_entry(entry)
+        if tunnel is not None:  # a dead local URL must not stay behind (still only while it holds this URL)
+            tunnel.on_close(lambda: retire(self.store, record, entries=[entry], notice=self.on_removal))
         return result
 
     def remove_endpoint(self, alias: str, registry: str | None = None, *, fmt: str = "auto",
@@ -763,8 +770,8 @@ class Client:
             return 0
         return spawn_keeper(name)
 
-    def service_endpoint(self, name: str | ServiceRecord) -> Endpoint:
-        """The router's base URL and the service's key (what ``pbstk env NAME`` exports)."""
+    def service_endpoint(self, name: str | ServiceRecord, local_url: str | None = None) -> Endpoint:
+        """The router's base URL (``local_url``: a tunnel's instead) and the service's key (``pbstk env NAME``)."""
         from pbs_toolkit.endpoints import endpoint_url, env_values
         from pbs_toolkit.services.manage import service_job_status
         from pbs_toolkit.services.record import find
@@ -773,8 +780,8 @@ class Client:
         if rec.ended is not None or not rec.router:
             raise ServerFailed(f"service {rec.name} is {rec.state}: no router to point at")
         st = service_job_status(rec)
-        return Endpoint(base_url=endpoint_url(st), api_key=rec.api_key, model=rec.served_model_name,
-                        job_id=rec.entry_id, env=env_values(st))
+        return Endpoint(base_url=endpoint_url(st, local_url), api_key=rec.api_key, model=rec.served_model_name,
+                        job_id=rec.entry_id, env=env_values(st, local_url))
 
     def update_service_endpoint(self, name: str | ServiceRecord, registry: str | None = None, *,
                                 fmt: str = "auto", alias: str | None = None, follow_symlink: bool = False,
