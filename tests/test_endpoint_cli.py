@@ -256,5 +256,6 @@ def test_via_tunnel_refuses_keep_after_end(fakepbs: Path, standins: Path, tmp_pa
     record = launch()
     result = plain("update-endpoint", record.job_id, "--registry", str(tmp_path / "e.yaml"), "--via-tunnel",
                    "--keep-after-end")
+    assert plain("cancel", record.job_id).exit_code == 0
     assert result.exit_code == 2 and "--keep-after-end with --via-tunnel" in result.stderr, result.output
     assert not (tmp_path / "e.yaml").exists()
