@@ -35,7 +35,8 @@ def router_requests(name: str) -> float:
     return float(doc["router"]["requests_total"])
 
 
-def test_a_service_name_works_for_wait_metrics_logs_doctor_and_bench(svc_profile: str) -> None:  # noqa: F811
+def test_a_service_name_works_for_wait_metrics_logs_doctor_and_bench(svc_profile: str,  # noqa: F811
+                                                                      standins: Path) -> None:
     assert serve("--replicas", "2", "--name", "ns").exit_code == 0
 
     # wait: until the service is READY (it used to say: unknown job 'ns')
@@ -65,6 +66,10 @@ def test_a_service_name_works_for_wait_metrics_logs_doctor_and_bench(svc_profile
                                                                               timeout=5).json()["urls"])
     assert all(w["healthy"] and w["circuit"] == "closed" for w in router["workers"])
     assert router["duration_p50_ms"] is not None
+    looks = [json.loads(line) for line in ok("metrics", "ns", "--watch", "0.2", "--count", "2", "--json")
+             .stdout.splitlines()]
+    assert [(m["kind"], m["aggregate"]["window"], m["router"]["window"]) for m in looks] == [
+        ("service_metrics", "interval", "interval")] * 2
     text = ok("metrics", "ns", "--interval", "0.1").stdout
     assert "service ns: 2 replica(s) scraped" in text and "all replicas:" in text, text
     assert "router: " in text and "workers 2/2 healthy" in text, text
@@ -97,6 +102,10 @@ def test_a_service_name_works_for_wait_metrics_logs_doctor_and_bench(svc_profile
     assert (bench["job_id"], bench["preset"]) == ("service:ns", "service")
     assert [(r["completed"], r["failed"]) for r in bench["results"]] == [(8, 0)]
     assert router_requests("ns") - before >= 8  # the 8 prompts (and the warm-up) went through the router
+    by_vllm = json.loads(ok("bench", "ns", "--client", "vllm", "-c", "1", "--num-prompts", "8", "--json").stdout)
+    assert by_vllm["results"][0]["client"] == "vllm"
+    argv = json.loads((standins / "bench.jsonl").read_text().splitlines()[-1])["argv"]
+    assert argv[argv.index("--base-url") + 1] == url[: -len("/v1")]  # vllm bench serve, pointed at the router
 
     # logs -f follows the router's log until the service ends
     follow = subprocess.Popen([sys.executable, "-m", "pbs_toolkit.cli.main", "logs", "ns", "-f", "-n", "1"],  # noqa: S603
