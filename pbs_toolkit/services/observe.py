@@ -374,11 +374,11 @@ def _router_findings(client: Client, st: ServiceStatus) -> tuple[dict[str, Any],
         else:
             router["workers"] = [{"url": url, **w} for url, w in sorted(snap.workers.items())]
             expected = {u for _, js in serving(st) if (u := worker_url(js))}
-            findings += _worker_findings(rec.name, snap, expected)
+            findings += worker_findings(rec.name, snap, expected)
     return router, findings
 
 
-def _worker_findings(name: str, snap: RouterSnapshot, expected: set[str]) -> list[Finding]:
+def worker_findings(name: str, snap: RouterSnapshot, expected: set[str]) -> list[Finding]:
     from pbs_toolkit.perf.doctor import Finding
 
     out = []
