@@ -211,6 +211,7 @@ def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | Non
     """The realtime vLLM log of JOB (default: the newest job), locally or over SSH.
 
     JOB may name a service (`pbstk serve`): its router's log, or with --replica K that replica's."""
+    from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
 
@@ -218,9 +219,7 @@ def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | Non
         raise UsageError("-n must not be negative")
     notice = lambda m: click.echo(f"pbstk: {m}", err=True)  # noqa: E731
     with Client() as c:
-        svc = c.service(job)  # a service name (no job of that name): docs/services.md
-        if svc is None and replica is not None:
-            raise UsageError(f"--replica {replica}: {job or 'the newest job'} is a job, not a service")
+        svc = service_cmds.named_service(c, job, replica)  # docs/services.md
         if not follow:
             # -n 1000000: no second full copy of the text
             for piece in (c.service_log(svc, lines, replica=replica, pieces=True, stream=stream, node=node) if svc
@@ -244,7 +243,7 @@ def wait(job: str | None, timeout: float, as_json: bool) -> None:
     from pbs_toolkit.client import Client
 
     with Client() as c:
-        svc = c.service(job)  # a service name (no job of that name): docs/services.md
+        svc = service_cmds.named_service(c, job)  # docs/services.md
         if svc is not None:
             sst = service_cmds.wait_service(c, svc, timeout, as_json)
             if as_json:

@@ -76,7 +76,7 @@ def metrics(job: str | None, watch: float | None, count: int, export_path: str |
     from pbs_toolkit.client import Client
 
     with Client() as c:
-        svc = c.service(job)  # a service name (no job of that name): docs/services.md
+        svc = service_cmds.named_service(c, job)  # docs/services.md
         if svc is not None:
             sst = service_cmds.wait_service(c, svc, timeout, as_json) if wait_ready else svc
             looks: Any = c.watch_service_metrics(sst, watch, count) if watch else [c.service_metrics(sst, interval)]
@@ -130,15 +130,15 @@ def doctor(job: str | None, replica: int | None, as_json: bool) -> None:
     JOB may name a service (`pbstk serve`): the router's and keeper's state, then each replica (or --replica K)."""
     from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
-    from pbs_toolkit.errors import UsageError
 
     with Client() as c:
-        svc = c.service(job)  # a service name (no job of that name): docs/services.md
-        if svc is None and replica is not None:
-            raise UsageError(f"--replica {replica}: {job or 'the newest job'} is a job, not a service")
+        svc = service_cmds.named_service(c, job, replica)  # docs/services.md
         if svc is not None:
             sd = c.service_doctor(svc, replica)
-            echo_json(sd.to_dict()) if as_json else service_cmds.show_doctor(sd, _show_findings)
+            if as_json:
+                echo_json(sd.to_dict())
+            else:
+                service_cmds.show_doctor(sd, _show_findings)
             return
         record = c.record(job)
         d = c.doctor(record)
@@ -181,7 +181,7 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
     levels = _int_list(concurrency)
     run: Any
     with Client() as c:
-        svc = c.service(job)  # a service name (no job of that name): docs/services.md
+        svc = service_cmds.named_service(c, job)  # docs/services.md
         if svc is not None:
             target, run = (service_cmds.wait_service(c, svc, timeout, as_json) if wait_ready else svc), c.service_bench
         else:

@@ -187,6 +187,17 @@ COMMANDS = [serve, service, keeper]
 # -- a service name where a job name would do: wait, metrics, doctor, bench, logs ------------------------------
 
 
+def named_service(c: Any, job: str | None, replica: int | None = None) -> Any:
+    """The service JOB names (``Client.service``: no job has that id or name), else ``None``; ``--replica K``
+    is refused for a job."""
+    from pbs_toolkit.errors import UsageError
+
+    svc = c.service(job)
+    if svc is None and replica is not None:
+        raise UsageError(f"--replica {replica}: {job or 'the newest job'} is a job, not a service")
+    return svc
+
+
 class _ServiceLine:
     """What a wait's progress line shows of a service: its state and how many replicas are READY."""
 
