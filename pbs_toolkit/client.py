@@ -562,24 +562,16 @@ class Client:
         ``tunnels`` and stays open until ``close()``; the entry goes when it closes). The entry is recorded with
         the job and removed when it ends or is cancelled, unless ``keep_after_end``."""
         from pbs_toolkit.endpoints import check_registry, update_endpoint
-        from pbs_toolkit.endpoints.retire import retire
-        from pbs_toolkit.jobs.store import RegistryEntry
+        from pbs_toolkit.endpoints.retire import refuse_kept_tunnel, remember
 
-        if via_tunnel and keep_after_end:
-            raise UsageError("--keep-after-end with --via-tunnel: the tunnel's URL dies with the tunnel, so its "
-                             "entry is removed when the tunnel closes")
+        refuse_kept_tunnel(via_tunnel, keep_after_end)
         record = self.record(job)
         fmt = check_registry(record, registry, fmt, alias, follow_symlink=follow_symlink, force_format=force_format)
         st = self.wait(record, timeout, on_progress)
         tunnel = self.tunnel(st, local_port)[1] if via_tunnel else None
         result = update_endpoint(st, registry=registry, fmt=fmt, alias=alias, local_url=tunnel.url if tunnel else None,
                                  follow_symlink=follow_symlink, force_format=force_format)
-        self.store.forget_alias(result.registry, result.alias)  # the alias is this job's now, not an older one's
-        entry = RegistryEntry(record.job_id, record.transport, result.registry, result.format, result.alias,
-                              result.url, keep=keep_after_end)
-        self.store.add_registry_entry(entry)
-        if tunnel is not None:  # a dead local URL must not stay behind (still only while it holds this URL)
-            tunnel.on_close(lambda: retire(self.store, record, entries=[entry], notice=self.on_removal))
+        remember(self.store, record, result, keep=keep_after_end, tunnel=tunnel, notice=self.on_removal)
         return result
 
     def remove_endpoint(self, alias: str, registry: str | None = None, *, fmt: str = "auto",
@@ -758,25 +750,26 @@ class Client:
 
     def update_service_endpoint(self, name: str | ServiceRecord, registry: str | None = None, *,
                                 fmt: str = "auto", alias: str | None = None, follow_symlink: bool = False,
-                                force_format: bool = False, keep_after_end: bool = False) -> EndpointUpdate:
+                                force_format: bool = False, keep_after_end: bool = False, via_tunnel: bool = False,
+                                local_port: int = 0) -> EndpointUpdate:
         """Register the router's URL under the service's name (the registry never changes across handovers);
-        recorded as ``service:NAME`` and taken back by ``cancel_service``."""
+        recorded as ``service:NAME`` and taken back by ``cancel_service``. ``via_tunnel``: as for a job."""
         from pbs_toolkit.endpoints import check_registry, update_endpoint
-        from pbs_toolkit.jobs.store import RegistryEntry
+        from pbs_toolkit.endpoints.retire import refuse_kept_tunnel, remember
         from pbs_toolkit.services.manage import service_job_status
         from pbs_toolkit.services.record import find
 
+        refuse_kept_tunnel(via_tunnel, keep_after_end)
         rec = find(self.store, name) if isinstance(name, str) else name
         if rec.ended is not None or not rec.router:
             raise ServerFailed(f"service {rec.name} is {rec.state}: no router to register")
         st = service_job_status(rec)
         fmt = check_registry(st.record, registry, fmt, alias, follow_symlink=follow_symlink,
                              force_format=force_format)
-        result = update_endpoint(st, registry=registry, fmt=fmt, alias=alias, follow_symlink=follow_symlink,
-                                 force_format=force_format)
-        self.store.forget_alias(result.registry, result.alias)
-        self.store.add_registry_entry(RegistryEntry(rec.entry_id, rec.transport, result.registry, result.format,
-                                                    result.alias, result.url, keep=keep_after_end))
+        tunnel = self.tunnel(st, local_port)[1] if via_tunnel else None
+        result = update_endpoint(st, registry=registry, fmt=fmt, alias=alias, local_url=tunnel.url if tunnel else None,
+                                 follow_symlink=follow_symlink, force_format=force_format)
+        remember(self.store, st.record, result, keep=keep_after_end, tunnel=tunnel, notice=self.on_removal)
         return result
 
     # -- a service where a job would do: metrics, logs, doctor, bench (services/observe.py) --------------------

@@ -141,3 +141,33 @@ def test_a_job_name_refuses_replica_and_an_unready_service_says_so(svc_profile: 
 
         with Client(on_removal=lambda r: None) as c:
             teardown(c, records.find(c.store, "nr"), "CANCELLED")
+
+
+def test_update_endpoint_via_tunnel_of_a_service(svc_profile: str, tmp_path: Path) -> None:  # noqa: F811
+    """A laptop reaches a login-node router through the SSH connection: the entry is the tunnel's URL, the hint's
+    `env --local-url` exports it, and SIGTERM closes the tunnel and takes the entry back."""
+    import signal
+
+    from pbs_toolkit.endpoints.registry import read_endpoints
+
+    assert serve("--name", "vt", "--wait", "--timeout", "60").exit_code == 0
+    rec = records.find(JobStore(), "vt")
+    registry = tmp_path / "endpoints.yaml"
+    proc = subprocess.Popen([sys.executable, "-m", "pbs_toolkit.cli.main", "update-endpoint", "vt",  # noqa: S603
+                             "--registry", str(registry), "--via-tunnel"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        until(proc.stdout.readline, timeout=30, what="the registry line")
+        hint = until(proc.stdout.readline, timeout=10, what="the env hint")
+        url = read_endpoints(registry)["vt"].url
+        assert url.startswith("http://127.0.0.1:") and url != rec.url, (url, rec.url)  # the tunnel, not the router
+        local = hint.split("--local-url ", 1)[1].split(")", 1)[0]
+        assert local + "/v1" == url, hint
+        assert f"export OPENAI_BASE_URL={url}" in ok("env", "vt", "--local-url", local).stdout
+        wait_for(lambda: chat(url, rec.api_key).status_code == 200, 15, "a chat through the tunnel and the router")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0, err
+    assert "vt" not in read_endpoints(registry), registry.read_text()

@@ -49,13 +49,10 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
     with Client() as c:  # one connection (one MFA prompt) waits, forwards and registers
         svc = c.service(job)
         if svc is not None:  # a service: the router's URL and the service's key (docs/services.md)
-            if via_tunnel:
-                from pbs_toolkit.errors import UsageError
-
-                raise UsageError("--via-tunnel is for a job; a service registers its router's URL")
             result = c.update_service_endpoint(svc, registry, fmt=fmt, alias=alias, follow_symlink=follow_symlink,
-                                               force_format=force_format, keep_after_end=keep_after_end)
-            _show_update(result, svc.name, as_json)
+                                               force_format=force_format, keep_after_end=keep_after_end,
+                                               via_tunnel=via_tunnel, local_port=local_port)
+            _finish(c, result, svc.name, as_json, via_tunnel)
             return
         record = c.record(job)
         resume = shlex.join(["pbstk", "update-endpoint", record.job_id,  # the same registration, picked up again
@@ -68,11 +65,17 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
                                        follow_symlink=follow_symlink, force_format=force_format,
                                        via_tunnel=via_tunnel, local_port=local_port, on_progress=show,
                                        keep_after_end=keep_after_end)
-        tunnel = c.tunnels[-1] if via_tunnel else None
-        _show_update(result, record.job_id, as_json, tunnel.url if tunnel else None)
-        if tunnel is not None:
-            click.echo(f"tunnel open on {tunnel.url}; Ctrl-C (or SIGTERM) closes it and removes the entry", err=True)
-            tunnel.serve_forever()
+        _finish(c, result, record.job_id, as_json, via_tunnel)
+
+
+def _finish(c: Any, result: Any, ref: str, as_json: bool, via_tunnel: bool) -> None:
+    """Show the entry; with ``--via-tunnel`` keep the tunnel open until Ctrl-C or SIGTERM, which close it and take
+    the entry back (``Client.update_endpoint``)."""
+    tunnel = c.tunnels[-1] if via_tunnel else None
+    _show_update(result, ref, as_json, tunnel.url if tunnel else None)
+    if tunnel is not None:
+        click.echo(f"tunnel open on {tunnel.url}; Ctrl-C (or SIGTERM) closes it and removes the entry", err=True)
+        tunnel.serve_forever()
 
 
 def _show_update(result: Any, ref: str, as_json: bool, local_url: str | None = None) -> None:
