@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from pbs_toolkit.perf.doctor import Finding
     from pbs_toolkit.perf.tune import TuneReport
     from pbs_toolkit.services.manage import ServiceStatus
+    from pbs_toolkit.services.observe import ServiceDiagnosis, ServiceMetrics
     from pbs_toolkit.services.record import ServiceRecord
     from pbs_toolkit.settings.layout import NodePlan
     from pbs_toolkit.settings.presets import Preset
@@ -456,18 +457,20 @@ class Client:
         node's vLLM log on a job over several nodes (0, the head's, is the default ``vllm`` stream)."""
         record, path = self._log_path(job, lines, stream, node)
         if follow:
-            return self._follow(record, path, lines, final_every, notice or (lambda m: _log.info("%s", m)))
-        if lines == 0:
-            self._tail_pieces(record, path, lines)  # still refuse a log that does not exist yet
-            return iter(())
-        return iter("".join(self._tail_pieces(record, path, lines)).splitlines())
+            return self._follow(record.transport, path, lines, final_every, notice or (lambda m: _log.info("%s", m)),
+                                lambda: self._is_final(record))
+        return self._log_lines(record.transport, path, lines, f"job {record.job_id}")
+
+    def _log_lines(self, transport: str, path: str, lines: int, owner: str) -> Iterator[str]:
+        pieces = self._tail_pieces(transport, path, lines, owner)  # refuses a log that does not exist yet
+        return iter("".join(pieces).splitlines() if lines else ())
 
     def log_text(self, job: Job | JobRecord | str | None = None, lines: int = 50, *,
                  stream: str = "vllm", node: int | None = None) -> Iterator[str]:
         """The last ``lines`` lines exactly as the file holds them (line ends kept, in pieces: ``lines=10**6``
         never holds a second full copy of the text)."""
         record, path = self._log_path(job, lines, stream, node)
-        return self._tail_pieces(record, path, lines)
+        return self._tail_pieces(record.transport, path, lines, f"job {record.job_id}")
 
     def _log_path(self, job: Job | JobRecord | str | None, lines: int, stream: str,
                   node: int | None = None) -> tuple[JobRecord, str]:
@@ -483,56 +486,26 @@ class Client:
             return record, node_log_path(self.runner(record.transport), record.run_dir, record.job_id, node)
         return record, stream_path(record.run_dir, record.scheduler, stream)
 
-    def _tail_pieces(self, record: JobRecord, path: str, lines: int) -> Iterator[str]:
+    def _tail_pieces(self, transport: str, path: str, lines: int, owner: str) -> Iterator[str]:
+        """The last ``lines`` of ``path`` on ``transport``'s machine; ``owner``: whose log, for the error."""
         from pbs_toolkit.jobs.logs import decoded_pieces, tail_blocks
 
         try:
-            blocks, _ = tail_blocks(self.runner(record.transport), path, lines)
+            blocks, _ = tail_blocks(self.runner(transport), path, lines)
         except FileNotFoundError:
-            raise UsageError(f"{path} does not exist yet (job {record.job_id} not started?)") from None
+            raise UsageError(f"{path} does not exist yet ({owner} not started?)") from None
         return decoded_pieces(blocks)
 
-    def _follow(self, record: JobRecord, path: str, lines: int, final_every: float,
-                notice: Callable[[str], None]) -> Iterator[str]:
-        """``_follow_lines``, a dropped connection named as such (the path it was following)."""
+    def _follow(self, transport: str, path: str, lines: int, final_every: float, notice: Callable[[str], None],
+                is_final: Callable[[], bool]) -> Iterator[str]:
+        """``logs.follow_lines`` until ``is_final``, a dropped connection named as such (the path it followed)."""
         from pbs_toolkit.errors import TransportError
+        from pbs_toolkit.jobs.logs import follow_lines
 
         try:
-            yield from self._follow_lines(record, path, lines, final_every, notice)
+            yield from follow_lines(self.runner(transport), path, lines, final_every, notice, is_final)
         except TransportError as exc:
             raise TransportError(f"lost the connection while following {path}: {exc}") from exc
-
-    def _follow_lines(self, record: JobRecord, path: str, lines: int, final_every: float,
-                      notice: Callable[[str], None]) -> Iterator[str]:
-        """``logs.follow``'s loop as a generator: the same follower, its lines handed out as they arrive and
-        its notices told in their place between them."""
-        from pbs_toolkit.jobs.logs import _Follower
-
-        runner = self.runner(record.transport)
-        pending: list[tuple[bool, str]] = []
-        follower = _Follower(runner, path, lambda line: pending.append((False, line)),
-                             lambda message: pending.append((True, message)))
-        closed, final, last_check = False, False, 0.0
-        try:
-            while True:
-                progressed = follower.step(lines)
-                yield from _drain(pending, notice)
-                if progressed:
-                    continue
-                if final:
-                    break
-                if time.monotonic() - last_check >= final_every:
-                    last_check = time.monotonic()
-                    final = self._is_final(record)
-                    if final:
-                        continue
-                time.sleep(0.2)
-            follower.close()  # the incomplete last line, if any
-            closed = True
-            yield from _drain(pending, notice)
-        finally:
-            if not closed:
-                follower.close()
 
     def _is_final(self, record: JobRecord) -> bool:
         from pbs_toolkit.jobs.status import status
@@ -597,20 +570,19 @@ class Client:
                         keep_after_end: bool = False) -> EndpointUpdate:
         """Wait until the job is ready, then write its endpoint into ``registry`` (checked before waiting, not
         an hour later). ``via_tunnel``: register a tunnel's local URL instead (the tunnel is the last of
-        ``tunnels`` and stays open until ``close()``). The entry is recorded with the job and removed when it
-        ends or is cancelled, unless ``keep_after_end``."""
+        ``tunnels`` and stays open until ``close()``; the entry goes when it closes). The entry is recorded with
+        the job and removed when it ends or is cancelled, unless ``keep_after_end``."""
         from pbs_toolkit.endpoints import check_registry, update_endpoint
-        from pbs_toolkit.jobs.store import RegistryEntry
+        from pbs_toolkit.endpoints.retire import refuse_kept_tunnel, remember
 
+        refuse_kept_tunnel(via_tunnel, keep_after_end)
         record = self.record(job)
         fmt = check_registry(record, registry, fmt, alias, follow_symlink=follow_symlink, force_format=force_format)
         st = self.wait(record, timeout, on_progress)
-        local_url = self.tunnel(st, local_port)[1].url if via_tunnel else None
-        result = update_endpoint(st, registry=registry, fmt=fmt, alias=alias, local_url=local_url,
+        tunnel = self.tunnel(st, local_port)[1] if via_tunnel else None
+        result = update_endpoint(st, registry=registry, fmt=fmt, alias=alias, local_url=tunnel.url if tunnel else None,
                                  follow_symlink=follow_symlink, force_format=force_format)
-        self.store.forget_alias(result.registry, result.alias)  # the alias is this job's now, not an older one's
-        self.store.add_registry_entry(RegistryEntry(record.job_id, record.transport, result.registry, result.format,
-                                                    result.alias, result.url, keep=keep_after_end))
+        remember(self.store, record, result, keep=keep_after_end, tunnel=tunnel, notice=self.on_removal)
         return result
 
     def remove_endpoint(self, alias: str, registry: str | None = None, *, fmt: str = "auto",
@@ -774,8 +746,8 @@ class Client:
             return 0
         return spawn_keeper(name)
 
-    def service_endpoint(self, name: str | ServiceRecord) -> Endpoint:
-        """The router's base URL and the service's key (what ``pbstk env NAME`` exports)."""
+    def service_endpoint(self, name: str | ServiceRecord, local_url: str | None = None) -> Endpoint:
+        """The router's base URL (``local_url``: a tunnel's instead) and the service's key (``pbstk env NAME``)."""
         from pbs_toolkit.endpoints import endpoint_url, env_values
         from pbs_toolkit.services.manage import service_job_status
         from pbs_toolkit.services.record import find
@@ -784,31 +756,71 @@ class Client:
         if rec.ended is not None or not rec.router:
             raise ServerFailed(f"service {rec.name} is {rec.state}: no router to point at")
         st = service_job_status(rec)
-        return Endpoint(base_url=endpoint_url(st), api_key=rec.api_key, model=rec.served_model_name,
-                        job_id=rec.entry_id, env=env_values(st))
+        return Endpoint(base_url=endpoint_url(st, local_url), api_key=rec.api_key, model=rec.served_model_name,
+                        job_id=rec.entry_id, env=env_values(st, local_url))
 
     def update_service_endpoint(self, name: str | ServiceRecord, registry: str | None = None, *,
                                 fmt: str = "auto", alias: str | None = None, follow_symlink: bool = False,
-                                force_format: bool = False, keep_after_end: bool = False) -> EndpointUpdate:
+                                force_format: bool = False, keep_after_end: bool = False, via_tunnel: bool = False,
+                                local_port: int = 0) -> EndpointUpdate:
         """Register the router's URL under the service's name (the registry never changes across handovers);
-        recorded as ``service:NAME`` and taken back by ``cancel_service``."""
+        recorded as ``service:NAME`` and taken back by ``cancel_service``. ``via_tunnel``: as for a job."""
         from pbs_toolkit.endpoints import check_registry, update_endpoint
-        from pbs_toolkit.jobs.store import RegistryEntry
+        from pbs_toolkit.endpoints.retire import refuse_kept_tunnel, remember
         from pbs_toolkit.services.manage import service_job_status
         from pbs_toolkit.services.record import find
 
+        refuse_kept_tunnel(via_tunnel, keep_after_end)
         rec = find(self.store, name) if isinstance(name, str) else name
         if rec.ended is not None or not rec.router:
             raise ServerFailed(f"service {rec.name} is {rec.state}: no router to register")
         st = service_job_status(rec)
         fmt = check_registry(st.record, registry, fmt, alias, follow_symlink=follow_symlink,
                              force_format=force_format)
-        result = update_endpoint(st, registry=registry, fmt=fmt, alias=alias, follow_symlink=follow_symlink,
-                                 force_format=force_format)
-        self.store.forget_alias(result.registry, result.alias)
-        self.store.add_registry_entry(RegistryEntry(rec.entry_id, rec.transport, result.registry, result.format,
-                                                    result.alias, result.url, keep=keep_after_end))
+        tunnel = self.tunnel(st, local_port)[1] if via_tunnel else None
+        result = update_endpoint(st, registry=registry, fmt=fmt, alias=alias, local_url=tunnel.url if tunnel else None,
+                                 follow_symlink=follow_symlink, force_format=force_format)
+        remember(self.store, st.record, result, keep=keep_after_end, tunnel=tunnel, notice=self.on_removal)
         return result
+
+    # -- a service where a job would do: metrics, logs, doctor, bench (services/observe.py) --------------------
+
+    def service_metrics(self, name: str | ServiceRecord | ServiceStatus, interval: float = 1.0) -> ServiceMetrics:
+        """``metrics`` of every serving replica, their sum, and the router's own figures (``pbstk metrics NAME``)."""
+        from pbs_toolkit.services.observe import metrics, serving_status
+
+        return metrics(self, serving_status(self, name), interval)
+
+    def watch_service_metrics(self, name: str | ServiceRecord | ServiceStatus, every: float = 5.0,
+                              count: int = 0) -> Iterator[ServiceMetrics]:
+        """``watch_metrics`` for a service: a look every ``every`` s, over the interval since the one before."""
+        from pbs_toolkit.services.observe import serving_status, watch_metrics
+
+        return watch_metrics(self, serving_status(self, name), every, count)
+
+    def service_doctor(self, name: str | ServiceRecord, replica: int | None = None) -> ServiceDiagnosis:
+        """Router and keeper findings, then ``doctor`` of each replica's job (``replica``: that one only)."""
+        from pbs_toolkit.services.observe import doctor
+
+        return doctor(self, self.service_status(name), replica)
+
+    def service_bench(self, name: str | ServiceRecord | ServiceStatus, concurrencies: Sequence[int] = (1, 8, 64),
+                      **options: Any) -> BenchResult:
+        """``bench`` through the router's URL with the service's key (``options``: as for ``bench``)."""
+        from pbs_toolkit.services.observe import bench_status, serving_status
+
+        return self.bench(bench_status(serving_status(self, name)), concurrencies, **options)
+
+    def service_log(self, name: str | ServiceRecord, lines: int = 50, follow: bool = False, *,
+                    replica: int | None = None, pieces: bool = False, final_every: float = 5.0,
+                    notice: Callable[[str], None] | None = None, **job_options: Any) -> Iterator[str]:
+        """The router's log, or replica K's job log (``job_options``: stream, node), as ``logs``/``log_text``."""
+        from pbs_toolkit.services.observe import log_lines
+        from pbs_toolkit.services.record import find
+
+        rec = find(self.store, name) if isinstance(name, str) else name
+        return log_lines(self, rec, lines, follow, replica=replica, pieces=pieces, final_every=final_every,
+                         notice=notice or (lambda m: _log.info("%s", m)), **job_options)
 
     # -- performance ----------------------------------------------------------------------------------------
 
@@ -857,13 +869,15 @@ class Client:
 
         return job if isinstance(job, JobStatus) else self.ready_status(job)
 
-    def doctor(self, job: Job | JobRecord | str | None = None) -> Diagnosis:
-        """Findings from the job's flags, log and metrics, and the preset to use instead."""
+    def doctor(self, job: Job | JobRecord | JobStatus | str | None = None) -> Diagnosis:
+        """Findings from the job's flags, log and metrics, and the preset to use instead (a ``JobStatus``: as
+        it is, no status query of its own)."""
+        from pbs_toolkit.jobs.status import JobStatus
         from pbs_toolkit.perf.doctor import diagnose
         from pbs_toolkit.perf.scrape import doctor_context, scrape
         from pbs_toolkit.settings.presets import auto_layout, preset_for_layout
 
-        st = self.status(self.record(job))[0]
+        st = job if isinstance(job, JobStatus) else self.status(self.record(job))[0]
         runner = self.runner(st.record.transport)
         ctx = doctor_context(runner, st, scrape(runner, st) if st.state.value == "READY" else None)
         findings = diagnose(ctx)
@@ -934,27 +948,6 @@ class Client:
                     progress: Callable[[str], None] | None = None) -> TuneReport:
         """Saved tune results merged into one document (same method), compared against ``baseline``; saved
         to ``output`` when given (``progress`` hears ``saved PATH``)."""
-        from pbs_toolkit.perf.tune import load_result, merge, save_result
+        from pbs_toolkit.perf.tune import merged_report
 
-        if not reports:
-            raise UsageError("tune_report needs at least one saved result")
-        doc = load_result(reports[0])
-        for extra in reports[1:]:
-            doc = merge(doc, load_result(extra), baseline)
-        if baseline:
-            doc.baseline = baseline
-        if output:
-            (progress or (lambda m: _log.info("%s", m)))(f"saved {save_result(doc, output)}")
-        return doc
-
-
-def _drain(pending: list[tuple[bool, str]], notice: Callable[[str], None]) -> Iterator[str]:
-    """Hand out and forget what the follower emitted: its lines, and (``True``) its notices told to ``notice``
-    in their place, so a reader sees "rotated" between the old file's last line and the new file's first."""
-    items = pending[:]
-    pending.clear()
-    for is_notice, text in items:
-        if is_notice:
-            notice(text)
-        else:
-            yield text
+        return merged_report(reports, baseline, output, progress or (lambda m: _log.info("%s", m)))

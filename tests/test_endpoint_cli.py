@@ -216,3 +216,46 @@ def test_tunnel_and_via_tunnel_over_ssh(login_node: SshdInfo, monkeypatch: pytes
     finally:
         _stop(proc)
     assert pbstk("cancel", record.job_id).exit_code == 0
+
+
+def _hint_url(line: str) -> str:
+    """The ``--local-url`` of ``update-endpoint --via-tunnel``'s ``pbstk env`` hint."""
+    assert "--local-url" in line, line
+    return line.split("--local-url ", 1)[1].split(")", 1)[0].strip("'\"")
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_via_tunnel_hint_and_env_give_the_tunnel_and_closing_it_removes_the_entry(
+        fakepbs: Path, standins: Path, tmp_path: Path, stop: signal.Signals) -> None:
+    record = launch("--name", "tun")
+    path = tmp_path / "endpoints.yaml"
+    path.write_text(OTHERS["yaml"])
+    proc = cli_process("update-endpoint", record.job_id, "--registry", str(path), "--via-tunnel", "--timeout", "30")
+    try:
+        assert proc.stdout is not None
+        until(proc.stdout.readline, timeout=30, what="the registry line")
+        hint = until(proc.stdout.readline, timeout=10, what="the env hint")
+        url = read_endpoints(path)["tun"].url
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+        assert _hint_url(hint) + "/v1" == url, hint  # the hint names the tunnel, not the node
+        env = pbstk("env", record.job_id, "--local-url", _hint_url(hint))
+        assert f"export OPENAI_BASE_URL={url}" in env.stdout, env.stdout
+        assert get_models(url, record.api_key)["data"][0]["id"] == MODEL
+    finally:
+        proc.send_signal(stop)  # Ctrl-C, or a plain `kill` of a backgrounded update-endpoint
+        _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0, err
+    assert set(read_endpoints(path)) == {"other"}, path.read_text()  # the dead tunnel URL went with it
+    assert f"removed 'tun' -> {url}" in err
+    assert pbstk("cancel", record.job_id).exit_code == 0
+
+
+def test_via_tunnel_refuses_keep_after_end(fakepbs: Path, standins: Path, tmp_path: Path) -> None:
+    from helpers import pbstk as plain
+
+    record = launch()
+    result = plain("update-endpoint", record.job_id, "--registry", str(tmp_path / "e.yaml"), "--via-tunnel",
+                   "--keep-after-end")
+    assert plain("cancel", record.job_id).exit_code == 0
+    assert result.exit_code == 2 and "--keep-after-end with --via-tunnel" in result.stderr, result.output
+    assert not (tmp_path / "e.yaml").exists()

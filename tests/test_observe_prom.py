@@ -121,3 +121,48 @@ def test_non_vllm_metrics_and_garbage():
     assert summarize(None, empty)["ttft_p50_ms"] is None
     with pytest.raises(ServerFailed):
         parse_metrics("<html>not metrics</html>\n{{{", 0)
+
+
+def test_combine_sums_servers_and_merges_their_histograms():
+    """A service's aggregate: counters and gauges added, latency percentiles over every server's requests."""
+    from pbs_toolkit.vllm.prom import MetricsSnapshot, combine
+
+    fast = MetricsSnapshot(1.0, running=2, waiting=1, kv_cache_usage=0.2, kv_cache_usage_max=0.2, prompt_tokens=100,
+                           generation_tokens=50, requests_success=10, engines=["0"], model_names=["m"],
+                           ttft=Histogram([(0.1, 90.0), (1.0, 90.0), (math.inf, 90.0)], 4.5, 90.0))
+    slow = MetricsSnapshot(2.0, running=1, waiting=None, kv_cache_usage=0.5, kv_cache_usage_max=0.6,
+                           prompt_tokens=30, generation_tokens=20, requests_success=3, engines=["0", "1"],
+                           model_names=["m"], ttft=Histogram([(0.1, 0.0), (1.0, 10.0), (math.inf, 10.0)], 8.0, 10.0))
+    both = combine([fast, slow])
+    assert (both.timestamp, both.running, both.waiting) == (2.0, 3, 1)
+    assert (both.prompt_tokens, both.generation_tokens, both.requests_success) == (130, 70, 13)
+    assert both.kv_cache_usage == pytest.approx((0.2 + 2 * 0.5) / 3)  # averaged over the three engines
+    assert both.kv_cache_usage_max == 0.6 and both.engines == ["0:0", "1:0", "1:1"] and both.model_names == ["m"]
+    assert both.ttft is not None and (both.ttft.count, both.ttft.sum) == (100.0, 12.5)
+    assert both.ttft.quantile(0.5) == pytest.approx(0.1 * 50 / 90)  # 90 of 100 requests were fast
+    assert both.ttft.quantile(0.95) == pytest.approx(0.1 + 0.9 * 5 / 10)
+    assert both.itl is None and both.preemptions is None  # exported by neither
+    assert combine([]).running is None
+
+
+def test_router_figures_and_the_workers_doctor_names():
+    """vllm-router 0.1.17's /metrics (its own exposition: blank lines between families; lines as it prints them,
+    one worker's circuit opened by a killed backend): the figures ``metrics NAME`` shows and doctor's findings."""
+    from pbs_toolkit.services.observe import parse_router_metrics, router_summary, worker_findings
+
+    text = (DATA / "vllm-router-0.1.17-metrics.txt").read_text()
+    first = parse_router_metrics(text, 10.0)
+    later = parse_router_metrics(text.replace("/v1/completions\"} 2", "/v1/completions\"} 12"), 12.0)
+    out = router_summary(first, later, window=False)
+    assert (out["requests_total"], out["retries_total"], out["retries_exhausted_total"]) == (17, 8, 2)
+    assert out["requests_per_s"] == 5.0 and out["active_workers"] == 2 and out["window"] == "cumulative"
+    assert out["workers"] == [
+        {"url": "http://127.0.0.1:18123", "processed": 13, "healthy": False, "circuit": "open"},
+        {"url": "http://127.0.0.1:18126", "processed": 4, "healthy": True, "circuit": "closed"}]
+    assert out["duration_p50_ms"] == pytest.approx(10 + 15 * 1.5 / 5)  # 3.5th of 7 requests: in (10, 25] ms
+    assert router_summary(first, later, window=True)["duration_p50_ms"] is None  # no request in the interval
+    found = worker_findings("qwen", first, {"http://127.0.0.1:18126", "http://127.0.0.1:18999"})
+    assert [(f.code, f.severity) for f in found] == [("replica-not-routed", "medium"), ("worker-unhealthy", "high")]
+    assert "http://127.0.0.1:18999" in found[0].evidence and "circuit open" in found[1].evidence
+    with pytest.raises(ServerFailed, match="not in Prometheus text format"):
+        parse_router_metrics("vllm_router_requests_total{route=} x\n", 0.0)

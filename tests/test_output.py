@@ -282,6 +282,14 @@ def test_completion_of_jobs_presets_and_profiles(isolated_user: Path) -> None:
     assert complete("pbstk cancel 4") == ["42.pbs01", "41.pbs01"] or set(complete("pbstk cancel 4")) == {
         "41.pbs01", "42.pbs01"}
     assert complete("pbstk logs al") == ["alpha"]
+    from pbs_toolkit.services import record as records
+    from pbs_toolkit.services.record import ServiceRecord
+
+    for name in ("svc-on", "svc-off"):
+        records.create(store, ServiceRecord(name=name, model="org/m", served_model_name="org/m", profile="local",
+                                            replicas=1, request={}))
+    records.end(store, records.find(store, "svc-off"), "CANCELLED")
+    assert complete("pbstk metrics svc") == ["svc-on"]  # an active service's name, as for a job's
     assert set(complete("pbstk launch org/m --preset d")) == {"dp2", "dp4", "dp8"}
     assert set(complete("pbstk presets show d")) == {"dp2", "dp4", "dp8"}
     user_presets = isolated_user / "config" / "pbstk" / "presets"

@@ -109,3 +109,19 @@ def test_serve_forever_returns_after_close(http_port: int, tmp_path: Path) -> No
     tunnel.close()  # idempotent
     with pytest.raises(ConnectionRefusedError):  # and the local port is closed
         socket.create_connection(("127.0.0.1", tunnel.local_port), timeout=2).close()
+
+
+def test_close_hooks_run_once_after_the_port_is_closed(http_port: int) -> None:
+    seen: list[bool] = []
+    tunnel = Tunnel(LocalRunner(), "127.0.0.1", http_port)
+
+    def hook() -> None:  # the port is already closed when the hook runs
+        with socket.socket() as probe:
+            seen.append(probe.connect_ex(("127.0.0.1", tunnel.local_port)) != 0)
+
+    tunnel.on_close(hook)
+    tunnel.close()
+    tunnel.close()
+    assert seen == [True]
+    tunnel.on_close(lambda: seen.append(False))  # added after the close: runs at once
+    assert seen == [True, False]

@@ -1,4 +1,5 @@
-"""Shell completion of job ids and names, presets and profiles (Click's ``_PBSTK_COMPLETE`` machinery).
+"""Shell completion of job ids and names (active services' names too), presets and profiles (Click's
+``_PBSTK_COMPLETE`` machinery).
 
 Completion runs on every TAB: it reads only the local job store and the preset/profile directories (no
 scheduler query, no SSH login), and never raises: a broken store or YAML file completes nothing rather than
@@ -34,11 +35,15 @@ def _jobs() -> Iterable[tuple[str, str]]:
     from pbs_toolkit.jobs.store import JobStore
 
     with contextlib.redirect_stderr(io.StringIO()):  # a store warning must not land in the prompt
-        records = JobStore().all()
+        store = JobStore()
+        records, services = store.all(), store.service_rows()
     for r in records:  # newest first
         yield r.job_id, f"{r.name} ({r.final_state or 'active'})"
     for r in records:
         yield r.name, r.job_id
+    for row in services:  # the commands that take a job name take a service's too (docs/services.md)
+        if row["ended"] is None:
+            yield row["name"], "service"
 
 
 def _presets() -> Iterable[tuple[str, str]]:

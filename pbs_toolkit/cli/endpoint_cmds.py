@@ -24,7 +24,8 @@ from pbs_toolkit.cli.progress import interrupt_hint
               help="Edit the regular file a symlinked registry points to, even outside the registry's directory.")
 @click.option("--alias", help="Entry name (default: the job's --name).")
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait for readiness.")
-@click.option("--via-tunnel", is_flag=True, help="Register a local tunnel's URL and keep the tunnel open.")
+@click.option("--via-tunnel", is_flag=True,
+              help="Register a local tunnel's URL and keep the tunnel open; the entry goes when the tunnel closes.")
 @click.option("--local-port", type=LOCAL_PORT, default=0, help="Local port for --via-tunnel (default: any free one).")
 @click.option("--keep-after-end", is_flag=True,
               help="Leave the entry in the registry when the job ends or is cancelled (default: removed then).")
@@ -48,13 +49,10 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
     with Client() as c:  # one connection (one MFA prompt) waits, forwards and registers
         svc = c.service(job)
         if svc is not None:  # a service: the router's URL and the service's key (docs/services.md)
-            if via_tunnel:
-                from pbs_toolkit.errors import UsageError
-
-                raise UsageError("--via-tunnel is for a job; a service registers its router's URL")
             result = c.update_service_endpoint(svc, registry, fmt=fmt, alias=alias, follow_symlink=follow_symlink,
-                                               force_format=force_format, keep_after_end=keep_after_end)
-            _show_update(result, svc.name, as_json)
+                                               force_format=force_format, keep_after_end=keep_after_end,
+                                               via_tunnel=via_tunnel, local_port=local_port)
+            _finish(c, result, svc.name, as_json, via_tunnel)
             return
         record = c.record(job)
         resume = shlex.join(["pbstk", "update-endpoint", record.job_id,  # the same registration, picked up again
@@ -67,21 +65,28 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
                                        follow_symlink=follow_symlink, force_format=force_format,
                                        via_tunnel=via_tunnel, local_port=local_port, on_progress=show,
                                        keep_after_end=keep_after_end)
-        _show_update(result, record.job_id, as_json)
-        if via_tunnel:
-            tunnel = c.tunnels[-1]
-            click.echo(f"tunnel open on {tunnel.url}; Ctrl-C closes it", err=True)
-            tunnel.serve_forever()
+        _finish(c, result, record.job_id, as_json, via_tunnel)
 
 
-def _show_update(result: Any, ref: str, as_json: bool) -> None:
+def _finish(c: Any, result: Any, ref: str, as_json: bool, via_tunnel: bool) -> None:
+    """Show the entry; with ``--via-tunnel`` keep the tunnel open until Ctrl-C or SIGTERM, which close it and take
+    the entry back (``Client.update_endpoint``)."""
+    tunnel = c.tunnels[-1] if via_tunnel else None
+    _show_update(result, ref, as_json, tunnel.url if tunnel else None)
+    if tunnel is not None:
+        click.echo(f"tunnel open on {tunnel.url}; Ctrl-C (or SIGTERM) closes it and removes the entry", err=True)
+        tunnel.serve_forever()
+
+
+def _show_update(result: Any, ref: str, as_json: bool, local_url: str | None = None) -> None:
     if as_json:
         echo_json(result.to_dict())
         return
     click.echo(f"{result.registry}: {result.alias} -> {result.url} (model {result.model}, "
                f"key in ${result.key_env or '-'})")
-    if result.key_env:
-        click.echo(f"set the key with: eval \"$(pbstk env {ref})\"")
+    if result.key_env:  # the tunnel's URL too: the node's is the one this machine cannot reach
+        env = shlex.join(["pbstk", "env", ref, *(["--local-url", local_url] if local_url else [])])
+        click.echo(f"set the key with: eval \"$({env})\"")
 
 
 def _remove(ref: str | None, registry: str | None, fmt: str, force_format: bool, follow_symlink: bool,
@@ -128,7 +133,7 @@ def env_cmd(job: str | None, local_url: str | None, timeout: float, as_json: boo
     with Client() as c:
         svc = c.service(job)
         if svc is not None:  # a service: the router's URL and the service's key
-            ep = c.service_endpoint(svc)
+            ep = c.service_endpoint(svc, local_url)
         else:
             ep = c.endpoint(job, local_url, timeout=timeout, on_progress=progress_printer(True),
                             hint="use --timeout S to wait, or `pbstk wait`")

@@ -205,21 +205,29 @@ def cancel(jobs: tuple[str, ...], keep_endpoint: bool, as_json: bool) -> None:
               "still work).")
 @click.option("--node", type=int, default=None, metavar="K",
               help="On a job over several nodes: node K's vLLM log (0, the head's, is the default).")
-def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | None) -> None:
-    """The realtime vLLM log of JOB (default: the newest job), locally or over SSH."""
+@click.option("--replica", type=int, default=None, metavar="K",
+              help="JOB names a service: replica K's job log instead of the router's.")
+def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | None, replica: int | None) -> None:
+    """The realtime vLLM log of JOB (default: the newest job), locally or over SSH.
+
+    JOB may name a service (`pbstk serve`): its router's log, or with --replica K that replica's."""
+    from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
 
     if lines < 0:
         raise UsageError("-n must not be negative")
+    notice = lambda m: click.echo(f"pbstk: {m}", err=True)  # noqa: E731
     with Client() as c:
+        svc = service_cmds.named_service(c, job, replica)  # docs/services.md
         if not follow:
             # -n 1000000: no second full copy of the text
-            for piece in c.log_text(job, lines, stream=stream, node=node):
+            for piece in (c.service_log(svc, lines, replica=replica, pieces=True, stream=stream, node=node) if svc
+                          else c.log_text(job, lines, stream=stream, node=node)):
                 click.echo(piece, nl=False)
             return
-        for line in c.logs(job, lines, follow=True, stream=stream, node=node,
-                           notice=lambda m: click.echo(f"pbstk: {m}", err=True)):
+        for line in (c.service_log(svc, lines, True, replica=replica, stream=stream, node=node, notice=notice)
+                     if svc else c.logs(job, lines, follow=True, stream=stream, node=node, notice=notice)):
             click.echo(line)
 
 
@@ -228,10 +236,21 @@ def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | Non
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the final status as JSON; no progress lines.")
 def wait(job: str | None, timeout: float, as_json: bool) -> None:
-    """Wait until JOB's server answers; fail fast with the cause if it cannot."""
+    """Wait until JOB's server answers; fail fast with the cause if it cannot.
+
+    JOB may name a service (`pbstk serve`): then wait until the service is READY."""
+    from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
 
     with Client() as c:
+        svc = service_cmds.named_service(c, job)  # docs/services.md
+        if svc is not None:
+            sst = service_cmds.wait_service(c, svc, timeout, as_json)
+            if as_json:
+                echo_json(sst.to_dict())
+            else:
+                click.echo(f"service {svc.name} ready: {sst.url} ({sst.summary}, model {svc.served_model_name})")
+            return
         record = c.record(job)
         with interrupt_hint(record.job_id), progress_printer(as_json) as show:
             st = c.wait(record, timeout, show)

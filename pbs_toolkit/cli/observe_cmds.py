@@ -69,24 +69,38 @@ def _show_summary(s: dict[str, Any]) -> None:
 @click.option("--timeout", type=SECONDS, default=3600.0)
 def metrics(job: str | None, watch: float | None, count: int, export_path: str | None, interval: float,
             as_json: bool, wait_ready: bool, timeout: float) -> None:
-    """Throughput, queue, KV cache and latency percentiles of JOB's server (from /metrics and its log)."""
+    """Throughput, queue, KV cache and latency percentiles of JOB's server (from /metrics and its log).
+
+    JOB may name a service (`pbstk serve`): each serving replica, their sum, and the router's own figures."""
+    from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
 
     with Client() as c:
-        st = _ready_status(c, job, wait_ready, timeout)
-        looks = c.watch_metrics(st, watch, count) if watch else [c.metrics(st, interval)]
+        svc = service_cmds.named_service(c, job)  # docs/services.md
+        if svc is not None:
+            sst = service_cmds.wait_service(c, svc, timeout, as_json) if wait_ready else svc
+            looks: Any = c.watch_service_metrics(sst, watch, count) if watch else [c.service_metrics(sst, interval)]
+            show = lambda m: service_cmds.show_metrics(m, _show_summary)  # noqa: E731
+        else:
+            st = _ready_status(c, job, wait_ready, timeout)
+            looks = c.watch_metrics(st, watch, count) if watch else [c.metrics(st, interval)]
+            show = _show_job_metrics
         for m in looks:
-            _show_metrics(m, export_path, as_json)
+            _show_metrics(m, export_path, as_json, show)
 
 
-def _show_metrics(m: Any, export_path: str | None, as_json: bool) -> None:
-    """One look: a JSON line (``--export``, ``--json``: the metrics object) or three lines of text and the
-    last Engine line."""
+def _show_metrics(m: Any, export_path: str | None, as_json: bool, show: Any) -> None:
+    """One look: a JSON line (``--export``, ``--json``: the metrics object) or ``show``'s text."""
     if export_path:
         _append_line(export_path, json.dumps(m.to_dict(), default=str))
     if as_json:
         echo_json(m.to_dict(), line=True)
         return
+    show(m)
+
+
+def _show_job_metrics(m: Any) -> None:
+    """A job's look: three lines of text and the last Engine line."""
     summary = m.summary
     _show_summary(summary)
     if summary.get("engine_log"):
@@ -108,24 +122,40 @@ def _append_line(path: str, line: str) -> None:
 
 @click.command()
 @click.argument("job", required=False, shell_complete=complete_job)
+@click.option("--replica", type=int, default=None, metavar="K", help="JOB names a service: replica K only.")
 @click.option("--json", "as_json", is_flag=True)
-def doctor(job: str | None, as_json: bool) -> None:
-    """Diagnose JOB's server from its flags, log and metrics; end with the preset to use and how."""
+def doctor(job: str | None, replica: int | None, as_json: bool) -> None:
+    """Diagnose JOB's server from its flags, log and metrics; end with the preset to use and how.
+
+    JOB may name a service (`pbstk serve`): the router's and keeper's state, then each replica (or --replica K)."""
+    from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
 
     with Client() as c:
+        svc = service_cmds.named_service(c, job, replica)  # docs/services.md
+        if svc is not None:
+            sd = c.service_doctor(svc, replica)
+            if as_json:
+                echo_json(sd.to_dict())
+            else:
+                service_cmds.show_doctor(sd, _show_findings)
+            return
         record = c.record(job)
         d = c.doctor(record)
     if as_json:
         echo_json(d.to_dict())
         return
     click.echo(f"{d.job_id} ({record.preset}, {d.state}): {len(d.findings)} finding(s)")
-    for f in d.findings:
-        click.echo(f"\n[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  fix:      {f.fix}")
+    _show_findings(d.findings)
     if d.recommended_preset:
         click.echo(f"\nrecommended preset: {d.recommended_preset} ({d.why})\n  {d.launch}")
     elif not d.findings:
         click.echo("nothing to report")
+
+
+def _show_findings(findings: Any) -> None:
+    for f in findings:
+        click.echo(f"\n[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  fix:      {f.fix}")
 
 
 @click.command()
@@ -142,14 +172,22 @@ def doctor(job: str | None, as_json: bool) -> None:
 @click.option("--timeout", type=SECONDS, default=3600.0)
 def bench(job: str | None, concurrency: str, input_len: int, output_len: int, num_prompts: int | None,
           client: str, as_json: bool, wait_ready: bool, timeout: float) -> None:
-    """Drive load against JOB's endpoint: output tokens/s, requests/s, TTFT and TPOT per concurrency."""
+    """Drive load against JOB's endpoint: output tokens/s, requests/s, TTFT and TPOT per concurrency.
+
+    JOB may name a service (`pbstk serve`): the load goes through its router's URL, with the service's key."""
+    from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
 
     levels = _int_list(concurrency)
+    run: Any
     with Client() as c:
-        st = _ready_status(c, job, wait_ready, timeout)
-        measured = c.bench(st, levels, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
-                           client=client, notice=lambda m: click.echo(f"pbstk: note: {m}", err=True))
+        svc = service_cmds.named_service(c, job)  # docs/services.md
+        if svc is not None:
+            target, run = (service_cmds.wait_service(c, svc, timeout, as_json) if wait_ready else svc), c.service_bench
+        else:
+            target, run = _ready_status(c, job, wait_ready, timeout), c.bench
+        measured = run(target, levels, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
+                       client=client, notice=lambda m: click.echo(f"pbstk: note: {m}", err=True))
     if as_json:
         echo_json(measured.to_dict())
         return
@@ -161,7 +199,7 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
     rows = [[str(r["concurrency"]), str(r["completed"]), str(r["failed"]), f(r["output_throughput"]),
              f(r["request_throughput"]), f(r["median_ttft_ms"]), f(r["p99_ttft_ms"]), f(r["median_tpot_ms"]),
              f(r["p99_tpot_ms"])] for r in results]
-    click.echo(f"{st.record.job_id} ({st.record.preset}), {input_len} in / {output_len} out tokens")
+    click.echo(f"{measured.job_id} ({measured.preset}), {input_len} in / {output_len} out tokens")
     click.echo(table(rows, ["CONC", "OK", "FAILED", "OUT TOK/S", "REQ/S", "TTFT P50", "TTFT P99",
                             "TPOT P50", "TPOT P99"]))
     for r in results:

@@ -182,3 +182,79 @@ def show_service(st: Any) -> None:
 
 
 COMMANDS = [serve, service, keeper]
+
+
+# -- a service name where a job name would do: wait, metrics, doctor, bench, logs ------------------------------
+
+
+def named_service(c: Any, job: str | None, replica: int | None = None) -> Any:
+    """The service JOB names (``Client.service``: no job has that id or name), else ``None``; ``--replica K``
+    is refused for a job."""
+    from pbs_toolkit.errors import UsageError
+
+    svc = c.service(job)
+    if svc is None and replica is not None:
+        raise UsageError(f"--replica {replica}: {job or 'the newest job'} is a job, not a service")
+    return svc
+
+
+class _ServiceLine:
+    """What a wait's progress line shows of a service: its state and how many replicas are READY."""
+
+    def __init__(self, st: Any) -> None:
+        import types
+
+        self.record, self.comment, self.reason = st.record, None, None
+        self.state = types.SimpleNamespace(value=st.state, final=st.record.ended is not None)
+        self.phase = f"{st.ready}/{st.record.replicas} replicas READY, router " \
+                     f"{'running' if st.router_running else 'not running'}"
+
+
+def wait_service(c: Any, svc: Any, timeout: float, quiet: bool) -> Any:
+    """``wait NAME`` (and ``--wait`` of metrics/bench): the service's wait, with the progress line of a job's."""
+    from pbs_toolkit.cli.job_cmds import progress_printer
+    from pbs_toolkit.cli.progress import interrupt_hint
+
+    with interrupt_hint(svc.name), progress_printer(quiet) as show:
+        return c.wait_service(svc, timeout, lambda st, elapsed: show(_ServiceLine(st), elapsed))
+
+
+def show_metrics(m: Any, show_summary: Any) -> None:
+    """``metrics NAME``: one line per replica, the aggregate in the job's three lines, the router's line."""
+    def fmt(v: Any, unit: str = "") -> str:
+        return "-" if v is None else f"{v:.1f}{unit}" if isinstance(v, float) else f"{v}{unit}"
+
+    click.echo(f"service {m.name}: {m.aggregate['replicas']} replica(s) scraped")
+    for r in m.replicas:
+        if "error" in r:
+            click.echo(f"  r{r['replica']} {r['job_id']}: {r['error']}")
+            continue
+        rates = r.get("rates") or {}
+        click.echo(f"  r{r['replica']} {r['job_id']}: running {fmt(r['running'])}  waiting {fmt(r['waiting'])}  "
+                   f"KV cache {fmt(r['kv_cache_usage_pct'], '%')}  gen {fmt(rates.get('generation_tokens_per_s'))} "
+                   f"tok/s  req {fmt(rates.get('requests_per_s'))}/s")
+    click.echo("all replicas:")
+    show_summary(m.aggregate)
+    rt = m.router
+    if rt is None:
+        click.echo(f"router: no figures ({m.router_error})")
+        return
+    healthy = sum(1 for w in rt["workers"] if w.get("healthy"))
+    click.echo(f"router: {fmt(rt['requests_total'])} requests ({fmt(rt['requests_per_s'])}/s), "
+               f"{fmt(rt['retries_total'])} retried, {fmt(rt['retries_exhausted_total'])} gave up; "
+               f"workers {healthy}/{len(rt['workers'])} healthy; request time p50/p90/p99 "
+               f"{fmt(rt['duration_p50_ms'])}/{fmt(rt['duration_p90_ms'])}/{fmt(rt['duration_p99_ms'])} ms "
+               f"({rt['window']})")
+
+
+def show_doctor(d: Any, show_findings: Any) -> None:
+    """``doctor NAME``: the router's and keeper's findings, then each replica's diagnosis."""
+    router = d.router
+    workers = router.get("workers")
+    click.echo(f"service {d.name} ({d.state}): router {'running' if router['running'] else 'not running'}"
+               f"{'' if workers is None else f', {len(workers)} worker(s)'}, keeper "
+               f"{'running' if router['keeper_running'] else 'not running'}: {len(d.findings)} finding(s)")
+    show_findings(d.findings)
+    for k, rd in d.replicas:
+        click.echo(f"\nreplica r{k}: {rd.job_id} ({rd.state}): {len(rd.findings)} finding(s)")
+        show_findings(rd.findings)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pbs_toolkit.errors import RegistryError
+from pbs_toolkit.errors import RegistryError, UsageError
 from pbs_toolkit.jobs.store import JobRecord, JobStore, RegistryEntry
 from pbs_toolkit.schema import stamp
 
@@ -104,3 +104,23 @@ def retire(store: JobStore, record: JobRecord, *, include_kept: bool = False,
             notice(removal)
         out.append(removal)
     return out
+
+
+def refuse_kept_tunnel(via_tunnel: bool, keep_after_end: bool) -> None:
+    """``--keep-after-end`` with ``--via-tunnel`` is refused before anything is written."""
+    if via_tunnel and keep_after_end:
+        raise UsageError("--keep-after-end with --via-tunnel: the tunnel's URL dies with the tunnel, so its entry "
+                         "is removed when the tunnel closes")
+
+
+def remember(store: JobStore, record: JobRecord, result: Any, *, keep: bool, tunnel: Any = None,
+             notice: Callable[[Removal], None] | None = None) -> None:
+    """Record the entry ``update-endpoint`` wrote (``result``) with ``record``: taken back when the job ends or is
+    cancelled, unless ``keep``. One written through ``tunnel`` (its local URL) goes when the tunnel closes, still
+    only while it holds that URL: a dead local URL must not stay behind."""
+    store.forget_alias(result.registry, result.alias)  # the alias is this job's now, not an older one's
+    entry = RegistryEntry(record.job_id, record.transport, result.registry, result.format, result.alias, result.url,
+                          keep=keep)
+    store.add_registry_entry(entry)
+    if tunnel is not None:
+        tunnel.on_close(lambda: retire(store, record, entries=[entry], notice=notice))

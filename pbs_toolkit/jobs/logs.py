@@ -225,6 +225,48 @@ def follow(
         state.close()  # the incomplete last line, if any, is shown now
 
 
+def follow_lines(runner: Runner, path: str, lines: int, final_every: float, notice: Callable[[str], None],
+                 is_final: Callable[[], bool]) -> Iterator[str]:
+    """``follow``'s loop as a generator (``Client.logs``): the same follower, its lines handed out as they arrive
+    and its notices told to ``notice`` in their place between them (so "rotated" comes between the old file's
+    last line and the new file's first). Closing the generator stops following."""
+    pending: list[tuple[bool, str]] = []
+    follower = _Follower(runner, path, lambda line: pending.append((False, line)),
+                         lambda message: pending.append((True, message)))
+    closed, final, last_check = False, False, 0.0
+    try:
+        while True:
+            progressed = follower.step(lines)
+            yield from _drain(pending, notice)
+            if progressed:
+                continue
+            if final:
+                break
+            if time.monotonic() - last_check >= final_every:
+                last_check = time.monotonic()
+                final = is_final()
+                if final:
+                    continue
+            time.sleep(0.2)
+        follower.close()  # the incomplete last line, if any
+        closed = True
+        yield from _drain(pending, notice)
+    finally:
+        if not closed:
+            follower.close()
+
+
+def _drain(pending: list[tuple[bool, str]], notice: Callable[[str], None]) -> Iterator[str]:
+    """Hand out and forget what the follower emitted: its lines, and (``True``) its notices told to ``notice``."""
+    items = pending[:]
+    pending.clear()
+    for is_notice, text in items:
+        if is_notice:
+            notice(text)
+        else:
+            yield text
+
+
 def _emit_lines(data: bytes, emit: Callable[[str], None]) -> bytes:
     """Emit complete lines; return the incomplete tail to prepend next time."""
     *complete, rest = data.split(b"\n")

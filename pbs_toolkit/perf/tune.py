@@ -313,6 +313,22 @@ def save_result(doc: TuneReport, path: str | None) -> Path:
     return target
 
 
+def merged_report(reports: Sequence[str], baseline: str | None, output: str | None,
+                  progress: Callable[[str], None]) -> TuneReport:
+    """Saved results merged into one document (same method), compared against ``baseline``; saved to ``output``
+    when given (``progress`` hears ``saved PATH``): ``tune --report``."""
+    if not reports:
+        raise UsageError("tune_report needs at least one saved result")
+    doc = load_result(reports[0])
+    for extra in reports[1:]:
+        doc = merge(doc, load_result(extra), baseline)
+    if baseline:
+        doc.baseline = baseline
+    if output:
+        progress(f"saved {save_result(doc, output)}")
+    return doc
+
+
 def load_result(path: str) -> TuneReport:
     """A report saved by ``tune`` (any version so far). Raises ``UsageError`` when it is not one."""
     try:

@@ -7,11 +7,14 @@ can reach a vLLM server on a compute node that only the login node can route to.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import select
+import signal
 import socket
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pbs_toolkit.errors import TransportError, UsageError
@@ -62,6 +65,7 @@ class Tunnel:
         self._shut = False
         self._streams: set[Any] = set()
         self._streams_lock = threading.Lock()
+        self._on_close: list[Callable[[], object]] = []
         self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="pbstk-tunnel")
         self._thread.start()
 
@@ -141,22 +145,54 @@ class Tunnel:
             for stream in streams:
                 _quiet_close(stream)
             self._shut = True
+            hooks, self._on_close = self._on_close, []
+        for hook in hooks:  # the port is closed: what was only valid while it was open goes now
+            hook()
+
+    def on_close(self, hook: Callable[[], object]) -> None:
+        """Call ``hook`` once when the tunnel closes (``update-endpoint --via-tunnel`` takes its registry
+        entry back then: the local URL dies with the tunnel)."""
+        with self._close_lock:
+            if not self._shut:
+                self._on_close.append(hook)
+                return
+        hook()
 
     def serve_forever(self) -> None:
-        """Block until Ctrl-C (or ``close()`` from another thread), then close."""
-        try:
-            while not self._closed.wait(0.5):
+        """Block until Ctrl-C, SIGTERM or SIGHUP (``kill``, a closed terminal), or ``close()`` from another
+        thread; then close, so the close hooks run whichever way it ends."""
+        with _stop_signals():
+            try:
+                while not self._closed.wait(0.5):
+                    pass
+            except KeyboardInterrupt:
                 pass
-        except KeyboardInterrupt:
-            pass
-        finally:
-            self.close()
+            finally:
+                self.close()
 
     def __enter__(self) -> Tunnel:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise ``KeyboardInterrupt`` while serving (main thread only; elsewhere, as they are)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def start_tunnel(

@@ -262,3 +262,33 @@ def summarize(prev: MetricsSnapshot | None, cur: MetricsSnapshot) -> dict[str, A
         for q in QUANTILES:
             result[f"{name}_p{round(q * 100)}_ms"] = _ms(hist.quantile(q)) if hist is not None else None
     return result
+
+
+def _merge(hists: list[Histogram]) -> Histogram | None:
+    """Histograms of several servers as one: bucket counts, sums and counts added (bounds as exported)."""
+    if not hists:
+        return None
+    buckets: dict[float, float] = defaultdict(float)
+    for hist in hists:
+        for bound, count in hist.buckets:
+            buckets[bound] += count
+    return Histogram(sorted(buckets.items()), sum(h.sum for h in hists), sum(h.count for h in hists))
+
+
+def combine(snapshots: list[MetricsSnapshot]) -> MetricsSnapshot:
+    """Several servers' snapshots (a service's replicas) as one: gauges and counters added, histograms merged,
+    KV cache usage averaged over every engine (``_max``: the fullest); ``None`` where no server exported it.
+    ``timestamp`` is the latest; ``engines`` are ``<i>:<engine>`` by snapshot position."""
+    out = MetricsSnapshot(timestamp=max((s.timestamp for s in snapshots), default=0.0))
+    for attr in (*_GAUGES, *_COUNTERS):
+        values = [v for s in snapshots if (v := getattr(s, attr)) is not None]
+        setattr(out, attr, sum(values) if values else None)
+    for attr in _HISTOGRAMS:
+        setattr(out, attr, _merge([h for s in snapshots if (h := getattr(s, attr)) is not None]))
+    usage = [(s.kv_cache_usage, max(len(s.engines), 1)) for s in snapshots if s.kv_cache_usage is not None]
+    if usage:
+        out.kv_cache_usage = sum(u * n for u, n in usage) / sum(n for _, n in usage)
+        out.kv_cache_usage_max = max(s.kv_cache_usage_max for s in snapshots if s.kv_cache_usage_max is not None)
+    out.engines = [f"{i}:{e}" for i, s in enumerate(snapshots) for e in s.engines]
+    out.model_names = sorted({m for s in snapshots for m in s.model_names})
+    return out

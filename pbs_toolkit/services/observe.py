@@ -1,0 +1,411 @@
+"""Looking into a service as into a job: ``metrics``, ``logs``, ``doctor`` and ``bench`` given a service name.
+
+* **metrics**: each serving replica's ``/metrics`` (the READY job of each slot), their sum, and the router's own
+  Prometheus figures (vllm-router 0.1.17 serves them on its ``--prometheus-port``; names below). The sum adds
+  gauges and counters (requests running/waiting, tokens, requests), merges the latency histograms bucket by bucket
+  (so the aggregate's percentiles are those of every request, not an average of percentiles), averages the KV cache
+  usage over the replicas' engines and takes the prefix-cache hit rate from the summed hits and queries.
+* **logs**: the router's ``router.log`` (its run directory: this machine, the login node, or the router job's);
+  a replica's job log with ``--replica K``.
+* **doctor**: each replica's diagnosis (the job doctor) plus findings about the router and the keeper.
+* **bench**: a READY status at the router's URL (the service's key, a replica's Python environment and run
+  directory for ``vllm bench serve``), so the load goes through the router as clients' does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
+from pbs_toolkit.services.state import serving_job
+from pbs_toolkit.vllm.prom import Histogram, MetricsSnapshot, combine, delta, rates, summarize
+
+if TYPE_CHECKING:
+    from pbs_toolkit.client import Client, Diagnosis
+    from pbs_toolkit.jobs.status import JobStatus
+    from pbs_toolkit.perf.doctor import Finding
+    from pbs_toolkit.services.manage import ServiceStatus
+    from pbs_toolkit.services.record import ServiceRecord
+    from pbs_toolkit.transports import Runner
+
+#: vllm-router's Prometheus samples pbstk reads (0.1.17; each ``worker``-labelled one per worker URL)
+_ROUTER_COUNTERS = {"requests": "vllm_router_requests_total", "retries": "vllm_router_retries_total",
+                    "retries_exhausted": "vllm_router_retries_exhausted_total"}
+_ROUTER_DURATION = "vllm_router_generate_duration_seconds"
+_CIRCUIT = {0: "closed", 1: "open", 2: "half_open"}
+
+
+def serving(st: ServiceStatus) -> list[tuple[int, JobStatus]]:
+    """(replica index, READY status) of each slot's serving job: the replicas the router routes to."""
+    by_id = {s.record.job_id: s for s in st.replicas}
+    states = {job: s.state.value for job, s in by_id.items()}
+    out = []
+    for slot in st.record.slots:
+        job = serving_job(slot, states)
+        if job is not None:
+            out.append((slot.index, by_id[job]))
+    return out
+
+
+def replica_job(rec: ServiceRecord, index: int) -> str:
+    """The job id of replica ``index`` (``--replica K``): its current job, else its successor."""
+    if not 0 <= index < len(rec.slots):
+        raise UsageError(f"--replica {index}: service {rec.name} has replicas 0 to {len(rec.slots) - 1}")
+    slot = rec.slots[index]
+    job = slot.current or slot.successor or slot.draining
+    if job is None:
+        raise UsageError(f"replica {index} of service {rec.name} has no job yet")
+    return job
+
+
+def router_log(rec: ServiceRecord) -> str:
+    """The path of the router's log on the router's host (the transport's machine)."""
+    from pbs_toolkit.services.router import LOG_FILE
+
+    run_dir = (rec.router_job or {}).get("run_dir") or (rec.router or {}).get("run_dir")
+    if not run_dir:
+        raise UsageError(f"service {rec.name} has no router log: its router never started")
+    return f"{run_dir}/{LOG_FILE}"
+
+
+def log_lines(client: Client, rec: ServiceRecord, lines: int, follow: bool, *, replica: int | None, pieces: bool,
+              final_every: float, notice: Callable[[str], None], stream: str = "vllm",
+              node: int | None = None) -> Iterator[str]:
+    """Replica ``replica``'s job log as ``Client.logs`` gives it (``pieces``: as ``log_text``), else the router's
+    log the same way: the last ``lines``, or followed until the service ends."""
+    from pbs_toolkit.jobs.logs import decoded_pieces, follow_lines, tail_blocks
+    from pbs_toolkit.services.record import load
+
+    if replica is not None:
+        job = replica_job(rec, replica)
+        if pieces:
+            return client.log_text(job, lines, stream=stream, node=node)
+        return client.logs(job, lines, follow, stream=stream, node=node, final_every=final_every, notice=notice)
+    if node is not None or stream != "vllm":
+        raise UsageError(f"--stream and --node are a replica's: add --replica K (service {rec.name})")
+    if lines < 0:
+        raise UsageError("lines must not be negative")
+    runner, path = client.runner(rec.transport), router_log(rec)
+    if follow:
+        return follow_lines(runner, path, lines, final_every, notice,
+                            lambda: (load(client.store, rec.name) or rec).ended is not None)
+    try:
+        blocks, _ = tail_blocks(runner, path, lines)
+    except FileNotFoundError:
+        raise UsageError(f"{path} does not exist (the router of service {rec.name} never started?)") from None
+    text = decoded_pieces(blocks)
+    return text if pieces else iter("".join(text).splitlines() if lines else ())
+
+
+def serving_status(client: Client, name: str | ServiceRecord | ServiceStatus) -> ServiceStatus:
+    """A ``ServiceStatus`` as it is (just waited for), else the service's, which must have a running router and
+    a serving replica (``ServerFailed``)."""
+    from pbs_toolkit.services.manage import ServiceStatus
+
+    if isinstance(name, ServiceStatus):
+        return name
+    st = client.service_status(name)
+    if not st.router_running or not serving(st):
+        raise ServerFailed(f"service {st.record.name} is {st.summary}: nothing to measure yet (`pbstk wait "
+                           f"{st.record.name}`, or --wait, waits for it)")
+    return st
+
+
+# -- metrics -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RouterSnapshot:
+    """One scrape of the router's Prometheus port."""
+
+    timestamp: float
+    counters: dict[str, float] = field(default_factory=dict)
+    active_workers: float | None = None
+    #: worker URL -> {processed, healthy, circuit}
+    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    duration: Histogram | None = None
+
+
+def parse_router_metrics(text: str, timestamp: float) -> RouterSnapshot:
+    """The figures pbstk shows from vllm-router's ``/metrics`` text (``ServerFailed`` when it is not one)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    snap = RouterSnapshot(timestamp)
+    duration: dict[str, Any] = {"buckets": {}, "sum": 0.0, "count": 0.0}
+    try:
+        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    except ValueError as exc:
+        raise ServerFailed(f"the router's /metrics is not in Prometheus text format: {exc}") from exc
+    for s in samples:
+        for key, name in _ROUTER_COUNTERS.items():
+            if s.name == name:
+                snap.counters[key] = snap.counters.get(key, 0.0) + s.value
+        if s.name == "vllm_router_active_workers":
+            snap.active_workers = s.value
+        elif s.labels.get("worker"):
+            _worker_sample(snap.workers.setdefault(s.labels["worker"], {}), s.name, s.value)
+        elif s.name.startswith(_ROUTER_DURATION):
+            _duration_sample(duration, s.name[len(_ROUTER_DURATION):], s.labels, s.value)
+    if duration["buckets"]:
+        snap.duration = Histogram(sorted(duration["buckets"].items()), duration["sum"], duration["count"])
+    return snap
+
+
+def _worker_sample(worker: dict[str, Any], name: str, value: float) -> None:
+    if name == "vllm_router_processed_requests_total":
+        worker["processed"] = value
+    elif name == "vllm_router_worker_health":
+        worker["healthy"] = value >= 1
+    elif name == "vllm_router_cb_state":
+        worker["circuit"] = _CIRCUIT.get(int(value), str(value))
+
+
+def _duration_sample(hist: dict[str, Any], suffix: str, labels: dict[str, str], value: float) -> None:
+    if suffix == "_bucket":
+        le = labels.get("le", "+Inf")
+        bound = float("inf") if le in ("+Inf", "Inf") else float(le)
+        hist["buckets"][bound] = hist["buckets"].get(bound, 0.0) + value
+    elif suffix in ("_sum", "_count"):
+        hist[suffix[1:]] += value
+
+
+def scrape_router(runner: Runner, rec: ServiceRecord, timeout: float = 5.0) -> RouterSnapshot:
+    """One scrape of the router's Prometheus port, as the router's host reaches it."""
+    from pbs_toolkit.transports import http as probe
+
+    info = rec.router or {}
+    if not info.get("prometheus_port"):
+        raise ServerFailed(f"service {rec.name}: the router's Prometheus port is not recorded")
+    try:
+        answer = probe.http_request(runner, info["host"], int(info["prometheus_port"]), "/metrics", timeout=timeout)
+    except OSError as exc:
+        raise ServerFailed(f"cannot reach the router's metrics at {info['host']}:{info['prometheus_port']}: "
+                           f"{exc}") from exc
+    if answer.status != 200:
+        raise ServerFailed(f"the router's metrics answered HTTP {answer.status}")
+    return parse_router_metrics(answer.body.decode("utf-8", "replace"), time.time())
+
+
+def router_summary(prev: RouterSnapshot | None, cur: RouterSnapshot, window: bool) -> dict[str, Any]:
+    """The ``router`` part of a ``service_metrics`` object (``window``: latencies since ``prev`` only)."""
+    interval = cur.timestamp - prev.timestamp if prev is not None else 0.0
+    out: dict[str, Any] = {f"{k}_total": cur.counters.get(k, 0.0) for k in _ROUTER_COUNTERS}
+    out["requests_per_s"] = None
+    if prev is not None and interval > 0:
+        gained = cur.counters.get("requests", 0.0) - prev.counters.get("requests", 0.0)
+        out["requests_per_s"] = max(gained, 0.0) / interval
+    out["active_workers"] = cur.active_workers
+    out["workers"] = [{"url": url, **w} for url, w in sorted(cur.workers.items())]
+    hist = cur.duration
+    if window and hist is not None and prev is not None and prev.duration is not None:
+        hist = delta(prev.duration, hist)
+    for q in (50, 90, 99):
+        value = hist.quantile(q / 100) if hist is not None else None
+        out[f"duration_p{q}_ms"] = None if value is None else round(value * 1000.0, 3)
+    out["window"] = "interval" if window and prev is not None else "cumulative"
+    return out
+
+
+@dataclass(frozen=True)
+class ServiceMetrics:
+    """One look at a service: each serving replica's summary, their aggregate, the router's figures."""
+
+    name: str
+    timestamp: float
+    replicas: list[dict[str, Any]]
+    aggregate: dict[str, Any]
+    router: dict[str, Any] | None
+    router_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A ``service_metrics`` object (``metrics NAME --json``, docs/json.md)."""
+        from pbs_toolkit.schema import stamp
+
+        return stamp("service_metrics", {"name": self.name, "timestamp": self.timestamp,
+                                         "replicas": self.replicas, "aggregate": self.aggregate,
+                                         "router": self.router, "router_error": self.router_error})
+
+
+@dataclass
+class _Round:
+    timestamp: float
+    snaps: dict[str, MetricsSnapshot]
+    errors: dict[str, str]
+    router: RouterSnapshot | None
+    router_error: str | None
+
+
+class _Scraper:
+    """The serving replicas of one look at the service, scraped together with the router."""
+
+    def __init__(self, client: Client, st: ServiceStatus) -> None:
+        self.client, self.rec, self.targets = client, st.record, serving(st)
+
+    def take(self) -> _Round:
+        from pbs_toolkit.perf.scrape import scrape
+
+        snaps, errors = {}, {}
+        for _, js in self.targets:
+            try:
+                snaps[js.record.job_id] = scrape(self.client.runner(js.record.transport), js)
+            except PbstkError as exc:  # a replica that went away: named, the others still summed
+                errors[js.record.job_id] = exc.message
+        router, router_error = None, None
+        try:
+            router = scrape_router(self.client.runner(self.rec.transport), self.rec)
+        except PbstkError as exc:
+            router_error = exc.message
+        return _Round(time.time(), snaps, errors, router, router_error)
+
+    def look(self, prev: _Round, cur: _Round, window: bool) -> ServiceMetrics:
+        """``window``: latencies over the interval (``--watch``); else since start, with rates from ``prev``."""
+        replicas = []
+        for index, js in self.targets:
+            job = js.record.job_id
+            if job not in cur.snaps:
+                replicas.append({"replica": index, "job_id": job, "error": cur.errors.get(job, "not scraped")})
+                continue
+            replicas.append({"replica": index, "job_id": job, **_summary(prev.snaps.get(job), cur.snaps[job], window)})
+        both = [job for job in cur.snaps if job in prev.snaps]
+        aggregate = _summary(combine([prev.snaps[j] for j in both]), combine([cur.snaps[j] for j in both]), window)
+        aggregate["replicas"] = len(both)
+        router = router_summary(prev.router, cur.router, window) if cur.router is not None else None
+        return ServiceMetrics(self.rec.name, cur.timestamp, replicas, aggregate, router, cur.router_error)
+
+
+def _summary(prev: MetricsSnapshot | None, cur: MetricsSnapshot, window: bool) -> dict[str, Any]:
+    """``Client.metrics``'s summary (one-shot: latencies since start, rates over the interval) or
+    ``watch_metrics``'s (everything over the interval)."""
+    summary = summarize(prev if window else None, cur)
+    if not window:
+        summary["rates"] = rates(prev, cur) if prev is not None and cur.timestamp > prev.timestamp else None
+    return summary
+
+
+def metrics(client: Client, st: ServiceStatus, interval: float = 1.0) -> ServiceMetrics:
+    """Two scrapes of every serving replica and the router, ``interval`` s apart."""
+    scraper = _Scraper(client, st)
+    prev = scraper.take()
+    time.sleep(interval)
+    return scraper.look(prev, scraper.take(), window=False)
+
+
+def watch_metrics(client: Client, st: ServiceStatus, every: float = 5.0, count: int = 0) -> Iterator[ServiceMetrics]:
+    """A look every ``every`` s over the interval since the one before; ``count`` looks (0: until stopped). The
+    replicas are looked up again after a scrape failed (a handover replaced one)."""
+    scraper = _Scraper(client, st)
+    prev = scraper.take()
+    looks = 0
+    while not count or looks < count:
+        time.sleep(every)
+        cur = scraper.take()
+        looks += 1
+        yield scraper.look(prev, cur, window=True)
+        if cur.errors:
+            scraper = _Scraper(client, client.service_status(st.record.name))
+            cur = scraper.take()
+        prev = cur
+
+
+# -- doctor ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServiceDiagnosis:
+    """``doctor NAME``: the router's and keeper's findings, then each replica's diagnosis."""
+
+    name: str
+    state: str
+    router: dict[str, Any]
+    findings: list[Finding]
+    replicas: list[tuple[int, Diagnosis]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A ``service_diagnosis`` object (``doctor NAME --json``, docs/json.md)."""
+        from pbs_toolkit.schema import stamp
+
+        return stamp("service_diagnosis", {
+            "name": self.name, "state": self.state, "router": self.router,
+            "findings": [f.to_dict() for f in self.findings],
+            "replicas": [{"replica": k, **d.to_dict()} for k, d in self.replicas]})
+
+
+def doctor(client: Client, st: ServiceStatus, replica: int | None = None) -> ServiceDiagnosis:
+    """Findings about the router (running, its workers against the serving replicas, their health) and the
+    keeper, and the job doctor on each replica's job (``replica``: that one only)."""
+    rec = st.record
+    by_id = {s.record.job_id: s for s in st.replicas}
+    indexes = [replica] if replica is not None else [slot.index for slot in rec.slots]
+    diagnoses = []
+    for k in indexes:
+        job = replica_job(rec, k)
+        diagnoses.append((k, client.doctor(by_id.get(job) or job)))
+    router, findings = _router_findings(client, st)
+    return ServiceDiagnosis(rec.name, st.state, router, findings, diagnoses)
+
+
+def _router_findings(client: Client, st: ServiceStatus) -> tuple[dict[str, Any], list[Finding]]:
+    from pbs_toolkit.perf.doctor import Finding
+    from pbs_toolkit.services.keeper import worker_url
+
+    rec = st.record
+    router: dict[str, Any] = {"running": st.router_running, "url": rec.url, "keeper_running": st.keeper_running,
+                              "workers": None}
+    findings = []
+    if rec.ended is not None:
+        return router, [Finding("service-ended", "high", f"the service is {st.state}", f"ended at "
+                                f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(rec.ended))}",
+                                f"start a new one with `pbstk serve {rec.model} --name {rec.name} ...`")]
+    if not st.router_running:
+        findings.append(Finding("router-down", "high", "the router is not running", f"service state {st.summary}; "
+                                f"router log: {router_log(rec) if rec.router or rec.router_job else '-'}",
+                                f"`pbstk logs {rec.name}` shows why; `pbstk cancel {rec.name}` and serve again"))
+    if not st.keeper_running:
+        findings.append(Finding("keeper-down", "high", "the keeper is not running", "no keeper holds its lock",
+                                f"`pbstk service resume {rec.name}` (replicas are not added or removed meanwhile)"))
+    if st.router_running:
+        try:
+            snap = scrape_router(client.runner(rec.transport), rec)
+        except PbstkError as exc:
+            router["error"] = exc.message
+        else:
+            router["workers"] = [{"url": url, **w} for url, w in sorted(snap.workers.items())]
+            expected = {u for _, js in serving(st) if (u := worker_url(js))}
+            findings += worker_findings(rec.name, snap, expected)
+    return router, findings
+
+
+def worker_findings(name: str, snap: RouterSnapshot, expected: set[str]) -> list[Finding]:
+    from pbs_toolkit.perf.doctor import Finding
+
+    out = []
+    missing = sorted(expected - set(snap.workers))
+    if missing:
+        out.append(Finding("replica-not-routed", "medium", "a READY replica is not among the router's workers",
+                           f"not routed to: {', '.join(missing)}",
+                           f"the keeper adds it on its next look (PBSTK_SERVICE_POLL_S); if it stays out, "
+                           f"see {name}'s keeper.log"))
+    for url, w in sorted(snap.workers.items()):
+        if w.get("healthy") is False or w.get("circuit") in ("open", "half_open"):
+            out.append(Finding("worker-unhealthy", "high", f"the router does not route to {url}",
+                               f"health check {'failing' if w.get('healthy') is False else 'ok'}, circuit "
+                               f"{w.get('circuit', '?')}", "see that replica's log (`pbstk logs NAME --replica K`)"))
+    return out
+
+
+# -- bench -------------------------------------------------------------------------------------------------
+
+
+def bench_status(st: ServiceStatus) -> JobStatus:
+    """A READY status at the router's address: the service's key and name, and a serving replica's run directory
+    (its 0600 key file) and Python environment, where ``vllm bench serve`` runs and saves its result."""
+    from pbs_toolkit.services.manage import service_job_status
+
+    rec = st.record
+    base = service_job_status(rec)
+    replica = serving(st)[0][1].record
+    record = replace(base.record, run_dir=replica.run_dir, spec=replica.spec, model=replica.model)
+    return replace(base, record=record)
