@@ -1,0 +1,192 @@
+"""Only the owner changes the router's membership: the real vllm-router behind pbstk's front
+(``server/router_front.py``: the router in a private network namespace), a stand-in replica with the service's key,
+and a rogue worker on loopback that another user re-adds through the public URL every 50 ms.
+
+The rogue runs 3 s here, not the 20 s of ``scripts/bench_router_rogue.py`` (which prints the counts): without the
+front the router hands it about a third of the requests within the first second (the last test keeps that under
+test), so 3 s of round-robin traffic at tens of requests a second cannot miss it."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from conftest import STANDINS
+from helpers import until
+
+from pbs_toolkit.services.router import ADMIN_HEADER, RouterInfo, open_admin, start_router, stop_router
+from pbs_toolkit.transports.local import LocalRunner
+
+ROUTER = Path(sys.executable).parent / "vllm-router"
+KEY = "the-service-key"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+class Rogue:
+    """Another user's worker on loopback: answers everything 200 and records every request it gets."""
+
+    def __init__(self) -> None:
+        seen: list[tuple[str, str, str]] = []
+        self.seen = seen
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                seen.append((self.command, self.path, self.headers.get("Authorization") or ""))
+                body = b'{"choices": [{"message": {"role": "assistant", "content": "stolen"}}]}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def replica() -> Iterator[str]:
+    """A stand-in vLLM server that wants the service's key."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_API_KEY": KEY, "PBSTK_TEST_STANDIN_DELAY": "0"}
+    proc = subprocess.Popen(  # noqa: S603 - argument list
+        [sys.executable, str(STANDINS / "vllm"), "serve", "m", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        until(lambda: _status(f"{url}/health") == 200, 15, "the stand-in replica")
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(5)
+
+
+@pytest.fixture
+def rogue() -> Iterator[Rogue]:
+    r = Rogue()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def router(tmp_path: Path, replica: str) -> Iterator[Any]:
+    started: list[RouterInfo] = []
+
+    def start(isolate: bool = True) -> RouterInfo:
+        info = start_router(LocalRunner(), str(tmp_path / "router"), command=[str(ROUTER)], worker_urls=[replica],
+                            isolate=isolate)
+        started.append(info)
+        return info
+
+    yield start
+    for info in started:
+        stop_router(LocalRunner(), info, timeout=3)
+
+
+def _status(url: str, method: str = "GET", **kw: Any) -> int | None:
+    try:
+        return requests.request(method, url, timeout=2, **kw).status_code
+    except requests.RequestException:
+        return None
+
+
+def _attack(info: RouterInfo, rogue: Rogue, seconds: float) -> tuple[Counter[int | None], Counter[int | None]]:
+    """Re-add the rogue every 50 ms (as plain admin calls and through path tricks) while a client sends
+    authenticated requests through the service URL; the admin answers and the client's answers, counted."""
+    stop = threading.Event()
+    adds: Counter[int | None] = Counter()
+    tricks = [f"/add_worker?url={rogue.url}", f"//add_worker?url={rogue.url}", f"/v1/../add_worker?url={rogue.url}",
+              f"/v1/%2e%2e/add_worker?url={rogue.url}", f"/%61dd_worker?url={rogue.url}"]
+
+    def attacker() -> None:
+        i = 0
+        while not stop.is_set():
+            headers = {ADMIN_HEADER: "guessed"} if i % 2 else {}
+            adds[_status(info.url + tricks[i % len(tricks)], "POST", headers=headers)] += 1
+            i += 1
+            stop.wait(0.05)
+
+    thread = threading.Thread(target=attacker)
+    thread.start()
+    answers: Counter[int | None] = Counter()
+    deadline = time.monotonic() + seconds
+    try:
+        with requests.Session() as client:
+            while time.monotonic() < deadline:
+                try:
+                    answer = client.post(f"{info.url}/v1/chat/completions", json=CHAT, timeout=10,
+                                         headers={"Authorization": f"Bearer {KEY}"})
+                    answers[answer.status_code] += 1
+                except requests.RequestException:
+                    answers[None] += 1
+    finally:
+        stop.set()
+        thread.join(10)
+    return adds, answers
+
+
+def test_a_worker_re_added_every_50ms_by_another_user_gets_no_request(router: Any, rogue: Rogue,
+                                                                     replica: str) -> None:
+    info = router()
+    adds, answers = _attack(info, rogue, 3.0)
+    assert rogue.seen == []  # not a request, not even a health check: the key never reached it
+    assert set(adds) <= {400, 403} and adds[403] > 10, adds
+    assert set(answers) == {200} and answers[200] > 20, answers
+    with open_admin(LocalRunner(), info) as admin:  # the owner (who holds the token) still manages it
+        assert admin.workers() == [replica]
+        admin.remove_worker(replica)
+        assert admin.workers() == []
+        admin.add_worker(replica)
+        assert admin.workers() == [replica]
+
+
+def test_the_routers_own_port_is_not_on_the_hosts_network(router: Any, replica: str) -> None:
+    info = router()
+    log = Path(info.run_dir, "router.log").read_text(errors="replace")
+    inner = int(re.findall(r"Starting server on 127\.0\.0\.1:(\d+)", re.sub(r"\x1b\[[0-9;]*m", "", log))[-1])
+    assert inner not in (info.port, info.prometheus_port)
+    try:
+        answer = requests.get(f"http://127.0.0.1:{inner}/list_workers", timeout=2).text
+    except requests.ConnectionError:
+        answer = ""  # refused: nothing listens there on the host
+    assert replica not in answer
+    # the public endpoints still work: the service URL, its worker list, the router's Prometheus metrics
+    assert requests.get(f"{info.url}/list_workers", timeout=5).json()["urls"] == [replica]
+    assert _status(f"{info.url}/v1/chat/completions", "POST", json=CHAT) == 401  # no key: the replica's 401
+    assert "vllm_router" in requests.get(f"http://127.0.0.1:{info.prometheus_port}/metrics", timeout=5).text
+    # every other path is the owner's: 403 without the token, passed on with it
+    assert _status(f"{info.url}/get_loads") == 403
+    assert _status(f"{info.url}/get_loads", headers={ADMIN_HEADER: info.admin_token}) == 200
+
+
+def test_without_the_front_the_rogue_gets_traffic(router: Any, rogue: Rogue) -> None:
+    """What the front closes (router_isolation: none): anyone who reaches the port adds a worker and gets
+    requests with the service's key."""
+    info = router(isolate=False)
+    _adds, _answers = _attack(info, rogue, 3.0)
+    stolen = [auth for method, path, auth in rogue.seen if path == "/v1/chat/completions"]
+    assert stolen and set(stolen) == {f"Bearer {KEY}"}
