@@ -33,7 +33,6 @@ import struct
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 from urllib.parse import urlsplit
 
 CLONE_NEWUSER = 0x10000000
