@@ -190,3 +190,25 @@ def test_without_the_front_the_rogue_gets_traffic(router: Any, rogue: Rogue) -> 
     _adds, _answers = _attack(info, rogue, 3.0)
     stolen = [auth for method, path, auth in rogue.seen if path == "/v1/chat/completions"]
     assert stolen and set(stolen) == {f"Bearer {KEY}"}
+
+
+@pytest.mark.ssh
+def test_a_login_node_router_is_behind_the_front_too(login_node: Any, replica: str, tmp_path: Path) -> None:
+    """The login placement (over SSH, real sshd on loopback): the router started there is in its own namespace;
+    its admin API answers the owner's token only, also through pbstk's tunnel."""
+    from pbs_toolkit.transports.ssh import SSHRunner
+    from pbs_toolkit.transports.tunnel import start_tunnel
+
+    with SSHRunner(login_node.alias, config_path=login_node.ssh_config,
+                   known_hosts_path=login_node.known_hosts) as runner:
+        info = start_router(runner, str(tmp_path / "login-router"), command=[str(ROUTER)])
+        try:
+            assert info.admin_token == info.token and info.admin_token not in repr(info)
+            with start_tunnel(runner, info.host, info.port) as tunnel:
+                assert _status(f"{tunnel.url}/add_worker?url={replica}", "POST") == 403
+            with open_admin(runner, info) as admin:
+                admin.add_worker(replica)
+                assert admin.workers() == [replica]
+            assert "pbstk-router-front: router pid" in runner.read_bytes(f"{info.run_dir}/router.log").decode()
+        finally:
+            stop_router(runner, info, timeout=3)

@@ -146,7 +146,9 @@ class RouterInfo:
     policy: str
     run_dir: str  # on the router's host: router.json (0600), router.log
     transport: str = ""  # "" = this machine, else the ssh host (as JobRecord.transport)
-    token: str = ""  # identity token (in the router's environment) so a recycled pid is never killed
+    #: identity token (in the router's environment) so a recycled pid is never killed; with the front, also
+    #: its admin token: a secret, kept out of the repr
+    token: str = field(default="", repr=False)
     #: the front's admin token (router_front.py): without it the admin API answers 403; "" = no front
     admin_token: str = field(default="", repr=False)
 
