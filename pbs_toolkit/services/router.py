@@ -22,8 +22,9 @@ docs/services.md "## The router"):
   is not added to forwarded requests either.
 * **Admin endpoints are not authenticated** (``/add_worker``, ``/remove_worker``, ``/list_workers``), with or
   without ``--api-key``: anyone who reaches the router's port can add a worker of theirs and receive prompts with
-  the clients' ``Authorization`` header (the service's key). Bind it to 127.0.0.1 unless clients on other hosts
-  must reach it.
+  the clients' ``Authorization`` header (the service's key). So by default (``isolate``) the router listens only
+  inside its own network namespace, behind ``server/router_front.py``, which passes on service traffic and wants
+  the router's token (``RouterInfo.admin_token``, sent by :class:`RouterAdmin`) for everything else.
 * **Health checks** are ``GET /health`` without any ``Authorization`` header, also with ``--api-key``: fine for
   vLLM, whose ``/health`` needs no key. ``/add_worker`` waits until the worker's ``/health`` answers
   (``--worker-startup-timeout-secs``, default 600 s, checked every ``--worker-startup-check-interval`` = 30 s):
