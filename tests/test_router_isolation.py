@@ -212,3 +212,27 @@ def test_a_login_node_router_is_behind_the_front_too(login_node: Any, replica: s
             assert "pbstk-router-front: router pid" in runner.read_bytes(f"{info.run_dir}/router.log").decode()
         finally:
             stop_router(runner, info, timeout=3)
+
+
+def test_no_python3_on_the_routers_host_or_a_bad_isolation_key_is_one_clear_error(
+        isolated_user: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from helpers import MODEL, pbstk
+
+    from pbs_toolkit.services.router import RouterError
+
+    bin_dir = tmp_path / "bin"  # a host with bash but no python3
+    bin_dir.mkdir()
+    (bin_dir / "bash").symlink_to(shutil.which("bash") or "/bin/bash")
+    path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", str(bin_dir))
+    with pytest.raises(RouterError, match="python3 not found on this machine: the router's front needs it"):
+        start_router(LocalRunner(), str(tmp_path / "r"), command=[str(ROUTER)])
+    monkeypatch.setenv("PATH", path)
+    (isolated_user / "config" / "pbstk" / "profiles").mkdir(parents=True, exist_ok=True)
+    (isolated_user / "config" / "pbstk" / "profiles" / "iso.yaml").write_text(
+        "name: iso\nscheduler: local\naddress: loopback\nrouter_isolation: open\n")
+    result = pbstk("serve", MODEL, "--profile", "iso")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert "key 'router_isolation' must be one of netns, none, got 'open'" in result.stderr

@@ -372,7 +372,11 @@ async def serve(bind: str, port: int, prom_port: int, command: list[str]) -> int
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, stop, sig)
-    rc = await loop.run_in_executor(None, proc.wait)
+    try:
+        rc = await loop.run_in_executor(None, proc.wait)
+    finally:
+        if proc.poll() is None:  # the front failed: no router left behind, unreachable in its namespace
+            proc.kill()
     log(f"the router exited ({rc})")
     return rc if rc >= 0 else 128 - rc
 

@@ -189,8 +189,8 @@ def _remove_foreign(jobs: list[str], statuses: dict[str, JobStatus], admin: Rout
     """Remove every worker that is none of the service's jobs. The router's admin API has no authentication
     (docs/services.md "Who can reach the router"): behind pbstk's front only the owner reaches it, but with
     ``router_isolation: none`` whoever reaches its port can add a worker of theirs, which would then receive
-    prompts with the service's key (this sweep does not stop one re-added every 50 ms: the front does). Skipped in a tick where the scheduler did not answer for some job (its
-    worker could be one of those)."""
+    prompts with the service's key (this sweep does not stop one re-added every 50 ms: the front does).
+    Skipped in a tick where the scheduler did not answer for some job (its worker could be one of those)."""
     if any(job not in statuses or statuses[job].state.value == "UNKNOWN" for job in jobs):
         return
     ours = {url for st in statuses.values() if (url := worker_url(st)) is not None}

@@ -317,6 +317,9 @@ def start_router(
     host = advertise or (bind if bind not in _WILDCARDS else _default_advertise(runner))
     deadline = time.monotonic() + timeout
     if isolate:
+        if not runner.run(["bash", "-c", "command -v python3"], timeout=30).ok:
+            raise RouterError(f"python3 not found on {_where(runner)}: the router's front needs it "
+                              "(or set router_isolation: none in the profile: the router's admin API is then open)")
         runner.write_bytes(f"{run_dir}/{FRONT_FILE}", FRONT_SOURCE.read_bytes(), 0o600)
     for _attempt in range(_BIND_ATTEMPTS):
         port, prom_port = _free_ports(runner, bind)
