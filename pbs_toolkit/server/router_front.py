@@ -47,6 +47,7 @@ PUBLIC_GET = frozenset({"/list_workers"})
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization",
                         b"proxy-authenticate", b"te", b"upgrade"})
 HEAD_LIMIT = 64 * 1024
+HEAD_WAIT_S = 60.0
 CHUNK = 64 * 1024
 
 
@@ -249,7 +250,10 @@ class Front:
     async def public(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The public port: service traffic to the router; anything else only with the router's token."""
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
+            try:  # a client that never finishes its head does not hold a connection for ever
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_WAIT_S)
+            except asyncio.LimitOverrunError:
+                raise BadRequest(431, "Request Header Fields Too Large", "request head over 64 KiB") from None
             method, target, version, headers = parse_head(head)
             path = target.split(b"?", 1)[0].decode("ascii", "replace")
             if not path.startswith("/") or "%" in path or "/." in path or "//" in path or "\\" in path:
@@ -267,7 +271,7 @@ class Front:
             await exchange(reader, writer, rebuild(method, target, version, headers, b"127.0.0.1"), length, upstream)
         except BadRequest as exc:
             await answer(writer, exc.status, exc.reason, exc.text)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError, ValueError):
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError, ValueError):
             pass
         finally:
             close(writer)
