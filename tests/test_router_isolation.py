@@ -181,6 +181,15 @@ def test_the_routers_own_port_is_not_on_the_hosts_network(router: Any, replica: 
     # every other path is the owner's: 403 without the token, passed on with it
     assert _status(f"{info.url}/get_loads") == 403
     assert _status(f"{info.url}/get_loads", headers={ADMIN_HEADER: info.admin_token}) == 200
+    # a chunked request body and a streamed answer pass through whole
+    body = iter([b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], ',
+                 b'"max_tokens": 2, "stream": true}'])
+    streamed = requests.post(f"{info.url}/v1/chat/completions", data=body, timeout=10,
+                             headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]"), streamed.text
+    with socket.create_connection(("127.0.0.1", info.port), timeout=5) as s:  # a head over 64 KiB: refused
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nX: " + b"0" * 70000 + b"\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 431 ")
 
 
 def test_without_the_front_the_rogue_gets_traffic(router: Any, rogue: Rogue) -> None:
