@@ -9,6 +9,7 @@ and answers, what the rogue received, the admin calls' answers, and the client's
 
     python scripts/bench_router_rogue.py                    # 20 s, router_isolation netns, then none
     python scripts/bench_router_rogue.py --seconds 5 --isolation netns
+    python scripts/bench_router_rogue.py --overhead --seconds 10   # what the front costs, no rogue
 
 Measured here (2 shared CPU cores, loopback): netns: the rogue got 0 requests; none: about a third of them.
 """
@@ -84,7 +85,7 @@ def replica() -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("the stand-in replica did not start")
 
 
-def run(isolation: str, seconds: float) -> None:
+def run(isolation: str, seconds: float, attack: bool = True) -> None:
     proc, replica_url = replica()
     rogue, seen = rogue_server()
     rogue_url = f"http://127.0.0.1:{rogue.server_address[1]}"
@@ -107,7 +108,8 @@ def run(isolation: str, seconds: float) -> None:
         thread = threading.Thread(target=attacker)
         answers: Counter[str] = Counter()
         try:
-            thread.start()
+            if attack:
+                thread.start()
             start = time.monotonic()
             with requests.Session() as client:
                 while time.monotonic() - start < seconds:
@@ -119,13 +121,18 @@ def run(isolation: str, seconds: float) -> None:
             elapsed = time.monotonic() - start
         finally:
             stop.set()
-            thread.join(10)
+            if attack:
+                thread.join(10)
             stop_router(runner, info, timeout=3)
             proc.kill()
             rogue.shutdown()
             rogue.server_close()
     sent = sum(answers.values())
     stolen = sum(n for path, n in seen.items() if path.startswith("/v1/"))
+    if not attack:
+        print(f"router_isolation {isolation}: {seconds:g} s, no rogue: {sent} requests ({sent / elapsed:.0f}/s), "
+              f"answers {dict(answers)}")
+        return
     print(f"router_isolation {isolation}: {seconds:g} s, rogue re-added every 50 ms")
     print(f"  client: {sent} authenticated requests ({sent / elapsed:.0f}/s), answers {dict(answers)}")
     print(f"  rogue:  {stolen} requests ({100 * stolen / max(sent, 1):.0f} %), all it got: {dict(seen) or 'nothing'}")
@@ -136,9 +143,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--isolation", choices=("netns", "none", "both"), default="both")
+    parser.add_argument("--overhead", action="store_true",
+                        help="no rogue: the client's request rate through the front and straight to the router")
     args = parser.parse_args()
     for isolation in ("netns", "none") if args.isolation == "both" else (args.isolation,):
-        run(isolation, args.seconds)
+        run(isolation, args.seconds, attack=not args.overhead)
 
 
 if __name__ == "__main__":
