@@ -231,13 +231,14 @@ def test_no_python3_on_the_routers_host_or_a_bad_isolation_key_is_one_clear_erro
 
     from pbs_toolkit.services.router import RouterError
 
-    bin_dir = tmp_path / "bin"  # a host with bash but no python3
+    bin_dir = tmp_path / "bin"  # a host with bash and the router, but no python3 (next to the router or on PATH)
     bin_dir.mkdir()
     (bin_dir / "bash").symlink_to(shutil.which("bash") or "/bin/bash")
+    (bin_dir / "vllm-router").symlink_to(ROUTER)
     path = os.environ["PATH"]
     monkeypatch.setenv("PATH", str(bin_dir))
     with pytest.raises(RouterError, match="python3 not found on this machine: the router's front needs it"):
-        start_router(LocalRunner(), str(tmp_path / "r"), command=[str(ROUTER)])
+        start_router(LocalRunner(), str(tmp_path / "r"), command=["vllm-router"])
     monkeypatch.setenv("PATH", path)
     (isolated_user / "config" / "pbstk" / "profiles").mkdir(parents=True, exist_ok=True)
     (isolated_user / "config" / "pbstk" / "profiles" / "iso.yaml").write_text(

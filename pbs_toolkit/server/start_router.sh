@@ -25,7 +25,11 @@ if [ "$ISOLATE" = 1 ]; then
   # the front's admin token (0600, written by pbstk): from a file into the environment, never into argv
   PBSTK_ROUTER_TOKEN=$(<"$RUN_DIR/router.token") || pbstk_fail "cannot read $RUN_DIR/router.token"
   export PBSTK_ROUTER_TOKEN
-  command -v python3 >/dev/null 2>&1 || pbstk_fail "python3 not found on $(hostname): the router's front needs it" 127
+  # the router's own Python (next to its command: a venv's, new enough), else python3 on PATH
+  FRONT_PY=$(command -v -- "${ROUTER_CMD[0]}" 2>/dev/null)
+  FRONT_PY=${FRONT_PY%/*}/python3
+  [ -x "$FRONT_PY" ] || FRONT_PY=$(command -v python3) \
+    || pbstk_fail "python3 not found on $(hostname): the router's front needs it" 127
 fi
 
 NODE=$(hostname -s 2>/dev/null || hostname)
@@ -86,7 +90,7 @@ for attempt in 1 2 3 4; do
   log_from=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
   if [ "$ISOLATE" = 1 ]; then
     # the router in a private network namespace behind pbstk's front (router_front.py), which binds the ports
-    python3 "$RUN_DIR/router_front.py" "$BIND_HOST" "$PORT" "$PROM_PORT" -- \
+    "$FRONT_PY" "$RUN_DIR/router_front.py" "$BIND_HOST" "$PORT" "$PROM_PORT" -- \
       "${ROUTER_CMD[@]}" --policy "$POLICY" "${ROUTER_ARGS[@]}" >>"$LOG" 2>&1 &
   else
     "${ROUTER_CMD[@]}" --host "$BIND_HOST" --port "$PORT" --prometheus-port "$PROM_PORT" \

@@ -122,6 +122,11 @@ while [ "$n" -gt 0 ]; do ours "$1" "$2" || exit 0; sleep 0.1; n=$((n - 1)); done
 kill -KILL -- "-$1" 2>/dev/null || kill -KILL "$1" 2>/dev/null
 exit 0
 """
+# the Python for the front: the router's own (next to its command: a venv's, new enough), else python3 on PATH
+_FRONT_PYTHON = r"""
+r=$(command -v -- "$1") && [ -x "${r%/*}/python3" ] && [ "${r%/*}" != "$r" ] && { echo "${r%/*}/python3"; exit 0; }
+command -v python3
+"""
 # two free TCP ports on the router's host (bound together, so they differ), or nothing when python3 is missing
 _FREE_PORTS = r"""
 import socket, sys
@@ -317,7 +322,8 @@ def start_router(
     host = advertise or (bind if bind not in _WILDCARDS else _default_advertise(runner))
     deadline = time.monotonic() + timeout
     if isolate:
-        if not runner.run(["bash", "-c", "command -v python3"], timeout=30).ok:
+        python = runner.run(["bash", "-c", _FRONT_PYTHON, "pbstk-python", command[0]], timeout=30).stdout.strip()
+        if not python:
             raise RouterError(f"python3 not found on {_where(runner)}: the router's front needs it "
                               "(or set router_isolation: none in the profile: the router's admin API is then open)")
         runner.write_bytes(f"{run_dir}/{FRONT_FILE}", FRONT_SOURCE.read_bytes(), 0o600)
@@ -328,7 +334,7 @@ def start_router(
         if worker_urls:
             router_args += ["--worker-urls", *worker_urls]
         if isolate:  # the front binds the ports and gives the router its own, inside the namespace
-            argv = ["python3", f"{run_dir}/{FRONT_FILE}", bind, str(port), str(prom_port), "--", *router_args]
+            argv = [python, f"{run_dir}/{FRONT_FILE}", bind, str(port), str(prom_port), "--", *router_args]
         else:
             argv = [*router_args, "--host", bind, "--port", str(port), "--prometheus-port", str(prom_port),
                     "--prometheus-host", bind]
