@@ -246,3 +246,20 @@ def test_no_python3_on_the_routers_host_or_a_bad_isolation_key_is_one_clear_erro
     result = pbstk("serve", MODEL, "--profile", "iso")
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
     assert "key 'router_isolation' must be one of netns, none, got 'open'" in result.stderr
+
+
+def test_where_user_namespaces_are_off_the_front_refuses_in_one_line(tmp_path: Path) -> None:
+    """A host whose limit on user namespaces is 0 (set here in a namespace of the test's own, so nothing else
+    is touched): the front says why and what to do, exits 1, and starts no router."""
+    from pbs_toolkit.services.router import FRONT_SOURCE
+
+    marker = tmp_path / "router-started"
+    script = 'echo 0 >/proc/sys/user/max_user_namespaces && exec "$@"'
+    result = subprocess.run(  # noqa: S603 - argument list
+        ["unshare", "--user", "--map-root-user", "sh", "-c", script, "sh", sys.executable, str(FRONT_SOURCE),
+         "127.0.0.1", "0", "0", "--", "touch", str(marker)],  # ports 0: any free ones
+        env={**os.environ, "PBSTK_ROUTER_TOKEN": "t"}, capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 1 and not marker.exists(), result
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(
+        "pbstk-router-front: error: cannot give the router a private network namespace ("), result.stderr
+    assert "set router_isolation: none in the profile to run it unprotected" in result.stderr
