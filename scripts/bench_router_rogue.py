@@ -10,6 +10,7 @@ and answers, what the rogue received, the admin calls' answers, and the client's
     python scripts/bench_router_rogue.py                    # 20 s, router_isolation netns, then none
     python scripts/bench_router_rogue.py --seconds 5 --isolation netns
     python scripts/bench_router_rogue.py --overhead --seconds 10   # what the front costs, no rogue
+    python scripts/bench_router_rogue.py --streams 16 --seconds 10  # streamed chunks/s, the front's CPU a chunk
 
 Measured here (2 shared CPU cores, loopback): netns: the rogue got 0 requests; none: about a third of them.
 """
@@ -85,6 +86,56 @@ def replica() -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("the stand-in replica did not start")
 
 
+def front_cpu_s(wrapper_pid: int) -> float:
+    """CPU seconds (user + system) used so far by the router's front, the child of pbstk's wrapper."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == wrapper_pid and b"router_front.py" in cmdline:
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
+def stream(isolation: str, seconds: float, streams: int, tokens: int) -> None:
+    """``streams`` clients in a loop, each streaming ``tokens`` chunks per request: chunks/s, and the front's CPU."""
+    proc, replica_url = replica()
+    runner = LocalRunner()
+    with tempfile.TemporaryDirectory() as tmp:
+        info = start_router(runner, f"{tmp}/router", command=[str(ROUTER)], worker_urls=[replica_url],
+                            isolate=isolation == "netns")
+        chunks: list[int] = [0] * streams
+        body = {**CHAT, "max_tokens": tokens, "stream": True}
+
+        def client(i: int, deadline: float) -> None:
+            with requests.Session() as session:
+                while time.monotonic() < deadline:
+                    with session.post(f"{info.url}/v1/chat/completions", json=body, stream=True, timeout=60,
+                                      headers={"Authorization": f"Bearer {KEY}"}) as answer:
+                        chunks[i] += sum(1 for line in answer.iter_lines() if line.startswith(b"data: {"))
+
+        try:
+            cpu0 = front_cpu_s(info.pid)
+            start = time.monotonic()
+            threads = [threading.Thread(target=client, args=(i, start + seconds)) for i in range(streams)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            elapsed = time.monotonic() - start
+            cpu = front_cpu_s(info.pid) - cpu0
+        finally:
+            stop_router(runner, info, timeout=3)
+            proc.kill()
+    total = sum(chunks)
+    front = (f", the front used {cpu:.1f} CPU s ({1e6 * cpu / max(total, 1):.0f} us a chunk)"
+             if isolation == "netns" else "")
+    print(f"router_isolation {isolation}: {streams} streams x {tokens} tokens for {seconds:g} s: "
+          f"{total} chunks ({total / elapsed:.0f}/s){front}")
+
+
 def run(isolation: str, seconds: float, attack: bool = True) -> None:
     proc, replica_url = replica()
     rogue, seen = rogue_server()
@@ -145,9 +196,15 @@ def main() -> None:
     parser.add_argument("--isolation", choices=("netns", "none", "both"), default="both")
     parser.add_argument("--overhead", action="store_true",
                         help="no rogue: the client's request rate through the front and straight to the router")
+    parser.add_argument("--streams", type=int, default=0,
+                        help="no rogue: this many streaming clients; chunks/s and the front's CPU per chunk")
+    parser.add_argument("--tokens", type=int, default=200, help="chunks per streamed answer (--streams)")
     args = parser.parse_args()
     for isolation in ("netns", "none") if args.isolation == "both" else (args.isolation,):
-        run(isolation, args.seconds, attack=not args.overhead)
+        if args.streams:
+            stream(isolation, args.seconds, args.streams, args.tokens)
+        else:
+            run(isolation, args.seconds, attack=not args.overhead)
 
 
 if __name__ == "__main__":
