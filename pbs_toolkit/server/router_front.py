@@ -233,6 +233,14 @@ async def exchange(client_r: asyncio.StreamReader, client_w: asyncio.StreamWrite
         close(up_w)
 
 
+async def dial(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection from the host's network (a worker the router asked for); 502 when there is none."""
+    try:
+        return await asyncio.open_connection(host, port, limit=HEAD_LIMIT)
+    except OSError as exc:
+        raise BadRequest(502, "Bad Gateway", f"pbstk router front: {host}:{port}: {type(exc).__name__}") from None
+
+
 class Front:
     def __init__(self, token: str) -> None:
         self.token = token.encode()
@@ -283,7 +291,7 @@ class Front:
             method, target, version, headers = parse_head(head)
             if method == b"CONNECT":  # an https:// worker: a tunnel to that host and port
                 host, _, port = target.decode("ascii").rpartition(":")
-                up_r, up_w = await asyncio.open_connection(host.strip("[]"), int(port), limit=HEAD_LIMIT)
+                up_r, up_w = await dial(host.strip("[]"), int(port))
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
                 await writer.drain()
                 pump = asyncio.ensure_future(copy_all(reader, up_w))
@@ -298,15 +306,13 @@ class Front:
                 raise BadRequest(400, "Bad Request", "pbstk router front: only http:// targets")
             origin = (url.path or "/") + (f"?{url.query}" if url.query else "")
             length = body_framing(headers)
-            upstream = await asyncio.open_connection(url.hostname, url.port or 80, limit=HEAD_LIMIT)
+            upstream = await dial(url.hostname, url.port or 80)
             await exchange(reader, writer, rebuild(method, origin.encode(), version, headers, url.netloc.encode()),
                            length, upstream)
-        except BadRequest as exc:
+        except BadRequest as exc:  # nothing was sent back yet: an answer of our own
             await answer(writer, exc.status, exc.reason, exc.text)
-        except OSError as exc:
-            await answer(writer, 502, "Bad Gateway", f"pbstk router front: {type(exc).__name__}")
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-            pass
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError, ValueError):
+            pass  # mid-answer: the connection just ends, as the worker's did
         finally:
             close(writer)
 
