@@ -92,6 +92,12 @@ def serve_two_then_cancel(name: str, timeout: str) -> None:
              "both replicas in the router")
     assert chat(url, rec.api_key).status_code == 200
     assert chat(url, None).status_code == 401
+    # its admin API is the owner's (router_isolation netns, the default): 403 without the token in the 0600
+    # router.token, which the record keeps and --json never shows
+    token_file = Path(job["run_dir"], "router.token")
+    assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+    assert rec.router["admin_token"] == token_file.read_text().strip() and "admin_token" not in json.dumps(doc)
+    assert requests.post(url[:-3] + "/add_worker", params={"url": "http://127.0.0.1:9"}, timeout=5).status_code == 403
 
     cancelled = pbstk("cancel", name)
     assert cancelled.exit_code == 0, cancelled.output

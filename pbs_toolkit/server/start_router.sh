@@ -3,7 +3,8 @@
 # A service's vllm-router inside a small CPU job (profile `router: job`). It chooses free ports on this node,
 # starts the router bound to BIND_HOST, and once the router answers /list_workers writes RUN_DIR/router.json
 # (host = this node's address as ADDRESS_MODE names it, port, prometheus_port, pid; 0644, no secret in it) for
-# pbstk to read. SIGTERM (a cancel, the walltime) is passed on to the router, which then drains; KILL after
+# pbstk to read. With ISOLATE=1 the router runs behind pbstk's front (router_front.py: the router in a private
+# network namespace, only service traffic passed on, its admin API wanting the token in router.token). SIGTERM (a cancel, the walltime) is passed on to the router, which then drains; KILL after
 # STOP_WAIT_S. The job ends when the router does.
 set -uo pipefail
 cd "$RUN_DIR" || exit 1
@@ -19,6 +20,17 @@ if [ -n "$VENV" ]; then
 fi
 command -v -- "${ROUTER_CMD[0]}" >/dev/null 2>&1 \
   || pbstk_fail "router command ${ROUTER_CMD[0]} not found on $(hostname) (profile key router_command)" 127
+
+if [ "$ISOLATE" = 1 ]; then
+  # the front's admin token (0600, written by pbstk): from a file into the environment, never into argv
+  PBSTK_ROUTER_TOKEN=$(<"$RUN_DIR/router.token") || pbstk_fail "cannot read $RUN_DIR/router.token"
+  export PBSTK_ROUTER_TOKEN
+  # the router's own Python (next to its command: a venv's, new enough), else python3 on PATH
+  FRONT_PY=$(command -v -- "${ROUTER_CMD[0]}" 2>/dev/null)
+  FRONT_PY=${FRONT_PY%/*}/python3
+  [ -x "$FRONT_PY" ] || FRONT_PY=$(command -v python3) \
+    || pbstk_fail "python3 not found on $(hostname): the router's front needs it" 127
+fi
 
 NODE=$(hostname -s 2>/dev/null || hostname)
 case "$ADDRESS_MODE" in
@@ -76,8 +88,14 @@ for attempt in 1 2 3 4; do
   read -r PORT PROM_PORT < <(pbstk_free_ports)
   pbstk_log "starting ${ROUTER_CMD[0]} on $BIND_HOST:$PORT (prometheus $PROM_PORT), attempt $attempt"
   log_from=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
-  "${ROUTER_CMD[@]}" --host "$BIND_HOST" --port "$PORT" --prometheus-port "$PROM_PORT" \
-    --prometheus-host "$BIND_HOST" --policy "$POLICY" "${ROUTER_ARGS[@]}" >>"$LOG" 2>&1 &
+  if [ "$ISOLATE" = 1 ]; then
+    # the router in a private network namespace behind pbstk's front (router_front.py), which binds the ports
+    "$FRONT_PY" "$RUN_DIR/router_front.py" "$BIND_HOST" "$PORT" "$PROM_PORT" -- \
+      "${ROUTER_CMD[@]}" --policy "$POLICY" "${ROUTER_ARGS[@]}" >>"$LOG" 2>&1 &
+  else
+    "${ROUTER_CMD[@]}" --host "$BIND_HOST" --port "$PORT" --prometheus-port "$PROM_PORT" \
+      --prometheus-host "$BIND_HOST" --policy "$POLICY" "${ROUTER_ARGS[@]}" >>"$LOG" 2>&1 &
+  fi
   CHILD=$!
   waited=0
   while ! pbstk_answers "$PORT"; do

@@ -11,8 +11,8 @@ one ``Client.status`` over the service's jobs (one scheduler query), then for ea
   walltime ends (``begin_at``); when the successor is READY it is added, and on the next tick (the router has
   routed to it by then) the predecessor is removed, drained (its ``/metrics`` shows no running request, at most
   ``PBSTK_SERVICE_DRAIN_S``, default 60) and cancelled. A job that ends unexpectedly is replaced at once;
-* a worker in the router that is none of the service's jobs is removed: the router's admin API has no
-  authentication, so someone else added it.
+* a worker in the router that is none of the service's jobs is removed (added by hand, or by anyone at all
+  with ``router_isolation: none``: the router's admin API has no authentication of its own).
 
 The router admin connection (for a login-node router, an SSH tunnel) is kept open across ticks (``AdminLink``)
 and opened afresh only after a failure or for a new router.
@@ -187,9 +187,10 @@ def _sync_router(st: JobStatus | None, admin: RouterAdmin, in_router: set[str]) 
 def _remove_foreign(jobs: list[str], statuses: dict[str, JobStatus], admin: RouterAdmin,
                     in_router: set[str]) -> None:
     """Remove every worker that is none of the service's jobs. The router's admin API has no authentication
-    (docs/services.md "The router"): whoever reaches its port can add a worker of theirs, which would then receive
-    prompts with the service's key. Skipped in a tick where the scheduler did not answer for some job (its
-    worker could be one of those)."""
+    (docs/services.md "Who can reach the router"): behind pbstk's front only the owner reaches it, but with
+    ``router_isolation: none`` whoever reaches its port can add a worker of theirs, which would then receive
+    prompts with the service's key (this sweep does not stop one re-added every 50 ms: the front does).
+    Skipped in a tick where the scheduler did not answer for some job (its worker could be one of those)."""
     if any(job not in statuses or statuses[job].state.value == "UNKNOWN" for job in jobs):
         return
     ours = {url for st in statuses.values() if (url := worker_url(st)) is not None}

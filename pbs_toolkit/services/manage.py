@@ -183,7 +183,8 @@ def _start_router(client: Client, rec: ServiceRecord, profile: Profile, command:
         bind = profile.router_bind or profile.bind_host
     # a loopback bind is reached as itself; otherwise the router module names the host (hostname -f there)
     advertise = bind if bind.startswith("127.") else None
-    info = start_router(runner, run_dir, command=command, bind=bind, advertise=advertise, policy=rec.policy)
+    info = start_router(runner, run_dir, command=command, bind=bind, advertise=advertise, policy=rec.policy,
+                        isolate=profile.router_isolation != "none")
     rec.router = info.to_dict()
     records.save(client.store, rec)
 
@@ -323,7 +324,7 @@ class ServiceStatus:
             "ready": self.ready, "replicas": rec.replicas, "url": rec.url, "keep_alive": rec.keep_alive,
             "handover_s": rec.handover_s, "policy": rec.policy, "created": rec.created, "ended": rec.ended,
             "keeper_running": self.keeper_running, "router_running": self.router_running,
-            "router": {k: v for k, v in rec.router.items() if k != "token"},
+            "router": {k: v for k, v in rec.router.items() if k not in ("token", "admin_token")},
             "router_job": {**rec.router_job, "state": self.router_job_state} if rec.router_job else None,
             "slots": [asdict(s) for s in rec.slots],
             "jobs": [s.to_dict() for s in self.replicas],

@@ -22,8 +22,9 @@ docs/services.md "## The router"):
   is not added to forwarded requests either.
 * **Admin endpoints are not authenticated** (``/add_worker``, ``/remove_worker``, ``/list_workers``), with or
   without ``--api-key``: anyone who reaches the router's port can add a worker of theirs and receive prompts with
-  the clients' ``Authorization`` header (the service's key). Bind it to 127.0.0.1 unless clients on other hosts
-  must reach it.
+  the clients' ``Authorization`` header (the service's key). So by default (``isolate``) the router listens only
+  inside its own network namespace, behind ``server/router_front.py``, which passes on service traffic and wants
+  the router's token (``RouterInfo.admin_token``, sent by :class:`RouterAdmin`) for everything else.
 * **Health checks** are ``GET /health`` without any ``Authorization`` header, also with ``--api-key``: fine for
   vLLM, whose ``/health`` needs no key. ``/add_worker`` waits until the worker's ``/health`` answers
   (``--worker-startup-timeout-secs``, default 600 s, checked every ``--worker-startup-check-interval`` = 30 s):
@@ -58,6 +59,7 @@ import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -69,6 +71,11 @@ from pbs_toolkit.transports.base import Runner
 TOKEN_ENV = "PBSTK_ROUTER_TOKEN"
 INFO_FILE = "router.json"
 LOG_FILE = "router.log"
+#: the front that keeps the router off the host's network (``server/router_front.py``), copied into the run dir
+FRONT_FILE = "router_front.py"
+FRONT_SOURCE = Path(__file__).resolve().parent.parent / "server" / FRONT_FILE
+#: the header the front wants, with the router's admin token, on every admin call (``/add_worker``, ...)
+ADMIN_HEADER = "X-Pbstk-Router-Token"
 #: added before ``extra_args`` (argparse: a later repeat of an option wins, so callers can override each)
 DEFAULT_ARGS: tuple[str, ...] = (
     "--health-check-interval-secs", "5",
@@ -115,6 +122,11 @@ while [ "$n" -gt 0 ]; do ours "$1" "$2" || exit 0; sleep 0.1; n=$((n - 1)); done
 kill -KILL -- "-$1" 2>/dev/null || kill -KILL "$1" 2>/dev/null
 exit 0
 """
+# the Python for the front: the router's own (next to its command: a venv's, new enough), else python3 on PATH
+_FRONT_PYTHON = r"""
+r=$(command -v -- "$1") && [ -x "${r%/*}/python3" ] && [ "${r%/*}" != "$r" ] && { echo "${r%/*}/python3"; exit 0; }
+command -v python3
+"""
 # two free TCP ports on the router's host (bound together, so they differ), or nothing when python3 is missing
 _FREE_PORTS = r"""
 import socket, sys
@@ -140,8 +152,11 @@ class RouterInfo:
     policy: str
     run_dir: str  # on the router's host: router.json (0600), router.log
     transport: str = ""  # "" = this machine, else the ssh host (as JobRecord.transport)
-    #: identity token (in the router's environment) so a recycled pid is never killed; never in ``repr``
+    #: identity token (in the router's environment) so a recycled pid is never killed; with the front, also
+    #: its admin token: a secret, kept out of the repr
     token: str = field(default="", repr=False)
+    #: the front's admin token (router_front.py): without it the admin API answers 403; "" = no front
+    admin_token: str = field(default="", repr=False)
 
     @property
     def url(self) -> str:
@@ -158,6 +173,7 @@ class RouterInfo:
                 host=str(d["host"]), port=int(d["port"]), prometheus_port=int(d["prometheus_port"]),
                 pid=int(d["pid"]), policy=str(d["policy"]), run_dir=str(d["run_dir"]),
                 transport=str(d.get("transport") or ""), token=str(d.get("token") or ""),
+                admin_token=str(d.get("admin_token") or ""),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise RouterError(f"router record is incomplete or malformed: {exc}") from exc
@@ -288,12 +304,16 @@ def start_router(
     worker_urls: Sequence[str] = (),
     extra_args: Sequence[str] = (),
     timeout: float = 30.0,
+    isolate: bool = True,
 ) -> RouterInfo:
     """Start a router detached on the runner's host and return once it answers ``GET /list_workers``.
 
     ``bind``: the address it listens on (its Prometheus endpoint too); ``advertise``: the address clients use
     (default: ``bind``, or for a wildcard bind 127.0.0.1 here / the host's name over SSH). Writes
     ``run_dir/router.json`` (0600) and appends the router's output to ``run_dir/router.log``.
+    ``isolate`` (the default): the router runs in a private network namespace behind ``router_front.py``, which
+    holds ``bind``'s ports and passes on service traffic only; its admin API needs ``RouterInfo.admin_token``.
+    False: the router itself binds ``bind``, and its admin API is open to whoever reaches that port.
     """
     _check_command(runner, command)
     runner.makedirs(run_dir, 0o700)
@@ -301,18 +321,28 @@ def start_router(
     transport = _transport(runner)
     host = advertise or (bind if bind not in _WILDCARDS else _default_advertise(runner))
     deadline = time.monotonic() + timeout
+    if isolate:
+        python = runner.run(["bash", "-c", _FRONT_PYTHON, "pbstk-python", command[0]], timeout=30).stdout.strip()
+        if not python:
+            raise RouterError(f"python3 not found on {_where(runner)}: the router's front needs it "
+                              "(or set router_isolation: none in the profile: the router's admin API is then open)")
+        runner.write_bytes(f"{run_dir}/{FRONT_FILE}", FRONT_SOURCE.read_bytes(), 0o600)
     for _attempt in range(_BIND_ATTEMPTS):
         port, prom_port = _free_ports(runner, bind)
         token = secrets.token_hex(16)
-        argv = [*command, "--host", bind, "--port", str(port), "--prometheus-port", str(prom_port),
-                "--prometheus-host", bind, "--policy", policy, *DEFAULT_ARGS, *extra_args]
+        router_args = [*command, "--policy", policy, *DEFAULT_ARGS, *extra_args]
         if worker_urls:
-            argv += ["--worker-urls", *worker_urls]
+            router_args += ["--worker-urls", *worker_urls]
+        if isolate:  # the front binds the ports and gives the router its own, inside the namespace
+            argv = [python, f"{run_dir}/{FRONT_FILE}", bind, str(port), str(prom_port), "--", *router_args]
+        else:
+            argv = [*router_args, "--host", bind, "--port", str(port), "--prometheus-port", str(prom_port),
+                    "--prometheus-host", bind]
         log_from = runner.size(f"{run_dir}/{LOG_FILE}") or 0
         _launch_once(runner, run_dir, argv, token)
         pid = _read_pid(runner, run_dir, deadline)
         info = RouterInfo(host=host, port=port, prometheus_port=prom_port, pid=pid, policy=policy,
-                          run_dir=run_dir, transport=transport, token=token)
+                          run_dir=run_dir, transport=transport, token=token, admin_token=token if isolate else "")
         if _wait_ready(runner, info, _reach(bind), log_from, deadline) == "ready":
             runner.write_bytes(f"{run_dir}/{INFO_FILE}", json.dumps(info.to_dict(), indent=2).encode(), 0o600)
             return info
@@ -377,11 +407,13 @@ def stop_router(runner: Runner, info: RouterInfo, timeout: float = 10.0) -> bool
 class RouterAdmin:
     """The router's admin API (``/list_workers``, ``/add_worker``, ``/remove_worker``): plain synchronous HTTP."""
 
-    def __init__(self, base_url: str, timeout: float = 5.0) -> None:
+    def __init__(self, base_url: str, timeout: float = 5.0, admin_token: str = "") -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.session = requests.Session()
         self.session.trust_env = False  # a proxy from the environment must not see (or break) loopback calls
+        if admin_token:  # the router's front lets admin calls through only with it (never in a log or argv)
+            self.session.headers[ADMIN_HEADER] = admin_token
 
     def _call(self, method: str, path: str, timeout: float, **params: str) -> requests.Response:
         try:
@@ -436,10 +468,11 @@ def open_admin(runner: Runner, info: RouterInfo) -> Iterator[RouterAdmin]:
     """A :class:`RouterAdmin` for ``info``: direct for a router on this machine, through an SSH tunnel
     (``transports/tunnel.py``, one ``direct-tcpip`` channel per connection) for one on a login node."""
     if not info.transport:
-        with RouterAdmin(info.url) as admin:
+        with RouterAdmin(info.url, admin_token=info.admin_token) as admin:
             yield admin
         return
     from pbs_toolkit.transports.tunnel import start_tunnel
 
-    with start_tunnel(runner, info.host, info.port) as tunnel, RouterAdmin(tunnel.url) as admin:
+    with start_tunnel(runner, info.host, info.port) as tunnel, \
+            RouterAdmin(tunnel.url, admin_token=info.admin_token) as admin:
         yield admin

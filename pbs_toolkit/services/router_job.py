@@ -7,6 +7,9 @@ It asks for one node, two CPUs and no GPU (a select statement without ``ngpus``)
 (default: the profile's queue) for ``router_job_walltime`` (default: the profile's walltime). On the node it
 picks free ports, binds ``bind_host``, and once the router answers ``/list_workers`` writes ``router.json``
 (host as the node's ``address`` rule names it, ports, pid; 0644: no secret, the key never reaches the router).
+With ``router_isolation: netns`` (the default) the script starts the router behind pbstk's front
+(``router_front.py``, copied into the run directory with its admin token ``router.token``, both 0600), as on a
+login node: only service traffic reaches the router, its admin API wants the token (docs/services.md).
 ``serve`` waits for that file (``PBSTK_ROUTER_JOB_WAIT_S``, default 300 s), then the service uses the router like
 any other: its admin API directly, or through the SSH tunnel to the node for an ``ssh_host`` profile.
 
@@ -17,9 +20,11 @@ script passes SIGTERM on to the router), and "router running" means the job runs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
+import secrets
 import shlex
 import time
 from dataclasses import replace
@@ -29,7 +34,15 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.schedulers import JobRef, SchedState, backend_class, get_scheduler
-from pbs_toolkit.services.router import DEFAULT_ARGS, INFO_FILE, LOG_FILE, RouterError, RouterInfo
+from pbs_toolkit.services.router import (
+    DEFAULT_ARGS,
+    FRONT_FILE,
+    FRONT_SOURCE,
+    INFO_FILE,
+    LOG_FILE,
+    RouterError,
+    RouterInfo,
+)
 
 if TYPE_CHECKING:
     from pbs_toolkit.client import Client
@@ -39,6 +52,8 @@ if TYPE_CHECKING:
     from pbs_toolkit.transports import Runner
 
 ENTRY_SCRIPT = "start_router.sh"
+#: the front's admin token in the run directory (0600; the job reads it into PBSTK_ROUTER_TOKEN)
+TOKEN_FILE = "router.token"
 _BODY = Path(__file__).resolve().parent.parent / "server" / ENTRY_SCRIPT
 #: CPUs the router job asks for: the router is one small process
 ROUTER_JOB_CPUS = 2
@@ -111,6 +126,7 @@ def render_start_script(profile: Profile, run_dir: str, service: str, command: l
         f"VENV={venv}",
         f"START_WAIT_S={START_WAIT_S}",
         f"STOP_WAIT_S={STOP_WAIT_S}",
+        f"ISOLATE={0 if profile.router_isolation == 'none' else 1}",
     ]
     return "\n".join(lines) + "\n" + _BODY.read_text(encoding="utf-8")
 
@@ -134,6 +150,9 @@ def submit(client: Client, rec: ServiceRecord, profile: Profile, command: list[s
     runner.write_bytes(f"{run_dir}/{scheduler.script_name}", render_job_script(prof, job_name, run_dir).encode(), 0o755)
     runner.write_bytes(f"{run_dir}/{ENTRY_SCRIPT}",
                        render_start_script(prof, run_dir, rec.name, command, rec.policy).encode(), 0o755)
+    if prof.router_isolation != "none":  # the front (router_front.py) and its admin token, the owner's only
+        runner.write_bytes(f"{run_dir}/{FRONT_FILE}", FRONT_SOURCE.read_bytes(), 0o600)
+        runner.write_bytes(f"{run_dir}/{TOKEN_FILE}", secrets.token_hex(16).encode(), 0o600)
     job_id = scheduler.submit(runner, f"{run_dir}/{scheduler.script_name}", run_dir, job_name,
                               walltime_s=walltime_seconds(prof.walltime))
     return {"job_id": job_id, "run_dir": run_dir, "scheduler": prof.scheduler, "name": job_name}
@@ -185,7 +204,10 @@ def _read_info(runner: Runner, path: str, transport: str) -> RouterInfo | None:
     except ValueError:
         return None  # being written (the script renames a complete file in; a partial read is retried)
     # no token: the router's pid is on the compute node and pbstk never signals it (it cancels the job)
-    return RouterInfo.from_dict({**data, "transport": transport, "token": ""})
+    info = RouterInfo.from_dict({**data, "transport": transport, "token": ""})
+    with contextlib.suppress(FileNotFoundError):  # the front's admin token (no file: router_isolation none)
+        info.admin_token = runner.read_bytes(f"{info.run_dir}/{TOKEN_FILE}").decode().strip()
+    return info
 
 
 def _tail(runner: Runner, run_dir: str, scheduler: str, lines: int = 8) -> list[str]:

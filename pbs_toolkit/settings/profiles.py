@@ -31,6 +31,8 @@ _IFNAME = re.compile(r"^\^?[A-Za-z0-9_.:=-]+(,[A-Za-z0-9_.:=-]+)*$")
 ENTRYPOINTS = ("serve", "api_server")
 #: where a service's router may run (``job``: in a small CPU job of the profile's scheduler)
 ROUTER_PLACES = ("auto", "local", "login", "job")
+#: how the router is kept from other users: netns (its own network namespace behind pbstk's front) or none
+ROUTER_ISOLATIONS = ("netns", "none")
 ROUTER_POLICIES = ("round_robin", "power_of_two", "random", "cache_aware", "kv_aware", "consistent_hash",
                    "sticky_least_loaded")
 
@@ -95,6 +97,9 @@ class Profile:
     router_policy: str = "round_robin"
     #: the address the router binds ("" = 127.0.0.1 for a local router, ``bind_host`` on the login node)
     router_bind: str = ""
+    #: netns: the router in a private network namespace, only service traffic passed on (its admin API: the
+    #: owner's); none: the router itself on router_bind, its admin API open to anyone who reaches the port
+    router_isolation: str = "netns"
     #: ``router: job``: the queue (partition) of the router's CPU job ("" = the profile's queue)
     router_job_queue: str = ""
     #: ``router: job``: the router job's walltime ("" = the profile's walltime)
@@ -256,6 +261,9 @@ def _validate_router(p: Profile, where: str) -> None:
     if p.router_policy not in ROUTER_POLICIES:
         raise ConfigError(f"{where}: key 'router_policy' must be one of {', '.join(ROUTER_POLICIES)}, "
                           f"got {p.router_policy!r}")
+    if p.router_isolation not in ROUTER_ISOLATIONS:
+        raise ConfigError(f"{where}: key 'router_isolation' must be one of {', '.join(ROUTER_ISOLATIONS)}, "
+                          f"got {p.router_isolation!r}")
     if not str(p.router_command).strip() or "\n" in str(p.router_command):
         raise ConfigError(f"{where}: key 'router_command' must be a command on one line")
     if p.router_bind and not re.fullmatch(r"[A-Za-z0-9.:_-]+", str(p.router_bind)):
