@@ -23,7 +23,7 @@ from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.record import ServiceRecord, Slot
-from pbs_toolkit.services.state import ready_count, service_state, serving_job
+from pbs_toolkit.services.state import service_state, serving_job
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pbs_toolkit.client import Client
     from pbs_toolkit.jobs.render import RenderRequest
     from pbs_toolkit.jobs.status import JobStatus
+    from pbs_toolkit.services.ready import RouteCheck
     from pbs_toolkit.settings.profiles import Profile
 
 #: ``--handover`` default: the successor becomes eligible this long before its predecessor's walltime ends
@@ -302,6 +303,8 @@ class ServiceStatus:
     router_running: bool
     #: ``router: job``: the router job's scheduler state (``running``, ``queued``, ...; ``gone`` when unknown)
     router_job_state: str | None = None
+    #: what the router said (its workers, a request with the key through it); ``None``: not asked (not running)
+    route: RouteCheck | None = None
 
     @property
     def url(self) -> str | None:
@@ -325,6 +328,8 @@ class ServiceStatus:
             "keeper_running": self.keeper_running, "router_running": self.router_running,
             "router": {k: v for k, v in rec.router.items() if k != "token"},
             "router_job": {**rec.router_job, "state": self.router_job_state} if rec.router_job else None,
+            "router_workers": self.route.workers if self.route is not None else None,
+            "route_status": self.route.status if self.route is not None else None,
             "slots": [asdict(s) for s in rec.slots],
             "jobs": [s.to_dict() for s in self.replicas],
         })
@@ -333,6 +338,7 @@ class ServiceStatus:
 def look(client: Client, rec: ServiceRecord, known: Mapping[str, JobStatus] | None = None) -> ServiceStatus:
     """One status query over the service's jobs, the router and the keeper: what ``status NAME`` shows.
     ``known``: statuses already taken in a larger batch (``Client.service_statuses``): no query of its own."""
+    from pbs_toolkit.services.ready import RouteCheck, check_route, routable_count, still_starting
     from pbs_toolkit.services.router import RouterInfo, router_alive
 
     jobs = [j for s in rec.slots for j in s.jobs()]
@@ -340,10 +346,6 @@ def look(client: Client, rec: ServiceRecord, known: Mapping[str, JobStatus] | No
         statuses = [known[j] for j in jobs if j in known] if rec.ended is None else []
     else:
         statuses = client.status(*jobs) if jobs and rec.ended is None else []
-    states = {st.record.job_id: st.state.value for st in statuses}
-    ready = ready_count(rec.slots, states) if rec.ended is None else 0
-    if ready:
-        rec.ever_ready = True
     router, job_state = False, None
     if rec.router_job and rec.ended is None:
         router, job_state = _router_job_alive(client, rec)
@@ -352,11 +354,22 @@ def look(client: Client, rec: ServiceRecord, known: Mapping[str, JobStatus] | No
             router = router_alive(client.runner(rec.transport), RouterInfo.from_dict(rec.router))
         except PbstkError:
             router = False
-    state = service_state(rec, ready)
+    route = None
+    if router:  # READY means routable: the router lists the replica and a request with the key gets through
+        try:
+            route = check_route(client, rec)
+        except PbstkError:
+            route = RouteCheck(None, None)
+    workers = (route.workers or []) if route is not None and route.ok else []
+    by_id = {st.record.job_id: st for st in statuses}
+    ready = routable_count(rec.slots, by_id, workers) if rec.ended is None else 0
+    if ready >= rec.replicas:
+        rec.ever_ready = True
+    state = service_state(rec, ready, still_starting(rec.slots, by_id, workers))
     if rec.ended is None and not router and rec.router:
-        state = "DOWN"
+        state = "DOWN"  # and 0/N: nothing is reachable through the URL
     return ServiceStatus(rec, state, ready, statuses, keeper_alive(rec.name) if rec.ended is None else False,
-                         router, job_state)
+                         router, job_state, route)
 
 
 def _router_job_alive(client: Client, rec: ServiceRecord) -> tuple[bool, str | None]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.schedulers import JobRef, SchedState, backend_class, get_scheduler
-from pbs_toolkit.services.router import DEFAULT_ARGS, INFO_FILE, LOG_FILE, RouterError, RouterInfo
+from pbs_toolkit.services.router import DEFAULT_ARGS, INFO_FILE, LOG_FILE, SEEDED_POLICIES, RouterError, RouterInfo
 
 if TYPE_CHECKING:
     from pbs_toolkit.client import Client
@@ -108,6 +108,7 @@ def render_start_script(profile: Profile, run_dir: str, service: str, command: l
         f"ADDRESS_MODE={shlex.quote(profile.address)}",
         f"ADDRESS_SUFFIX={shlex.quote(profile.address_suffix or '')}",
         f"POLICY={shlex.quote(policy)}",
+        f"SEED={1 if policy in SEEDED_POLICIES else 0}",
         f"VENV={venv}",
         f"START_WAIT_S={START_WAIT_S}",
         f"STOP_WAIT_S={STOP_WAIT_S}",
