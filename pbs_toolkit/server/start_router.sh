@@ -88,13 +88,13 @@ for attempt in 1 2 3 4; do
   log_from=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
   # a policy the router refuses to start with fewer than 2 workers (power_of_two) starts with its own Prometheus
   # endpoint (bound before the router waits for workers) given twice, removed before router.json is written
-  seed=()
+  seed_args=()
   if [ "$SEED" = 1 ]; then
     case "$REACH" in *:*) SEED_URL="http://[$REACH]:$PROM_PORT" ;; *) SEED_URL="http://$REACH:$PROM_PORT" ;; esac
-    seed=(--worker-urls "$SEED_URL" "$SEED_URL")
+    seed_args=(--worker-urls "$SEED_URL" "$SEED_URL")
   fi
   "${ROUTER_CMD[@]}" --host "$BIND_HOST" --port "$PORT" --prometheus-port "$PROM_PORT" \
-    --prometheus-host "$BIND_HOST" --policy "$POLICY" "${ROUTER_ARGS[@]}" "${seed[@]}" >>"$LOG" 2>&1 &
+    --prometheus-host "$BIND_HOST" --policy "$POLICY" "${ROUTER_ARGS[@]}" "${seed_args[@]}" >>"$LOG" 2>&1 &
   CHILD=$!
   waited=0
   while ! pbstk_answers "$PORT"; do

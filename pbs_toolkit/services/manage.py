@@ -195,24 +195,39 @@ def launch_replica(client: Client, rec: ServiceRecord, slot: Slot, begin_at: flo
 
     fields: dict[str, Any] = dict(rec.request)
     fields["name"] = replica_name(rec.name, slot)
-    fields["env"] = {**(fields.get("env") or {}), **gpu_env(rec, slot)}
+    gpus = gpu_env(rec, slot)
+    fields["env"] = {**(fields.get("env") or {}), **gpus}
     slot.gen += 1
     result = client.launch_request(RenderRequest(**fields), api_key=rec.api_key, begin_at=begin_at)
-    return result.record.job_id
+    job = result.record.job_id
+    slot.gpus = {j: v for j, v in slot.gpus.items() if j in slot.jobs()}
+    if gpus:
+        slot.gpus[job] = gpus["CUDA_VISIBLE_DEVICES"]
+    return job
 
 
 def gpu_env(rec: ServiceRecord, slot: Slot) -> dict[str, str]:
-    """On the local scheduler each replica gets its own GPUs (``k*g .. k*g+g-1``) when this machine has them."""
+    """On the local scheduler each job gets its own GPUs when this machine has them: the first ``g`` that none
+    of the service's jobs holds (a keep-alive successor overlaps its predecessor: it must not share its GPUs),
+    else replica ``k``'s ``k*g .. k*g+g-1`` as before (shared, when the machine has no free ones)."""
     if rec.scheduler != "local" or rec.transport:
         return {}
     from pbs_toolkit.jobs.render import RenderRequest, resolve_profile
 
     g = resolve_profile(RenderRequest(**rec.request))[0].gpus_per_node
     have = _local_gpu_count()
-    first = slot.index * g
-    if g <= 0 or have < first + g:
+    if g <= 0 or have < g:
         return {}
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(first, first + g))}
+    busy = {gpu for s in rec.slots for job in s.jobs() for gpu in s.gpus.get(job, "").split(",") if gpu}
+    free = [i for i in range(have) if str(i) not in busy]
+    first = slot.index * g
+    if len(free) >= g:
+        chosen = free[:g]
+    elif have >= first + g:
+        chosen = list(range(first, first + g))
+    else:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in chosen)}
 
 
 def _local_gpu_count() -> int:
