@@ -92,10 +92,11 @@ def test_status_counts_what_the_router_routes_and_a_dead_router_is_down_0_of_n(s
     result = serve("--replicas", "1", "--name", "dn", "--wait", "--timeout", "60")
     assert result.exit_code == 0, result.output
     rec = records.find(JobStore(), "dn")
+    base = f"http://127.0.0.1:{rec.router['port']}"
+    wait_for(lambda: requests.get(base + "/list_workers", timeout=5).json()["urls"], 10, "the replica in the router")
     keeper = json.loads((service_dir("dn") / "keeper.json").read_text())["pid"]
     os.kill(keeper, signal.SIGKILL)  # nobody puts the replica back into the router
     wait_for(lambda: not keeper_alive("dn"), 10, "the keeper gone")
-    base = f"http://127.0.0.1:{rec.router['port']}"
     (worker,) = requests.get(base + "/list_workers", timeout=5).json()["urls"]
     assert requests.post(base + "/remove_worker", params={"url": worker}, timeout=5).ok
 

@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -118,16 +119,23 @@ def run(name: str) -> int:
                     wait, ramp = min(wait, steps[min(ramp, len(steps) - 1)]), ramp + 1
                 else:
                     ramp = 0
-                woken = watch(client, seen, wait, wakes)
+                woken = watch(client, seen, wait, wakes, lambda: _ended(client, name))
                 if woken:
                     _log(f"{woken} answers: looking now")
     finally:
         os.close(fd)
 
 
-def watch(client: Client, seen: Look, seconds: float, wakes: dict[str, int]) -> str | None:
+def _ended(client: Client, name: str) -> bool:
+    rec = records.load(client.store, name)
+    return rec is None or rec.ended is not None
+
+
+def watch(client: Client, seen: Look, seconds: float, wakes: dict[str, int],
+          ended: Callable[[], bool] = lambda: False) -> str | None:
     """Wait ``seconds``, probing ``/health`` of every starting replica every ``PROBE_S`` meanwhile; the job id of
-    the first that answers (the next tick runs at once), or ``None`` once the time is up."""
+    the first that answers (the next tick runs at once), or ``None`` once the time is up or the service ended
+    (a store read every ``PROBE_S``: ``cancel`` does not wait out a whole poll interval for the keeper)."""
     from pbs_toolkit.services.router import http_request
 
     deadline = time.monotonic() + seconds
@@ -145,9 +153,9 @@ def watch(client: Client, seen: Look, seconds: float, wakes: dict[str, int]) -> 
                 wakes[st.record.job_id] = wakes.get(st.record.job_id, 0) + 1
                 return st.record.job_id
         left = deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 or ended():
             return None
-        time.sleep(min(PROBE_S if candidates else left, left))
+        time.sleep(min(PROBE_S, left))
 
 
 class AdminLink:

@@ -218,16 +218,18 @@ def gpu_env(rec: ServiceRecord, slot: Slot) -> dict[str, str]:
     have = _local_gpu_count()
     if g <= 0 or have < g:
         return {}
-    busy = {gpu for s in rec.slots for job in s.jobs() for gpu in s.gpus.get(job, "").split(",") if gpu}
-    free = [i for i in range(have) if str(i) not in busy]
-    first = slot.index * g
-    if len(free) >= g:
-        chosen = free[:g]
-    elif have >= first + g:
-        chosen = list(range(first, first + g))
-    else:
-        return {}
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in chosen)}
+
+    def usual(k: int) -> list[int]:  # replica k's own GPUs, when the machine has them
+        return list(range(k * g, k * g + g)) if have >= k * g + g else []
+
+    def held(s: Slot, job: str) -> list[int]:  # a job recorded without GPUs (older records): its replica's usual
+        text = s.gpus.get(job)
+        return [int(i) for i in text.split(",") if i.isdigit()] if text else usual(s.index)
+
+    busy = {gpu for s in rec.slots for job in s.jobs() for gpu in held(s, job)}
+    free = [i for i in range(have) if i not in busy]
+    chosen = free[:g] if len(free) >= g else usual(slot.index)
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in chosen)} if chosen else {}
 
 
 def _local_gpu_count() -> int:
