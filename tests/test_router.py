@@ -414,3 +414,26 @@ def test_consistent_hash_keeps_a_session_on_one_worker(local_router: Any, worker
         body = {**CHAT, "user": f"user-{n}"}
         assert requests.post(f"{info.url}/v1/chat/completions", json=body, timeout=30).status_code == 200
     assert all(count > 0 for count in served()), served()
+
+
+def test_every_policy_a_profile_may_name_starts_without_workers_and_routes(local_router: Any,
+                                                                            workers: list[Worker]) -> None:
+    """Each ``router_policy`` pbstk accepts starts the way a service starts its router (no worker yet) and routes
+    once one is added: ``serve --policy X`` never fails at the router's start. (All at once, stopped at once.)"""
+    from pbs_toolkit.settings.profiles import ROUTER_POLICIES
+
+    workers.append(Worker())
+
+    def check(policy: str) -> int:
+        info = local_router(policy, policy=policy)
+        try:
+            with open_admin(LocalRunner(), info) as admin:
+                assert admin.workers() == [], policy
+                admin.add_worker(workers[0].url)
+            return chat(info.url).status_code
+        finally:
+            stop_router(LocalRunner(), info, timeout=1)
+
+    with ThreadPoolExecutor(len(ROUTER_POLICIES)) as pool:
+        answers = dict(zip(ROUTER_POLICIES, pool.map(check, ROUTER_POLICIES)))
+    assert answers == {policy: 200 for policy in ROUTER_POLICIES}
