@@ -134,7 +134,8 @@ def handover(name: str, limit_s: float = 480.0) -> None:
     if successor:
         args = Path(store.find(successor).run_dir, "start_vllm.sh").read_text()
         util = re.findall(r"gpu-memory-utilization[= ']+([0-9.]+)", args)
-        print(f"successor's --gpu-memory-utilization: {util or 'not set'}")
+        shown = util or "not set (vLLM's default, 0.9)"
+        print(f"successor's --gpu-memory-utilization: {shown}")
     print(f"handover {'done' if done else 'NOT done'} {done - start if done else limit_s:.0f} s into the loop; "
           f"requests: {counts['ok']} ok, {counts['failed']} failed {errors}")
 
