@@ -700,27 +700,12 @@ class Client:
 
     def wait_service(self, name: str | ServiceRecord, timeout: float = 3600.0,
                      on_progress: Callable[[ServiceStatus, float], None] | None = None) -> ServiceStatus:
-        """Block until every replica is READY behind the router (``WaitTimeout``; ``ServerFailed`` when the
-        service ended or every replica failed)."""
-        from pbs_toolkit.errors import WaitTimeout
-        from pbs_toolkit.jobs.readiness import scheduler_intervals
+        """Block until every replica is READY and routable: in the router, which serves a request with the key
+        (``WaitTimeout``; ``ServerFailed`` when the service ended or every replica failed). services/ready.py."""
+        from pbs_toolkit.services.ready import wait
+        from pbs_toolkit.services.record import find
 
-        start = time.monotonic()
-        intervals = iter(scheduler_intervals())
-        step = 1.0
-        while True:
-            st = self.service_status(name)
-            if on_progress is not None:
-                on_progress(st, time.monotonic() - start)
-            if st.state == "READY":
-                return st
-            if st.record.ended is not None or (st.replicas and all(j.state.final for j in st.replicas)):
-                raise ServerFailed(f"service {st.record.name} is {st.state}: no replica can become ready "
-                                   f"(`pbstk status {st.record.name}` shows each)")
-            if time.monotonic() - start > timeout:
-                raise WaitTimeout(f"service {st.record.name} is {st.summary} after {timeout:g} s")
-            step = next(intervals, step)
-            time.sleep(step)
+        return wait(self, find(self.store, name) if isinstance(name, str) else name, timeout, on_progress)
 
     def cancel_service(self, name: str | ServiceRecord, *, keep_endpoint: bool = False) -> list[Cancellation]:
         """Stop the keeper, every replica job (queued successors too) and the router; take the service's

@@ -362,3 +362,78 @@ def test_a_request_in_flight_on_a_removed_worker_still_completes(local_router: A
         release.set()
         slow.shutdown()
         slow.server_close()
+
+
+def test_power_of_two_starts_with_no_worker_and_routes_one_two_then_none(local_router: Any,
+                                                                         workers: list[Worker]) -> None:
+    """vllm-router 0.1.17 refuses to start power_of_two with fewer than 2 workers ("Power-of-two policy requires
+    at least 2 workers"): the router starts seeded with its own Prometheus port, which is gone again before
+    start_router returns (no request can ever go there), and then routes any number of workers."""
+    info = local_router(policy="power_of_two")
+    assert info.policy == "power_of_two"
+    log = (Path(info.run_dir) / "router.log").read_text()
+    assert "PowerOfTwo" in log and f"127.0.0.1:{info.prometheus_port}" in log  # really that policy, really seeded
+    with open_admin(LocalRunner(), info) as admin:
+        assert admin.workers() == []  # the seed is out
+        assert chat(info.url).status_code == 503
+        workers.extend([Worker(), Worker()])
+        admin.add_worker(workers[0].url)
+        assert chat(info.url).status_code == 200  # one worker
+        admin.add_worker(workers[1].url)
+        for _ in range(20):
+            assert chat(info.url).status_code == 200
+        assert workers[0].served() + workers[1].served() == 21 and workers[1].served() > 0  # both used
+        admin.remove_worker(workers[0].url)
+        admin.remove_worker(workers[1].url)
+        assert chat(info.url).status_code == 503
+        admin.add_worker(workers[1].url)  # the policy is assigned again to a new first worker
+        assert chat(info.url).status_code == 200
+
+
+def test_consistent_hash_keeps_a_session_on_one_worker(local_router: Any, workers: list[Worker]) -> None:
+    """consistent_hash routes by the session key (``X-Session-ID`` header first, then the body's ``user``, ...):
+    every turn of one session lands on the same worker, and sessions spread over the workers."""
+    info = local_router(policy="consistent_hash")
+    workers.extend([Worker(), Worker()])
+    with open_admin(LocalRunner(), info) as admin:
+        for worker in workers:
+            admin.add_worker(worker.url)
+
+    def served() -> list[int]:
+        return [w.served() for w in workers]
+
+    for session in ("s-1", "s-2", "s-3"):
+        before = served()
+        for _ in range(5):
+            response = requests.post(f"{info.url}/v1/chat/completions", json=CHAT, timeout=30,
+                                     headers={"X-Session-ID": session})
+            assert response.status_code == 200, response.text
+        gained = [now - then for now, then in zip(served(), before)]
+        assert sorted(gained) == [0, 5], (session, gained)  # all five turns on one worker
+    for n in range(16):  # sixteen sessions: both workers get some
+        body = {**CHAT, "user": f"user-{n}"}
+        assert requests.post(f"{info.url}/v1/chat/completions", json=body, timeout=30).status_code == 200
+    assert all(count > 0 for count in served()), served()
+
+
+def test_every_policy_a_profile_may_name_starts_without_workers_and_routes(local_router: Any,
+                                                                            workers: list[Worker]) -> None:
+    """Each ``router_policy`` pbstk accepts starts the way a service starts its router (no worker yet) and routes
+    once one is added: ``serve --policy X`` never fails at the router's start. (All at once, stopped at once.)"""
+    from pbs_toolkit.settings.profiles import ROUTER_POLICIES
+
+    workers.append(Worker())
+
+    def check(policy: str) -> int:
+        info = local_router(policy, policy=policy)
+        try:
+            with open_admin(LocalRunner(), info) as admin:
+                assert admin.workers() == [], policy
+                admin.add_worker(workers[0].url)
+            return chat(info.url).status_code
+        finally:
+            stop_router(LocalRunner(), info, timeout=1)
+
+    with ThreadPoolExecutor(len(ROUTER_POLICIES)) as pool:
+        answers = dict(zip(ROUTER_POLICIES, pool.map(check, ROUTER_POLICIES)))
+    assert answers == {policy: 200 for policy in ROUTER_POLICIES}

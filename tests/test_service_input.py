@@ -228,3 +228,31 @@ def test_a_replica_launch_that_fails_stops_the_router_and_ends_the_service(isola
         stat = Path(f"/proc/{router['pid']}/stat")
         assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", stat.read_text()
     assert not JobStore().all()
+
+
+def test_ready_counts_replicas_the_router_routes_and_a_normal_start_is_starting() -> None:
+    """READY n/N counts a replica only when its job is READY *and* the router lists its server; a start with one
+    of two replicas up is STARTING 1/2 (DEGRADED only after the service was READY N/N once, or when the other
+    replica ended for good)."""
+    from pbs_toolkit.jobs.status import JobStatus, ServerState
+    from pbs_toolkit.jobs.store import JobRecord
+    from pbs_toolkit.services.ready import routable_count, still_starting
+
+    def st(job: str, state: str, port: int) -> JobStatus:
+        record = JobRecord(job_id=job, scheduler="local", profile="p", model="m", served_model_name="m",
+                           preset="x", name=job, run_dir="/tmp/x")
+        return JobStatus(record=record, state=ServerState(state), address="127.0.0.1", port=port)
+
+    r = rec(replicas=2)
+    statuses = {"0.x": st("0.x", "READY", 8001), "1.x": st("1.x", "STARTING", 8002)}
+    assert routable_count(r.slots, statuses, []) == 0  # READY jobs, empty router: nothing is routable
+    one = ["http://127.0.0.1:8001"]
+    assert routable_count(r.slots, statuses, one) == 1
+    assert still_starting(r.slots, statuses, one)
+    assert service_state(r, 1, still_starting(r.slots, statuses, one)) == "STARTING"
+    statuses["1.x"] = st("1.x", "FAILED", 8002)  # nothing more is coming: DEGRADED
+    assert not still_starting(r.slots, statuses, one)
+    assert service_state(r, 1, still_starting(r.slots, statuses, one)) == "DEGRADED"
+    both = [*one, "http://127.0.0.1:8002"]
+    statuses["1.x"] = st("1.x", "READY", 8002)
+    assert routable_count(r.slots, statuses, both) == 2 and service_state(r, 2, False) == "READY"

@@ -109,11 +109,15 @@ def serve_two_then_cancel(name: str, timeout: str) -> None:
 @needs_router
 def test_router_job_on_the_local_scheduler(isolated_user: Path, standins: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    write_profile(isolated_user, "local")
+    # power_of_two: the router refuses it with fewer than 2 workers at start; start_router.sh seeds it with the
+    # router's own Prometheus port and removes that again before router.json (serve_two_then_cancel then sees
+    # exactly the two replicas in /list_workers)
+    write_profile(isolated_user, "local", "router_policy: power_of_two\n")
     monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
     monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
     try:
         serve_two_then_cancel("rjl", "90")
+        assert records.find(JobStore(), "rjl").policy == "power_of_two"
     finally:
         _stop_services()
 

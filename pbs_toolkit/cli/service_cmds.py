@@ -31,9 +31,11 @@ def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
 @click.option("--keep-alive", is_flag=True, help="Keep a successor queued for every replica across walltimes.")
 @click.option("--handover", default="10m", show_default=True, callback=_handover,
               help="With --keep-alive: the successor becomes eligible this long before the walltime ends.")
-@click.option("--policy", help="Router policy (default: the profile's router_policy, round_robin).")
+@click.option("--policy", help="Router policy: round_robin (default: the profile's router_policy), "
+              "consistent_hash (session-affine: multi-turn), power_of_two, ... (docs/services.md \"Policies\").")
 @click.option("--api-key-env", help="Take the service's API key from this environment variable.")
-@click.option("--wait/--no-wait", "wait_ready", default=False, help="Wait until every replica is READY.")
+@click.option("--wait/--no-wait", "wait_ready", default=False,
+              help="Wait until every replica is READY in the router and a request with the key gets through.")
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait with --wait.")
 @click.option("--json", "as_json", is_flag=True)
 @render_options
@@ -160,7 +162,8 @@ def show_service(st: Any) -> None:
     click.echo(f"service {rec.name}: {st.summary}  {st.url or '-'}")
     click.echo(f"model {rec.served_model_name}, profile {rec.profile}, policy {rec.policy}, "
                f"keep-alive {'on (handover ' + format(rec.handover_s, 'g') + ' s)' if rec.keep_alive else 'off'}, "
-               f"router {'running' if st.router_running else 'not running'}{_router_job(rec, st)}, "
+               f"router {'running' if st.router_running else 'not running'}{_router_job(rec, st)}"
+               f"{f' ({st.route.text})' if st.route is not None else ''}, "
                f"keeper {'running' if st.keeper_running else 'not running'}")
     by_id = {s.record.job_id: s for s in st.replicas}
     rows = []

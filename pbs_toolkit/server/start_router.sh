@@ -69,6 +69,19 @@ pbstk_answers() {
     read -r _ code _ <&3 && [ "$code" = 200 ]' pbstk-probe "$REACH" "$1" 2>/dev/null
 }
 
+# take the start-up worker out again: POST /remove_worker?url=SEED_URL answered with 200 (behind the front, with
+# its admin token from the environment: printf is a builtin, so the token never reaches an argv)
+pbstk_unseed() {
+  local url=${2//\[/%5B}
+  url=${url//\]/%5D}
+  # shellcheck disable=SC2016  # the inner script's own positional parameters
+  timeout 5 bash -c 'exec 3<>"/dev/tcp/$1/$2" || exit 1
+    printf "POST /remove_worker?url=%s HTTP/1.0\r\nHost: %s\r\nContent-Length: 0\r\nConnection: close\r\n" "$3" "$1" >&3
+    [ -z "${PBSTK_ROUTER_TOKEN:-}" ] || printf "X-Pbstk-Router-Token: %s\r\n" "$PBSTK_ROUTER_TOKEN" >&3
+    printf "\r\n" >&3
+    read -r _ code _ <&3 && [ "$code" = 200 ]' pbstk-unseed "$REACH" "$1" "$url" 2>/dev/null
+}
+
 CHILD=
 # shellcheck disable=SC2317  # invoked by the trap below
 pbstk_stop() {
@@ -88,13 +101,20 @@ for attempt in 1 2 3 4; do
   read -r PORT PROM_PORT < <(pbstk_free_ports)
   pbstk_log "starting ${ROUTER_CMD[0]} on $BIND_HOST:$PORT (prometheus $PROM_PORT), attempt $attempt"
   log_from=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
+  # a policy the router refuses to start with fewer than 2 workers (power_of_two) starts with its own Prometheus
+  # endpoint (bound before the router waits for workers) given twice, removed before router.json is written
+  seed_args=()
+  if [ "$SEED" = 1 ]; then
+    case "$REACH" in *:*) SEED_URL="http://[$REACH]:$PROM_PORT" ;; *) SEED_URL="http://$REACH:$PROM_PORT" ;; esac
+    seed_args=(--worker-urls "$SEED_URL" "$SEED_URL")
+  fi
   if [ "$ISOLATE" = 1 ]; then
     # the router in a private network namespace behind pbstk's front (router_front.py), which binds the ports
     "$FRONT_PY" "$RUN_DIR/router_front.py" "$BIND_HOST" "$PORT" "$PROM_PORT" -- \
-      "${ROUTER_CMD[@]}" --policy "$POLICY" "${ROUTER_ARGS[@]}" >>"$LOG" 2>&1 &
+      "${ROUTER_CMD[@]}" --policy "$POLICY" "${ROUTER_ARGS[@]}" "${seed_args[@]}" >>"$LOG" 2>&1 &
   else
     "${ROUTER_CMD[@]}" --host "$BIND_HOST" --port "$PORT" --prometheus-port "$PROM_PORT" \
-      --prometheus-host "$BIND_HOST" --policy "$POLICY" "${ROUTER_ARGS[@]}" >>"$LOG" 2>&1 &
+      --prometheus-host "$BIND_HOST" --policy "$POLICY" "${ROUTER_ARGS[@]}" "${seed_args[@]}" >>"$LOG" 2>&1 &
   fi
   CHILD=$!
   waited=0
@@ -110,6 +130,10 @@ for attempt in 1 2 3 4; do
     sleep 0.2 & wait $!
     waited=$((waited + 1))
   done
+  if [ "$SEED" = 1 ] && ! pbstk_unseed "$PORT" "$SEED_URL"; then
+    kill -KILL "$CHILD" 2>/dev/null
+    pbstk_fail "the router did not remove its start-up worker $SEED_URL; see $LOG"
+  fi
   printf '{"host": "%s", "port": %s, "prometheus_port": %s, "pid": %s, "policy": "%s", "run_dir": "%s"}\n' \
     "$ADDRESS" "$PORT" "$PROM_PORT" "$CHILD" "$POLICY" "$RUN_DIR" >"$RUN_DIR/router.json.tmp"
   chmod 0644 "$RUN_DIR/router.json.tmp" && mv -f "$RUN_DIR/router.json.tmp" "$RUN_DIR/router.json"

@@ -2,7 +2,8 @@
 
 Started by ``serve`` as ``python -m pbs_toolkit _keeper NAME`` in its own session, on the machine where pbstk
 runs (same job store, same transports). It holds ``services/NAME/keeper.lock`` while it runs, so only one keeper
-per service ever runs and ``status`` can tell whether it does. Each tick (``PBSTK_SERVICE_POLL_S``, default 15):
+per service ever runs and ``status`` can tell whether it does. Each tick (``PBSTK_SERVICE_POLL_S``, default 15;
+while some replica is still on its way to the router, on the scheduler ramp 2, 4, 8 s up to that):
 one ``Client.status`` over the service's jobs (one scheduler query), then for each replica slot:
 
 * a READY job that is not in the router is added; one that is not READY (ended, failed, restarting) is removed
@@ -17,6 +18,13 @@ one ``Client.status`` over the service's jobs (one scheduler query), then for ea
 The router admin connection (for a login-node router, an SSH tunnel) is kept open across ticks (``AdminLink``)
 and opened afresh only after a failure or for a new router.
 
+Between ticks the keeper does not just sleep: every ``PROBE_S`` it probes ``/health`` of each replica that is
+starting (its address known, not READY, not in the router) directly, which costs the scheduler nothing, and the
+moment one answers the next tick runs at once. So a replica joins the router within about a second of its server
+answering, not up to a tick later (a replica may cut the wait short ``WAKES_PER_JOB`` times: one whose ``/health``
+answers but that ``status`` does not call READY, e.g. a foreign server on its port, cannot turn that into a
+scheduler query every ``PROBE_S``).
+
 It stops when the service is recorded ended (``pbstk cancel NAME``) or its record is gone.
 """
 
@@ -27,15 +35,19 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.jobs.readiness import scheduler_intervals
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.manage import launch_replica, poll_seconds, service_dir
+from pbs_toolkit.services.ready import routable_count, still_starting, worker_url
 from pbs_toolkit.services.record import ServiceRecord, Slot
-from pbs_toolkit.services.state import ready_count, service_state
+from pbs_toolkit.services.state import service_state
 
 if TYPE_CHECKING:
     from pbs_toolkit.client import Client
@@ -44,6 +56,22 @@ if TYPE_CHECKING:
 
 #: a drained predecessor is looked at no sooner than this after leaving the router (requests in flight)
 DRAIN_MIN_S = 2.0
+#: seconds between two ``/health`` probes of a starting replica while the keeper waits for its next tick
+PROBE_S = 0.5
+#: how many times one job's answering ``/health`` may bring the next tick forward
+WAKES_PER_JOB = 3
+
+
+@dataclass
+class Look:
+    """What one tick saw: each job's status and the router's workers after the tick's changes."""
+
+    statuses: dict[str, JobStatus] = field(default_factory=dict)
+    in_router: set[str] = field(default_factory=set)
+
+    def starting(self, rec: ServiceRecord) -> bool:
+        """Some slot is not routable yet but has a job on its way: tick on the short ramp."""
+        return still_starting(rec.slots, self.statuses, self.in_router)
 
 
 def drain_seconds() -> float:
@@ -73,18 +101,61 @@ def run(name: str) -> int:
     _log(f"keeper of service {name} started (pid {os.getpid()})")
     try:
         with Client(on_removal=lambda r: None) as client, AdminLink(client) as link:
+            ramp, wakes = 0, {}  # type: int, dict[str, int]
             while True:
                 rec = records.load(client.store, name)
                 if rec is None or rec.ended is not None:
                     _log(f"service {name} {'is gone' if rec is None else 'ended'}; keeper stops")
                     return 0
                 try:
-                    tick(client, rec, link)
+                    seen = tick(client, rec, link)
                 except PbstkError as exc:
                     _log(f"tick failed: {exc.message}")
-                time.sleep(poll_seconds())
+                    time.sleep(poll_seconds())
+                    continue
+                wait = poll_seconds()
+                if seen.starting(rec):  # replicas on their way: the scheduler's ramp, not a whole poll interval
+                    steps = scheduler_intervals()
+                    wait, ramp = min(wait, steps[min(ramp, len(steps) - 1)]), ramp + 1
+                else:
+                    ramp = 0
+                woken = watch(client, seen, wait, wakes, lambda: _ended(client, name))
+                if woken:
+                    _log(f"{woken} answers: looking now")
     finally:
         os.close(fd)
+
+
+def _ended(client: Client, name: str) -> bool:
+    rec = records.load(client.store, name)
+    return rec is None or rec.ended is not None
+
+
+def watch(client: Client, seen: Look, seconds: float, wakes: dict[str, int],
+          ended: Callable[[], bool] = lambda: False) -> str | None:
+    """Wait ``seconds``, probing ``/health`` of every starting replica every ``PROBE_S`` meanwhile; the job id of
+    the first that answers (the next tick runs at once), or ``None`` once the time is up or the service ended
+    (a store read every ``PROBE_S``: ``cancel`` does not wait out a whole poll interval for the keeper)."""
+    from pbs_toolkit.services.router import http_request
+
+    deadline = time.monotonic() + seconds
+    candidates = [st for job, st in seen.statuses.items()
+                  if not st.state.final and st.state.value != "READY" and wakes.get(job, 0) < WAKES_PER_JOB
+                  and (url := worker_url(st)) is not None and url not in seen.in_router]
+    while True:
+        for st in candidates:
+            try:
+                answer = http_request(client.runner(st.record.transport), str(st.address), int(st.port or 0),
+                                      "/health", timeout=2.0, body_limit=0)[0]
+            except PbstkError:
+                answer = None
+            if answer == 200:
+                wakes[st.record.job_id] = wakes.get(st.record.job_id, 0) + 1
+                return st.record.job_id
+        left = deadline - time.monotonic()
+        if left <= 0 or ended():
+            return None
+        time.sleep(min(PROBE_S, left))
 
 
 class AdminLink:
@@ -131,19 +202,10 @@ class AdminLink:
         self.drop()
 
 
-def worker_url(st: JobStatus) -> str | None:
-    """``http://host:port`` of a job's server (the router adds ``/v1/...`` itself)."""
-    from pbs_toolkit.endpoints import endpoint_url
-
-    if not st.address or not st.port:
-        return None
-    return endpoint_url(st)[: -len("/v1")]
-
-
-def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> None:
+def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> Look:
     """One look and the reconciliation it calls for; the record is saved unless the service ended meanwhile
     (then whatever this tick launched is cancelled again). ``link``: the router connection kept across ticks
-    (without one, a connection for this tick only)."""
+    (without one, a connection for this tick only). Returns what it saw."""
     jobs = [j for s in rec.slots for j in s.jobs()]
     statuses = {st.record.job_id: st for st in client.status(*jobs)} if jobs else {}
     before = set(jobs)
@@ -159,14 +221,14 @@ def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> N
         except PbstkError:
             link.drop()  # a router or tunnel that failed is opened afresh next tick
             raise
-    states = {j: st.state.value for j, st in statuses.items()}
-    rec.ready = ready_count(rec.slots, states)
-    rec.ever_ready = rec.ever_ready or rec.ready > 0
-    rec.state = service_state(rec, rec.ready)
+    rec.ready = routable_count(rec.slots, statuses, in_router)
+    rec.ever_ready = rec.ever_ready or rec.ready >= rec.replicas
+    rec.state = service_state(rec, rec.ready, still_starting(rec.slots, statuses, in_router))
     if not records.save(client.store, rec):
         for job in {j for s in rec.slots for j in s.jobs()} - before:
             _log(f"service ended while {job} was launched: cancelling it")
             client.cancel(job)
+    return Look(statuses, in_router)
 
 
 def _sync_router(st: JobStatus | None, admin: RouterAdmin, in_router: set[str]) -> None:

@@ -23,7 +23,7 @@ from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.record import ServiceRecord, Slot
-from pbs_toolkit.services.state import ready_count, service_state, serving_job
+from pbs_toolkit.services.state import service_state, serving_job
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pbs_toolkit.client import Client
     from pbs_toolkit.jobs.render import RenderRequest
     from pbs_toolkit.jobs.status import JobStatus
+    from pbs_toolkit.services.ready import RouteCheck
     from pbs_toolkit.settings.profiles import Profile
 
 #: ``--handover`` default: the successor becomes eligible this long before its predecessor's walltime ends
@@ -195,24 +196,41 @@ def launch_replica(client: Client, rec: ServiceRecord, slot: Slot, begin_at: flo
 
     fields: dict[str, Any] = dict(rec.request)
     fields["name"] = replica_name(rec.name, slot)
-    fields["env"] = {**(fields.get("env") or {}), **gpu_env(rec, slot)}
+    gpus = gpu_env(rec, slot)
+    fields["env"] = {**(fields.get("env") or {}), **gpus}
     slot.gen += 1
     result = client.launch_request(RenderRequest(**fields), api_key=rec.api_key, begin_at=begin_at)
-    return result.record.job_id
+    job = result.record.job_id
+    slot.gpus = {j: v for j, v in slot.gpus.items() if j in slot.jobs()}
+    if gpus:
+        slot.gpus[job] = gpus["CUDA_VISIBLE_DEVICES"]
+    return job
 
 
 def gpu_env(rec: ServiceRecord, slot: Slot) -> dict[str, str]:
-    """On the local scheduler each replica gets its own GPUs (``k*g .. k*g+g-1``) when this machine has them."""
+    """On the local scheduler each job gets its own GPUs when this machine has them: the first ``g`` that none
+    of the service's jobs holds (a keep-alive successor overlaps its predecessor: it must not share its GPUs),
+    else replica ``k``'s ``k*g .. k*g+g-1`` as before (shared, when the machine has no free ones)."""
     if rec.scheduler != "local" or rec.transport:
         return {}
     from pbs_toolkit.jobs.render import RenderRequest, resolve_profile
 
     g = resolve_profile(RenderRequest(**rec.request))[0].gpus_per_node
     have = _local_gpu_count()
-    first = slot.index * g
-    if g <= 0 or have < first + g:
+    if g <= 0 or have < g:
         return {}
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(first, first + g))}
+
+    def usual(k: int) -> list[int]:  # replica k's own GPUs, when the machine has them
+        return list(range(k * g, k * g + g)) if have >= k * g + g else []
+
+    def held(s: Slot, job: str) -> list[int]:  # a job recorded without GPUs (older records): its replica's usual
+        text = s.gpus.get(job)
+        return [int(i) for i in text.split(",") if i.isdigit()] if text else usual(s.index)
+
+    busy = {gpu for s in rec.slots for job in s.jobs() for gpu in held(s, job)}
+    free = [i for i in range(have) if i not in busy]
+    chosen = free[:g] if len(free) >= g else usual(slot.index)
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in chosen)} if chosen else {}
 
 
 def _local_gpu_count() -> int:
@@ -303,6 +321,8 @@ class ServiceStatus:
     router_running: bool
     #: ``router: job``: the router job's scheduler state (``running``, ``queued``, ...; ``gone`` when unknown)
     router_job_state: str | None = None
+    #: what the router said (its workers, a request with the key through it); ``None``: not asked (not running)
+    route: RouteCheck | None = None
 
     @property
     def url(self) -> str | None:
@@ -326,6 +346,8 @@ class ServiceStatus:
             "keeper_running": self.keeper_running, "router_running": self.router_running,
             "router": {k: v for k, v in rec.router.items() if k not in ("token", "admin_token")},
             "router_job": {**rec.router_job, "state": self.router_job_state} if rec.router_job else None,
+            "router_workers": self.route.workers if self.route is not None else None,
+            "route_status": self.route.status if self.route is not None else None,
             "slots": [asdict(s) for s in rec.slots],
             "jobs": [s.to_dict() for s in self.replicas],
         })
@@ -334,6 +356,7 @@ class ServiceStatus:
 def look(client: Client, rec: ServiceRecord, known: Mapping[str, JobStatus] | None = None) -> ServiceStatus:
     """One status query over the service's jobs, the router and the keeper: what ``status NAME`` shows.
     ``known``: statuses already taken in a larger batch (``Client.service_statuses``): no query of its own."""
+    from pbs_toolkit.services.ready import RouteCheck, check_route, routable_count, still_starting
     from pbs_toolkit.services.router import RouterInfo, router_alive
 
     jobs = [j for s in rec.slots for j in s.jobs()]
@@ -341,10 +364,6 @@ def look(client: Client, rec: ServiceRecord, known: Mapping[str, JobStatus] | No
         statuses = [known[j] for j in jobs if j in known] if rec.ended is None else []
     else:
         statuses = client.status(*jobs) if jobs and rec.ended is None else []
-    states = {st.record.job_id: st.state.value for st in statuses}
-    ready = ready_count(rec.slots, states) if rec.ended is None else 0
-    if ready:
-        rec.ever_ready = True
     router, job_state = False, None
     if rec.router_job and rec.ended is None:
         router, job_state = _router_job_alive(client, rec)
@@ -353,11 +372,22 @@ def look(client: Client, rec: ServiceRecord, known: Mapping[str, JobStatus] | No
             router = router_alive(client.runner(rec.transport), RouterInfo.from_dict(rec.router))
         except PbstkError:
             router = False
-    state = service_state(rec, ready)
+    route = None
+    if router:  # READY means routable: the router lists the replica and a request with the key gets through
+        try:
+            route = check_route(client, rec)
+        except PbstkError:
+            route = RouteCheck(None, None)
+    workers = (route.workers or []) if route is not None and route.ok else []
+    by_id = {st.record.job_id: st for st in statuses}
+    ready = routable_count(rec.slots, by_id, workers) if rec.ended is None else 0
+    if ready >= rec.replicas:
+        rec.ever_ready = True
+    state = service_state(rec, ready, still_starting(rec.slots, by_id, workers))
     if rec.ended is None and not router and rec.router:
-        state = "DOWN"
+        state = "DOWN"  # and 0/N: nothing is reachable through the URL
     return ServiceStatus(rec, state, ready, statuses, keeper_alive(rec.name) if rec.ended is None else False,
-                         router, job_state)
+                         router, job_state, route)
 
 
 def _router_job_alive(client: Client, rec: ServiceRecord) -> tuple[bool, str | None]:

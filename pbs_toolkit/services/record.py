@@ -34,6 +34,8 @@ class Slot:
     drain_started: float | None = None
     #: what the keeper last saw of ``current`` (a ``ServerState`` value)
     state: str = "PENDING"
+    #: the local scheduler: the GPUs (``CUDA_VISIBLE_DEVICES``) each of the slot's jobs was given
+    gpus: dict[str, str] = field(default_factory=dict)
 
     def jobs(self) -> list[str]:
         return [j for j in (self.current, self.successor, self.draining) if j]

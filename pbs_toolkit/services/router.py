@@ -61,7 +61,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import requests
 
@@ -84,6 +84,11 @@ DEFAULT_ARGS: tuple[str, ...] = (
 )
 #: how long ``/add_worker`` may wait for the worker's ``/health`` (``--worker-startup-timeout-secs`` above)
 ADD_WAIT_S = 20.0
+#: policies vllm-router 0.1.17 refuses to start with fewer than 2 workers ("Power-of-two policy requires at least 2
+#: workers"), although they route any number once started (measured: 2, 1, 0, then 1 again after an add). Such a
+#: router starts with its own Prometheus port (bound before the router waits for its workers; ``/health`` answers
+#: 200) given twice as its workers, and that seed is removed before the router's URL is handed to anyone.
+SEEDED_POLICIES = ("power_of_two",)
 _BIND_ATTEMPTS = 4
 _WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -230,23 +235,38 @@ def _plain(line: str) -> str:
 
 def _http_status(runner: Runner, host: str, port: int, path: str, timeout: float = 3.0) -> int | None:
     """Status of ``GET path`` as the router's host sees it (a socket or an SSH channel), or None: no answer."""
+    return http_request(runner, host, port, path, timeout=timeout, body_limit=0)[0]
+
+
+def http_request(runner: Runner, host: str, port: int, path: str, *, method: str = "GET",
+                 headers: dict[str, str] | None = None, timeout: float = 3.0,
+                 body_limit: int = 65536) -> tuple[int | None, bytes]:
+    """``(status, body)`` of one HTTP/1.0 request as the runner's host sees ``host:port`` (a socket here, an SSH
+    channel on a login node), or ``(None, b"")`` when nothing answered. ``headers`` travel only in the request
+    (an ``Authorization`` header never reaches an argv or a log). At most ``body_limit`` bytes of the body."""
     try:
         conn = runner.open_connection(host, port, timeout)
     except (OSError, PbstkError):
-        return None
+        return None, b""
     try:
         conn.settimeout(timeout)
-        conn.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-        head = b""
-        while b"\r\n" not in head and len(head) < 4096:
-            chunk = conn.recv(1024)
+        lines = [f"{method} {path} HTTP/1.0", f"Host: {host}", "Connection: close", "Content-Length: 0",
+                 *(f"{k}: {v}" for k, v in (headers or {}).items())]
+        conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        data = b""
+        while len(data) < body_limit + 8192:
+            chunk = conn.recv(8192)
             if not chunk:
                 break
-            head += chunk
+            data += chunk
+            if not body_limit and b"\r\n" in data:
+                break
+        head, _, body = data.partition(b"\r\n\r\n")
         fields = head.split(b"\r\n", 1)[0].split()
-        return int(fields[1]) if len(fields) >= 2 and fields[1].isdigit() else None
+        status = int(fields[1]) if len(fields) >= 2 and fields[1].isdigit() else None
+        return status, body[:body_limit]
     except OSError:
-        return None
+        return None, b""
     finally:
         with contextlib.suppress(OSError):
             conn.close()
@@ -331,8 +351,9 @@ def start_router(
         port, prom_port = _free_ports(runner, bind)
         token = secrets.token_hex(16)
         router_args = [*command, "--policy", policy, *DEFAULT_ARGS, *extra_args]
-        if worker_urls:
-            router_args += ["--worker-urls", *worker_urls]
+        seed = seed_url(bind, prom_port) if policy in SEEDED_POLICIES and len(worker_urls) < 2 else None
+        if worker_urls or seed:
+            router_args += ["--worker-urls", *worker_urls, *([seed, seed] if seed else [])]
         if isolate:  # the front binds the ports and gives the router its own, inside the namespace
             argv = [python, f"{run_dir}/{FRONT_FILE}", bind, str(port), str(prom_port), "--", *router_args]
         else:
@@ -344,10 +365,29 @@ def start_router(
         info = RouterInfo(host=host, port=port, prometheus_port=prom_port, pid=pid, policy=policy,
                           run_dir=run_dir, transport=transport, token=token, admin_token=token if isolate else "")
         if _wait_ready(runner, info, _reach(bind), log_from, deadline) == "ready":
+            if seed:
+                _unseed(runner, info, _reach(bind), seed)
             runner.write_bytes(f"{run_dir}/{INFO_FILE}", json.dumps(info.to_dict(), indent=2).encode(), 0o600)
             return info
     raise RouterError(f"the router on {_where(runner)} could not bind a free port in {_BIND_ATTEMPTS} attempts",
                       details=_log_tail(runner, run_dir))
+
+
+def seed_url(bind: str, prometheus_port: int) -> str:
+    """The router's own Prometheus endpoint as a worker URL: the seed of a ``SEEDED_POLICIES`` router."""
+    host = _reach(bind)
+    return f"http://[{host}]:{prometheus_port}" if ":" in host else f"http://{host}:{prometheus_port}"
+
+
+def _unseed(runner: Runner, info: RouterInfo, reach: str, seed: str) -> None:
+    """Take the seed worker out again (the router answers; nobody has its URL yet): no request ever goes there."""
+    admin = {ADMIN_HEADER: info.admin_token} if info.admin_token else None  # the front's admin API: the owner's
+    status, body = http_request(runner, reach, info.port, f"/remove_worker?url={quote(seed, safe=':/')}",
+                                method="POST", headers=admin)
+    if status != 200:
+        stop_router(runner, info, timeout=2)
+        raise RouterError(f"the router on {_where(runner)} did not remove its start-up worker {seed}: "
+                          f"{status} {body.decode(errors='replace').strip()[:200]}")
 
 
 def load_info(runner: Runner, run_dir: str) -> RouterInfo | None:

@@ -40,6 +40,7 @@ from pbs_toolkit.services.router import (
     FRONT_SOURCE,
     INFO_FILE,
     LOG_FILE,
+    SEEDED_POLICIES,
     RouterError,
     RouterInfo,
 )
@@ -123,6 +124,7 @@ def render_start_script(profile: Profile, run_dir: str, service: str, command: l
         f"ADDRESS_MODE={shlex.quote(profile.address)}",
         f"ADDRESS_SUFFIX={shlex.quote(profile.address_suffix or '')}",
         f"POLICY={shlex.quote(policy)}",
+        f"SEED={1 if policy in SEEDED_POLICIES else 0}",
         f"VENV={venv}",
         f"START_WAIT_S={START_WAIT_S}",
         f"STOP_WAIT_S={STOP_WAIT_S}",

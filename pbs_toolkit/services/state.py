@@ -1,7 +1,10 @@
 """A service's state from its replicas' states: pure, so the rules are tested without any process.
 
-STARTING (none ready yet), READY n/N (all), DEGRADED n/N (some, after having been ready, e.g. a predecessor
-ended before its late successor ran), DOWN (none, after having been up), then CANCELLED or ENDED once recorded so.
+"Ready" counts routable replicas (services/ready.py: READY and in the router, which answers the key). STARTING
+n/N until the service was READY N/N once (while replicas are still on their way: a normal start with one of two
+up is STARTING 1/2, not DEGRADED), READY n/N (all), DEGRADED n/N (some, after having been READY, e.g. a predecessor
+ended before its late successor ran; or some while the others ended for good), DOWN (none, after having been
+up; or 0/N whenever the router is gone), then CANCELLED or ENDED once recorded so.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ def ready_count(slots: Sequence[Slot], states: Mapping[str, str]) -> int:
     return sum(1 for slot in slots if serving_job(slot, states))
 
 
-def service_state(record: ServiceRecord, ready: int) -> str:
-    """The word for ``ready`` of ``record.replicas`` replicas, given whether the service was ever up."""
+def service_state(record: ServiceRecord, ready: int, starting: bool = True) -> str:
+    """The word for ``ready`` of ``record.replicas`` routable replicas, given whether the service was ever READY
+    N/N (``record.ever_ready``) and whether some replica not routable yet is still on its way (``starting``)."""
     if record.ended is not None:
         return record.state if record.state in ("CANCELLED", "ENDED") else "ENDED"
     if ready >= record.replicas:
         return "READY"
     if ready == 0:
         return "DOWN" if record.ever_ready else "STARTING"
-    return "DEGRADED" if record.ever_ready else "STARTING"
+    return "DEGRADED" if record.ever_ready or not starting else "STARTING"

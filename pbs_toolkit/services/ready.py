@@ -1,0 +1,147 @@
+"""READY means routable: what ``status NAME`` counts and what ``serve --wait`` waits for.
+
+A replica counts as ready only when its job is READY **and** its server is in the router's worker list, and then
+only while a request with the service's key through the service URL succeeds (``GET /v1/models`` through the
+router: it proves the router routes and the key is accepted, and costs no generation). So ``serve --wait``
+returns, and ``status`` says READY n/N, only when a client's first request will be served, never while the router
+still has no worker (its ``503 No available workers``). A dead router: DOWN 0/N.
+
+Costs: ``check_route`` is two HTTP requests to the router (over the SSH connection for a login-node router), no
+scheduler query; ``wait`` asks the scheduler on the usual ramp (2, 4, 8, 30 s) and the router every
+``ROUTE_POLL_S`` in between, so it returns within about that long of the keeper adding the last replica.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pbs_toolkit.services.record import ServiceRecord, Slot
+
+if TYPE_CHECKING:
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.jobs.status import JobStatus
+    from pbs_toolkit.services.manage import ServiceStatus
+
+#: seconds between two cheap looks at the router while ``wait`` waits (no scheduler query)
+ROUTE_POLL_S = 0.25
+
+
+@dataclass
+class RouteCheck:
+    """What the router said: its workers (``None``: ``/list_workers`` did not answer) and the status of one
+    request with the service's key through the service URL (``None``: no answer)."""
+
+    workers: list[str] | None
+    status: int | None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.workers is not None and self.status == 200
+
+    @property
+    def text(self) -> str:
+        """``2 workers, a request with the key: 200`` (``status NAME``)."""
+        if self.workers is None:
+            return "the router did not list its workers"
+        answer = "no answer" if self.status is None else f"{self.status}{' ' + self.detail if self.detail else ''}"
+        return f"{len(self.workers)} worker(s), a request with the key: {answer}"
+
+
+def worker_url(st: JobStatus) -> str | None:
+    """``http://host:port`` of a job's server, as the router lists it (the router adds ``/v1/...`` itself)."""
+    from pbs_toolkit.endpoints import endpoint_url
+
+    if not st.address or not st.port:
+        return None
+    return endpoint_url(st)[: -len("/v1")]
+
+
+def check_route(client: Client, rec: ServiceRecord) -> RouteCheck:
+    """The router's workers and one authenticated ``GET /v1/models`` through it (two requests, no scheduler)."""
+    from pbs_toolkit.services.router import RouterInfo, http_request
+
+    info = RouterInfo.from_dict(rec.router)
+    runner = client.runner(info.transport)
+    status, body = http_request(runner, info.host, info.port, "/list_workers")
+    workers: list[str] | None = None
+    if status == 200:
+        try:
+            workers = [str(u) for u in json.loads(body)["urls"]]
+        except (ValueError, KeyError, TypeError):
+            workers = None
+    if workers is None:
+        return RouteCheck(None, None)
+    headers = {"Authorization": f"Bearer {rec.api_key}"} if rec.api_key else {}
+    status, body = http_request(runner, info.host, info.port, "/v1/models", headers=headers, body_limit=200)
+    detail = "" if status == 200 else body.decode(errors="replace").strip()[:120]
+    return RouteCheck(workers, status, detail)
+
+
+def routable_count(slots: Sequence[Slot], statuses: Mapping[str, JobStatus], workers: Collection[str]) -> int:
+    """Slots whose serving job (the current one, else its successor) is READY and in the router's ``workers``."""
+    count = 0
+    for slot in slots:
+        for job in (slot.current, slot.successor):
+            st = statuses.get(job or "")
+            if st is not None and st.state.value == "READY" and worker_url(st) in workers:
+                count += 1
+                break
+    return count
+
+
+def still_starting(slots: Sequence[Slot], statuses: Mapping[str, JobStatus], workers: Collection[str]) -> bool:
+    """Whether some slot is not routable yet but has a job on its way (queued or starting, not ended)."""
+    for slot in slots:
+        jobs = [statuses.get(j or "") for j in (slot.current, slot.successor)]
+        if any(st is not None and st.state.value == "READY" and worker_url(st) in workers for st in jobs):
+            continue
+        if any(st is not None and not st.state.final for st in jobs):
+            return True
+    return False
+
+
+def wait(client: Client, rec: ServiceRecord, timeout: float,
+         on_progress: Callable[[ServiceStatus, float], None] | None = None) -> ServiceStatus:
+    """Block until the service is READY N/N, routable (``WaitTimeout``; ``ServerFailed`` when the service
+    ended or every replica failed). The scheduler is asked on the usual ramp; the router every ``ROUTE_POLL_S``
+    in between, and a router with enough workers answering the key is confirmed by one full look at once."""
+    from pbs_toolkit.errors import ServerFailed, WaitTimeout
+    from pbs_toolkit.jobs.readiness import scheduler_intervals
+    from pbs_toolkit.services.manage import look
+
+    start = time.monotonic()
+    intervals = iter(scheduler_intervals())
+    step = 1.0
+    while True:
+        st = look(client, rec)
+        if on_progress is not None:
+            on_progress(st, time.monotonic() - start)
+        if st.state == "READY":
+            return st
+        if st.record.ended is not None or (st.replicas and all(j.state.final for j in st.replicas)):
+            raise ServerFailed(f"service {st.record.name} is {st.state}: no replica can become ready "
+                               f"(`pbstk status {st.record.name}` shows each)")
+        if time.monotonic() - start > timeout:
+            raise WaitTimeout(f"service {st.record.name} is {st.summary} after {timeout:g} s")
+        step = next(intervals, step)
+        until = min(time.monotonic() + step, start + timeout + 0.01)
+        while time.monotonic() < until:
+            time.sleep(ROUTE_POLL_S)
+            if st.router_running and _looks_routable(client, rec):
+                break
+
+
+def _looks_routable(client: Client, rec: ServiceRecord) -> bool:
+    """Cheap: the router lists at least N workers and answers the key (then a full look confirms)."""
+    from pbs_toolkit.errors import PbstkError
+
+    try:
+        route = check_route(client, rec)
+    except PbstkError:
+        return False
+    return route.ok and route.workers is not None and len(route.workers) >= rec.replicas
