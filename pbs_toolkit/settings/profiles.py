@@ -93,8 +93,10 @@ class Profile:
     router: str = "auto"
     #: the router program, split like a shell line (no shell runs it)
     router_command: str = "vllm-router"
-    #: the router's load-balancing policy (round_robin: cache_aware measured -16% on GPUs)
-    router_policy: str = "round_robin"
+    #: the router's load-balancing policy. power_of_two (with two workers: the one with fewer requests in flight):
+    #: round_robin is blind to load and let two replicas drift apart under a closed-loop load on 2x H100 (0.91x of
+    #: the same replicas driven directly); cache_aware measured -16% (benchmarks/README.md)
+    router_policy: str = "power_of_two"
     #: the address the router binds ("" = 127.0.0.1 for a local router, ``bind_host`` on the login node)
     router_bind: str = ""
     #: netns: the router in a private network namespace, only service traffic passed on (its admin API: the
