@@ -5,7 +5,8 @@
 # machine, with levels long enough (>= 30 s) to be stable. While each level runs, every replica's
 # vllm:num_requests_running / _waiting is sampled each second into OUT_DIR/LABEL.load (how the router spreads load).
 # Usage, from the checkout root there:  bash benchmarks/gpu/run_service.sh OUT_DIR one|service|dp2 [...]
-# POLICIES="round_robin power_of_two" picks the router policies measured for `service` (default round_robin);
+# POLICIES="round_robin power_of_two" picks the router policies measured for `service` (default power_of_two, the
+# profile default); C1=0 skips the one-request level;
 # PROMPTS (default 6000) is the number of prompts of each c=256 level (half of it for each side of the pair).
 set -euo pipefail
 out=${1:?usage: run_service.sh OUT_DIR one|service|dp2 [...]}
@@ -82,14 +83,14 @@ for what in "$@"; do
       with_load dp2-c256 "$b" -- bench dp2-c256 256 "$prompts"
       pbstk cancel dp2 ;;
     service)
-      for policy in ${POLICIES:-round_robin}; do
+      for policy in ${POLICIES:-power_of_two}; do
         svc="svc-${policy//_/-}"
         pbstk serve "$model" --name "$svc" --replicas 2 --preset single --gpus-per-node 1 \
           --policy "$policy" "${common[@]}" --wait --timeout 420
         pbstk status "$svc"
         eval "$(pbstk env "$svc")"
         r0=$(base_of "$svc-r0"); r1=$(base_of "$svc-r1")
-        bench "$svc-c1" 1 32
+        [ "${C1:-1}" = 0 ] || bench "$svc-c1" 1 32
         with_load "$svc-c256" "$r0 $r1" -- bench "$svc-c256" 256 "$prompts"
         # the direct pair: the same two replicas driven at once, half the load each (a perfect balancer)
         pair() { bench "$svc-pair-r0-c128" 128 $((prompts / 2)) "$r0" & local a=$!
