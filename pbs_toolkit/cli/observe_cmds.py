@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -83,6 +82,8 @@ def _show_metrics(m: Any, export_path: str | None, as_json: bool) -> None:
     """One look: a JSON line (``--export``, ``--json``: the metrics object) or three lines of text and the
     last Engine line."""
     if export_path:
+        import json
+
         _append_line(export_path, json.dumps(m.to_dict(), default=str))
     if as_json:
         echo_json(m.to_dict(), line=True)
