@@ -246,14 +246,16 @@ def test_queue_delay_and_comment(pbs: FakePbs) -> None:
 
 def test_estimated_start_while_queued_and_walltime_used_while_running(pbs: FakePbs) -> None:
     before = int(time.time())
+    release = pbs.submit_dir / "release"
     jobid = pbs.submit("sleep 30\n", "-l", "walltime=00:10:30",
-                       env={"FAKEPBS_QUEUE_DELAY": "1", "FAKEPBS_ESTIMATED_START": "900"})
+                       env={"FAKEPBS_RELEASE": str(release), "FAKEPBS_ESTIMATED_START": "900"})
     job = pbs.job(jobid)
     est = job["estimated"]  # OpenPBS: set on a queued job the scheduler has calendared
     assert set(est) == {"exec_vnode", "start_time"} and re.fullmatch(r"\(\S+:ncpus=\d+\)", est["exec_vnode"])
     start = time.mktime(time.strptime(est["start_time"], "%a %b %d %H:%M:%S %Y"))
     assert before + 900 <= start <= time.time() + 900
     assert job["Resource_List"]["walltime"] == "00:10:30"
+    release.touch()
     job = pbs.wait_state(jobid, "R")
     assert "estimated" not in job and job["stime"]
     pbs.wait_for(lambda: pbs.job(jobid)["resources_used"]["walltime"] >= "00:00:01", timeout=5)
@@ -486,13 +488,15 @@ def test_qsub_a_in_the_past_runs_at_once_and_directive_form(pbs: FakePbs) -> Non
 
 
 def test_depend_after_waits_for_the_start_only(pbs: FakePbs) -> None:
-    parent = pbs.submit("sleep 30\n", env={"FAKEPBS_QUEUE_DELAY": "4"})
+    release = pbs.submit_dir / "release"
+    parent = pbs.submit("sleep 30\n", env={"FAKEPBS_RELEASE": str(release)})
     child = pbs.submit("true\n", "-W", f"depend=after:{parent}")
     _, doc, _ = pbs.status(parent, child)
     job = doc["Jobs"][child]
     assert doc["Jobs"][parent]["job_state"] == "Q"  # one answer: the parent is still queued, so...
     assert (job["job_state"], job["Hold_Types"], job["substate"]) == ("H", "s", 22)  # ...the child is held
     assert job["depend"] == f"after:{parent}@fakepbs" and "comment" not in job
+    release.touch()
     pbs.wait_state(parent, "R")
     assert pbs.wait_state(child, "F")["Exit_status"] == 0  # ran while the parent still runs
     assert pbs.job(parent)["job_state"] == "R"
