@@ -31,7 +31,7 @@ from sshd import SshdInfo, sshd_server, start_sshd  # noqa: E402,F401  (sshd_ser
 ONE_WORKER = {
     "tests/test_slurm_real.py::": "slurm",
     "tests/test_slurm_cluster.py::": "slurm",
-    "tests/test_render.py::test_matrix_": "render-matrix",
+    "tests/test_render.py::": "render",  # the whole module: more than the test_matrix_* tests read the matrix
 }
 #: tests that start first (real vLLM, minutes each): at the end of the queue they would be the tail of the run
 FIRST = ("tests/test_e2e_vllm.py::",)
