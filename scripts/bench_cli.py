@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """How long the CLI takes to start: median wall time of ``pbstk --help`` and of one ``pbstk render``, plus
-the slowest imports of ``--help`` (``python -X importtime``). Goal: ``--help`` at most 120 ms.
+the slowest imports of ``--help`` (``python -X importtime``). Goal: ``--help`` at most 120 ms, and at most 0.3x
+of vec-inf's ``--help`` measured on the same machine in the same run (absolute times vary with the machine).
 
     python scripts/bench_cli.py            # N=15 runs each
     python scripts/bench_cli.py -n 30 --top 20
+    python scripts/bench_cli.py --compare /tmp/vecinf/bin/vec-inf   # + the ratio to vec-inf 0.9.0's --help
 
 Runs with an empty temporary XDG config and HF_HOME so a user's config cannot change what is measured.
 """
@@ -20,6 +22,8 @@ import tempfile
 import time
 
 GOAL_HELP_MS = 120.0
+#: pbstk --help / the --compare command's --help
+GOAL_RATIO = 0.3
 RENDER_ARGS = ["render", "Qwen/Qwen3-VL-2B-Instruct", "--preset", "dp4", "--profile", "generic-pbspro"]
 
 
@@ -58,6 +62,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("-n", "--runs", type=int, default=15)
     parser.add_argument("--top", type=int, default=15, help="how many import offenders to show")
+    parser.add_argument("--compare", metavar="EXE", help="another CLI (vec-inf) whose --help is timed the same way")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,11 +74,20 @@ def main() -> int:
         help_med, help_min = median_ms([*base, "--help"], args.runs, env)
         render_med, render_min = median_ms([*base, *RENDER_ARGS], args.runs, env)
         offenders = import_offenders(env, args.top)
+        other = None
+        if args.compare:
+            subprocess.run([args.compare, "--help"], capture_output=True, env=env)  # noqa: S603 - warm the cache
+            other = median_ms([args.compare, "--help"], args.runs, env)
 
     verdict = "ok" if help_med <= GOAL_HELP_MS else f"SLOWER than the {GOAL_HELP_MS:.0f} ms goal"
     print(f"pbstk --help   median {help_med:6.1f} ms  (min {help_min:6.1f}, n={args.runs})  {verdict}")
     print(f"pbstk render   median {render_med:6.1f} ms  (min {render_min:6.1f}, n={args.runs})  "
           f"[{' '.join(RENDER_ARGS)}]")
+    if other is not None:
+        ratio = help_med / other[0]
+        verdict = "ok" if ratio <= GOAL_RATIO else f"above the {GOAL_RATIO}x goal"
+        print(f"{args.compare} --help median {other[0]:6.1f} ms  (min {other[1]:6.1f}):  "
+              f"pbstk/that = {ratio:.2f}x  {verdict}")
     print("\nslowest imports of --help (python -X importtime; microseconds, cumulative includes children):")
     print(f"{'cumulative':>11} {'self':>8}  module")
     for cumulative, self_us, name in offenders:

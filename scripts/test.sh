@@ -3,6 +3,8 @@
 # no PBS) and runs lint, types and the whole suite, the end-to-end tests with real vLLM on CPU included.
 #   bash scripts/test.sh            everything
 #   bash scripts/test.sh -m 'not e2e'   pytest arguments are passed through
+#   PBSTK_TEST_WORKERS=0 bash scripts/test.sh   one process (default: 10 pytest-xdist workers; most tests wait on
+#                                     servers and schedulers rather than compute, so more workers than cores pay)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,4 +46,10 @@ echo "== pytest"
 export PBSTK_TEST_VLLM_VENV="$PWD/.venv-vllm"
 export PBSTK_TEST_REQUIRE_SSHD=1  # sshd was installed above: a missing one fails the SSH tests, never skips them
 export PBSTK_TEST_REQUIRE_SLURM=1  # so was Slurm: a missing one fails the Slurm tests, never skips them
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Parallel: tests that share a costly session fixture (the Slurm cluster, the render matrix) are one xdist group on
+# one worker (tests/conftest.py marks them); the e2e tests are collected first so the longest start first.
+# --durations=20: the slowest tests at the end of every run.
+workers="${PBSTK_TEST_WORKERS:-10}"
+parallel=()
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadgroup)
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "${parallel[@]}" --durations=20 "$@"

@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,39 @@ sys.path.insert(0, str(TESTS))
 
 from slurm_cluster import slurm_cluster  # noqa: E402,F401  (session fixture: a real two-node Slurm on loopback)
 from sshd import SshdInfo, sshd_server, start_sshd  # noqa: E402,F401  (sshd_server: fixture re-exported)
+
+# --- parallel runs (pytest-xdist: scripts/test.sh runs -n N --dist loadgroup) ------------------------------------
+#: node-id prefix -> a group of tests that run on one worker, one after the other: they share a costly session or
+#: module fixture that would otherwise start once per worker (the Slurm cluster; the render matrix: ~100 renders,
+#: bash -n and shellcheck). ``xdist_group`` marks cannot do this with pytest 9.2: xdist's loadgroup is silently
+#: ignored there (pytest-dev/pytest-xdist#1386), so the scheduler below reads this table instead.
+ONE_WORKER = {
+    "tests/test_slurm_real.py::": "slurm",
+    "tests/test_slurm_cluster.py::": "slurm",
+    "tests/test_render.py::": "render",  # the whole module: more than the test_matrix_* tests read the matrix
+}
+#: tests that start first (real vLLM, minutes each): at the end of the queue they would be the tail of the run
+FIRST = ("tests/test_e2e_vllm.py::",)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``: every test is a unit of its own except the groups of ``ONE_WORKER``; the groups
+    (most tests first) then the ``FIRST`` tests are handed out first."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduler(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return next((group for prefix, group in ONE_WORKER.items() if nodeid.startswith(prefix)), nodeid)
+
+    return Scheduler(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The ``FIRST`` tests first (a stable sort: every worker collects the same order, as xdist requires)."""
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))
 
 
 @pytest.fixture(autouse=True)

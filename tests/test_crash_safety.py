@@ -85,7 +85,7 @@ def store_write_locked() -> Iterator[None]:
 def test_sigterm_and_sighup_during_qsub_are_held_until_recorded(pbs: Path, sig: signal.Signals) -> None:
     set_faults(pbs, slow_qsub=2.0)
     proc = start_launch(*PBS_LAUNCH, "--name", "sig")
-    until(lambda: qsub_started(pbs), 15, "qsub to create the job")
+    until(lambda: qsub_started(pbs), 60, "qsub to create the job")
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 128 + sig, err
@@ -98,20 +98,29 @@ def test_sigterm_and_sighup_during_qsub_are_held_until_recorded(pbs: Path, sig: 
 def test_sigkill_during_qsub_the_job_is_adopted(pbs: Path) -> None:
     set_faults(pbs, slow_qsub=2.0)
     proc = start_launch(*PBS_LAUNCH, "--name", "k9")
-    until(lambda: qsub_started(pbs), 15, "qsub to create the job")
+    until(lambda: qsub_started(pbs), 60, "qsub to create the job")
     proc.kill()
     proc.wait(10)
     [job] = fake_jobs(pbs)
-    # qsub outlives pbstk and its wrapper leaves RUN_DIR/job_id; the next `jobs` adopts the job
-    result = until(lambda: (r := pbstk("jobs")).exit_code == 0 and job in r.stdout and r, 10, "adoption")
-    assert f"adopted job {job}" in result.stderr
+    # qsub outlives pbstk and its wrapper leaves RUN_DIR/job_id; the next `jobs` adopts the job. The call that
+    # adopts may list it only on the next call: the marker can appear between its records and its intents look
+    # (a machine under load showed it), so the warning is looked for in every call's stderr
+    said: list[str] = []
+
+    def listed() -> bool:
+        r = pbstk("jobs")
+        said.append(r.stderr)
+        return r.exit_code == 0 and job in r.stdout
+
+    until(listed, 10, "adoption")
+    assert sum(f"adopted job {job}" in err for err in said) == 1, said  # adopted once, and said so
     assert_no_orphans(pbs)
 
 
 def test_sigkill_between_qsub_and_the_store_write(pbs: Path) -> None:
     set_faults(pbs, slow_qsub=1.5)
     proc = start_launch(*PBS_LAUNCH, "--name", "gap")
-    until(lambda: qsub_started(pbs), 15, "qsub to create the job")
+    until(lambda: qsub_started(pbs), 60, "qsub to create the job")
     runs = Path(os.environ["PBSTK_RUNS_ROOT"])
     with store_write_locked():  # qsub has answered; pbstk now waits to record the id
         until(lambda: list(runs.glob("gap-*/job_id")), 10, "qsub to answer")
@@ -128,7 +137,7 @@ def test_store_locked_after_submit_names_the_job_and_how_to_stop_it(pbs: Path,
     monkeypatch.setenv("PBSTK_STORE_TIMEOUT", "0.5")
     set_faults(pbs, slow_qsub=1.5)
     proc = start_launch(*PBS_LAUNCH, "--name", "locked")
-    until(lambda: qsub_started(pbs), 15, "qsub to create the job")
+    until(lambda: qsub_started(pbs), 60, "qsub to create the job")
     with store_write_locked():
         _, err = proc.communicate(timeout=20)
     [job] = fake_jobs(pbs)

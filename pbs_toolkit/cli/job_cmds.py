@@ -9,11 +9,10 @@ from typing import Any
 import click
 
 from pbs_toolkit.cli.complete import complete_job
+from pbs_toolkit.cli.lazy import LazyChoice, backend_names, log_streams
 from pbs_toolkit.cli.options import SECONDS, build_request, echo_json, read_key_env, render_options, table
 from pbs_toolkit.cli.progress import Progress, interrupt_hint
 from pbs_toolkit.durations import short
-from pbs_toolkit.jobs.logs import STREAMS
-from pbs_toolkit.schedulers import BACKENDS, stream_aliases
 
 
 def progress_printer(quiet: bool = False) -> Progress:
@@ -28,7 +27,7 @@ def _read_key_env(name: str | None) -> str | None:
 @click.command()
 @click.argument("model")
 @render_options
-@click.option("--scheduler", type=click.Choice(list(BACKENDS)), help="Override the profile's scheduler.")
+@click.option("--scheduler", type=LazyChoice(backend_names), help="Override the profile's scheduler.")
 @click.option("--ssh", "ssh_host", help="Submit through this SSH host (a ~/.ssh/config alias works).")
 @click.option("--accept-new-host-key", is_flag=True, help="Trust an SSH host key not yet in known_hosts.")
 @click.option("--api-key-env", help="Take the server's API key from this environment variable.")
@@ -200,9 +199,9 @@ def cancel(jobs: tuple[str, ...], keep_endpoint: bool, as_json: bool) -> None:
 @click.argument("job", required=False, shell_complete=complete_job)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
 @click.option("-n", "--lines", default=50, show_default=True, help="Lines from the end to show first.")
-@click.option("--stream", type=click.Choice(STREAMS), default="vllm", show_default=True,
-              help=f"vllm, or the scheduler's job output (sched-out, sched-err; {', '.join(stream_aliases())} "
-              "still work).")
+@click.option("--stream", type=LazyChoice(log_streams), default="vllm", show_default=True,
+              help="vllm, or the scheduler's job output (sched-out, sched-err; a scheduler's older names in the list, "
+              "such as pbs-out, still work).")
 @click.option("--node", type=int, default=None, metavar="K",
               help="On a job over several nodes: node K's vLLM log (0, the head's, is the default).")
 @click.option("--replica", type=int, default=None, metavar="K",

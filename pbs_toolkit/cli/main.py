@@ -6,7 +6,6 @@ Ctrl-C exits 130. Heavy modules are imported inside commands so ``pbstk --help``
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import click
@@ -50,21 +49,22 @@ def cli(ctx: click.Context, verbose: bool) -> None:
         _show_commands(ctx)
 
 
-class _EchoHandler(logging.Handler):
-    """Log records as ``pbstk: ...`` lines on the stderr of the moment (Click's test runner swaps it)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            click.echo(f"pbstk: {record.getMessage()}", err=True)
-        except Exception:  # noqa: BLE001 - a log line must never break the command
-            self.handleError(record)
-
-
 def _show_commands(ctx: click.Context) -> None:
-    """``-v``: the runners' command records go to stderr until this invocation ends."""
+    """``-v``: the runners' command records go to stderr, as ``pbstk: ...`` lines, until this invocation ends."""
+    import logging  # here, not at the top: pbstk --help need not pay for it
+
     from pbs_toolkit.transports.trace import COMMAND_LOG
 
-    handler, level = _EchoHandler(), COMMAND_LOG.level
+    class EchoHandler(logging.Handler):
+        """Log records on the stderr of the moment (Click's test runner swaps it)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            try:
+                click.echo(f"pbstk: {record.getMessage()}", err=True)
+            except Exception:  # noqa: BLE001 - a log line must never break the command
+                self.handleError(record)
+
+    handler, level = EchoHandler(), COMMAND_LOG.level
     COMMAND_LOG.addHandler(handler)
     COMMAND_LOG.setLevel(logging.DEBUG)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -92,6 +91,8 @@ def metrics(job: str | None, watch: float | None, count: int, export_path: str |
 def _show_metrics(m: Any, export_path: str | None, as_json: bool, show: Any) -> None:
     """One look: a JSON line (``--export``, ``--json``: the metrics object) or ``show``'s text."""
     if export_path:
+        import json
+
         _append_line(export_path, json.dumps(m.to_dict(), default=str))
     if as_json:
         echo_json(m.to_dict(), line=True)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import stat
-import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -163,6 +161,8 @@ def check_writable_file(flag: str, path: str) -> None:
             with open(target, "a", encoding="utf-8"):
                 pass
         else:
+            import tempfile  # here, not at the top: pbstk --help need not pay for it
+
             fd, probe = tempfile.mkstemp(prefix=".pbstk-probe-", dir=os.path.dirname(target))
             os.close(fd)
             os.unlink(probe)
@@ -222,6 +222,8 @@ def echo_json(data: Any, *, line: bool = False) -> None:
     ``schema_version`` (a command that has not got its own object yet) is given one, so every object printed
     carries it. ``line``: one compact line (streams: ``metrics --watch``, ``tunnel``), flushed at once.
     """
+    import json
+
     from pbs_toolkit.schema import SCHEMA_VERSION
 
     def stamped(item: Any) -> Any:

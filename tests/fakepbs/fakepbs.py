@@ -844,12 +844,25 @@ def sleep_while_queued(seq: int | str, seconds: float) -> bool:
         time.sleep(min(POLL, max(0.0, deadline - time.time())))
 
 
+def queued_until_released(seq: int | str, path: str) -> bool:
+    """``FAKEPBS_RELEASE=PATH``: stay in Q until PATH exists, so a test looks at a queued job and then lets it run
+    (an event; a queue delay is a race against a loaded machine). False when the job was deleted meanwhile."""
+    while path and not os.path.exists(path):
+        job = load_job(seq)
+        if job is None or job["attrs"]["job_state"] != "Q" or is_vanished(job):
+            return False
+        time.sleep(POLL)
+    return True
+
+
 def run_job(key: str) -> None:
     seq = key
     job = load_job(seq)
     if job is None or not wait_eligible(seq):
         return
     if not sleep_while_queued(seq, env_float("FAKEPBS_QUEUE_DELAY", 0.0)):
+        return
+    if not queued_until_released(seq, os.environ.get("FAKEPBS_RELEASE", "")):
         return
     internal = job["internal"]
     for path in (internal["out_final"], internal["err_final"]):

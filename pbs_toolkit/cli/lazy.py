@@ -1,0 +1,46 @@
+"""Option values read from the library only when a command runs, so registering the commands stays cheap.
+
+``pbstk --help`` imports every ``*_cmds`` module; a ``click.Choice(list(BACKENDS))`` there would import all the
+schedulers (and through them the transports) just to print the top-level help.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import click
+
+
+class LazyChoice(click.Choice):  # type: ignore[type-arg]
+    """A ``click.Choice`` whose choices come from ``source()`` the first time they are needed (parsing, a
+    command's ``--help``, shell completion), not when the option is declared."""
+
+    def __init__(self, source: Callable[[], Iterable[str]], case_sensitive: bool = True) -> None:
+        self._source = source
+        self._choices: tuple[str, ...] | None = None
+        self.case_sensitive = case_sensitive
+
+    @property  # type: ignore[override]
+    def choices(self) -> tuple[str, ...]:
+        if self._choices is None:
+            self._choices = tuple(self._source())
+        return self._choices
+
+    @choices.setter
+    def choices(self, value: Any) -> None:
+        self._choices = tuple(value)
+
+
+def backend_names() -> list[str]:
+    """The registered scheduler backends (``--scheduler``)."""
+    from pbs_toolkit.schedulers import BACKENDS
+
+    return list(BACKENDS)
+
+
+def log_streams() -> tuple[str, ...]:
+    """Every stream name ``pbstk logs --stream`` accepts."""
+    from pbs_toolkit.jobs.logs import STREAMS
+
+    return STREAMS

@@ -1,0 +1,52 @@
+"""``pbstk --help`` stays cheap: registering the commands imports the CLI layer only, never the schedulers,
+transports, job store or client (they are imported inside the command that needs them). How fast it is, is
+measured by scripts/bench_cli.py; this test pins what may be imported, which does not depend on the machine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from pbs_toolkit.cli.main import cli
+
+#: what ``pbstk --help`` may import from the package: the CLI modules and two leaf helpers
+ALLOWED = {"pbs_toolkit", "pbs_toolkit.errors", "pbs_toolkit.durations", "pbs_toolkit.textutil"}
+#: stdlib modules that only a running command needs (sockets, JSON, logging, temporary files)
+HEAVY_STDLIB = {"socket", "ssl", "json", "logging", "tempfile", "subprocess", "secrets", "hashlib"}
+
+PROBE = """
+import sys
+sys.argv = ["pbstk", "--help"]
+from pbs_toolkit.cli.main import main
+try:
+    main()
+except SystemExit:
+    pass
+print("\\n".join(sorted(sys.modules)), file=sys.stderr)
+"""
+
+
+def test_help_imports_no_backend_transport_or_client() -> None:
+    result = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)  # noqa: S603
+    assert "Usage: pbstk" in result.stdout
+    loaded = set(result.stderr.split())
+    ours = {m for m in loaded if m.startswith("pbs_toolkit")}
+    extra = {m for m in ours - ALLOWED if not m.startswith("pbs_toolkit.cli")}
+    assert extra == set(), f"pbstk --help imported {sorted(extra)}: import them inside the command"
+    assert loaded & HEAVY_STDLIB == set()
+
+
+def test_lazy_choices_still_list_and_check_the_backends_and_streams() -> None:
+    from pbs_toolkit.jobs.logs import STREAMS
+    from pbs_toolkit.schedulers import BACKENDS, stream_aliases
+
+    shown = CliRunner().invoke(cli, ["logs", "--help"]).stdout
+    for name in STREAMS:
+        assert name in shown, name
+    assert set(stream_aliases()) <= set(STREAMS)
+    refused = CliRunner().invoke(cli, ["logs", "--stream", "nosuch"])
+    assert refused.exit_code == 2 and "nosuch" in refused.output
+    for name in BACKENDS:
+        assert name in CliRunner().invoke(cli, ["launch", "--help"]).stdout
