@@ -31,6 +31,9 @@ from sshd import SshdInfo, sshd_server, start_sshd  # noqa: E402,F401  (sshd_ser
 ONE_WORKER = {
     "tests/test_slurm_real.py::": "slurm",
     "tests/test_slurm_cluster.py::": "slurm",
+    # the other users of the session's Slurm cluster: on the same worker, so one cluster starts per run
+    "tests/test_service_router_job.py::test_router_job_on_a_real_slurm": "slurm",
+    "tests/test_bench_status_calls.py::test_vec_inf_replay": "slurm",
     "tests/test_render.py::": "render",  # the whole module: more than the test_matrix_* tests read the matrix
 }
 #: tests that start first (real vLLM, minutes each): at the end of the queue they would be the tail of the run

@@ -31,9 +31,9 @@ def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
 @click.option("--keep-alive", is_flag=True, help="Keep a successor queued for every replica across walltimes.")
 @click.option("--handover", default="10m", show_default=True, callback=_handover,
               help="With --keep-alive: the successor becomes eligible this long before the walltime ends.")
-@click.option("--policy", help="Router policy (default: the profile's router_policy, power_of_two): power_of_two (fewer requests "
-              "in flight), consistent_hash (session-affine: multi-turn), round_robin, ... (docs/services.md "
-              "\"Policies\").")
+@click.option("--policy", help="Router policy (default: the profile's router_policy, power_of_two): "
+              "power_of_two (fewer requests in flight), consistent_hash (session-affine: multi-turn), "
+              "round_robin, ... (docs/services.md \"Policies\").")
 @click.option("--api-key-env", help="Take the service's API key from this environment variable.")
 @click.option("--wait/--no-wait", "wait_ready", default=False,
               help="Wait until every replica is READY in the router and a request with the key gets through.")
