@@ -246,7 +246,7 @@ def test_queue_delay_and_comment(pbs: FakePbs) -> None:
     job = pbs.wait_state(jobid, "F")
     assert job["comment"].startswith("Job run at")
     stime = json.loads((pbs.home / "jobs" / f"{jobid.split('.')[0]}.json").read_text())["internal"]["stime"]
-    assert stime >= submitted + 1  # the queue delay was served too
+    assert stime >= int(submitted) + 1  # the queue delay was served too (stime: whole seconds)
 
 
 def test_estimated_start_while_queued_and_walltime_used_while_running(pbs: FakePbs) -> None:

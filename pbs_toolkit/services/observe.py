@@ -174,6 +174,7 @@ def _duration_sample(hist: dict[str, Any], suffix: str, labels: dict[str, str], 
 
 def scrape_router(runner: Runner, rec: ServiceRecord, timeout: float = 5.0) -> RouterSnapshot:
     """One scrape of the router's Prometheus port, as the router's host reaches it."""
+    from pbs_toolkit.services.router import list_workers
     from pbs_toolkit.transports import http as probe
 
     info = rec.router or {}
@@ -186,7 +187,13 @@ def scrape_router(runner: Runner, rec: ServiceRecord, timeout: float = 5.0) -> R
                            f"{exc}") from exc
     if answer.status != 200:
         raise ServerFailed(f"the router's metrics answered HTTP {answer.status}")
-    return parse_router_metrics(answer.body.decode("utf-8", "replace"), time.time())
+    snap = parse_router_metrics(answer.body.decode("utf-8", "replace"), time.time())
+    # the router keeps a removed worker's series (a predecessor after a handover, the start-up seed of
+    # power_of_two): only the workers it routes to now are its workers
+    current = list_workers(runner, info["host"], int(info["port"])) if info.get("port") else None
+    if current is not None:
+        snap.workers = {url: w for url, w in snap.workers.items() if url in current}
+    return snap
 
 
 def router_summary(prev: RouterSnapshot | None, cur: RouterSnapshot, window: bool) -> dict[str, Any]:

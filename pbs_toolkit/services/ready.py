@@ -13,7 +13,6 @@ scheduler query; ``wait`` asks the scheduler on the usual ramp (2, 4, 8, 30 s) a
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -63,17 +62,11 @@ def worker_url(st: JobStatus) -> str | None:
 
 def check_route(client: Client, rec: ServiceRecord) -> RouteCheck:
     """The router's workers and one authenticated ``GET /v1/models`` through it (two requests, no scheduler)."""
-    from pbs_toolkit.services.router import RouterInfo, http_request
+    from pbs_toolkit.services.router import RouterInfo, http_request, list_workers
 
     info = RouterInfo.from_dict(rec.router)
     runner = client.runner(info.transport)
-    status, body = http_request(runner, info.host, info.port, "/list_workers")
-    workers: list[str] | None = None
-    if status == 200:
-        try:
-            workers = [str(u) for u in json.loads(body)["urls"]]
-        except (ValueError, KeyError, TypeError):
-            workers = None
+    workers = list_workers(runner, info.host, info.port)
     if workers is None:
         return RouteCheck(None, None)
     headers = {"Authorization": f"Bearer {rec.api_key}"} if rec.api_key else {}

@@ -272,6 +272,17 @@ def http_request(runner: Runner, host: str, port: int, path: str, *, method: str
             conn.close()
 
 
+def list_workers(runner: Runner, host: str, port: int) -> list[str] | None:
+    """The router's current workers (``GET /list_workers``, public), or None when it did not answer with a list."""
+    status, body = http_request(runner, host, port, "/list_workers")
+    if status != 200:
+        return None
+    try:
+        return [str(u) for u in json.loads(body)["urls"]]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def _read_pid(runner: Runner, run_dir: str, deadline: float) -> int:
     path = f"{run_dir}/router.pid"
     while time.monotonic() < deadline:
