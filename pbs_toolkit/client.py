@@ -138,7 +138,8 @@ class Metrics:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """``pbstk doctor``'s findings and the preset it recommends (``None`` when the GPU count is unknown)."""
+    """``pbstk doctor``'s findings and the preset it recommends (``None``: no GPUs, the model's size unknown, or
+    the recommended layout is the one running)."""
 
     job_id: str
     state: str
@@ -849,21 +850,15 @@ class Client:
     def doctor(self, job: Job | JobRecord | str | None = None) -> Diagnosis:
         """Findings from the job's flags, log and metrics, and the preset to use instead."""
         from pbs_toolkit.perf.doctor import diagnose
+        from pbs_toolkit.perf.recommend import recommend
         from pbs_toolkit.perf.scrape import doctor_context, scrape
-        from pbs_toolkit.settings.presets import auto_layout, preset_for_layout
 
         st = self.status(self.record(job))[0]
         runner = self.runner(st.record.transport)
         ctx = doctor_context(runner, st, scrape(runner, st) if st.state.value == "READY" else None)
-        findings = diagnose(ctx)
-        if not ctx.gpus:
-            return Diagnosis(st.record.job_id, st.state.value, findings)
-        tp, dp, why = auto_layout(ctx.model_params_b, ctx.gpus)
-        preset = preset_for_layout(tp, dp)
-        rec = st.record
-        line = (f"pbstk launch {rec.model} --preset {preset} --profile {rec.profile}"
-                + (f" --name {rec.name}" if rec.name else ""))
-        return Diagnosis(rec.job_id, st.state.value, findings, preset, why, line)
+        advice = recommend(st.record, ctx)
+        return Diagnosis(st.record.job_id, st.state.value, diagnose(ctx), *(
+            (advice.preset, advice.why, advice.launch) if advice else ()))
 
     def bench(self, job: Job | JobRecord | JobStatus | str | None = None, concurrencies: Sequence[int] = (1, 8, 64),
               *, input_len: int = 128, output_len: int = 256, num_prompts: int | None = None,

@@ -20,7 +20,7 @@ from pbs_toolkit import paths
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.jobs.nodes import request_stop
 from pbs_toolkit.jobs.render import RenderedJob, RenderRequest, render, run_dir_errors
-from pbs_toolkit.jobs.spec import LaunchSpec
+from pbs_toolkit.jobs.spec import LaunchSpec, launch_options
 from pbs_toolkit.jobs.store import (
     JOB_ID_MARKER,
     JOB_ID_RE,
@@ -159,7 +159,7 @@ def _record(req: RenderRequest, rendered: RenderedJob, transport: str, key: str 
                         gpus=rendered.preset.gpus, eager=rendered.preset.eager,
                         vllm_version=rendered.profile.vllm_version, ssh_host=transport or None,
                         vllm_cache_root=rendered.profile.vllm_cache_root, params_b=rendered.params_b,
-                        venv=rendered.profile.venv),
+                        venv=rendered.profile.venv, options=launch_options(req, rendered.profile.account)),
     )
 
 
