@@ -265,7 +265,20 @@ class Client:
             job = job.job_id
         if isinstance(job, JobRecord):
             job = job.job_id
+        if job is not None and "/" in job:  # a run directory (``render -o DIR``, submitted by hand)
+            from pbs_toolkit.jobs.handmade import record_for_run_dir
+
+            found = record_for_run_dir(self.store, job, self.runner(""))
+            if found is not None:
+                return found
         return self.store.find(job)
+
+    def adopt(self, job_id: str, run_dir: str, ssh_host: str | None = None) -> JobRecord:
+        """Record job ``job_id``, submitted by hand from ``run_dir`` (``render -o DIR``), read on this machine or
+        through ``ssh_host`` (``pbstk adopt``)."""
+        from pbs_toolkit.jobs.handmade import adopt
+
+        return adopt(self.store, job_id, run_dir, self.runner(ssh_host or ""), ssh_host or "")
 
     def request(self, model: str | RenderRequest, preset: str | None = None, profile: str | None = None,
                 **options: Any) -> RenderRequest:

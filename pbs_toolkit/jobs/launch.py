@@ -121,7 +121,7 @@ def launch(
         rendered = render(req, runner)
         transport = "" if runner.name == "local" else runner.name.split(":", 1)[-1]
         key = (api_key or secrets.token_urlsafe(32)) if use_api_key else None
-        record = _record(req, rendered, transport, key)
+        record = job_record(req, rendered, transport, key)
         if dry_run:
             return LaunchResult(record, rendered)
         scheduler = get_scheduler(rendered.profile.scheduler)
@@ -142,10 +142,10 @@ def _dry_run(req: RenderRequest, use_api_key: bool, api_key: str | None) -> Laun
     rendered = render(req, None)
     transport = rendered.profile.ssh_host or ""
     key = (api_key or secrets.token_urlsafe(32)) if use_api_key else None
-    return LaunchResult(_record(req, rendered, transport, key), rendered)
+    return LaunchResult(job_record(req, rendered, transport, key), rendered)
 
 
-def _record(req: RenderRequest, rendered: RenderedJob, transport: str, key: str | None) -> JobRecord:
+def job_record(req: RenderRequest, rendered: RenderedJob, transport: str, key: str | None) -> JobRecord:
     """The job store's record of ``rendered`` (its job id is filled in once the scheduler gives one)."""
     return JobRecord(
         job_id="", scheduler=rendered.profile.scheduler, profile=rendered.profile.name, model=req.model,
