@@ -141,7 +141,8 @@ class Metrics:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """``pbstk doctor``'s findings and the preset it recommends (``None`` when the GPU count is unknown)."""
+    """``pbstk doctor``'s findings and the preset it recommends (``None``: no GPUs, the model's size unknown, or
+    the recommended layout is the one running)."""
 
     job_id: str
     state: str
@@ -267,7 +268,20 @@ class Client:
             job = job.job_id
         if isinstance(job, JobRecord):
             job = job.job_id
+        if job is not None and "/" in job:  # a run directory (``render -o DIR``, submitted by hand)
+            from pbs_toolkit.jobs.handmade import record_for_run_dir
+
+            found = record_for_run_dir(self.store, job, self.runner(""))
+            if found is not None:
+                return found
         return self.store.find(job)
+
+    def adopt(self, job_id: str, run_dir: str, ssh_host: str | None = None) -> JobRecord:
+        """Record job ``job_id``, submitted by hand from ``run_dir`` (``render -o DIR``), read on this machine or
+        through ``ssh_host`` (``pbstk adopt``)."""
+        from pbs_toolkit.jobs.handmade import adopt
+
+        return adopt(self.store, job_id, run_dir, self.runner(ssh_host or ""), ssh_host or "")
 
     def request(self, model: str | RenderRequest, preset: str | None = None, profile: str | None = None,
                 **options: Any) -> RenderRequest:
@@ -859,21 +873,15 @@ class Client:
         it is, no status query of its own)."""
         from pbs_toolkit.jobs.status import JobStatus
         from pbs_toolkit.perf.doctor import diagnose
+        from pbs_toolkit.perf.recommend import recommend
         from pbs_toolkit.perf.scrape import doctor_context, scrape
-        from pbs_toolkit.settings.presets import auto_layout, preset_for_layout
 
         st = job if isinstance(job, JobStatus) else self.status(self.record(job))[0]
         runner = self.runner(st.record.transport)
         ctx = doctor_context(runner, st, scrape(runner, st) if st.state.value == "READY" else None)
-        findings = diagnose(ctx)
-        if not ctx.gpus:
-            return Diagnosis(st.record.job_id, st.state.value, findings)
-        tp, dp, why = auto_layout(ctx.model_params_b, ctx.gpus)
-        preset = preset_for_layout(tp, dp)
-        rec = st.record
-        line = (f"pbstk launch {rec.model} --preset {preset} --profile {rec.profile}"
-                + (f" --name {rec.name}" if rec.name else ""))
-        return Diagnosis(rec.job_id, st.state.value, findings, preset, why, line)
+        advice = recommend(st.record, ctx)
+        return Diagnosis(st.record.job_id, st.state.value, diagnose(ctx), *(
+            (advice.preset, advice.why, advice.launch) if advice else ()))
 
     def bench(self, job: Job | JobRecord | JobStatus | str | None = None, concurrencies: Sequence[int] = (1, 8, 64),
               *, input_len: int = 128, output_len: int = 256, num_prompts: int | None = None,

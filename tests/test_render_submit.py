@@ -34,8 +34,9 @@ def ready_marker(run_dir: Path) -> dict[str, Any] | None:
     return state if state.get("phase") == "ready" else None
 
 
-def served_models(port: int) -> list[str]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as resp:  # noqa: S310
+def served_models(port: int, key: str) -> list[str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:  # noqa: S310
         return [m["id"] for m in json.loads(resp.read())["data"]]
 
 
@@ -57,7 +58,7 @@ def test_render_o_dir_then_qsub_reaches_ready(fakepbs: Path, standins: Path, tmp
     job_id = submitted.stdout.strip()
     try:
         state = wait_for(lambda: ready_marker(out), 30, "server.json to say ready")
-        assert served_models(int(state["port"])) == [MODEL]
+        assert served_models(int(state["port"]), (out / "api_key").read_text().strip()) == [MODEL]  # render's key
         # -k doe: PBS writes the job's output in place, into the run directory the -o directive names
         assert (out / "pbs.out").read_text().startswith(f"pbstk: job {job_id} on ")
     finally:

@@ -229,7 +229,30 @@ def test_dropped_connection_means_one_more_login(login: SshdInfo) -> None:
     until(lambda: not _alive(pid), 15, "the holder to notice the drop")
     result = pbstk("status", "--json")
     assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    assert "the held SSH connection is gone" in result.stderr and "logging in to pbstk-test again" in result.stderr
     assert logins(login) == 2
+
+
+def test_parallel_statuses_share_one_login_within_max_sessions(fakepbs: Path, standins: Path, tmp_path: Path,
+                                                               sockets: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """15 `pbstk status` at once through one held login: each holds an SFTP session and runs qstat, more than
+    sshd's MaxSessions on one connection; the holder queues them instead of letting sshd refuse 5 of 15."""
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    monkeypatch.setenv("FAKEPBS_QUEUE_DELAY", "60")
+    passed = {k: v for k, v in os.environ.items() if k.startswith(("FAKEPBS_", "PBSTK_TEST_"))}
+    with start_sshd(tmp_path / "sessions", passed, extra_config=["MaxSessions 4"]) as info:
+        monkeypatch.setenv("PBSTK_SSH_CONFIG", str(info.ssh_config))
+        monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(info.known_hosts))
+        job = _launch("parallel")
+        procs = [subprocess.Popen([sys.executable, "-m", "pbs_toolkit.cli.main", "status", job, "--json"],  # noqa: S603
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(15)]
+        results = [(p.wait(timeout=120), p.stdout.read(), p.stderr.read()) for p in procs]  # type: ignore[union-attr]
+        failed = [err for rc, _, err in results if rc != 0]
+        assert not failed, failed[:2]
+        assert all(json.loads(out)[0]["state"] == "PENDING" for _, out, _ in results)
+        assert logins(info) == 1
+        for holder in ssh_mux.holders():
+            ssh_mux.close_holder(holder)
 
 
 def _sshd_pid(info: SshdInfo) -> int:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
+import shlex
 from typing import Any
 
 import click
@@ -178,19 +178,27 @@ def _shown(value: Any) -> str:
 @click.argument("model")
 @render_options
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False),
-              help="Write the job script and start_vllm.sh into this directory, which becomes the run "
-                   "directory (submitting DIR's job script by hand then works as written).")
+              help="Write the job script, start_vllm.sh, the job's API key (DIR/api_key, 0600) and its record "
+                   "(DIR/pbstk-job.json) into this directory, which becomes the run directory: submit DIR's job "
+                   "script by hand, then `pbstk adopt JOBID DIR`.")
 @click.option("--run-dir", help="Run directory the scripts refer to (default: -o DIR, else a new one under "
                                 "runs_root).")
+@click.option("--api-key-env", help="With -o: take the server's API key from this environment variable.")
+@click.option("--no-api-key", is_flag=True, help="With -o: serve without an API key (anyone on the network can "
+                                                 "use it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the render object (with -o: without the scripts).")
-def render(model: str, out_dir: str | None, run_dir: str | None, as_json: bool, **kw: Any) -> None:
+def render(model: str, out_dir: str | None, run_dir: str | None, api_key_env: str | None, no_api_key: bool,
+           as_json: bool, **kw: Any) -> None:
     """Render the job script and start_vllm.sh for MODEL (nothing is submitted, nothing is connected to)."""
+    from pbs_toolkit.cli.options import read_key_env
     from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
+    from pbs_toolkit.jobs.handmade import write_render_dir
 
     if out_dir is not None and run_dir is None:
         run_dir = os.path.abspath(out_dir)  # the scripts run from where they are written
     req = build_request(model, run_dir=run_dir, **kw)
+    key = read_key_env(api_key_env, os.environ)
     job = Client().render(req, connect=False)  # nothing is submitted: no SSH login
     for note in job.notes:
         click.echo(f"pbstk: note: {note}", err=True)
@@ -206,39 +214,38 @@ def render(model: str, out_dir: str | None, run_dir: str | None, as_json: bool, 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UsageError(f"{out_dir} exists and is not a directory")
     try:
-        _write_scripts(out_dir, {job.script_name: job.job_script, "start_vllm.sh": job.start_script})
+        written = write_render_dir(out_dir, job, req, use_api_key=not no_api_key, api_key=key)
     except OSError as exc:
         raise UsageError(f"cannot write the scripts into {out_dir}: {exc.strerror or exc}") from None
     if as_json:
-        echo_json({**job.to_dict(scripts=False), "written": [os.path.join(out_dir, job.script_name),
-                                                              os.path.join(out_dir, "start_vllm.sh")]})
+        echo_json({**job.to_dict(scripts=False), "written": written})
         return
     click.echo(f"wrote {out_dir}/{job.script_name} and {out_dir}/start_vllm.sh (preset {job.preset.name}, "
                f"{job.preset.layout()})")
+    if not no_api_key:
+        click.echo(f"API key: {out_dir}/api_key (0600; the server requires it); for clients: "
+                   f"export PBSTK_API_KEY=\"$(cat {shlex.quote(os.path.join(out_dir, 'api_key'))})\"")
+    click.echo(f"after submitting {out_dir}/{job.script_name} by hand: pbstk adopt JOBID {shlex.quote(out_dir)} "
+               "(then status, wait, update-endpoint ... work on it)")
 
 
-def _write_scripts(out_dir: str, scripts: dict[str, str]) -> None:
-    """Write every script or none: each goes to a temporary name first, and all are renamed only once all
-    are written (a full disk or a read-only directory must not leave one new script next to an old one)."""
-    created = not os.path.isdir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    temps: dict[str, str] = {}
-    try:
-        for name, text in scripts.items():
-            temps[name] = tmp = os.path.join(out_dir, f".{name}.pbstk-tmp")
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(text)
-            os.chmod(tmp, 0o755)
-        for name, tmp in temps.items():
-            os.replace(tmp, os.path.join(out_dir, name))
-    except OSError:
-        for tmp in temps.values():
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        if created:
-            with contextlib.suppress(OSError):
-                os.rmdir(out_dir)
-        raise
+@click.command()
+@click.argument("job_id")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--ssh", "ssh_host", help="Read RUN_DIR on this login node (the job's transport from then on).")
+@click.option("--json", "as_json", is_flag=True, help="Print the job object.")
+def adopt(job_id: str, run_dir: str, ssh_host: str | None, as_json: bool) -> None:
+    """Record JOB_ID, a job submitted by hand from RUN_DIR (written by `pbstk render -o RUN_DIR`), so that
+    status, wait, logs, update-endpoint and cancel work on it; its API key is read from RUN_DIR/api_key."""
+    from pbs_toolkit.client import Client
+
+    with Client() as c:
+        record = c.adopt(job_id, run_dir, ssh_host)
+    if as_json:
+        echo_json(record.to_dict())
+        return
+    click.echo(f"adopted {record.job_id} ({record.name}, {record.model}) from {record.run_dir}; "
+               f"`pbstk wait {record.job_id}` waits for it")
 
 
-COMMANDS = [presets, profiles, config, render]
+COMMANDS = [presets, profiles, config, render, adopt]

@@ -20,7 +20,7 @@ from pbs_toolkit import paths
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.jobs.nodes import request_stop
 from pbs_toolkit.jobs.render import RenderedJob, RenderRequest, render, run_dir_errors
-from pbs_toolkit.jobs.spec import LaunchSpec
+from pbs_toolkit.jobs.spec import LaunchSpec, launch_options
 from pbs_toolkit.jobs.store import (
     JOB_ID_MARKER,
     JOB_ID_RE,
@@ -121,7 +121,7 @@ def launch(
         rendered = render(req, runner)
         transport = "" if runner.name == "local" else runner.name.split(":", 1)[-1]
         key = (api_key or secrets.token_urlsafe(32)) if use_api_key else None
-        record = _record(req, rendered, transport, key)
+        record = job_record(req, rendered, transport, key)
         if dry_run:
             return LaunchResult(record, rendered)
         scheduler = get_scheduler(rendered.profile.scheduler)
@@ -142,10 +142,10 @@ def _dry_run(req: RenderRequest, use_api_key: bool, api_key: str | None) -> Laun
     rendered = render(req, None)
     transport = rendered.profile.ssh_host or ""
     key = (api_key or secrets.token_urlsafe(32)) if use_api_key else None
-    return LaunchResult(_record(req, rendered, transport, key), rendered)
+    return LaunchResult(job_record(req, rendered, transport, key), rendered)
 
 
-def _record(req: RenderRequest, rendered: RenderedJob, transport: str, key: str | None) -> JobRecord:
+def job_record(req: RenderRequest, rendered: RenderedJob, transport: str, key: str | None) -> JobRecord:
     """The job store's record of ``rendered`` (its job id is filled in once the scheduler gives one)."""
     return JobRecord(
         job_id="", scheduler=rendered.profile.scheduler, profile=rendered.profile.name, model=req.model,
@@ -159,7 +159,7 @@ def _record(req: RenderRequest, rendered: RenderedJob, transport: str, key: str 
                         gpus=rendered.preset.gpus, eager=rendered.preset.eager,
                         vllm_version=rendered.profile.vllm_version, ssh_host=transport or None,
                         vllm_cache_root=rendered.profile.vllm_cache_root, params_b=rendered.params_b,
-                        venv=rendered.profile.venv),
+                        venv=rendered.profile.venv, options=launch_options(req, rendered.profile.account)),
     )
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import SchedulerUnavailable, ServerFailed, WaitTimeout
 from pbs_toolkit.jobs.logs import tail_lines
 from pbs_toolkit.jobs.status import JobStatus, ServerState, observe, query_group, remember_final, without_scheduler
@@ -26,6 +27,13 @@ FATAL_GRACE_S = 3.0
 FALLBACK_GRACE_S = 120.0
 #: when the run directory says the job ended, ask the scheduler why for at most this long (E -> F)
 CONFIRM_END_S = 5.0
+#: a server that says it is ready but cannot be reached from here for this long fails the wait
+#: (``PBSTK_UNREACHABLE_GRACE_S``): a restart or a slow resolver gets a moment, a wrong address does not wait an hour
+DEFAULT_UNREACHABLE_GRACE_S = 10.0
+
+
+def unreachable_grace() -> float:
+    return env_float("PBSTK_UNREACHABLE_GRACE_S", DEFAULT_UNREACHABLE_GRACE_S, lambda v: 0 <= v < float("inf"))
 
 
 def scheduler_intervals() -> tuple[float, ...]:
@@ -102,6 +110,7 @@ class _Waiter:
     unreachable: str | None = None  # set while the scheduler has never answered
     answered: bool = False
     foreign: tuple[tuple[str | None, int | None], float] | None = None
+    unreachable_since: float | None = None
 
     def ask_scheduler(self, now: float) -> bool:
         """Query the scheduler when the ramp says so; True for a new answer (counts towards LOST)."""
@@ -155,6 +164,18 @@ class _Waiter:
             self.foreign = (where, now)
         elif now - self.foreign[1] >= FATAL_GRACE_S:
             raise ServerFailed(f"the server at {st.url} {st.foreign}: is this the right job?")
+
+    def check_reachable(self, st: JobStatus, now: float) -> None:
+        """The server says it is ready but its address cannot be reached from here: no log will explain that."""
+        if st.unreachable is None:
+            self.unreachable_since = None
+            return
+        self.unreachable_since = self.unreachable_since or now
+        if now - self.unreachable_since >= unreachable_grace():
+            raise ServerFailed(f"job {st.record.job_id}: {st.unreachable}",
+                               details=["the address is the node's name as the profile's `address` and "
+                                        "`address_suffix` make it (`pbstk config show` prints both); the job keeps "
+                                        f"running until `pbstk cancel {st.record.job_id}`"])
 
     def check_failed(self, st: JobStatus, now: float) -> None:
         """Raise once the job failed: at once when final, after the grace when only the log says so."""
@@ -211,6 +232,7 @@ def wait_until_ready(
                     store.update_extra(record, ready_after_s=round(elapsed, 1))
                 return st
             w.check_foreign(st, now)
+            w.check_reachable(st, now)
             w.check_failed(st, now)
             if elapsed > timeout:
                 raise _timed_out(record, st, timeout)

@@ -31,6 +31,7 @@ from pbs_toolkit.settings.layout import (
     node_plan,
     nodes_needed,
 )
+from pbs_toolkit.settings.model_size import UNKNOWN_SIZE_NOTE, hf_cache_config, json_file, model_weights
 from pbs_toolkit.settings.placeholders import fill_profile
 from pbs_toolkit.settings.presets import Preset, load_preset, params_from_config, params_from_name, resolve_auto
 from pbs_toolkit.settings.profiles import Profile, load_profile, walltime_seconds
@@ -182,8 +183,8 @@ def slug(text: str) -> str:
     return base[:60]
 
 
-def resolve_model(model: str, runner: Runner | None,
-                  remote_offline: bool = False) -> tuple[str, dict[str, Any] | None]:
+def resolve_model(model: str, runner: Runner | None, remote_offline: bool = False,
+                  hf_home: str | None = None) -> tuple[str, dict[str, Any] | None]:
     """Return (what vLLM receives, config.json when readable). Local directories become absolute paths.
 
     ``remote_offline``: the job runs on a remote host that is not asked (render, launch --dry-run): a model
@@ -191,8 +192,8 @@ def resolve_model(model: str, runner: Runner | None,
     if not model or "\n" in model or "\0" in model:
         raise UsageError("model name is empty or contains a newline")
     looks_like_path = model.startswith(("/", "./", "../", "~")) or os.sep in model and not _HF_ID.match(model)
-    if remote_offline and looks_like_path:
-        return home_relative(model), None
+    if remote_offline and looks_like_path:  # an absolute path also here (a shared filesystem): sized from it
+        return home_relative(model), json_file(Path(model, "config.json")) if model.startswith("/") else None
     local = Path(os.path.expanduser(model))
     remote = remote_offline or runner is not None and runner.name != "local"
     if not remote and (_is_dir(local, model) or looks_like_path):
@@ -224,7 +225,7 @@ def resolve_model(model: str, runner: Runner | None,
     if longest > _HF_PART_MAX:  # no such repository; its cache directory name would exceed 255 bytes on the node
         raise UsageError(f"model {model[:40]!r}... ({len(model)} characters): a Hugging Face id has at most "
                          f"{_HF_PART_MAX} characters per part")
-    return model, _hf_cache_config(model)
+    return model, hf_cache_config(model, hf_home)
 
 
 def _is_dir(path: Path, model: str) -> bool:
@@ -270,23 +271,6 @@ def run_dir_errors(write: Callable[..., _T]) -> Callable[..., _T]:
             raise run_dir_error(exc, rendered.run_dir) from exc
 
     return wrapper
-
-
-def _hf_cache_config(model: str) -> dict[str, Any] | None:
-    """config.json of ``model`` if it is already in the local Hugging Face cache."""
-    hf_home = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
-    snapshots = hf_home / "hub" / ("models--" + model.replace("/", "--")) / "snapshots"
-    try:
-        configs = sorted(snapshots.glob("*/config.json")) if snapshots.is_dir() else []
-    except OSError:  # a name too long to look up is simply not in the cache
-        configs = []
-    for config in configs:
-        try:
-            data = json.loads(config.read_text(encoding="utf-8"))
-            return data if isinstance(data, dict) else None
-        except (OSError, ValueError):
-            continue
-    return None
 
 
 def request_flags(req: RenderRequest) -> dict[str, Any]:
@@ -369,8 +353,10 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
     _check_profile(profile)
     profile = fill_profile(profile)
     walltime = _normalised_walltime(profile)
-    model_path, config = resolve_model(req.model, runner, remote_offline=runner is None and bool(profile.ssh_host))
-    preset, params = _choose_preset(req, profile, preset_name, config, nodes_asked)
+    model_path, config = resolve_model(req.model, runner, remote_offline=runner is None and bool(profile.ssh_host),
+                                       hf_home=profile.hf_home)
+    preset, params = _choose_preset(req, profile, preset_name, config, nodes_asked, model_weights(req.model, model_path,
+                                                                                             runner))
     profile = _fit_profile_to_preset(profile, preset, gpus_given, nodes_asked)
     plan = node_plan(preset.name, preset.tensor_parallel, preset.pipeline_parallel, preset.data_parallel,
                      profile.nodes, profile)
@@ -379,6 +365,8 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
     job_name = _job_name(req)
     served = req.served_model_name or (req.model if _HF_ID.match(req.model) and "/" in req.model else job_name)
     args, notes = _vllm_args(req, preset, profile, served, version, plan)
+    if params is None and preset.name.startswith("auto ("):
+        notes.insert(0, UNKNOWN_SIZE_NOTE)
     env = _job_env(req, profile, preset, version)
     port, fixed_port = _port(req, profile)
     run_dir = _run_dir(req, profile, job_name, runner)
@@ -408,8 +396,9 @@ def plan_layout(req: RenderRequest) -> tuple[Preset, NodePlan, float | None]:
     """(preset, node plan, model size in billions) that :func:`render` would choose for ``req``, offline and
     without the account check: ``presets show auto --model M --profile P`` explains a choice before a launch."""
     profile, preset_name, gpus_given, nodes_asked = resolve_profile(req)
-    _, config = resolve_model(req.model, None, remote_offline=bool(profile.ssh_host))
-    preset, params = _choose_preset(req, profile, preset_name, config, nodes_asked)
+    path, config = resolve_model(req.model, None, remote_offline=bool(profile.ssh_host), hf_home=profile.hf_home)
+    weights = model_weights(req.model, path, None)
+    preset, params = _choose_preset(req, profile, preset_name, config, nodes_asked, weights)
     profile = _fit_profile_to_preset(profile, preset, gpus_given, nodes_asked)
     plan = node_plan(preset.name, preset.tensor_parallel, preset.pipeline_parallel, preset.data_parallel,
                      profile.nodes, profile)
@@ -433,11 +422,14 @@ def _normalised_walltime(profile: Profile) -> str:
 
 def _choose_preset(
     req: RenderRequest, profile: Profile, preset_name: str | None, config: dict[str, Any] | None,
-    nodes_asked: NodesAsked,
+    nodes_asked: NodesAsked, weights: int | None = None,
 ) -> tuple[Preset, float | None]:
-    """The preset to launch with (``auto`` resolved by model size, ``--eager`` applied) and the size in billions."""
+    """The preset to launch with (``auto`` resolved by model size, ``--eager`` applied) and the size in billions:
+    the weights on disk (``weights`` bytes over the dtype's bytes) first, then config.json, then the name."""
     preset = load_preset(preset_name or _default_preset(profile))
-    params = params_from_config(config) if config else None
+    params = round(weights / bytes_per_param(config)[0] / 1e9, 3) if weights else None
+    if params is None:
+        params = params_from_config(config) if config else None
     if params is None:
         params = params_from_name(req.model)
     if preset.auto:

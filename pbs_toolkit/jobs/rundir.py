@@ -18,7 +18,7 @@ from pbs_toolkit.jobs.logs import tail_lines
 from pbs_toolkit.jobs.nodes import NodesView, read_nodes
 from pbs_toolkit.jobs.store import JobRecord
 from pbs_toolkit.schedulers import SchedState, SchedulerJob
-from pbs_toolkit.server.phases import LISTENING_PHASES
+from pbs_toolkit.server.phases import LISTENING_PHASES, Phase
 from pbs_toolkit.transports import Runner
 from pbs_toolkit.transports import http as probe
 from pbs_toolkit.transports.http import Identity
@@ -44,6 +44,8 @@ class RunDirView:
     fingerprint: list[int | None] = field(default_factory=lambda: [None, None])
     #: a job over several nodes: every node's marker (``nodes/K.json``); ``None`` for a single-node job
     nodes: NodesView | None = None
+    #: the marker says the server is ready but its address cannot be reached from the runner's machine, in words
+    unreachable: str | None = None
 
 
 def _port(value: Any) -> int | None:
@@ -114,7 +116,10 @@ def look(runner: Runner, record: JobRecord, sched: SchedulerJob | None) -> RunDi
     marker = view.marker or {}
     if marker.get("port") and marker.get("phase") in LISTENING_PHASES:
         host, port = marker.get("address") or "127.0.0.1", int(marker["port"])
-        view.health = probe.health(runner, host, port)
+        view.health, error = probe.reach(runner, host, port)
+        if error is not None and marker.get("phase") == Phase.READY:
+            where = "from here" if runner.name == "local" else f"from {runner.name.split(':', 1)[-1]}"
+            view.unreachable = f"server reports ready, but http://{host}:{port} cannot be reached {where}: {error}"
         if view.health == 200:
             if record.extra.get(VERIFIED_KEY) == f"{host}:{port}":
                 view.identity = Identity(True)

@@ -33,6 +33,9 @@ class LaunchSpec:
     #: the model's size in billions of parameters, when render could tell
     params_b: float | None = None
     venv: str | None = None
+    #: the ``pbstk launch`` options that reproduce the launch besides the model, preset, profile and name
+    #: (``--account``, ``--queue``, ``--vllm-arg``, ...): ``doctor``'s recommended command keeps them
+    options: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,7 +60,7 @@ SPEC_KEYS = frozenset(f.name for f in fields(LaunchSpec))
 
 def _coerce(name: str, value: Any, default: Any) -> Any:
     """``value`` if it has the field's type (ints accepted for floats), else ``default``."""
-    if name == "vllm_args":
+    if name in ("vllm_args", "options"):
         return [str(a) for a in value] if isinstance(value, list) else default
     if name in ("ssh_host", "vllm_cache_root", "venv"):
         return value if value is None or isinstance(value, str) else default
@@ -78,3 +81,33 @@ def split_legacy_extra(extra: dict[str, Any], spec: Any) -> tuple[LaunchSpec, di
     rest = {k: v for k, v in extra.items() if k not in SPEC_KEYS}
     stored = spec if isinstance(spec, dict) else {}
     return LaunchSpec.from_dict({**legacy, **stored}), rest
+
+
+#: ``RenderRequest`` field -> the ``pbstk launch`` option that sets it (the model, preset, profile and name are
+#: written out by whoever rebuilds the command)
+_OPTIONS = (
+    ("served_model_name", "--served-model-name"), ("queue", "--queue"), ("account", "--account"),
+    ("walltime", "--walltime"), ("nodes", "--nodes"), ("gpus_per_node", "--gpus-per-node"), ("port", "--port"),
+    ("venv", "--venv"), ("runs_root", "--runs-root"), ("vllm_version", "--vllm-version"), ("hf_home", "--hf-home"),
+    ("vllm_cache_root", "--vllm-cache-root"), ("scheduler", "--scheduler"), ("ssh_host", "--ssh"),
+)
+
+
+def launch_options(req: Any, account: str | None) -> list[str]:
+    """The options of ``req`` (a ``RenderRequest``) as ``pbstk launch`` arguments, ``--account`` included when
+    the launch resolved one (from a flag, ``PBSTK_ACCOUNT`` or config.yaml): a command rebuilt from them in
+    another shell must reach the same allocation. ``--eager`` is left out (the preset decides it then)."""
+    out: list[str] = []
+    for key, flag in _OPTIONS:
+        value = getattr(req, key, None)
+        if key == "account":
+            value = value or account
+        if value is not None and value != "":
+            out += [flag, str(value)]
+    if getattr(req, "eager", None) is False:
+        out.append("--no-eager")
+    for arg in getattr(req, "vllm_args", None) or []:
+        out.append(f"--vllm-arg={arg}")
+    for key, value in (getattr(req, "env", None) or {}).items():
+        out += ["--env", f"{key}={value}"]
+    return out

@@ -86,6 +86,8 @@ class JobStatus:
     restart_expected: bool = False
     #: another server answers on the job's port: how it gave itself away (``rejected the API key (401)``)
     foreign: str | None = None
+    #: the server says it is ready but pbstk cannot reach its address (DNS, route, refused), in words
+    unreachable: str | None = None
     #: seconds the job has been running, per its scheduler (``None``: not running, or not known)
     uptime_s: float | None = None
     #: the job's walltime limit in seconds (``None``: none, or not known)
@@ -139,6 +141,7 @@ class JobStatus:
             "address": self.address, "port": self.port, "url": self.url, "exit_status": self.exit_status,
             "comment": self.comment, "reason": self.reason, "eager_fallback": self.eager_fallback,
             "confirmed": self.confirmed, "restart_expected": self.restart_expected, "foreign": self.foreign,
+            "unreachable": self.unreachable,
             "log_excerpt": self.log_excerpt,
             "uptime_s": _rounded(self.uptime_s), "walltime_s": self.walltime_s,
             "walltime_left_s": _rounded(self.walltime_left_s), "walltime_ending": self.walltime_ending,
@@ -435,6 +438,8 @@ def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, st
         st.reason = f"{st.reason} ({view.problem})" if st.reason else view.problem
         if st.state is ServerState.STARTING:
             st.phase = f"{st.phase}; {view.problem}"
+    if view.unreachable and st.state is ServerState.STARTING:
+        st.unreachable = st.phase = view.unreachable
     return st
 
 

@@ -710,15 +710,24 @@ def read_run_dir_record(run_dir: str) -> JobRecord | None:
     if not job_id:
         return None
     try:
-        data = json.loads(Path(run_dir, RECORD_MARKER).read_text())
-        data["job_id"] = job_id
         key_file = Path(run_dir, "api_key")
-        data["api_key"] = key_file.read_text().strip() if key_file.exists() else None
+        return record_from_marker(Path(run_dir, RECORD_MARKER).read_bytes(), job_id,
+                                  key_file.read_text().strip() if key_file.exists() else None)
+    except OSError:
+        return None
+
+
+def record_from_marker(raw: bytes, job_id: str, api_key: str | None) -> JobRecord | None:
+    """The record in a ``RUN_DIR/pbstk-job.json`` (``raw``) for job ``job_id`` with its key; ``None`` if unusable."""
+    try:
+        data = json.loads(raw)
+        data["job_id"] = job_id
+        data["api_key"] = api_key
         data["extra"] = json.dumps(data.get("extra") or {})
         data["spec"] = json.dumps(data.get("spec") or {})
         data.setdefault("final_state", None)
         record, _ = _row_to_record({k: data.get(k) for k in _COLUMNS})
-    except (OSError, ValueError, TypeError):
+    except (ValueError, TypeError, AttributeError):
         return None
     return record
 

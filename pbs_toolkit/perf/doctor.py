@@ -42,6 +42,12 @@ class DoctorContext:
     vllm_cache_root_shared: bool | None = None
     #: environment the server runs with (only checked for removed variables)
     env: dict[str, str] = field(default_factory=dict)
+    #: ``cpu`` for the CPU build of vLLM, which is eager by design (no CUDA graphs to turn on)
+    device: str = "gpu"
+    #: pbstk's start script restarted vLLM with --enforce-eager after a graph/compile failure
+    eager_fallback: bool = False
+    #: the job's state (``READY``: the server answers, so earlier attempts' fatal lines are history)
+    state: str = ""
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,10 @@ def _version(ctx: DoctorContext) -> tuple[int, ...] | None:
 
 
 def rule_eager(ctx: DoctorContext) -> list[Finding]:
+    if ctx.device == "cpu":
+        return []  # the CPU build runs eagerly by design: there are no CUDA graphs to turn on
+    if ctx.eager_fallback:
+        return rule_eager_fallback(ctx)
     line = _log_line_with(ctx.log_lines, "Cudagraph is disabled under eager mode")
     if _has_flag(ctx.vllm_args, "--enforce-eager"):
         evidence = "the server runs with --enforce-eager"
@@ -108,6 +118,29 @@ def rule_eager(ctx: DoctorContext) -> list[Finding]:
             "tokens): 1 GPU with graphs 477 vs 85 output tok/s at concurrency 1 (5.6x), 18427 vs 4950 at 64 "
             "(3.7x), 24828 vs 15447 at 256 (1.6x). Start-up grows by 35-50 s (74 vs 38 s); a shared "
             "VLLM_CACHE_ROOT makes later starts faster.",
+        )
+    ]
+
+
+def rule_eager_fallback(ctx: DoctorContext) -> list[Finding]:
+    """Eager because pbstk's start script fell back to it: say so and why, never "remove --enforce-eager"."""
+    import re
+
+    from pbs_toolkit.vllm.startup import COMPILE_ERROR_RE
+
+    restart = next((i for i, line in enumerate(ctx.log_lines)
+                    if line.startswith("pbstk: ") and "with --enforce-eager" in line), len(ctx.log_lines))
+    pattern = re.compile(COMPILE_ERROR_RE)
+    cause = next((line.strip() for line in reversed(ctx.log_lines[:restart]) if pattern.search(line)), None)
+    return [
+        Finding(
+            "eager-fallback",
+            "medium",
+            "pbstk restarted the server in eager mode after CUDA graph capture / torch.compile failed",
+            f"log: {cause!r}" if cause else "the start script recorded an eager fallback (server.json)",
+            "The server runs without CUDA graphs (slower: see eager-mode in docs/vllm.md) because the graph "
+            "attempt failed; pbstk added --enforce-eager itself, so there is no flag to remove. Fix the cause "
+            "above (a vLLM/PyTorch/driver mismatch, a full compile cache dir) and launch again to get graphs.",
         )
     ]
 
@@ -366,6 +399,8 @@ _FATAL_FIXES = (
 
 
 def rule_fatal(ctx: DoctorContext) -> list[Finding]:
+    if ctx.state == "READY":
+        return []  # it answers: a fatal line is from an attempt before a restart (eager fallback), not now
     fatal = find_fatal(ctx.log_lines)
     if fatal is None:
         return []

@@ -57,4 +57,7 @@ def doctor_context(runner: Runner, st: JobStatus, snapshot: MetricsSnapshot | No
         engine_stats=list(iter_engine_stats(log)),
         vllm_version=spec.vllm_version,
         vllm_cache_root_shared=bool(spec.vllm_cache_root),
+        device="cpu" if spec.layout == "cpu" else "gpu",
+        eager_fallback=st.eager_fallback and not spec.eager,
+        state=st.state.value,
     )

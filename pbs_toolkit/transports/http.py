@@ -100,6 +100,16 @@ def health(runner: Runner, host: str, port: int, timeout: float | None = None) -
         return None
 
 
+def reach(runner: Runner, host: str, port: int, timeout: float | None = None) -> tuple[int | None, str | None]:
+    """(HTTP status of ``/health``, ``None``) or (``None``, why nothing answered: the resolver's or the socket's
+    own words, e.g. ``Name or service not known``, ``Connection refused``)."""
+    try:
+        return http_request(runner, host, port, "/health", timeout=timeout or probe_timeout()).status, None
+    except OSError as exc:
+        words = exc.strerror if isinstance(exc.strerror, str) and exc.strerror else str(exc)
+        return None, words or type(exc).__name__
+
+
 def served_models(
     runner: Runner, host: str, port: int, api_key: str | None, timeout: float | None = None
 ) -> tuple[int, list[str]]:

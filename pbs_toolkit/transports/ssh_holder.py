@@ -12,6 +12,7 @@ a prompt), when its socket is removed or replaced, on ``{"op": "close"}`` and on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -23,9 +24,73 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from pbs_toolkit.transports.ssh_mux import peer_uid, read_line, send_frame, send_line
+from pbs_toolkit.transports.ssh_mux import SESSION_QUEUE_S, dropped_marker, peer_uid, read_line, send_frame, send_line
 
 _CHUNK = 65536
+#: sshd's MaxSessions default: exec and SFTP sessions one connection may have open at once (TCP forwards are not
+#: sessions); a site with a lower limit refuses one more, and the holder then waits for a session to end
+HELD_SESSIONS = 10
+#: slots SFTP sessions (held for a whole command) leave to short exec sessions, so commands holding an SFTP
+#: session and waiting for an exec cannot take every slot and wait on each other
+EXEC_RESERVE = 2
+
+
+class SessionGate:
+    """Exec and SFTP sessions on the held connection: at most ``limit`` open, queued beyond that.
+
+    Without it, 15 parallel ``pbstk status`` opened 15 SFTP sessions plus their execs on one connection and sshd
+    refused the ones past MaxSessions. A request waits (up to ``SESSION_QUEUE_S``) for a slot; one that sshd
+    refuses anyway (its MaxSessions is lower) waits for another session to end and tries again; it fails at
+    once when every open session is a long-lived SFTP session of the very process asking (nothing would end)."""
+
+    def __init__(self, limit: int = HELD_SESSIONS, reserve: int = EXEC_RESERVE) -> None:
+        self.limit, self.reserve = limit, reserve
+        self._cond = threading.Condition()
+        self._open: dict[int, tuple[str, int]] = {}
+        self._next = 0
+        self._closed = 0
+
+    def _room(self, kind: str) -> bool:
+        if len(self._open) >= self.limit:
+            return False
+        sftp = sum(1 for k, _ in self._open.values() if k == "sftp")
+        return kind != "sftp" or sftp < max(1, self.limit - self.reserve)
+
+    def _hopeless(self, pid: int) -> bool:
+        return bool(self._open) and all(k == "sftp" and p == pid for k, p in self._open.values())
+
+    def acquire(self, kind: str, pid: int, deadline: float) -> int | None:
+        """A slot (its token), or ``None`` past ``deadline`` or when waiting cannot help."""
+        with self._cond:
+            while not self._room(kind):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._hopeless(pid):
+                    return None
+                self._cond.wait(min(remaining, 0.5))
+            self._next += 1
+            self._open[self._next] = (kind, pid)
+            return self._next
+
+    def release(self, token: int) -> None:
+        with self._cond:
+            if self._open.pop(token, None) is not None:
+                self._closed += 1
+            self._cond.notify_all()
+
+    def wait_for_release(self, pid: int, deadline: float) -> bool:
+        """After sshd refused a session: wait until one of ours ends (sshd frees its slot a moment later), or
+        briefly when none is open; ``False`` when that cannot help or time is up."""
+        with self._cond:
+            if self._hopeless(pid):
+                return False
+            seen, until = self._closed, min(deadline, time.monotonic() + (0.25 if not self._open else SESSION_QUEUE_S))
+            while self._closed == seen and self._open:
+                remaining = until - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 0.5))
+        time.sleep(0.1)  # sshd frees the slot just after the channel's close
+        return time.monotonic() < deadline
 
 
 class Holder:
@@ -42,6 +107,7 @@ class Holder:
         self.stop = threading.Event()
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._inode = 0
+        self.gate = SessionGate()
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -92,6 +158,9 @@ class Holder:
         finally:
             self._server.close()
             if self._ours():
+                if self.transport() is None:  # dropped, not idle or closed: the next command says so (README)
+                    with contextlib.suppress(OSError):
+                        dropped_marker(self.path).write_text("its SSH connection dropped\n")
                 self.path.unlink(missing_ok=True)
             self.runner.close()
 
@@ -149,7 +218,15 @@ class Holder:
         if op == "exec":
             self._exec(conn, transport, str(message["command"]), message.get("stdin"))
         elif op == "sftp":
-            self._open_and_relay(conn, lambda: _sftp_channel(transport, self.runner.connect_timeout), session=True)
+            opened = self._session(conn, "sftp", lambda: _sftp_channel(transport, self.runner.connect_timeout))
+            if opened is not None:
+                token, channel = opened
+                try:
+                    send_line(conn, {"ok": True})
+                    _relay(conn, channel)
+                finally:
+                    channel.close()
+                    self.gate.release(token)
         elif op == "direct-tcpip":
             host, port = str(message["host"]), int(message["port"])
             timeout = float(message.get("timeout") or 5.0)
@@ -164,9 +241,10 @@ class Holder:
         if self.transport() is None:
             self.stop.set()
             return {"ok": False, "code": "dropped", "error": f"the SSH connection dropped: {exc}"}
-        if session and isinstance(exc, paramiko.ChannelException):  # OpenSSH says "Connect failed"
+        if session and (isinstance(exc, paramiko.ChannelException) or "Unable to open channel" in str(exc)):
+            text = getattr(exc, "text", None) or str(exc)
             return {"ok": False, "code": "busy", "error": (
-                f"{self.runner.host} refused one more session on the held connection ({exc.text}; sshd's "
+                f"{self.runner.host} refused one more session on the held connection ({text}; sshd's "
                 "MaxSessions, 10 by default): end some `pbstk logs -f`, or set PBSTK_SSH_PERSIST=0")}
         if isinstance(exc, paramiko.ChannelException):
             return {"ok": False, "code": "forbidden" if exc.code == 1 else "refused", "error": exc.text}
@@ -188,17 +266,42 @@ class Holder:
         finally:
             channel.close()
 
-    def _exec(self, conn: socket.socket, transport: Any, command: str, stdin: Any) -> None:
+    def _session(self, conn: socket.socket, kind: str, opener: Any) -> tuple[int, Any] | None:
+        """A session slot and the channel ``opener`` opened in it, queued behind sshd's MaxSessions; ``None``
+        once the failure was sent."""
         import paramiko
 
+        pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        deadline = time.monotonic() + SESSION_QUEUE_S
+        while True:
+            token = self.gate.acquire(kind, pid, deadline)
+            if token is None:
+                send_line(conn, self._failure(paramiko.ChannelException(2, "no session slot became free"),
+                                              session=True))
+                return None
+            try:
+                return token, opener()
+            except (paramiko.SSHException, OSError, EOFError) as exc:
+                self.gate.release(token)
+                # sshd's refusal is a ChannelException, or "Unable to open channel." when another thread took the
+                # transport's saved exception first
+                busy = isinstance(exc, paramiko.SSHException) and self.transport() is not None
+                if not busy or not self.gate.wait_for_release(pid, deadline):
+                    send_line(conn, self._failure(exc, session=True))
+                    return None
+
+    def _exec(self, conn: socket.socket, transport: Any, command: str, stdin: Any) -> None:
         from pbs_toolkit.transports.ssh import _feed_stdin
 
-        try:
+        def start() -> Any:
             channel = transport.open_session(timeout=self.runner.connect_timeout)
             channel.exec_command(command)
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            send_line(conn, self._failure(exc, session=True))
+            return channel
+
+        opened = self._session(conn, "exec", start)
+        if opened is None:
             return
+        token, channel = opened
         try:
             send_line(conn, {"ok": True})
             _feed_stdin(channel, stdin if isinstance(stdin, str) else None)
@@ -206,6 +309,7 @@ class Holder:
                 send_frame(conn, b"x", struct.pack(">i", channel.recv_exit_status()))
         finally:
             channel.close()
+            self.gate.release(token)
 
 
 def _sftp_channel(transport: Any, timeout: float) -> Any:

@@ -38,6 +38,8 @@ from pbs_toolkit.errors import ConfigError, TransportError
 if TYPE_CHECKING:
     from pbs_toolkit.transports.ssh import SSHRunner
 
+#: how long the holder queues an exec or SFTP request for a free session slot (sshd's MaxSessions)
+SESSION_QUEUE_S = 30.0
 #: idle seconds before a holder logs out: a working day
 DEFAULT_PERSIST_S = 8 * 3600.0
 PERSIST_ENV = "PBSTK_SSH_PERSIST"
@@ -55,7 +57,14 @@ class RelaySocket(socket.socket):
 
 
 class HolderGone(Exception):
-    """The holder is not there (no socket, refused) or its SSH connection dropped: start a new one."""
+    """The holder is not there (no socket, refused) or its SSH connection dropped: start a new one.
+
+    ``existed``: there was one (a socket nobody answers on, a dropped connection), so starting another is a
+    second login the user must hear about; ``False`` only when no socket exists at all."""
+
+    def __init__(self, message: str, existed: bool = True) -> None:
+        super().__init__(message)
+        self.existed = existed
 
 
 def persist_seconds() -> float:
@@ -116,6 +125,12 @@ def socket_path(runner: SSHRunner) -> Path:
     if len(str(path)) > _SUN_PATH_MAX:  # a deep state dir: fall back to a private dir in /tmp, like ssh-agent
         path = _private_dir(Path(tempfile.gettempdir()) / f"pbstk-{os.getuid()}") / path.name
     return path
+
+
+def dropped_marker(path: Path) -> Path:
+    """Left next to a holder's socket when its SSH connection dropped, so the next command can say why it logs
+    in again even though the holder (and its socket) are gone."""
+    return path.with_suffix(".dropped")
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -179,7 +194,7 @@ def connect(path: Path, timeout: float = 5.0) -> socket.socket:
             raise TransportError(f"{path} is served by another user; refusing to use it")
     except (FileNotFoundError, ConnectionRefusedError) as exc:
         sock.close()
-        raise HolderGone(str(exc)) from None
+        raise HolderGone(str(exc), existed=not isinstance(exc, FileNotFoundError)) from None
     except BaseException:
         sock.close()
         raise
@@ -224,17 +239,23 @@ class MuxClient:
     def open(self, message: dict[str, Any], timeout: float = 10.0) -> tuple[socket.socket, dict[str, Any]]:
         """``request`` to this destination's holder, starting one (one login) if none answers or it lost its
         connection; a holder that vanished after answering before is said on stderr."""
+        if message.get("op") in ("exec", "sftp"):  # the holder may queue them for a session slot
+            timeout = max(timeout, SESSION_QUEUE_S + 15)
         try:
             return request(self.path, message, timeout)
         except HolderGone as exc:
-            reason = str(exc)
+            reason, existed = str(exc), exc.existed
         # one login for all: threads of this process and other pbstk processes wait for the first one's holder
         with self._spawn_lock, _file_lock(self.path.with_suffix(".lock")):
             try:
                 return request(self.path, message, timeout)
             except HolderGone:
                 pass
-            existed = self.path.exists() or self.started
+            marker = dropped_marker(self.path)
+            if marker.exists():  # a holder whose connection dropped removed its socket but left this
+                existed, reason = True, marker.read_text(errors="replace").strip() or reason
+                marker.unlink(missing_ok=True)
+            existed = existed or self.path.exists() or bool(self.started)
             self._spawn(f"the held SSH connection is gone ({reason})" if existed else None)
         try:
             return request(self.path, message, timeout)
