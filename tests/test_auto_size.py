@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from helpers import pbstk
 
@@ -66,3 +67,66 @@ def test_unknown_size_is_a_note_not_silence() -> None:
     assert "pbstk: note: model size unknown" in result.stderr, result.stderr
     known = pbstk("render", "acme/mystery-7B", "--profile", "generic-pbspro")
     assert "size unknown" not in known.stderr
+
+
+class _Hub:
+    """A loopback stand-in of the Hub's file API (``/{repo}/resolve/main/{file}``): what it serves, who asked."""
+
+    def __init__(self, files: dict[str, dict[str, object]], gated: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.asked: list[tuple[str, str | None]] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                hub.asked.append((self.path, self.headers.get("Authorization")))
+                repo = self.path.split("/resolve/")[0].lstrip("/")
+                body = files.get(self.path)
+                if repo in gated and self.headers.get("Authorization") != "Bearer hf_good":
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                self.send_response(200 if body is not None else 404)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(json.dumps(body or {"error": "not found"}).encode())
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def test_hub_id_in_no_cache_is_sized_from_the_hubs_own_files(tmp_path: Path, monkeypatch: Any) -> None:
+    """Not cached here: config.json and the weights index come from the Hub's HTTP API ($HF_ENDPOINT), with
+    $HF_TOKEN as a header for a gated repository; without the token, the size is unknown and the note says so."""
+    files = {"/acme/big/resolve/main/config.json": LLAMA_70B,
+             "/acme/big/resolve/main/model.safetensors.index.json": {"metadata": {"total_size": 141_107_412_992}},
+             "/acme/gated/resolve/main/config.json": LLAMA_70B}
+    hub = _Hub(files, gated={"acme/gated"})
+    try:
+        monkeypatch.setenv("PBSTK_HUB_LOOKUP", "1")
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        plan = _plan("acme/big", "--profile", "polaris")
+        assert (plan["params_b"], plan["tensor_parallel"], plan["pipeline_parallel"]) == (70.554, 4, 2), plan
+        assert [p for p, _ in hub.asked] == list(files)[:2]
+
+        unknown = pbstk("render", "acme/gated", "--profile", "generic-pbspro", "--json")
+        assert unknown.exit_code == 0 and "model size unknown" in unknown.stderr, unknown.output
+        monkeypatch.setenv("HF_TOKEN", "hf_good")
+        known = pbstk("render", "acme/gated", "--profile", "generic-pbspro", "--json")
+        assert json.loads(known.stdout)["layout"] == "TP4" and "size unknown" not in known.stderr, known.output
+        assert hub.asked[-1][1] == "Bearer hf_good"
+
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: nothing is asked
+        asked = len(hub.asked)
+        assert "model size unknown" in pbstk("render", "acme/big", "--profile", "generic-pbspro").stderr
+        assert len(hub.asked) == asked
+    finally:
+        hub.server.shutdown()

@@ -31,7 +31,7 @@ from pbs_toolkit.settings.layout import (
     node_plan,
     nodes_needed,
 )
-from pbs_toolkit.settings.model_size import UNKNOWN_SIZE_NOTE, hf_cache_config, json_file, model_weights
+from pbs_toolkit.settings.model_size import UNKNOWN_SIZE_NOTE, hf_cache_config, hub_lookup, json_file, model_weights
 from pbs_toolkit.settings.placeholders import fill_profile
 from pbs_toolkit.settings.presets import Preset, load_preset, params_from_config, params_from_name, resolve_auto
 from pbs_toolkit.settings.profiles import Profile, load_profile, walltime_seconds
@@ -427,6 +427,8 @@ def _choose_preset(
     """The preset to launch with (``auto`` resolved by model size, ``--eager`` applied) and the size in billions:
     the weights on disk (``weights`` bytes over the dtype's bytes) first, then config.json, then the name."""
     preset = load_preset(preset_name or _default_preset(profile))
+    if preset.auto and weights is None and config is None and _HF_ID.match(req.model) and "/" in req.model:
+        config, weights = hub_lookup(req.model)  # in no cache here: the Hub's own files, where it can be reached
     params = round(weights / bytes_per_param(config)[0] / 1e9, 3) if weights else None
     if params is None:
         params = params_from_config(config) if config else None

@@ -1,5 +1,6 @@
 """What ``auto`` knows about a model's size: its ``config.json`` from the Hugging Face cache, and the weights' bytes
-on disk (``model.safetensors.index.json``'s ``metadata.total_size``, else one ``model.safetensors``).
+on disk (``model.safetensors.index.json``'s ``metadata.total_size``, else one ``model.safetensors``); for a Hub id
+that is in no cache here, the same two files from the Hub's HTTP API (:func:`hub_lookup`).
 
 The bytes on disk are the best measure of the memory the weights take (quantized checkpoints included); the
 parameter count from ``config.json`` times the dtype's bytes comes next; a size in the name last. A model
@@ -13,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pbs_toolkit.envvars import env_float
 from pbs_toolkit.transports.base import Runner
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,6 +63,43 @@ def checkpoint_bytes(model_dir: str, runner: Runner | None) -> int | None:
     if isinstance(total, bool) or not isinstance(total, int) or not 0 < total <= _MAX_BYTES:
         return None
     return total
+
+
+def hub_lookup(model: str) -> tuple[dict[str, Any] | None, int | None]:
+    """``(config.json, weights bytes)`` of Hub id ``model`` from the Hub's HTTP API (``$HF_ENDPOINT``, else
+    huggingface.co; ``$HF_TOKEN`` as a header for gated models), each ``None`` when it cannot be had. Asked only
+    where pbstk runs, never on a compute node, and not at all with ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` set
+    or ``PBSTK_HUB_LOOKUP=0``; ``PBSTK_HUB_TIMEOUT`` seconds per file (default 3): a slow Hub costs a launch that
+    much, then ``auto`` says the size is unknown."""
+    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+                  for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if offline or os.environ.get("PBSTK_HUB_LOOKUP", "1") == "0":
+        return None, None
+    import httpx
+
+    base = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    timeout = env_float("PBSTK_HUB_TIMEOUT", 3.0, lambda v: 0 < v <= 60)
+    found: list[dict[str, Any] | None] = []
+    try:
+        with httpx.Client(timeout=timeout, headers=headers, follow_redirects=True) as http:
+            for name in ("config.json", INDEX_FILE):
+                answer = http.get(f"{base}/{model}/resolve/main/{name}")
+                try:
+                    data = answer.json() if answer.status_code == 200 else None
+                except ValueError:
+                    data = None
+                found.append(data if isinstance(data, dict) else None)
+                if found[0] is None:  # no config (gated, missing, offline): the index is not worth a second wait
+                    return None, None
+    except httpx.HTTPError:
+        found += [None] * (2 - len(found))
+    config, index = found
+    meta = (index or {}).get("metadata")
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    weights = total if isinstance(total, int) and not isinstance(total, bool) and 0 < total <= _MAX_BYTES else None
+    return config, weights
 
 
 def json_file(path: Path) -> dict[str, Any] | None:
