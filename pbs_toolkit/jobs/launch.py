@@ -59,7 +59,7 @@ _DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextmanager
-def _defer_interrupts() -> Iterator[list[int]]:
+def defer_interrupts() -> Iterator[list[int]]:
     """Hold Ctrl-C, SIGTERM and SIGHUP until the block ends, so a job is never submitted without being
     recorded. Afterwards SIGINT becomes ``KeyboardInterrupt`` and SIGTERM/SIGHUP exit 128+signal; an exception
     from the block wins (its message names the job)."""
@@ -167,7 +167,7 @@ def _refuse_active_name(store: JobStore, runner: Runner, name: str, transport: s
     """Names are unique among active jobs; called under the launch lock, so parallel launches cannot all pass."""
     intents = store.intents()
     if transport:
-        _resolve_remote_intents(store, runner, [i for i in intents if i.transport == transport])
+        resolve_remote_intents(store, runner, [i for i in intents if i.transport == transport])
         intents = store.intents()
     if any(i.name == name and i.transport == transport for i in intents):
         raise UsageError(f"a job named {name!r} is already active (being submitted right now); "
@@ -186,7 +186,7 @@ def _refuse_active_name(store: JobStore, runner: Runner, name: str, transport: s
         )
 
 
-def _resolve_remote_intents(store: JobStore, runner: Runner, intents: list[Intent]) -> None:
+def resolve_remote_intents(store: JobStore, runner: Runner, intents: list[Intent]) -> None:
     """Interrupted launches through this SSH host: adopt the ones whose run directory holds a job id."""
     for intent in intents:
         job_id = _marker_job_id(runner, intent.run_dir)
@@ -205,7 +205,7 @@ def _submit_and_record(store: JobStore, runner: Runner, scheduler: Scheduler, re
     run_dir = rendered.run_dir
     try:
         _write_run_dir(runner, rendered, key, record)
-        with _defer_interrupts():
+        with defer_interrupts():
             marking = _MarkingRunner(runner, run_dir, scheduler.submit_program)
             record.job_id = scheduler.submit(marking, f"{run_dir}/{scheduler.script_name}", run_dir,
                                              rendered.job_name, walltime_s=walltime_seconds(rendered.profile.walltime),

@@ -14,7 +14,7 @@ import secrets
 import shlex
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,11 +151,18 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
     try:
         _start_router(client, rec, profile, command, place)
         for slot in rec.slots:
-            slot.current = launch_replica(client, rec, slot)
-            records.save(client.store, rec)
+            launch_replica(client, rec, slot)
         spawn_keeper(name)
     except BaseException:
-        teardown(client, rec, "ENDED")
+        from pbs_toolkit.jobs.launch import defer_interrupts
+
+        with defer_interrupts():  # a second Ctrl-C must not cut the teardown short (cancel would finish it)
+            try:
+                teardown(client, rec, "ENDED")
+            except PbstkError as exc:
+                import sys
+
+                sys.stderr.write(f"pbstk: warning: {exc.message}\n")
         raise
     return rec
 
@@ -164,10 +171,10 @@ def _start_router(client: Client, rec: ServiceRecord, profile: Profile, command:
     from pbs_toolkit.services.router import start_router
 
     if place == "job":
-        from pbs_toolkit.jobs.launch import _defer_interrupts
+        from pbs_toolkit.jobs.launch import defer_interrupts
         from pbs_toolkit.services import router_job
 
-        with _defer_interrupts():  # a Ctrl-C cannot fall between the submission and its record
+        with defer_interrupts():  # a Ctrl-C cannot fall between the submission and its record
             rec.router_job = router_job.submit(client, rec, profile, command)
             records.save(client.store, rec)  # recorded before the wait: a failed start cancels it
         rec.router = router_job.wait_router(client, rec).to_dict()
@@ -188,15 +195,25 @@ def _start_router(client: Client, rec: ServiceRecord, profile: Profile, command:
     records.save(client.store, rec)
 
 
-def launch_replica(client: Client, rec: ServiceRecord, slot: Slot, begin_at: float | None = None) -> str:
-    """Launch the slot's next job (the same request, its own name, the service's key); its job id."""
+def launch_replica(client: Client, rec: ServiceRecord, slot: Slot, role: str = "current",
+                   begin_at: float | None = None) -> str:
+    """Launch the slot's next job (the same request, its own name, the service's key) as its ``role``
+    (``current`` or ``successor``); its job id. The intent is saved first (services/intents.py): a service
+    ended meanwhile launches nothing (``ServiceEnded``), and an interrupted launch is settled by whoever comes next."""
     from pbs_toolkit.jobs.render import RenderRequest
+    from pbs_toolkit.services import intents
 
     fields: dict[str, Any] = dict(rec.request)
     fields["name"] = replica_name(rec.name, slot)
     fields["env"] = {**(fields.get("env") or {}), **gpu_env(rec, slot)}
     slot.gen += 1
+    intents.begin(slot, fields["name"], role)
+    if not records.save(client.store, rec):
+        intents.clear(slot)
+        raise intents.ServiceEnded(f"service {rec.name} was ended; {fields['name']} is not launched")
     result = client.launch_request(RenderRequest(**fields), api_key=rec.api_key, begin_at=begin_at)
+    intents.done(slot, result.record.job_id)
+    records.save(client.store, rec)
     return result.record.job_id
 
 
@@ -302,6 +319,18 @@ class ServiceStatus:
     router_running: bool
     #: ``router: job``: the router job's scheduler state (``running``, ``queued``, ...; ``gone`` when unknown)
     router_job_state: str | None = None
+    #: the keeper's heartbeat (services/keeper.py ``last_tick``): ``ok_at``, ``error``, ``error_at``, ``failures``
+    keeper_tick: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def keeper_stuck(self) -> str | None:
+        """Why the keeper, though running, is not making progress (its last ticks failed), or ``None``."""
+        tick = self.keeper_tick
+        if not self.keeper_running or not tick.get("error"):
+            return None
+        since = (f"last successful tick {time.time() - tick['ok_at']:.0f} s ago" if tick.get("ok_at")
+                 else "no successful tick yet")
+        return f"{since}, {tick.get('failures') or 1} failed since: {tick['error']}"
 
     @property
     def url(self) -> str | None:
@@ -323,6 +352,8 @@ class ServiceStatus:
             "ready": self.ready, "replicas": rec.replicas, "url": rec.url, "keep_alive": rec.keep_alive,
             "handover_s": rec.handover_s, "policy": rec.policy, "created": rec.created, "ended": rec.ended,
             "keeper_running": self.keeper_running, "router_running": self.router_running,
+            "keeper": {"last_tick": self.keeper_tick.get("ok_at"), "error": self.keeper_tick.get("error"),
+                       "error_at": self.keeper_tick.get("error_at"), "failures": self.keeper_tick.get("failures", 0)},
             "router": {k: v for k, v in rec.router.items() if k != "token"},
             "router_job": {**rec.router_job, "state": self.router_job_state} if rec.router_job else None,
             "slots": [asdict(s) for s in rec.slots],
@@ -339,7 +370,7 @@ def look(client: Client, rec: ServiceRecord, known: Mapping[str, JobStatus] | No
     if known is not None:
         statuses = [known[j] for j in jobs if j in known] if rec.ended is None else []
     else:
-        statuses = client.status(*jobs) if jobs and rec.ended is None else []
+        statuses = client.status(*_recorded(client, jobs)) if jobs and rec.ended is None else []
     states = {st.record.job_id: st.state.value for st in statuses}
     ready = ready_count(rec.slots, states) if rec.ended is None else 0
     if ready:
@@ -355,8 +386,24 @@ def look(client: Client, rec: ServiceRecord, known: Mapping[str, JobStatus] | No
     state = service_state(rec, ready)
     if rec.ended is None and not router and rec.router:
         state = "DOWN"
-    return ServiceStatus(rec, state, ready, statuses, keeper_alive(rec.name) if rec.ended is None else False,
-                         router, job_state)
+    from pbs_toolkit.services.keeper import last_tick
+
+    running = keeper_alive(rec.name) if rec.ended is None else False
+    return ServiceStatus(rec, state, ready, statuses, running, router, job_state,
+                         last_tick(rec.name) if running else {})
+
+
+def _recorded(client: Client, jobs: list[str]) -> list[Any]:
+    """The records of ``jobs`` the store knows (one cleaned away or lost is shown as missing, not an error)."""
+    from pbs_toolkit.errors import JobNotFound
+
+    out = []
+    for job in jobs:
+        try:
+            out.append(client.record(job))
+        except JobNotFound:
+            continue
+    return out
 
 
 def _router_job_alive(client: Client, rec: ServiceRecord) -> tuple[bool, str | None]:
@@ -381,34 +428,37 @@ def _router_job_alive(client: Client, rec: ServiceRecord) -> tuple[bool, str | N
 
 def teardown(client: Client, rec: ServiceRecord, final: str, *, keep_endpoint: bool = False,
              keeper_wait_s: float | None = None) -> list[tuple[str, str, bool]]:
-    """Mark the service ended (the keeper stops on its next tick), wait for the keeper, cancel every replica
-    job (queued successors too), stop the router, take the service's registry entries back. Returns (job id,
-    name, stopped now) per job."""
-    from pbs_toolkit.services.router import RouterInfo, stop_router
+    """Stop the service: mark it ``STOPPING`` (ended: the keeper stops on its next tick and launches nothing
+    more), wait for the keeper, settle a launch it or ``serve`` left half done (services/intents.py), cancel every
+    replica job (queued successors too), stop the router, take the service's registry entries back; only then
+    record it ``final``. Returns (job id, name, stopped now) per job. When something could not be stopped the
+    service stays ``STOPPING`` and ``PbstkError`` says what: the next ``pbstk cancel NAME`` finishes it."""
+    from pbs_toolkit.errors import JobNotFound
+    from pbs_toolkit.services import intents
 
-    records.end(client.store, rec, final)
+    marked = records.begin_stop(client.store, rec, final)
+    if marked is None and rec.ended is None:  # not recorded at all (a store lost and not re-adopted): as it is
+        rec.stop_as, rec.state = final, records.STOPPING
     stop_keeper(rec.name, keeper_wait_s if keeper_wait_s is not None else poll_seconds() + 5)
-    fresh = records.load(client.store, rec.name) or rec  # the keeper's last write may hold a new job
+    # the keeper's last write may hold a new job or a launch intent; ``rec`` (serve's own copy) may hold a router
+    # or a job that serve could no longer save once a cancel had begun: stop what either knows
+    fresh = records.load(client.store, rec.name, created=rec.created) or marked or rec
+    problems: list[str] = []
+    for slot in fresh.slots:
+        if not intents.settle(client, fresh, slot, wait_s=SETTLE_WAIT_S):
+            problems.append(f"the submission of {slot.launching} has not finished (`pbstk jobs` names it)")
     done = []
-    for job in [j for s in fresh.slots for j in s.jobs()]:
+    for job in dict.fromkeys(j for r in (fresh, rec) for s in r.slots for j in s.jobs()):
         try:
             record = client.record(job)
+        except JobNotFound:
+            continue  # no record, nothing this pbstk can stop (`pbstk clean` keeps a live service's jobs)
+        try:
             done.append((record.job_id, record.name, client.cancel(record)))
         except PbstkError as exc:
             done.append((job, f"not cancelled: {exc.message}", False))
-    if fresh.router_job:
-        from pbs_toolkit.services import router_job
-
-        rj = fresh.router_job
-        try:
-            done.append((rj["job_id"], rj["name"], router_job.cancel(client, fresh)))
-        except PbstkError as exc:
-            done.append((rj["job_id"], f"not cancelled: {exc.message}", False))
-    elif fresh.router:
-        try:
-            stop_router(client.runner(fresh.transport), RouterInfo.from_dict(fresh.router))
-        except PbstkError:
-            pass
+            problems.append(f"{job}: {exc.message}")
+    done += _stop_routers(client, [r for r in (fresh, rec) if r.router or r.router_job], problems)
     entry = service_job_record(fresh)
     if keep_endpoint:
         client.store.keep_registry_entries(entry)
@@ -416,6 +466,43 @@ def teardown(client: Client, rec: ServiceRecord, final: str, *, keep_endpoint: b
         from pbs_toolkit.endpoints.retire import retire
 
         retire(client.store, entry, notice=client.on_removal)
+    if problems:
+        records.keep_stopping(client.store, fresh)
+        raise PbstkError(f"service {rec.name} is not stopped yet: {'; '.join(problems)}; run "
+                         f"`pbstk cancel {rec.name}` again to finish")
+    records.finish_stop(client.store, fresh)
+    rec.state, rec.ended = fresh.state, fresh.ended
+    return done
+
+
+#: how long a teardown waits for a replica submission still under way (its qsub) before giving up for now
+SETTLE_WAIT_S = 30.0
+
+
+def _stop_routers(client: Client, recs: list[ServiceRecord], problems: list[str]) -> list[tuple[str, str, bool]]:
+    """Stop the router (or cancel the router job) each record names, once each."""
+    from pbs_toolkit.services.router import RouterInfo, stop_router
+
+    done, seen = [], set()
+    for r in recs:
+        key = r.router_job.get("job_id") if r.router_job else r.router.get("pid")
+        if key in seen:
+            continue
+        seen.add(key)
+        if r.router_job:
+            from pbs_toolkit.services import router_job
+
+            rj = r.router_job
+            try:
+                done.append((rj["job_id"], rj["name"], router_job.cancel(client, r)))
+            except PbstkError as exc:
+                done.append((rj["job_id"], f"not cancelled: {exc.message}", False))
+                problems.append(f"router job {rj['job_id']}: {exc.message}")
+            continue
+        try:
+            stop_router(client.runner(r.transport), RouterInfo.from_dict(r.router))
+        except PbstkError as exc:
+            problems.append(f"the router: {exc.message}")
     return done
 
 

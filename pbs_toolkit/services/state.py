@@ -1,7 +1,8 @@
 """A service's state from its replicas' states: pure, so the rules are tested without any process.
 
 STARTING (none ready yet), READY n/N (all), DEGRADED n/N (some, after having been ready, e.g. a predecessor
-ended before its late successor ran), DOWN (none, after having been up), then CANCELLED or ENDED once recorded so.
+ended before its late successor ran), DOWN (none, after having been up), then CANCELLED or ENDED once recorded so
+(STOPPING between: a teardown that has not finished).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def ready_count(slots: Sequence[Slot], states: Mapping[str, str]) -> int:
 def service_state(record: ServiceRecord, ready: int) -> str:
     """The word for ``ready`` of ``record.replicas`` replicas, given whether the service was ever up."""
     if record.ended is not None:
-        return record.state if record.state in ("CANCELLED", "ENDED") else "ENDED"
+        return record.state if record.state in ("CANCELLED", "ENDED", "STOPPING") else "ENDED"
     if ready >= record.replicas:
         return "READY"
     if ready == 0:
