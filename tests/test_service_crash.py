@@ -166,24 +166,28 @@ def test_an_interrupted_cancel_keeps_the_service_until_a_second_cancel_finishes_
 
 
 def test_cancel_and_serve_of_one_name_at_once_orphan_nothing(pbs_svc: Path) -> None:  # noqa: F811
-    """``cancel NAME`` and ``serve --name NAME`` at the same moment: whichever order the store sees, the old
-    service's replicas and router stop, and the new service is either refused whole or serving."""
+    """``serve --name NAME`` while ``cancel NAME`` is under way (marked, its keeper not stopped yet: a slow qstat
+    holds it): the old service's replicas and router stop, and the new service is either refused whole or serving."""
     result = pbstk(*SERVE_PBS, "--replicas", "2", "--name", "cs")
     assert result.exit_code == 0, result.output
     old = rec("cs")
     old_jobs = {s.current for s in old.slots}
-    cancel, serve = start("cancel", "cs"), start(*SERVE_PBS, "--replicas", "1", "--name", "cs")
+    set_faults(pbs_svc, slow_qstat=2)
+    cancel = start("cancel", "cs")
+    until(lambda: rec("cs").ended is not None, 30, "the cancel to mark the service")
+    served = pbstk(*SERVE_PBS, "--replicas", "1", "--name", "cs")
+    s_out, s_err = served.stdout, served.stderr
     c_out, c_err = cancel.communicate(timeout=60)
-    s_out, s_err = serve.communicate(timeout=60)
     assert cancel.returncode == 0, c_out + c_err
+    set_faults(pbs_svc)
     until(lambda: not alive(old.router["pid"]), 15, "the old router to stop")
     until(lambda: all(fake_jobs(pbs_svc)[j] == "F" for j in old_jobs), 20, "the old replicas to end")
     now = rec("cs")
-    if serve.returncode == 0:  # it came after the cancel: a service of its own, running
+    if served.exit_code == 0:  # it came after the cancel: a service of its own, running
         assert now.created != old.created and now.ended is None and alive(now.router["pid"]), (s_out, s_err)
         assert pbstk("cancel", "cs").exit_code == 0
     else:  # it came first or during: refused, nothing of it runs
-        assert serve.returncode == 2 and "pbstk: error:" in s_err, (s_out, s_err)
+        assert served.exit_code == 2 and "pbstk: error:" in s_err, (s_out, s_err)
         assert now.created == old.created and now.state == "CANCELLED"
     until(lambda: all(s == "F" for s in fake_jobs(pbs_svc).values()), 20, "every job to end")
 
