@@ -743,8 +743,8 @@ class Client:
     def cancel_service(self, name: str | ServiceRecord, *, keep_endpoint: bool = False) -> list[Cancellation]:
         """Stop the keeper, every replica job (queued successors too) and the router; take the service's
         registry entries back unless ``keep_endpoint``. An ended service: nothing to stop (empty list)."""
-        from pbs_toolkit.services.manage import teardown
         from pbs_toolkit.services.record import find
+        from pbs_toolkit.services.stop import teardown
 
         rec = find(self.store, name) if isinstance(name, str) else name
         if not rec.active:  # a STOPPING one (an interrupted cancel) is finished now

@@ -291,3 +291,26 @@ def test_a_locked_store_does_not_kill_the_keeper_and_status_says_when_it_makes_n
     shown = pbstk("status", "lk")
     assert "runs but makes no progress" in shown.stderr and "router" in shown.stderr, shown.output
     assert pbstk("cancel", "lk").exit_code == 0
+
+
+def test_serve_killed_while_its_router_job_is_submitted_the_router_job_is_not_lost(
+        isolated_user: Path, standins: Path, fakepbs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 22: the router job (profile ``router: job``) goes through launch's crash-safe sequence: a ``serve``
+    killed -9 between its qsub and the record leaves the id in the run directory, and ``cancel`` stops the job."""
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "rjc.yaml").write_text(
+        "name: rjc\nscheduler: pbs\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
+        f"address: loopback\nbind_host: 127.0.0.1\nrouter: job\nrouter_command: {ROUTER}\n")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
+    release = block_qsub(fakepbs)
+    proc = start("serve", MODEL, "--profile", "rjc", "--preset", "single", "--name", "rk")
+    until(lambda: fake_jobs(fakepbs), 30, "the router job's qsub")
+    proc.kill()
+    proc.wait(10)
+    release.touch()
+    [job] = fake_jobs(fakepbs)
+    cancelled = pbstk("cancel", "rk")
+    assert cancelled.exit_code == 0, cancelled.output
+    until(lambda: fake_jobs(fakepbs)[job] == "F", 20, "the router job to end")
+    assert rec("rk").state == "CANCELLED" and rec("rk").router_job["job_id"] == job

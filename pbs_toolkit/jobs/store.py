@@ -554,6 +554,21 @@ class JobStore:
         except StoreError as exc:
             raise StoreError(f"job {record.job_id} could not be recorded: {exc}") from None
 
+    def record_service_job(self, intent_id: int, record: JobRecord, name: str, created: float, data: str) -> bool:
+        """A service's own job (its router job), submitted: the service's row gets ``data`` (which names the job)
+        in the transaction that retires the intent. A service ended meanwhile gets nothing: the job is recorded as
+        a plain job instead, so it is never unknown. ``True`` when the service recorded it."""
+        try:
+            with self._connect() as conn:
+                took = conn.execute("UPDATE services SET data = ? WHERE name = ? AND created = ? AND ended IS NULL",
+                                    (data, name, created)).rowcount > 0
+                if not took:
+                    _insert(conn, record)
+                conn.execute("DELETE FROM intents WHERE id = ?", (intent_id,))
+        except StoreError as exc:
+            raise StoreError(f"job {record.job_id} could not be recorded: {exc}") from None
+        return took
+
     def drop_intent(self, intent_id: int) -> None:
         with self._connect() as conn:
             conn.execute("DELETE FROM intents WHERE id = ?", (intent_id,))

@@ -158,6 +158,8 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
 
         with defer_interrupts():  # a second Ctrl-C must not cut the teardown short (cancel would finish it)
             try:
+                from pbs_toolkit.services.stop import teardown
+
                 teardown(client, rec, "ENDED")
             except PbstkError as exc:
                 import sys
@@ -171,12 +173,9 @@ def _start_router(client: Client, rec: ServiceRecord, profile: Profile, command:
     from pbs_toolkit.services.router import start_router
 
     if place == "job":
-        from pbs_toolkit.jobs.launch import defer_interrupts
         from pbs_toolkit.services import router_job
 
-        with defer_interrupts():  # a Ctrl-C cannot fall between the submission and its record
-            rec.router_job = router_job.submit(client, rec, profile, command)
-            records.save(client.store, rec)  # recorded before the wait: a failed start cancels it
+        router_job.submit(client, rec, profile, command)  # recorded with the service before the wait
         rec.router = router_job.wait_router(client, rec).to_dict()
         records.save(client.store, rec)
         return
@@ -412,6 +411,8 @@ def _router_job_alive(client: Client, rec: ServiceRecord) -> tuple[bool, str | N
     from pbs_toolkit.services import router_job
     from pbs_toolkit.services.router import RouterInfo
 
+    if not rec.router_job.get("job_id"):
+        return False, "submitting"  # its submission was interrupted: `pbstk cancel NAME` settles it
     try:
         seen = router_job.query(client, rec)
     except PbstkError:
@@ -424,86 +425,6 @@ def _router_job_alive(client: Client, rec: ServiceRecord) -> tuple[bool, str | N
 
 
 # -- stopping ----------------------------------------------------------------------------------------------
-
-
-def teardown(client: Client, rec: ServiceRecord, final: str, *, keep_endpoint: bool = False,
-             keeper_wait_s: float | None = None) -> list[tuple[str, str, bool]]:
-    """Stop the service: mark it ``STOPPING`` (ended: the keeper stops on its next tick and launches nothing
-    more), wait for the keeper, settle a launch it or ``serve`` left half done (services/intents.py), cancel every
-    replica job (queued successors too), stop the router, take the service's registry entries back; only then
-    record it ``final``. Returns (job id, name, stopped now) per job. When something could not be stopped the
-    service stays ``STOPPING`` and ``PbstkError`` says what: the next ``pbstk cancel NAME`` finishes it."""
-    from pbs_toolkit.errors import JobNotFound
-    from pbs_toolkit.services import intents
-
-    marked = records.begin_stop(client.store, rec, final)
-    if marked is None and rec.ended is None:  # not recorded at all (a store lost and not re-adopted): as it is
-        rec.stop_as, rec.state = final, records.STOPPING
-    stop_keeper(rec.name, keeper_wait_s if keeper_wait_s is not None else poll_seconds() + 5)
-    # the keeper's last write may hold a new job or a launch intent; ``rec`` (serve's own copy) may hold a router
-    # or a job that serve could no longer save once a cancel had begun: stop what either knows
-    fresh = records.load(client.store, rec.name, created=rec.created) or marked or rec
-    problems: list[str] = []
-    for slot in fresh.slots:
-        if not intents.settle(client, fresh, slot, wait_s=SETTLE_WAIT_S):
-            problems.append(f"the submission of {slot.launching} has not finished (`pbstk jobs` names it)")
-    done = []
-    for job in dict.fromkeys(j for r in (fresh, rec) for s in r.slots for j in s.jobs()):
-        try:
-            record = client.record(job)
-        except JobNotFound:
-            continue  # no record, nothing this pbstk can stop (`pbstk clean` keeps a live service's jobs)
-        try:
-            done.append((record.job_id, record.name, client.cancel(record)))
-        except PbstkError as exc:
-            done.append((job, f"not cancelled: {exc.message}", False))
-            problems.append(f"{job}: {exc.message}")
-    done += _stop_routers(client, [r for r in (fresh, rec) if r.router or r.router_job], problems)
-    entry = service_job_record(fresh)
-    if keep_endpoint:
-        client.store.keep_registry_entries(entry)
-    else:
-        from pbs_toolkit.endpoints.retire import retire
-
-        retire(client.store, entry, notice=client.on_removal)
-    if problems:
-        records.keep_stopping(client.store, fresh)
-        raise PbstkError(f"service {rec.name} is not stopped yet: {'; '.join(problems)}; run "
-                         f"`pbstk cancel {rec.name}` again to finish")
-    records.finish_stop(client.store, fresh)
-    rec.state, rec.ended = fresh.state, fresh.ended
-    return done
-
-
-#: how long a teardown waits for a replica submission still under way (its qsub) before giving up for now
-SETTLE_WAIT_S = 30.0
-
-
-def _stop_routers(client: Client, recs: list[ServiceRecord], problems: list[str]) -> list[tuple[str, str, bool]]:
-    """Stop the router (or cancel the router job) each record names, once each."""
-    from pbs_toolkit.services.router import RouterInfo, stop_router
-
-    done, seen = [], set()
-    for r in recs:
-        key = r.router_job.get("job_id") if r.router_job else r.router.get("pid")
-        if key in seen:
-            continue
-        seen.add(key)
-        if r.router_job:
-            from pbs_toolkit.services import router_job
-
-            rj = r.router_job
-            try:
-                done.append((rj["job_id"], rj["name"], router_job.cancel(client, r)))
-            except PbstkError as exc:
-                done.append((rj["job_id"], f"not cancelled: {exc.message}", False))
-                problems.append(f"router job {rj['job_id']}: {exc.message}")
-            continue
-        try:
-            stop_router(client.runner(r.transport), RouterInfo.from_dict(r.router))
-        except PbstkError as exc:
-            problems.append(f"the router: {exc.message}")
-    return done
 
 
 def poll_seconds() -> float:
@@ -533,4 +454,4 @@ def service_job_status(rec: ServiceRecord) -> JobStatus:
                      port=int(rec.router["port"]))
 
 
-__all__ = ["ServeOptions", "ServiceStatus", "look", "serving_job", "start", "teardown"]
+__all__ = ["ServeOptions", "ServiceStatus", "look", "serving_job", "start"]
