@@ -88,12 +88,17 @@ def test_serve_interrupted_while_a_replica_is_submitted_leaves_nothing_running(p
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == (-9 if sig == signal.SIGKILL else 130 if sig == signal.SIGINT else 143), err
     assert "Traceback" not in err, err
-    if sig == signal.SIGKILL:  # no teardown ran: the service is still recorded; cancel finds the replica
-        assert rec("sx").slots[0].launching == "sx-r0"
-        cancelled = pbstk("cancel", "sx")
+    if sig == signal.SIGKILL:  # no teardown ran: the service is still recorded, its first launch half done
+        assert rec("sx").slots[0].launching == "sx-r0" and not keeper_alive("sx")
+        set_faults(pbs_svc)
+        # a resumed keeper settles the first replica and launches the second that serve never got to
+        assert pbstk("service", "resume", "sx").exit_code == 0
+        wait_for(lambda: [s.current for s in rec("sx").slots] == sorted(fake_jobs(pbs_svc)), 15, "two replicas")
+        cancelled = pbstk("cancel", "sx")  # and cancel stops them all
         assert cancelled.exit_code == 0, cancelled.output
     nothing_left(pbs_svc, router_pid)
-    assert len(fake_jobs(pbs_svc)) == 1 and rec("sx").ended is not None and not rec("sx").active
+    assert len(fake_jobs(pbs_svc)) == (2 if sig == signal.SIGKILL else 1)
+    assert rec("sx").ended is not None and not rec("sx").active
     assert not any(line.startswith("sx ") for line in pbstk("status").stdout.splitlines())  # no service line
 
 

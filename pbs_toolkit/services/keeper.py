@@ -333,6 +333,10 @@ def _running(client: Client, st: JobStatus) -> bool:
 def _replace(client: Client, rec: ServiceRecord, slot: Slot, suc: JobStatus | None) -> None:
     """The current job has ended: a successor already starting (or queued past its begin time) takes its place;
     with keep-alive one still waiting for its handover time (state W) is cancelled and a replacement launched now."""
+    if slot.current is None and slot.successor is None and not slot.launching:
+        launch_replica(client, rec, slot)  # never launched (a serve killed before it got there): launch it now
+        _log(f"slot {slot.index}: had no job; {slot.current} launched")
+        return
     if not rec.keep_alive:
         if suc is not None and not suc.state.final:
             slot.current, slot.successor = slot.successor, None

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 #: ``--handover`` default: the successor becomes eligible this long before its predecessor's walltime ends
 DEFAULT_HANDOVER_S = 600.0
+#: a running keeper whose last successful tick is older than 3 polls plus this is reported as making no progress
+STUCK_GRACE_S = 120.0
 
 
 def service_dir(name: str) -> Path:
@@ -325,11 +327,15 @@ class ServiceStatus:
     def keeper_stuck(self) -> str | None:
         """Why the keeper, though running, is not making progress (its last ticks failed), or ``None``."""
         tick = self.keeper_tick
-        if not self.keeper_running or not tick.get("error"):
+        if not self.keeper_running or not tick:
             return None
-        since = (f"last successful tick {time.time() - tick['ok_at']:.0f} s ago" if tick.get("ok_at")
-                 else "no successful tick yet")
-        return f"{since}, {tick.get('failures') or 1} failed since: {tick['error']}"
+        age = time.time() - tick["ok_at"] if tick.get("ok_at") else None
+        since = f"last successful tick {age:.0f} s ago" if age is not None else "no successful tick yet"
+        if tick.get("error"):
+            return f"{since}, {tick.get('failures') or 1} failed since: {tick['error']}"
+        if age is not None and age > 3 * poll_seconds() + STUCK_GRACE_S:  # a tick that hangs (a qstat, a tunnel)
+            return f"{since}, none since"
+        return None
 
     @property
     def url(self) -> str | None:
