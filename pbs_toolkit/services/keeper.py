@@ -72,6 +72,7 @@ def run(name: str) -> int:
         _log(f"another keeper already keeps service {name}")
         return 0
     (directory / "keeper.json").write_text(json.dumps({"pid": os.getpid(), "token": launcher_token()}))
+    (directory / TICK_FILE).unlink(missing_ok=True)  # an earlier keeper's (or service's) heartbeat is not ours
     _log(f"keeper of service {name} started (pid {os.getpid()})")
     try:
         with Client(on_removal=lambda r: None) as client, AdminLink(client) as link:
@@ -222,15 +223,11 @@ def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> N
 def _statuses(client: Client, jobs: list[str]) -> tuple[dict[str, JobStatus], set[str]]:
     """One status query over the slots' jobs; a job the store no longer knows (its record cleaned away, a lost
     store) is left out, logged, and its slot treats it as lost, instead of failing every tick."""
-    from pbs_toolkit.errors import JobNotFound
-
-    known, unknown = [], set()
-    for job in jobs:
-        try:
-            known.append(client.record(job))
-        except JobNotFound:
-            unknown.add(job)
-            _log(f"job {job} is not in the job store: treated as lost")
+    by_id = {r.job_id: r for r in client.store.all()} if jobs else {}
+    known = [by_id[j] for j in jobs if j in by_id]
+    unknown = {j for j in jobs if j not in by_id}
+    for job in sorted(unknown):
+        _log(f"job {job} is not in the job store: treated as lost")
     return {st.record.job_id: st for st in client.status(*known)} if known else {}, unknown
 
 

@@ -400,15 +400,8 @@ def look(client: Client, rec: ServiceRecord, known: Mapping[str, JobStatus] | No
 
 def _recorded(client: Client, jobs: list[str]) -> list[Any]:
     """The records of ``jobs`` the store knows (one cleaned away or lost is shown as missing, not an error)."""
-    from pbs_toolkit.errors import JobNotFound
-
-    out = []
-    for job in jobs:
-        try:
-            out.append(client.record(job))
-        except JobNotFound:
-            continue
-    return out
+    by_id = {r.job_id: r for r in client.store.all()}
+    return [by_id[j] for j in jobs if j in by_id]
 
 
 def _router_job_alive(client: Client, rec: ServiceRecord) -> tuple[bool, str | None]:
