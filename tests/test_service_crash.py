@@ -36,10 +36,10 @@ pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not 
 SERVE_PBS = ("serve", MODEL, "--profile", "svcpbs", "--preset", "single")
 
 
-def start(*args: str) -> subprocess.Popen[str]:
-    """``pbstk ARGS`` as a real process with this test's environment."""
+def start(*args: str, session: bool = False) -> subprocess.Popen[str]:
+    """``pbstk ARGS`` as a real process with this test's environment (``session``: in its own process group)."""
     return subprocess.Popen([sys.executable, "-m", "pbs_toolkit", *args],  # noqa: S603
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=session)
 
 
 def fake_jobs(home: Path) -> dict[str, str]:
@@ -149,9 +149,9 @@ def test_an_interrupted_cancel_keeps_the_service_until_a_second_cancel_finishes_
     router_pid = rec("ci").router["pid"]
     jobs = [s.current for s in rec("ci").slots]
     set_faults(pbs_svc, qdel_script=[{"hang": 60}])  # the first qdel hangs: the cancel is killed in it
-    proc = start("cancel", "ci")
+    proc = start("cancel", "ci", session=True)
     until(lambda: read_calls(pbs_svc, "qdel"), 30, "the cancel's first qdel")
-    proc.kill()
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole command, its hanging qdel too (as a terminal's Ctrl-\ would)
     proc.wait(10)
     set_faults(pbs_svc)
     assert alive(router_pid) and any(s != "F" for s in fake_jobs(pbs_svc).values())
