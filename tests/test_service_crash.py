@@ -151,7 +151,7 @@ def test_an_interrupted_cancel_keeps_the_service_until_a_second_cancel_finishes_
     set_faults(pbs_svc, qdel_script=[{"hang": 60}])  # the first qdel hangs: the cancel is killed in it
     proc = start("cancel", "ci", session=True)
     until(lambda: read_calls(pbs_svc, "qdel"), 30, "the cancel's first qdel")
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole command, its hanging qdel too (as a terminal's Ctrl-\ would)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole command, its hanging qdel too
     proc.wait(10)
     set_faults(pbs_svc)
     assert alive(router_pid) and any(s != "F" for s in fake_jobs(pbs_svc).values())
