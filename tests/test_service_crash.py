@@ -319,3 +319,16 @@ def test_serve_killed_while_its_router_job_is_submitted_the_router_job_is_not_lo
     assert cancelled.exit_code == 0, cancelled.output
     until(lambda: fake_jobs(fakepbs)[job] == "F", 20, "the router job to end")
     assert rec("rk").state == "CANCELLED" and rec("rk").router_job["job_id"] == job
+
+
+def test_a_keeper_whose_ticks_stopped_completing_is_reported_without_any_error() -> None:
+    """A tick that hangs (a qstat, a tunnel) logs no error: a last successful tick older than 3 polls plus the
+    grace is reported too; a recent one, or a keeper not running, is not."""
+    from pbs_toolkit.services.manage import STUCK_GRACE_S, ServiceStatus, poll_seconds
+
+    svc = records.ServiceRecord(name="h", model="m", served_model_name="m", profile="p", replicas=1, request={})
+    old = time.time() - 3 * poll_seconds() - STUCK_GRACE_S - 5
+    hung = ServiceStatus(svc, "READY", 1, [], True, True, keeper_tick={"ok_at": old, "error": None})
+    assert hung.keeper_stuck and "none since" in hung.keeper_stuck
+    assert ServiceStatus(svc, "READY", 1, [], True, True, keeper_tick={"ok_at": time.time()}).keeper_stuck is None
+    assert ServiceStatus(svc, "READY", 1, [], False, True, keeper_tick={"ok_at": old}).keeper_stuck is None
