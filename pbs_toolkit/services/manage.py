@@ -426,6 +426,13 @@ def _router_job_alive(client: Client, rec: ServiceRecord) -> tuple[bool, str | N
 # -- stopping ----------------------------------------------------------------------------------------------
 
 
+def teardown(client: Client, rec: ServiceRecord, final: str, **kwargs: Any) -> list[tuple[str, str, bool]]:
+    """``services.stop.teardown`` (it lives there; kept here for callers of this name)."""
+    from pbs_toolkit.services.stop import teardown as stop
+
+    return stop(client, rec, final, **kwargs)
+
+
 def poll_seconds() -> float:
     """``PBSTK_SERVICE_POLL_S``: seconds between two looks of the keeper (default 15)."""
     return env_float("PBSTK_SERVICE_POLL_S", 15.0, lambda v: 0.1 <= v <= 3600)
