@@ -413,7 +413,7 @@ class Client:
         (``pbstk clean``; see ``jobs.clean`` for what makes a directory safe to delete). Jobs not recorded as
         ended get one status query first; one whose scheduler or login node does not answer is left alone."""
         from pbs_toolkit import paths
-        from pbs_toolkit.jobs.clean import CleanItem, CleanReport, clean_one, ended_at, select
+        from pbs_toolkit.jobs.clean import CleanItem, CleanReport, clean_one, ended_at, held_by_services, select
         from pbs_toolkit.jobs.store import forget_run_dirs
 
         report = CleanReport(older_than, dry_run)
@@ -427,6 +427,7 @@ class Client:
                                        f" ({exc.message}); they are left alone")
         now = time.time()
         old, report.active, report.recent = select(self.store.all(), older_than, now)
+        old, report.items = held_by_services(self.store, old, now)
         removed_here: set[str] = set()
         roots: dict[tuple[str, str], Any] = {}
         for record in old:
@@ -724,11 +725,11 @@ class Client:
     def cancel_service(self, name: str | ServiceRecord, *, keep_endpoint: bool = False) -> list[Cancellation]:
         """Stop the keeper, every replica job (queued successors too) and the router; take the service's
         registry entries back unless ``keep_endpoint``. An ended service: nothing to stop (empty list)."""
-        from pbs_toolkit.services.manage import teardown
         from pbs_toolkit.services.record import find
+        from pbs_toolkit.services.stop import teardown
 
         rec = find(self.store, name) if isinstance(name, str) else name
-        if rec.ended is not None:
+        if not rec.active:  # a STOPPING one (an interrupted cancel) is finished now
             return []
         return [Cancellation(job_id, job_name, stopped)
                 for job_id, job_name, stopped in teardown(self, rec, "CANCELLED", keep_endpoint=keep_endpoint)]
@@ -740,7 +741,8 @@ class Client:
 
         rec = find(self.store, name)
         if rec.ended is not None:
-            raise UsageError(f"service {name} has ended ({rec.state}); start a new one with `pbstk serve`")
+            hint = f"`pbstk cancel {name}` finishes stopping it" if rec.active else "start a new one with `pbstk serve`"
+            raise UsageError(f"service {name} has ended ({rec.state}); {hint}")
         if keeper_alive(name):
             return 0
         return spawn_keeper(name)

@@ -23,7 +23,8 @@ def clean(older_than: str, dry_run: bool, as_json: bool) -> None:
     """Remove run directories and job records of jobs that ended (locally and over SSH).
 
     Never touches a job that is running, queued or UNKNOWN (jobs not recorded as ended get one status
-    query first), nor a directory that is not a pbstk run directory directly inside its runs root.
+    query first), nor a replica an active service still names, nor a directory that is not a pbstk run
+    directory directly inside its runs root.
 
     \b
       pbstk clean --dry-run

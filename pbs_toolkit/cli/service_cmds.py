@@ -105,6 +105,14 @@ def keeper(name: str) -> None:
 
 
 def keeper_note(st: Any) -> str | None:
+    if st.record.active and st.record.ended is not None:
+        return (f"pbstk: warning: service {st.record.name} is not stopped yet (an interrupted cancel?): its router "
+                f"or replicas may still run; `pbstk cancel {st.record.name}` finishes it")
+    if st.keeper_stuck:
+        from pbs_toolkit.services.manage import service_dir
+
+        return (f"pbstk: warning: the keeper of service {st.record.name} runs but makes no progress "
+                f"({st.keeper_stuck}); see {service_dir(st.record.name) / 'keeper.log'}")
     if st.record.ended is None and not st.keeper_running:
         return (f"pbstk: warning: the keeper of service {st.record.name} is not running (replicas are not "
                 f"added to or removed from the router); restart it with `pbstk service resume {st.record.name}`")

@@ -10,7 +10,8 @@ runner, in one ``sh`` call whose values are arguments, never spliced into the sc
 * it holds pbstk's markers as regular files: ``pbstk-job.json`` and ``job_id`` naming this very job.
 
 ``rm -rf`` never follows symlinks inside the directory. A directory that fails a check is left, with the reason,
-and so is its record (so a later ``clean`` can say it again); one already gone just loses its record.
+and so is its record (so a later ``clean`` can say it again); one already gone just loses its record. A job that
+an active service still names (``held_by_services``) is left too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pbs_toolkit.errors import PbstkError, UsageError
-from pbs_toolkit.jobs.store import FINAL_AT_KEY, JOB_ID_MARKER, RECORD_MARKER, JobRecord
+from pbs_toolkit.jobs.store import FINAL_AT_KEY, JOB_ID_MARKER, RECORD_MARKER, JobRecord, JobStore
 from pbs_toolkit.schema import stamp
 from pbs_toolkit.transports import Runner
 
@@ -159,3 +160,22 @@ def clean_one(runner: Runner, record: JobRecord, dry_run: bool, now: float,
         item.action = "removed"
         item.detail = "run directory already gone" if word == "gone" else ""
     return item
+
+
+def held_by_services(store: JobStore, records: Sequence[JobRecord], now: float) -> tuple[list[JobRecord],
+                                                                                         list[CleanItem]]:
+    """(the records no active service references, a ``skipped`` item for each one that one does). A service's
+    keeper reads every job its slots name on each tick: an ended replica still named there (a failed one not
+    replaced yet, a drained predecessor) keeps its record until the service lets go of it or ends."""
+    from pbs_toolkit.services.record import all_services
+
+    held = {job: svc.name for svc in all_services(store) for slot in svc.slots for job in slot.jobs()}
+    free, items = [], []
+    for record in records:
+        if record.job_id in held:
+            items.append(CleanItem(record.job_id, record.name, record.transport, record.final_state or "",
+                                   record.run_dir, round(now - ended_at(record), 1), "skipped",
+                                   f"still a replica of service {held[record.job_id]} (cancel it first)"))
+        else:
+            free.append(record)
+    return free, items

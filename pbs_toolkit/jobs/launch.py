@@ -11,7 +11,7 @@ import secrets
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +59,7 @@ _DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextmanager
-def _defer_interrupts() -> Iterator[list[int]]:
+def defer_interrupts() -> Iterator[list[int]]:
     """Hold Ctrl-C, SIGTERM and SIGHUP until the block ends, so a job is never submitted without being
     recorded. Afterwards SIGINT becomes ``KeyboardInterrupt`` and SIGTERM/SIGHUP exit 128+signal; an exception
     from the block wins (its message names the job)."""
@@ -167,7 +167,7 @@ def _refuse_active_name(store: JobStore, runner: Runner, name: str, transport: s
     """Names are unique among active jobs; called under the launch lock, so parallel launches cannot all pass."""
     intents = store.intents()
     if transport:
-        _resolve_remote_intents(store, runner, [i for i in intents if i.transport == transport])
+        resolve_remote_intents(store, runner, [i for i in intents if i.transport == transport])
         intents = store.intents()
     if any(i.name == name and i.transport == transport for i in intents):
         raise UsageError(f"a job named {name!r} is already active (being submitted right now); "
@@ -186,10 +186,10 @@ def _refuse_active_name(store: JobStore, runner: Runner, name: str, transport: s
         )
 
 
-def _resolve_remote_intents(store: JobStore, runner: Runner, intents: list[Intent]) -> None:
+def resolve_remote_intents(store: JobStore, runner: Runner, intents: list[Intent]) -> None:
     """Interrupted launches through this SSH host: adopt the ones whose run directory holds a job id."""
     for intent in intents:
-        job_id = _marker_job_id(runner, intent.run_dir)
+        job_id = marker_job_id(runner, intent.run_dir)
         script = backend_class(intent.record.scheduler).script_name
         exists = runner.size(f"{intent.run_dir}/{script}") is not None
         gone = not job_id and nothing_submitted(intent, exists, runner.size(f"{intent.run_dir}/{SUBMITTING_MARKER}")
@@ -200,19 +200,34 @@ def _resolve_remote_intents(store: JobStore, runner: Runner, intents: list[Inten
 def _submit_and_record(store: JobStore, runner: Runner, scheduler: Scheduler, rendered: RenderedJob,
                        record: JobRecord, intent: int, key: str | None, *, begin_at: float | None = None,
                        after: str | None = None) -> None:
-    """Write the run directory, submit, record the id; if anything fails after the scheduler took the job,
-    say which job it is and how to stop it (the run directory keeps the id for the next `pbstk jobs`)."""
-    run_dir = rendered.run_dir
+    """Write the run directory, submit, record the id (``submit_recorded``)."""
+    submit_recorded(store, runner, scheduler, record, intent,
+                    write=functools.partial(_write_run_dir, runner, rendered, key, record),
+                    walltime_s=walltime_seconds(rendered.profile.walltime), begin_at=begin_at, after=after)
+
+
+def submit_recorded(store: JobStore, runner: Runner, scheduler: Scheduler, record: JobRecord, intent: int, *,
+                    write: Callable[[], None], walltime_s: int | None, begin_at: float | None = None,
+                    after: str | None = None, recorded: Callable[[JobRecord], None] | None = None) -> str:
+    """The one crash-safe submission, after ``store.add_intent(record)``: ``write`` the run directory, submit
+    ``RUN_DIR/<script>`` under the wrapper that leaves ``RUN_DIR/job_id`` (signals held meanwhile), then record
+    the id (``recorded``, default ``store.record_submitted``: it must retire the intent in the same transaction).
+    If anything fails after the scheduler took the job, say which job it is and how to stop it (the run directory
+    keeps the id: the next read of the store adopts the intent); if nothing was submitted, leave nothing behind."""
+    run_dir = record.run_dir
     try:
-        _write_run_dir(runner, rendered, key, record)
-        with _defer_interrupts():
+        write()
+        with defer_interrupts():
             marking = _MarkingRunner(runner, run_dir, scheduler.submit_program)
-            record.job_id = scheduler.submit(marking, f"{run_dir}/{scheduler.script_name}", run_dir,
-                                             rendered.job_name, walltime_s=walltime_seconds(rendered.profile.walltime),
-                                             begin_at=begin_at, after=after)
-            store.record_submitted(intent, record)
+            record.job_id = scheduler.submit(marking, f"{run_dir}/{scheduler.script_name}", run_dir, record.name,
+                                             walltime_s=walltime_s, begin_at=begin_at, after=after)
+            if recorded is None:
+                store.record_submitted(intent, record)
+            else:
+                recorded(record)
+        return record.job_id
     except BaseException as exc:
-        job_id = record.job_id or _marker_job_id(runner, run_dir)
+        job_id = record.job_id or marker_job_id(runner, run_dir)
         if job_id:
             if isinstance(exc, PbstkError):
                 raise type(exc)(f"{exc.message}; job {job_id} WAS submitted: {_how_to_stop(record, job_id)}",
@@ -233,7 +248,7 @@ def _submit_and_record(store: JobStore, runner: Runner, scheduler: Scheduler, re
         raise
 
 
-def _marker_job_id(runner: Runner, run_dir: str) -> str | None:
+def marker_job_id(runner: Runner, run_dir: str) -> str | None:
     """The id the submission wrapper left, when pbstk did not get to read the scheduler's answer itself."""
     try:
         text = runner.read_bytes(f"{run_dir}/{JOB_ID_MARKER}").decode("utf-8", "replace").strip()

@@ -20,7 +20,7 @@ import socket
 import sqlite3
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -337,8 +337,11 @@ class JobStore:
                 adopted.append(record.job_id)
             except sqlite3.IntegrityError:
                 skipped += 1
+        services = _readopt_services(conn, self.path.parent / "services")
         if adopted:
             _warn(f"re-adopted {len(adopted)} job(s) from their run directories: {', '.join(adopted[:10])}")
+        if services:
+            _warn(f"re-adopted {len(services)} service(s) from their service files: {', '.join(services[:10])}")
         elif empty:
             _warn(f"the job store {self.path} was empty (0 bytes); no run directory with a job id to re-adopt")
 
@@ -475,21 +478,47 @@ class JobStore:
         """Record a new service, replacing an ended one of that name; an active one of that name is refused."""
         with self._connect() as conn:
             conn.execute("BEGIN IMMEDIATE")
-            row = conn.execute("SELECT ended FROM services WHERE name = ?", (name,)).fetchone()
+            row = conn.execute("SELECT ended, data FROM services WHERE name = ?", (name,)).fetchone()
             if row is not None and row["ended"] is None:
                 raise UsageError(f"a service named {name!r} is already active; cancel it or pass another --name")
+            if row is not None and _service_stopping(row["data"]):  # its teardown has not finished: its router
+                raise UsageError(f"a service named {name!r} is still being stopped (an interrupted `pbstk cancel`?); "
+                                 f"run `pbstk cancel {name}` to finish it, or pass another --name")
             conn.execute("INSERT OR REPLACE INTO services (name, transport, created, ended, api_key, data) "
                          "VALUES (?, ?, ?, NULL, ?, ?)", (name, transport, created, api_key, data))
 
-    def update_service(self, name: str, data: str, *, ended: float | None = None, only_active: bool = True) -> bool:
+    def update_service(self, name: str, data: str, *, ended: float | None = None, only_active: bool = True,
+                       created: float | None = None) -> bool:
         """Rewrite a service's data (``ended``: mark it ended too). ``only_active``: never over an ended one (the
-        keeper's writes after a cancel must not bring it back). ``False`` when nothing was written."""
+        keeper's writes after a cancel must not bring it back). ``created``: only that very service, not a later one
+        of the same name. ``False`` when nothing was written."""
         query = "UPDATE services SET data = ?" + (", ended = ?" if ended is not None else "") + " WHERE name = ?"
         args: tuple[Any, ...] = (data, ended, name) if ended is not None else (data, name)
         if only_active:
             query += " AND ended IS NULL"
+        if created is not None:
+            query, args = query + " AND created = ?", (*args, created)
         with self._connect() as conn:
             return conn.execute(query, args).rowcount > 0
+
+    def change_service(self, name: str, created: float,
+                       change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> dict[str, Any] | None:
+        """Read-modify-write of one service's row in one transaction (so nobody's write in between is lost):
+        ``change`` gets the row and returns the row to write (``ended``, ``data``), or ``None`` to leave it.
+        Returns the row as it is now; ``None`` when that service (``created``) is not recorded."""
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            found = conn.execute("SELECT name, transport, created, ended, api_key, data FROM services "
+                                 "WHERE name = ? AND created = ?", (name, created)).fetchone()
+            if found is None:
+                return None
+            row = dict(found)
+            new = change(dict(row))
+            if new is None:
+                return row
+            conn.execute("UPDATE services SET ended = ?, data = ? WHERE name = ? AND created = ?",
+                         (new["ended"], new["data"], name, created))
+            return {**row, "ended": new["ended"], "data": new["data"]}
 
     def service_rows(self, name: str | None = None) -> list[dict[str, Any]]:
         """Service rows (``name``: that one), newest first, as dictionaries."""
@@ -525,6 +554,21 @@ class JobStore:
                 conn.execute("DELETE FROM intents WHERE id = ?", (intent_id,))
         except StoreError as exc:
             raise StoreError(f"job {record.job_id} could not be recorded: {exc}") from None
+
+    def record_service_job(self, intent_id: int, record: JobRecord, name: str, created: float, data: str) -> bool:
+        """A service's own job (its router job), submitted: the service's row gets ``data`` (which names the job)
+        in the transaction that retires the intent. A service ended meanwhile gets nothing: the job is recorded as
+        a plain job instead, so it is never unknown. ``True`` when the service recorded it."""
+        try:
+            with self._connect() as conn:
+                took = conn.execute("UPDATE services SET data = ? WHERE name = ? AND created = ? AND ended IS NULL",
+                                    (data, name, created)).rowcount > 0
+                if not took:
+                    _insert(conn, record)
+                conn.execute("DELETE FROM intents WHERE id = ?", (intent_id,))
+        except StoreError as exc:
+            raise StoreError(f"job {record.job_id} could not be recorded: {exc}") from None
+        return took
 
     def drop_intent(self, intent_id: int) -> None:
         with self._connect() as conn:
@@ -596,6 +640,30 @@ def file_lock(path: Path, timeout: float, store: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _service_stopping(data: str) -> bool:
+    """Whether a service row's data says its teardown is not finished (services/record.py ``STOPPING``)."""
+    try:
+        return bool(json.loads(data).get("state") == "STOPPING")
+    except (ValueError, TypeError, AttributeError):
+        return False
+
+
+def _readopt_services(conn: sqlite3.Connection, directory: Path) -> list[str]:
+    """Services whose ``services/NAME/service.json`` (services/record.py ``write_file``) the store lacks."""
+    names = []
+    for path in sorted(directory.glob("*/service.json")):
+        try:
+            row = json.loads(path.read_text())
+            values = tuple(row[k] for k in ("name", "transport", "created", "ended", "api_key", "data"))
+            with conn:
+                if conn.execute("INSERT OR IGNORE INTO services (name, transport, created, ended, api_key, data) "
+                                "VALUES (?, ?, ?, ?, ?, ?)", values).rowcount:
+                    names.append(str(row["name"]))
+        except (OSError, ValueError, TypeError, KeyError, sqlite3.Error):
+            continue
+    return names
 
 
 def _insert(conn: sqlite3.Connection, record: JobRecord) -> None:

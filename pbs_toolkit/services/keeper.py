@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 
 #: a drained predecessor is looked at no sooner than this after leaving the router (requests in flight)
 DRAIN_MIN_S = 2.0
+#: the keeper's heartbeat in its service directory (``heartbeat``)
+TICK_FILE = "keeper-tick.json"
 #: seconds between two ``/health`` probes of a starting replica while the keeper waits for its next tick
 PROBE_S = 0.5
 #: how many times one job's answering ``/health`` may bring the next tick forward
@@ -68,6 +70,8 @@ class Look:
 
     statuses: dict[str, JobStatus] = field(default_factory=dict)
     in_router: set[str] = field(default_factory=set)
+    #: slots whose reconciliation failed this tick (the others went on): the heartbeat's error
+    failed: list[str] = field(default_factory=list)
 
     def starting(self, rec: ServiceRecord) -> bool:
         """Some slot is not routable yet but has a job on its way: tick on the short ramp."""
@@ -98,19 +102,27 @@ def run(name: str) -> int:
         _log(f"another keeper already keeps service {name}")
         return 0
     (directory / "keeper.json").write_text(json.dumps({"pid": os.getpid(), "token": launcher_token()}))
+    (directory / TICK_FILE).unlink(missing_ok=True)  # an earlier keeper's (or service's) heartbeat is not ours
     _log(f"keeper of service {name} started (pid {os.getpid()})")
     try:
         with Client(on_removal=lambda r: None) as client, AdminLink(client) as link:
             ramp, wakes = 0, {}  # type: int, dict[str, int]
             while True:
-                rec = records.load(client.store, name)
-                if rec is None or rec.ended is not None:
-                    _log(f"service {name} {'is gone' if rec is None else 'ended'}; keeper stops")
-                    return 0
-                try:
+                try:  # a store locked for a while, a router or scheduler that fails: logged, tried next tick
+                    rec = records.load(client.store, name)
+                    if rec is None or rec.ended is not None:
+                        _log(f"service {name} {'is gone' if rec is None else 'ended'}; keeper stops")
+                        return 0
                     seen = tick(client, rec, link)
+                    heartbeat(name, "; ".join(seen.failed) or None)
                 except PbstkError as exc:
                     _log(f"tick failed: {exc.message}")
+                    heartbeat(name, exc.message)
+                    time.sleep(poll_seconds())
+                    continue
+                except Exception as exc:  # noqa: BLE001 - nothing a tick meets may end the keeper for good
+                    _log(f"tick failed: {type(exc).__name__}: {exc}")
+                    heartbeat(name, f"{type(exc).__name__}: {exc}")
                     time.sleep(poll_seconds())
                     continue
                 wait = poll_seconds()
@@ -126,8 +138,40 @@ def run(name: str) -> int:
         os.close(fd)
 
 
+def heartbeat(name: str, error: str | None) -> None:
+    """``keeper-tick.json``: when the last tick succeeded, and the last failure since (``status`` shows a keeper
+    that runs but makes no progress). Written atomically; a full disk only costs the note."""
+    path = service_dir(name) / TICK_FILE
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    now = time.time()
+    body = {"ok_at": now, "error": None, "error_at": None, "failures": 0} if error is None else {
+        "ok_at": old.get("ok_at"), "error": error, "error_at": now, "failures": int(old.get("failures") or 0) + 1}
+    tmp = path.with_name(f".{TICK_FILE}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(body))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def last_tick(name: str) -> dict[str, Any]:
+    """What the keeper's ``heartbeat`` last wrote (``ok_at``, ``error``, ``error_at``, ``failures``); ``{}``
+    before its first tick."""
+    try:
+        data = json.loads((service_dir(name) / TICK_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _ended(client: Client, name: str) -> bool:
-    rec = records.load(client.store, name)
+    try:
+        rec = records.load(client.store, name)
+    except PbstkError:  # a store locked for a moment: the next tick reads it again
+        return False
     return rec is None or rec.ended is not None
 
 
@@ -206,9 +250,15 @@ def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> L
     """One look and the reconciliation it calls for; the record is saved unless the service ended meanwhile
     (then whatever this tick launched is cancelled again). ``link``: the router connection kept across ticks
     (without one, a connection for this tick only). Returns what it saw."""
+    from pbs_toolkit.services import intents
+
+    for slot in rec.slots:  # a launch that a killed keeper (or serve) left half done: its job takes its role
+        if slot.launching and not intents.settle(client, rec, slot):
+            _log(f"slot {slot.index}: the submission of {slot.launching} has not finished yet")
     jobs = [j for s in rec.slots for j in s.jobs()]
-    statuses = {st.record.job_id: st for st in client.status(*jobs)} if jobs else {}
+    statuses, unknown = _statuses(client, jobs)
     before = set(jobs)
+    failed: list[str] = []
     with ExitStack() as own:
         if link is None:
             link = own.enter_context(AdminLink(client))
@@ -216,8 +266,14 @@ def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> L
         try:
             in_router = set(admin.workers())
             for slot in rec.slots:
-                _reconcile(client, rec, slot, statuses, admin, in_router)
-            _remove_foreign(jobs, statuses, admin, in_router)
+                try:  # one slot that fails (a launch refused, a job that cannot be cancelled) spoils no other
+                    _reconcile(client, rec, slot, statuses, admin, in_router)
+                except intents.ServiceEnded:
+                    raise
+                except PbstkError as exc:
+                    failed.append(f"slot {slot.index}: {exc.message}")
+                    _log(failed[-1])
+            _remove_foreign([j for j in jobs if j not in unknown], statuses, admin, in_router)
         except PbstkError:
             link.drop()  # a router or tunnel that failed is opened afresh next tick
             raise
@@ -228,7 +284,18 @@ def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> L
         for job in {j for s in rec.slots for j in s.jobs()} - before:
             _log(f"service ended while {job} was launched: cancelling it")
             client.cancel(job)
-    return Look(statuses, in_router)
+    return Look(statuses, in_router, failed)
+
+
+def _statuses(client: Client, jobs: list[str]) -> tuple[dict[str, JobStatus], set[str]]:
+    """One status query over the slots' jobs; a job the store no longer knows (its record cleaned away, a lost
+    store) is left out, logged, and its slot treats it as lost, instead of failing every tick."""
+    by_id = {r.job_id: r for r in client.store.all()} if jobs else {}
+    known = [by_id[j] for j in jobs if j in by_id]
+    unknown = {j for j in jobs if j not in by_id}
+    for job in sorted(unknown):
+        _log(f"job {job} is not in the job store: treated as lost")
+    return {st.record.job_id: st for st in client.status(*known)} if known else {}, unknown
 
 
 def _sync_router(st: JobStatus | None, admin: RouterAdmin, in_router: set[str]) -> None:
@@ -280,9 +347,10 @@ def _reconcile(client: Client, rec: ServiceRecord, slot: Slot, statuses: dict[st
     slot.state = cur.state.value if cur is not None else "LOST"
     if cur is None or cur.state.final:
         _replace(client, rec, slot, suc)
-    elif rec.keep_alive and slot.successor is None and cur.uptime_s is not None and cur.walltime_s:
+    elif (rec.keep_alive and slot.successor is None and not slot.launching and cur.uptime_s is not None
+          and cur.walltime_s):
         begin = time.time() - cur.uptime_s + cur.walltime_s - rec.handover_s
-        slot.successor = launch_replica(client, rec, slot, begin_at=begin if begin > time.time() + 1 else None)
+        launch_replica(client, rec, slot, "successor", begin_at=begin if begin > time.time() + 1 else None)
         _log(f"slot {slot.index}: successor {slot.successor} of {slot.current} eligible at "
              f"{time.strftime('%H:%M:%S', time.localtime(max(begin, time.time())))}")
 
@@ -330,6 +398,10 @@ def _running(client: Client, st: JobStatus) -> bool:
 def _replace(client: Client, rec: ServiceRecord, slot: Slot, suc: JobStatus | None) -> None:
     """The current job has ended: a successor already starting (or queued past its begin time) takes its place;
     with keep-alive one still waiting for its handover time (state W) is cancelled and a replacement launched now."""
+    if slot.current is None and slot.successor is None and not slot.launching:
+        launch_replica(client, rec, slot)  # never launched (a serve killed before it got there): launch it now
+        _log(f"slot {slot.index}: had no job; {slot.current} launched")
+        return
     if not rec.keep_alive:
         if suc is not None and not suc.state.final:
             slot.current, slot.successor = slot.successor, None
@@ -338,9 +410,11 @@ def _replace(client: Client, rec: ServiceRecord, slot: Slot, suc: JobStatus | No
         # starting, or queued past its begin time (waiting for resources): it keeps its place in the queue
         slot.current, slot.successor = slot.successor, None
         return
+    if slot.launching:  # a replacement's submission not settled yet (services/intents.py): never a second one
+        return
     if suc is not None and not suc.state.final:  # still waiting for its handover time (W): too late now
         client.cancel(suc.record)
     ended = slot.current
     slot.successor = None
-    slot.current = launch_replica(client, rec, slot)
+    launch_replica(client, rec, slot)
     _log(f"slot {slot.index}: {ended} ended unexpectedly; replacement {slot.current} launched")

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 #: ``--handover`` default: the successor becomes eligible this long before its predecessor's walltime ends
 DEFAULT_HANDOVER_S = 600.0
+#: a running keeper whose last successful tick is older than 3 polls plus this is reported as making no progress
+STUCK_GRACE_S = 120.0
 
 
 def service_dir(name: str) -> Path:
@@ -152,11 +154,20 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
     try:
         _start_router(client, rec, profile, command, place)
         for slot in rec.slots:
-            slot.current = launch_replica(client, rec, slot)
-            records.save(client.store, rec)
+            launch_replica(client, rec, slot)
         spawn_keeper(name)
     except BaseException:
-        teardown(client, rec, "ENDED")
+        from pbs_toolkit.jobs.launch import defer_interrupts
+
+        with defer_interrupts():  # a second Ctrl-C must not cut the teardown short (cancel would finish it)
+            try:
+                from pbs_toolkit.services.stop import teardown
+
+                teardown(client, rec, "ENDED")
+            except PbstkError as exc:
+                import sys
+
+                sys.stderr.write(f"pbstk: warning: {exc.message}\n")
         raise
     return rec
 
@@ -165,12 +176,9 @@ def _start_router(client: Client, rec: ServiceRecord, profile: Profile, command:
     from pbs_toolkit.services.router import start_router
 
     if place == "job":
-        from pbs_toolkit.jobs.launch import _defer_interrupts
         from pbs_toolkit.services import router_job
 
-        with _defer_interrupts():  # a Ctrl-C cannot fall between the submission and its record
-            rec.router_job = router_job.submit(client, rec, profile, command)
-            records.save(client.store, rec)  # recorded before the wait: a failed start cancels it
+        router_job.submit(client, rec, profile, command)  # recorded with the service before the wait
         rec.router = router_job.wait_router(client, rec).to_dict()
         records.save(client.store, rec)
         return
@@ -190,20 +198,30 @@ def _start_router(client: Client, rec: ServiceRecord, profile: Profile, command:
     records.save(client.store, rec)
 
 
-def launch_replica(client: Client, rec: ServiceRecord, slot: Slot, begin_at: float | None = None) -> str:
-    """Launch the slot's next job (the same request, its own name, the service's key); its job id."""
+def launch_replica(client: Client, rec: ServiceRecord, slot: Slot, role: str = "current",
+                   begin_at: float | None = None) -> str:
+    """Launch the slot's next job (the same request, its own name, the service's key) as its ``role``
+    (``current`` or ``successor``); its job id. The intent is saved first (services/intents.py): a service
+    ended meanwhile launches nothing (``ServiceEnded``), and an interrupted launch is settled by whoever comes next."""
     from pbs_toolkit.jobs.render import RenderRequest
+    from pbs_toolkit.services import intents
 
     fields: dict[str, Any] = dict(rec.request)
     fields["name"] = replica_name(rec.name, slot)
     gpus = gpu_env(rec, slot)
     fields["env"] = {**(fields.get("env") or {}), **gpus}
     slot.gen += 1
+    intents.begin(slot, fields["name"], role)
+    if not records.save(client.store, rec):
+        intents.clear(slot)
+        raise intents.ServiceEnded(f"service {rec.name} was ended; {fields['name']} is not launched")
     result = client.launch_request(RenderRequest(**fields), api_key=rec.api_key, begin_at=begin_at)
     job = result.record.job_id
+    intents.done(slot, job)
     slot.gpus = {j: v for j, v in slot.gpus.items() if j in slot.jobs()}
     if gpus:
         slot.gpus[job] = gpus["CUDA_VISIBLE_DEVICES"]
+    records.save(client.store, rec)
     return job
 
 
@@ -323,6 +341,22 @@ class ServiceStatus:
     router_job_state: str | None = None
     #: what the router said (its workers, a request with the key through it); ``None``: not asked (not running)
     route: RouteCheck | None = None
+    #: the keeper's heartbeat (services/keeper.py ``last_tick``): ``ok_at``, ``error``, ``error_at``, ``failures``
+    keeper_tick: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def keeper_stuck(self) -> str | None:
+        """Why the keeper, though running, is not making progress (its last ticks failed), or ``None``."""
+        tick = self.keeper_tick
+        if not self.keeper_running or not tick:
+            return None
+        age = time.time() - tick["ok_at"] if tick.get("ok_at") else None
+        since = f"last successful tick {age:.0f} s ago" if age is not None else "no successful tick yet"
+        if tick.get("error"):
+            return f"{since}, {tick.get('failures') or 1} failed since: {tick['error']}"
+        if age is not None and age > 3 * poll_seconds() + STUCK_GRACE_S:  # a tick that hangs (a qstat, a tunnel)
+            return f"{since}, none since"
+        return None
 
     @property
     def url(self) -> str | None:
@@ -344,6 +378,8 @@ class ServiceStatus:
             "ready": self.ready, "replicas": rec.replicas, "url": rec.url, "keep_alive": rec.keep_alive,
             "handover_s": rec.handover_s, "policy": rec.policy, "created": rec.created, "ended": rec.ended,
             "keeper_running": self.keeper_running, "router_running": self.router_running,
+            "keeper": {"last_tick": self.keeper_tick.get("ok_at"), "error": self.keeper_tick.get("error"),
+                       "error_at": self.keeper_tick.get("error_at"), "failures": self.keeper_tick.get("failures", 0)},
             "router": {k: v for k, v in rec.router.items() if k not in ("token", "admin_token")},
             "router_job": {**rec.router_job, "state": self.router_job_state} if rec.router_job else None,
             "router_workers": self.route.workers if self.route is not None else None,
@@ -363,7 +399,7 @@ def look(client: Client, rec: ServiceRecord, known: Mapping[str, JobStatus] | No
     if known is not None:
         statuses = [known[j] for j in jobs if j in known] if rec.ended is None else []
     else:
-        statuses = client.status(*jobs) if jobs and rec.ended is None else []
+        statuses = client.status(*_recorded(client, jobs)) if jobs and rec.ended is None else []
     router, job_state = False, None
     if rec.router_job and rec.ended is None:
         router, job_state = _router_job_alive(client, rec)
@@ -386,8 +422,17 @@ def look(client: Client, rec: ServiceRecord, known: Mapping[str, JobStatus] | No
     state = service_state(rec, ready, still_starting(rec.slots, by_id, workers))
     if rec.ended is None and not router and rec.router:
         state = "DOWN"  # and 0/N: nothing is reachable through the URL
-    return ServiceStatus(rec, state, ready, statuses, keeper_alive(rec.name) if rec.ended is None else False,
-                         router, job_state, route)
+    from pbs_toolkit.services.keeper import last_tick
+
+    running = keeper_alive(rec.name) if rec.ended is None else False
+    return ServiceStatus(rec, state, ready, statuses, running, router, job_state, route,
+                         keeper_tick=last_tick(rec.name) if running else {})
+
+
+def _recorded(client: Client, jobs: list[str]) -> list[Any]:
+    """The records of ``jobs`` the store knows (one cleaned away or lost is shown as missing, not an error)."""
+    by_id = {r.job_id: r for r in client.store.all()}
+    return [by_id[j] for j in jobs if j in by_id]
 
 
 def _router_job_alive(client: Client, rec: ServiceRecord) -> tuple[bool, str | None]:
@@ -396,6 +441,8 @@ def _router_job_alive(client: Client, rec: ServiceRecord) -> tuple[bool, str | N
     from pbs_toolkit.services import router_job
     from pbs_toolkit.services.router import RouterInfo
 
+    if not rec.router_job.get("job_id"):
+        return False, "submitting"  # its submission was interrupted: `pbstk cancel NAME` settles it
     try:
         seen = router_job.query(client, rec)
     except PbstkError:
@@ -410,44 +457,11 @@ def _router_job_alive(client: Client, rec: ServiceRecord) -> tuple[bool, str | N
 # -- stopping ----------------------------------------------------------------------------------------------
 
 
-def teardown(client: Client, rec: ServiceRecord, final: str, *, keep_endpoint: bool = False,
-             keeper_wait_s: float | None = None) -> list[tuple[str, str, bool]]:
-    """Mark the service ended (the keeper stops on its next tick), wait for the keeper, cancel every replica
-    job (queued successors too), stop the router, take the service's registry entries back. Returns (job id,
-    name, stopped now) per job."""
-    from pbs_toolkit.services.router import RouterInfo, stop_router
+def teardown(client: Client, rec: ServiceRecord, final: str, **kwargs: Any) -> list[tuple[str, str, bool]]:
+    """``services.stop.teardown`` (it lives there; kept here for callers of this name)."""
+    from pbs_toolkit.services.stop import teardown as stop
 
-    records.end(client.store, rec, final)
-    stop_keeper(rec.name, keeper_wait_s if keeper_wait_s is not None else poll_seconds() + 5)
-    fresh = records.load(client.store, rec.name) or rec  # the keeper's last write may hold a new job
-    done = []
-    for job in [j for s in fresh.slots for j in s.jobs()]:
-        try:
-            record = client.record(job)
-            done.append((record.job_id, record.name, client.cancel(record)))
-        except PbstkError as exc:
-            done.append((job, f"not cancelled: {exc.message}", False))
-    if fresh.router_job:
-        from pbs_toolkit.services import router_job
-
-        rj = fresh.router_job
-        try:
-            done.append((rj["job_id"], rj["name"], router_job.cancel(client, fresh)))
-        except PbstkError as exc:
-            done.append((rj["job_id"], f"not cancelled: {exc.message}", False))
-    elif fresh.router:
-        try:
-            stop_router(client.runner(fresh.transport), RouterInfo.from_dict(fresh.router))
-        except PbstkError:
-            pass
-    entry = service_job_record(fresh)
-    if keep_endpoint:
-        client.store.keep_registry_entries(entry)
-    else:
-        from pbs_toolkit.endpoints.retire import retire
-
-        retire(client.store, entry, notice=client.on_removal)
-    return done
+    return stop(client, rec, final, **kwargs)
 
 
 def poll_seconds() -> float:
@@ -477,4 +491,4 @@ def service_job_status(rec: ServiceRecord) -> JobStatus:
                      port=int(rec.router["port"]))
 
 
-__all__ = ["ServeOptions", "ServiceStatus", "look", "serving_job", "start", "teardown"]
+__all__ = ["ServeOptions", "ServiceStatus", "look", "serving_job", "start"]

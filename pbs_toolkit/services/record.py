@@ -18,6 +18,10 @@ from pbs_toolkit.jobs.store import JobStore
 
 #: the id under which a service's registry entries are recorded in the store's ``endpoints`` table
 ENTRY_PREFIX = "service:"
+#: a teardown that began but has not stopped everything yet (the store refuses a new service of that name)
+STOPPING = "STOPPING"
+#: the service's own copy of its record, next to its keeper's files: what a lost job store re-adopts it from
+SERVICE_FILE = "service.json"
 
 
 @dataclass
@@ -34,6 +38,11 @@ class Slot:
     drain_started: float | None = None
     #: what the keeper last saw of ``current`` (a ``ServerState`` value)
     state: str = "PENDING"
+    #: the intent of a launch in progress, saved before anything is submitted: the job's name, the role it will
+    #: take (``current`` or ``successor``) and when; whoever finds it later settles it (services/intents.py)
+    launching: str | None = None
+    launching_role: str = "current"
+    launching_since: float = 0.0
     #: the local scheduler: the GPUs (``CUDA_VISIBLE_DEVICES``) each of the slot's jobs was given
     gpus: dict[str, str] = field(default_factory=dict)
 
@@ -62,14 +71,21 @@ class ServiceRecord:
     router: dict[str, Any] = field(default_factory=dict, repr=False)
     #: ``router: job``: the router's own job (``job_id``, ``run_dir``, ``scheduler``); empty otherwise
     router_job: dict[str, Any] = field(default_factory=dict)
-    #: STARTING, READY, DEGRADED, DOWN (the keeper's last look), then CANCELLED or ENDED
+    #: STARTING, READY, DEGRADED, DOWN (the keeper's last look), STOPPING (a teardown not finished yet: ``ended``
+    #: is set, so the keeper stops, but something may still run), then CANCELLED or ENDED (``stop_as``)
     state: str = "STARTING"
+    stop_as: str = ""
     ready: int = 0
     ever_ready: bool = False
     created: float = field(default_factory=time.time)
     ended: float | None = None
     #: secret: never in ``to_dict``
     api_key: str | None = field(default=None, repr=False)
+
+    @property
+    def active(self) -> bool:
+        """Not ended, or ended but its teardown not finished (``pbstk cancel NAME`` finishes it)."""
+        return self.ended is None or self.state == STOPPING
 
     @property
     def entry_id(self) -> str:
@@ -94,10 +110,18 @@ class ServiceRecord:
         body["ended"] = row["ended"]
         return cls(**body, api_key=row["api_key"])
 
+    def row(self) -> dict[str, Any]:
+        """The store's row of this record (what ``from_row`` reads; the service file holds the same)."""
+        return {"name": self.name, "transport": self.transport, "created": self.created, "ended": self.ended,
+                "api_key": self.api_key, "data": self.data()}
 
-def load(store: JobStore, name: str) -> ServiceRecord | None:
+
+def load(store: JobStore, name: str, created: float | None = None) -> ServiceRecord | None:
+    """The service of that name (``created``: only that very one, not a later service of the same name)."""
     rows = store.service_rows(name)
-    return ServiceRecord.from_row(rows[0]) if rows else None
+    if not rows or (created is not None and rows[0]["created"] != created):
+        return None
+    return ServiceRecord.from_row(rows[0])
 
 
 def find(store: JobStore, name: str) -> ServiceRecord:
@@ -110,22 +134,85 @@ def find(store: JobStore, name: str) -> ServiceRecord:
 
 
 def all_services(store: JobStore, include_ended: bool = False) -> list[ServiceRecord]:
+    """Services newest first; without ``include_ended`` those still active (a ``STOPPING`` one included)."""
     out = [ServiceRecord.from_row(r) for r in store.service_rows()]
-    return [s for s in out if include_ended or s.ended is None]
+    return [s for s in out if include_ended or s.active]
 
 
 def create(store: JobStore, record: ServiceRecord) -> None:
     store.put_service(record.name, record.transport, record.created, record.data(), record.api_key)
+    write_file(store, record)
 
 
 def save(store: JobStore, record: ServiceRecord) -> bool:
     """Write the record unless the service was ended meanwhile (``False`` then: stop touching it)."""
-    return store.update_service(record.name, record.data())
+    saved = store.update_service(record.name, record.data(), created=record.created)
+    if saved:
+        write_file(store, record)
+    return saved
+
+
+def begin_stop(store: JobStore, record: ServiceRecord, final: str) -> ServiceRecord | None:
+    """Mark the service ended (its keeper stops and launches nothing more; the keeper's later writes fail) and
+    ``STOPPING``: the final word (``final``) is written by ``finish_stop`` only once everything is stopped, so an
+    interrupted teardown is finished by the next ``pbstk cancel NAME``, and no new service takes the name
+    meanwhile. One read-modify-write: the keeper's last write (a new job, a launch intent) is kept. Returns the
+    record as it is now (``None``: already ended, or no longer recorded)."""
+
+    def change(row: dict[str, Any]) -> dict[str, Any] | None:
+        now = ServiceRecord.from_row(row)
+        if not now.active:
+            return None
+        now.stop_as, now.state = now.stop_as or final, STOPPING
+        now.ended = now.ended or time.time()
+        return now.row()
+
+    row = store.change_service(record.name, record.created, change)
+    if row is None:
+        return None
+    now = ServiceRecord.from_row(row)
+    write_file(store, now)
+    return now if now.state == STOPPING else None
+
+
+def finish_stop(store: JobStore, record: ServiceRecord) -> None:
+    """Everything is stopped: the final word (CANCELLED or ENDED) replaces ``STOPPING``."""
+    record.state = record.stop_as or (record.state if record.state in ("CANCELLED", "ENDED") else "ENDED")
+    store.update_service(record.name, record.data(), ended=record.ended, only_active=False, created=record.created)
+    write_file(store, record)
 
 
 def end(store: JobStore, record: ServiceRecord, state: str) -> None:
-    record.state, record.ended = state, time.time()
-    store.update_service(record.name, record.data(), ended=record.ended, only_active=False)
+    """Record the service ended as ``state`` at once, without stopping anything (a service known to be stopped;
+    tests). ``pbstk cancel`` goes through ``begin_stop`` and ``finish_stop`` instead."""
+    record.state, record.ended = state, record.ended or time.time()
+    store.update_service(record.name, record.data(), ended=record.ended, only_active=False, created=record.created)
+    write_file(store, record)
+
+
+def keep_stopping(store: JobStore, record: ServiceRecord) -> None:
+    """Write what a teardown settled (intents resolved into jobs) while the service stays ``STOPPING``."""
+    store.update_service(record.name, record.data(), ended=record.ended, only_active=False, created=record.created)
+    write_file(store, record)
+
+
+def write_file(store: JobStore, record: ServiceRecord) -> None:
+    """``services/NAME/service.json`` (0600: it holds the key), replaced atomically: the store's row, kept where a
+    lost store re-adopts it from (``JobStore``'s re-adoption reads ``services/*/service.json``). Best effort: the
+    store stays the truth while it is readable."""
+    import contextlib
+    import os
+
+    directory = store.path.parent / "services" / record.name
+    tmp = directory / f".{SERVICE_FILE}.{os.getpid()}.tmp"
+    with contextlib.suppress(OSError):
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, json.dumps(record.row()).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, directory / SERVICE_FILE)
 
 
 def check_name(name: str) -> None:

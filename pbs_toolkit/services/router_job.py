@@ -134,8 +134,16 @@ def render_start_script(profile: Profile, run_dir: str, service: str, command: l
 
 
 def submit(client: Client, rec: ServiceRecord, profile: Profile, command: list[str]) -> dict[str, str]:
-    """Write the router job's run directory and submit it; ``{job_id, run_dir, scheduler, name}``."""
+    """Write the router job's run directory and submit it through launch's crash-safe sequence
+    (jobs/launch.py ``submit_recorded``): the service records the job's run directory before anything is
+    submitted, an intent covers the submission, and the job id lands in the service's row in the transaction that
+    retires the intent; a pbstk killed in between leaves the id in ``RUN_DIR/job_id`` for ``settle``. Returns
+    ``{job_id, run_dir, scheduler, name}`` (also in ``rec.router_job``)."""
+    from pbs_toolkit.jobs.launch import submit_recorded
     from pbs_toolkit.jobs.render import _RUN_DIR, _default_run_dir
+    from pbs_toolkit.jobs.store import JobRecord
+    from pbs_toolkit.services import intents
+    from pbs_toolkit.services import record as records
     from pbs_toolkit.settings.profiles import walltime_seconds
 
     runner = client.runner(rec.transport)
@@ -148,16 +156,64 @@ def submit(client: Client, rec: ServiceRecord, profile: Profile, command: list[s
         prof = replace(prof, venv=runner.expanduser(prof.venv))
     scheduler = get_scheduler(prof.scheduler)
     scheduler.id_source = functools.partial(client.store.next_id, scheduler.name)
-    runner.makedirs(run_dir, 0o755)
-    runner.write_bytes(f"{run_dir}/{scheduler.script_name}", render_job_script(prof, job_name, run_dir).encode(), 0o755)
-    runner.write_bytes(f"{run_dir}/{ENTRY_SCRIPT}",
-                       render_start_script(prof, run_dir, rec.name, command, rec.policy).encode(), 0o755)
-    if prof.router_isolation != "none":  # the front (router_front.py) and its admin token, the owner's only
-        runner.write_bytes(f"{run_dir}/{FRONT_FILE}", FRONT_SOURCE.read_bytes(), 0o600)
-        runner.write_bytes(f"{run_dir}/{TOKEN_FILE}", secrets.token_hex(16).encode(), 0o600)
-    job_id = scheduler.submit(runner, f"{run_dir}/{scheduler.script_name}", run_dir, job_name,
-                              walltime_s=walltime_seconds(prof.walltime))
-    return {"job_id": job_id, "run_dir": run_dir, "scheduler": prof.scheduler, "name": job_name}
+    rec.router_job = {"job_id": "", "run_dir": run_dir, "scheduler": prof.scheduler, "name": job_name}
+    if not records.save(client.store, rec):  # a cancel came first: submit nothing
+        rec.router_job = {}
+        raise intents.ServiceEnded(f"service {rec.name} was ended; its router job is not submitted")
+    record = JobRecord(job_id="", scheduler=prof.scheduler, profile=prof.name, model="vllm-router",
+                       served_model_name="", preset="router", name=job_name, run_dir=run_dir,
+                       transport=rec.transport)
+
+    def write() -> None:
+        runner.makedirs(run_dir, 0o755)
+        runner.write_bytes(f"{run_dir}/{scheduler.script_name}", render_job_script(prof, job_name, run_dir).encode(),
+                           0o755)
+        runner.write_bytes(f"{run_dir}/{ENTRY_SCRIPT}",
+                           render_start_script(prof, run_dir, rec.name, command, rec.policy).encode(), 0o755)
+        if prof.router_isolation != "none":  # the front (router_front.py) and its admin token, the owner's only
+            runner.write_bytes(f"{run_dir}/{FRONT_FILE}", FRONT_SOURCE.read_bytes(), 0o600)
+            runner.write_bytes(f"{run_dir}/{TOKEN_FILE}", secrets.token_hex(16).encode(), 0o600)
+
+    def recorded(job: JobRecord) -> None:
+        rec.router_job = {**rec.router_job, "job_id": job.job_id}
+        if client.store.record_service_job(intent, job, rec.name, rec.created, rec.data()):
+            records.write_file(client.store, rec)
+
+    intent = client.store.add_intent(record)
+    submit_recorded(client.store, runner, scheduler, record, intent, write=write, recorded=recorded,
+                    walltime_s=walltime_seconds(prof.walltime))
+    return dict(rec.router_job)
+
+
+def settle(client: Client, rec: ServiceRecord, wait_s: float = 0.0) -> bool:
+    """A router job whose submission was interrupted (no id in the service's record): its id from the run
+    directory's ``job_id`` marker, or, when its launch's intent is gone with no marker, nothing was submitted (the
+    record's ``router_job`` emptied). Waits at most ``wait_s`` for a submission under way; ``False``: unresolved."""
+    from pbs_toolkit.jobs.launch import marker_job_id, resolve_remote_intents
+
+    job = rec.router_job
+    if not job or job.get("job_id"):
+        return True
+    runner = client.runner(rec.transport)
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = marker_job_id(runner, job["run_dir"])
+        if found:
+            rec.router_job = {**job, "job_id": found}
+            return True
+        pending = [i for i in client.store.intents() if i.run_dir == job["run_dir"]]
+        if pending and rec.transport:
+            resolve_remote_intents(client.store, runner, pending)
+            pending = [i for i in client.store.intents() if i.run_dir == job["run_dir"]]
+        if not pending:
+            if (found := marker_job_id(runner, job["run_dir"])) is not None:
+                rec.router_job = {**job, "job_id": found}
+            else:
+                rec.router_job = {}
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def query(client: Client, rec: ServiceRecord) -> SchedulerJob | None:

@@ -4,7 +4,8 @@
 n/N until the service was READY N/N once (while replicas are still on their way: a normal start with one of two
 up is STARTING 1/2, not DEGRADED), READY n/N (all), DEGRADED n/N (some, after having been READY, e.g. a predecessor
 ended before its late successor ran; or some while the others ended for good), DOWN (none, after having been
-up; or 0/N whenever the router is gone), then CANCELLED or ENDED once recorded so.
+up; or 0/N whenever the router is gone), then CANCELLED or ENDED once recorded so (STOPPING between: a teardown
+that has not finished).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def service_state(record: ServiceRecord, ready: int, starting: bool = True) -> s
     """The word for ``ready`` of ``record.replicas`` routable replicas, given whether the service was ever READY
     N/N (``record.ever_ready``) and whether some replica not routable yet is still on its way (``starting``)."""
     if record.ended is not None:
-        return record.state if record.state in ("CANCELLED", "ENDED") else "ENDED"
+        return record.state if record.state in ("CANCELLED", "ENDED", "STOPPING") else "ENDED"
     if ready >= record.replicas:
         return "READY"
     if ready == 0:

@@ -617,6 +617,10 @@ def qsub(argv: list[str]) -> int:
         )
     if faults.get("slow_qsub"):  # a loaded server: the job exists before qsub prints its id
         time.sleep(float(faults["slow_qsub"]))
+    if faults.get("qsub_block_until"):  # the same, for as long as a test needs (an event, not a guessed delay)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(faults["qsub_block_until"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
     print(jobid)
     return 0
 
