@@ -94,8 +94,8 @@ def test_render_to_dir(tmp_path: Path) -> None:
     out = tmp_path / "out" / "deeper"
     result = run("render", MODEL, "-p", "dp4", "-P", "polaris", "-A", "PROJ", "-o", str(out), "--run-dir", "/s/r")
     assert result.exit_code == 0, result.stderr
-    assert result.stdout.strip() == f"wrote {out}/job.pbs and {out}/start_vllm.sh (preset dp4, DP4)"
-    assert sorted(p.name for p in out.iterdir()) == ["job.pbs", "start_vllm.sh"]
+    assert result.stdout.splitlines()[0] == f"wrote {out}/job.pbs and {out}/start_vllm.sh (preset dp4, DP4)"
+    assert sorted(p.name for p in out.iterdir()) == ["api_key", "job.pbs", "pbstk-job.json", "start_vllm.sh"]
     job = (out / "job.pbs").read_text()
     assert job.startswith("#!/bin/bash\n") and "#PBS -A PROJ\n" in job
     assert (out / "start_vllm.sh").stat().st_mode & 0o111

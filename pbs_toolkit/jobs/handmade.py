@@ -2,7 +2,7 @@
 
 ``render -o DIR`` writes the job script, ``start_vllm.sh``, the job's API key (``DIR/api_key``, created 0600: the
 start script serves with it, so a hand-submitted job is authenticated like a launched one) and the record marker
-``DIR/pbstk-job.json`` (everything but the key). After ``qsub``/``sbatch`` by hand, ``pbstk adopt JOBID DIR``
+``DIR/pbstk-job.json`` (everything but the key). After submitting it by hand, ``pbstk adopt JOBID DIR``
 records the job from those files; ``status``, ``wait``, ``update-endpoint`` ... then work on it, and also accept
 ``DIR`` itself in place of a job id once the job wrote its id there.
 """

@@ -438,7 +438,8 @@ def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, st
         st.reason = f"{st.reason} ({view.problem})" if st.reason else view.problem
         if st.state is ServerState.STARTING:
             st.phase = f"{st.phase}; {view.problem}"
-    if view.unreachable and st.state is ServerState.STARTING:
+    nodes_up = st.nnodes <= 1 or st.nodes_ready == st.nnodes  # a node still starting is the first thing to say
+    if view.unreachable and st.state is ServerState.STARTING and nodes_up:
         st.unreachable = st.phase = view.unreachable
     return st
 

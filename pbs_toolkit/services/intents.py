@@ -1,6 +1,6 @@
 """A replica launch's intent in its service's record, so that no job ever runs with the service's key unknown to it.
 
-``launch`` (jobs/launch.py) already records a job's intent before ``qsub`` and adopts an interrupted launch from its
+``launch`` (jobs/launch.py) already records its intent before submitting and adopts an interrupted launch from its
 run directory; but the *service* learnt of a replica only once ``launch`` returned. A ``serve`` or a keeper killed
 during the submission then left a job that no teardown cancelled, and a resumed keeper tried the same name again
 ("a job named ... is already active") on every tick. So before anything is submitted the slot records the job's

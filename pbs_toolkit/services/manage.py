@@ -354,7 +354,7 @@ class ServiceStatus:
         since = f"last successful tick {age:.0f} s ago" if age is not None else "no successful tick yet"
         if tick.get("error"):
             return f"{since}, {tick.get('failures') or 1} failed since: {tick['error']}"
-        if age is not None and age > 3 * poll_seconds() + STUCK_GRACE_S:  # a tick that hangs (a qstat, a tunnel)
+        if age is not None and age > 3 * poll_seconds() + STUCK_GRACE_S:  # a tick that hangs (a hung query, a tunnel)
             return f"{since}, none since"
         return None
 

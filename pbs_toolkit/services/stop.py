@@ -75,7 +75,7 @@ def teardown(client: Client, rec: ServiceRecord, final: str, *, keep_endpoint: b
     return done
 
 
-#: how long a teardown waits for a replica submission still under way (its qsub) before giving up for now
+#: how long a teardown waits for a replica submission still under way (its submit command) before giving up for now
 SETTLE_WAIT_S = 30.0
 
 
