@@ -167,15 +167,27 @@ def jobs(show_all: bool, as_json: bool) -> None:
 
 
 @click.command()
-@click.argument("jobs", nargs=-1, required=True, shell_complete=complete_job)
+@click.argument("jobs", nargs=-1, shell_complete=complete_job)
+@click.option("--all", "everything", is_flag=True,
+              help="Every active service and job in this machine's job store, whatever the profile (no prompt).")
 @click.option("--keep-endpoint", is_flag=True, help="Leave the jobs' registry entries in place (default: removed).")
 @click.option("--json", "as_json", is_flag=True, help="Print a list of cancellation objects.")
-def cancel(jobs: tuple[str, ...], keep_endpoint: bool, as_json: bool) -> None:
-    """Stop jobs through their scheduler. Already-ended jobs are not an error.
+def cancel(jobs: tuple[str, ...], everything: bool, keep_endpoint: bool, as_json: bool) -> None:
+    """Stop jobs (or services) through their scheduler. Already-ended jobs are not an error.
 
-    Registry entries the jobs wrote (update-endpoint) are removed, if they still point at them."""
+    Registry entries the jobs wrote (update-endpoint) are removed, if they still point at them. `--all` stops
+    every service and job this machine's store records as active, each through the login node it was launched
+    through; jobs submitted by hand or from another machine are not touched."""
     from pbs_toolkit.client import Cancellation, Client
+    from pbs_toolkit.errors import UsageError
 
+    if everything and jobs:
+        raise UsageError("cancel takes JOB names or --all, not both")
+    if not everything and not jobs:
+        raise UsageError("cancel needs JOB (a job id, name or service), or --all for every active one")
+    if everything:
+        _cancel_all(keep_endpoint, as_json)
+        return
     done = []
     with Client() as c:
         services = {j: c.service(j) for j in jobs}  # a service name (no job of that name): docs/services.md
@@ -194,6 +206,27 @@ def cancel(jobs: tuple[str, ...], keep_endpoint: bool, as_json: bool) -> None:
                 click.echo(f"{record.job_id}: {done[-1].outcome}")
     if as_json:
         echo_json([d.to_dict() for d in done])
+
+
+def _cancel_all(keep_endpoint: bool, as_json: bool) -> None:
+    """``cancel --all``: one line per service and job stopped (or a list of cancellation objects); a job that
+    could not be stopped gets a warning line, and the first such error decides the exit code at the end."""
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.jobs.cancel_all import cancel_all
+
+    with Client() as c:
+        result = cancel_all(c, keep_endpoint=keep_endpoint, on_done=None if as_json else click.echo)
+    if as_json:
+        echo_json([d.to_dict() for _, stopped in result.services for d in stopped]
+                  + [d.to_dict() for d in result.jobs])
+    elif not result.services and not result.jobs and not result.failures:
+        click.echo("no active jobs or services to cancel")
+    for what, exc in result.failures[1:]:
+        click.echo(f"pbstk: warning: {what} was not cancelled: {exc.message}", err=True)
+    if result.failures:
+        what, exc = result.failures[0]
+        exc.message = f"{what} was not cancelled: {exc.message}"
+        raise exc
 
 
 @click.command()

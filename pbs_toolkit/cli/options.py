@@ -74,6 +74,24 @@ class BoundedInt(click.ParamType):
         return number
 
 
+class Count(click.ParamType):
+    """A whole number for ``--replicas``: text that is not one is refused without advertising bounds nobody means
+    (the library refuses counts below 1 and above its own limit, in its own words)."""
+
+    name = "integer"
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        text = str(value).strip()
+        if not text.lstrip("+-").isdigit() or len(text) > 20:
+            raise UsageError(f"{_flag(param)} {value!r} is not a whole number of {self.what}")
+        return int(text)
+
+
 def _flag(param: click.Parameter | None) -> str:
     """``--timeout`` for an option (its longest name), ``value`` without one."""
     if param is None:
@@ -202,7 +220,7 @@ def read_key_env(name: str | None, environ: Mapping[str, str]) -> str | None:
         return None
     value = environ.get(name)
     if not value:
-        raise UsageError(f"--api-key-env {name}: that environment variable is empty or unset")
+        raise UsageError(f"--api-key-env {name!r}: that environment variable is empty or unset")
     if value != value.strip():
         raise UsageError(f"--api-key-env {name}: the key has leading or trailing whitespace")
     try:
