@@ -129,7 +129,8 @@ def render_options(f: F) -> F:
         click.option("--vllm-cache-root", help="VLLM_CACHE_ROOT on the compute node (compile cache)."),
         click.option("--eager/--no-eager", default=None, help="Override the preset's eager mode."),
         click.option("--vllm-arg", "vllm_args", multiple=True,
-                     help="Extra vLLM argument, passed through exactly (repeat; use --vllm-arg=--flag=value)."),
+                     help="Extra vLLM argument (repeat; use --vllm-arg=--flag=value); it replaces the "
+                          "preset's value of that flag."),
         click.option("--env", "env", multiple=True, help="K=V exported in the job (repeat)."),
     ]
     for option in reversed(options):
