@@ -11,6 +11,7 @@ import click
 from pbs_toolkit.cli.complete import complete_job
 from pbs_toolkit.cli.options import SECONDS, build_request, echo_json, read_key_env, render_options, table
 from pbs_toolkit.cli.progress import Progress, interrupt_hint
+from pbs_toolkit.cli.render_cmds import layout_text
 from pbs_toolkit.durations import short
 from pbs_toolkit.jobs.logs import STREAMS
 from pbs_toolkit.schedulers import BACKENDS, stream_aliases
@@ -74,12 +75,12 @@ def _show_launch(result: Any, dry_run: bool, as_json: bool) -> None:
         if as_json:
             echo_json(job.to_dict(dry_run=True))
         else:
-            click.echo(f"dry run: {job.preset.name} ({job.preset.layout()}) on {job.profile.name}; "
+            click.echo(f"dry run: {job.preset.name} ({layout_text(job)}) with profile {job.profile.name}; "
                        f"would write {job.run_dir}\n{job.job_script}", nl=False)
         return
     if as_json:
         return
-    click.echo(f"submitted {rec.job_id} ({rec.preset}: {job.preset.layout()}, profile {rec.profile})")
+    click.echo(f"submitted {rec.job_id} ({rec.preset}: {layout_text(job)}, profile {rec.profile})")
     click.echo(f"run directory: {rec.run_dir}")
     click.echo("next:")
     click.echo(f"  pbstk logs {rec.job_id} -f")
