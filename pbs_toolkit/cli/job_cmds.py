@@ -30,7 +30,8 @@ def _read_key_env(name: str | None) -> str | None:
 @click.argument("model")
 @render_options
 @click.option("--scheduler", type=click.Choice(list(BACKENDS)), help="Override the profile's scheduler.")
-@click.option("--ssh", "ssh_host", help="Submit through this SSH host (a ~/.ssh/config alias works).")
+@click.option("--ssh", "ssh_host",
+              help="Submit through this SSH host (a ~/.ssh/config alias works); none: on this machine, no SSH.")
 @click.option("--accept-new-host-key", is_flag=True, help="Trust an SSH host key not yet in known_hosts.")
 @click.option("--api-key-env", help="Take the server's API key from this environment variable.")
 @click.option("--no-api-key", is_flag=True, help="Serve without an API key (anyone on the network can use it).")
