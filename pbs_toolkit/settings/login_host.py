@@ -3,7 +3,7 @@
 Two rules (issue 21, items 9 and 10; README "On the login node"):
 
 - No SSH to yourself: a profile's ``ssh_host`` is ignored when this host matches one of the profile's
-  ``login_hosts`` patterns and its scheduler's submit program (``qsub``, ``sbatch``) is on PATH. An explicit
+  ``login_hosts`` patterns and its scheduler's submit program (the backend's ``submit_program``) is on PATH. An explicit
   ``--ssh HOST``/``PBSTK_SSH_HOST``/config.yaml ``ssh_host`` still wins; ``--ssh none``, ``--ssh ""`` or an empty
   ``PBSTK_SSH_HOST=`` mean no SSH anywhere (config.py turns them into ``""``).
 - No silent local server on a shared login node: ``launch`` without a profile (no ``--profile``,
