@@ -538,9 +538,10 @@ class Client:
         if wait:
             return self.wait(job, timeout, on_progress)
         st = self.status(self.record(job))[0]
-        if st.state.value != "READY":
+        if st.state.value != "READY":  # waiting helps only a job that has not ended
+            advice = "it has ended: `pbstk launch` a new one" if st.state.final else hint
             raise ServerFailed(f"job {st.record.job_id} is {st.state.value}, not READY"
-                               f"{': ' + st.reason if st.reason else ''} ({hint})")
+                               f"{': ' + st.reason if st.reason else ''} ({advice})")
         return st
 
     def endpoint(self, job: Job | JobRecord | str | None = None, local_url: str | None = None, *,

@@ -12,6 +12,7 @@ from pbs_toolkit.cli.complete import complete_job
 from pbs_toolkit.cli.lazy import LazyChoice, backend_names, log_streams
 from pbs_toolkit.cli.options import SECONDS, build_request, echo_json, read_key_env, render_options, table
 from pbs_toolkit.cli.progress import Progress, interrupt_hint
+from pbs_toolkit.cli.render_cmds import layout_text
 from pbs_toolkit.durations import short
 
 
@@ -28,7 +29,8 @@ def _read_key_env(name: str | None) -> str | None:
 @click.argument("model")
 @render_options
 @click.option("--scheduler", type=LazyChoice(backend_names), help="Override the profile's scheduler.")
-@click.option("--ssh", "ssh_host", help="Submit through this SSH host (a ~/.ssh/config alias works).")
+@click.option("--ssh", "ssh_host",
+              help="Submit through this SSH host (a ~/.ssh/config alias works); none: on this machine, no SSH.")
 @click.option("--accept-new-host-key", is_flag=True, help="Trust an SSH host key not yet in known_hosts.")
 @click.option("--api-key-env", help="Take the server's API key from this environment variable.")
 @click.option("--no-api-key", is_flag=True, help="Serve without an API key (anyone on the network can use it).")
@@ -73,12 +75,12 @@ def _show_launch(result: Any, dry_run: bool, as_json: bool) -> None:
         if as_json:
             echo_json(job.to_dict(dry_run=True))
         else:
-            click.echo(f"dry run: {job.preset.name} ({job.preset.layout()}) on {job.profile.name}; "
+            click.echo(f"dry run: {job.preset.name} ({layout_text(job)}) with profile {job.profile.name}; "
                        f"would write {job.run_dir}\n{job.job_script}", nl=False)
         return
     if as_json:
         return
-    click.echo(f"submitted {rec.job_id} ({rec.preset}: {job.preset.layout()}, profile {rec.profile})")
+    click.echo(f"submitted {rec.job_id} ({rec.preset}: {layout_text(job)}, profile {rec.profile})")
     click.echo(f"run directory: {rec.run_dir}")
     click.echo("next:")
     click.echo(f"  pbstk logs {rec.job_id} -f")
@@ -166,15 +168,27 @@ def jobs(show_all: bool, as_json: bool) -> None:
 
 
 @click.command()
-@click.argument("jobs", nargs=-1, required=True, shell_complete=complete_job)
+@click.argument("jobs", nargs=-1, shell_complete=complete_job)
+@click.option("--all", "everything", is_flag=True,
+              help="Every active service and job in this machine's job store, whatever the profile (no prompt).")
 @click.option("--keep-endpoint", is_flag=True, help="Leave the jobs' registry entries in place (default: removed).")
 @click.option("--json", "as_json", is_flag=True, help="Print a list of cancellation objects.")
-def cancel(jobs: tuple[str, ...], keep_endpoint: bool, as_json: bool) -> None:
-    """Stop jobs through their scheduler. Already-ended jobs are not an error.
+def cancel(jobs: tuple[str, ...], everything: bool, keep_endpoint: bool, as_json: bool) -> None:
+    """Stop jobs (or services) through their scheduler. Already-ended jobs are not an error.
 
-    Registry entries the jobs wrote (update-endpoint) are removed, if they still point at them."""
+    Registry entries the jobs wrote (update-endpoint) are removed, if they still point at them. `--all` stops
+    every service and job this machine's store records as active, each through the login node it was launched
+    through; jobs submitted by hand or from another machine are not touched."""
     from pbs_toolkit.client import Cancellation, Client
+    from pbs_toolkit.errors import UsageError
 
+    if everything and jobs:
+        raise UsageError("cancel takes JOB names or --all, not both")
+    if not everything and not jobs:
+        raise UsageError("cancel needs JOB (a job id, name or service), or --all for every active one")
+    if everything:
+        _cancel_all(keep_endpoint, as_json)
+        return
     done = []
     with Client() as c:
         services = {j: c.service(j) for j in jobs}  # a service name (no job of that name): docs/services.md
@@ -193,6 +207,27 @@ def cancel(jobs: tuple[str, ...], keep_endpoint: bool, as_json: bool) -> None:
                 click.echo(f"{record.job_id}: {done[-1].outcome}")
     if as_json:
         echo_json([d.to_dict() for d in done])
+
+
+def _cancel_all(keep_endpoint: bool, as_json: bool) -> None:
+    """``cancel --all``: one line per service and job stopped (or a list of cancellation objects); a job that
+    could not be stopped gets a warning line, and the first such error decides the exit code at the end."""
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.jobs.cancel_all import cancel_all
+
+    with Client() as c:
+        result = cancel_all(c, keep_endpoint=keep_endpoint, on_done=None if as_json else click.echo)
+    if as_json:
+        echo_json([d.to_dict() for _, stopped in result.services for d in stopped]
+                  + [d.to_dict() for d in result.jobs])
+    elif not result.services and not result.jobs and not result.failures:
+        click.echo("no active jobs or services to cancel")
+    for what, exc in result.failures[1:]:
+        click.echo(f"pbstk: warning: {what} was not cancelled: {exc.message}", err=True)
+    if result.failures:
+        what, exc = result.failures[0]
+        exc.message = f"{what} was not cancelled: {exc.message}"
+        raise exc
 
 
 @click.command()

@@ -14,14 +14,23 @@ from pbs_toolkit import __version__
 from pbs_toolkit.errors import PbstkError
 
 
+def one_line(text: str) -> str:
+    """``text`` with every control character written as its escape (``\\n``, ``\\r``, ``\\x1b``), as ``repr``
+    writes it: a user value that reached a message (a path, a name with a newline) cannot split the error line
+    or send terminal escapes."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class PbstkGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except PbstkError as exc:
-            click.echo(f"pbstk: error: {exc.message}", err=True)
+            click.echo(f"pbstk: error: {one_line(exc.message)}", err=True)
             for line in exc.details:
-                click.echo(f"  | {line}", err=True)
+                click.echo(f"  | {one_line(line)}", err=True)
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("pbstk: interrupted", err=True)

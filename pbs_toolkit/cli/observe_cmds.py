@@ -208,9 +208,28 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
             click.echo(f"c={r['concurrency']}: {err}", err=True)
 
 
+#: what ``tune`` compares without ``--presets``/``-p``
+TUNE_PRESETS = "dp4,tp4,tp2dp2,baseline-eager"
+
+
+def tune_presets(preset_list: str | None, preset: str | None) -> list[str]:
+    """The presets ``tune`` runs: ``--presets``, or ``-p``/``--preset`` (one name, or several with commas: a
+    user who names one preset means that one, not the four defaults), else :data:`TUNE_PRESETS`."""
+    from pbs_toolkit.errors import UsageError
+
+    if preset_list is not None and preset is not None:
+        raise UsageError("tune takes --presets or -p/--preset, not both")
+    text = preset_list if preset_list is not None else preset if preset is not None else TUNE_PRESETS
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise UsageError(f"tune needs at least one preset (got {text!r})")
+    return names
+
+
 @click.command()
 @click.argument("model", required=False)
-@click.option("--presets", "preset_list", default="dp4,tp4,tp2dp2,baseline-eager", show_default=True)
+@click.option("--presets", "preset_list", default=None,
+              help=f"Presets to compare, comma-separated (default: {TUNE_PRESETS}); -p NAME[,NAME] is the same.")
 @render_options
 @click.option("--concurrency", "-c", default="1,8,64", show_default=True)
 @click.option("--input-len", type=_TOKENS, default=128, show_default=True)
@@ -235,7 +254,12 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
          output: str | None,
          append: bool, save_default: bool, reports: tuple[str, ...], png: str | None, as_json: bool,
          **kw: Any) -> None:
-    """Launch each preset for MODEL, benchmark them identically, and recommend the fastest."""
+    """Launch each preset for MODEL, benchmark them identically, and recommend the fastest.
+
+    \b
+      pbstk tune MODEL -P polaris                  # dp4, tp4, tp2dp2, baseline-eager: four jobs
+      pbstk tune MODEL -P polaris -p dp4           # one preset, one job
+    """
     from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
     from pbs_toolkit.perf.tune import plot, render_table, require_matplotlib
@@ -251,7 +275,7 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
     else:
         if not model:
             raise UsageError("tune needs a MODEL (or --report FILE)")
-        names = [p.strip() for p in preset_list.split(",") if p.strip()]
+        names = tune_presets(preset_list, kw.pop("preset", None))
         with Client() as c:
             doc = c.tune(build_request(model, **kw), names, concurrencies=_int_list(concurrency),
                          input_len=input_len, output_len=output_len, num_prompts=num_prompts, rounds=rounds,

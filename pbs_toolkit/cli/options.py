@@ -72,6 +72,24 @@ class BoundedInt(click.ParamType):
         return number
 
 
+class Count(click.ParamType):
+    """A whole number for ``--replicas``: text that is not one is refused without advertising bounds nobody means
+    (the library refuses counts below 1 and above its own limit, in its own words)."""
+
+    name = "integer"
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        text = str(value).strip()
+        if not text.lstrip("+-").isdigit() or len(text) > 20:
+            raise UsageError(f"{_flag(param)} {value!r} is not a whole number of {self.what}")
+        return int(text)
+
+
 def _flag(param: click.Parameter | None) -> str:
     """``--timeout`` for an option (its longest name), ``value`` without one."""
     if param is None:
@@ -109,7 +127,8 @@ def render_options(f: F) -> F:
         click.option("--vllm-cache-root", help="VLLM_CACHE_ROOT on the compute node (compile cache)."),
         click.option("--eager/--no-eager", default=None, help="Override the preset's eager mode."),
         click.option("--vllm-arg", "vllm_args", multiple=True,
-                     help="Extra vLLM argument, passed through exactly (repeat; use --vllm-arg=--flag=value)."),
+                     help="Extra vLLM argument (repeat; use --vllm-arg=--flag=value); it replaces the "
+                          "preset's value of that flag."),
         click.option("--env", "env", multiple=True, help="K=V exported in the job (repeat)."),
     ]
     for option in reversed(options):
@@ -202,7 +221,7 @@ def read_key_env(name: str | None, environ: Mapping[str, str]) -> str | None:
         return None
     value = environ.get(name)
     if not value:
-        raise UsageError(f"--api-key-env {name}: that environment variable is empty or unset")
+        raise UsageError(f"--api-key-env {name!r}: that environment variable is empty or unset")
     if value != value.strip():
         raise UsageError(f"--api-key-env {name}: the key has leading or trailing whitespace")
     try:

@@ -206,7 +206,8 @@ def render(model: str, out_dir: str | None, run_dir: str | None, api_key_env: st
         echo_json(job.to_dict())
         return
     if out_dir is None:
-        click.echo(f"# ===== {job.script_name} (run directory {job.run_dir}) =====")
+        spread = f"{job.preset.name}: {layout_text(job)}; " if job.plan and job.plan.nnodes > 1 else ""
+        click.echo(f"# ===== {job.script_name} ({spread}run directory {job.run_dir}) =====")
         click.echo(job.job_script, nl=False)
         click.echo("# ===== start_vllm.sh =====")
         click.echo(job.start_script, nl=False)
@@ -221,12 +222,17 @@ def render(model: str, out_dir: str | None, run_dir: str | None, api_key_env: st
         echo_json({**job.to_dict(scripts=False), "written": written})
         return
     click.echo(f"wrote {out_dir}/{job.script_name} and {out_dir}/start_vllm.sh (preset {job.preset.name}, "
-               f"{job.preset.layout()})")
+               f"{layout_text(job)})")
     if not no_api_key:
         click.echo(f"API key: {out_dir}/api_key (0600; the server requires it); for clients: "
                    f"export PBSTK_API_KEY=\"$(cat {shlex.quote(os.path.join(out_dir, 'api_key'))})\"")
     click.echo(f"after submitting {out_dir}/{job.script_name} by hand: pbstk adopt JOBID {shlex.quote(out_dir)} "
                "(then status, wait, update-endpoint ... work on it)")
+
+
+def layout_text(job: Any) -> str:
+    """``DP4``, or ``DP4 on 2 nodes x 2 GPUs`` when the layout spans nodes: the first line says so."""
+    return job.preset.layout() + (job.plan.spread() if job.plan else "")
 
 
 @click.command()

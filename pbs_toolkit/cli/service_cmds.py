@@ -7,7 +7,16 @@ from typing import Any
 
 import click
 
-from pbs_toolkit.cli.options import SECONDS, BoundedInt, build_request, echo_json, read_key_env, render_options, table
+from pbs_toolkit.cli.options import (
+    SECONDS,
+    BoundedInt,
+    Count,
+    build_request,
+    echo_json,
+    read_key_env,
+    render_options,
+    table,
+)
 
 
 def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
@@ -25,7 +34,7 @@ def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
 
 @click.command()
 @click.argument("model")
-@click.option("--replicas", "-n", type=BoundedInt(-(10**6), 10**6), default=1, show_default=True,
+@click.option("--replicas", "-n", type=Count("replicas"), default=1, show_default=True,
               help="How many replica jobs serve behind the one URL.")
 @click.option("--nodes-per-replica", type=BoundedInt(1, 10000), help="Nodes of each replica job (--nodes).")
 @click.option("--keep-alive", is_flag=True, help="Keep a successor queued for every replica across walltimes.")

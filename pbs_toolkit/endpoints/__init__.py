@@ -122,6 +122,9 @@ def env_values(st: JobStatus, local_url: str | None = None) -> dict[str, str]:
     else:  # registries name NO_KEY_ENV for such servers; vLLM accepts any key when it has none
         values["OPENAI_API_KEY"] = "EMPTY"
         values[NO_KEY_ENV] = "EMPTY"
+    from pbs_toolkit.endpoints.no_proxy import no_proxy_value
+
+    values["NO_PROXY"] = values["no_proxy"] = no_proxy_value(base)  # a site's http_proxy cannot reach the node
     return values
 
 

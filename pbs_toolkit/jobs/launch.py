@@ -112,6 +112,12 @@ def launch(
     store = store or JobStore()
     if dry_run and runner is None:
         return _dry_run(req, use_api_key, api_key)
+    if not dry_run:  # no silent local server on a cluster's login node
+        from pbs_toolkit.jobs.render import request_flags, resolve_profile
+        from pbs_toolkit.settings.config import resolve_settings
+        from pbs_toolkit.settings.login_host import refuse_unchosen_local
+
+        refuse_unchosen_local(resolve_settings(request_flags(req)), resolve_profile(req)[0])
     own_runner = runner is None
     if runner is None:
         from pbs_toolkit.jobs.render import checked_profile

@@ -36,6 +36,7 @@ from pbs_toolkit.settings.placeholders import fill_profile
 from pbs_toolkit.settings.presets import Preset, load_preset, params_from_config, params_from_name, resolve_auto
 from pbs_toolkit.settings.profiles import Profile, load_profile, walltime_seconds
 from pbs_toolkit.settings.vllm_flags import check_env, check_flag, flag_name, is_automatic, version_tuple
+from pbs_toolkit.settings.vllm_overrides import apply_overrides
 from pbs_toolkit.transports.base import Runner
 from pbs_toolkit.vllm.startup import COMPILE_ERROR_RE, PORT_IN_USE_RE
 
@@ -509,14 +510,13 @@ def _vllm_args(
     req: RenderRequest, preset: Preset, profile: Profile, served: str, version: tuple[int, ...], plan: NodePlan
 ) -> tuple[list[str], list[str]]:
     """vLLM's command-line arguments (name, parallel layout, preset flags, ``--vllm-arg``s) and notes on what
-    was dropped because the profile's vLLM version refuses it or does it by itself. The same on every node:
-    the start script adds each node's rank-specific flags (``NodePlan.parallel_args`` says which are here)."""
-    args: list[str] = ["--served-model-name", served, *plan.parallel_args()]
+    was dropped (the profile's vLLM refuses it or does it itself, a ``--vllm-arg`` replaces it). The same on
+    every node: the start script adds each node's rank-specific flags (``NodePlan.parallel_args`` says which)."""
     notes: list[str] = []
-    args += _preset_flags(preset, profile, version, notes)
     check_vllm_args(req.vllm_args, version)
-    args += req.vllm_args
-    return args, notes
+    kept, overridden = apply_overrides(_preset_flags(preset, profile, version, notes), req.vllm_args, preset.name,
+                                       layout=plan.parallel_args())
+    return ["--served-model-name", served, *plan.parallel_args(), *kept, *req.vllm_args], notes + overridden
 
 
 def _preset_flags(preset: Preset, profile: Profile, version: tuple[int, ...], notes: list[str]) -> list[str]:

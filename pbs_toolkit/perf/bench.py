@@ -201,7 +201,8 @@ async def run_benchmark(
 
     started = time.perf_counter()
     async with httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout), limits=limits, transport=transport
+        timeout=httpx.Timeout(timeout), limits=limits, transport=transport,
+        trust_env=False,  # the endpoint is a node or a tunnel: a site's http_proxy cannot reach it
     ) as client:
         outcomes = await asyncio.gather(*(limited(client, i) for i in range(num_prompts)))
     duration = time.perf_counter() - started

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from pbs_toolkit.services.ready import RouteCheck
     from pbs_toolkit.settings.profiles import Profile
 
+#: the most replicas one service may have: each is a job of its own, and a typo should not queue thousands
+MAX_REPLICAS = 1000
 #: ``--handover`` default: the successor becomes eligible this long before its predecessor's walltime ends
 DEFAULT_HANDOVER_S = 600.0
 #: a running keeper whose last successful tick is older than 3 polls plus this is reported as making no progress
@@ -123,6 +125,8 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
 
     if opts.replicas < 1:
         raise UsageError(f"--replicas {opts.replicas}: a service needs at least 1 replica")
+    if opts.replicas > MAX_REPLICAS:
+        raise UsageError(f"--replicas {opts.replicas}: at most {MAX_REPLICAS} replicas per service (each is a job)")
     name = opts.name or slug(req.model.rsplit("/", 1)[-1])
     records.check_name(name)
     if opts.nodes_per_replica:

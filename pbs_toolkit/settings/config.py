@@ -172,6 +172,8 @@ def _checked_env(source: str, where: str, value: Any) -> dict[str, str | None]:
 
 def _env_value(key: str) -> Any:
     raw = os.environ.get(ENV_VARS[key])
+    if key == "ssh_host" and raw is not None and not raw.strip():
+        return ""  # PBSTK_SSH_HOST= (set, empty): no SSH, whatever the profile says
     if raw is None or raw == "":
         return None
     if profile_kinds().get(key) == "int":
@@ -214,6 +216,8 @@ def resolve_settings(flags: dict[str, Any]) -> Settings:
 
     overrides = {key: pick_all(key) for key in profile_kinds() if key != "env"}
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    if str(overrides.get("ssh_host", "")).strip().lower() == "none":  # --ssh none: no SSH (docs: login node)
+        overrides["ssh_host"] = ""
     env_layers = [(where, layer["env"]) for where, layer in reversed(layers) if layer.get("env")]
     preset = pick_all("preset")
     presets = _checked_default_presets(cfg, source)

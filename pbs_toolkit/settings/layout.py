@@ -46,6 +46,14 @@ class NodePlan:
     nccl_ifname: str = ""
     gloo_ifname: str = ""
 
+    def spread(self) -> str:
+        """`` on 2 nodes x 2 GPUs`` for a layout over several nodes (what the first line of ``launch``,
+        ``--dry-run`` and ``render`` adds, so a preset widened by ``--gpus-per-node`` is never a surprise);
+        empty on one node."""
+        if self.nnodes <= 1:
+            return ""
+        return f" on {self.nnodes} nodes x {self.tp * self.pp * self.dp // self.nnodes} GPUs"
+
     def parallel_args(self) -> list[str]:
         """The layout's vLLM flags that are the same on every node (rank-specific ones are the start script's).
 

@@ -71,6 +71,9 @@ class Profile:
     vllm_cache_root: str | None = None
     runs_root: str = "~/pbstk-runs"
     ssh_host: str | None = None
+    #: this cluster's login nodes (shell patterns of the host name): there, with the scheduler's submit program
+    #: on PATH, ``ssh_host`` is not used (settings/login_host.py)
+    login_hosts: list[str] = field(default_factory=list)
     address: str = "short"
     address_suffix: str = ""
     bind_host: str = "0.0.0.0"
@@ -128,7 +131,9 @@ class Profile:
         source = self.source
         if clean:
             source = f"{self.source} with {', '.join(sorted(clean))} from flags/PBSTK_*/config.yaml"
-        return validate(replace(self, **clean, source=source))
+        from pbs_toolkit.settings.login_host import without_ssh_here
+
+        return without_ssh_here(validate(replace(self, **clean, source=source)), set(clean))
 
     def to_dict(self) -> dict[str, Any]:
         """A ``profile`` object (``profiles --json``; docs/json.md): every setting, ``gpus`` added, and the value

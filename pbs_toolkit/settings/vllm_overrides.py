@@ -1,0 +1,66 @@
+"""A user's ``--vllm-arg`` replaces the preset's value for the same flag.
+
+vLLM's argument parser lets the last of two equal flags win, silently; pbstk puts the preset's flags first, so
+``--vllm-arg=--max-num-seqs=64`` on a preset with ``--max-num-seqs 512`` worked, but both reached vLLM and the
+command line (and the job record) said two things. Here the preset's flag is dropped instead and a note says
+so; ``--no-X`` and ``--X`` count as the same flag. The layout's own flags (``--tensor-parallel-size``, ...)
+are not a preset value to replace: pbstk sized the job for them, so a ``--vllm-arg`` that changes them is
+refused, naming the presets that give another layout.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from pbs_toolkit.errors import UsageError
+
+#: a negative number is a value, not a flag
+_NUMBER = re.compile(r"^-\d")
+#: vLLM's short spellings of the layout flags
+_ALIASES = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-pp": "--pipeline-parallel-size"}
+
+
+def chunks(args: list[str]) -> list[list[str]]:
+    """``args`` as one list per flag: the flag, then the values that follow it (``--a 1 --b=2 --c`` ->
+    ``[[--a, 1], [--b=2], [--c]]``); values before any flag are a chunk of their own."""
+    out: list[list[str]] = []
+    for arg in args:
+        if arg.startswith("-") and not _NUMBER.match(arg) or not out:
+            out.append([arg])
+        else:
+            out[-1].append(arg)
+    return out
+
+
+def base_name(flag: str) -> str:
+    """``--no-enforce-eager`` and ``--enforce-eager=true`` -> ``--enforce-eager``; ``-tp`` ->
+    ``--tensor-parallel-size``."""
+    name = flag.split("=", 1)[0]
+    return "--" + name[len("--no-"):] if name.startswith("--no-") else _ALIASES.get(name, name)
+
+
+def apply_overrides(preset_args: list[str], user_args: list[str], preset: str, *,
+                    layout: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """``preset_args`` without the flags ``user_args`` set again, and one note per flag dropped; a user flag
+    that sets one of the ``layout`` flags is refused (:func:`refuse_layout_flags`)."""
+    refuse_layout_flags(layout, user_args, preset)
+    users = {base_name(c[0]): c for c in chunks(user_args) if c[0].startswith("-")}
+    kept: list[str] = []
+    notes: list[str] = []
+    for chunk in chunks(preset_args):
+        user = users.get(base_name(chunk[0]))
+        if user is None:
+            kept += chunk
+        else:
+            notes.append(f"--vllm-arg {' '.join(user)} overrides preset {preset}'s {' '.join(chunk)}")
+    return kept, notes
+
+
+def refuse_layout_flags(layout_args: Sequence[str], user_args: list[str], preset: str) -> None:
+    """A ``--vllm-arg`` that sets one of the layout's flags (sized by pbstk: GPUs, nodes) is refused."""
+    owned = {base_name(c[0]) for c in chunks(list(layout_args))}
+    for chunk in chunks(user_args):
+        if base_name(chunk[0]) in owned:
+            raise UsageError(f"--vllm-arg {chunk[0]!r}: preset {preset} sets the parallel layout pbstk sizes the "
+                             "job for; pick a preset with the layout you want (`pbstk presets`)")
