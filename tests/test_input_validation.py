@@ -71,8 +71,9 @@ def assert_nothing_launched(user: Path) -> None:
     (["launch", MODEL, "--nodes", "99999999999999999999999"], "--nodes"),
     (["launch", MODEL, "--walltime", "99999999999999999999:00:00"], "at most 10000 hours"),
     (["launch", MODEL, "--walltime", "10001:00:00"], "at most 10000 hours"),
-    (["launch", MODEL, "--vllm-arg", ""], "--vllm-arg '' is empty"),
-    (["launch", MODEL, "--vllm-arg", "  "], "is empty"),
+    # a profile named: without one, a machine with sbatch or qsub on PATH (CI's has sbatch) refuses that first
+    (["launch", MODEL, "-P", "local", "--vllm-arg", ""], "--vllm-arg '' is empty"),
+    (["launch", MODEL, "-P", "local", "--vllm-arg", "  "], "is empty"),
     (["render", MODEL, "--vllm-arg=--max-model-len=4096", "--vllm-arg", ""], "is empty"),
 ])
 def test_bad_option_is_one_line_before_anything(isolated_user: Path, args: list[str], needle: str) -> None:

@@ -155,7 +155,7 @@ def test_a_worker_re_added_every_50ms_by_another_user_gets_no_request(router: An
     adds, answers = _attack(info, rogue, 3.0)
     assert rogue.seen == []  # not a request, not even a health check: the key never reached it
     assert set(adds) <= {400, 403} and adds[403] > 10, adds
-    assert set(answers) == {200} and answers[200] > 20, answers
+    assert set(answers) == {200} and answers[200] >= 10, answers  # without the front, ~half go to the rogue
     with open_admin(LocalRunner(), info) as admin:  # the owner (who holds the token) still manages it
         assert admin.workers() == [replica]
         admin.remove_worker(replica)
