@@ -221,7 +221,7 @@ def test_local_launch_register_complete_metrics_doctor_bench(tiny_model: str, tm
     findings = {f["code"] for f in json.loads(pbstk("doctor", job, "--json").stdout)["findings"]}
     for t in load:
         t.join()
-    assert "eager-mode" in findings
+    assert "eager-mode" not in findings, findings  # the cpu preset is eager by design: nothing to advise
     assert "kv-underused-seq-limit" in findings, findings
 
     assert_cancelled(job)
