@@ -256,7 +256,7 @@ def relay(front: Front, netns: int, public_sock: socket.socket, prom_sock: socke
 def processes() -> int:
     """How many processes relay (each its own core: one Python process tops out near one core)."""
     wanted = os.environ.get(PROCESSES_ENV, "")
-    return max(1, int(wanted)) if wanted.isdigit() else max(1, min(MAX_PROCESSES, os.cpu_count() or 1))
+    return max(1, int(wanted)) if wanted.isdigit() else max(1, min(MAX_PROCESSES, len(os.sched_getaffinity(0))))
 
 
 def fork_relays(n: int, front: Front, netns: int, socks: list[socket.socket]) -> list[int]:
