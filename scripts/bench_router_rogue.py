@@ -10,7 +10,8 @@ and answers, what the rogue received, the admin calls' answers, and the client's
     python scripts/bench_router_rogue.py                    # 20 s, router_isolation netns, then none
     python scripts/bench_router_rogue.py --seconds 5 --isolation netns
     python scripts/bench_router_rogue.py --overhead --seconds 10   # what the front costs, no rogue
-    python scripts/bench_router_rogue.py --streams 16 --seconds 10  # streamed chunks/s, the front's CPU a chunk
+    python scripts/bench_router_rogue.py --streams 128 --seconds 8  # streamed chunks/s, the front's CPU a chunk
+    python scripts/bench_router_rogue.py --streams 128 --pace-ms 5 --seconds 8  # a chunk every 5 ms a stream
 
 Measured here (2 shared CPU cores, loopback): netns: the rogue got 0 requests; none: about a third of them.
 """
