@@ -10,7 +10,8 @@ and answers, what the rogue received, the admin calls' answers, and the client's
     python scripts/bench_router_rogue.py                    # 20 s, router_isolation netns, then none
     python scripts/bench_router_rogue.py --seconds 5 --isolation netns
     python scripts/bench_router_rogue.py --overhead --seconds 10   # what the front costs, no rogue
-    python scripts/bench_router_rogue.py --streams 16 --seconds 10  # streamed chunks/s, the front's CPU a chunk
+    python scripts/bench_router_rogue.py --streams 128 --seconds 8  # streamed chunks/s, the front's CPU a chunk
+    python scripts/bench_router_rogue.py --streams 128 --pace-ms 5 --seconds 8  # a chunk every 5 ms a stream
 
 Measured here (2 shared CPU cores, loopback): netns: the rogue got 0 requests; none: about a third of them.
 """
@@ -18,6 +19,7 @@ Measured here (2 shared CPU cores, loopback): netns: the rogue got 0 requests; n
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import subprocess
@@ -86,38 +88,98 @@ def replica() -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("the stand-in replica did not start")
 
 
-def front_cpu_s(wrapper_pid: int) -> float:
-    """CPU seconds (user + system) used so far by the router's front, the child of pbstk's wrapper."""
+def front_cpu_s(run_dir: str) -> float:
+    """CPU seconds (user + system) used so far by the router's front: all its relay processes."""
+    total = 0.0
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
             cmdline = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == wrapper_pid and b"router_front.py" in cmdline:
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return 0.0
+        if f"{run_dir}/router_front.py".encode() in cmdline:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
-def stream(isolation: str, seconds: float, streams: int, tokens: int) -> None:
-    """``streams`` clients in a loop, each streaming ``tokens`` chunks per request: chunks/s, and the front's CPU."""
-    proc, replica_url = replica()
+def sse_server(tokens: int, pace_s: float) -> socket.socket:
+    """A fast streaming stand-in replica: ``tokens`` SSE chunks per completion, each its own send, as fast as it can
+    (the stand-in vLLM's Python HTTP server would be the bottleneck, not the front), or one every ``pace_s`` (then
+    no two chunks travel together, as with a real engine's tokens)."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    chunk = b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n'
+    other = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
+
+    def handle(sock: socket.socket) -> None:
+        with sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                more = sock.recv(65536)
+                if not more:
+                    return
+                data += more
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                           if line.startswith(b"content-length:")), 0)
+            while len(body) < length:
+                body += sock.recv(65536)
+            if b"completions" not in head.split(b"\r\n")[0]:
+                sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (len(other), other))
+                return
+            sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
+            for _ in range(tokens):
+                sock.sendall(chunk)
+                if pace_s:
+                    time.sleep(pace_s)
+            sock.sendall(b"data: [DONE]\n\n")
+
+    def accept() -> None:
+        while True:
+            try:
+                sock, _ = lsock.accept()
+            except OSError:
+                return  # closed: the run is over
+            threading.Thread(target=handle, args=(sock,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return lsock
+
+
+def stream(isolation: str, seconds: float, streams: int, tokens: int, pace_s: float) -> None:
+    """``streams`` raw-socket clients in a loop, each streaming ``tokens`` chunks per request from a fast stand-in:
+    chunks/s, and the front's CPU a chunk (both of its hops: worker -> router and router -> client)."""
+    upstream = sse_server(tokens, pace_s)
     runner = LocalRunner()
     with tempfile.TemporaryDirectory() as tmp:
-        info = start_router(runner, f"{tmp}/router", command=[str(ROUTER)], worker_urls=[replica_url],
+        info = start_router(runner, f"{tmp}/router", command=[str(ROUTER)],
+                            worker_urls=[f"http://127.0.0.1:{upstream.getsockname()[1]}"],
                             isolate=isolation == "netns")
         chunks: list[int] = [0] * streams
-        body = {**CHAT, "max_tokens": tokens, "stream": True}
+        body = json.dumps({**CHAT, "max_tokens": tokens, "stream": True}).encode()
+        request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                   b"content-type: application/json\r\nauthorization: Bearer %s\r\ncontent-length: %d\r\n\r\n%s"
+                   % (KEY.encode(), len(body), body))
 
         def client(i: int, deadline: float) -> None:
-            with requests.Session() as session:
-                while time.monotonic() < deadline:
-                    with session.post(f"{info.url}/v1/chat/completions", json=body, stream=True, timeout=60,
-                                      headers={"Authorization": f"Bearer {KEY}"}) as answer:
-                        chunks[i] += sum(1 for line in answer.iter_lines() if line.startswith(b"data: {"))
+            while time.monotonic() < deadline:
+                with socket.create_connection(("127.0.0.1", info.port), timeout=60) as sock:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sock.sendall(request)
+                    tail = b""
+                    while True:
+                        data = sock.recv(65536)
+                        if not data:
+                            break
+                        chunks[i] += (tail + data).count(b"data: {")
+                        tail = data[-6:]
 
         try:
-            cpu0 = front_cpu_s(info.pid)
+            for _ in range(2):  # warm up: the router's pool of connections, the front's processes
+                client(0, time.monotonic() + 0.5)
+            chunks[0] = 0
+            cpu0 = front_cpu_s(info.run_dir)
             start = time.monotonic()
             threads = [threading.Thread(target=client, args=(i, start + seconds)) for i in range(streams)]
             for t in threads:
@@ -125,15 +187,16 @@ def stream(isolation: str, seconds: float, streams: int, tokens: int) -> None:
             for t in threads:
                 t.join()
             elapsed = time.monotonic() - start
-            cpu = front_cpu_s(info.pid) - cpu0
+            cpu = front_cpu_s(info.run_dir) - cpu0
         finally:
             stop_router(runner, info, timeout=3)
-            proc.kill()
+            upstream.close()
     total = sum(chunks)
-    front = (f", the front used {cpu:.1f} CPU s ({1e6 * cpu / max(total, 1):.0f} us a chunk)"
+    front = (f", the front used {cpu:.2f} CPU s ({1e6 * cpu / max(total, 1):.1f} us a chunk, both hops)"
              if isolation == "netns" else "")
-    print(f"router_isolation {isolation}: {streams} streams x {tokens} tokens for {seconds:g} s: "
-          f"{total} chunks ({total / elapsed:.0f}/s){front}")
+    pace = f", one each {1000 * pace_s:g} ms" if pace_s else ""
+    print(f"router_isolation {isolation}: {streams} streams x {tokens} chunks{pace} for {seconds:g} s: "
+          f"{total} chunks ({total / elapsed:.0f}/s){front}", flush=True)
 
 
 def run(isolation: str, seconds: float, attack: bool = True) -> None:
@@ -199,10 +262,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=0,
                         help="no rogue: this many streaming clients; chunks/s and the front's CPU per chunk")
     parser.add_argument("--tokens", type=int, default=200, help="chunks per streamed answer (--streams)")
+    parser.add_argument("--pace-ms", type=float, default=0.0,
+                        help="--streams: the stand-in sends a chunk every this many ms (default: back to back)")
     args = parser.parse_args()
     for isolation in ("netns", "none") if args.isolation == "both" else (args.isolation,):
         if args.streams:
-            stream(isolation, args.seconds, args.streams, args.tokens)
+            stream(isolation, args.seconds, args.streams, args.tokens, args.pace_ms / 1000)
         else:
             run(isolation, args.seconds, attack=not args.overhead)
 

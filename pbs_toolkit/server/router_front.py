@@ -22,7 +22,6 @@ Usage: ``python3 router_front.py BIND PORT PROM_PORT -- ROUTER_COMMAND...`` (pbs
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import fcntl
 import hmac
@@ -32,8 +31,14 @@ import socket
 import struct
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from typing import Any
 from urllib.parse import urlsplit
+
+try:  # the package's copy (tests, mypy); on the router's host both files lie side by side in the run directory
+    from .router_relay import BadRequest, Conn, Pump, accept_loop, answer, both_ways, dial, exchange, ready, shut
+except ImportError:
+    from router_relay import BadRequest, Conn, Pump, accept_loop, answer, both_ways, dial, exchange, ready, shut  # type: ignore[no-redef]
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
@@ -46,9 +51,10 @@ PUBLIC_PATHS = frozenset({"/health", "/health_generate", "/liveness", "/readines
 PUBLIC_GET = frozenset({"/list_workers"})
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization",
                         b"proxy-authenticate", b"te", b"upgrade"})
-HEAD_LIMIT = 64 * 1024
 HEAD_WAIT_S = 60.0
-CHUNK = 64 * 1024
+PROCESSES_ENV = "PBSTK_ROUTER_FRONT_PROCESSES"
+MAX_PROCESSES = 4
+PR_SET_PDEATHSIG = 1
 
 
 def log(message: str) -> None:
@@ -97,15 +103,8 @@ def listener(host: str, port: int) -> socket.socket:
     s = socket.socket(family, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind((host, port))
-    s.listen(512)
-    s.setblocking(False)
+    s.listen(1024)
     return s
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, reason: str, text: str) -> None:
-        super().__init__(text)
-        self.status, self.reason, self.text = status, reason, text
 
 
 def parse_head(head: bytes) -> tuple[bytes, bytes, bytes, list[tuple[bytes, bytes]]]:
@@ -143,125 +142,30 @@ def rebuild(method: bytes, target: bytes, version: bytes, headers: list[tuple[by
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
-def closing(head: bytes) -> bytes:
-    """A response head that tells the client this connection ends with it (one request per connection here)."""
-    lines = head[:-4].split(b"\r\n")
-    kept = [ln for ln in lines[1:] if ln.partition(b":")[0].strip().lower() not in (b"connection", b"keep-alive")]
-    return b"\r\n".join([lines[0], *kept, b"connection: close"]) + b"\r\n\r\n"
-
-
 def allowed(method: bytes, path: str) -> bool:
     if path.startswith(PUBLIC_PREFIXES) or path in PUBLIC_PATHS:
         return True
     return method == b"GET" and path in PUBLIC_GET
 
 
-async def copy_exact(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-    while n > 0:
-        data = await reader.read(min(n, CHUNK))
-        if not data:
-            raise ConnectionError("body cut short")
-        writer.write(data)
-        await writer.drain()
-        n -= len(data)
-
-
-async def copy_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    while True:
-        line = await reader.readuntil(b"\r\n")
-        writer.write(line)
-        size = int(line.split(b";", 1)[0].strip() or b"x", 16)
-        if size == 0:
-            while True:
-                trailer = await reader.readuntil(b"\r\n")
-                writer.write(trailer)
-                if trailer == b"\r\n":
-                    await writer.drain()
-                    return
-        await copy_exact(reader, writer, size + 2)
-
-
-async def copy_all(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    while True:
-        data = await reader.read(CHUNK)
-        if not data:
-            return
-        writer.write(data)
-        await writer.drain()
-
-
-def close(writer: asyncio.StreamWriter) -> None:
-    try:
-        writer.close()
-    except OSError:
-        pass
-
-
-async def answer(writer: asyncio.StreamWriter, status: int, reason: str, text: str) -> None:
-    body = (text + "\n").encode()
-    writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-                 % (status, reason.encode(), len(body)) + body)
-    try:
-        await writer.drain()
-    except OSError:
-        pass
-
-
-async def exchange(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter, head: bytes, length: int | None,
-                   upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
-    """One request: its head and exactly its body upstream (never a byte more), the whole answer back."""
-    up_r, up_w = upstream
-    up_w.write(head)
-
-    async def send_body() -> None:
-        if length is None:
-            await copy_chunked(client_r, up_w)
-        else:
-            await copy_exact(client_r, up_w, length)
-
-    sender = asyncio.ensure_future(send_body())
-    try:
-        while True:  # interim answers (100 Continue) as they are, then the final one's head says "close"
-            head = await up_r.readuntil(b"\r\n\r\n")
-            if not head.startswith(b"HTTP/1.1 1") or head.startswith(b"HTTP/1.1 101"):
-                break
-            client_w.write(head)
-        client_w.write(closing(head))
-        await copy_all(up_r, client_w)
-    finally:
-        sender.cancel()
-        close(up_w)
-
-
-async def dial(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A connection from the host's network (a worker the router asked for); 502 when there is none."""
-    try:
-        return await asyncio.open_connection(host, port, limit=HEAD_LIMIT)
-    except OSError as exc:
-        raise BadRequest(502, "Bad Gateway", f"pbstk router front: {host}:{port}: {type(exc).__name__}") from None
-
-
 class Front:
     def __init__(self, token: str) -> None:
         self.token = token.encode()
-        self.netns = ThreadPoolExecutor(max_workers=1)  # its one thread lives in the router's network namespace
         self.router_port = 0
         self.router_prom_port = 0
+        self.pump: Pump
 
-    async def inside(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A connection to ``port`` on the namespace's loopback (the socket is made by the namespace's thread)."""
-        loop = asyncio.get_event_loop()
-        sock = await loop.run_in_executor(self.netns, socket.create_connection, ("127.0.0.1", port), 10)
-        sock.setblocking(False)
-        return await asyncio.open_connection(sock=sock, limit=HEAD_LIMIT)
+    def inside(self, port: int) -> socket.socket:
+        """A connection to ``port`` on the namespace's loopback (made by a thread that lives there)."""
+        return ready(socket.create_connection(("127.0.0.1", port), 10))
 
-    async def public(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def public(self, sock: socket.socket) -> None:
         """The public port: service traffic to the router; anything else only with the router's token."""
+        client = Conn(sock)
         try:
-            try:  # a client that never finishes its head does not hold a connection for ever
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_WAIT_S)
-            except asyncio.LimitOverrunError:
-                raise BadRequest(431, "Request Header Fields Too Large", "request head over 64 KiB") from None
+            sock.settimeout(HEAD_WAIT_S)  # a client that never finishes its head does not hold a connection for ever
+            head = client.read_until(b"\r\n\r\n")
+            sock.settimeout(None)
             method, target, version, headers = parse_head(head)
             path = target.split(b"?", 1)[0].decode("ascii", "replace")
             if not path.startswith("/") or "%" in path or "/." in path or "//" in path or "\\" in path:
@@ -273,65 +177,47 @@ class Front:
                                      f"pbstk router front: {path} is the router's admin API: its owner only")
             length = body_framing(headers)
             try:
-                upstream = await self.inside(self.router_port)
+                upstream = self.inside(self.router_port)
             except OSError:
                 raise BadRequest(502, "Bad Gateway", "pbstk router front: the router is not answering yet") from None
-            await exchange(reader, writer, rebuild(method, target, version, headers, b"127.0.0.1"), length, upstream)
+            exchange(client, rebuild(method, target, version, headers, b"127.0.0.1"), length, upstream, self.pump)
         except BadRequest as exc:
-            await answer(writer, exc.status, exc.reason, exc.text)
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError, ValueError):
+            answer(sock, exc.status, exc.reason, exc.text)
+        except (ConnectionError, OSError, ValueError):
             pass
-        finally:
-            close(writer)
 
-    async def egress(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def egress(self, sock: socket.socket) -> None:
         """The router's HTTP proxy (inside the namespace): its requests to workers, sent from the host's network."""
+        client = Conn(sock)
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            method, target, version, headers = parse_head(head)
+            method, target, version, headers = parse_head(client.read_until(b"\r\n\r\n"))
             if method == b"CONNECT":  # an https:// worker: a tunnel to that host and port
                 host, _, port = target.decode("ascii").rpartition(":")
-                up_r, up_w = await dial(host.strip("[]"), int(port))
-                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                await writer.drain()
-                pump = asyncio.ensure_future(copy_all(reader, up_w))
-                try:
-                    await copy_all(up_r, writer)
-                finally:
-                    pump.cancel()
-                    close(up_w)
+                up = dial(host.strip("[]"), int(port))
+                sock.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                up.sendall(client.buf)
+                both_ways(sock, up)
                 return
             url = urlsplit(target.decode("ascii"))
             if url.scheme != "http" or not url.hostname:
                 raise BadRequest(400, "Bad Request", "pbstk router front: only http:// targets")
             origin = (url.path or "/") + (f"?{url.query}" if url.query else "")
             length = body_framing(headers)
-            upstream = await dial(url.hostname, url.port or 80)
-            await exchange(reader, writer, rebuild(method, origin.encode(), version, headers, url.netloc.encode()),
-                           length, upstream)
+            upstream = dial(url.hostname, url.port or 80)
+            exchange(client, rebuild(method, origin.encode(), version, headers, url.netloc.encode()), length,
+                     upstream, self.pump)
         except BadRequest as exc:  # nothing was sent back yet: an answer of our own
-            await answer(writer, exc.status, exc.reason, exc.text)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError, ValueError):
+            answer(sock, exc.status, exc.reason, exc.text)
+        except (ConnectionError, OSError, ValueError):
             pass  # mid-answer: the connection just ends, as the worker's did
-        finally:
-            close(writer)
 
-    async def prometheus(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def prometheus(self, sock: socket.socket) -> None:
         """The public Prometheus port: a plain relay to the router's metrics endpoint (read-only)."""
         try:
-            up_r, up_w = await self.inside(self.router_prom_port)
+            up = self.inside(self.router_prom_port)
         except OSError:
-            close(writer)
             return
-        pump = asyncio.ensure_future(copy_all(reader, up_w))
-        try:
-            await copy_all(up_r, writer)
-        except OSError:
-            pass
-        finally:
-            pump.cancel()
-            close(up_w)
-            close(writer)
+        both_ways(sock, up)
 
 
 def start_router(command: list[str], router_port: int, prom_port: int, proxy_port: int) -> subprocess.Popen[bytes]:
@@ -346,7 +232,67 @@ def start_router(command: list[str], router_port: int, prom_port: int, proxy_por
     return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)  # noqa: S603 - an argument list
 
 
-async def serve(bind: str, port: int, prom_port: int, command: list[str]) -> int:
+def setns(fd: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def relay(front: Front, netns: int, public_sock: socket.socket, prom_sock: socket.socket,
+          proxy_sock: socket.socket) -> None:
+    """This process's relay threads: the egress proxy's from the host's network, the public ports' from inside."""
+    front.pump = Pump()
+
+    def inside() -> None:
+        setns(netns)  # this thread, and the threads it starts, connect to the router's loopback
+        threading.Thread(target=accept_loop, args=(prom_sock, front.prometheus), daemon=True).start()
+        accept_loop(public_sock, front.public)
+
+    threading.Thread(target=inside, daemon=True).start()
+    threading.Thread(target=accept_loop, args=(proxy_sock, front.egress), daemon=True).start()
+
+
+def processes() -> int:
+    """How many processes relay (each its own core: one Python process tops out near one core)."""
+    wanted = os.environ.get(PROCESSES_ENV, "")
+    return max(1, int(wanted)) if wanted.isdigit() else max(1, min(MAX_PROCESSES, len(os.sched_getaffinity(0))))
+
+
+def fork_relays(n: int, front: Front, netns: int, socks: list[socket.socket]) -> list[int]:
+    """``n`` more relay processes sharing the listening sockets (the kernel hands each connection to one of them).
+    They ignore the stop signals (the router drains through them) and die with this process."""
+    parent, pids = os.getpid(), []
+    for _ in range(n):
+        pid = os.fork()
+        if pid:
+            pids.append(pid)
+            continue
+        try:  # the child: no Python cleanup of the parent's state, ever
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+            if os.getppid() == parent:
+                relay(front, netns, *socks)
+                threading.Event().wait()
+        finally:
+            os._exit(0)
+    return pids
+
+
+def setup(front: Front, command: list[str], out: dict[str, Any]) -> None:
+    """In a thread of its own, which ends: the network namespace (kept by an open handle), the router in it."""
+    try:
+        enter_network_namespace()
+        out["netns"] = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        out["proxy"] = proxy_sock = listener("127.0.0.1", 0)
+        front.router_port, front.router_prom_port = inside_ports(2)
+        out["proc"] = start_router(command, front.router_port, front.router_prom_port, proxy_sock.getsockname()[1])
+    except OSError as exc:
+        out["error"] = exc
+
+
+def serve(bind: str, port: int, prom_port: int, command: list[str]) -> int:
     try:
         public_sock = listener(bind, port)
         prom_sock = listener(bind, prom_port)
@@ -357,36 +303,43 @@ async def serve(bind: str, port: int, prom_port: int, command: list[str]) -> int
     if not front.token:
         log(f"error: {TOKEN_ENV} is not set: the admin API would have no owner")
         return 1
-    loop = asyncio.get_event_loop()
+    made: dict[str, Any] = {}
     try:
-        enter_user_namespace()
-        await loop.run_in_executor(front.netns, enter_network_namespace)
+        enter_user_namespace()  # while this process has one thread only, as unshare wants
     except OSError as exc:
-        log(f"error: cannot give the router a private network namespace ({exc.strerror}): unprivileged user "
-            "namespaces are off on this host; set router_isolation: none in the profile to run it unprotected")
+        made["error"] = exc
+    else:
+        thread = threading.Thread(target=setup, args=(front, command, made))
+        thread.start()
+        thread.join()
+    if "error" in made:
+        log(f"error: cannot give the router a private network namespace ({made['error'].strerror}): unprivileged "
+            "user namespaces are off on this host; set router_isolation: none in the profile to run it unprotected")
         return 1
-    proxy_sock = await loop.run_in_executor(front.netns, listener, "127.0.0.1", 0)
-    front.router_port, front.router_prom_port = await loop.run_in_executor(front.netns, inside_ports, 2)
-    proc = await loop.run_in_executor(front.netns, start_router, command, front.router_port,
-                                      front.router_prom_port, proxy_sock.getsockname()[1])
-    servers = [await asyncio.start_server(front.public, sock=public_sock, limit=HEAD_LIMIT),
-               await asyncio.start_server(front.prometheus, sock=prom_sock, limit=HEAD_LIMIT),
-               await asyncio.start_server(front.egress, sock=proxy_sock, limit=HEAD_LIMIT)]
-    log(f"router pid {proc.pid} in a private network namespace; public {bind}:{port}, prometheus {prom_port}")
+    proc: subprocess.Popen[bytes] = made["proc"]
+    socks = [public_sock, prom_sock, made["proxy"]]
+    n = processes()
+    children = fork_relays(n - 1, front, made["netns"], socks)  # one thread here now: a clean fork
+    relay(front, made["netns"], *socks)
+    log(f"router pid {proc.pid} in a private network namespace; public {bind}:{port}, prometheus {prom_port}; "
+        f"{n} relay process(es)")
 
-    def stop(signum: int) -> None:  # new connections end; the router drains the ones it has, then we exit
-        servers[0].close()
-        servers[1].close()
+    def stop(signum: int, _frame: object) -> None:  # new connections end; the router drains the ones it has
+        shut(public_sock, socket.SHUT_RD)  # wakes and ends every process's accept on them
+        shut(prom_sock, socket.SHUT_RD)
         if proc.poll() is None:
             proc.send_signal(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        loop.add_signal_handler(sig, stop, sig)
+        signal.signal(sig, stop)
     try:
-        rc = await loop.run_in_executor(None, proc.wait)
+        rc = proc.wait()
     finally:
         if proc.poll() is None:  # the front failed: no router left behind, unreachable in its namespace
             proc.kill()
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
     log(f"the router exited ({rc})")
     return rc if rc >= 0 else 128 - rc
 
@@ -395,12 +348,7 @@ def main(argv: list[str]) -> int:
     if len(argv) < 5 or argv[3] != "--" or not argv[1].isdigit() or not argv[2].isdigit():
         log("usage: router_front.py BIND PORT PROM_PORT -- ROUTER_COMMAND...")
         return 2
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        return loop.run_until_complete(serve(argv[0], int(argv[1]), int(argv[2]), argv[4:]))
-    finally:
-        loop.close()
+    return serve(argv[0], int(argv[1]), int(argv[2]), argv[4:])
 
 
 if __name__ == "__main__":

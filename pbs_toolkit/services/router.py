@@ -74,6 +74,8 @@ LOG_FILE = "router.log"
 #: the front that keeps the router off the host's network (``server/router_front.py``), copied into the run dir
 FRONT_FILE = "router_front.py"
 FRONT_SOURCE = Path(__file__).resolve().parent.parent / "server" / FRONT_FILE
+#: every file the front needs on the router's host (its data path is a module of its own), copied side by side
+FRONT_SOURCES = (FRONT_SOURCE, FRONT_SOURCE.with_name("router_relay.py"))
 #: the header the front wants, with the router's admin token, on every admin call (``/add_worker``, ...)
 ADMIN_HEADER = "X-Pbstk-Router-Token"
 #: added before ``extra_args`` (argparse: a later repeat of an option wins, so callers can override each)
@@ -357,7 +359,8 @@ def start_router(
         if not python:
             raise RouterError(f"python3 not found on {_where(runner)}: the router's front needs it "
                               "(or set router_isolation: none in the profile: the router's admin API is then open)")
-        runner.write_bytes(f"{run_dir}/{FRONT_FILE}", FRONT_SOURCE.read_bytes(), 0o600)
+        for source in FRONT_SOURCES:
+            runner.write_bytes(f"{run_dir}/{source.name}", source.read_bytes(), 0o600)
     for _attempt in range(_BIND_ATTEMPTS):
         port, prom_port = _free_ports(runner, bind)
         token = secrets.token_hex(16)

@@ -36,8 +36,7 @@ from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.schedulers import JobRef, SchedState, backend_class, get_scheduler
 from pbs_toolkit.services.router import (
     DEFAULT_ARGS,
-    FRONT_FILE,
-    FRONT_SOURCE,
+    FRONT_SOURCES,
     INFO_FILE,
     LOG_FILE,
     SEEDED_POLICIES,
@@ -171,7 +170,8 @@ def submit(client: Client, rec: ServiceRecord, profile: Profile, command: list[s
         runner.write_bytes(f"{run_dir}/{ENTRY_SCRIPT}",
                            render_start_script(prof, run_dir, rec.name, command, rec.policy).encode(), 0o755)
         if prof.router_isolation != "none":  # the front (router_front.py) and its admin token, the owner's only
-            runner.write_bytes(f"{run_dir}/{FRONT_FILE}", FRONT_SOURCE.read_bytes(), 0o600)
+            for source in FRONT_SOURCES:
+                runner.write_bytes(f"{run_dir}/{source.name}", source.read_bytes(), 0o600)
             runner.write_bytes(f"{run_dir}/{TOKEN_FILE}", secrets.token_hex(16).encode(), 0o600)
 
     def recorded(job: JobRecord) -> None:
