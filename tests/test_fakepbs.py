@@ -39,7 +39,7 @@ class FakePbs:
     def run(self, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(  # noqa: S603 - fixed argv of the fake tools
             list(argv), cwd=self.submit_dir, env={**self.env, **(env or {})},
-            capture_output=True, text=True, timeout=20, check=False,
+            capture_output=True, text=True, timeout=60, check=False,  # bounded; 20 s was seen run out under CI load
         )
 
     def script(self, body: str, name: str = "job.sh") -> Path:

@@ -238,8 +238,8 @@ def test_clean_keeps_a_live_services_failed_replica_and_a_lost_one_never_stops_t
     try:
         foreign = f"http://127.0.0.1:{server.server_address[1]}"
         with router.open_admin(LocalRunner(), router.RouterInfo.from_dict(svc.router)) as admin:
-            admin.add_worker(foreign)  # what anyone who reaches the router's port can do
-            assert foreign in admin.workers()
+            admin.add_worker(foreign)  # what anyone who reaches the router's port can do (raises if refused)
+            # (not asserted present: the keeper's probe may already have swept it)
             wait_for(lambda: foreign not in admin.workers(), 15, "the foreign worker removed")
     finally:
         server.shutdown()
