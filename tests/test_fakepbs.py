@@ -396,7 +396,7 @@ def test_full_env_with_quotes_breaks_json(pbs: FakePbs) -> None:
 
 
 def test_text_formats(pbs: FakePbs) -> None:
-    jobid = pbs.submit("sleep 30\n", "-N", "textjob")
+    jobid = pbs.submit("sleep 300\n", "-N", "textjob")  # still R when qstat lists it, however loaded the machine
     pbs.wait_state(jobid, "R")
     table = pbs.run("qstat").stdout.splitlines()
     assert table[0].startswith("Job id") and any(" R " in line and "textjob" in line for line in table[2:])
