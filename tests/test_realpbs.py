@@ -13,13 +13,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import MODEL
+from helpers import MODEL, wait_for
 
 PBS_EXEC = Path("/opt/pbs")
 NETNS = "pbsns"
@@ -70,15 +69,9 @@ def qstat_json(*jobs: str) -> dict[str, Any]:
     return dict(json.loads(result.stdout).get("Jobs") or {})
 
 
-def poll(check: Any, timeout: float, what: str, every: float = 2.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(every)
+def poll(check: Any, timeout: float, what: str) -> Any:
+    """helpers.wait_for, asking the real server every 2 s (each status is a real qstat)."""
+    return wait_for(check, timeout, what, interval=2.0)
 
 
 PROFILE = """name: {name}
