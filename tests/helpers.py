@@ -3,6 +3,7 @@ the job queries built on it. Import them by name (``from helpers import until``)
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import time
@@ -150,3 +151,29 @@ def wait_recorded(job: str, state: str, timeout: float = 15.0, *, interval: floa
         return st if JobStore().find(job).final_state == state else None
 
     return dict(wait_for(check, timeout, f"{job} recorded as {state}", interval=interval))
+
+
+def set_faults(home: Path, **faults: Any) -> None:
+    """The fake PBS's faults (tests/fakepbs/README.md) for the server in ``home``."""
+    (home / "faults.json").write_text(json.dumps(faults))
+
+
+def fake_jobs(home: Path) -> dict[str, str]:
+    """id -> state of every job the fake PBS in ``home`` has."""
+    out = {}
+    for path in (home / "jobs").glob("*.json"):
+        data = json.loads(path.read_text())
+        out[data["id"]] = data["attrs"]["job_state"]
+    return out
+
+
+class HealthOnly(http.server.BaseHTTPRequestHandler):
+    """A worker that answers ``/health`` and nothing else (a foreign worker someone adds to a router)."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers import MODEL, pbstk, until
+from helpers import MODEL, fake_jobs, pbstk, set_faults, until
 
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.schedulers import JobRef
@@ -37,19 +37,6 @@ def start_launch(*args: str) -> subprocess.Popen[str]:
     """``pbstk launch`` as a separate process with this test's isolated environment."""
     return subprocess.Popen([sys.executable, "-m", "pbs_toolkit", *args],  # noqa: S603
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def fake_jobs(home: Path) -> dict[str, str]:
-    """id -> state of every job the fake PBS has."""
-    out = {}
-    for path in (home / "jobs").glob("*.json"):
-        data = json.loads(path.read_text())
-        out[data["id"]] = data["attrs"]["job_state"]
-    return out
-
-
-def set_faults(home: Path, **faults: object) -> None:
-    (home / "faults.json").write_text(json.dumps(faults))
 
 
 def qsub_started(home: Path) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from click.testing import Result
 from conftest import read_calls
-from helpers import MODEL, path_without, pbstk, status_of, wait_for, wait_recorded
+from helpers import MODEL, path_without, pbstk, set_faults, status_of, wait_for, wait_recorded
 
 from pbs_toolkit.jobs.store import JobStore
 
@@ -52,10 +52,6 @@ def wait_state(job: str, *states: str, timeout: float = 15.0) -> dict[str, Any]:
 
 def fake_job(home: Path, job_id: str) -> dict[str, Any]:
     return dict(json.loads((home / "jobs" / f"{job_id.split('.')[0]}.json").read_text()))
-
-
-def set_faults(home: Path, **faults: Any) -> None:
-    (home / "faults.json").write_text(json.dumps(faults))
 
 
 def marker(job: str) -> dict[str, Any] | None:

@@ -17,11 +17,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import read_calls
-from helpers import MODEL, pbstk, until, wait_for
+from helpers import MODEL, HealthOnly, fake_jobs, pbstk, set_faults, until, wait_for
 from test_service import ROUTER, alive, service_json, svc_profile  # noqa: F401  (fixture)
 from test_service_pbs import pbs_svc  # noqa: F401  (fixture)
 
@@ -40,19 +39,6 @@ def start(*args: str, session: bool = False) -> subprocess.Popen[str]:
     """``pbstk ARGS`` as a real process with this test's environment (``session``: in its own process group)."""
     return subprocess.Popen([sys.executable, "-m", "pbs_toolkit", *args],  # noqa: S603
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=session)
-
-
-def fake_jobs(home: Path) -> dict[str, str]:
-    """id -> state of every job the fake PBS has."""
-    out = {}
-    for path in (home / "jobs").glob("*.json"):
-        data = json.loads(path.read_text())
-        out[data["id"]] = data["attrs"]["job_state"]
-    return out
-
-
-def set_faults(home: Path, **faults: Any) -> None:
-    (home / "faults.json").write_text(json.dumps(faults))
 
 
 def block_qsub(home: Path) -> Path:
@@ -233,7 +219,7 @@ def test_clean_keeps_a_live_services_failed_replica_and_a_lost_one_never_stops_t
     JobStore().remove(JobStore().find(failed))
     _ticks_ok("cl")
     assert service_json("cl")["state"] == "DEGRADED"
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Healthy)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HealthOnly)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         foreign = f"http://127.0.0.1:{server.server_address[1]}"
@@ -244,16 +230,6 @@ def test_clean_keeps_a_live_services_failed_replica_and_a_lost_one_never_stops_t
     finally:
         server.shutdown()
     assert pbstk("cancel", "cl").exit_code == 0
-
-
-class _Healthy(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        self.send_response(200 if self.path == "/health" else 404)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
 
 
 def test_a_corrupt_store_keeps_its_services(svc_profile: str) -> None:  # noqa: F811

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import HealthOnly
 
 from pbs_toolkit.client import Client
 from pbs_toolkit.errors import PbstkError
@@ -71,22 +72,12 @@ def test_one_router_connection_across_ticks_reopened_after_a_failure(isolated_us
                 router.stop_router(runner, info, timeout=3)
 
 
-class _Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        self.send_response(200 if self.path == "/health" else 404)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 def test_a_worker_someone_else_added_is_removed_in_the_next_tick(isolated_user: Path, tmp_path: Path) -> None:
     """The router's admin API has no authentication: a worker the service did not add (it would receive prompts
     with the service's key) leaves the router in the keeper's next tick."""
     runner = LocalRunner()
     info = router.start_router(runner, str(tmp_path / "r"), command=[str(ROUTER)])
-    foreign = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    foreign = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HealthOnly)
     threading.Thread(target=foreign.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{foreign.server_address[1]}"

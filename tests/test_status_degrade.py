@@ -9,16 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import MODEL, launch, pbstk
+from helpers import MODEL, launch, pbstk, set_faults
 
 from pbs_toolkit.jobs.store import JobStore
 
 LOCAL = ["launch", MODEL, "--profile", "local-gpu", "--gpus-per-node", "1", "--preset", "single", "--port", "auto"]
 REFUSED = {"rc": 2, "stderr": "qstat: Permission denied\n"}
-
-
-def set_faults(home: Path, **faults: Any) -> None:
-    (home / "faults.json").write_text(json.dumps(faults))
 
 
 def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,15 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import MODEL, launch, marker, pbstk, status_of, until
+from helpers import MODEL, launch, marker, pbstk, set_faults, status_of, until
 
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 
 HEADER = '{"timestamp":1795400000,"pbs_version":"23.06.06","pbs_server":"fakepbs"}'
-
-
-def set_faults(home: Path, **faults: Any) -> None:
-    (home / "faults.json").write_text(json.dumps(faults))
 
 
 def unknown(job: str, stdout: str = "") -> dict[str, Any]:
