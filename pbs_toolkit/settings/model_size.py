@@ -60,6 +60,11 @@ def checkpoint_bytes(model_dir: str, runner: Runner | None) -> int | None:
             total = runner.size(path) if runner is not None else os.path.getsize(path)
         except OSError:
             total = None
+    return _weight_bytes(total)
+
+
+def _weight_bytes(total: object) -> int | None:
+    """A weights index's ``total_size`` if it is a plausible byte count, else ``None``."""
     if isinstance(total, bool) or not isinstance(total, int) or not 0 < total <= _MAX_BYTES:
         return None
     return total
@@ -81,25 +86,21 @@ def hub_lookup(model: str) -> tuple[dict[str, Any] | None, int | None]:
     token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     timeout = env_float("PBSTK_HUB_TIMEOUT", 3.0, lambda v: 0 < v <= 60)
-    found: list[dict[str, Any] | None] = []
-    try:
-        with httpx.Client(timeout=timeout, headers=headers, follow_redirects=True) as http:
-            for name in ("config.json", INDEX_FILE):
+    with httpx.Client(timeout=timeout, headers=headers, follow_redirects=True) as http:
+
+        def get(name: str) -> dict[str, Any] | None:
+            try:
                 answer = http.get(f"{base}/{model}/resolve/main/{name}")
-                try:
-                    data = answer.json() if answer.status_code == 200 else None
-                except ValueError:
-                    data = None
-                found.append(data if isinstance(data, dict) else None)
-                if found[0] is None:  # no config (gated, missing, offline): the index is not worth a second wait
-                    return None, None
-    except httpx.HTTPError:
-        found += [None] * (2 - len(found))
-    config, index = found
-    meta = (index or {}).get("metadata")
-    total = meta.get("total_size") if isinstance(meta, dict) else None
-    weights = total if isinstance(total, int) and not isinstance(total, bool) and 0 < total <= _MAX_BYTES else None
-    return config, weights
+                data = answer.json() if answer.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return None
+            return data if isinstance(data, dict) else None
+
+        config = get("config.json")
+        if config is None:  # gated, missing, unreachable: the index is not worth a second wait
+            return None, None
+        meta = (get(INDEX_FILE) or {}).get("metadata")
+    return config, _weight_bytes(meta.get("total_size") if isinstance(meta, dict) else None)
 
 
 def json_file(path: Path) -> dict[str, Any] | None:
