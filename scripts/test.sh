@@ -49,7 +49,7 @@ export PBSTK_TEST_REQUIRE_SLURM=1  # so was Slurm: a missing one fails the Slurm
 # Parallel: tests that share a costly session fixture (the Slurm cluster, the render matrix) are one xdist group on
 # one worker (tests/conftest.py marks them); the e2e tests are collected first so the longest start first.
 # --durations=20: the slowest tests at the end of every run.
-workers="${PBSTK_TEST_WORKERS:-8}"
+workers="${PBSTK_TEST_WORKERS:-6}"
 parallel=()
 [ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadgroup)
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "${parallel[@]}" --durations=20 "$@"
