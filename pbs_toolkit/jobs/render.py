@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from pbs_toolkit import __version__
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.schedulers import backend_class
+from pbs_toolkit.server.coldstart import COLDSTART_BODY, coldstart_context, container_command, container_note
 from pbs_toolkit.server.phases import bash_assignments
 from pbs_toolkit.settings.config import flag_name as setting_flag
 from pbs_toolkit.settings.config import resolve_settings
@@ -98,6 +99,8 @@ class RenderedJob:
     notes: list[str]
     params_b: float | None = None
     plan: NodePlan | None = None
+    #: the container command vLLM starts with (server/coldstart.py), ``None`` without a container
+    container_command: list[str] | None = None
 
     @property
     def script_name(self) -> str:
@@ -111,6 +114,7 @@ class RenderedJob:
             "scheduler": self.profile.scheduler, "run_dir": self.run_dir, "port": self.port,
             "vllm_args": self.vllm_args, "notes": self.notes,
             "nodes": self.plan.nnodes if self.plan else 1, "node_engine": self.plan.engine if self.plan else "single",
+            "container_command": self.container_command,
         }
 
     def to_dict(self, *, dry_run: bool = False, scripts: bool = True) -> dict[str, Any]:
@@ -372,6 +376,8 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
     port, fixed_port = _port(req, profile)
     run_dir = _run_dir(req, profile, job_name, runner)
     profile = _expand_profile_paths(profile, runner)
+    container = container_command(profile, run_dir, model_path, args)
+    notes += container_note(container)
 
     context = {
         "version": __version__, "model": req.model, "model_path": model_path, "preset": preset,
@@ -381,6 +387,7 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
         "compile_error_re": COMPILE_ERROR_RE, "port_in_use_re": PORT_IN_USE_RE,
         "proxy": any(k.lower() in ("http_proxy", "https_proxy") for k in env),
         "phase_lines": bash_assignments(), "plan": plan,
+        **coldstart_context(req.model, preset.layout(), plan.nnodes, profile),
     }
     backend = backend_class(profile.scheduler)
     jenv = _environment(backend.template_dir)
@@ -389,7 +396,7 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
         start_script=render_start_script(jenv, context),
         run_dir=run_dir, job_name=job_name, model=req.model, served_model_name=served, preset=preset,
         profile=profile, port=port, fixed_port=fixed_port, vllm_args=args, notes=notes, params_b=params,
-        plan=plan,
+        plan=plan, container_command=container,
     )
 
 
@@ -596,6 +603,7 @@ def _expand_profile_paths(profile: Profile, runner: Runner | None) -> Profile:
         venv=expand(profile.venv) if profile.venv else None,
         hf_home=expand(profile.hf_home) if profile.hf_home else None,
         vllm_cache_root=expand(profile.vllm_cache_root) if profile.vllm_cache_root else None,
+        container=expand(profile.container) if profile.container and "://" not in profile.container else profile.container,
     )
 
 
@@ -610,7 +618,8 @@ def render_start_script(jenv: Any, context: dict[str, Any]) -> str:
     The body is plain bash kept in its own file so shellcheck reads it as it runs; everything that differs
     between launches is a variable in the header, and the body branches on those with bash ``if``s.
     """
-    return jenv.get_template(_HEADER).render(**context) + _BODY.read_text(encoding="utf-8")
+    return (jenv.get_template(_HEADER).render(**context) + COLDSTART_BODY.read_text(encoding="utf-8")
+            + _BODY.read_text(encoding="utf-8"))
 
 
 @functools.lru_cache(maxsize=1)

@@ -117,6 +117,7 @@ pbstk_fail() {
 }
 
 pbstk_state "$PHASE_SETUP"
+pbstk_startup_mark job  # cold-start timeline (server/coldstart.sh)
 
 # --- site setup from the profile: its lines run here, at the top level, exactly as written ---
 if [ "${#SITE_SETUP[@]}" -gt 0 ]; then
@@ -142,6 +143,7 @@ if [ -n "$VLLM_CACHE_DIR" ]; then
   export VLLM_CACHE_ROOT="$VLLM_CACHE_DIR"
   mkdir -p "$VLLM_CACHE_ROOT"
 fi
+pbstk_startup_mark setup
 
 # --- vLLM puts ZMQ IPC sockets under $TMPDIR; a Unix socket path must fit in 107 bytes, and a batch job's
 # TMPDIR (/var/tmp/pbs.<full job id>) plus vLLM's 37-character names can exceed that ---
@@ -359,6 +361,8 @@ fi
 if [ -n "${PBSTK_VLLM_LAUNCHER:-}" ]; then
   # A wrapper that receives the vLLM command as arguments (profiling, containers, tests).
   VLLM_CMD=("$PBSTK_VLLM_LAUNCHER" "${VLLM_CMD[@]}")
+elif [ -n "$CONTAINER_IMAGE" ]; then
+  :  # vLLM is in the image: pbstk_coldstart_prepare checks the runtime and the image
 elif [ "$VLLM_ENTRYPOINT" = api_server ]; then
   if ! python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)' 2>/dev/null; then
     pbstk_fail "vLLM is not installed in the job's environment (python: $(command -v python || echo none)); set the profile's venv or setup lines, or pass --venv" 127
@@ -366,6 +370,7 @@ elif [ "$VLLM_ENTRYPOINT" = api_server ]; then
 elif ! command -v vllm >/dev/null 2>&1; then
   pbstk_fail "vLLM is not installed in the job's environment (no vllm on PATH); set the profile's venv or setup lines, or pass --venv" 127
 fi
+pbstk_coldstart_prepare  # container, keyed compile cache, node-local JIT caches, compile wait (server/coldstart.sh)
 
 # shellcheck disable=SC2317  # invoked by the trap below
 pbstk_stop() {
@@ -675,11 +680,13 @@ pbstk_attempt() {
     "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" "${extra[@]}" &
   fi
   SERVER_PID=$!
+  pbstk_startup_mark vllm
   pbstk_state "$PHASE_STARTING"
   while kill -0 "$SERVER_PID" 2>/dev/null; do
     if [ "$READY" = false ] && pbstk_port_in_use "$PORT"; then
       READY=true
       pbstk_state "$PHASE_READY"
+      pbstk_coldstart_ready
       pbstk_log "vLLM is listening on $ADDRESS:$PORT"
     fi
     [ "$NNODES" -gt 1 ] && pbstk_head_watch
@@ -737,6 +744,7 @@ while true; do
   fi
   break
 done
+pbstk_compile_release  # a start that never got ready leaves the compile to the next engine
 if [ "$READY" = true ]; then
   pbstk_log "vLLM exited with code $RC"
   pbstk_state "$PHASE_EXITED" "$RC"

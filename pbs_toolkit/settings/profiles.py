@@ -69,6 +69,10 @@ class Profile:
     hf_home: str | None = None
     hf_hub_offline: bool = False
     vllm_cache_root: str | None = None
+    #: a container image (Apptainer/Singularity .sif, or docker://...) that vLLM runs in; empty: no container
+    container: str = ""
+    #: the runtime that runs ``container``: apptainer or singularity (docs/coldstart.md)
+    container_runtime: str = "apptainer"
     runs_root: str = "~/pbstk-runs"
     ssh_host: str | None = None
     #: this cluster's login nodes (shell patterns of the host name): there, with the scheduler's submit program
@@ -233,6 +237,7 @@ def validate(p: Profile) -> Profile:
         raise ConfigError(f"{where}: key 'vllm_version': {exc}") from exc
     _validate_multinode(p, where)
     _validate_router(p, where)
+    _validate_container(p, where)
     for key in ("runs_root", "venv", "hf_home", "vllm_cache_root"):
         value = getattr(p, key)
         if value is not None and ("\n" in value or not value.strip()):
@@ -259,6 +264,17 @@ def _validate_multinode(p: Profile, where: str) -> None:
     if isinstance(gb, bool) or not isinstance(gb, int) or not 0 <= gb <= MAX_GPU_MEMORY_GB:
         raise ConfigError(f"{where}: key 'gpu_memory_gb' must be a whole number of GB between 0 (unknown) and "
                           f"{MAX_GPU_MEMORY_GB}, got {gb!r}")
+
+
+def _validate_container(p: Profile, where: str) -> None:
+    """The container keys: a runtime pbstk knows, an image named on one line."""
+    from pbs_toolkit.server.coldstart import CONTAINER_RUNTIMES
+
+    if p.container_runtime not in CONTAINER_RUNTIMES:
+        raise ConfigError(f"{where}: key 'container_runtime' must be one of {', '.join(CONTAINER_RUNTIMES)}, "
+                          f"got {p.container_runtime!r}")
+    if p.container and ("\n" in p.container or not p.container.strip() or not p.container.isprintable()):
+        raise ConfigError(f"{where}: key 'container' must be an image path or URI on one line")
 
 
 def _validate_router(p: Profile, where: str) -> None:
