@@ -99,10 +99,13 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
     nothing is recorded then. With no JOB: every job that has not ended (``--all`` for all).
     UPTIME and WALLTIME-LEFT come from the scheduler; ``!`` marks a job within 10 minutes of its walltime.
     A job over several nodes is READY only with every node up (DETAIL ``2/2 nodes``); a failed node is named.
+    While STARTING, DETAIL adds the start-up phase under way and its seconds so far, and the longest phase when a
+    finished one took longer (``--json``: the ``startup`` object, seconds per phase; docs/coldstart.md).
     One scheduler query per call.
     """
     from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
+    from pbs_toolkit.jobs.startup_phases import startup_text
 
     with Client() as c:
         both = service_cmds.status_services(c, jobs, show_all, as_json)  # services above jobs, one query
@@ -120,6 +123,8 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
     rows = []
     for s in results:
         detail = s.phase if s.state.value == "STARTING" else (s.comment if s.state.value == "PENDING" else s.reason)
+        if s.state.value == "STARTING" and (took := startup_text(s.startup)):  # docs/coldstart.md
+            detail = f"{detail} ({took})" if detail else took
         if s.state.value == "READY" and s.nodes_text:  # READY 2/2 nodes
             detail = f"{s.nodes_text}; {detail}" if detail else s.nodes_text
         uptime, left = time_cells(s)

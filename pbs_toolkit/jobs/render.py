@@ -603,7 +603,7 @@ def _expand_profile_paths(profile: Profile, runner: Runner | None) -> Profile:
         venv=expand(profile.venv) if profile.venv else None,
         hf_home=expand(profile.hf_home) if profile.hf_home else None,
         vllm_cache_root=expand(profile.vllm_cache_root) if profile.vllm_cache_root else None,
-        container=expand(profile.container) if profile.container and "://" not in profile.container else profile.container,
+        container=expand(profile.container) if profile.container.startswith("~") else profile.container,
     )
 
 

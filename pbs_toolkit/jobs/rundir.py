@@ -46,6 +46,8 @@ class RunDirView:
     nodes: NodesView | None = None
     #: the marker says the server is ready but its address cannot be reached from the runner's machine, in words
     unreachable: str | None = None
+    #: ``startup.log``, the start script's start-up timeline (jobs/startup_phases.py); ``None`` before it exists
+    startup_log: str | None = None
 
 
 def _port(value: Any) -> int | None:
@@ -113,6 +115,7 @@ def look(runner: Runner, record: JobRecord, sched: SchedulerJob | None) -> RunDi
         log_size = None
     view.fingerprint = [log_size, zlib.crc32(raw) if raw is not None else None]
     view.nodes = read_nodes(runner, record.run_dir, view.marker)
+    view.startup_log = read_startup_log(runner, record)
     marker = view.marker or {}
     if marker.get("port") and marker.get("phase") in LISTENING_PHASES:
         host, port = marker.get("address") or "127.0.0.1", int(marker["port"])
@@ -126,6 +129,16 @@ def look(runner: Runner, record: JobRecord, sched: SchedulerJob | None) -> RunDi
             else:
                 view.identity = probe.identify(runner, host, port, record.api_key, record.served_model_name)
     return view
+
+
+def read_startup_log(runner: Runner, record: JobRecord) -> str | None:
+    """``startup.log`` while the breakdown is not frozen in the record yet (jobs/startup_phases.py)."""
+    if "startup" in record.extra:
+        return None
+    try:
+        return runner.read_bytes(f"{record.run_dir}/startup.log")[:65536].decode("utf-8", "replace")
+    except OSError:
+        return None
 
 
 def look_all(runner: Runner, jobs: Sequence[tuple[JobRecord, SchedulerJob | None]]) -> list[RunDirView]:

@@ -29,6 +29,7 @@ from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, SchedulerError, SchedulerUnavailable, TransportError
 from pbs_toolkit.jobs.nodes import NodeMarker, NodesView, node_log_name, node_phase_text
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView, look, look_all
+from pbs_toolkit.jobs.startup_phases import STARTUP_KEY, job_startup, to_freeze
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.schedulers import JobRef, Outcome, SchedState, SchedulerJob, get_scheduler
 from pbs_toolkit.server.phases import FINAL_PHASES, Phase
@@ -100,6 +101,8 @@ class JobStatus:
     nodes: list[dict[str, Any]] = field(default_factory=list)
     #: the worker whose failure ended the job (its log is ``vllm.node<K>.log``); ``None``: the head, or none
     failed_node: int | None = None
+    #: seconds per start-up phase (jobs/startup_phases.py; docs/coldstart.md); ``None`` when nothing tells
+    startup: dict[str, Any] | None = None
 
     @property
     def nodes_text(self) -> str | None:
@@ -147,7 +150,7 @@ class JobStatus:
             "walltime_left_s": _rounded(self.walltime_left_s), "walltime_ending": self.walltime_ending,
             "estimated_start": self.estimated_start,
             "nnodes": self.nnodes, "nodes_ready": self.nodes_ready, "nodes": self.nodes,
-            "failed_node": self.failed_node,
+            "failed_node": self.failed_node, "startup": self.startup,
         }
 
 
@@ -434,6 +437,10 @@ def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, st
         where = f"{view.marker.get('address') or '127.0.0.1'}:{view.marker['port']}"
         if record.extra.get(VERIFIED_KEY) != where:
             _save(store, record, **{VERIFIED_KEY: where})
+    st.startup = job_startup(record, st.state.value, view.startup_log, current_attempt(view.lines),
+                             eager=record.spec.eager or st.eager_fallback)
+    if freeze := to_freeze(st.state.value, st.startup, record):
+        _save(store, record, **freeze)
     if view.problem:
         st.reason = f"{st.reason} ({view.problem})" if st.reason else view.problem
         if st.state is ServerState.STARTING:
@@ -577,4 +584,4 @@ def recorded_status(record: JobRecord) -> JobStatus:
     return JobStatus(record=record, state=ServerState(record.final_state or "UNKNOWN"),
                      reason=extra.get("final_reason") or "(final state recorded earlier)",
                      exit_status=extra.get("exit_status"), scheduler_state=extra.get("final_scheduler_state"),
-                     log_excerpt=list(extra.get("log_excerpt") or []))
+                     log_excerpt=list(extra.get("log_excerpt") or []), startup=extra.get(STARTUP_KEY))
