@@ -72,6 +72,7 @@ def isolated_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
     monkeypatch.setenv("XDG_STATE_HOME", str(home / "state"))
     monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
     monkeypatch.setenv("PBSTK_RUNS_ROOT", str(home / "runs"))
+    monkeypatch.setenv("PBSTK_JIT_DIR", str(home / "jit"))  # start scripts' node-local JIT caches (not /tmp)
     monkeypatch.setenv("PBSTK_POLL_INTERVALS", "0.3,0.5,1")
     monkeypatch.setenv("PBSTK_SSH_PERSIST", "0")  # no background SSH holders unless a test asks (test_ssh_holder)
     monkeypatch.setenv("PBSTK_HUB_LOOKUP", "0")  # never the Hub from a test: test_auto_size serves one on loopback

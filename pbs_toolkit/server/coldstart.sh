@@ -2,12 +2,13 @@
 # Cold start (docs/coldstart.md): the start-up timeline, the keyed compile cache, node-local JIT caches, the wait
 # for another engine's compile, and containers. Functions only (and their defaults): rendered between the settings
 # header and the body (pbs_toolkit/server/start_vllm.sh), which calls them from a few hook lines.
-: "${CACHE_KEY_MODEL:=model}" "${CACHE_KEY_LAYOUT:=layout}" "${COMPILE_WAIT_S:=1200}"
+: "${CACHE_KEY_MODEL:=model}" "${CACHE_KEY_LAYOUT:=layout}"
 : "${CONTAINER_IMAGE:=}" "${CONTAINER_RUNTIME:=apptainer}" "${STAGE_TO_DIR:=}"
 STARTUP_LOG="$RUN_DIR/startup.log"
 COMPILE_OWNER=false
 COMPILE_LOCK=
 COMPILE_DONE=
+JIT_BASE=
 
 # pbstk_startup_mark EVENT: one line "EVENT EPOCH MM-DD HH:MM:SS" in RUN_DIR/startup.log (the head's, or the only
 # node's). The local time next to the epoch lets pbstk place vLLM's own log times (local, no year) on the timeline.
@@ -68,10 +69,16 @@ pbstk_key_part() { local s=${1//[^A-Za-z0-9._-]/-}; printf '%s' "${s:-unknown}";
 
 # JIT caches (Triton kernels, FlashInfer, torch extensions, CUDA's own) stay on this node: sharing them over a
 # network filesystem between nodes corrupts or stalls them. Values the profile's env already set are kept.
+# The directory is the user's own (mode 700): in a shared /tmp, one that someone else made, or a link, is not
+# trusted with compiled kernels, and a fresh private one is used instead.
 pbstk_jit_local() {
   local base
   base="${PBSTK_JIT_DIR:-/tmp/pbstk-jit-$(id -u 2>/dev/null || echo user)}"
-  mkdir -p "$base" 2>/dev/null && chmod 700 "$base" 2>/dev/null
+  (umask 077 && mkdir -p "$base") 2>/dev/null
+  if [ -L "$base" ] || ! [ -O "$base" ] || [ -n "$(find "$base" -maxdepth 0 -perm /077 2>/dev/null)" ]; then
+    base=$(mktemp -d "${TMPDIR:-/tmp}/pbstk-jit.XXXXXX") || { pbstk_log "warning: no private JIT cache directory"; return 0; }
+  fi
+  JIT_BASE=$base
   export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$base/triton}"
   export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$base/flashinfer}"
   export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$base/torch_extensions}"
@@ -98,6 +105,9 @@ pbstk_cache_key() {
 # owner fails (lock gone without the marker: the next one takes it) or the wait runs out.
 pbstk_compile_wait() {
   local waited=0 owner_since now
+  # the bound: PBSTK_COMPILE_WAIT_S (the profile's env may set it), 20 minutes by default
+  COMPILE_WAIT_S=${PBSTK_COMPILE_WAIT_S:-1200}
+  [[ $COMPILE_WAIT_S =~ ^[0-9]+$ ]] || COMPILE_WAIT_S=1200
   COMPILE_LOCK="$VLLM_CACHE_ROOT/.pbstk-compiling"
   COMPILE_DONE="$VLLM_CACHE_ROOT/.pbstk-compiled"
   [ "$EAGER" = true ] && return 0  # eager engines compile nothing
@@ -139,17 +149,24 @@ CONTAINER_CMD=()
 pbstk_container_prefix() {
   local dir
   local -a binds=()
-  for dir in "$RUN_DIR" "$HF_HOME_DIR" "$VLLM_CACHE_DIR" "$STAGE_TO_DIR" "${PBSTK_JIT_DIR:-}"; do
-    [ -n "$dir" ] && binds+=(--bind "$dir")
+  # a bind whose source is missing stops the runtime: create the directories vLLM writes into
+  # the runtime binds /tmp itself; a JIT directory elsewhere (PBSTK_JIT_DIR) is bound like the others
+  [[ $JIT_BASE == /tmp/* ]] && JIT_BASE=
+  for dir in "$RUN_DIR" "$HF_HOME_DIR" "$VLLM_CACHE_DIR" "$STAGE_TO_DIR" "$JIT_BASE"; do
+    [ -n "$dir" ] || continue
+    # the runtime splits --bind values at ',' and ':' (several binds, SRC:DST:OPTS): such a path cannot be bound
+    [[ $dir == *[,:]* ]] && pbstk_fail "cannot bind $dir into the container: its path holds ',' or ':'"
+    mkdir -p "$dir" 2>/dev/null && binds+=(--bind "$dir")
   done
   # a model given as a directory must be seen inside too
-  [ -d "$MODEL" ] && binds+=(--bind "$MODEL")
+  [ -d "$MODEL" ] && [[ $MODEL != *[,:]* ]] && binds+=(--bind "$MODEL")
   CONTAINER_CMD=("$CONTAINER_RUNTIME" exec --nv "${binds[@]}" "$CONTAINER_IMAGE")
 }
 
 # Called once the body has VLLM_CMD (every node): the container around it, the keyed cache, JIT caches, and on the
 # head (or the only node) the wait for another engine's compile.
 pbstk_coldstart_prepare() {
+  pbstk_jit_local
   if [ -n "$CONTAINER_IMAGE" ]; then
     command -v "$CONTAINER_RUNTIME" >/dev/null 2>&1 \
       || pbstk_fail "$CONTAINER_RUNTIME is not on PATH on $NODE (profile keys container / container_runtime)" 127
@@ -160,7 +177,6 @@ pbstk_coldstart_prepare() {
     VLLM_CMD=("${CONTAINER_CMD[@]}" "${VLLM_CMD[@]}")
     pbstk_log "vLLM runs in a container: ${CONTAINER_CMD[*]}"
   fi
-  pbstk_jit_local
   JOB_TORCH=unknown
   [ -n "$VLLM_CACHE_DIR" ] || return 0
   pbstk_cache_key
