@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import until
 
 from pbs_toolkit.jobs.render import RenderRequest, render
-from tests.helpers import until
 
 MODEL = "Qwen/Qwen3-0.6B"
 

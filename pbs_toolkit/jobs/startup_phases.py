@@ -15,6 +15,7 @@ has no compile; a log without timestamps leaves imports..graphs to ``api_up``).
 from __future__ import annotations
 
 import calendar
+import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ READY_AT_KEY = "ready_verified_at"
 STARTUP_KEY = "startup"
 #: vLLM log points outside the attempt's marks by more than this (seconds) are some other clock's: ignored
 _SLACK_S = 5.0
+_EPOCH = re.compile(r"\d{1,12}(?:\.\d{1,9})?")
 _WEIGHTS_END = ("Model loading took", "Loading weights took", "Loading model weights took")
 _WEIGHTS_START = ("Starting to load model", "Loading safetensors checkpoint shards", "Loading model", "Loading weights")
 _COMPILE_END = ("torch.compile takes",)
@@ -55,7 +57,7 @@ def parse_timeline(text: str) -> Timeline:
             tl.log_lines.append(line[4:])
             continue
         parts = line.split()
-        if len(parts) != 4 or not parts[1].isdigit():
+        if len(parts) != 4 or not _EPOCH.fullmatch(parts[1]):
             continue
         event, epoch = parts[0], float(parts[1])
         if event != "job" or "job" not in tl.marks:
@@ -64,7 +66,8 @@ def parse_timeline(text: str) -> Timeline:
             year = time.gmtime(epoch).tm_year
             local = _local_seconds(f"{parts[2]} {parts[3]}", year)
             if local is not None:
-                tl.offset, tl.year = epoch - local, year
+                # zones are whole quarter hours: the rounding drops the mark's sub-second part and clock jitter
+                tl.offset, tl.year = round((epoch - local) / 900) * 900.0, year
     return tl
 
 

@@ -48,6 +48,8 @@ class DoctorContext:
     eager_fallback: bool = False
     #: the job's state (``READY``: the server answers, so earlier attempts' fatal lines are history)
     state: str = ""
+    #: ``status --json``'s start-up breakdown (jobs/startup_phases.py), when known
+    startup: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -410,6 +412,24 @@ def rule_fatal(ctx: DoctorContext) -> list[Finding]:
     return [Finding("server-failed", "high", "The server failed", "log: " + " | ".join(fatal), fix)]
 
 
+def rule_slow_start(ctx: DoctorContext) -> list[Finding]:
+    from pbs_toolkit.perf.startup_advice import slow_start
+
+    said = slow_start(ctx.startup)
+    return [Finding("slow-start", "low", *said)] if said else []
+
+
+def rule_container(ctx: DoctorContext) -> list[Finding]:
+    from pbs_toolkit.perf.startup_advice import container_command
+
+    command = container_command(ctx.log_lines)
+    if command is None:
+        return []
+    return [Finding("container", "info", "vLLM runs in a container", f"log: {command}",
+                    "Nothing to fix: this is the exact command (profile keys container / container_runtime). "
+                    "Every directory vLLM needs must be among its --bind paths.")]
+
+
 Rule = Callable[[DoctorContext], list[Finding]]
 RULES: tuple[Rule, ...] = (
     rule_fatal,
@@ -422,6 +442,8 @@ RULES: tuple[Rule, ...] = (
     rule_small_batched_tokens,
     rule_compile_cache,
     rule_prefix_caching_off,
+    rule_slow_start,
+    rule_container,
 )
 
 

@@ -60,4 +60,5 @@ def doctor_context(runner: Runner, st: JobStatus, snapshot: MetricsSnapshot | No
         device="cpu" if spec.layout == "cpu" else "gpu",
         eager_fallback=st.eager_fallback and not spec.eager,
         state=st.state.value,
+        startup=st.startup,
     )

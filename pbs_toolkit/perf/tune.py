@@ -184,6 +184,7 @@ def _tune_one(base: RenderRequest, name: str, runner: Runner, store: JobStore, c
     """Launch one preset, wait, benchmark, cancel; the run's entry (with ``error`` when it failed)."""
     from pbs_toolkit.jobs.launch import cancel, launch
     from pbs_toolkit.jobs.readiness import wait_until_ready
+    from pbs_toolkit.jobs.startup_phases import ready_seconds
     from pbs_toolkit.perf.benchjob import benchmark_ready_job
 
     def show_note(message: str) -> None:
@@ -201,7 +202,10 @@ def _tune_one(base: RenderRequest, name: str, runner: Runner, store: JobStore, c
     try:
         t0 = time.monotonic()
         st = wait_until_ready(record, timeout=timeout, store=store, runner=runner, on_progress=show)
-        entry.ready_s = round(time.monotonic() - t0, 1)
+        # the start's own seconds, without the queue, as status --json's startup phases count them
+        entry.ready_s = ready_seconds(st.startup) or round(time.monotonic() - t0, 1)
+        if st.startup:
+            entry.other["startup"] = st.startup["phases"]
         entry.eager_fallback = st.eager_fallback
         progress(f"[{name}] ready after {entry.ready_s} s; benchmarking at {list(concurrencies)}")
         entry.results = benchmark_ready_job(st, concurrencies, input_len=input_len, output_len=output_len,

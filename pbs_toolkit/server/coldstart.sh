@@ -12,9 +12,13 @@ JIT_BASE=
 
 # pbstk_startup_mark EVENT: one line "EVENT EPOCH MM-DD HH:MM:SS" in RUN_DIR/startup.log (the head's, or the only
 # node's). The local time next to the epoch lets pbstk place vLLM's own log times (local, no year) on the timeline.
+# The epoch has microseconds where bash has EPOCHREALTIME (5.0+; a locale may write its decimal point as ',').
 pbstk_startup_mark() {
+  local now=${EPOCHREALTIME:-} stamp
   [ "${NODE_ROLE:-false}" = true ] && [ "${NODE_RANK:-0}" != 0 ] && return 0
-  printf '%s %s\n' "$1" "$(date '+%s %m-%d %H:%M:%S')" >>"$STARTUP_LOG" 2>/dev/null
+  stamp=$(date '+%s %m-%d %H:%M:%S')
+  now=${now/,/.}
+  printf '%s %s %s\n' "$1" "${now:-${stamp%% *}}" "${stamp#* }" >>"$STARTUP_LOG" 2>/dev/null
   return 0
 }
 
