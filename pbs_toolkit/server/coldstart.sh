@@ -115,7 +115,8 @@ pbstk_compile_wait() {
   COMPILE_LOCK="$VLLM_CACHE_ROOT/.pbstk-compiling"
   COMPILE_DONE="$VLLM_CACHE_ROOT/.pbstk-compiled"
   [ "$EAGER" = true ] && return 0  # eager engines compile nothing
-  pbstk_torch_shares_cache "$JOB_TORCH" && return 0
+  # PBSTK_COMPILE_SERIAL=1 (the profile's env): one compiler at a time whatever the torch (to measure it)
+  [ "${PBSTK_COMPILE_SERIAL:-}" != 1 ] && pbstk_torch_shares_cache "$JOB_TORCH" && return 0
   [ -e "$COMPILE_DONE" ] && return 0
   while true; do
     if mkdir "$COMPILE_LOCK" 2>/dev/null; then
