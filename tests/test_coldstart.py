@@ -263,3 +263,19 @@ def test_old_torch_wait_is_bounded_and_new_torch_never_waits(make_job: Any, tmp_
     job2.start(PYTHONPATH=str(new))
     job2.wait_phase("ready")
     assert "another engine is compiling" not in job2.log
+    # PBSTK_COMPILE_SERIAL=1 (the profile's env) serialises the compile whatever the torch
+    job3 = make_job({"vllm_cache_root": str(cache), "env": {"PBSTK_COMPILE_WAIT_S": "1", "PBSTK_COMPILE_SERIAL": "1"}})
+    job3.start(PYTHONPATH=str(new))
+    job3.wait_phase("ready")
+    assert "did not finish in 1 s; starting anyway" in job3.log
+
+
+def test_every_node_of_a_multinode_job_starts_in_the_image(make_job: Any, tmp_path: Path) -> None:
+    image = tmp_path / "vllm.sif"
+    image.write_bytes(b"SIF")
+    job = make_job({"container": str(image), "gpus_per_node": 1}, preset="dp2", nodes=2)
+    job.start()
+    job.wait_phase("ready", timeout=30)
+    starts = [c["argv"] for c in job.records("container.jsonl") if "serve" in c["argv"]]
+    assert len(starts) == 2 and all(a[:2] == ["exec", "--nv"] and str(image) in a for a in starts)
+    assert sum("--headless" in a for a in starts) == 1  # the head and its worker, both inside

@@ -520,11 +520,11 @@ pbstk_ray_head() {
   pbstk_write_head
   ATTEMPT=0
   pbstk_log "starting the Ray head on $ADDRESS:$RPC_PORT"
-  ray start --head --node-ip-address="$ADDRESS" --port="$RPC_PORT" --block &
+  "${CONTAINER_CMD[@]}" ray start --head --node-ip-address="$ADDRESS" --port="$RPC_PORT" --block &  # in the image, if any
   RAY_PID=$!
   for ((i = 0; i < ${RAY_WAIT_S:-600}; i++)); do
     kill -0 "$RAY_PID" 2>/dev/null || pbstk_fail "the Ray head exited before the cluster formed"
-    count=$(ray status --address "$ADDRESS:$RPC_PORT" 2>/dev/null | grep -cE '^ *[0-9]+ node_')
+    count=$("${CONTAINER_CMD[@]}" ray status --address "$ADDRESS:$RPC_PORT" 2>/dev/null | grep -cE '^ *[0-9]+ node_')
     [ "$count" -ge "$NNODES" ] && { pbstk_log "Ray cluster has $count nodes"; return 0; }
     pbstk_head_watch
     [ "$HEAD_ACTION" = stop ] && pbstk_stop
@@ -570,7 +570,7 @@ pbstk_worker() {
     restart=false
     if [ "$NODE_ENGINE" = ray ]; then
       pbstk_log "attempt $ATTEMPT: joining the Ray cluster at $HEAD_ADDR:$RPC_PORT as $ADDRESS"
-      ray start --address="$HEAD_ADDR:$RPC_PORT" --node-ip-address="$ADDRESS" --block &
+      "${CONTAINER_CMD[@]}" ray start --address="$HEAD_ADDR:$RPC_PORT" --node-ip-address="$ADDRESS" --block &
     else
       pbstk_log "attempt $ATTEMPT: starting vLLM node $NODE_RANK on $ADDRESS: ${VLLM_CMD[*]} ${VLLM_ARGS[*]} ${extra[*]} ${ENGINE_FLAGS[*]}"
       "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" "${extra[@]}" "${ENGINE_FLAGS[@]}" &
