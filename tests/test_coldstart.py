@@ -279,3 +279,30 @@ def test_every_node_of_a_multinode_job_starts_in_the_image(make_job: Any, tmp_pa
     starts = [c["argv"] for c in job.records("container.jsonl") if "serve" in c["argv"]]
     assert len(starts) == 2 and all(a[:2] == ["exec", "--nv"] and str(image) in a for a in starts)
     assert sum("--headless" in a for a in starts) == 1  # the head and its worker, both inside
+
+
+def test_an_owner_that_fails_leaves_the_compile_to_the_next_engine(make_job: Any, tmp_path: Path) -> None:
+    site = fake_packages(tmp_path / "site", torch="2.9.1")
+    cache = tmp_path / "cache"
+    job = make_job({"vllm_cache_root": str(cache)})
+    job.start(PYTHONPATH=str(site), PBSTK_TEST_STANDIN_MODE="fatal")
+    job.wait_phase("failed")
+    assert job.proc is not None and job.proc.wait(timeout=10) != 0
+    root = _keyed_root(cache)
+    assert "compiling into" in job.log
+    assert not (root / ".pbstk-compiling").exists() and not (root / ".pbstk-compiled").exists()
+
+
+def test_an_owner_cancelled_while_compiling_releases_the_lock(make_job: Any, tmp_path: Path) -> None:
+    site = fake_packages(tmp_path / "site", torch="2.9.1")
+    cache = tmp_path / "cache"
+    job = make_job({"vllm_cache_root": str(cache)})
+    job.start(PYTHONPATH=str(site), PBSTK_TEST_STANDIN_MODE="hang")
+    job.wait_phase("starting")
+    root = _keyed_root(cache)
+    assert (root / ".pbstk-compiling").is_dir()
+    assert job.proc is not None
+    os.kill(job.proc.pid, signal.SIGTERM)  # the scheduler's cancel reaches the start script
+    job.wait_phase("cancelled")
+    until(lambda: not (root / ".pbstk-compiling").exists(), 10, "the lock released")
+    assert not (root / ".pbstk-compiled").exists()
