@@ -201,11 +201,13 @@ pbstk_compile_wait() {
   COMPILE_LOCK="$VLLM_CACHE_ROOT/.pbstk-compiling"
   COMPILE_DONE="$VLLM_CACHE_ROOT/.pbstk-compiled"
   [ "$EAGER" = true ] && return 0  # eager engines compile nothing
-  pbstk_torch_shares_cache "$JOB_TORCH" && return 0
+  # PBSTK_COMPILE_SERIAL=1 (the profile's env): one compiler at a time whatever the torch (to measure it)
+  [ "${PBSTK_COMPILE_SERIAL:-}" != 1 ] && pbstk_torch_shares_cache "$JOB_TORCH" && return 0
   [ -e "$COMPILE_DONE" ] && return 0
   while true; do
     if mkdir "$COMPILE_LOCK" 2>/dev/null; then
       COMPILE_OWNER=true
+      trap pbstk_compile_release EXIT  # a start that fails or is cancelled before READY leaves the lock to the next
       printf '%s %s %s\n' "$(date +%s)" "$NODE" "${PBSTK_JOB_ID:-}" >"$COMPILE_LOCK/owner" 2>/dev/null
       [ "$waited" -gt 0 ] && pbstk_startup_mark compile-wait-end
       pbstk_log "compiling into $VLLM_CACHE_ROOT first (torch $JOB_TORCH < 2.10: other engines wait for this one)"
@@ -797,11 +799,11 @@ pbstk_ray_head() {
   pbstk_write_head
   ATTEMPT=0
   pbstk_log "starting the Ray head on $ADDRESS:$RPC_PORT"
-  ray start --head --node-ip-address="$ADDRESS" --port="$RPC_PORT" --block &
+  "${CONTAINER_CMD[@]}" ray start --head --node-ip-address="$ADDRESS" --port="$RPC_PORT" --block &  # in the image, if any
   RAY_PID=$!
   for ((i = 0; i < ${RAY_WAIT_S:-600}; i++)); do
     kill -0 "$RAY_PID" 2>/dev/null || pbstk_fail "the Ray head exited before the cluster formed"
-    count=$(ray status --address "$ADDRESS:$RPC_PORT" 2>/dev/null | grep -cE '^ *[0-9]+ node_')
+    count=$("${CONTAINER_CMD[@]}" ray status --address "$ADDRESS:$RPC_PORT" 2>/dev/null | grep -cE '^ *[0-9]+ node_')
     [ "$count" -ge "$NNODES" ] && { pbstk_log "Ray cluster has $count nodes"; return 0; }
     pbstk_head_watch
     [ "$HEAD_ACTION" = stop ] && pbstk_stop
@@ -847,7 +849,7 @@ pbstk_worker() {
     restart=false
     if [ "$NODE_ENGINE" = ray ]; then
       pbstk_log "attempt $ATTEMPT: joining the Ray cluster at $HEAD_ADDR:$RPC_PORT as $ADDRESS"
-      ray start --address="$HEAD_ADDR:$RPC_PORT" --node-ip-address="$ADDRESS" --block &
+      "${CONTAINER_CMD[@]}" ray start --address="$HEAD_ADDR:$RPC_PORT" --node-ip-address="$ADDRESS" --block &
     else
       pbstk_log "attempt $ATTEMPT: starting vLLM node $NODE_RANK on $ADDRESS: ${VLLM_CMD[*]} ${VLLM_ARGS[*]} ${extra[*]} ${ENGINE_FLAGS[*]}"
       "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" "${extra[@]}" "${ENGINE_FLAGS[@]}" &
