@@ -47,6 +47,11 @@ def describe(st: Any, now: float | None = None) -> str:
             detail = f"{detail}; {estimated_start(st.estimated_start, now)}"
     elif st.state.final:
         detail = st.reason or detail
+    elif st.state.value == "STARTING":
+        from pbs_toolkit.jobs.startup_phases import startup_text
+
+        took = startup_text(getattr(st, "startup", None))  # docs/coldstart.md
+        detail = f"{detail} ({took})" if took and detail else (took or detail)
     return detail
 
 
