@@ -235,8 +235,8 @@ def test_old_torch_second_engine_waits_for_the_first_compile(make_job: Any, tmp_
     assert done.exists()
     until(lambda: not lock.exists(), 5, "no lock left (the second engine found the cache filled)")
     assert "first (torch" not in second.log  # it did not take the lock: it found the cache filled
-    marks = {line.split()[0]: float(line.split()[1]) for line in (second.run_dir / "startup.log").read_text().splitlines()
-             if not line.startswith("log ")}
+    timeline = (second.run_dir / "startup.log").read_text().splitlines()
+    marks = {line.split()[0]: float(line.split()[1]) for line in timeline if not line.startswith("log ")}
     first_api = next(float(line.split()[1]) for line in (first.run_dir / "startup.log").read_text().splitlines()
                      if line.startswith("api "))
     assert marks["compile-wait"] <= first_api <= marks["compile-wait-end"] <= marks["vllm"]

@@ -3,6 +3,7 @@ and the store's submit time, in ``status --json``'s ``startup`` object and the h
 
 from __future__ import annotations
 
+import calendar
 import json
 import time
 from pathlib import Path
@@ -156,3 +157,14 @@ def test_doctor_names_the_longest_phase_of_a_slow_start_and_shows_the_container_
     quick = breakdown(T0, parse_timeline(timeline(("job", T0), ("vllm", T0 + 1), ("api", T0 + 40))),
                       verified_at=T0 + 41)
     assert not {"slow-start", "container"} & {f.code for f in diagnose(DoctorContext(startup=quick))}
+
+
+def test_a_recorded_vllm_start_splits_at_its_own_lines() -> None:
+    # a real vLLM 0.11 start with CUDA graphs (tests/data/observe); its node's marks put on the same clock as its log
+    lines = (Path(__file__).parent / "data" / "observe" / "startup-graphs.log").read_text().splitlines()
+    start = calendar.timegm(time.strptime("2025-11-20 14:02:11", "%Y-%m-%d %H:%M:%S"))  # its first line, as UTC
+    text = f"job {start - 5} 11-20 14:02:06\nvllm {start} 11-20 14:02:11\napi {start + 103} 11-20 14:03:54\n"
+    got = breakdown(start - 10, parse_timeline(text), lines, verified_at=start + 104)
+    assert got["phases"] == {"queued": 5, "setup": 5, "stage_copy": None, "compile_wait": None, "imports": 19,
+                             "weights": 6, "compile": 44, "graphs": 17, "api_up": 17, "verified_ready": 1}
+    assert (got["longest"], got["total_s"]) == ("compile", 114)
