@@ -308,3 +308,11 @@ def test_an_owner_cancelled_while_compiling_releases_the_lock(make_job: Any, tmp
     job.wait_phase("cancelled")
     until(lambda: not (root / ".pbstk-compiling").exists(), 10, "the lock released")
     assert not (root / ".pbstk-compiled").exists()
+
+
+def test_container_path_takes_the_account_placeholder(tmp_path: Path) -> None:
+    prof = tmp_path / "site.yaml"
+    prof.write_text(json.dumps({"name": "site", "scheduler": "pbs", "queue": "debug",
+                                "container": "/eagle/projects/{account}/images/vllm.sif"}))
+    rendered = render(RenderRequest(model=MODEL, profile=str(prof), account="P1", run_dir=str(tmp_path / "r")))
+    assert "CONTAINER_IMAGE=/eagle/projects/P1/images/vllm.sif\n" in rendered.start_script

@@ -23,7 +23,7 @@ PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*)\}")
 #: the literal old profiles shipped for the user to edit; never a real project name
 LITERAL_PLACEHOLDERS = ("YOUR_PROJECT",)
 #: profile keys whose values may hold placeholders
-FILLED_KEYS = ("runs_root", "venv", "hf_home", "vllm_cache_root", "setup", "env", "extra_directives")
+FILLED_KEYS = ("runs_root", "venv", "hf_home", "vllm_cache_root", "setup", "env", "extra_directives", "container")
 #: placeholder -> the setting it comes from (``None``: not a setting)
 SOURCES = {"account": "account", "project": "account", "queue": "queue", "user": None, "profile": None}
 
