@@ -175,6 +175,7 @@ def _router_job(rec: Any, st: Any) -> str:
 def show_service(st: Any) -> None:
     """``status NAME`` of a service: its line, then each replica."""
     from pbs_toolkit.cli.job_cmds import time_cells
+    from pbs_toolkit.jobs.startup_phases import startup_text
 
     rec = st.record
     click.echo(f"service {rec.name}: {st.summary}  {st.url or '-'}")
@@ -192,6 +193,8 @@ def show_service(st: Any) -> None:
                 continue
             uptime, left = time_cells(s)
             detail = s.comment if s.state.value == "PENDING" else (s.phase if s.state.value == "STARTING" else s.reason)
+            if s.state.value == "STARTING" and (took := startup_text(s.startup)):  # docs/coldstart.md
+                detail = f"{detail} ({took})" if detail else took
             rows.append([f"r{slot.index}", role, s.record.job_id, s.record.name, s.state.value, uptime, left,
                          s.url or "-", detail or ""])
     if rows:
