@@ -225,7 +225,7 @@ pbstk_compile_wait() {
       pbstk_log "another engine is compiling into $VLLM_CACHE_ROOT (torch $JOB_TORCH: a cache being written is not shared before torch 2.10); waiting up to $COMPILE_WAIT_S s"
     fi
     read -r owner_since _ <"$COMPILE_LOCK/owner" 2>/dev/null || owner_since=
-    now=$(date +%s)
+    printf -v now '%(%s)T' -1  # builtins only in a loop a cancel may interrupt (see pbstk_json_get)
     if [ "$waited" -ge "$COMPILE_WAIT_S" ] \
       || { [[ $owner_since =~ ^[0-9]+$ ]] && [ $((now - owner_since)) -gt "$COMPILE_WAIT_S" ]; }; then
       pbstk_log "warning: the other engine's compile did not finish in $COMPILE_WAIT_S s; starting anyway"
