@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from pbs_toolkit import __version__
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.schedulers import backend_class
-from pbs_toolkit.server.coldstart import COLDSTART_BODY, coldstart_context, container_command, container_note
+from pbs_toolkit.server.coldstart import coldstart_context, container_command, container_note
 from pbs_toolkit.server.phases import bash_assignments
 from pbs_toolkit.settings.config import flag_name as setting_flag
 from pbs_toolkit.settings.config import resolve_settings
@@ -618,8 +618,7 @@ def render_start_script(jenv: Any, context: dict[str, Any]) -> str:
     The body is plain bash kept in its own file so shellcheck reads it as it runs; everything that differs
     between launches is a variable in the header, and the body branches on those with bash ``if``s.
     """
-    return (jenv.get_template(_HEADER).render(**context) + COLDSTART_BODY.read_text(encoding="utf-8")
-            + _BODY.read_text(encoding="utf-8"))
+    return jenv.get_template(_HEADER).render(**context) + _BODY.read_text(encoding="utf-8")
 
 
 @functools.lru_cache(maxsize=1)

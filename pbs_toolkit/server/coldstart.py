@@ -1,5 +1,5 @@
-"""What the start script's cold-start block (``server/coldstart.sh``) needs from a render, and the container
-command it will run, spelled out for ``render`` and ``doctor`` (docs/coldstart.md).
+"""What the "cold start" block of ``server/start_vllm.sh`` needs from a render, and the container command it will
+run, spelled out for ``render`` and ``doctor`` (docs/coldstart.md).
 
 The compile cache's key is finished in the job (torch and vLLM versions come from the job's own Python); the
 parts only the render knows (model, layout) are rendered into the settings header here.
@@ -10,11 +10,8 @@ from __future__ import annotations
 import hashlib
 import re
 import shlex
-from pathlib import Path
 from typing import Any
 
-#: the functions the body's hook lines call; rendered between the settings header and the body
-COLDSTART_BODY = Path(__file__).resolve().parent / "coldstart.sh"
 #: container runtimes pbstk knows (the same ``exec --nv --bind`` syntax)
 CONTAINER_RUNTIMES = ("apptainer", "singularity")
 
