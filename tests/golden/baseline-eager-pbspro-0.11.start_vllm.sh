@@ -78,9 +78,127 @@ pbstk_launch_node_pbsdsh() {
 }
 
 # shellcheck shell=bash
-# Cold start (docs/coldstart.md): the start-up timeline, the keyed compile cache, node-local JIT caches, the wait
-# for another engine's compile, and containers. Functions only (and their defaults): rendered between the settings
-# header and the body (pbs_toolkit/server/start_vllm.sh), which calls them from a few hook lines.
+# shellcheck disable=SC2154  # the settings (RUN_DIR, MODEL, PHASE_*, ...) come from the rendered header above
+# The static body of every rendered start_vllm.sh (pbs_toolkit/server/start_vllm.sh): plain bash that reads the
+# settings header the launch rendered in front of it; no Jinja here, so shellcheck checks this file as it runs.
+set -uo pipefail
+# --- several nodes (docs: RUN_DIR/nodes/K.json, head.json, stop). A header without these is one node ---
+: "${NNODES:=1}" "${NODE_ENGINE:=single}" "${TP:=1}" "${PP:=1}" "${DP:=1}" "${DP_LOCAL:=1}"
+: "${NODE_LAUNCHER:=ssh}" "${NCCL_IFNAME:=}" "${GLOO_IFNAME:=}"
+# A node's copy is started as `start_vllm.sh --node [K]` (a scheduler's launcher and ssh may pass no environment;
+# the backend's lines in the header set PBSTK_JOB_ID/PBSTK_NODEFILE for them; under mpiexec the
+# rank comes from the node's place in the host list) or with PBSTK_NODE_RANK exported (local launcher).
+NODE_RANK=${PBSTK_NODE_RANK:-}
+NODE_ROLE=false
+if [ "${1:-}" = --node ]; then
+  NODE_ROLE=true
+  NODE_RANK=${2:-$NODE_RANK}
+fi
+[ -n "$NODE_RANK" ] && NODE_ROLE=true
+[ "$NNODES" -gt 1 ] || NODE_ROLE=false  # one node: today's script, whatever the environment says
+LAUNCHER=false
+[ "$NNODES" -gt 1 ] && [ "$NODE_ROLE" = false ] && LAUNCHER=true
+NODE=${PBSTK_NODE_HOST:-$(hostname -s 2>/dev/null || hostname)}
+HOSTFILE="$RUN_DIR/nodes/hostfile"
+if [ "$NODE_ROLE" = true ] && [ -z "$NODE_RANK" ]; then
+  # mpiexec: the position of this host's short name in the de-duplicated host list, else the launcher's rank
+  NODE_RANK=$(awk -v h="$NODE" '{ sub(/\..*/, "") } $0 == h { print NR - 1; exit }' "$HOSTFILE" 2>/dev/null)
+  NODE_RANK=${NODE_RANK:-${PALS_NODEID:-${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-}}}}}
+fi
+LOG="$RUN_DIR/vllm.log"
+[ "$NODE_ROLE" = true ] && [ "${NODE_RANK:-0}" != 0 ] && LOG="$RUN_DIR/vllm.node$NODE_RANK.log"
+STATE="$RUN_DIR/server.json"
+NODE_STATE=
+[ "$NODE_ROLE" = true ] && NODE_STATE="$RUN_DIR/nodes/${NODE_RANK:-unknown}.json"
+# server.json is the head's (and the launcher's before the nodes start); workers write only their node marker
+WRITE_SERVER=true
+[ "$NODE_ROLE" = true ] && [ "$NODE_RANK" != 0 ] && WRITE_SERVER=false
+# A scheduler may spool job output until the job ends: log straight into the run directory instead, line by line.
+exec >>"$LOG" 2>&1
+export PYTHONUNBUFFERED=1
+
+ATTEMPT=0
+EAGER_FALLBACK=false
+PORT=0
+SERVER_PID=0
+ADDRESS=
+REASON=
+
+pbstk_log() { echo "pbstk: $(date '+%H:%M:%S') $*"; }
+
+# A JSON string for $1: backslash, quote and every control character escaped (RFC 8259 section 7), so a
+# hostile host name, job id or address cannot break or extend server.json. Builtins only: it runs on every marker write.
+pbstk_json_str() {
+  local s=$1 bs=\\ q='"' i hex ch esc
+  s=${s//"$bs"/"$bs$bs"}
+  s=${s//"$q"/"$bs$q"}
+  for ((i = 1; i < 32; i++)); do
+    printf -v hex '%02x' "$i"
+    printf -v ch '%b' "\\x$hex"
+    [[ $s == *"$ch"* ]] || continue
+    printf -v esc '\\u%04x' "$i"
+    s=${s//"$ch"/"$esc"}
+  done
+  printf '"%s"' "$s"
+}
+
+# A JSON number for $1, or null: the marker never carries a bare word where a number belongs.
+pbstk_json_int() { if [[ $1 =~ ^-?[0-9]+$ ]]; then printf '%s' "$1"; else printf 'null'; fi; }
+
+# Extra keys of a multi-node marker: the node count and, once known, why it failed.
+pbstk_multi_keys() {
+  [ "$NNODES" -gt 1 ] || return 0
+  printf '"nnodes": %s, ' "$(pbstk_json_int "$NNODES")"
+  [ -z "$REASON" ] || printf '"reason": %s, ' "$(pbstk_json_str "$REASON")"
+}
+
+# server.json (the head's) and RUN_DIR/nodes/K.json (every node's) are replaced atomically so readers never see
+# half a file.
+pbstk_state() {
+  local phase=$1 exit_code=${2:-null} tmp="$STATE.tmp.$$"
+  if [ "$WRITE_SERVER" = true ]; then
+    {
+      printf '{"phase": %s, "job_id": %s, ' "$(pbstk_json_str "$phase")" "$(pbstk_json_str "${PBSTK_JOB_ID:-}")"
+      printf '"host": %s, "address": %s, ' "$(pbstk_json_str "$NODE")" "$(pbstk_json_str "$ADDRESS")"
+      printf '"port": %s, "pid": %s, ' "$(pbstk_json_int "$PORT")" "$(pbstk_json_int "$SERVER_PID")"
+      printf '"attempt": %s, "eager_fallback": %s, ' "$(pbstk_json_int "$ATTEMPT")" "$EAGER_FALLBACK"
+      pbstk_multi_keys
+      printf '"exit_code": %s, "updated": %s}\n' "$(pbstk_json_int "$exit_code")" "$(date +%s)"
+    } >"$tmp" && mv -f "$tmp" "$STATE"
+  fi
+  if [ -n "$NODE_STATE" ]; then
+    pbstk_node_state "$NODE_STATE" "${NODE_RANK:-null}" "$phase" "$exit_code"
+  fi
+}
+
+# pbstk_node_state FILE RANK PHASE EXIT_CODE: one node's marker.
+pbstk_node_state() {
+  local tmp="$1.tmp.$$"
+  mkdir -p "${1%/*}" 2>/dev/null
+  {
+    printf '{"rank": %s, "nnodes": %s, ' "$(pbstk_json_int "$2")" "$(pbstk_json_int "$NNODES")"
+    printf '"host": %s, "address": %s, ' "$(pbstk_json_str "$NODE")" "$(pbstk_json_str "$ADDRESS")"
+    printf '"phase": %s, "pid": %s, ' "$(pbstk_json_str "$3")" "$(pbstk_json_int "$SERVER_PID")"
+    printf '"exit_code": %s, "attempt": %s, ' "$(pbstk_json_int "$4")" "$(pbstk_json_int "$ATTEMPT")"
+    [ -z "$REASON" ] || printf '"reason": %s, ' "$(pbstk_json_str "$REASON")"
+    printf '"updated": %s}\n' "$(date +%s)"
+  } >"$tmp" && mv -f "$tmp" "$1"
+}
+
+pbstk_fail() {
+  pbstk_log "error: $1"
+  [ "$NNODES" -gt 1 ] && REASON=$1
+  pbstk_state "$PHASE_FAILED" "${2:-1}"
+  # the launcher failed before any node started: the head's marker says why
+  [ "$LAUNCHER" = true ] && pbstk_node_state "$RUN_DIR/nodes/0.json" 0 "$PHASE_FAILED" "${2:-1}"
+  [ "$NNODES" -gt 1 ] && : >"$RUN_DIR/stop"
+  exit "${2:-1}"
+}
+
+# --- cold start (docs/coldstart.md): the start-up timeline, the keyed compile cache, node-local JIT caches, the
+# wait for another engine's compile, and containers. Functions (and their settings' defaults) only; the body calls
+# them from a few hook lines marked "cold start". ---
+declare CACHE_KEY_MODEL CACHE_KEY_LAYOUT CONTAINER_IMAGE CONTAINER_RUNTIME STAGE_TO_DIR
 : "${CACHE_KEY_MODEL:=model}" "${CACHE_KEY_LAYOUT:=layout}"
 : "${CONTAINER_IMAGE:=}" "${CONTAINER_RUNTIME:=apptainer}" "${STAGE_TO_DIR:=}"
 STARTUP_LOG="$RUN_DIR/startup.log"
@@ -276,126 +394,9 @@ pbstk_coldstart_prepare() {
   fi
   return 0
 }
-# shellcheck shell=bash
-# shellcheck disable=SC2154  # the settings (RUN_DIR, MODEL, PHASE_*, ...) come from the rendered header above
-# The static body of every rendered start_vllm.sh (pbs_toolkit/server/start_vllm.sh): plain bash that reads the
-# settings header the launch rendered in front of it; no Jinja here, so shellcheck checks this file as it runs.
-set -uo pipefail
-# --- several nodes (docs: RUN_DIR/nodes/K.json, head.json, stop). A header without these is one node ---
-: "${NNODES:=1}" "${NODE_ENGINE:=single}" "${TP:=1}" "${PP:=1}" "${DP:=1}" "${DP_LOCAL:=1}"
-: "${NODE_LAUNCHER:=ssh}" "${NCCL_IFNAME:=}" "${GLOO_IFNAME:=}"
-# A node's copy is started as `start_vllm.sh --node [K]` (a scheduler's launcher and ssh may pass no environment;
-# the backend's lines in the header set PBSTK_JOB_ID/PBSTK_NODEFILE for them; under mpiexec the
-# rank comes from the node's place in the host list) or with PBSTK_NODE_RANK exported (local launcher).
-NODE_RANK=${PBSTK_NODE_RANK:-}
-NODE_ROLE=false
-if [ "${1:-}" = --node ]; then
-  NODE_ROLE=true
-  NODE_RANK=${2:-$NODE_RANK}
-fi
-[ -n "$NODE_RANK" ] && NODE_ROLE=true
-[ "$NNODES" -gt 1 ] || NODE_ROLE=false  # one node: today's script, whatever the environment says
-LAUNCHER=false
-[ "$NNODES" -gt 1 ] && [ "$NODE_ROLE" = false ] && LAUNCHER=true
-NODE=${PBSTK_NODE_HOST:-$(hostname -s 2>/dev/null || hostname)}
-HOSTFILE="$RUN_DIR/nodes/hostfile"
-if [ "$NODE_ROLE" = true ] && [ -z "$NODE_RANK" ]; then
-  # mpiexec: the position of this host's short name in the de-duplicated host list, else the launcher's rank
-  NODE_RANK=$(awk -v h="$NODE" '{ sub(/\..*/, "") } $0 == h { print NR - 1; exit }' "$HOSTFILE" 2>/dev/null)
-  NODE_RANK=${NODE_RANK:-${PALS_NODEID:-${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-}}}}}
-fi
-LOG="$RUN_DIR/vllm.log"
-[ "$NODE_ROLE" = true ] && [ "${NODE_RANK:-0}" != 0 ] && LOG="$RUN_DIR/vllm.node$NODE_RANK.log"
-STATE="$RUN_DIR/server.json"
-NODE_STATE=
-[ "$NODE_ROLE" = true ] && NODE_STATE="$RUN_DIR/nodes/${NODE_RANK:-unknown}.json"
-# server.json is the head's (and the launcher's before the nodes start); workers write only their node marker
-WRITE_SERVER=true
-[ "$NODE_ROLE" = true ] && [ "$NODE_RANK" != 0 ] && WRITE_SERVER=false
-# A scheduler may spool job output until the job ends: log straight into the run directory instead, line by line.
-exec >>"$LOG" 2>&1
-export PYTHONUNBUFFERED=1
-
-ATTEMPT=0
-EAGER_FALLBACK=false
-PORT=0
-SERVER_PID=0
-ADDRESS=
-REASON=
-
-pbstk_log() { echo "pbstk: $(date '+%H:%M:%S') $*"; }
-
-# A JSON string for $1: backslash, quote and every control character escaped (RFC 8259 section 7), so a
-# hostile host name, job id or address cannot break or extend server.json. Builtins only: it runs on every marker write.
-pbstk_json_str() {
-  local s=$1 bs=\\ q='"' i hex ch esc
-  s=${s//"$bs"/"$bs$bs"}
-  s=${s//"$q"/"$bs$q"}
-  for ((i = 1; i < 32; i++)); do
-    printf -v hex '%02x' "$i"
-    printf -v ch '%b' "\\x$hex"
-    [[ $s == *"$ch"* ]] || continue
-    printf -v esc '\\u%04x' "$i"
-    s=${s//"$ch"/"$esc"}
-  done
-  printf '"%s"' "$s"
-}
-
-# A JSON number for $1, or null: the marker never carries a bare word where a number belongs.
-pbstk_json_int() { if [[ $1 =~ ^-?[0-9]+$ ]]; then printf '%s' "$1"; else printf 'null'; fi; }
-
-# Extra keys of a multi-node marker: the node count and, once known, why it failed.
-pbstk_multi_keys() {
-  [ "$NNODES" -gt 1 ] || return 0
-  printf '"nnodes": %s, ' "$(pbstk_json_int "$NNODES")"
-  [ -z "$REASON" ] || printf '"reason": %s, ' "$(pbstk_json_str "$REASON")"
-}
-
-# server.json (the head's) and RUN_DIR/nodes/K.json (every node's) are replaced atomically so readers never see
-# half a file.
-pbstk_state() {
-  local phase=$1 exit_code=${2:-null} tmp="$STATE.tmp.$$"
-  if [ "$WRITE_SERVER" = true ]; then
-    {
-      printf '{"phase": %s, "job_id": %s, ' "$(pbstk_json_str "$phase")" "$(pbstk_json_str "${PBSTK_JOB_ID:-}")"
-      printf '"host": %s, "address": %s, ' "$(pbstk_json_str "$NODE")" "$(pbstk_json_str "$ADDRESS")"
-      printf '"port": %s, "pid": %s, ' "$(pbstk_json_int "$PORT")" "$(pbstk_json_int "$SERVER_PID")"
-      printf '"attempt": %s, "eager_fallback": %s, ' "$(pbstk_json_int "$ATTEMPT")" "$EAGER_FALLBACK"
-      pbstk_multi_keys
-      printf '"exit_code": %s, "updated": %s}\n' "$(pbstk_json_int "$exit_code")" "$(date +%s)"
-    } >"$tmp" && mv -f "$tmp" "$STATE"
-  fi
-  if [ -n "$NODE_STATE" ]; then
-    pbstk_node_state "$NODE_STATE" "${NODE_RANK:-null}" "$phase" "$exit_code"
-  fi
-}
-
-# pbstk_node_state FILE RANK PHASE EXIT_CODE: one node's marker.
-pbstk_node_state() {
-  local tmp="$1.tmp.$$"
-  mkdir -p "${1%/*}" 2>/dev/null
-  {
-    printf '{"rank": %s, "nnodes": %s, ' "$(pbstk_json_int "$2")" "$(pbstk_json_int "$NNODES")"
-    printf '"host": %s, "address": %s, ' "$(pbstk_json_str "$NODE")" "$(pbstk_json_str "$ADDRESS")"
-    printf '"phase": %s, "pid": %s, ' "$(pbstk_json_str "$3")" "$(pbstk_json_int "$SERVER_PID")"
-    printf '"exit_code": %s, "attempt": %s, ' "$(pbstk_json_int "$4")" "$(pbstk_json_int "$ATTEMPT")"
-    [ -z "$REASON" ] || printf '"reason": %s, ' "$(pbstk_json_str "$REASON")"
-    printf '"updated": %s}\n' "$(date +%s)"
-  } >"$tmp" && mv -f "$tmp" "$1"
-}
-
-pbstk_fail() {
-  pbstk_log "error: $1"
-  [ "$NNODES" -gt 1 ] && REASON=$1
-  pbstk_state "$PHASE_FAILED" "${2:-1}"
-  # the launcher failed before any node started: the head's marker says why
-  [ "$LAUNCHER" = true ] && pbstk_node_state "$RUN_DIR/nodes/0.json" 0 "$PHASE_FAILED" "${2:-1}"
-  [ "$NNODES" -gt 1 ] && : >"$RUN_DIR/stop"
-  exit "${2:-1}"
-}
 
 pbstk_state "$PHASE_SETUP"
-pbstk_startup_mark job  # cold-start timeline (server/coldstart.sh)
+pbstk_startup_mark job  # cold start: the timeline
 
 # --- site setup from the profile: its lines run here, at the top level, exactly as written ---
 if [ "${#SITE_SETUP[@]}" -gt 0 ]; then
@@ -648,7 +649,7 @@ elif [ "$VLLM_ENTRYPOINT" = api_server ]; then
 elif ! command -v vllm >/dev/null 2>&1; then
   pbstk_fail "vLLM is not installed in the job's environment (no vllm on PATH); set the profile's venv or setup lines, or pass --venv" 127
 fi
-pbstk_coldstart_prepare  # container, keyed compile cache, node-local JIT caches, compile wait (server/coldstart.sh)
+pbstk_coldstart_prepare  # cold start: container, keyed compile cache, node-local JIT caches, compile wait
 
 # shellcheck disable=SC2317  # invoked by the trap below
 pbstk_stop() {
