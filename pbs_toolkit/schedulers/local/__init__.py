@@ -38,6 +38,12 @@ _SIGKILL = 9
 _SUPERVISOR = r"""
 spool=$1 script=$2
 exec </dev/null >"$spool/supervisor.log" 2>&1
+# a job that must wait says so before its pid exists: a job started `after` it must never see it started early
+if [ -n "$7" ]; then
+  printf 'eligible at %s\n' "$(date -d "@$7" +%H:%M:%S 2>/dev/null || date -r "$7" +%H:%M:%S)" >"$spool/waiting"
+elif [ -n "$8" ]; then
+  printf 'waiting for job %s to start\n' "$9" >"$spool/waiting"
+fi
 echo "$$" >"$spool/pid"
 hostname >"$spool/nodefile"
 export PBS_JOBID=$3 PBS_JOBNAME=$4 PBS_O_WORKDIR=$5 PBS_NODEFILE="$spool/nodefile"
@@ -50,7 +56,6 @@ if [ -n "$7$8" ]; then
   stop() { echo 143 >"$spool/exit_status.tmp" && mv -f "$spool/exit_status.tmp" "$spool/exit_status"; exit 143; }
   trap stop TERM INT HUP
   if [ -n "$7" ]; then
-    printf 'eligible at %s\n' "$(date -d "@$7" +%H:%M:%S 2>/dev/null || date -r "$7" +%H:%M:%S)" >"$spool/waiting"
     while [ "$(date +%s)" -lt "$7" ]; do sleep 0.5 & wait $!; done
   fi
   if [ -n "$8" ]; then
