@@ -102,6 +102,19 @@ def launched_id(result: Any) -> str:
     return json.loads(result.stdout)["job_id"]
 
 
+def waiting_requests(metrics_url: str, key: str | None) -> float:
+    """The server's ``vllm:num_requests_waiting`` summed over engines (0 when it cannot be read)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(metrics_url, headers=headers),  # noqa: S310
+                                    timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_waiting"))
+
+
 def post(url: str, body: dict[str, Any], key: str | None) -> tuple[int, dict[str, Any]]:
     headers = {"Content-Type": "application/json"}
     if key:
@@ -217,7 +230,11 @@ def test_local_launch_register_complete_metrics_doctor_bench(tiny_model: str, tm
     load = [threading.Thread(target=long_request) for _ in range(8)]
     for t in load:
         t.start()
-    time.sleep(3)
+    # doctor looks once requests wait (the server's own gauge), not after a guess of how long that takes
+    metrics_url = entry["url"].rsplit("/v1", 1)[0] + "/metrics"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and waiting_requests(metrics_url, key) < 1:
+        time.sleep(0.2)
     findings = {f["code"] for f in json.loads(pbstk("doctor", job, "--json").stdout)["findings"]}
     for t in load:
         t.join()
