@@ -1,0 +1,769 @@
+# shellcheck shell=bash
+# The static body of every rendered start_vllm.sh (pbs_toolkit/server/start_vllm.sh): plain bash that reads the
+# settings header the launch rendered in front of it; no Jinja here, so shellcheck checks this file as it runs.
+# The settings the header assigns (start_vllm.sh.j2, server/phases.py), declared so that shellcheck of this body
+# alone knows them and flags any other name (a misspelt $PHASE_SETUPP) as never assigned; `declare NAME` without
+# a value keeps the header's, and a setting the header lacks stays unset (set -u stops at its first use).
+# tests/test_start_script.py checks this list against the header.
+declare RUN_DIR MODEL VENV PROXY HF_HOME_DIR HF_HUB_OFFLINE_ON VLLM_CACHE_DIR ADDRESS_MODE ADDRESS_SUFFIX BIND_HOST
+declare PORT_LO FIXED_PORT PORT_SPAN VLLM_ENTRYPOINT EAGER COMPILE_ERROR_RE PORT_IN_USE_RE
+declare NNODES NODE_ENGINE TP PP DP DP_LOCAL NODE_LAUNCHER NCCL_IFNAME GLOO_IFNAME
+declare PHASE_SETUP PHASE_STARTING PHASE_READY PHASE_FAILED PHASE_EXITED PHASE_CANCELLED
+declare -a SITE_SETUP ENV_EXPORTS VLLM_ARGS
+set -uo pipefail
+# --- several nodes (docs: RUN_DIR/nodes/K.json, head.json, stop). A header without these is one node ---
+: "${NNODES:=1}" "${NODE_ENGINE:=single}" "${TP:=1}" "${PP:=1}" "${DP:=1}" "${DP_LOCAL:=1}"
+: "${NODE_LAUNCHER:=ssh}" "${NCCL_IFNAME:=}" "${GLOO_IFNAME:=}"
+# A node's copy is started as `start_vllm.sh --node [K]` (a scheduler's launcher and ssh may pass no environment;
+# the backend's lines in the header set PBSTK_JOB_ID/PBSTK_NODEFILE for them; under mpiexec the
+# rank comes from the node's place in the host list) or with PBSTK_NODE_RANK exported (local launcher).
+NODE_RANK=${PBSTK_NODE_RANK:-}
+NODE_ROLE=false
+if [ "${1:-}" = --node ]; then
+  NODE_ROLE=true
+  NODE_RANK=${2:-$NODE_RANK}
+fi
+[ -n "$NODE_RANK" ] && NODE_ROLE=true
+[ "$NNODES" -gt 1 ] || NODE_ROLE=false  # one node: today's script, whatever the environment says
+LAUNCHER=false
+[ "$NNODES" -gt 1 ] && [ "$NODE_ROLE" = false ] && LAUNCHER=true
+NODE=${PBSTK_NODE_HOST:-$(hostname -s 2>/dev/null || hostname)}
+HOSTFILE="$RUN_DIR/nodes/hostfile"
+if [ "$NODE_ROLE" = true ] && [ -z "$NODE_RANK" ]; then
+  # mpiexec: the position of this host's short name in the de-duplicated host list, else the launcher's rank
+  NODE_RANK=$(awk -v h="$NODE" '{ sub(/\..*/, "") } $0 == h { print NR - 1; exit }' "$HOSTFILE" 2>/dev/null)
+  NODE_RANK=${NODE_RANK:-${PALS_NODEID:-${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-}}}}}
+fi
+LOG="$RUN_DIR/vllm.log"
+[ "$NODE_ROLE" = true ] && [ "${NODE_RANK:-0}" != 0 ] && LOG="$RUN_DIR/vllm.node$NODE_RANK.log"
+STATE="$RUN_DIR/server.json"
+NODE_STATE=
+[ "$NODE_ROLE" = true ] && NODE_STATE="$RUN_DIR/nodes/${NODE_RANK:-unknown}.json"
+# server.json is the head's (and the launcher's before the nodes start); workers write only their node marker
+WRITE_SERVER=true
+[ "$NODE_ROLE" = true ] && [ "$NODE_RANK" != 0 ] && WRITE_SERVER=false
+# A scheduler may spool job output until the job ends: log straight into the run directory instead, line by line.
+exec >>"$LOG" 2>&1
+export PYTHONUNBUFFERED=1
+
+ATTEMPT=0
+EAGER_FALLBACK=false
+PORT=0
+SERVER_PID=0
+ADDRESS=
+REASON=
+
+pbstk_log() { echo "pbstk: $(date '+%H:%M:%S') $*"; }
+
+# --- markers: server.json (the head's), RUN_DIR/nodes/K.json (every node's), head.json (for the workers) ---
+# One line of JSON each, written with no escaping at all: a string value is first cut down to characters JSON
+# takes as they are (pbstk_safe), so a hostile host name, job id or reason can neither break nor extend a marker,
+# and a number is checked to be one (else null). Keys of numbers and of booleans; every other key is a string.
+PBSTK_NUMBER_KEYS=" rank nnodes port rpc_port pid attempt exit_code updated "
+PBSTK_BOOL_KEYS=" eager eager_fallback "
+# Fields a feature adds to every server.json (KEY=VALUE words; a number's KEY goes into PBSTK_NUMBER_KEYS).
+MARKER_EXTRA=()
+
+# pbstk_safe VAR VALUE: VAR = VALUE with a control character (newline, tab, ...) as a space, " as ', \ as /, and
+# anything else that is neither a letter, a digit, punctuation nor a space as ? (a byte that is not UTF-8 too).
+pbstk_safe() {
+  local s=$2
+  s=${s//[[:cntrl:]]/ }
+  s=${s//\"/\'}
+  s=${s//\\/\/}
+  s=${s//[^[:alnum:][:punct:] ]/?}
+  printf -v "$1" '%s' "$s"
+}
+
+# pbstk_marker FILE KEY=VALUE...: FILE as one line of JSON, in that order, replaced atomically (readers never see
+# half a file). Builtins only, as pbstk_marker_get, for the same reason.
+pbstk_marker() {
+  local file=$1 kv key value json='' sep=''
+  shift
+  for kv in "$@"; do
+    key=${kv%%=*}
+    value=${kv#*=}
+    if [[ $PBSTK_NUMBER_KEYS == *" $key "* ]]; then
+      [[ $value =~ ^(0|-?[1-9][0-9]*)$ ]] || value=null
+    elif [[ $PBSTK_BOOL_KEYS == *" $key "* ]]; then
+      [ "$value" = true ] || value=false
+    else
+      pbstk_safe value "$value"
+      value="\"$value\""
+    fi
+    json+="$sep\"$key\": $value"
+    sep=', '
+  done
+  printf '%s\n' "{$json}" >"$file.tmp.$$" && mv -f "$file.tmp.$$" "$file"
+}
+
+# pbstk_marker_get VAR FILE KEY: VAR = KEY's value in a marker above ("" when it has none or null; strings without
+# their quotes). No string in a marker holds " or \ (pbstk_safe), so a string ends at the next ", any other value
+# at the next , or }. Builtins only, no $(...): the polling loops call it each second, and bash 5.2 can fail to run
+# a trap (a cancel's TERM) that arrives while it parses a command substitution ("trap: unexpected EOF while looking
+# for matching `)'").
+pbstk_marker_get() {
+  local _line='' _re="\"$3\": (\"([^\"]*)\"|([^,}]*))"
+  [ -r "$2" ] && IFS= read -r _line 2>/dev/null <"$2"
+  printf -v "$1" '%s' ""
+  [[ $_line =~ $_re ]] || return 0
+  [ "${BASH_REMATCH[3]}" = null ] || printf -v "$1" '%s' "${BASH_REMATCH[2]}${BASH_REMATCH[3]}"
+}
+
+# The markers of this node in phase $1 (exit code $2, if any): server.json (the head's, and the launcher's
+# before the nodes start) and, on a node of several, RUN_DIR/nodes/K.json.
+pbstk_state() {
+  local now multi=()
+  printf -v now '%(%s)T' -1
+  [ "$NNODES" -gt 1 ] && multi=("nnodes=$NNODES") && [ -n "$REASON" ] && multi+=("reason=$REASON")
+  if [ "$WRITE_SERVER" = true ]; then
+    pbstk_marker "$STATE" "phase=$1" "job_id=${PBSTK_JOB_ID:-}" "host=$NODE" "address=$ADDRESS" "port=$PORT" \
+      "pid=$SERVER_PID" "attempt=$ATTEMPT" "eager_fallback=$EAGER_FALLBACK" "${multi[@]}" "${MARKER_EXTRA[@]}" \
+      "exit_code=${2:-}" "updated=$now"
+  fi
+  if [ -n "$NODE_STATE" ]; then
+    pbstk_node_state "$NODE_STATE" "${NODE_RANK:-}" "$1" "${2:-}"
+  fi
+}
+
+# pbstk_node_state FILE RANK PHASE EXIT_CODE: one node's marker.
+pbstk_node_state() {
+  local now reason=()
+  printf -v now '%(%s)T' -1
+  [ -z "$REASON" ] || reason=("reason=$REASON")
+  mkdir -p "${1%/*}" 2>/dev/null
+  pbstk_marker "$1" "rank=$2" "nnodes=$NNODES" "host=$NODE" "address=$ADDRESS" "phase=$3" "pid=$SERVER_PID" \
+    "exit_code=$4" "attempt=$ATTEMPT" "${reason[@]}" "updated=$now"
+}
+
+pbstk_fail() {
+  pbstk_log "error: $1"
+  [ "$NNODES" -gt 1 ] && REASON=$1
+  pbstk_state "$PHASE_FAILED" "${2:-1}"
+  # the launcher failed before any node started: the head's marker says why
+  [ "$LAUNCHER" = true ] && pbstk_node_state "$RUN_DIR/nodes/0.json" 0 "$PHASE_FAILED" "${2:-1}"
+  [ "$NNODES" -gt 1 ] && : >"$RUN_DIR/stop"
+  exit "${2:-1}"
+}
+
+pbstk_state "$PHASE_SETUP"
+
+# --- site setup from the profile: its lines run here, at the top level, exactly as written ---
+if [ "${#SITE_SETUP[@]}" -gt 0 ]; then
+  eval "$(printf '%s\n' "${SITE_SETUP[@]}")"
+fi
+if [ -n "$VENV" ]; then
+  # shellcheck disable=SC1090,SC1091
+  source "$VENV/bin/activate" || pbstk_fail "cannot activate the Python environment $VENV"
+fi
+for pbstk_kv in "${ENV_EXPORTS[@]}"; do
+  export "${pbstk_kv?}"
+done
+unset pbstk_kv
+if [ "$PROXY" = true ]; then
+  # Compute nodes reach the internet only through the proxy; keep local traffic off it.
+  export no_proxy="localhost,127.0.0.1,$NODE${no_proxy:+,$no_proxy}"
+  export NO_PROXY="$no_proxy"
+fi
+[ -n "$HF_HOME_DIR" ] && export HF_HOME="$HF_HOME_DIR"
+[ "$HF_HUB_OFFLINE_ON" = true ] && export HF_HUB_OFFLINE=1
+if [ -n "$VLLM_CACHE_DIR" ]; then
+  # torch.compile cache off $HOME (quota) and shared between jobs: later starts skip compilation.
+  export VLLM_CACHE_ROOT="$VLLM_CACHE_DIR"
+  mkdir -p "$VLLM_CACHE_ROOT"
+fi
+
+# --- vLLM puts ZMQ IPC sockets under $TMPDIR; a Unix socket path must fit in 107 bytes, and a batch job's
+# TMPDIR (/var/tmp/pbs.<full job id>) plus vLLM's 37-character names can exceed that ---
+TMPDIR=${TMPDIR:-}
+if [ "${#TMPDIR}" -gt 60 ]; then
+  pbstk_log "TMPDIR=$TMPDIR is too long for vLLM's IPC sockets; using a short one under /tmp"
+  TMPDIR=$(mktemp -d /tmp/pbstk.XXXXXX) || pbstk_fail "cannot create a temporary directory under /tmp"
+  export TMPDIR
+fi
+
+# --- API key: read from a 0600 file into the environment; never on the command line ---
+if [ -f "$RUN_DIR/api_key" ]; then
+  VLLM_API_KEY=$(<"$RUN_DIR/api_key")
+  export VLLM_API_KEY
+fi
+
+# --- GPUs: a scheduler may put UUIDs (GPU-5f2c...) in CUDA_VISIBLE_DEVICES; vLLM needs indices ---
+pbstk_map_gpu_uuids() {
+  local cvd=${CUDA_VISIBLE_DEVICES:-} table uuid idx
+  local -a uuids indices=()
+  case "$cvd" in *GPU-*) ;; *) return 0 ;; esac
+  command -v nvidia-smi >/dev/null 2>&1 || pbstk_fail "CUDA_VISIBLE_DEVICES holds GPU UUIDs but nvidia-smi is not on PATH"
+  table=$(nvidia-smi --query-gpu=index,uuid --format=csv,noheader) || pbstk_fail "nvidia-smi failed"
+  IFS=',' read -ra uuids <<<"$cvd"
+  for uuid in "${uuids[@]}"; do
+    uuid=${uuid//[[:space:]]/}
+    idx=$(awk -F', *' -v u="$uuid" '$2 == u { print $1 }' <<<"$table")
+    [ -n "$idx" ] || pbstk_fail "GPU $uuid from CUDA_VISIBLE_DEVICES is not listed by nvidia-smi"
+    indices+=("$idx")
+  done
+  pbstk_log "mapped CUDA_VISIBLE_DEVICES=$cvd to $(IFS=,; echo "${indices[*]}")"
+  CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${indices[*]}")
+  export CUDA_VISIBLE_DEVICES
+}
+pbstk_map_gpu_uuids
+
+# --- several nodes, launcher role (the job script's copy, on the first node): one copy of this script per node ---
+NODE_PIDS=()
+# GPUs per node: DP_LOCAL replicas of TP GPUs, or the TP x PP model spread evenly over the nodes.
+pbstk_gpus_per_node() {
+  if [ "$NODE_ENGINE" = dp ] || [ "$DP" -gt 1 ]; then echo $((DP_LOCAL * TP)); else echo $((TP * PP / NNODES)); fi
+}
+
+# local launcher: node K of this machine gets its own slice of its GPUs (and its own loopback address).
+pbstk_local_gpus() {
+  local k=$1 per all
+  per=$(pbstk_gpus_per_node)
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    IFS=',' read -ra all <<<"$CUDA_VISIBLE_DEVICES"
+  elif command -v nvidia-smi >/dev/null 2>&1; then
+    mapfile -t all < <(nvidia-smi --query-gpu=index,uuid --format=csv,noheader 2>/dev/null | awk -F', *' '{ print $1 }')
+  else
+    return 0
+  fi
+  [ "${#all[@]}" -ge $((per * NNODES)) ] \
+    || pbstk_fail "this machine has ${#all[@]} GPUs; $NNODES nodes of $per GPUs need $((per * NNODES))"
+  (IFS=,; echo "${all[*]:$((k * per)):$per}")
+}
+
+# Starts every node's copy through NODE_LAUNCHER; their pids (one for mpiexec) go to NODE_PIDS.
+pbstk_start_nodes() {
+  local script k bash_path
+  script="$RUN_DIR/start_vllm.sh"
+  bash_path=$(command -v bash)
+  case "$NODE_LAUNCHER" in
+    mpiexec)
+      pbstk_log "starting $NNODES nodes: mpiexec -n $NNODES --ppn 1 --hostfile $HOSTFILE"
+      mpiexec -n "$NNODES" --ppn 1 --hostfile "$HOSTFILE" "$bash_path" "$script" --node &
+      NODE_PIDS+=($!)
+      ;;
+    ssh)
+      "$bash_path" "$script" --node 0 &
+      NODE_PIDS+=($!)
+      for ((k = 1; k < NNODES; k++)); do
+        pbstk_log "starting node $k on ${HOSTS[k]}: ssh"
+        ssh -o BatchMode=yes "${HOSTS[k]}" "$(printf '%q ' "$bash_path" "$script" --node "$k")" </dev/null &
+        NODE_PIDS+=($!)
+      done
+      ;;
+    local)
+      for ((k = 0; k < NNODES; k++)); do
+        local gpus
+        gpus=$(pbstk_local_gpus "$k") || exit 1
+        pbstk_log "starting node $k (${HOSTS[k]}) on this machine: address 127.0.0.$((2 + k))${gpus:+, GPUs $gpus}"
+        env PBSTK_NODE_RANK="$k" PBSTK_NNODES="$NNODES" PBSTK_NODE_ADDRESS="127.0.0.$((2 + k))" \
+          PBSTK_NODE_HOST="${HOSTS[k]}" ${gpus:+CUDA_VISIBLE_DEVICES="$gpus"} "$bash_path" "$script" &
+        NODE_PIDS+=($!)
+      done
+      ;;
+    *)
+      # a scheduler's own launcher: its function comes with the backend's lines in the header
+      declare -F "pbstk_launch_node_$NODE_LAUNCHER" >/dev/null \
+        || pbstk_fail "this job's scheduler has no node launcher $NODE_LAUNCHER (profile key node_launcher)"
+      for ((k = 0; k < NNODES; k++)); do
+        "pbstk_launch_node_$NODE_LAUNCHER" "$k" "${HOSTS[k]}" "$bash_path" "$script"
+      done
+      ;;
+  esac
+}
+
+# shellcheck disable=SC2317  # invoked by the trap below
+pbstk_launcher_stop() {
+  trap '' TERM INT HUP  # once (see pbstk_stop)
+  pbstk_log "received a stop signal; stopping every node"
+  : >"$RUN_DIR/stop"
+  LAUNCH_RC=143
+  kill -TERM "${NODE_PIDS[@]}" 2>/dev/null
+}
+
+# The launcher: the host list, the launcher program, then one copy per node; it waits for all of them. The first
+# copy to end (failed, or vLLM exited) ends the job: `stop` tells the others, who get STOP_GRACE seconds.
+pbstk_launch_nodes() {
+  local k pid rc stop_at=
+  mkdir -p "$RUN_DIR/nodes"
+  rm -f "$RUN_DIR/stop" "$RUN_DIR/head.json" "$RUN_DIR"/nodes/*.json
+  if [ "$NODE_LAUNCHER" = local ]; then
+    for ((k = 0; k < NNODES; k++)); do echo "$NODE-node$k"; done >"$HOSTFILE"
+  else
+    [ -r "${PBSTK_NODEFILE:-}" ] || pbstk_fail "PBSTK_NODEFILE is not set or not readable: cannot find the job's nodes"
+    awk 'NF && !seen[$1]++ { print $1 }' "$PBSTK_NODEFILE" >"$HOSTFILE"
+    command -v "$NODE_LAUNCHER" >/dev/null 2>&1 \
+      || pbstk_fail "$NODE_LAUNCHER not found on $NODE: cannot start the other nodes (profile key node_launcher)" 127
+  fi
+  mapfile -t HOSTS <"$HOSTFILE"
+  [ "${#HOSTS[@]}" -eq "$NNODES" ] \
+    || pbstk_fail "the job has ${#HOSTS[@]} nodes (${HOSTS[*]}); the layout needs $NNODES"
+  LAUNCH_RC=0
+  trap pbstk_launcher_stop TERM INT HUP
+  pbstk_start_nodes
+  while [ "${#NODE_PIDS[@]}" -gt 0 ]; do
+    for k in "${!NODE_PIDS[@]}"; do
+      pid=${NODE_PIDS[k]}
+      kill -0 "$pid" 2>/dev/null && continue
+      wait "$pid"
+      rc=$?
+      unset 'NODE_PIDS[k]'
+      pbstk_log "node starter $k exited with code $rc"
+      [ "$LAUNCH_RC" = 0 ] && LAUNCH_RC=$rc
+      : >"$RUN_DIR/stop"
+    done
+    if [ -e "$RUN_DIR/stop" ] && [ -z "$stop_at" ]; then
+      stop_at=$SECONDS
+    fi
+    if [ -n "$stop_at" ] && [ $((SECONDS - stop_at)) -gt "${STOP_GRACE:-60}" ] && [ "${#NODE_PIDS[@]}" -gt 0 ]; then
+      pbstk_log "nodes still running ${STOP_GRACE:-60} s after stop; killing them"
+      kill -KILL "${NODE_PIDS[@]}" 2>/dev/null
+    fi
+    sleep 1 &
+    wait $! 2>/dev/null
+  done
+  # the head's marker was written by the node itself; an unset exit (all 0) still means the server ended
+  exit "$LAUNCH_RC"
+}
+
+if [ "$LAUNCHER" = true ]; then
+  pbstk_launch_nodes
+fi
+if [ "$NODE_ROLE" = true ]; then
+  if ! [[ $NODE_RANK =~ ^[0-9]+$ ]] || [ "$NODE_RANK" -ge "$NNODES" ]; then
+    NODE_STATE="$RUN_DIR/nodes/unknown-$NODE.json"
+    pbstk_fail "cannot tell this node's rank ($NODE is not in $HOSTFILE and the launcher set no rank)"
+  fi
+  export PBSTK_NODE_RANK=$NODE_RANK PBSTK_NNODES=$NNODES
+fi
+
+# --- the address clients (and the other nodes) use to reach this node; a launcher may name it ---
+case "$ADDRESS_MODE" in
+  loopback) ADDRESS=127.0.0.1 ;;
+  fqdn) ADDRESS=$(hostname -f 2>/dev/null || hostname) ;;
+  ip) ADDRESS=$(hostname -i 2>/dev/null | awk '{ print $1 }') ;;
+  *) ADDRESS=$NODE ;;
+esac
+ADDRESS="$ADDRESS$ADDRESS_SUFFIX"
+if [ "$NODE_ROLE" = true ]; then
+  ADDRESS=${PBSTK_NODE_ADDRESS:-$ADDRESS}
+  # a node standing in on this machine (local launcher, tests) has its own loopback address: serve there
+  [ -n "${PBSTK_NODE_ADDRESS:-}" ] && [ "$BIND_HOST" = 127.0.0.1 ] && BIND_HOST=$ADDRESS
+  # vLLM, NCCL and Ray must agree on this node's address (else placement hangs: vLLM #7815)
+  export VLLM_HOST_IP=$ADDRESS
+  pbstk_state "$PHASE_SETUP"
+fi
+[ -n "$NCCL_IFNAME" ] && export NCCL_SOCKET_IFNAME=$NCCL_IFNAME
+[ -n "$GLOO_IFNAME" ] && export GLOO_SOCKET_IFNAME=$GLOO_IFNAME
+
+# --- port: with FIXED_PORT exactly the requested one (--port N), refused when it is taken. Otherwise a free one
+# in the window of PORT_SPAN ports from the requested one. Each try starts at a random place in the window and
+# goes round it, so servers started together on one node rarely pick the same port; one that loses the race
+# anyway (vLLM could not bind) tries again from another random place, up to PORT_SPAN times ---
+PROBE_HOST=$BIND_HOST
+[ "$PROBE_HOST" = "0.0.0.0" ] && PROBE_HOST=127.0.0.1
+pbstk_port_in_use() { (exec 3<>"/dev/tcp/$PROBE_HOST/$1") 2>/dev/null; }
+if [ "$FIXED_PORT" = true ]; then
+  PORT_HI=$PORT_LO
+else
+  PORT_HI=$((PORT_LO + PORT_SPAN - 1))
+  [ "$PORT_HI" -gt 65535 ] && PORT_HI=65535
+fi
+PORT_RACES=0
+# The first free port going round the window from $1.
+pbstk_pick_port() {
+  local count=$((PORT_HI - PORT_LO + 1)) i port
+  for ((i = 0; i < count; i++)); do
+    port=$((PORT_LO + ($1 - PORT_LO + i) % count))
+    pbstk_port_in_use "$port" || { echo "$port"; return 0; }
+  done
+  return 1
+}
+
+# --- the server ---
+if [ "$VLLM_ENTRYPOINT" = api_server ]; then
+  VLLM_CMD=(python -m vllm.entrypoints.openai.api_server --model "$MODEL")
+else
+  VLLM_CMD=(vllm serve "$MODEL")
+fi
+if [ -n "${PBSTK_VLLM_LAUNCHER:-}" ]; then
+  # A wrapper that receives the vLLM command as arguments (profiling, containers, tests).
+  VLLM_CMD=("$PBSTK_VLLM_LAUNCHER" "${VLLM_CMD[@]}")
+elif [ "$VLLM_ENTRYPOINT" = api_server ]; then
+  if ! python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)' 2>/dev/null; then
+    pbstk_fail "vLLM is not installed in the job's environment (python: $(command -v python || echo none)); set the profile's venv or setup lines, or pass --venv" 127
+  fi
+elif ! command -v vllm >/dev/null 2>&1; then
+  pbstk_fail "vLLM is not installed in the job's environment (no vllm on PATH); set the profile's venv or setup lines, or pass --venv" 127
+fi
+
+# shellcheck disable=SC2317  # invoked by the trap below
+pbstk_stop() {
+  # once: a second TERM (the scheduler signals the whole job, the launcher forwards) must not interrupt this
+  # handler; bash 5.2 may even fail to parse a trap that lands inside a $(...) here
+  trap '' TERM INT HUP
+  pbstk_log "received a stop signal; stopping vLLM (pid $SERVER_PID)"
+  [ "$NNODES" -gt 1 ] && : >>"$RUN_DIR/stop"
+  pbstk_kill_server
+  pbstk_state "$PHASE_CANCELLED" 143
+  exit 143
+}
+pbstk_kill_server() {
+  if [ "$SERVER_PID" -gt 0 ]; then
+    kill -TERM "$SERVER_PID" 2>/dev/null
+    wait "$SERVER_PID" 2>/dev/null
+  fi
+  if [ "${RAY_PID:-0}" -gt 0 ]; then
+    kill -TERM "$RAY_PID" 2>/dev/null
+    wait "$RAY_PID" 2>/dev/null
+  fi
+}
+trap pbstk_stop TERM INT HUP
+
+# --- several nodes: the engine's per-rank flags, the head's ports in head.json, the nodes watching each other ---
+pbstk_has_arg() {
+  local a
+  for a in "${VLLM_ARGS[@]}"; do
+    [ "$a" = "$1" ] || [[ $a == "$1="* ]] && return 0
+  done
+  return 1
+}
+# A layout flag the preset's arguments do not already carry.
+pbstk_add_size() { pbstk_has_arg "$1" || ENGINE_FLAGS+=("$1" "$2"); }
+# pbstk_engine_flags HEAD_ADDR RPC_PORT: ENGINE_FLAGS for this node's rank (FACTS: vLLM's multi-node engines).
+pbstk_engine_flags() {
+  ENGINE_FLAGS=()
+  pbstk_has_arg -tp || [ "$TP" -le 1 ] || pbstk_add_size --tensor-parallel-size "$TP"
+  pbstk_has_arg -pp || [ "$PP" -le 1 ] || pbstk_add_size --pipeline-parallel-size "$PP"
+  case "$NODE_ENGINE" in
+    dp)
+      pbstk_add_size --data-parallel-size "$DP"
+      pbstk_add_size --data-parallel-size-local "$DP_LOCAL"
+      ENGINE_FLAGS+=(--data-parallel-address "$1" --data-parallel-rpc-port "$2")
+      if [ "$NODE_RANK" -gt 0 ]; then
+        ENGINE_FLAGS+=(--headless --data-parallel-start-rank $((NODE_RANK * DP_LOCAL)))
+      else
+        # vLLM starts one API server per LOCAL rank: a head with one local rank would serve every node's
+        # traffic through one process (measured: 23% below in-process DP2 at 256 requests). One per rank, as
+        # in-process DP gets; headless workers refuse the flag.
+        pbstk_add_size --api-server-count "$DP"
+      fi
+      ;;
+    nnodes)
+      ENGINE_FLAGS+=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$1" --master-port "$2")
+      [ "$NODE_RANK" -gt 0 ] && ENGINE_FLAGS+=(--headless)
+      ;;
+    ray)
+      if [ "$DP" -gt 1 ]; then
+        pbstk_add_size --data-parallel-size "$DP"
+        pbstk_add_size --data-parallel-backend ray
+      else
+        pbstk_add_size --distributed-executor-backend ray
+      fi
+      ;;
+  esac
+}
+
+# A free port for the engine's RPC (DP coordinator, torch master, Ray GCS) on this node's address, not PORT.
+pbstk_pick_rpc_port() {
+  local i port start=$((20000 + RANDOM % 9000))
+  for ((i = 0; i < 200; i++)); do
+    port=$((start + i))
+    [ "$port" = "$PORT" ] && continue
+    (exec 3<>"/dev/tcp/$ADDRESS/$port") 2>/dev/null || { echo "$port"; return 0; }
+  done
+  return 1
+}
+
+# head.json: what the workers start with; a new attempt number makes every worker restart (eager fallback).
+pbstk_write_head() {
+  pbstk_marker "$RUN_DIR/head.json" "address=$ADDRESS" "port=$PORT" "rpc_port=$RPC_PORT" "attempt=$ATTEMPT" \
+    "eager=$EAGER"
+}
+
+# The head, each second: a worker that failed ends the attempt (HEAD_ACTION fail, or eager when it was a compile
+# error and eager is not on yet); `stop` with a reason (the launcher saw a node's starter die) fails it too.
+pbstk_head_watch() {
+  local k marker phase attempt
+  [ -n "$HEAD_ACTION" ] && return 0
+  for ((k = 1; k < NNODES; k++)); do
+    marker="$RUN_DIR/nodes/$k.json"
+    pbstk_marker_get attempt "$marker" attempt
+    [ "$attempt" = "$ATTEMPT" ] || continue
+    pbstk_marker_get phase "$marker" phase
+    case "$phase" in "$PHASE_FAILED" | "$PHASE_EXITED") ;; *) continue ;; esac
+    FAILED_NODE=$k
+    pbstk_marker_get FAILED_RC "$marker" exit_code
+    HEAD_ACTION=fail
+    # the worker's compile error, or the head's own (its workers lose the head and fail too)
+    if [ "$EAGER" = false ] && [ "$NODE_ENGINE" != ray ] \
+      && { grep -Eq "$COMPILE_ERROR_RE" "$RUN_DIR/vllm.node$k.log" 2>/dev/null || pbstk_attempt_log | grep -Eq "$COMPILE_ERROR_RE"; }; then
+      HEAD_ACTION=eager
+    fi
+    break
+  done
+  if [ -z "$HEAD_ACTION" ] && [ -e "$RUN_DIR/stop" ]; then
+    HEAD_ACTION=stop
+    [ -s "$RUN_DIR/stop" ] && HEAD_ACTION=fail && FAILED_NODE=
+  fi
+  [ -n "$HEAD_ACTION" ] && [ "$SERVER_PID" -gt 0 ] && kill -TERM "$SERVER_PID" 2>/dev/null
+  return 0
+}
+
+# The head gives up because of another node: every node stops, the head's markers say which node and why.
+pbstk_head_fail() {
+  local host lines
+  if [ -n "$FAILED_NODE" ]; then
+    pbstk_marker_get host "$RUN_DIR/nodes/$FAILED_NODE.json" host
+    lines=$(tail -n 20 "$RUN_DIR/vllm.node$FAILED_NODE.log" 2>/dev/null | grep -v "^pbstk: " | tail -n 4)
+    lines=${lines//$'\n'/ | }  # one line: a marker's strings hold no newline (pbstk_safe)
+    REASON="node $FAILED_NODE (host $host) failed: ${lines:-exit code ${FAILED_RC:-?}}"
+  else
+    REASON=$(head -c 2000 "$RUN_DIR/stop")
+  fi
+  : >>"$RUN_DIR/stop"
+  pbstk_kill_server
+  pbstk_log "error: $REASON"
+  pbstk_state "$PHASE_FAILED" "${FAILED_RC:-1}"
+  exit 1
+}
+
+# Ray: the head's `ray start --head` and a bounded wait until `ray status` counts every node.
+pbstk_ray_head() {
+  local i count
+  RPC_PORT=$(pbstk_pick_rpc_port) || pbstk_fail "no free port for Ray on $ADDRESS"
+  ATTEMPT=1
+  pbstk_write_head
+  ATTEMPT=0
+  pbstk_log "starting the Ray head on $ADDRESS:$RPC_PORT"
+  ray start --head --node-ip-address="$ADDRESS" --port="$RPC_PORT" --block &
+  RAY_PID=$!
+  for ((i = 0; i < ${RAY_WAIT_S:-600}; i++)); do
+    kill -0 "$RAY_PID" 2>/dev/null || pbstk_fail "the Ray head exited before the cluster formed"
+    count=$(ray status --address "$ADDRESS:$RPC_PORT" 2>/dev/null | grep -cE '^ *[0-9]+ node_')
+    [ "$count" -ge "$NNODES" ] && { pbstk_log "Ray cluster has $count nodes"; return 0; }
+    pbstk_head_watch
+    [ "$HEAD_ACTION" = stop ] && pbstk_stop
+    [ -n "$HEAD_ACTION" ] && pbstk_head_fail
+    sleep 1 &
+    wait $! 2>/dev/null
+  done
+  pbstk_fail "the Ray cluster did not reach $NNODES nodes in ${RAY_WAIT_S:-600} s"
+}
+
+# A worker: wait for head.json (a newer attempt than SEEN), stop on `stop` or a head that has ended.
+pbstk_wait_head() {
+  local attempt phase
+  while true; do
+    [ -e "$RUN_DIR/stop" ] && return 1
+    pbstk_marker_get attempt "$RUN_DIR/head.json" attempt
+    if [[ $attempt =~ ^[0-9]+$ ]] && [ "$attempt" -gt "$1" ]; then
+      pbstk_marker_get HEAD_ADDR "$RUN_DIR/head.json" address
+      pbstk_marker_get RPC_PORT "$RUN_DIR/head.json" rpc_port
+      pbstk_marker_get HEAD_EAGER "$RUN_DIR/head.json" eager
+      ATTEMPT=$attempt
+      return 0
+    fi
+    pbstk_marker_get phase "$STATE" phase
+    case "$phase" in "$PHASE_FAILED" | "$PHASE_EXITED" | "$PHASE_CANCELLED") return 1 ;; esac
+    sleep 1 &
+    wait $! 2>/dev/null
+  done
+}
+
+# A worker's run: one vLLM (or `ray start`) per head attempt; it is READY once the head is.
+pbstk_worker() {
+  local seen=0 restart head_phase head_attempt
+  local -a extra
+  while true; do
+    pbstk_wait_head "$seen" || { pbstk_state "$PHASE_CANCELLED" 143; exit 143; }
+    seen=$ATTEMPT
+    extra=()
+    [ "$HEAD_EAGER" = true ] && [ "$EAGER" = false ] && { extra=(--enforce-eager); EAGER_FALLBACK=true; }
+    pbstk_engine_flags "$HEAD_ADDR" "$RPC_PORT"
+    ATTEMPT_START=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
+    READY=false
+    restart=false
+    if [ "$NODE_ENGINE" = ray ]; then
+      pbstk_log "attempt $ATTEMPT: joining the Ray cluster at $HEAD_ADDR:$RPC_PORT as $ADDRESS"
+      ray start --address="$HEAD_ADDR:$RPC_PORT" --node-ip-address="$ADDRESS" --block &
+    else
+      pbstk_log "attempt $ATTEMPT: starting vLLM node $NODE_RANK on $ADDRESS: ${VLLM_CMD[*]} ${VLLM_ARGS[*]} ${extra[*]} ${ENGINE_FLAGS[*]}"
+      "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" "${extra[@]}" "${ENGINE_FLAGS[@]}" &
+    fi
+    SERVER_PID=$!
+    pbstk_state "$PHASE_STARTING"
+    while kill -0 "$SERVER_PID" 2>/dev/null; do
+      pbstk_marker_get head_phase "$STATE" phase
+      if [ "$READY" = false ] && [ "$head_phase" = "$PHASE_READY" ]; then
+        READY=true
+        pbstk_state "$PHASE_READY"
+        pbstk_log "the head is ready; node $NODE_RANK serves with it"
+      fi
+      case "$head_phase" in "$PHASE_FAILED" | "$PHASE_EXITED" | "$PHASE_CANCELLED") : >>"$RUN_DIR/stop" ;; esac
+      if [ -e "$RUN_DIR/stop" ]; then
+        pbstk_log "stop: the job is over; stopping vLLM (pid $SERVER_PID)"
+        pbstk_kill_server
+        pbstk_state "$PHASE_CANCELLED" 143
+        exit 143
+      fi
+      pbstk_marker_get head_attempt "$RUN_DIR/head.json" attempt
+      if [ "$NODE_ENGINE" != ray ] && [ "$head_attempt" != "$seen" ]; then
+        pbstk_log "the head started attempt $head_attempt; restarting with it"
+        pbstk_kill_server
+        restart=true
+        break
+      fi
+      sleep 1 &
+      wait $! 2>/dev/null
+    done
+    [ "$restart" = true ] && continue
+    wait "$SERVER_PID"
+    RC=$?
+    if [ "$READY" = true ]; then
+      pbstk_log "vLLM exited with code $RC"
+      pbstk_state "$PHASE_EXITED" "$RC"
+      : >>"$RUN_DIR/stop"
+      exit "$RC"
+    fi
+    pbstk_log "vLLM exited with code $RC before it was ready"
+    REASON="vLLM exited with code $RC before it was ready"
+    pbstk_state "$PHASE_FAILED" "$RC"
+    # The head decides on an eager restart of every node (a compile error here or on the head, whose loss may be
+    # what ended this vLLM); wait for its decision, bounded: a new attempt, or `stop`.
+    if [ "$HEAD_EAGER" != true ] && [ "$EAGER" = false ] && [ "$NODE_ENGINE" != ray ]; then
+      pbstk_attempt_log | grep -Eq "$COMPILE_ERROR_RE" && pbstk_log "graph/compile error: waiting for the head's decision"
+      if timeout_wait_head "$seen"; then
+        REASON=
+        continue
+      fi
+    fi
+    : >>"$RUN_DIR/stop"
+    exit "$RC"
+  done
+}
+# The head's decision (a new attempt, or `stop`) comes within a few seconds of our failed marker; 60 s bounds it.
+timeout_wait_head() {
+  local i attempt
+  for ((i = 0; i < 60; i++)); do
+    pbstk_marker_get attempt "$RUN_DIR/head.json" attempt
+    [[ $attempt =~ ^[0-9]+$ ]] && [ "$attempt" -gt "$1" ] && return 0
+    [ -e "$RUN_DIR/stop" ] && return 1
+    sleep 1 &
+    wait $! 2>/dev/null
+  done
+  return 1
+}
+if [ "$NODE_ROLE" = true ] && [ "$NODE_RANK" -gt 0 ]; then
+  pbstk_attempt_log() { tail -c +"$((ATTEMPT_START + 1))" "$LOG" 2>/dev/null; }
+  pbstk_worker
+fi
+HEAD_ACTION=
+FAILED_NODE=
+FAILED_RC=
+RPC_PORT=0
+RAY_PID=0
+[ "$NODE_ROLE" = true ] && [ "$NODE_ENGINE" = ray ] && pbstk_ray_head
+
+# Runs one attempt; sets RC and READY. Readiness here is "the port accepts connections": vLLM binds it
+# only once the engine is up. pbstk itself checks /health and /v1/models.
+pbstk_attempt() {
+  local -a extra=("$@")
+  ATTEMPT=$((ATTEMPT + 1))
+  READY=false
+  # PORT stays a number for server.json when no port is free (an assignment from a failed $(...) empties it);
+  # $RANDOM here, not inside $(...): a subshell may repeat the parent's sequence
+  local picked start=$((PORT_LO + RANDOM % (PORT_HI - PORT_LO + 1)))
+  if ! picked=$(pbstk_pick_port "$start"); then
+    [ "$FIXED_PORT" = true ] && pbstk_fail "port $PORT_LO is already in use on $NODE (another server?); launch with --port auto"
+    pbstk_fail "no free port in $PORT_LO..$PORT_HI on $NODE"
+  fi
+  PORT=$picked
+  if [ "$NODE_ROLE" = true ]; then
+    # the head: its engine port, then head.json, before its vLLM starts (the workers start from it)
+    if [ "$NODE_ENGINE" != ray ]; then
+      RPC_PORT=$(pbstk_pick_rpc_port) || pbstk_fail "no free port for the engine's RPC on $ADDRESS"
+    fi
+    pbstk_engine_flags "$ADDRESS" "$RPC_PORT"
+    extra+=("${ENGINE_FLAGS[@]}")
+    pbstk_write_head
+  fi
+  ATTEMPT_START=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
+  pbstk_log "attempt $ATTEMPT: starting vLLM on $ADDRESS:$PORT: ${VLLM_CMD[*]} ${VLLM_ARGS[*]} --host $BIND_HOST --port $PORT ${extra[*]}"
+  if command -v stdbuf >/dev/null 2>&1; then
+    stdbuf -oL -eL "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" "${extra[@]}" &
+  else
+    "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" "${extra[@]}" &
+  fi
+  SERVER_PID=$!
+  pbstk_state "$PHASE_STARTING"
+  while kill -0 "$SERVER_PID" 2>/dev/null; do
+    if [ "$READY" = false ] && pbstk_port_in_use "$PORT"; then
+      READY=true
+      pbstk_state "$PHASE_READY"
+      pbstk_log "vLLM is listening on $ADDRESS:$PORT"
+    fi
+    [ "$NNODES" -gt 1 ] && pbstk_head_watch
+    sleep 1 &
+    wait $! 2>/dev/null
+  done
+  wait "$SERVER_PID"
+  RC=$?
+}
+
+pbstk_attempt_log() { tail -c +"$((ATTEMPT_START + 1))" "$LOG" 2>/dev/null; }
+
+EXTRA=()
+[ "$EAGER" = true ] && EXTRA=(--enforce-eager)
+while true; do
+  pbstk_attempt "${EXTRA[@]}"
+  case "$HEAD_ACTION" in
+    stop)
+      pbstk_log "stop: the job is over"
+      pbstk_state "$PHASE_CANCELLED" 143
+      exit 143
+      ;;
+    fail) pbstk_head_fail ;;
+    eager)
+      pbstk_log "node $FAILED_NODE failed before it was ready with a graph/compile error; restarting every node with --enforce-eager"
+      HEAD_ACTION=
+      EAGER=true
+      EAGER_FALLBACK=true
+      EXTRA=(--enforce-eager)
+      continue
+      ;;
+  esac
+  # Checked before READY: another server may have answered on our port while vLLM was still importing,
+  # and our vLLM then failed to bind it.
+  if [ "$RC" != 0 ] && pbstk_attempt_log | grep -Eq "$PORT_IN_USE_RE"; then
+    if [ "$FIXED_PORT" = true ]; then
+      pbstk_fail "port $PORT was taken while vLLM started; launch with --port auto" "$RC"
+    fi
+    PORT_RACES=$((PORT_RACES + 1))
+    if [ "$PORT_RACES" -lt "$PORT_SPAN" ]; then
+      pbstk_log "port $PORT was taken while vLLM started; trying another one (lost $PORT_RACES of at most $PORT_SPAN races)"
+      continue
+    fi
+    pbstk_log "lost the race for a port $PORT_SPAN times; giving up"
+  fi
+  if [ "$READY" = true ]; then
+    break
+  fi
+  if [ "$EAGER" = false ] && pbstk_attempt_log | grep -Eq "$COMPILE_ERROR_RE"; then
+    pbstk_log "vLLM failed before it was ready with a graph/compile error (exit $RC); restarting once with --enforce-eager"
+    EAGER=true
+    EAGER_FALLBACK=true
+    EXTRA=(--enforce-eager)
+    continue
+  fi
+  break
+done
+if [ "$READY" = true ]; then
+  pbstk_log "vLLM exited with code $RC"
+  pbstk_state "$PHASE_EXITED" "$RC"
+else
+  pbstk_log "vLLM exited with code $RC before it was ready"
+  pbstk_state "$PHASE_FAILED" "$RC"
+fi
+[ "$NNODES" -gt 1 ] && : >>"$RUN_DIR/stop"
+exit "$RC"
