@@ -348,3 +348,26 @@ def test_router_job_command_line_behind_the_front_is_the_builders(tmp_path: Path
     expected, seed = router_argv(command, policy="power_of_two", bind="0.0.0.0", port=4001, prometheus_port=4002,
                                  front=("/usr/bin/python3", "/runs/r1/router_front.py"))
     assert out == [seed, *expected] and seed == "http://127.0.0.1:4002"
+
+
+def test_router_body_declares_the_header_settings(tmp_path: Path) -> None:
+    """``start_router.sh``'s static body declares exactly what its header assigns, so shellcheck of the body
+    alone knows them and flags a misspelt one (``$SEED_UR``)."""
+    import re
+
+    body_path = Path(router_job.__file__).parent.parent / "server" / "start_router.sh"
+    body = body_path.read_text()
+    start = router_job.render_start_script(_profile("local"), "/runs/r1", "svc", ["vllm-router"], "round_robin")
+    header = start[: -len(body)]
+    declared = {w for line in body.splitlines() if line.startswith("declare ") for w in line.split()[1:]
+                if not w.startswith("-")}
+    assert declared == set(re.findall(r"^([A-Z_]+)=", header, re.MULTILINE))
+    clean = subprocess.run(["shellcheck", "-s", "bash", str(body_path)], capture_output=True, text=True,  # noqa: S603,S607
+                           check=False)
+    assert clean.returncode == 0, clean.stdout
+    bad = tmp_path / "start_router.sh"
+    bad.write_text(body.replace('SEED=${SEED_URL//', 'SEED=${SEED_UR//', 1))
+    assert bad.read_text() != body
+    flagged = subprocess.run(["shellcheck", "-s", "bash", str(bad)], capture_output=True, text=True,  # noqa: S603,S607
+                             check=False)
+    assert flagged.returncode != 0 and "SEED_UR" in flagged.stdout, flagged.stdout

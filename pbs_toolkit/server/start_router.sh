@@ -1,5 +1,10 @@
 
 # --- the body of start_router.sh: static; every setting is a variable of the header above -------------------
+# shellcheck shell=bash
+# The settings the header assigns (services/router_job.py render_start_script), declared so that shellcheck of
+# this body alone flags a misspelt one; `declare NAME` without a value keeps the header's.
+declare RUN_DIR BIND_HOST ADDRESS_MODE ADDRESS_SUFFIX POLICY SEED_URL VENV START_WAIT_S STOP_WAIT_S ISOLATE
+declare -a ROUTER_CMD ROUTER_ARGV
 # A service's vllm-router inside a small CPU job (profile `router: job`). It chooses free ports on this node,
 # starts the router bound to BIND_HOST, and once the router answers /list_workers writes RUN_DIR/router.json
 # (host = this node's address as ADDRESS_MODE names it, port, prometheus_port, pid; 0644, no secret in it) for
