@@ -54,6 +54,8 @@ ADDRESS=
 REASON=
 
 pbstk_log() { echo "pbstk: $(date '+%H:%M:%S') $*"; }
+# One second in the background: a stop signal's trap runs at once (bash defers it until a foreground command ends).
+pbstk_sleep() { sleep 1 & wait $! 2>/dev/null; }
 
 # --- markers: server.json (the head's), RUN_DIR/nodes/K.json (every node's), head.json (for the workers) ---
 # One line of JSON each, written with no escaping at all: a string value is first cut down to characters JSON
@@ -319,8 +321,7 @@ pbstk_launch_nodes() {
       pbstk_log "nodes still running ${STOP_GRACE:-60} s after stop; killing them"
       kill -KILL "${NODE_PIDS[@]}" 2>/dev/null
     fi
-    sleep 1 &
-    wait $! 2>/dev/null
+    pbstk_sleep
   done
   # the head's marker was written by the node itself; an unset exit (all 0) still means the server ended
   exit "$LAUNCH_RC"
@@ -545,8 +546,7 @@ pbstk_ray_head() {
     pbstk_head_watch
     [ "$HEAD_ACTION" = stop ] && pbstk_stop
     [ -n "$HEAD_ACTION" ] && pbstk_head_fail
-    sleep 1 &
-    wait $! 2>/dev/null
+    pbstk_sleep
   done
   pbstk_fail "the Ray cluster did not reach $NNODES nodes in ${RAY_WAIT_S:-600} s"
 }
@@ -566,8 +566,7 @@ pbstk_wait_head() {
     fi
     pbstk_marker_get phase "$STATE" phase
     case "$phase" in "$PHASE_FAILED" | "$PHASE_EXITED" | "$PHASE_CANCELLED") return 1 ;; esac
-    sleep 1 &
-    wait $! 2>/dev/null
+    pbstk_sleep
   done
 }
 
@@ -614,8 +613,7 @@ pbstk_worker() {
         restart=true
         break
       fi
-      sleep 1 &
-      wait $! 2>/dev/null
+      pbstk_sleep
     done
     [ "$restart" = true ] && continue
     wait "$SERVER_PID"
@@ -649,13 +647,13 @@ timeout_wait_head() {
     pbstk_marker_get attempt "$RUN_DIR/head.json" attempt
     [[ $attempt =~ ^[0-9]+$ ]] && [ "$attempt" -gt "$1" ] && return 0
     [ -e "$RUN_DIR/stop" ] && return 1
-    sleep 1 &
-    wait $! 2>/dev/null
+    pbstk_sleep
   done
   return 1
 }
+# This attempt's part of the log (from ATTEMPT_START, its size when the attempt began).
+pbstk_attempt_log() { tail -c +"$((ATTEMPT_START + 1))" "$LOG" 2>/dev/null; }
 if [ "$NODE_ROLE" = true ] && [ "$NODE_RANK" -gt 0 ]; then
-  pbstk_attempt_log() { tail -c +"$((ATTEMPT_START + 1))" "$LOG" 2>/dev/null; }
   pbstk_worker
 fi
 HEAD_ACTION=
@@ -665,6 +663,9 @@ RPC_PORT=0
 RAY_PID=0
 [ "$NODE_ROLE" = true ] && [ "$NODE_ENGINE" = ray ] && pbstk_ray_head
 
+# vLLM's output line by line into the log where stdbuf is there
+LINE_BUFFERED=()
+command -v stdbuf >/dev/null 2>&1 && LINE_BUFFERED=(stdbuf -oL -eL)
 # Runs one attempt; sets RC and READY. Readiness here is "the port accepts connections": vLLM binds it
 # only once the engine is up. pbstk itself checks /health and /v1/models.
 pbstk_attempt() {
@@ -690,11 +691,7 @@ pbstk_attempt() {
   fi
   ATTEMPT_START=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
   pbstk_log "attempt $ATTEMPT: starting vLLM on $ADDRESS:$PORT: ${VLLM_CMD[*]} ${VLLM_ARGS[*]} --host $BIND_HOST --port $PORT ${extra[*]}"
-  if command -v stdbuf >/dev/null 2>&1; then
-    stdbuf -oL -eL "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" "${extra[@]}" &
-  else
-    "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" "${extra[@]}" &
-  fi
+  "${LINE_BUFFERED[@]}" "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" "${extra[@]}" &
   SERVER_PID=$!
   pbstk_state "$PHASE_STARTING"
   while kill -0 "$SERVER_PID" 2>/dev/null; do
@@ -704,14 +701,11 @@ pbstk_attempt() {
       pbstk_log "vLLM is listening on $ADDRESS:$PORT"
     fi
     [ "$NNODES" -gt 1 ] && pbstk_head_watch
-    sleep 1 &
-    wait $! 2>/dev/null
+    pbstk_sleep
   done
   wait "$SERVER_PID"
   RC=$?
 }
-
-pbstk_attempt_log() { tail -c +"$((ATTEMPT_START + 1))" "$LOG" 2>/dev/null; }
 
 EXTRA=()
 [ "$EAGER" = true ] && EXTRA=(--enforce-eager)
