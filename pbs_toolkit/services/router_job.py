@@ -35,13 +35,14 @@ from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.schedulers import JobRef, SchedState, backend_class, get_scheduler
 from pbs_toolkit.services.router import (
-    DEFAULT_ARGS,
+    FRONT_FILE,
     FRONT_SOURCES,
     INFO_FILE,
     LOG_FILE,
-    SEEDED_POLICIES,
     RouterError,
     RouterInfo,
+    http_status,
+    router_argv,
 )
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ ROUTER_JOB_CPUS = 2
 #: seconds the router gets to answer once started, and to drain after SIGTERM before it is killed
 START_WAIT_S = 60
 STOP_WAIT_S = 20
+#: what ``start_router.sh`` puts into the router's command line once it has chosen them on its node
+PORT_SLOT, PROM_PORT_SLOT, PYTHON_SLOT = "@PORT@", "@PROM_PORT@", "@PYTHON@"
 
 KEEP_ALIVE_REFUSED = ("--keep-alive with router: job: a router inside a job ends at its walltime and its "
                       "successor would have another URL; use router: login for --keep-alive")
@@ -103,7 +106,10 @@ class _NoPreset:
 
 
 def render_start_script(profile: Profile, run_dir: str, service: str, command: list[str], policy: str) -> str:
-    """``start_router.sh``: a header of quoted settings, then the static body (shellcheck reads it as it runs)."""
+    """``start_router.sh``: a header of quoted settings, then the static body (shellcheck reads it as it runs).
+
+    The router's command line is :func:`~pbs_toolkit.services.router.router_argv`'s, as ``router: login`` starts
+    it, with slots for what only the node knows: the ports the script picks there and the front's Python."""
     from pbs_toolkit import __version__
     from pbs_toolkit.jobs.render import sh_path
 
@@ -111,6 +117,10 @@ def render_start_script(profile: Profile, run_dir: str, service: str, command: l
         return "(" + " ".join(shlex.quote(v) for v in values) + ")"
 
     bind = profile.router_bind or profile.bind_host
+    isolate = profile.router_isolation != "none"
+    front = (PYTHON_SLOT, f"{run_dir}/{FRONT_FILE}") if isolate else None
+    argv, seed = router_argv(command, policy=policy, bind=bind, port=PORT_SLOT, prometheus_port=PROM_PORT_SLOT,
+                             front=front)
     venv = sh_path(profile.venv) if profile.venv else "''"
     lines = [
         "#!/bin/bash",
@@ -118,16 +128,19 @@ def render_start_script(profile: Profile, run_dir: str, service: str, command: l
         "# shellcheck disable=SC2034  # settings the body below reads",
         f"RUN_DIR={sh_path(run_dir)}",
         f"ROUTER_CMD={array(command)}",
-        f"ROUTER_ARGS={array(DEFAULT_ARGS)}",
+        "# the router's command line (services/router.py router_argv, as for router: login): the body puts in the",
+        f"# ports it picks ({PORT_SLOT}, {PROM_PORT_SLOT}) and the front's Python ({PYTHON_SLOT})",
+        f"ROUTER_ARGV={array(argv)}",
         f"BIND_HOST={shlex.quote(bind)}",
         f"ADDRESS_MODE={shlex.quote(profile.address)}",
         f"ADDRESS_SUFFIX={shlex.quote(profile.address_suffix or '')}",
         f"POLICY={shlex.quote(policy)}",
-        f"SEED={1 if policy in SEEDED_POLICIES else 0}",
+        f"# the start-up worker to remove once the router answers ('': none; {PROM_PORT_SLOT} as above)",
+        f"SEED_URL={shlex.quote(seed or '')}",
         f"VENV={venv}",
         f"START_WAIT_S={START_WAIT_S}",
         f"STOP_WAIT_S={STOP_WAIT_S}",
-        f"ISOLATE={0 if profile.router_isolation == 'none' else 1}",
+        f"ISOLATE={1 if isolate else 0}",
     ]
     return "\n".join(lines) + "\n" + _BODY.read_text(encoding="utf-8")
 
@@ -282,10 +295,8 @@ def _tail(runner: Runner, run_dir: str, scheduler: str, lines: int = 8) -> list[
 
 def router_answers(client: Client, info: RouterInfo) -> bool:
     """Whether the router answers ``GET /list_workers`` (as the scheduler's host reaches the node)."""
-    from pbs_toolkit.services.router import _http_status
-
     try:
-        return _http_status(client.runner(info.transport), info.host, info.port, "/list_workers") == 200
+        return http_status(client.runner(info.transport), info.host, info.port, "/list_workers") == 200
     except PbstkError:
         return False
 
