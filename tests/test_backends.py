@@ -4,15 +4,20 @@ information to one ``Outcome`` (tested with the real backends in test_status_com
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import MODEL, pbstk
 
-from pbs_toolkit.errors import ConfigError, UsageError
+from pbs_toolkit.errors import ConfigError, SchedulerError, SchedulerUnavailable, UsageError
 from pbs_toolkit.jobs.logs import STREAMS, stream_path
-from pbs_toolkit.schedulers import BACKENDS, Scheduler, get_scheduler
+from pbs_toolkit.schedulers import BACKENDS, JobRef, Scheduler, SchedulerJob, get_scheduler
+from pbs_toolkit.schedulers.base import status_failed
 from pbs_toolkit.settings.profiles import SCHEDULERS, load_profile
+from pbs_toolkit.transports import LocalRunner
+from pbs_toolkit.transports.base import Result
 
 FLAT = """name: site
 scheduler: pbs
@@ -95,3 +100,61 @@ def test_stream_names_are_generic_and_the_old_ones_still_work() -> None:
     assert stream_path("/r", "local", "vllm") == "/r/vllm.log"
     with pytest.raises(UsageError, match="unknown log stream"):
         stream_path("/r", "pbs", "nope")
+
+
+class _CommandBackend(Scheduler):
+    """A backend as a contributor writes one: argument lists and answers only. The sequence (the submission
+    wrapper, retries, the timeout, the errors) comes from the base, with real commands run by a real runner."""
+
+    name = "cmd"
+
+    def __init__(self, status: list[str], cancel: list[str], submit_rc: int = 0) -> None:
+        self.status, self.cancel_cmd, self.submit_rc = status, cancel, submit_rc
+
+    def submit_command(self, runner: Any, script_path: str, *, begin_at: float | None,
+                       after: str | None) -> tuple[list[str], dict[str, str]]:
+        return (["sh", "-c", 'echo "$SITE_ID"; echo "$1" >&2; exit "$2"', "sh", script_path, str(self.submit_rc)],
+                {"SITE_ID": "42.site"})
+
+    def parse_job_id(self, stdout: str) -> str:
+        return stdout.strip()
+
+    def status_argv(self, job_ids: Sequence[str]) -> list[str]:
+        return self.status
+
+    def read_status(self, runner: Any, job_ids: Sequence[str], result: Result) -> dict[str, SchedulerJob]:
+        if result.rc != 0:
+            raise status_failed("status", result)
+        return {}
+
+    def cancel_argv(self, job_id: str) -> list[str]:
+        return self.cancel_cmd
+
+
+def test_the_base_runs_the_submit_query_cancel_sequence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = LocalRunner()
+    sched = _CommandBackend(["sh", "-c", "exit 3"], ["sh", "-c", "echo nope >&2; exit 5"])
+    # submit: the command's stdout is the id, and the wrapper leaves it in RUN_DIR/job_id (with the env it needed)
+    assert sched.submit(runner, "/r/job.x", str(tmp_path), "t") == "42.site"
+    assert (tmp_path / "job_id").read_text() == "42.site\n"
+    with pytest.raises(SchedulerError, match=r"sh refused the job: /r/job.x"):
+        _CommandBackend([], [], submit_rc=1).submit(runner, "/r/job.x", str(tmp_path), "t")
+    assert (tmp_path / "submit_rc").read_text() == "1\n"
+    # query and cancel: refused is SchedulerError with the words, a killed command SchedulerUnavailable
+    with pytest.raises(SchedulerError, match=r"status failed \(exit 3\)"):
+        sched.query(runner, [JobRef("1", str(tmp_path))])
+    assert sched.query(runner, []) == {}
+    with pytest.raises(SchedulerError, match=r"sh 1 failed \(exit 5\): nope"):
+        sched.cancel(runner, JobRef("1", str(tmp_path)))
+    killed = _CommandBackend(["sh", "-c", "kill -9 $$"], ["sh", "-c", "kill -9 $$"])
+    with pytest.raises(SchedulerUnavailable, match="killed"):
+        killed.query(runner, [JobRef("1", str(tmp_path))])
+    with pytest.raises(SchedulerUnavailable, match="was killed .* is the job stopped"):
+        killed.cancel(runner, JobRef("1", str(tmp_path)))
+    # a hung status or cancel command is "the scheduler did not answer", after PBSTK_SCHEDULER_TIMEOUT_S
+    monkeypatch.setenv("PBSTK_SCHEDULER_TIMEOUT_S", "0.3")
+    hung = _CommandBackend(["sleep", "30"], ["sleep", "30"])
+    with pytest.raises(SchedulerUnavailable, match="did not answer within 0.3 s"):
+        hung.query(runner, [JobRef("1", str(tmp_path))])
+    with pytest.raises(SchedulerUnavailable, match="did not answer within 0.3 s"):
+        hung.cancel(runner, JobRef("1", str(tmp_path)))

@@ -20,7 +20,6 @@ from typing import Any
 
 from pbs_toolkit.errors import ConfigError, SchedulerError, SchedulerUnavailable, UsageError
 from pbs_toolkit.schedulers.base import (
-    JobRef,
     Outcome,
     SchedState,
     Scheduler,
@@ -28,7 +27,7 @@ from pbs_toolkit.schedulers.base import (
     first_line,
     run_with_retry,
     scheduler_timeout,
-    was_killed,
+    status_failed,
 )
 from pbs_toolkit.transports.base import Result, Runner
 
@@ -250,9 +249,7 @@ def check_answer(result: Result, ids: Sequence[str]) -> bool:
         return True
     if len(ids) == 1 and _UNKNOWN_ID in result.stderr.lower():
         return False
-    if was_killed(result.rc):
-        raise SchedulerUnavailable(f"squeue was killed (exit {result.rc}): {first_line(result.stderr)}")
-    raise SchedulerError(f"squeue failed (exit {result.rc}): {first_line(result.stderr)}")
+    raise status_failed("squeue", result)
 
 
 #: the sacct columns read for jobs squeue has forgotten (``--parsable2``: ``|`` between columns, none after)
@@ -326,18 +323,16 @@ class SlurmScheduler(Scheduler):
     def stop_hint(self, job_id: str, run_dir: str) -> str:
         return f"scancel {job_id}"
 
-    def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
-               walltime_s: int | None = None, begin_at: float | None = None, after: str | None = None) -> str:
-        result = run_with_retry(runner, submit_argv(script_path, begin_at=begin_at, after=after), is_transient)
-        if result.rc != 0:
-            raise SchedulerError(f"sbatch refused the job: {first_line(result.stderr or result.stdout)}")
-        return parse_job_id(result.stdout)
+    def submit_command(self, runner: Runner, script_path: str, *, begin_at: float | None,
+                       after: str | None) -> tuple[list[str], dict[str, str]]:
+        return submit_argv(script_path, begin_at=begin_at, after=after), {}
 
-    def query(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, SchedulerJob]:
-        if not refs:
-            return {}
-        ids = list(dict.fromkeys(ref.job_id for ref in refs))
-        result = run_with_retry(runner, status_argv(ids), is_transient, timeout=scheduler_timeout())
+    parse_job_id = staticmethod(parse_job_id)
+    is_transient = staticmethod(is_transient)
+    status_argv = staticmethod(status_argv)
+    cancel_argv = staticmethod(cancel_argv)
+
+    def read_status(self, runner: Runner, ids: Sequence[str], result: Result) -> dict[str, SchedulerJob]:
         if not check_answer(result, ids):
             return ask_sacct(runner, ids)
         found = parse_status(result.stdout)
@@ -346,14 +341,6 @@ class SlurmScheduler(Scheduler):
             found.update(ask_sacct(runner, missing))
         return {job_id: found[job_id] for job_id in ids if job_id in found}
 
-    def cancel(self, runner: Runner, ref: JobRef) -> bool:
-        result = run_with_retry(runner, cancel_argv(ref.job_id), is_transient, timeout=scheduler_timeout())
+    def already_gone(self, result: Result) -> bool:
         text = (result.stderr + result.stdout).lower()
-        if any(words in text for words in _CANCEL_GONE):
-            return False
-        if result.rc == 0:
-            return True
-        if was_killed(result.rc):
-            raise SchedulerUnavailable(f"scancel {ref.job_id} was killed (exit {result.rc}): is the job stopped? "
-                                       "`pbstk status` will tell")
-        raise SchedulerError(f"scancel {ref.job_id} failed (exit {result.rc}): {first_line(result.stderr)}")
+        return any(words in text for words in _CANCEL_GONE)
