@@ -91,8 +91,8 @@ class Scheduler:
     stream_aliases: ClassVar[dict[str, str]] = {}
     #: profile keys only this backend reads; a profile may also nest them under a section named after it
     profile_keys: frozenset[str] = frozenset()
-    #: the program whose stdout is the job id: it runs under the wrapper that leaves ``RUN_DIR/job_id``
-    #: (schedulers/marker.py); ``None`` when the backend writes that file itself
+    #: the program that submits (``submit_command``'s); on PATH it says this host is the cluster's login node
+    #: (settings/login_host.py). ``None`` for a backend that starts jobs itself
     submit_program: str | None = None
     #: whether ``cancel`` may still be called for a job already recorded final (the scheduler forgets ids
     #: safely; a process group id, for one, may belong to anything once the job has ended)
@@ -103,6 +103,9 @@ class Scheduler:
     default_node_launcher: str = "ssh"
     #: the launcher this backend always uses, whatever the profile says (its ``node_launcher`` is then ignored)
     fixed_node_launcher: str | None = None
+    #: jobs run on the host that submits them, no compute nodes (``local``): replicas of a service share its ports
+    #: and GPUs, several "nodes" are stand-ins on it, and a cluster's login node is no place for one by default
+    runs_on_submit_host: bool = False
     #: hands out numbers never used before, for backends that make their own job ids (launch sets it)
     id_source: Callable[[], int] | None = None
 
@@ -114,11 +117,11 @@ class Scheduler:
         """A command a user can run by hand to stop the job when pbstk cannot (shown after a failed record)."""
         return f"pbstk cancel {job_id}"
 
-    # -- the sequence: submit, query and cancel through the scheduler's own commands (qsub, sbatch, ...). The base
-    # runs it once for every such backend: the submission under the wrapper that leaves ``RUN_DIR/job_id``
-    # (schedulers/marker.py), retries of transient failures, the status and cancel timeout, and errors mapped to
-    # SchedulerError (refused) / SchedulerUnavailable (no answer). A backend builds argument lists and reads
-    # answers (the hooks below); one without commands (``local``) overrides the three methods instead.
+    # -- the sequence: submit, query and cancel through the scheduler's own programs. The base runs it once for
+    # every such backend: the submission under the wrapper that leaves ``RUN_DIR/job_id`` (schedulers/marker.py),
+    # retries of transient failures, the status and cancel timeout, and errors mapped to SchedulerError (refused)
+    # or SchedulerUnavailable (no answer). A backend builds argument lists and reads answers (the hooks below);
+    # one without such programs (``local``) overrides the three methods instead.
 
     def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
                walltime_s: int | None = None, begin_at: float | None = None, after: str | None = None) -> str:

@@ -140,6 +140,7 @@ class LocalScheduler(Scheduler):
     streams = {"sched-out": f"{SPOOL}/stdout", "sched-err": f"{SPOOL}/stderr"}  # what the supervisor captures
     cancel_when_final = False  # a process group id may belong to anything once the job has ended
     fixed_node_launcher = "local"  # the start script's own: every node's copy on this machine
+    runs_on_submit_host = True
 
     def validate_profile(self, profile: Any, where: str) -> None:
         # the shared template still renders the directive lines: keep them single, plain lines
@@ -189,8 +190,7 @@ class LocalScheduler(Scheduler):
             time.sleep(0.05)
         raise SchedulerError(f"the local job did not start (see {spool}/supervisor.log)")
 
-    @staticmethod
-    def _after_spool(after: str) -> str:
+    def _after_spool(self, after: str) -> str:
         """The spool of local job ``after`` (from the job store: a local job id says nothing about its run
         directory), whose start the new job waits for."""
         from pbs_toolkit.errors import JobNotFound
@@ -200,7 +200,7 @@ class LocalScheduler(Scheduler):
             record = JobStore().find(after)
         except JobNotFound:
             raise UsageError(f"after: no local job {after!r} in the job store") from None
-        if record.scheduler != "local":
+        if record.scheduler != self.name:
             raise UsageError(f"after: job {after} is not a local job")
         return f"{record.run_dir}/{SPOOL}"
 
