@@ -158,3 +158,56 @@ def test_the_base_runs_the_submit_query_cancel_sequence(tmp_path: Path, monkeypa
         hung.query(runner, [JobRef("1", str(tmp_path))])
     with pytest.raises(SchedulerUnavailable, match="did not answer within 0.3 s"):
         hung.cancel(runner, JobRef("1", str(tmp_path)))
+
+
+def test_a_profile_keeps_a_backends_keys_in_its_section(tmp_path: Path) -> None:
+    """``Profile`` holds the generic keys; what one backend reads is in ``profile.backend``, of that backend's
+    ``section_type``, whether the file nests the keys or keeps them flat."""
+    from dataclasses import fields
+
+    from pbs_toolkit.schedulers.pbs import PBSKeys
+    from pbs_toolkit.schedulers.slurm import SlurmKeys
+    from pbs_toolkit.settings.profiles import Profile
+
+    own = {f.name for cls in BACKENDS.values() for f in fields(cls.section_type)}
+    assert {"select", "place", "qos", "exclusive", "gpu_directive"} <= own
+    assert not own & {f.name for f in fields(Profile)}  # not one flat Profile holding every backend's keys
+    for text in (FLAT, NESTED):
+        (tmp_path / "p.yaml").write_text(text)
+        pbs = load_profile(str(tmp_path / "p.yaml"))
+        assert pbs.backend == PBSKeys(filesystems="home:eagle", extra_directives=["-l foo=bar"])
+        assert (pbs.queue, pbs.account) == ("debug", "proj1")  # every batch scheduler's: generic
+    slurm = load_profile("perlmutter")
+    assert type(slurm.backend) is SlurmKeys and slurm.backend.qos == "regular" and not slurm.backend.exclusive
+    assert not hasattr(slurm.backend, "select") and not hasattr(pbs.backend, "exclusive")
+
+
+def test_another_backends_flat_key_is_accepted_and_not_read(tmp_path: Path) -> None:
+    """As before sections: a flat key only another backend reads loads (config.yaml sets such keys for every
+    profile) and reaches nothing; in the backend's own section it is refused (test above)."""
+    path = tmp_path / "p.yaml"
+    path.write_text(FLAT + "qos: debug\nexclusive: true\n")
+    profile = load_profile(str(path))
+    assert not hasattr(profile.backend, "qos") and profile.to_dict()["qos"] is None
+    rendered = pbstk("render", MODEL, "--profile", str(path), "--preset", "dp4")
+    assert rendered.exit_code == 0, rendered.output
+    assert "qos" not in rendered.stdout and "exclusive" not in rendered.stdout
+
+
+def test_switching_the_scheduler_switches_the_section() -> None:
+    """``--scheduler`` on a profile: the new backend's section, keys both read carried over (a cluster profile
+    tried with ``--scheduler local`` keeps its PBS keys: local runs the PBS template)."""
+    from pbs_toolkit.schedulers.pbs import PBSKeys
+    from pbs_toolkit.schedulers.slurm import SlurmKeys
+    from pbs_toolkit.services.router_job import job_profile
+
+    polaris = load_profile("polaris")
+    local = polaris.with_overrides({"scheduler": "local"})
+    assert local.backend == polaris.backend and type(local.backend) is PBSKeys
+    slurm = polaris.with_overrides({"scheduler": "slurm", "qos": "debug", "extra_directives": ["--mem=0"]})
+    assert slurm.backend == SlurmKeys(qos="debug", extra_directives=["--mem=0"])
+    assert polaris.with_overrides({"qos": "debug"}).backend == polaris.backend  # not PBS's: dropped
+    # a router job never takes whole nodes, whatever the backend calls that
+    exclusive = slurm.with_overrides({"exclusive": True})
+    assert exclusive.backend.exclusive and not job_profile(exclusive).backend.exclusive
+    assert job_profile(polaris).backend == polaris.backend

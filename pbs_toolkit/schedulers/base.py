@@ -73,6 +73,17 @@ class SchedulerJob:
     estimated_start: float | None = None
 
 
+@dataclass(frozen=True)
+class ProfileSection:
+    """The profile keys only one backend reads: a profile's ``backend`` (``Profile.backend``), of its scheduler's
+    ``section_type``. A backend subclasses it with its own keys and their defaults; a profile file may nest them
+    under a section named after the backend, and older flat profiles' top-level keys load into it too."""
+
+    def without_whole_nodes(self) -> ProfileSection:
+        """These keys for a small job (a service's router) that must not take whole nodes."""
+        return self
+
+
 class Scheduler:
     """One backend. Everything scheduler-specific lives in its module; CONTRIBUTING.md lists what to provide."""
 
@@ -89,8 +100,11 @@ class Scheduler:
     streams: ClassVar[dict[str, str]] = {}
     #: older stream names still accepted -> generic ones (kept because users have them in scripts)
     stream_aliases: ClassVar[dict[str, str]] = {}
-    #: profile keys only this backend reads; a profile may also nest them under a section named after it
+    #: profile keys a profile may nest under a section named after this backend (its ``section_type``'s, and the
+    #: queue and account every batch scheduler has)
     profile_keys: frozenset[str] = frozenset()
+    #: the keys only this backend reads, with their defaults: a profile's ``backend``
+    section_type: type[ProfileSection] = ProfileSection
     #: the program that submits (``submit_command``'s); on PATH it says this host is the cluster's login node
     #: (settings/login_host.py). ``None`` for a backend that starts jobs itself
     submit_program: str | None = None

@@ -27,7 +27,7 @@ from typing import Any
 
 from pbs_toolkit.errors import SchedulerError, UsageError
 from pbs_toolkit.schedulers.base import JobRef, Outcome, SchedState, Scheduler, SchedulerJob, first_line
-from pbs_toolkit.schedulers.pbs import PBSScheduler, validate_directives
+from pbs_toolkit.schedulers.pbs import PBSKeys, PBSScheduler, validate_directives
 from pbs_toolkit.transports.base import Runner
 
 SPOOL = ".local-job"
@@ -137,6 +137,7 @@ class LocalScheduler(Scheduler):
     template_dir = PBSScheduler.template_dir
     template_name = PBSScheduler.template_name
     script_name = PBSScheduler.script_name
+    section_type = PBSKeys  # what the shared template reads (no ``local:`` section: ``profile_keys`` is empty)
     streams = {"sched-out": f"{SPOOL}/stdout", "sched-err": f"{SPOOL}/stderr"}  # what the supervisor captures
     cancel_when_final = False  # a process group id may belong to anything once the job has ended
     fixed_node_launcher = "local"  # the start script's own: every node's copy on this machine

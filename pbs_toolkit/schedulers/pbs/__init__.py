@@ -13,6 +13,7 @@ import math
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from pbs_toolkit.errors import ConfigError, SchedulerError, SchedulerUnavailable
 from pbs_toolkit.schedulers.base import (
     JobRef,
     Outcome,
+    ProfileSection,
     SchedState,
     Scheduler,
     SchedulerJob,
@@ -42,9 +44,23 @@ _GONE = (153, 35)
 WALLTIME_EXIT = -29
 #: docs/pbs.md "Exit_status": a signal N ends the job with 256 + N
 SIGNAL_BASE = 256
-#: profile keys that only reach ``#PBS`` directive lines
-PROFILE_KEYS = frozenset({"queue", "account", "account_required", "select", "place", "filesystems", "keep_files",
-                          "extra_directives"})
+
+
+@dataclass(frozen=True)
+class PBSKeys(ProfileSection):
+    """The profile keys only PBS reads: they reach ``#PBS`` directive lines (docs/pbs.md)."""
+
+    #: the node request; ``{nodes}``, ``{gpus_per_node}``, ``{cpus_per_node}`` are filled in
+    select: str = "{nodes}:ncpus={cpus_per_node}:ngpus={gpus_per_node}"
+    place: str | None = None
+    filesystems: str | None = None
+    keep_files: str | None = "doe"
+    #: more ``#PBS`` lines, one qsub option each
+    extra_directives: list[str] = field(default_factory=list)
+
+
+#: what a profile may nest under ``pbs:``
+PROFILE_KEYS = frozenset({"queue", "account", "account_required", *(f.name for f in fields(PBSKeys))})
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.@-]+$")
 #: how PBS prints times (``stime``, ``estimated.start_time``): ctime in the server host's local time
 TIME_FORMAT = "%a %b %d %H:%M:%S %Y"
@@ -77,10 +93,10 @@ def validate_directives(p: Any, where: str) -> None:
         if value is not None and not _NAME_RE.fullmatch(value):  # ``$`` would accept a trailing newline
             raise UsageError(f"bad {key} {value!r}: only letters, digits and _ . @ - are allowed")
     for key in ("select", "place", "filesystems", "keep_files"):
-        value = getattr(p, key)
+        value = getattr(p.backend, key)
         if value is not None and (not value or any(c.isspace() for c in value)):
             raise ConfigError(f"{where}: key {key!r} must be a non-empty value without spaces, got {value!r}")
-    for line in p.extra_directives:
+    for line in p.backend.extra_directives:
         # qsub parses every option on a directive line: "-l a=b -V" would smuggle in -V
         if not _DIRECTIVE_RE.fullmatch(line) or line.startswith("-V"):
             raise ConfigError(f"{where}: extra_directives entry {line!r} must be one qsub option like '-l foo=bar'")
@@ -297,6 +313,7 @@ class PBSScheduler(Scheduler):
     streams = {"sched-out": "pbs.out", "sched-err": "pbs.err"}
     stream_aliases = {"pbs-out": "sched-out", "pbs-err": "sched-err"}
     profile_keys = PROFILE_KEYS
+    section_type = PBSKeys
     submit_program = "qsub"
     node_launchers = ("pbsdsh",)
     default_node_launcher = "pbsdsh"

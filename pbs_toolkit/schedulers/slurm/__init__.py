@@ -15,12 +15,14 @@ import math
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from pbs_toolkit.errors import ConfigError, SchedulerError, SchedulerUnavailable, UsageError
 from pbs_toolkit.schedulers.base import (
     Outcome,
+    ProfileSection,
     SchedState,
     Scheduler,
     SchedulerJob,
@@ -57,10 +59,28 @@ _TRANSIENT = ("socket timed out", "unable to contact slurm controller", "zero by
 _UNKNOWN_ID = "invalid job id specified"
 #: what scancel -v says about an id it did not stop
 _CANCEL_GONE = ("invalid job id specified", "already completing or completed")
-#: profile keys that only reach ``#SBATCH`` lines
-PROFILE_KEYS = frozenset({"queue", "account", "account_required", "qos", "constraint", "gpu_directive",
-                          "exclusive", "extra_directives"})
 GPU_DIRECTIVES = ("gres", "gpus-per-node")
+
+
+@dataclass(frozen=True)
+class SlurmKeys(ProfileSection):
+    """The profile keys only Slurm reads: they reach ``#SBATCH`` lines (docs/slurm.md)."""
+
+    #: quality of service, node features, and how GPUs are asked for (``gres`` or ``gpus-per-node``)
+    qos: str | None = None
+    constraint: str | None = None
+    gpu_directive: str = "gres"
+    #: the job takes whole nodes
+    exclusive: bool = False
+    #: more ``#SBATCH`` lines, one long option each
+    extra_directives: list[str] = field(default_factory=list)
+
+    def without_whole_nodes(self) -> SlurmKeys:
+        return replace(self, exclusive=False)
+
+
+#: what a profile may nest under ``slurm:``
+PROFILE_KEYS = frozenset({"queue", "account", "account_required", *(f.name for f in fields(SlurmKeys))})
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.@-]+$")
 #: a constraint expression: features joined by & | , and brackets, multipliers like *2
 _CONSTRAINT_RE = re.compile(r"^[A-Za-z0-9_.&|,\[\]()*:-]+$")
@@ -73,17 +93,17 @@ _REFUSED_DIRECTIVES = ("--export", "--output", "--error", "--job-name", "--chdir
 
 def validate_directives(p: Any, where: str) -> None:
     """Check values that reach ``#SBATCH`` lines (sbatch parses them, no shell: refuse instead of quoting)."""
-    for key in ("queue", "account", "qos"):
-        value = getattr(p, key)
+    keys: SlurmKeys = p.backend
+    for key, value in (("queue", p.queue), ("account", p.account), ("qos", keys.qos)):
         if value is not None and not _NAME_RE.fullmatch(value):  # ``$`` would accept a trailing newline
             raise UsageError(f"bad {key} {value!r}: only letters, digits and _ . @ - are allowed")
-    if p.constraint is not None and not _CONSTRAINT_RE.fullmatch(p.constraint):
+    if keys.constraint is not None and not _CONSTRAINT_RE.fullmatch(keys.constraint):
         raise ConfigError(f"{where}: key 'constraint' must be a feature expression like gpu or 'gpu&hbm80g', "
-                          f"got {p.constraint!r}")
-    if p.gpu_directive not in GPU_DIRECTIVES:
+                          f"got {keys.constraint!r}")
+    if keys.gpu_directive not in GPU_DIRECTIVES:
         raise ConfigError(f"{where}: key 'gpu_directive' must be one of {', '.join(GPU_DIRECTIVES)}, "
-                          f"got {p.gpu_directive!r}")
-    for line in p.extra_directives:
+                          f"got {keys.gpu_directive!r}")
+    for line in keys.extra_directives:
         # sbatch reads every option on a directive line: "--mem=0 --export=ALL" would smuggle in --export
         if not _DIRECTIVE_RE.fullmatch(line) or line.split("=", 1)[0] in _REFUSED_DIRECTIVES:
             raise ConfigError(f"{where}: extra_directives entry {line!r} must be one sbatch long option like "
@@ -312,6 +332,7 @@ class SlurmScheduler(Scheduler):
     # the template's #SBATCH --output/--error lines
     streams = {"sched-out": "slurm.out", "sched-err": "slurm.err"}
     profile_keys = PROFILE_KEYS
+    section_type = SlurmKeys
     submit_program = "sbatch"
     #: one job step per node (node_launch.sh.j2)
     node_launchers = ("srun",)
