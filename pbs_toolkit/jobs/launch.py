@@ -11,10 +11,9 @@ import secrets
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import PbstkError, UsageError
@@ -34,10 +33,8 @@ from pbs_toolkit.jobs.store import (
     nothing_submitted,
 )
 from pbs_toolkit.schedulers import JobRef, Scheduler, backend_class, get_scheduler
-from pbs_toolkit.schedulers.marker import marked
 from pbs_toolkit.settings.profiles import walltime_seconds
 from pbs_toolkit.transports import Runner, open_runner
-from pbs_toolkit.transports.base import Result, WrappingRunner
 
 DEFAULT_KEY_ENV = "PBSTK_API_KEY"
 
@@ -78,20 +75,6 @@ def defer_interrupts() -> Iterator[list[int]]:
         if terminating:
             raise SystemExit(128 + terminating[0])
         raise KeyboardInterrupt
-
-
-class _MarkingRunner(WrappingRunner):
-    """The launch's runner, except that the backend's ``submit_program`` runs under the wrapper that leaves
-    ``RUN_DIR/job_id`` (schedulers/marker.py); argv[0] stays the program for the scheduler's own messages."""
-
-    def __init__(self, inner: Runner, run_dir: str, program: str | None) -> None:
-        super().__init__(inner)
-        self.run_dir, self.program = run_dir, program
-
-    def run(self, argv: Sequence[str], **kw: Any) -> Result:
-        if argv and self.program is not None and argv[0] == self.program:
-            return self.inner.run(marked(argv, self.run_dir), **kw)
-        return self.inner.run(argv, **kw)
 
 
 def launch(
@@ -224,8 +207,8 @@ def submit_recorded(store: JobStore, runner: Runner, scheduler: Scheduler, recor
     try:
         write()
         with defer_interrupts():
-            marking = _MarkingRunner(runner, run_dir, scheduler.submit_program)
-            record.job_id = scheduler.submit(marking, f"{run_dir}/{scheduler.script_name}", run_dir, record.name,
+            # the backend's submit leaves the id in RUN_DIR/job_id itself (Scheduler.submit, schedulers/marker.py)
+            record.job_id = scheduler.submit(runner, f"{run_dir}/{scheduler.script_name}", run_dir, record.name,
                                              walltime_s=walltime_s, begin_at=begin_at, after=after)
             if recorded is None:
                 store.record_submitted(intent, record)

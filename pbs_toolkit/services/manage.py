@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit import paths
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, UsageError
+from pbs_toolkit.schedulers import runs_on_submit_host
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.services.state import service_state, serving_job
@@ -80,7 +81,7 @@ def check_fixed_port(profile: Profile, req: RenderRequest, opts: ServeOptions) -
     predecessor) runs on this one machine, so a second server would find N taken. Refused rather than silently
     made automatic: the user asked for that exact port. Other schedulers place replicas on their own nodes."""
     fixed = isinstance(req.port, int) or (isinstance(req.port, str) and req.port.isdigit())
-    if not fixed or profile.scheduler != "local" or (opts.replicas < 2 and not opts.keep_alive):
+    if not fixed or not runs_on_submit_host(profile.scheduler) or (opts.replicas < 2 and not opts.keep_alive):
         return
     why = f"--replicas {opts.replicas}" if opts.replicas > 1 else "--keep-alive (a successor overlaps its predecessor)"
     raise UsageError(f"--port {req.port} with {why} on the local scheduler: every replica runs on this machine and "
@@ -233,7 +234,7 @@ def gpu_env(rec: ServiceRecord, slot: Slot) -> dict[str, str]:
     """On the local scheduler each job gets its own GPUs when this machine has them: the first ``g`` that none
     of the service's jobs holds (a keep-alive successor overlaps its predecessor: it must not share its GPUs),
     else replica ``k``'s ``k*g .. k*g+g-1`` as before (shared, when the machine has no free ones)."""
-    if rec.scheduler != "local" or rec.transport:
+    if not runs_on_submit_host(rec.scheduler) or rec.transport:
         return {}
     from pbs_toolkit.jobs.render import RenderRequest, resolve_profile
 

@@ -79,9 +79,8 @@ def job_profile(profile: Profile) -> Profile:
         "nodes": 1, "gpus_per_node": 0, "cpus_per_node": min(ROUTER_JOB_CPUS, profile.cpus_per_node),
         "queue": profile.router_job_queue or profile.queue,
         "walltime": str(profile.router_job_walltime or profile.walltime),
+        "backend": profile.backend.without_whole_nodes(),  # a whole node for a router would waste it
     }
-    if hasattr(profile, "exclusive"):  # a whole node for a router would waste it
-        changes["exclusive"] = False
     return replace(profile, **changes)
 
 

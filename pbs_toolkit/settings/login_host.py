@@ -20,7 +20,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.schedulers import BACKENDS
+from pbs_toolkit.schedulers import BACKENDS, runs_on_submit_host
 
 if TYPE_CHECKING:
     from pbs_toolkit.settings.profiles import Profile
@@ -66,7 +66,7 @@ def refuse_unchosen_local(settings: Any, profile: Profile) -> None:
     """Refuse a launch on the default ``local`` profile when a scheduler's submit program is on PATH."""
     if "profile" in settings.sources or "scheduler" in settings.sources:
         return
-    if profile.scheduler != "local" or profile.ssh_host:
+    if not runs_on_submit_host(profile.scheduler) or profile.ssh_host:
         return
     programs = sorted({p for name in BACKENDS if (p := submit_program(name)) and shutil.which(p)})
     if not programs:

@@ -27,7 +27,7 @@ from typing import Any
 
 from pbs_toolkit.errors import SchedulerError, UsageError
 from pbs_toolkit.schedulers.base import JobRef, Outcome, SchedState, Scheduler, SchedulerJob, first_line
-from pbs_toolkit.schedulers.pbs import PBSScheduler, validate_directives
+from pbs_toolkit.schedulers.pbs import PBSKeys, PBSScheduler, validate_directives
 from pbs_toolkit.transports.base import Runner
 
 SPOOL = ".local-job"
@@ -142,9 +142,11 @@ class LocalScheduler(Scheduler):
     template_dir = PBSScheduler.template_dir
     template_name = PBSScheduler.template_name
     script_name = PBSScheduler.script_name
+    section_type = PBSKeys  # what the shared template reads (no ``local:`` section: ``profile_keys`` is empty)
     streams = {"sched-out": f"{SPOOL}/stdout", "sched-err": f"{SPOOL}/stderr"}  # what the supervisor captures
     cancel_when_final = False  # a process group id may belong to anything once the job has ended
     fixed_node_launcher = "local"  # the start script's own: every node's copy on this machine
+    runs_on_submit_host = True
 
     def validate_profile(self, profile: Any, where: str) -> None:
         # the shared template still renders the directive lines: keep them single, plain lines
@@ -194,8 +196,7 @@ class LocalScheduler(Scheduler):
             time.sleep(0.05)
         raise SchedulerError(f"the local job did not start (see {spool}/supervisor.log)")
 
-    @staticmethod
-    def _after_spool(after: str) -> str:
+    def _after_spool(self, after: str) -> str:
         """The spool of local job ``after`` (from the job store: a local job id says nothing about its run
         directory), whose start the new job waits for."""
         from pbs_toolkit.errors import JobNotFound
@@ -205,7 +206,7 @@ class LocalScheduler(Scheduler):
             record = JobStore().find(after)
         except JobNotFound:
             raise UsageError(f"after: no local job {after!r} in the job store") from None
-        if record.scheduler != "local":
+        if record.scheduler != self.name:
             raise UsageError(f"after: job {after} is not a local job")
         return f"{record.run_dir}/{SPOOL}"
 
