@@ -102,6 +102,9 @@ class Scheduler(abc.ABC):
     default_node_launcher: str = "ssh"
     #: the launcher this backend always uses, whatever the profile says (its ``node_launcher`` is then ignored)
     fixed_node_launcher: str | None = None
+    #: its "nodes" are stand-ins on the one host the job runs on: a preset larger than one node spreads over
+    #: several only when asked (``--nodes``), never widened on its own (jobs/plan.py)
+    stand_in_nodes: bool = False
     #: hands out numbers never used before, for backends that make their own job ids (launch sets it)
     id_source: Callable[[], int] | None = None
 

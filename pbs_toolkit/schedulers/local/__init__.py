@@ -140,6 +140,7 @@ class LocalScheduler(Scheduler):
     streams = {"sched-out": f"{SPOOL}/stdout", "sched-err": f"{SPOOL}/stderr"}  # what the supervisor captures
     cancel_when_final = False  # a process group id may belong to anything once the job has ended
     fixed_node_launcher = "local"  # the start script's own: every node's copy on this machine
+    stand_in_nodes = True  # several nodes only when asked: they share this machine's GPUs
 
     def validate_profile(self, profile: Any, where: str) -> None:
         # the shared template still renders the directive lines: keep them single, plain lines
