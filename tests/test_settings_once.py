@@ -62,7 +62,7 @@ def resolutions(action: Callable[[], Any], profile_file: str = "generic-pbspro.y
 def account() -> None:
     path = Path(os.environ["XDG_CONFIG_HOME"]) / "pbstk" / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("account: PROJ\n")  # generic-pbspro needs one; the user's config is read as well
+    path.write_text("account: PROJ\n")  # a user config: read once as well
 
 
 def test_a_dry_run_resolves_once(account: None) -> None:
@@ -114,3 +114,53 @@ def test_tune_checks_every_preset_from_one_resolution(account: None) -> None:
             resolve_launch_settings(c.request(MODEL, None, "generic-pbspro")), ["dp4", "tp4", "tp2dp2"],
             c.runner("")))
     assert counts == ONCE
+
+
+# -- the object itself -------------------------------------------------------------------------------------------
+
+
+def test_launch_settings_are_immutable_and_keep_each_values_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from pbs_toolkit.settings.launch_settings import RenderRequest, resolve_launch_settings
+
+    monkeypatch.setenv("PBSTK_WALLTIME", "02:00:00")
+    req = RenderRequest(model=MODEL, profile="generic-pbspro", queue="debug", env={"A": "1"})
+    settings = resolve_launch_settings(req)
+    assert (settings.written.queue, settings.sources["queue"]) == ("debug", "flag --queue")
+    assert (settings.written.walltime, settings.sources["walltime"]) == ("02:00:00", "PBSTK_WALLTIME")
+    assert settings.sources["gpus_per_node"] == "profile generic-pbspro"
+    assert settings.sources["bind_host"] == "package default"
+    assert (settings.preset_name, settings.preset_source) == ("auto", "package default")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.preset = "tp4"  # type: ignore[misc]
+    req.env["A"] = "2"  # the caller's request changes later: the resolved settings do not
+    assert settings.request.env == {"A": "1"}
+
+
+def test_with_request_changes_only_what_needs_no_resolution() -> None:
+    from pbs_toolkit.settings.launch_settings import RenderRequest, resolve_launch_settings
+
+    settings = resolve_launch_settings(RenderRequest(model=MODEL, profile="generic-pbspro"))
+    other = settings.with_request(preset="tp4", name="x", vllm_args=["--max-num-seqs", "8"])
+    assert (other.preset_name, other.preset_source, other.request.name) == ("tp4", "flag --preset", "x")
+    assert settings.preset_name == "auto" and settings.request.name is None  # the original is untouched
+    for change in ({"queue": "debug"}, {"profile": "local"}, {"preset": None}, {"port": 9000}):
+        with pytest.raises(ValueError, match="resolve the request again"):
+            settings.with_request(**change)
+
+
+def test_the_account_check_waits_for_a_launch_but_not_for_planning() -> None:
+    from pbs_toolkit.errors import UsageError
+    from pbs_toolkit.jobs.plan import plan_layout
+    from pbs_toolkit.settings.launch_settings import RenderRequest, resolve_launch_settings
+
+    # polaris requires an account, and its hf_home holds {account}: both refusals wait for a launch
+    settings = resolve_launch_settings(RenderRequest(model=MODEL, profile="polaris", preset="dp4"))
+    with pytest.raises(UsageError, match="profile polaris needs an account: pass --account"):
+        settings.launchable()  # the account first, as render always reported it
+    preset, plan, _ = plan_layout(settings)  # presets show: no account needed
+    assert (preset.name, plan.nnodes) == ("dp4", 1)
+    problems = settings.problems()  # config show: every reason, as warnings
+    assert problems[0] == f"profile polaris needs an account: {config.how_to_set('account')}"
+    assert len(problems) == 2 and "hf_home" in problems[1] and "{account}" in problems[1]

@@ -131,11 +131,11 @@ class LaunchSettings:
     def with_request(self, **changes: Any) -> LaunchSettings:
         """These settings for a request with ``changes`` to fields that do not take part in resolution (name,
         env, run_dir, vLLM arguments, ...), or to ``preset`` (as a flag names it: ``tune``); no file is read."""
-        resolving = set(changes) & _RESOLVING - {"preset"}
+        resolving = set(changes) & _RESOLVING - ({"preset"} if changes.get("preset") is not None else set())
         if resolving:
             raise ValueError(f"with_request cannot change {sorted(resolving)}: resolve the request again")
-        settings = replace(self, request=replace(self.request, **changes))
-        if changes.get("preset") is not None:
+        settings = replace(self, request=_copy(replace(self.request, **changes)))
+        if "preset" in changes:
             settings = replace(settings, preset=changes["preset"], preset_source=f"flag {setting_flag('preset')}")
         return settings
 
@@ -193,11 +193,16 @@ def resolve_launch_settings(req: RenderRequest) -> LaunchSettings:
     else:
         preset_source = f"config.yaml (default_presets.{req.model})" if preset is not None else DEFAULT
     return LaunchSettings(
-        request=req, written=written, profile=filled, profile_source=settings.sources.get("profile", DEFAULT),
+        request=_copy(req), written=written, profile=filled, profile_source=settings.sources.get("profile", DEFAULT),
         sources=MappingProxyType({key: _source(key, settings, from_file, base.name) for key in profile_kinds()}),
         preset=preset, preset_source=preset_source, explicit=frozenset(settings.sources),
         gpus_given="gpus_per_node" in settings.profile_overrides, nodes_asked=_nodes_asked(settings, written),
         fill_error=fill_error)
+
+
+def _copy(req: RenderRequest) -> RenderRequest:
+    """A copy of ``req`` that later changes to the caller's request (its lists and mappings too) leave alone."""
+    return replace(req, vllm_args=list(req.vllm_args or ()), env=dict(req.env or {}))
 
 
 def settings_of(value: RenderRequest | LaunchSettings) -> LaunchSettings:
