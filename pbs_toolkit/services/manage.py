@@ -133,7 +133,8 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
     if opts.nodes_per_replica:
         req = replace(req, nodes=opts.nodes_per_replica)
     req = replace(req, name=None, served_model_name=_served_name(req, name))
-    profile = resolve_launch_settings(req).launchable()
+    settings = resolve_launch_settings(req)  # once for the checks, the router and every replica
+    profile = settings.launchable()
     check_fixed_port(profile, req, opts)
     place = router_place(profile)
     policy = opts.policy or profile.router_policy
@@ -159,7 +160,7 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
     try:
         _start_router(client, rec, profile, command, place)
         for slot in rec.slots:
-            launch_replica(client, rec, slot)
+            launch_replica(client, rec, slot, settings=settings)
         spawn_keeper(name)
     except BaseException:
         from pbs_toolkit.jobs.launch import defer_interrupts
@@ -204,14 +205,15 @@ def _start_router(client: Client, rec: ServiceRecord, profile: Profile, command:
 
 
 def launch_replica(client: Client, rec: ServiceRecord, slot: Slot, role: str = "current",
-                   begin_at: float | None = None) -> str:
+                   begin_at: float | None = None, settings: LaunchSettings | None = None) -> str:
     """Launch the slot's next job (the same request, its own name, the service's key) as its ``role``
     (``current`` or ``successor``); its job id. The intent is saved first (services/intents.py): a service
     ended meanwhile launches nothing (``ServiceEnded``), and an interrupted launch is settled by whoever comes next."""
     from pbs_toolkit.services import intents
     from pbs_toolkit.settings.launch_settings import RenderRequest, resolve_launch_settings
 
-    settings = resolve_launch_settings(RenderRequest(**rec.request))  # once: the GPUs, the runner, the job
+    # resolved once for the GPUs, the runner and the job (``settings``: by ``start``, from the same request)
+    settings = settings or resolve_launch_settings(RenderRequest(**rec.request))
     name = replica_name(rec.name, slot)
     gpus = gpu_env(rec, slot, settings)
     slot.gen += 1
