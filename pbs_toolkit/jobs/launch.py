@@ -111,8 +111,8 @@ def launch(
     only render: nothing is written, and without a ``runner`` nothing is connected to (paths on a remote host
     stay ``$HOME``-relative). ``begin_at`` and ``after``: when the scheduler may start it (``Scheduler.submit``;
     a service's keep-alive successors)."""
-    settings = settings_of(settings)
     store = store or JobStore()
+    settings = settings_of(settings)
     if dry_run and runner is None:
         return _dry_run(settings, use_api_key, api_key)
     if not dry_run:  # no silent local server on a cluster's login node
