@@ -37,7 +37,7 @@ from pbs_toolkit.settings.vllm_overrides import apply_overrides
 from pbs_toolkit.transports.base import Runner
 
 #: Hugging Face repository ids: ``org/name`` or ``name``
-HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 #: Hugging Face limits organisation and repository names to 96 characters each
 _HF_PART_MAX = 96
 _JOB_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")
@@ -139,7 +139,7 @@ def resolve_model(model: str, runner: Runner | None, remote_offline: bool = Fals
     directory is taken as written there (``~`` for the remote shell), unread."""
     if not model or "\n" in model or "\0" in model:
         raise UsageError("model name is empty or contains a newline")
-    looks_like_path = model.startswith(("/", "./", "../", "~")) or os.sep in model and not HF_ID.match(model)
+    looks_like_path = model.startswith(("/", "./", "../", "~")) or os.sep in model and not _HF_ID.match(model)
     if remote_offline and looks_like_path:  # an absolute path also here (a shared filesystem): sized from it
         return home_relative(model), json_file(Path(model, "config.json")) if model.startswith("/") else None
     local = Path(os.path.expanduser(model))
@@ -165,7 +165,7 @@ def resolve_model(model: str, runner: Runner | None, remote_offline: bool = Fals
         except ValueError as exc:
             raise UsageError(f"{model}/config.json: not valid JSON: {exc}") from exc
         return path, data if isinstance(data, dict) else None
-    if not HF_ID.match(model):
+    if not _HF_ID.match(model):
         raise UsageError(
             f"model {model!r} is neither a Hugging Face id (org/name) nor an existing directory"
         )
@@ -203,7 +203,7 @@ def _choose_preset(
     """The preset to launch with (``auto`` resolved by model size, ``--eager`` applied) and the size in billions:
     the weights on disk (``weights`` bytes over the dtype's bytes) first, then config.json, then the name."""
     preset = load_preset(preset_name)
-    if preset.auto and weights is None and config is None and HF_ID.match(req.model) and "/" in req.model:
+    if preset.auto and weights is None and config is None and _HF_ID.match(req.model) and "/" in req.model:
         config, weights = hub_lookup(req.model)  # in no cache here: the Hub's own files, where it can be reached
     params = round(weights / bytes_per_param(config)[0] / 1e9, 3) if weights else None
     if params is None:
@@ -288,7 +288,7 @@ def slug(text: str) -> str:
 
 def served_model_name(model: str, served: str | None, job_name: str) -> str:
     """The name clients ask for: ``served``, else a Hugging Face id ``org/name`` as it is, else ``job_name``."""
-    return served or (model if HF_ID.match(model) and "/" in model else job_name)
+    return served or (model if _HF_ID.match(model) and "/" in model else job_name)
 
 
 def _job_name(req: RenderRequest) -> str:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from pbs_toolkit import __version__
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.jobs.plan import HOME_VAR, START_HEADER, LaunchPlan, plan_launch
+from pbs_toolkit.jobs.plan import HOME_VAR, SERVER_DIR, START_HEADER, LaunchPlan, plan_launch
 from pbs_toolkit.schedulers import backend_class
 from pbs_toolkit.server.phases import bash_assignments
 from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, settings_of
@@ -73,11 +73,10 @@ class RenderedJob:
         return stamp("render", data)
 
 
-_PACKAGE = Path(__file__).resolve().parent.parent
 # Two template homes: the scheduler's job script lives with its backend (``Scheduler.template_dir``), the
 # start script with the server.
-_SERVER_TEMPLATES = _PACKAGE / "server"
-_BODY = _PACKAGE / "server" / "start_vllm.sh"
+_SERVER_TEMPLATES = SERVER_DIR
+_BODY = SERVER_DIR / "start_vllm.sh"
 
 
 def render(settings: LaunchSettings | RenderRequest, runner: Runner | None = None) -> RenderedJob:
