@@ -101,12 +101,6 @@ def check_router_command(client: Client, profile: Profile, command: list[str]) -
                          f"router_command; pip install vllm-router there)")
 
 
-def _served_name(req: RenderRequest, name: str) -> str:
-    from pbs_toolkit.jobs.plan import served_model_name
-
-    return served_model_name(req.model, req.served_model_name, name)
-
-
 @dataclass
 class ServeOptions:
     replicas: int = 1
@@ -120,7 +114,7 @@ class ServeOptions:
 
 def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceRecord:
     """Check everything, record the service, start the router, launch the replicas, start the keeper."""
-    from pbs_toolkit.jobs.plan import slug
+    from pbs_toolkit.jobs.plan import served_model_name, slug
     from pbs_toolkit.settings.launch_settings import resolve_launch_settings
     from pbs_toolkit.settings.profiles import ROUTER_POLICIES, walltime_seconds
 
@@ -132,7 +126,7 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
     records.check_name(name)
     if opts.nodes_per_replica:
         req = replace(req, nodes=opts.nodes_per_replica)
-    req = replace(req, name=None, served_model_name=_served_name(req, name))
+    req = replace(req, name=None, served_model_name=served_model_name(req.model, req.served_model_name, name))
     settings = resolve_launch_settings(req)  # once for the checks, the router and every replica
     profile = settings.launchable()
     check_fixed_port(profile, req, opts)
@@ -208,11 +202,11 @@ def launch_replica(client: Client, rec: ServiceRecord, slot: Slot, role: str = "
                    begin_at: float | None = None, settings: LaunchSettings | None = None) -> str:
     """Launch the slot's next job (the same request, its own name, the service's key) as its ``role``
     (``current`` or ``successor``); its job id. The intent is saved first (services/intents.py): a service
-    ended meanwhile launches nothing (``ServiceEnded``), and an interrupted launch is settled by whoever comes next."""
+    ended meanwhile launches nothing (``ServiceEnded``), and an interrupted launch is settled by whoever comes next.
+    The request is resolved once for the GPUs, the runner and the job (``settings``: ``start`` resolved it)."""
     from pbs_toolkit.services import intents
     from pbs_toolkit.settings.launch_settings import RenderRequest, resolve_launch_settings
 
-    # resolved once for the GPUs, the runner and the job (``settings``: by ``start``, from the same request)
     settings = settings or resolve_launch_settings(RenderRequest(**rec.request))
     name = replica_name(rec.name, slot)
     gpus = gpu_env(rec, slot, settings)
