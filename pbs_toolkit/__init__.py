@@ -23,7 +23,7 @@ _LAZY = {
     "BenchResult": ("pbs_toolkit.client", "BenchResult"),
     "LevelResult": ("pbs_toolkit.perf.benchjob", "LevelResult"),
     "TuneReport": ("pbs_toolkit.perf.tune", "TuneReport"),
-    "RenderRequest": ("pbs_toolkit.jobs.render", "RenderRequest"),
+    "RenderRequest": ("pbs_toolkit.settings.launch_settings", "RenderRequest"),
     "JobStatus": ("pbs_toolkit.jobs.status", "JobStatus"),
     "wait_until_ready": ("pbs_toolkit.jobs.readiness", "wait_until_ready"),
     "update_endpoint": ("pbs_toolkit.endpoints", "update_endpoint"),

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from pbs_toolkit.services.manage import ServiceStatus
     from pbs_toolkit.services.observe import ServiceDiagnosis, ServiceMetrics
     from pbs_toolkit.services.record import ServiceRecord
+    from pbs_toolkit.settings.launch_settings import LaunchSettings
     from pbs_toolkit.settings.layout import NodePlan
     from pbs_toolkit.settings.presets import Preset
     from pbs_toolkit.transports import Runner
@@ -305,24 +306,23 @@ class Client:
         """Render without writing or submitting anything (``pbstk render``). ``connect=False``: do not open the
         profile's SSH connection (paths and the model are then resolved as on this machine)."""
         from pbs_toolkit.jobs.render import render
+        from pbs_toolkit.settings.launch_settings import resolve_launch_settings
 
-        req = self.request(model, preset, profile, **options)
-        return render(req, self._request_runner(req) if connect else None)
+        settings = resolve_launch_settings(self.request(model, preset, profile, **options))
+        return render(settings, self._request_runner(settings) if connect else None)
 
     def plan_layout(self, model: str, preset: str | None = None, profile: str | None = None,
                     **options: Any) -> tuple[Preset, NodePlan, float | None]:
         """(concrete preset, node plan, model size in billions) a render would use; offline, no account needed
         (``pbstk presets show NAME --model M``)."""
-        from pbs_toolkit.jobs.render import plan_layout
+        from pbs_toolkit.jobs.plan import plan_layout
 
         return plan_layout(self.request(model, preset, profile, **options))
 
-    def _request_runner(self, req: RenderRequest) -> Runner:
-        """The runner of the transport ``req``'s profile submits through; a profile that cannot launch (account
-        missing, placeholder unfilled) is refused first, before any SSH login."""
-        from pbs_toolkit.jobs.render import checked_profile
-
-        return self.runner(checked_profile(req).ssh_host or "")
+    def _request_runner(self, settings: LaunchSettings) -> Runner:
+        """The runner of the transport ``settings``' profile submits through; a profile that cannot launch
+        (account missing, placeholder unfilled) is refused first, before any SSH login."""
+        return self.runner(settings.launchable().ssh_host or "")
 
     def launch(self, model: str | RenderRequest, preset: str | None = None, profile: str | None = None, *,
                name: str | None = None, served_model_name: str | None = None, port: int | str | None = None,
@@ -340,16 +340,18 @@ class Client:
                                      use_api_key=use_api_key)
         return Job.from_record(result.record, result.rendered.notes)
 
-    def launch_request(self, req: RenderRequest, *, api_key: str | None = None, use_api_key: bool = True,
-                       dry_run: bool = False, begin_at: float | None = None,
+    def launch_request(self, req: RenderRequest | LaunchSettings, *, api_key: str | None = None,
+                       use_api_key: bool = True, dry_run: bool = False, begin_at: float | None = None,
                        after: str | None = None) -> LaunchResult:
         """``launch`` with everything it rendered (scripts, preset, notes); ``dry_run`` writes and submits
         nothing, and connects nowhere (a remote ``~`` stays for the remote shell: ``"$HOME"/...``).
         ``begin_at`` (epoch seconds) / ``after`` (a job id that must start first): when the job may start."""
         from pbs_toolkit.jobs.launch import launch
+        from pbs_toolkit.settings.launch_settings import settings_of
 
-        runner = None if dry_run else self._request_runner(req)
-        return launch(req, store=self.store, runner=runner, api_key=api_key, use_api_key=use_api_key,
+        settings = settings_of(req)
+        runner = None if dry_run else self._request_runner(settings)
+        return launch(settings, store=self.store, runner=runner, api_key=api_key, use_api_key=use_api_key,
                       dry_run=dry_run, begin_at=begin_at, after=after)
 
     def wait(self, job: Job | JobRecord | str | None, timeout: float = 3600.0,
@@ -913,19 +915,20 @@ class Client:
         too, so an interrupted tune keeps what it measured; ``append``: merge into the runs already in
         ``output``. ``progress`` hears each step, and ``saved PATH`` at the end."""
         from pbs_toolkit.perf.tune import load_result, merge, run_tune, save_result
+        from pbs_toolkit.settings.launch_settings import resolve_launch_settings
 
-        req = self.request(model, None, profile, **options)
+        settings = resolve_launch_settings(self.request(model, None, profile, **options))
         progress = progress or (lambda m: _log.info("%s", m))
         earlier = load_result(output) if append and output and os.path.exists(output) else None
 
         def checkpoint(partial: TuneReport) -> None:
             save_result(merge(earlier, partial, baseline) if earlier else partial, output)
 
-        doc = run_tune(req, list(presets), concurrencies=list(concurrencies), input_len=input_len,
+        doc = run_tune(settings, list(presets), concurrencies=list(concurrencies), input_len=input_len,
                        output_len=output_len, num_prompts=num_prompts, rounds=rounds, client=client,
                        timeout=timeout, baseline=baseline, progress=progress,
                        checkpoint=checkpoint if output else None, store=self.store,
-                       runner=self._request_runner(req))
+                       runner=self._request_runner(settings))
         if earlier is not None:
             doc = merge(earlier, doc, baseline)
         if save or output:

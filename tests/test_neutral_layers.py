@@ -46,9 +46,8 @@ def test_the_check_sees_the_generic_files() -> None:
     assert {"server/start_vllm.sh", "server/start_vllm.sh.j2", "jobs/status.py", "schedulers/base.py"} <= names
 
 
-#: TODO(issue 22): jobs/render.py still branches on ``"local"`` (node widening, the stand-in nodes hint); the
-#: ``settings`` engineer removes those tests (``Scheduler.runs_on_submit_host`` says it): drop this exemption at merge.
-NAME_BRANCH_EXEMPT = {PACKAGE / "jobs" / "render.py"}
+#: files allowed to branch on a backend's name: none
+NAME_BRANCH_EXEMPT: set[Path] = set()
 #: calls that take a backend's name: naming one there is choosing a backend in generic code
 _BY_NAME = {"get_scheduler", "backend_class"}
 

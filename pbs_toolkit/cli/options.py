@@ -149,7 +149,7 @@ def parse_port(value: str | None) -> int | str | None:
 
 
 def build_request(model: str, **kw: Any) -> Any:
-    from pbs_toolkit.jobs.render import RenderRequest
+    from pbs_toolkit.settings.launch_settings import RenderRequest
 
     env: dict[str, str] = {}
     for item in kw.pop("env", ()) or ():

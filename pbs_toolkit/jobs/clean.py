@@ -111,9 +111,9 @@ def select(records: Sequence[JobRecord], older_than_s: float, now: float | None 
 
 def runs_root(record: JobRecord, runner: Runner) -> str:
     """The runs root of the job's profile under the current settings, expanded where the directory lives."""
-    from pbs_toolkit.jobs.render import RenderRequest, resolve_profile
+    from pbs_toolkit.settings.launch_settings import RenderRequest, resolve_launch_settings
 
-    profile = resolve_profile(RenderRequest(model=record.model, profile=record.profile))[0]
+    profile = resolve_launch_settings(RenderRequest(model=record.model, profile=record.profile)).written
     return runner.expanduser(profile.runs_root).rstrip("/") or "/"
 
 

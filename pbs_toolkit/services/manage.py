@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from pbs_toolkit.client import Client
-    from pbs_toolkit.jobs.render import RenderRequest
     from pbs_toolkit.jobs.status import JobStatus
     from pbs_toolkit.services.ready import RouteCheck
+    from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest
     from pbs_toolkit.settings.profiles import Profile
 
 #: the most replicas one service may have: each is a job of its own, and a typo should not queue thousands
@@ -102,12 +102,6 @@ def check_router_command(client: Client, profile: Profile, command: list[str]) -
                          f"router_command; pip install vllm-router there)")
 
 
-def _served_name(req: RenderRequest, name: str) -> str:
-    from pbs_toolkit.jobs.render import _HF_ID
-
-    return req.served_model_name or (req.model if _HF_ID.match(req.model) and "/" in req.model else name)
-
-
 @dataclass
 class ServeOptions:
     replicas: int = 1
@@ -121,7 +115,8 @@ class ServeOptions:
 
 def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceRecord:
     """Check everything, record the service, start the router, launch the replicas, start the keeper."""
-    from pbs_toolkit.jobs.render import checked_profile, slug
+    from pbs_toolkit.jobs.plan import served_model_name, slug
+    from pbs_toolkit.settings.launch_settings import resolve_launch_settings
     from pbs_toolkit.settings.profiles import ROUTER_POLICIES, walltime_seconds
 
     if opts.replicas < 1:
@@ -132,8 +127,9 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
     records.check_name(name)
     if opts.nodes_per_replica:
         req = replace(req, nodes=opts.nodes_per_replica)
-    req = replace(req, name=None, served_model_name=_served_name(req, name))
-    profile = checked_profile(req)
+    req = replace(req, name=None, served_model_name=served_model_name(req.model, req.served_model_name, name))
+    settings = resolve_launch_settings(req)  # once for the checks, the router and every replica
+    profile = settings.launchable()
     check_fixed_port(profile, req, opts)
     place = router_place(profile)
     policy = opts.policy or profile.router_policy
@@ -159,7 +155,7 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
     try:
         _start_router(client, rec, profile, command, place)
         for slot in rec.slots:
-            launch_replica(client, rec, slot)
+            launch_replica(client, rec, slot, settings=settings)
         spawn_keeper(name)
     except BaseException:
         from pbs_toolkit.jobs.launch import defer_interrupts
@@ -204,23 +200,24 @@ def _start_router(client: Client, rec: ServiceRecord, profile: Profile, command:
 
 
 def launch_replica(client: Client, rec: ServiceRecord, slot: Slot, role: str = "current",
-                   begin_at: float | None = None) -> str:
+                   begin_at: float | None = None, settings: LaunchSettings | None = None) -> str:
     """Launch the slot's next job (the same request, its own name, the service's key) as its ``role``
     (``current`` or ``successor``); its job id. The intent is saved first (services/intents.py): a service
-    ended meanwhile launches nothing (``ServiceEnded``), and an interrupted launch is settled by whoever comes next."""
-    from pbs_toolkit.jobs.render import RenderRequest
+    ended meanwhile launches nothing (``ServiceEnded``), and an interrupted launch is settled by whoever comes next.
+    The request is resolved once for the GPUs, the runner and the job (``settings``: ``start`` resolved it)."""
     from pbs_toolkit.services import intents
+    from pbs_toolkit.settings.launch_settings import RenderRequest, resolve_launch_settings
 
-    fields: dict[str, Any] = dict(rec.request)
-    fields["name"] = replica_name(rec.name, slot)
-    gpus = gpu_env(rec, slot)
-    fields["env"] = {**(fields.get("env") or {}), **gpus}
+    settings = settings or resolve_launch_settings(RenderRequest(**rec.request))
+    name = replica_name(rec.name, slot)
+    gpus = gpu_env(rec, slot, settings)
     slot.gen += 1
-    intents.begin(slot, fields["name"], role)
+    intents.begin(slot, name, role)
     if not records.save(client.store, rec):
         intents.clear(slot)
-        raise intents.ServiceEnded(f"service {rec.name} was ended; {fields['name']} is not launched")
-    result = client.launch_request(RenderRequest(**fields), api_key=rec.api_key, begin_at=begin_at)
+        raise intents.ServiceEnded(f"service {rec.name} was ended; {name} is not launched")
+    settings = settings.with_request(name=name, env={**(settings.request.env or {}), **gpus})
+    result = client.launch_request(settings, api_key=rec.api_key, begin_at=begin_at)
     job = result.record.job_id
     intents.done(slot, job)
     slot.gpus = {j: v for j, v in slot.gpus.items() if j in slot.jobs()}
@@ -230,15 +227,15 @@ def launch_replica(client: Client, rec: ServiceRecord, slot: Slot, role: str = "
     return job
 
 
-def gpu_env(rec: ServiceRecord, slot: Slot) -> dict[str, str]:
+def gpu_env(rec: ServiceRecord, slot: Slot, settings: LaunchSettings | None = None) -> dict[str, str]:
     """On the local scheduler each job gets its own GPUs when this machine has them: the first ``g`` that none
     of the service's jobs holds (a keep-alive successor overlaps its predecessor: it must not share its GPUs),
     else replica ``k``'s ``k*g .. k*g+g-1`` as before (shared, when the machine has no free ones)."""
     if not runs_on_submit_host(rec.scheduler) or rec.transport:
         return {}
-    from pbs_toolkit.jobs.render import RenderRequest, resolve_profile
+    from pbs_toolkit.settings.launch_settings import RenderRequest, settings_of
 
-    g = resolve_profile(RenderRequest(**rec.request))[0].gpus_per_node
+    g = settings_of(settings or RenderRequest(**rec.request)).written.gpus_per_node
     have = _local_gpu_count()
     if g <= 0 or have < g:
         return {}

@@ -87,15 +87,16 @@ def job_profile(profile: Profile) -> Profile:
 def render_job_script(profile: Profile, job_name: str, run_dir: str) -> str:
     """The backend's job template, rendered for the router job (its entry script: ``start_router.sh``)."""
     from pbs_toolkit import __version__
-    from pbs_toolkit.jobs.render import _environment, _normalised_walltime
+    from pbs_toolkit.jobs.plan import normalised_walltime
+    from pbs_toolkit.jobs.render import template_environment
 
     backend = backend_class(profile.scheduler)
     # ngpus=0 in a select statement is at best noise (and refused by some servers): a CPU job asks for none
     select = re.sub(r":ngpus=0(?=:|$)", "", profile.select_statement())
     context = {"version": __version__, "model": "vllm-router", "preset": _NoPreset(), "profile": profile,
                "job_name": job_name, "run_dir": run_dir, "select": select,
-               "walltime": _normalised_walltime(profile), "entry_script": ENTRY_SCRIPT}
-    return str(_environment(backend.template_dir).get_template(backend.template_name).render(**context))
+               "walltime": normalised_walltime(profile), "entry_script": ENTRY_SCRIPT}
+    return str(template_environment(backend.template_dir).get_template(backend.template_name).render(**context))
 
 
 class _NoPreset:
@@ -151,7 +152,7 @@ def submit(client: Client, rec: ServiceRecord, profile: Profile, command: list[s
     retires the intent; a pbstk killed in between leaves the id in ``RUN_DIR/job_id`` for ``settle``. Returns
     ``{job_id, run_dir, scheduler, name}`` (also in ``rec.router_job``)."""
     from pbs_toolkit.jobs.launch import submit_recorded
-    from pbs_toolkit.jobs.render import _RUN_DIR, _default_run_dir
+    from pbs_toolkit.jobs.plan import RUN_DIR_RE, default_run_dir
     from pbs_toolkit.jobs.store import JobRecord
     from pbs_toolkit.services import intents
     from pbs_toolkit.services import record as records
@@ -160,8 +161,8 @@ def submit(client: Client, rec: ServiceRecord, profile: Profile, command: list[s
     runner = client.runner(rec.transport)
     prof = job_profile(profile)
     job_name = f"{rec.name}-router"
-    run_dir = _default_run_dir(prof, job_name, runner.expanduser)
-    if not _RUN_DIR.fullmatch(run_dir):
+    run_dir = default_run_dir(prof, job_name, runner.expanduser)
+    if not RUN_DIR_RE.fullmatch(run_dir):
         raise UsageError(f"run directory {run_dir!r} must be an absolute path of letters, digits and _ . / @ + ~ -")
     if prof.venv:
         prof = replace(prof, venv=runner.expanduser(prof.venv))

@@ -17,7 +17,8 @@ from __future__ import annotations
 import fnmatch
 import shutil
 import socket
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.schedulers import BACKENDS, runs_on_submit_host
@@ -62,9 +63,10 @@ def without_ssh_here(profile: Profile, explicit: set[str]) -> Profile:
     return profile
 
 
-def refuse_unchosen_local(settings: Any, profile: Profile) -> None:
-    """Refuse a launch on the default ``local`` profile when a scheduler's submit program is on PATH."""
-    if "profile" in settings.sources or "scheduler" in settings.sources:
+def refuse_unchosen_local(explicit: Collection[str], profile: Profile) -> None:
+    """Refuse a launch on the default ``local`` profile when a scheduler's submit program is on PATH
+    (``explicit``: the settings a flag, ``PBSTK_*`` or config.yaml set, ``LaunchSettings.explicit``)."""
+    if "profile" in explicit or "scheduler" in explicit:
         return
     if not runs_on_submit_host(profile.scheduler) or profile.ssh_host:
         return

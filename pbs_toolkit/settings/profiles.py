@@ -411,10 +411,12 @@ def profile_path(name_or_path: str) -> Path:
     return files[name_or_path]
 
 
-def profile_file_keys(name_or_path: str) -> set[str]:
-    """The keys the profile's file sets itself (a backend section's keys included); the rest are defaults."""
+def load_profile_and_keys(name_or_path: str) -> tuple[Profile, frozenset[str]]:
+    """The profile (:func:`load_profile`) and the keys its file sets itself (a backend section's keys included;
+    the rest are defaults), from one read of the file."""
     path = profile_path(name_or_path)
-    return set(_flatten_backend_section(load_yaml_mapping(path), path)) - {"name"}
+    data = load_yaml_mapping(path)
+    return _parse(data, path), frozenset(_flatten_backend_section(data, path)) - {"name"}
 
 
 def load_profile(name_or_path: str) -> Profile:
