@@ -273,3 +273,42 @@ def _emit_lines(data: bytes, emit: Callable[[str], None]) -> bytes:
     for line in complete:
         emit(line.decode("utf-8", "replace"))
     return rest
+
+
+# -- one job's log (``Client.logs`` / ``log_text``) -----------------------------------------------------------
+
+
+def check_log_request(lines: int, stream: str, node: int | None) -> None:
+    """Refuse a negative ``lines``, and ``node`` with a stream that is the job's, not a node's."""
+    if lines < 0:
+        raise UsageError("lines must not be negative")
+    if node is not None and stream != "vllm":
+        raise UsageError(f"--node picks one node's vLLM log; the {stream} stream is the job's, not a node's")
+
+
+def tail_pieces(runner: Runner, path: str, lines: int, owner: str) -> Iterator[str]:
+    """The last ``lines`` of ``path`` as decoded pieces (line ends kept); ``owner``: whose log, for the error
+    when it does not exist yet."""
+    try:
+        blocks, _ = tail_blocks(runner, path, lines)
+    except FileNotFoundError:
+        raise UsageError(f"{path} does not exist yet ({owner} not started?)") from None
+    return decoded_pieces(blocks)
+
+
+def last_lines(runner: Runner, path: str, lines: int, owner: str) -> Iterator[str]:
+    """``tail_pieces`` as lines without their ends (refuses a log that does not exist yet, at once)."""
+    pieces = tail_pieces(runner, path, lines, owner)
+    return iter("".join(pieces).splitlines() if lines else ())
+
+
+def follow_job_log(runner: Callable[[], Runner], path: str, lines: int, final_every: float,
+                   notice: Callable[[str], None], is_final: Callable[[], bool]) -> Iterator[str]:
+    """``follow_lines`` until ``is_final``, a dropped connection named as such (the path it followed). The
+    runner is opened at the first line asked for."""
+    from pbs_toolkit.errors import TransportError
+
+    try:
+        yield from follow_lines(runner(), path, lines, final_every, notice, is_final)
+    except TransportError as exc:
+        raise TransportError(f"lost the connection while following {path}: {exc}") from exc

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pbs_toolkit import __version__
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.schedulers import backend_class
 from pbs_toolkit.server.phases import bash_assignments
@@ -38,6 +37,7 @@ from pbs_toolkit.settings.profiles import Profile, load_profile, walltime_second
 from pbs_toolkit.settings.vllm_flags import check_env, check_flag, flag_name, is_automatic, version_tuple
 from pbs_toolkit.settings.vllm_overrides import apply_overrides
 from pbs_toolkit.transports.base import Runner
+from pbs_toolkit.version import __version__
 from pbs_toolkit.vllm.startup import COMPILE_ERROR_RE, PORT_IN_USE_RE
 
 #: Hugging Face repository ids: ``org/name`` or ``name``

@@ -578,3 +578,28 @@ def recorded_status(record: JobRecord) -> JobStatus:
                      reason=extra.get("final_reason") or "(final state recorded earlier)",
                      exit_status=extra.get("exit_status"), scheduler_state=extra.get("final_scheduler_state"),
                      log_excerpt=list(extra.get("log_excerpt") or []))
+
+
+def status_of(records: list[JobRecord], store: JobStore, runner: Callable[[str], Runner], runners: dict[str, Runner],
+              on_ended: Callable[[list[JobRecord]], None] | None = None) -> list[JobStatus]:
+    """``status`` of ``records`` through ``runner`` (the transport's open runner, kept in ``runners``); a login
+    node that cannot be reached leaves its jobs UNKNOWN with one warning line, unless nothing else would be shown
+    (then its ``TransportError``, exit 4). ``on_ended`` hears the jobs seen ended (their registry entries go)."""
+    unreachable: dict[str, TransportError] = {}
+    for transport in sorted({r.transport for r in records if not r.final_state}):  # ended jobs need none
+        try:
+            runner(transport)
+        except TransportError as exc:
+            unreachable[transport] = exc
+    asked = [r for r in records if r.final_state or r.transport not in unreachable]
+    if unreachable and not asked:
+        raise next(iter(unreachable.values()))
+    answered = iter(status(asked, store, runners=runners))
+    results = [next(answered) if r.final_state or r.transport not in unreachable else
+               unreachable_status(r, unreachable[r.transport]) for r in records]
+    for transport, error in unreachable.items():
+        count = sum(1 for r in records if r.transport == transport and not r.final_state)
+        sys.stderr.write(f"pbstk: warning: {unreachable_warning(transport, error, count)}\n")
+    if on_ended is not None:  # a log-only failure may still restart: not yet
+        on_ended([s.record for s in results if s.state.final and s.confirmed])
+    return results

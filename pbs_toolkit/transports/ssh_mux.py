@@ -337,8 +337,6 @@ def spawn_holder(runner: SSHRunner, path: Path, persist: float) -> None:
 
     It runs on this terminal until then, so passcode prompts reach the user; then it detaches. Its failure is
     raised here as the same one-line error a direct connection gives."""
-    import pbs_toolkit
-
     read_fd, write_fd = os.pipe()
     argv = [sys.executable, "-m", "pbs_toolkit.transports.ssh_holder", "--socket", str(path),
             "--ready-fd", str(write_fd), "--persist", repr(persist), "--config", str(runner.config_path),
@@ -346,7 +344,7 @@ def spawn_holder(runner: SSHRunner, path: Path, persist: float) -> None:
     if runner.accept_unknown_host:
         argv.append("--accept-new-host-key")
     argv += ["--", runner.host]
-    package_root = str(Path(pbs_toolkit.__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parents[2])  # the directory that holds pbs_toolkit/
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     try:
