@@ -175,7 +175,7 @@ def _router_job(rec: Any, st: Any) -> str:
 
 def show_service(st: Any) -> None:
     """``status NAME`` of a service: its line, then each replica."""
-    from pbs_toolkit.cli.job_cmds import time_cells
+    from pbs_toolkit.cli.output import time_cells
 
     rec = st.record
     click.echo(f"service {rec.name}: {st.summary}  {st.url or '-'}")
@@ -234,8 +234,7 @@ class _ServiceLine:
 
 def wait_service(c: Any, svc: Any, timeout: float, quiet: bool) -> Any:
     """``wait NAME`` (and ``--wait`` of metrics/bench): the service's wait, with the progress line of a job's."""
-    from pbs_toolkit.cli.job_cmds import progress_printer
-    from pbs_toolkit.cli.progress import interrupt_hint
+    from pbs_toolkit.cli.progress import interrupt_hint, progress_printer
 
     with interrupt_hint(svc.name), progress_printer(quiet) as show:
         return c.wait_service(svc, timeout, lambda st, elapsed: show(_ServiceLine(st), elapsed))
