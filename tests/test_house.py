@@ -4,6 +4,7 @@ these tests run it on the package, and on small packages made to break each rule
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +12,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "check_imports.py"
 
-#: problems other engineers are fixing in parallel (issue 22.1: render.py, 22.4: router.py); each line here
-#: must still be a problem (a fixed one is taken off), and nothing else may be
+#: problems other engineers are fixing in parallel, as patterns (issue 22.1 owns jobs/render.py: its size, and the
+#: private names services/ take from it; 22.4 owns services/router.py). Each must still match a problem (a fixed
+#: one is taken off), and nothing else may be a problem.
 PENDING = {
-    "size: pbs_toolkit/jobs/render.py",
-    "size: pbs_toolkit/services/router.py",
+    r"size: pbs_toolkit/jobs/render\.py ",
+    r"size: pbs_toolkit/services/router\.py ",
+    r"private: pbs_toolkit/services/\w+\.py:\d+ imports _\w+ from pbs_toolkit\.jobs\.render$",
 }
 
 
@@ -27,9 +30,8 @@ def check(package: Path) -> tuple[int, list[str]]:
 
 def test_the_package_keeps_the_house_rules() -> None:
     _, problems = check(ROOT / "pbs_toolkit")
-    pending = {p for p in problems if any(p.startswith(k + " ") for k in PENDING)}
-    assert [p for p in problems if p not in pending] == []
-    fixed = {k for k in PENDING if not any(p.startswith(k + " ") for p in pending)}
+    assert [p for p in problems if not any(re.match(k, p) for k in PENDING)] == []
+    fixed = {k for k in PENDING if not any(re.match(k, p) for p in problems)}
     assert not fixed, f"fixed now: take {sorted(fixed)} off PENDING"
 
 

@@ -282,10 +282,11 @@ def _tail(runner: Runner, run_dir: str, scheduler: str, lines: int = 8) -> list[
 
 def router_answers(session: ServiceSession, info: RouterInfo) -> bool:
     """Whether the router answers ``GET /list_workers`` (as the scheduler's host reaches the node)."""
-    from pbs_toolkit.services.router import _http_status
+    from pbs_toolkit.services.router import http_request
 
     try:
-        return _http_status(session.runner(info.transport), info.host, info.port, "/list_workers") == 200
+        answer = http_request(session.runner(info.transport), info.host, info.port, "/list_workers", body_limit=0)
+        return answer[0] == 200
     except PbstkError:
         return False
 
