@@ -312,14 +312,11 @@ class Client(ServiceMethods, PerfMethods):
 
         ``wait``: wait up to ``timeout`` s for it instead (``wait``); else a job not READY is ``ServerFailed``,
         its message ending in ``hint`` (how to wait, in the caller's words)."""
+        from pbs_toolkit.jobs.readiness import require_ready
+
         if wait:
             return self.wait(job, timeout, on_progress)
-        st = self.status(self.record(job))[0]
-        if st.state.value != "READY":  # waiting helps only a job that has not ended
-            advice = "it has ended: `pbstk launch` a new one" if st.state.final else hint
-            raise ServerFailed(f"job {st.record.job_id} is {st.state.value}, not READY"
-                               f"{': ' + st.reason if st.reason else ''} ({advice})")
-        return st
+        return require_ready(self.status(self.record(job))[0], hint)
 
     def endpoint(self, job: Job | JobRecord | str | None = None, local_url: str | None = None, *,
                  timeout: float = 0.0, on_progress: Progress | None = None,

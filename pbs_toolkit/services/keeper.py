@@ -4,7 +4,7 @@ Started by ``serve`` as ``python -m pbs_toolkit _keeper NAME`` in its own sessio
 runs (same job store, same transports). It holds ``services/NAME/keeper.lock`` while it runs, so only one keeper
 per service ever runs and ``status`` can tell whether it does. Each tick (``PBSTK_SERVICE_POLL_S``, default 15;
 while some replica is still on its way to the router, on the scheduler ramp 2, 4, 8 s up to that):
-one ``Client.status`` over the service's jobs (one scheduler query), then for each replica slot:
+one ``session.status`` over the service's jobs (one scheduler query), then for each replica slot:
 
 * a READY job that is not in the router is added; one that is not READY (ended, failed, restarting) is removed
   at once;

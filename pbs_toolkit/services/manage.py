@@ -1,4 +1,5 @@
-"""Start, look at and stop a service: N replica jobs behind one vllm-router, one URL and one key.
+"""Start a service: N replica jobs behind one vllm-router, one URL and one key (looking at one: status.py;
+stopping one: stop.py; its keeper process: keeper_process.py).
 
 Replica ``k`` is an ordinary pbstk job named ``NAME-r<k>`` (its keep-alive successors ``NAME-r<k>-g<gen>``),
 launched through the normal launch path with the service's key, so the one key works through the router (the
