@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from pbs_toolkit.version import __version__
 
 _LAZY = {
     "Client": ("pbs_toolkit.client", "Client"),

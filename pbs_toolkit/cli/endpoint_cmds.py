@@ -8,10 +8,9 @@ from typing import Any
 import click
 
 from pbs_toolkit.cli.complete import complete_job
-from pbs_toolkit.cli.job_cmds import progress_printer
 from pbs_toolkit.cli.lazy import LazyChoice, registry_formats
 from pbs_toolkit.cli.options import LOCAL_PORT, SECONDS, SECONDS_OR_ZERO, echo_json
-from pbs_toolkit.cli.progress import interrupt_hint
+from pbs_toolkit.cli.progress import interrupt_hint, progress_printer
 
 
 @click.command("update-endpoint")

@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
-from pbs_toolkit import __version__
 from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.version import __version__
 
 
 def one_line(text: str) -> str:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pbs_toolkit import __version__
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.plan import HOME_VAR, SERVER_DIR, START_HEADER, LaunchPlan, plan_launch
 from pbs_toolkit.schedulers import backend_class
@@ -25,6 +24,7 @@ from pbs_toolkit.settings.layout import NodePlan
 from pbs_toolkit.settings.presets import Preset
 from pbs_toolkit.settings.profiles import Profile
 from pbs_toolkit.transports.base import Runner
+from pbs_toolkit.version import __version__
 from pbs_toolkit.vllm.startup import COMPILE_ERROR_RE, PORT_IN_USE_RE
 
 PORT_SPAN = 100

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pbs_toolkit import __version__, paths
+from pbs_toolkit import paths
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.jobs.plan import slug
 from pbs_toolkit.jobs.render import render
@@ -22,6 +22,7 @@ from pbs_toolkit.perf.benchjob import LevelResult
 from pbs_toolkit.schema import STAMP_KEYS
 from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, settings_of
 from pbs_toolkit.transports import Runner
+from pbs_toolkit.version import __version__
 
 Progress = Callable[[str], None]
 
@@ -380,3 +381,25 @@ def plot(doc: TuneReport, out: str) -> str:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def tune(req: LaunchSettings | RenderRequest, presets: Sequence[str], *, store: JobStore, runner: Runner,
+         progress: Callable[[str], None], save: bool = False, output: str | None = None, append: bool = False,
+         baseline: str | None = None, **options: Any) -> TuneReport:
+    """``run_tune`` saved as ``Client.tune`` promises: ``save`` under pbstk's data dir; ``output`` there instead,
+    after each preset too (an interrupted tune keeps what it measured); ``append`` merges into the runs already
+    in ``output``. ``progress`` hears each step, and ``saved PATH`` at the end. ``options``: ``run_tune``'s."""
+    import os
+
+    earlier = load_result(output) if append and output and os.path.exists(output) else None
+
+    def checkpoint(partial: TuneReport) -> None:
+        save_result(merge(earlier, partial, baseline) if earlier else partial, output)
+
+    doc = run_tune(req, list(presets), baseline=baseline, progress=progress,
+                   checkpoint=checkpoint if output else None, store=store, runner=runner, **options)
+    if earlier is not None:
+        doc = merge(earlier, doc, baseline)
+    if save or output:
+        progress(f"saved {save_result(doc, output)}")
+    return doc

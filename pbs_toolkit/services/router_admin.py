@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 import requests
@@ -20,7 +20,6 @@ import requests
 from pbs_toolkit.errors import PbstkError
 
 if TYPE_CHECKING:
-    from pbs_toolkit.services.router import RouterInfo
     from pbs_toolkit.transports.base import Runner
 
 #: the header the front wants, with the router's admin token, on every admin call (``/add_worker``, ...)
@@ -143,8 +142,23 @@ def _check_url(url: str) -> None:
         raise RouterError(f"worker URL {url!r} is not an http(s) URL")
 
 
+class RouterAddress(Protocol):
+    """What the admin client needs of a router (``router.RouterInfo`` has it)."""
+
+    @property
+    def transport(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def admin_token(self) -> str: ...
+
+
 @contextlib.contextmanager
-def open_admin(runner: Runner, info: RouterInfo) -> Iterator[RouterAdmin]:
+def open_admin(runner: Runner, info: RouterAddress) -> Iterator[RouterAdmin]:
     """A :class:`RouterAdmin` for ``info``: direct for a router on this machine, through an SSH tunnel
     (``transports/tunnel.py``, one ``direct-tcpip`` channel per connection) for one on a login node."""
     if not info.transport:

@@ -46,9 +46,9 @@ from pbs_toolkit.services.router import (
 )
 
 if TYPE_CHECKING:
-    from pbs_toolkit.client import Client
     from pbs_toolkit.schedulers import SchedulerJob
     from pbs_toolkit.services.record import ServiceRecord
+    from pbs_toolkit.services.session import ServiceSession
     from pbs_toolkit.settings.profiles import Profile
     from pbs_toolkit.transports import Runner
 
@@ -86,9 +86,9 @@ def job_profile(profile: Profile) -> Profile:
 
 def render_job_script(profile: Profile, job_name: str, run_dir: str) -> str:
     """The backend's job template, rendered for the router job (its entry script: ``start_router.sh``)."""
-    from pbs_toolkit import __version__
     from pbs_toolkit.jobs.plan import normalised_walltime
     from pbs_toolkit.jobs.render import template_environment
+    from pbs_toolkit.version import __version__
 
     backend = backend_class(profile.scheduler)
     # ngpus=0 in a select statement is at best noise (and refused by some servers): a CPU job asks for none
@@ -110,8 +110,8 @@ def render_start_script(profile: Profile, run_dir: str, service: str, command: l
 
     The router's command line is :func:`~pbs_toolkit.services.router.router_argv`'s, as ``router: login`` starts
     it, with slots for what only the node knows: the ports the script picks there and the front's Python."""
-    from pbs_toolkit import __version__
     from pbs_toolkit.jobs.render import sh_path
+    from pbs_toolkit.version import __version__
 
     def array(values: list[str] | tuple[str, ...]) -> str:
         return "(" + " ".join(shlex.quote(v) for v in values) + ")"
@@ -145,7 +145,7 @@ def render_start_script(profile: Profile, run_dir: str, service: str, command: l
     return "\n".join(lines) + "\n" + _BODY.read_text(encoding="utf-8")
 
 
-def submit(client: Client, rec: ServiceRecord, profile: Profile, command: list[str]) -> dict[str, str]:
+def submit(session: ServiceSession, rec: ServiceRecord, profile: Profile, command: list[str]) -> dict[str, str]:
     """Write the router job's run directory and submit it through launch's crash-safe sequence
     (jobs/launch.py ``submit_recorded``): the service records the job's run directory before anything is
     submitted, an intent covers the submission, and the job id lands in the service's row in the transaction that
@@ -158,7 +158,7 @@ def submit(client: Client, rec: ServiceRecord, profile: Profile, command: list[s
     from pbs_toolkit.services import record as records
     from pbs_toolkit.settings.profiles import walltime_seconds
 
-    runner = client.runner(rec.transport)
+    runner = session.runner(rec.transport)
     prof = job_profile(profile)
     job_name = f"{rec.name}-router"
     run_dir = default_run_dir(prof, job_name, runner.expanduser)
@@ -167,9 +167,9 @@ def submit(client: Client, rec: ServiceRecord, profile: Profile, command: list[s
     if prof.venv:
         prof = replace(prof, venv=runner.expanduser(prof.venv))
     scheduler = get_scheduler(prof.scheduler)
-    scheduler.id_source = functools.partial(client.store.next_id, scheduler.name)
+    scheduler.id_source = functools.partial(session.store.next_id, scheduler.name)
     rec.router_job = {"job_id": "", "run_dir": run_dir, "scheduler": prof.scheduler, "name": job_name}
-    if not records.save(client.store, rec):  # a cancel came first: submit nothing
+    if not records.save(session.store, rec):  # a cancel came first: submit nothing
         rec.router_job = {}
         raise intents.ServiceEnded(f"service {rec.name} was ended; its router job is not submitted")
     record = JobRecord(job_id="", scheduler=prof.scheduler, profile=prof.name, model="vllm-router",
@@ -189,16 +189,16 @@ def submit(client: Client, rec: ServiceRecord, profile: Profile, command: list[s
 
     def recorded(job: JobRecord) -> None:
         rec.router_job = {**rec.router_job, "job_id": job.job_id}
-        if client.store.record_service_job(intent, job, rec.name, rec.created, rec.data()):
-            records.write_file(client.store, rec)
+        if session.store.record_service_job(intent, job, rec.name, rec.created, rec.data()):
+            records.write_file(session.store, rec)
 
-    intent = client.store.add_intent(record)
-    submit_recorded(client.store, runner, scheduler, record, intent, write=write, recorded=recorded,
+    intent = session.store.add_intent(record)
+    submit_recorded(session.store, runner, scheduler, record, intent, write=write, recorded=recorded,
                     walltime_s=walltime_seconds(prof.walltime))
     return dict(rec.router_job)
 
 
-def settle(client: Client, rec: ServiceRecord, wait_s: float = 0.0) -> bool:
+def settle(session: ServiceSession, rec: ServiceRecord, wait_s: float = 0.0) -> bool:
     """A router job whose submission was interrupted (no id in the service's record): its id from the run
     directory's ``job_id`` marker, or, when its launch's intent is gone with no marker, nothing was submitted (the
     record's ``router_job`` emptied). Waits at most ``wait_s`` for a submission under way; ``False``: unresolved."""
@@ -207,17 +207,17 @@ def settle(client: Client, rec: ServiceRecord, wait_s: float = 0.0) -> bool:
     job = rec.router_job
     if not job or job.get("job_id"):
         return True
-    runner = client.runner(rec.transport)
+    runner = session.runner(rec.transport)
     deadline = time.monotonic() + wait_s
     while True:
         found = marker_job_id(runner, job["run_dir"])
         if found:
             rec.router_job = {**job, "job_id": found}
             return True
-        pending = [i for i in client.store.intents() if i.run_dir == job["run_dir"]]
+        pending = [i for i in session.store.intents() if i.run_dir == job["run_dir"]]
         if pending and rec.transport:
-            resolve_remote_intents(client.store, runner, pending)
-            pending = [i for i in client.store.intents() if i.run_dir == job["run_dir"]]
+            resolve_remote_intents(session.store, runner, pending)
+            pending = [i for i in session.store.intents() if i.run_dir == job["run_dir"]]
         if not pending:
             if (found := marker_job_id(runner, job["run_dir"])) is not None:
                 rec.router_job = {**job, "job_id": found}
@@ -229,20 +229,20 @@ def settle(client: Client, rec: ServiceRecord, wait_s: float = 0.0) -> bool:
         time.sleep(0.1)
 
 
-def query(client: Client, rec: ServiceRecord) -> SchedulerJob | None:
+def query(session: ServiceSession, rec: ServiceRecord) -> SchedulerJob | None:
     """What the scheduler says of the router job (one query), or None when it no longer knows it."""
     job = rec.router_job
-    found = get_scheduler(job["scheduler"]).query(client.runner(rec.transport),
+    found = get_scheduler(job["scheduler"]).query(session.runner(rec.transport),
                                                   [JobRef(job["job_id"], job["run_dir"])])
     return found.get(job["job_id"])
 
 
-def wait_router(client: Client, rec: ServiceRecord, timeout: float | None = None) -> RouterInfo:
+def wait_router(session: ServiceSession, rec: ServiceRecord, timeout: float | None = None) -> RouterInfo:
     """Wait (bounded) until the router job wrote ``router.json``; its router. ``RouterError`` when the job ended
     first, ``WaitTimeout`` when it did not get there in time (the caller cancels it)."""
     from pbs_toolkit.errors import WaitTimeout
 
-    runner = client.runner(rec.transport)
+    runner = session.runner(rec.transport)
     job = rec.router_job
     path = f"{job['run_dir']}/{INFO_FILE}"
     limit = wait_seconds() if timeout is None else timeout
@@ -254,7 +254,7 @@ def wait_router(client: Client, rec: ServiceRecord, timeout: float | None = None
         if info is not None:
             return info
         if time.monotonic() >= next_query:
-            seen = query(client, rec)
+            seen = query(session, rec)
             if seen is None or seen.state == SchedState.FINISHED:
                 raise RouterError(f"the router job {job['job_id']} ended before its router answered "
                                   f"(log: {job['run_dir']}/{LOG_FILE})",
@@ -293,15 +293,15 @@ def _tail(runner: Runner, run_dir: str, scheduler: str, lines: int = 8) -> list[
     return out[-lines:]
 
 
-def router_answers(client: Client, info: RouterInfo) -> bool:
+def router_answers(session: ServiceSession, info: RouterInfo) -> bool:
     """Whether the router answers ``GET /list_workers`` (as the scheduler's host reaches the node)."""
     try:
-        return http_status(client.runner(info.transport), info.host, info.port, "/list_workers") == 200
+        return http_status(session.runner(info.transport), info.host, info.port, "/list_workers") == 200
     except PbstkError:
         return False
 
 
-def cancel(client: Client, rec: ServiceRecord) -> bool:
+def cancel(session: ServiceSession, rec: ServiceRecord) -> bool:
     """Cancel the router job (its script passes SIGTERM on to the router); False when it had ended."""
     job = rec.router_job
-    return get_scheduler(job["scheduler"]).cancel(client.runner(rec.transport), JobRef(job["job_id"], job["run_dir"]))
+    return get_scheduler(job["scheduler"]).cancel(session.runner(rec.transport), JobRef(job["job_id"], job["run_dir"]))

@@ -150,7 +150,7 @@ class Profile:
         source = self.source
         if clean:
             source = f"{self.source} with {', '.join(sorted(clean))} from flags/PBSTK_*/config.yaml"
-        from pbs_toolkit.settings.login_host import without_ssh_here
+        from pbs_toolkit.settings.this_host import without_ssh_here
 
         return without_ssh_here(validate(self.replaced({**clean, "source": source})), set(clean))
 
