@@ -97,7 +97,8 @@ def test_a_local_service_replica_resolves_once(standins: Path) -> None:
     with Client() as c:
         records.create(c.store, rec)
         jobs: list[str] = []
-        counts = resolutions(lambda: jobs.append(manage.launch_replica(c, rec, rec.slots[0])), "local.yaml")
+        session = c.service_session()
+        counts = resolutions(lambda: jobs.append(manage.launch_replica(session, rec, rec.slots[0])), "local.yaml")
         try:
             assert counts == {**ONCE, "config.yaml": 0}  # no config.yaml here: looked for, not read
             assert c.store.find(jobs[0]).name == "once-r0"
