@@ -453,9 +453,11 @@ class Client:
         gets ``RUN_DIR/stop``, which every node's start script obeys. The registry entries it wrote are removed
         (``on_removal`` hears each; a registry that cannot be written never fails the cancel), or with
         ``keep_endpoint`` kept for good."""
+        from pbs_toolkit.campaigns.counters import record_counters
         from pbs_toolkit.jobs.launch import cancel
 
         record = self.record(job)
+        record_counters(self.store, self.runner(record.transport), record)  # `pbstk usage` after it has gone
         stopped = cancel(record, runner=self.runner(record.transport))
         if keep_endpoint:
             self.store.keep_registry_entries(record)

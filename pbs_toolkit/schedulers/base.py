@@ -72,6 +72,19 @@ class SchedulerJob:
     estimated_start: float | None = None
 
 
+@dataclass
+class Accounting:
+    """What the scheduler's own accounting says a job used (``pbstk usage``, docs/campaigns.md). ``None``: it
+    does not say; ``source`` names where ``walltime_s`` came from (``qstat resources_used.walltime``, ``sacct
+    Elapsed``, ``squeue TimeUsed``, ``wall clock``)."""
+
+    job_id: str
+    walltime_s: float | None
+    source: str
+    nodes: int | None = None
+    gpus: int | None = None
+
+
 class Scheduler(abc.ABC):
     """One backend. Everything scheduler-specific lives in its module; CONTRIBUTING.md lists what to provide."""
 
@@ -130,6 +143,37 @@ class Scheduler(abc.ABC):
     @abc.abstractmethod
     def cancel(self, runner: Runner, ref: JobRef) -> bool:
         """Stop the job. ``True`` when it was stopped now, ``False`` when it was already gone."""
+
+    def accounting(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, Accounting]:
+        """What each of ``refs`` used, by job id, in as few calls as the scheduler allows; jobs it cannot say
+        anything about are absent. The default reads :meth:`query`'s ``walltime_used`` (``[D-]HH:MM:SS``), else
+        the running job's uptime; backends with a better source (an accounting database) override it."""
+        found = {}
+        for job_id, job in self.query(runner, refs).items():
+            used = hms_seconds(job.walltime_used)
+            if used is None and job.uptime_s is not None:
+                found[job_id] = Accounting(job_id, job.uptime_s, f"{self.name} uptime")
+            elif used is not None:
+                found[job_id] = Accounting(job_id, float(used), f"{self.name} walltime used")
+        return found
+
+
+def hms_seconds(value: str | None) -> int | None:
+    """``[D-]HH:MM:SS``, ``MM:SS`` or plain seconds -> seconds; ``None`` for anything else."""
+    text = (value or "").strip()
+    days = 0
+    if "-" in text:
+        head, text = text.split("-", 1)
+        if not head.isdigit():
+            return None
+        days = int(head)
+    parts = text.split(":")
+    if not text or not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        return None
+    seconds = 0
+    for part in parts:
+        seconds = seconds * 60 + int(part)
+    return days * 86400 + seconds
 
 
 #: how long a status or cancel command may take before we call the scheduler unresponsive

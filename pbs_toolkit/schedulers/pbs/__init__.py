@@ -18,6 +18,7 @@ from typing import Any
 
 from pbs_toolkit.errors import ConfigError, SchedulerError, SchedulerUnavailable, UsageError
 from pbs_toolkit.schedulers.base import (
+    Accounting,
     JobRef,
     Outcome,
     SchedState,
@@ -349,6 +350,11 @@ class PBSScheduler(Scheduler):
             qstat_text.remember_broken(runner.name, qstat_text.server_name(result.stdout))
             return {**jobs, **_query_text(runner, left_out)}
         return _listed(ids, found, result.rc)
+
+    def accounting(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, Accounting]:
+        from pbs_toolkit.schedulers.pbs.accounting import accounting
+
+        return accounting(self.query(runner, refs))  # the same one batched qstat -x -f -F json
 
     def cancel(self, runner: Runner, ref: JobRef) -> bool:
         result = run_with_retry(runner, cancel_argv(ref.job_id), is_transient, timeout=scheduler_timeout())

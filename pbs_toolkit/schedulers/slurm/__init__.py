@@ -20,6 +20,7 @@ from typing import Any
 
 from pbs_toolkit.errors import ConfigError, SchedulerError, SchedulerUnavailable, UsageError
 from pbs_toolkit.schedulers.base import (
+    Accounting,
     JobRef,
     Outcome,
     SchedState,
@@ -345,6 +346,11 @@ class SlurmScheduler(Scheduler):
         if missing:
             found.update(ask_sacct(runner, missing))
         return {job_id: found[job_id] for job_id in ids if job_id in found}
+
+    def accounting(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, Accounting]:
+        from pbs_toolkit.schedulers.slurm.accounting import accounting
+
+        return accounting(runner, refs, lambda: self.query(runner, refs), is_transient)
 
     def cancel(self, runner: Runner, ref: JobRef) -> bool:
         result = run_with_retry(runner, cancel_argv(ref.job_id), is_transient, timeout=scheduler_timeout())
