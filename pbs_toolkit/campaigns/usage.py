@@ -42,7 +42,8 @@ class UsageRow:
     service: str | None = None
     scheduler: str = ""
     transport: str = ""
-    state: str = "active"
+    #: the scheduler's accounting says the job has ended (its figures are final)
+    ended: bool = False
     nodes: int | None = None
     gpus: int | None = None
     walltime_s: float | None = None
@@ -162,7 +163,7 @@ def _launch_nodes(record: JobRecord) -> int:
 def row_of(record: JobRecord, kind: str = "job", service: str | None = None) -> UsageRow:
     """The row of a recorded job before accounting and counters: what its launch asked for."""
     return UsageRow(job_id=record.job_id, name=record.name, kind=kind, service=service, scheduler=record.scheduler,
-                    transport=record.transport, state=record.final_state or "active", nodes=_launch_nodes(record),
+                    transport=record.transport, nodes=_launch_nodes(record),
                     gpus=record.spec.gpus)
 
 
@@ -170,7 +171,7 @@ def _apply(row: UsageRow, acct: Accounting | dict[str, Any] | None) -> None:
     if acct is None:
         return
     data = acct if isinstance(acct, dict) else asdict(acct)
-    row.walltime_s, row.walltime_source = data.get("walltime_s"), data.get("source")
+    row.walltime_s, row.walltime_source, row.ended = data.get("walltime_s"), data.get("source"), bool(data.get("final"))
     row.nodes = data.get("nodes") or row.nodes
     row.gpus = data.get("gpus") if data.get("gpus") is not None else row.gpus
 
@@ -204,7 +205,7 @@ def collect(client: Client, refs: Sequence[str], since: float | None = None,
         if router and router.get("job_id"):
             row = UsageRow(job_id=router["job_id"], name=router.get("name") or f"{svc.name}-router", kind="router",
                            service=svc.name, scheduler=router.get("scheduler") or svc.scheduler,
-                           transport=svc.transport, state=svc.state, nodes=1, gpus=0)
+                           transport=svc.transport, nodes=1, gpus=0)
             plan.append((row, None, router))
             group.rows.append(row)
         groups.append(group)
@@ -252,13 +253,14 @@ def _account(client: Client, plan: list[tuple[UsageRow, JobRecord | None, dict[s
         for row, record, ref in items:
             acct = found.get(ref.job_id)
             _apply(row, acct)
-            if acct is not None and record is not None and record.final_state:
+            if acct is not None and record is not None and acct.final:
                 client.store.update_extra(record, **{ACCOUNTING_KEY: asdict(acct)})
 
 
 def _count(client: Client, row: UsageRow, record: JobRecord) -> None:
     """Requests and tokens: live while the server answers, else what was recorded before its cancel."""
-    values = counters.scrape(client.runner(record.transport), record) if not record.final_state else None
+    ended = record.final_state or row.ended
+    values = counters.scrape(client.runner(record.transport), record) if not ended else None
     source = "live"
     if values is None:
         values, source = counters.recorded(record), "recorded"

@@ -83,6 +83,8 @@ class Accounting:
     source: str
     nodes: int | None = None
     gpus: int | None = None
+    #: the job has ended: these figures will not change any more (``usage`` keeps them with the job)
+    final: bool = False
 
 
 class Scheduler(abc.ABC):
@@ -151,10 +153,11 @@ class Scheduler(abc.ABC):
         found = {}
         for job_id, job in self.query(runner, refs).items():
             used = hms_seconds(job.walltime_used)
+            final = job.state is SchedState.FINISHED
             if used is None and job.uptime_s is not None:
-                found[job_id] = Accounting(job_id, job.uptime_s, f"{self.name} uptime")
+                found[job_id] = Accounting(job_id, job.uptime_s, f"{self.name} uptime", final=final)
             elif used is not None:
-                found[job_id] = Accounting(job_id, float(used), f"{self.name} walltime used")
+                found[job_id] = Accounting(job_id, float(used), f"{self.name} walltime used", final=final)
         return found
 
 

@@ -121,8 +121,8 @@ for d in "$@"; do
   s="$d/.local-job"
   if [ ! -s "$s/pid" ] || [ -e "$s/waiting" ]; then echo -; continue; fi
   a=$(m "$s/pid") || { echo -; continue; }
-  if [ -e "$s/exit_status" ]; then b=$(m "$s/exit_status") || b=$a; else b=$(date +%s); fi
-  [ "$b" -ge "$a" ] && echo $((b - a)) || echo 0
+  f=0; if [ -e "$s/exit_status" ]; then f=1; b=$(m "$s/exit_status") || b=$a; else b=$(date +%s); fi
+  [ "$b" -ge "$a" ] && echo "$((b - a)) $f" || echo "0 $f"
 done
 """
 _CANCEL = _OURS + r"""
@@ -237,8 +237,9 @@ class LocalScheduler(Scheduler):
         lines = result.stdout.splitlines()
         if result.rc != 0 or len(lines) != len(refs):
             raise SchedulerError(f"could not read local job markers: {first_line(result.stderr)}")
-        return {ref.job_id: Accounting(ref.job_id, float(line), "wall clock", nodes=1)
-                for ref, line in zip(refs, lines) if re.fullmatch(r"\d+", line)}
+        return {ref.job_id: Accounting(ref.job_id, float(line.split()[0]), "wall clock", nodes=1,
+                                       final=line.endswith(" 1"))
+                for ref, line in zip(refs, lines) if re.fullmatch(r"\d+ [01]", line)}
 
     def cancel(self, runner: Runner, ref: JobRef) -> bool:
         result = runner.run(["bash", "-c", _CANCEL, "pbstk-cancel", ref.run_dir], timeout=60)

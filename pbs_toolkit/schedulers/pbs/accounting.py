@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pbs_toolkit.schedulers.base import Accounting, SchedulerJob
+from pbs_toolkit.schedulers.base import Accounting, SchedState, SchedulerJob
 
 SOURCE = "qstat resources_used.walltime"
 
@@ -39,5 +39,6 @@ def accounting(jobs: dict[str, SchedulerJob]) -> dict[str, Accounting]:
             continue
         nodes = _count(sub_attr(job.raw, "Resource_List", "nodect")) or _hosts(job.raw.get("exec_host"))
         gpus = _count(sub_attr(job.raw, "Resource_List", "ngpus"))
-        found[job_id] = Accounting(job_id, float(used), SOURCE, nodes=nodes, gpus=gpus)
+        found[job_id] = Accounting(job_id, float(used), SOURCE, nodes=nodes, gpus=gpus,
+                                   final=job.state is SchedState.FINISHED)
     return found

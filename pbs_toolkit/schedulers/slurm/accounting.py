@@ -13,10 +13,21 @@ import re
 from collections.abc import Callable, Sequence
 
 from pbs_toolkit.errors import SchedulerError, SchedulerUnavailable
-from pbs_toolkit.schedulers.base import Accounting, JobRef, SchedulerJob, hms_seconds, run_with_retry, scheduler_timeout
+from pbs_toolkit.schedulers.base import (
+    Accounting,
+    JobRef,
+    SchedState,
+    SchedulerJob,
+    hms_seconds,
+    run_with_retry,
+    scheduler_timeout,
+)
 from pbs_toolkit.transports.base import Result, Runner
 
-FIELDS = ("JobID", "Elapsed", "NNodes", "AllocTRES")
+FIELDS = ("JobID", "Elapsed", "NNodes", "State", "AllocTRES")
+#: sacct states of jobs still running or waiting: their figures still grow
+_LIVE = ("PENDING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED", "COMPLETING", "CONFIGURING", "STAGE_OUT",
+         "SIGNALING")
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
 _GPUS = re.compile(r"(?:^|,)gres/gpu=(\d+)(?:,|$)")
 #: (runner name, mode) pairs whose sacct did not answer: not asked again in this process
@@ -25,7 +36,7 @@ _REFUSED: set[tuple[str, str]] = set()
 
 def sacct_argv(job_ids: Sequence[str], completion: bool = False) -> list[str]:
     mode = ["--completion"] if completion else ["--allocations"]
-    fields = FIELDS[:3] if completion else FIELDS  # the completion log has no TRES
+    fields = FIELDS[:4] if completion else FIELDS  # the completion log has no TRES
     return ["sacct", "--noheader", "--parsable2", *mode, f"--jobs={','.join(job_ids)}",
             f"--format={','.join(fields)}"]
 
@@ -40,10 +51,12 @@ def parse_sacct(stdout: str, source: str) -> dict[str, Accounting]:
         elapsed = hms_seconds(cols[1])
         if elapsed is None:
             continue
-        tres = _GPUS.search(cols[3]) if len(cols) > 3 else None
+        state = cols[3].split(" ", 1)[0] if len(cols) > 3 else ""
+        tres = _GPUS.search(cols[4]) if len(cols) > 4 else None
         found[cols[0]] = Accounting(cols[0], float(elapsed), source,
                                     nodes=int(cols[2]) if cols[2].isdigit() and int(cols[2]) > 0 else None,
-                                    gpus=int(tres.group(1)) if tres else None)
+                                    gpus=int(tres.group(1)) if tres else None,
+                                    final=bool(state) and state not in _LIVE)
     return found
 
 
@@ -75,5 +88,6 @@ def accounting(runner: Runner, refs: Sequence[JobRef], query: Callable[[], dict[
         for job_id, job in query().items():
             used = hms_seconds(job.walltime_used)
             if job_id not in found and used is not None:
-                found[job_id] = Accounting(job_id, float(used), "squeue TimeUsed")
+                found[job_id] = Accounting(job_id, float(used), "squeue TimeUsed",
+                                           final=job.state is SchedState.FINISHED)
     return {i: found[i] for i in ids if i in found}
