@@ -242,3 +242,55 @@ def test_parse_sacct_allocations_and_completion() -> None:
     # sacct --completion (jobcomp/filetxt): no TRES column
     done = parse_sacct("7|00:00:42|1|COMPLETED\n", "sacct -c Elapsed")
     assert (done["7"].walltime_s, done["7"].final, done["7"].source) == (42, True, "sacct -c Elapsed")
+
+
+ROUTER = Path(sys.executable).parent / "vllm-router"
+
+
+@pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
+def test_run_with_replicas_serves_a_service_and_usage_groups_it(standins: Path, isolated_user: Path,
+                                                                tmp_path: Path) -> None:
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "svc.yaml").write_text(
+        "name: svc\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
+        f"address: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
+    script, registry = tmp_path / "eval.py", tmp_path / "endpoints.yaml"
+    script.write_text(EVAL)
+    env = _env(PBSTK_SERVICE_POLL_S="0.5", PBSTK_TEST_STANDIN_DELAY="0")
+    ran = cli("run", MODEL, "--profile", "svc", "--preset", "single", "--replicas", "2", "--name", "sv",
+              "--registry", str(registry), "--", sys.executable, str(script), env=env)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.startswith(f"eval done: model={MODEL} prompt=12 output=21"), ran.stdout
+    assert "2/2 replicas READY" in ran.stderr and "pbstk: cancelled sv" in ran.stderr, ran.stderr
+    assert yaml.safe_load(registry.read_text())["endpoints"] in ({}, None)
+    doc = usage_of("sv", env=env)
+    assert [(r["name"], r["kind"], r["service"]) for r in doc["jobs"]] == [("sv-r0", "replica", "sv"),
+                                                                          ("sv-r1", "replica", "sv")]
+    assert sum(r["requests"] for r in doc["jobs"]) == 3  # through the router, spread over both replicas
+    (svc,) = doc["services"]
+    assert svc["service"] == "sv" and svc["jobs"] == 2 and svc["output_tokens"] == 21 and svc["gpus"] == 2
+    assert doc["totals"]["output_tokens"] == 21
+    status = cli("status", "sv", "--json", env=env)
+    assert json.loads(status.stdout)[0]["state"] == "CANCELLED", status.stdout
+
+
+@pytest.mark.ssh
+def test_run_over_ssh_through_a_tunnel(login_node: Any, tmp_path: Path) -> None:
+    """Submitted through a real sshd to the fake PBS behind it; COMMAND runs here and reaches the node through a
+    tunnel over the job's SSH connection (forced: on loopback the node would answer directly)."""
+    script = tmp_path / "eval.py"
+    script.write_text(EVAL.replace("sys.exit(", "print('base:', os.environ['OPENAI_BASE_URL'])\nsys.exit("))
+    env = _env(PBSTK_SSH_CONFIG=str(login_node.ssh_config), PBSTK_KNOWN_HOSTS=str(login_node.known_hosts))
+    ran = cli("run", MODEL, "--ssh", login_node.alias, "--profile", "generic-pbspro", "--preset", "dp4",
+              "--port", "auto", "--name", "tun", "--via-tunnel", "--", sys.executable, str(script), env=env)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.startswith(f"eval done: model={MODEL} prompt=12 output=21"), ran.stdout
+    assert "reached through a tunnel on http://127.0.0.1:" in ran.stderr, ran.stderr
+    record = JobStore().find("tun")
+    node_url = f"http://{record.extra['verified_endpoint']}/v1"
+    tunnel_url = ran.stdout.split("base: ", 1)[1].strip()
+    assert tunnel_url.startswith("http://127.0.0.1:") and tunnel_url != node_url
+    row = usage_of("tun", env=env)["jobs"][0]
+    assert row["transport"] == login_node.alias and row["output_tokens"] == 21, row
+    assert row["walltime_source"] == "qstat resources_used.walltime" and row["gpus"] == 4, row
