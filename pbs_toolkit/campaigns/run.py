@@ -63,8 +63,9 @@ class RunPlan:
     replicas: int = 1
     #: ``Client.serve`` keywords besides the request and ``replicas`` (a service: ``replicas`` > 1 or any set)
     serve: dict[str, Any] = field(default_factory=dict)
-    api_key: str | None = None
-    use_api_key: bool = True
+    #: secret: never in ``repr``
+    api_key: str | None = field(default=None, repr=False)
+    use_api_key: bool = field(default=True, repr=False)
     registry: str | None = None
     alias: str | None = None
     fmt: str = "auto"

@@ -1,7 +1,7 @@
 """``pbstk usage``: what jobs and services used (docs/campaigns.md "pbstk usage").
 
-Per job: nodes, GPUs and wall time from the scheduler's own accounting (``Scheduler.accounting``: PBS
-``resources_used.walltime``, Slurm ``sacct``/``squeue``, local: the wall clock), node- and GPU-hours, and the
+Per job: nodes, GPUs and wall time from the scheduler's own accounting (``Scheduler.accounting``: each backend
+says which of its sources it read), node- and GPU-hours, and the
 server's requests and tokens (live from ``/metrics`` while it serves, else what was recorded before its cancel:
 campaigns/counters.py). A service's jobs are its replicas over its whole life (keep-alive successors included:
 names ``NAME-rK`` and ``NAME-rK-gG``) and its router job. What the scheduler said about an ended job is kept
@@ -47,8 +47,8 @@ class UsageRow:
     nodes: int | None = None
     gpus: int | None = None
     walltime_s: float | None = None
-    #: where ``walltime_s`` came from: ``qstat resources_used.walltime``, ``sacct Elapsed``, ``sacct -c Elapsed``,
-    #: ``squeue TimeUsed``, ``wall clock``, ``<scheduler> walltime used``, or ``None`` (nobody could say)
+    #: where ``walltime_s`` came from, in the backend's words (``Accounting.source``; docs/campaigns.md lists
+    #: them), or ``None`` (nobody could say)
     walltime_source: str | None = None
     requests: int | None = None
     prompt_tokens: int | None = None

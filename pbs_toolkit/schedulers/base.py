@@ -75,8 +75,8 @@ class SchedulerJob:
 @dataclass
 class Accounting:
     """What the scheduler's own accounting says a job used (``pbstk usage``, docs/campaigns.md). ``None``: it
-    does not say; ``source`` names where ``walltime_s`` came from (``qstat resources_used.walltime``, ``sacct
-    Elapsed``, ``squeue TimeUsed``, ``wall clock``)."""
+    does not say; ``source`` names where ``walltime_s`` came from, in the backend's words (its status command
+    and field, or ``wall clock``): docs/campaigns.md lists them."""
 
     job_id: str
     walltime_s: float | None
