@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pbs_toolkit.errors import ServerFailed
+from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.transports.base import Runner
@@ -49,7 +49,7 @@ def scrape(runner: Runner, record: JobRecord, timeout: float = SCRAPE_TIMEOUT_S)
         if answer.status != 200:
             return None
         snap = parse_metrics(answer.body.decode("utf-8", "replace"), time.time())
-    except (OSError, ServerFailed):
+    except (OSError, PbstkError):  # refused, timed out, an SSH channel that did not open, not Prometheus text
         return None
     values: dict[str, Any] = {name: _whole(getattr(snap, attr)) for name, attr in FIELDS.items()}
     if all(v is None for v in values.values()):
