@@ -74,6 +74,11 @@ def test_run_openai_client_passes_exit_codes_and_records_usage(standins: Path, t
     assert row["gpus"] == 1 and row["nodes"] == 1 and row["walltime_s"] is not None
     assert row["gpu_hours"] == pytest.approx(row["walltime_s"] / 3600, abs=1e-4)
     assert doc["totals"]["output_tokens"] == 21 and doc["totals"]["jobs"] == 1
+    assert [r["name"] for r in usage_of("--since", "1h")["jobs"]] == ["ev"]
+    assert usage_of("--since", "2099-01-01")["jobs"] == []
+    table = cli("usage").stdout.splitlines()
+    assert table[0].split()[:4] == ["JOB", "NAME", "NODES", "GPUS"]
+    assert table[-1].split()[:3] == ["TOTAL", "1", "job(s)"]
     # the job is gone: cancelled by run
     assert helpers.wait_recorded("ev", "CANCELLED")["state"] == "CANCELLED"
 
@@ -155,9 +160,11 @@ def test_failed_launch_exits_with_pbstks_code_without_command(standins: Path, tm
 
 
 def test_reuse_keeps_the_server_and_keep_leaves_it_up(standins: Path, tmp_path: Path) -> None:
-    kept = cli("run", MODEL, *LOCAL, "--name", "kp", "--keep", "--", "true")
+    registry = tmp_path / "endpoints.yaml"
+    kept = cli("run", MODEL, *LOCAL, "--name", "kp", "--keep", "--registry", str(registry), "--", "true")
     assert kept.returncode == 0, kept.stderr
     assert helpers.status_of("kp")["state"] == "READY"
+    assert yaml.safe_load(registry.read_text())["endpoints"] in ({}, None)  # the entry goes, the server stays
     out = tmp_path / "url"
     reused = cli("run", "--reuse", "kp", "--", "sh", "-c", f'echo "$OPENAI_BASE_URL $NO_PROXY" > {out}')
     assert reused.returncode == 0, reused.stderr
