@@ -174,8 +174,12 @@ def _environment(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks
         st = service_job_status(target.service)
     else:
         st = client.ready_status(target.record)
+    from urllib.parse import urlsplit
+
+    from pbs_toolkit.endpoints import endpoint_url
+
     transport = st.record.transport if target.service is None else target.service.transport
-    tunnel = plan.tunnel or (bool(transport) and not reachable(st.address, st.port))
+    tunnel = plan.tunnel or (bool(transport) and not reachable(urlsplit(endpoint_url(st)).hostname, st.port))
     local_url = None
     if plan.registry is not None:
         if target.service is not None:
@@ -286,6 +290,27 @@ def _finish(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks, int
         hooks.notice(f"cancelled {target.name}")
     except PbstkError as exc:
         hooks.notice(f"warning: {target.name} was not cancelled: {exc.message}; `pbstk cancel {target.name}`")
+        return
+    summary = usage_line(client, target.service.name if target.service else target.name)
+    if summary:
+        hooks.notice(summary)
+
+
+def usage_line(client: Client, ref: str) -> str | None:
+    """One line of what the server used (``pbstk usage REF`` has the table); ``None`` when it cannot be said."""
+    from pbs_toolkit.campaigns.usage import collect
+
+    try:
+        totals = collect(client, [ref]).totals.to_dict()
+    except PbstkError:
+        return None
+
+    def n(value: Any, unit: str) -> str:
+        return f"{'-' if value is None else round(value, 3)} {unit}"
+
+    return (f"usage: {n(totals['node_hours'], 'node-h')}, {n(totals['gpu_hours'], 'GPU-h')}, "
+            f"{n(totals['requests'], 'requests')}, {n(totals['output_tokens'], 'output tokens')} "
+            f"(`pbstk usage {ref}` for the table)")
 
 
 def _remove_entry(client: Client, target: _Target, hooks: RunHooks) -> None:
