@@ -301,3 +301,22 @@ def test_run_over_ssh_through_a_tunnel(login_node: Any, tmp_path: Path) -> None:
     row = usage_of("tun", env=env)["jobs"][0]
     assert row["transport"] == login_node.alias and row["output_tokens"] == 21, row
     assert row["walltime_source"] == "qstat resources_used.walltime" and row["gpus"] == 4, row
+
+
+def test_a_services_jobs_are_its_replicas_and_successors_over_its_life() -> None:
+    from pbs_toolkit.campaigns.usage import service_jobs
+    from pbs_toolkit.jobs.store import JobRecord
+    from pbs_toolkit.services.record import ServiceRecord
+
+    def rec(name: str, created: float, transport: str = "") -> JobRecord:
+        return JobRecord(job_id=f"{name}.id", scheduler="pbs", profile="p", model="m", served_model_name="m",
+                         preset="single", name=name, run_dir="/r", transport=transport, created=created)
+
+    svc = ServiceRecord(name="q", model="m", served_model_name="m", profile="p", replicas=2, request={},
+                        created=100.0, ended=500.0)
+    records = [rec("q-r0", 101), rec("q-r1", 102), rec("q-r0-g1", 300), rec("q-r10-g2", 400),
+               rec("q-r0", 50),  # an earlier service of the same name
+               rec("q-r1", 600),  # a later one
+               rec("q-r1", 150, transport="login1"),  # another login node's
+               rec("q-router", 101), rec("qq-r0", 101), rec("q-r0-gx", 101)]
+    assert [r.name for r in service_jobs(records, svc)] == ["q-r0", "q-r1", "q-r0-g1", "q-r10-g2"]
