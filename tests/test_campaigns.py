@@ -320,3 +320,16 @@ def test_a_services_jobs_are_its_replicas_and_successors_over_its_life() -> None
                rec("q-r1", 150, transport="login1"),  # another login node's
                rec("q-router", 101), rec("qq-r0", 101), rec("q-r0-gx", 101)]
     assert [r.name for r in service_jobs(records, svc)] == ["q-r0", "q-r1", "q-r0-g1", "q-r10-g2"]
+
+
+def test_reachable_tells_an_open_port_from_a_closed_one() -> None:
+    import socket
+
+    from pbs_toolkit.campaigns.run import reachable
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        assert reachable("127.0.0.1", port)
+    assert not reachable("127.0.0.1", port, timeout=1) and not reachable(None, port)
