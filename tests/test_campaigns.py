@@ -333,3 +333,24 @@ def test_reachable_tells_an_open_port_from_a_closed_one() -> None:
         port = listener.getsockname()[1]
         assert reachable("127.0.0.1", port)
     assert not reachable("127.0.0.1", port, timeout=1) and not reachable(None, port)
+
+
+def test_sigterm_while_the_job_is_submitted_cancels_it(standins: Path, fakepbs: Path, tmp_path: Path) -> None:
+    """The launch holds the signal until the job is recorded (jobs/launch.py), then exits: run must still find
+    the job it launched and cancel it, and COMMAND must not run."""
+    marker = tmp_path / "ran"
+    helpers.set_faults(fakepbs, slow_qsub=2.0)
+    proc = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "run", MODEL, "--preset", "dp4",  # noqa: S603
+                             "--profile", "generic-pbspro", "--port", "auto", "--name", "sub", "--",
+                             "touch", str(marker)], env=_env(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        helpers.until(lambda: helpers.fake_jobs(fakepbs), timeout=60, what="qsub to create the job")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "pbstk: cancelled" in err and not marker.exists(), err
+    helpers.until(lambda: set(helpers.fake_jobs(fakepbs).values()) == {"F"}, timeout=30, what="the job to end")

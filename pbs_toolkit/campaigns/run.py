@@ -131,6 +131,10 @@ def run(client: Client, plan: RunPlan, hooks: RunHooks | None = None) -> int:
         except _Stopped as stop:
             hooks.notice(f"{signal.Signals(stop.signum).name} received before COMMAND ran")
             code = 128 + stop.signum
+        except _Launched as launched:  # interrupted while submitting: the job is cancelled below
+            target.record, target.launched = launched.record, True
+            hooks.notice(f"interrupted while {launched.record.job_id} was submitted")
+            code = launched.code
         finally:
             with _held() as later:
                 _finish(client, plan, target, hooks, later)
@@ -150,8 +154,7 @@ def _start(client: Client, plan: RunPlan, hooks: RunHooks, target: _Target) -> N
         if plan.replicas > 1 or plan.serve:
             target.service = client.serve(plan.request, replicas=plan.replicas, api_key=plan.api_key, **plan.serve)
         else:
-            result = client.launch_request(plan.request, api_key=plan.api_key, use_api_key=plan.use_api_key)
-            target.record = result.record
+            target.record = _launch(client, plan)
         target.launched = True
         hooks.notice(f"launched {target.name}" + (f" ({plan.replicas} replicas)" if target.service else "")
                      + ("; it is cancelled when COMMAND ends" if not plan.keep else "; --keep: it stays up"))
@@ -164,6 +167,32 @@ def _start(client: Client, plan: RunPlan, hooks: RunHooks, target: _Target) -> N
     else:
         assert target.record is not None
         (hooks.wait_job or (lambda c, r, t: c.wait(r, t)))(client, target.record, plan.timeout)
+
+
+def _launch(client: Client, plan: RunPlan) -> JobRecord:
+    """``launch_request``; when a signal arrives while the job is submitted, launch records it and then exits
+    (jobs/launch.py ``defer_interrupts``): the job is found by its name (unique among active jobs) so that the
+    end of ``run`` cancels it."""
+    from pbs_toolkit.jobs.render import slug
+
+    assert plan.request is not None
+    started, name = time.time(), plan.request.name or slug(plan.request.model)
+    try:
+        return client.launch_request(plan.request, api_key=plan.api_key, use_api_key=plan.use_api_key).record
+    except (SystemExit, KeyboardInterrupt) as exc:
+        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 130
+        for record in client.store.all():
+            if record.name == name and not record.final_state and record.created >= started - 1:
+                raise _Launched(record, code) from None
+        raise
+
+
+class _Launched(BaseException):
+    """A launch interrupted once its job was recorded: ``record`` is to be cancelled."""
+
+    def __init__(self, record: JobRecord, code: int) -> None:
+        super().__init__(record.job_id)
+        self.record, self.code = record, code
 
 
 def _environment(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks) -> dict[str, str]:
