@@ -39,6 +39,8 @@ Exit status: COMMAND's own (128+N when signal N ended it). Before COMMAND runs, 
               help="More than 1: a service (`pbstk serve`) of that many replicas behind one router.")
 @click.option("--nodes-per-replica", type=BoundedInt(1, 10000), help="With --replicas: nodes of each replica.")
 @click.option("--policy", help="With --replicas: the router's policy (docs/services.md).")
+@click.option("--keep-alive", is_flag=True, help="With --replicas: a successor queued for every replica across "
+              "walltimes (`serve --keep-alive`, handover 10m before the end), for runs longer than one walltime.")
 @click.option("--reuse", metavar="NAME",
               help="Use the job or service NAME (waited for until READY) instead of launching; it stays up.")
 @click.option("--registry", type=click.Path(), help="Write the endpoint into this registry first; removed after.")
@@ -52,8 +54,8 @@ Exit status: COMMAND's own (128+N when signal N ended it). Before COMMAND runs, 
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait for READY.")
 def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None, accept_new_host_key: bool,
             api_key_env: str | None, no_api_key: bool, replicas: int, nodes_per_replica: int | None,
-            policy: str | None, reuse: str | None, registry: str | None, alias: str | None, fmt: str, keep: bool,
-            via_tunnel: bool, timeout: float, **kw: Any) -> None:
+            policy: str | None, keep_alive: bool, reuse: str | None, registry: str | None, alias: str | None,
+            fmt: str, keep: bool, via_tunnel: bool, timeout: float, **kw: Any) -> None:
     """Launch MODEL (or --reuse a READY job or service), wait until READY, run COMMAND against it, then drain
     and cancel the server; pbstk exits with COMMAND's exit status.
 
@@ -71,14 +73,15 @@ def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None,
 
     if reuse:
         model, command = None, list(words)
-        if any(v not in (None, (), False) for v in kw.values()) or scheduler or ssh_host or replicas != 1:
+        if any(v not in (None, (), False) for v in kw.values()) or scheduler or ssh_host or replicas != 1 \
+                or keep_alive or policy or nodes_per_replica:
             raise UsageError("--reuse takes no launch or serve options: the job or service runs already")
     else:
         if not words:
             raise UsageError("run needs MODEL, `--` and COMMAND (or --reuse NAME -- COMMAND)")
         model, command = words[0], list(words[1:])
-    serve: dict[str, Any] = {k: v for k, v in (("nodes_per_replica", nodes_per_replica), ("policy", policy))
-                             if v is not None}
+    serve: dict[str, Any] = {k: v for k, v in (("nodes_per_replica", nodes_per_replica), ("policy", policy),
+                                               ("keep_alive", keep_alive or None)) if v is not None}
     if replicas > 1 or serve:
         serve["name"] = kw.pop("name", None)
     plan = RunPlan(command=command, reuse=reuse, replicas=replicas, serve=serve,
