@@ -26,6 +26,7 @@ from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 from pbs_toolkit.scoped import serve  # noqa: F401  (the deprecated name, kept for one release)
 
 if TYPE_CHECKING:
+    from pbs_toolkit.campaigns.usage import UsageReport
     from pbs_toolkit.endpoints import EndpointUpdate
     from pbs_toolkit.endpoints.retire import Removal
     from pbs_toolkit.jobs.clean import CleanReport
@@ -464,6 +465,12 @@ class Client:
         else:
             self.retire_endpoints(record)
         return stopped
+
+    def usage(self, *refs: str, since: float | None = None) -> UsageReport:
+        """``pbstk usage``: node- and GPU-hours, requests and tokens per job and service (campaigns/usage.py)."""
+        from pbs_toolkit.campaigns.usage import collect
+
+        return collect(self, refs, since)
 
     def logs(self, job: Job | JobRecord | str | None = None, lines: int = 50, follow: bool = False, *,
              stream: str = "vllm", final_every: float = 5.0,

@@ -125,7 +125,7 @@ def usage(refs: tuple[str, ...], since: str | None, as_json: bool) -> None:
     With no JOB or SERVICE: every job and service in this machine's job store (--since narrows it).
     A service's rows are its replicas (keep-alive successors included) and its router job.
     """
-    from pbs_toolkit.campaigns.usage import collect, parse_since
+    from pbs_toolkit.campaigns.usage import parse_since
     from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
 
@@ -133,7 +133,7 @@ def usage(refs: tuple[str, ...], since: str | None, as_json: bool) -> None:
         raise UsageError("usage takes JOB/SERVICE names or --since, not both")
     start = parse_since(since) if since is not None else None
     with Client() as c:
-        report = collect(c, refs, start)
+        report = c.usage(*refs, since=start)
     for note in report.notes:
         click.echo(f"pbstk: note: {note}", err=True)
     if as_json:
