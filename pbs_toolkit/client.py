@@ -26,6 +26,7 @@ from pbs_toolkit.results import Cancellation, Endpoint, Job
 from pbs_toolkit.services.api import ServiceMethods
 
 if TYPE_CHECKING:
+    from pbs_toolkit.campaigns.usage import UsageReport
     from pbs_toolkit.endpoints import EndpointUpdate
     from pbs_toolkit.endpoints.retire import Removal
     from pbs_toolkit.jobs.clean import CleanReport
@@ -257,15 +258,23 @@ class Client(ServiceMethods, PerfMethods):
         gets ``RUN_DIR/stop``, which every node's start script obeys. The registry entries it wrote are removed
         (``on_removal`` hears each; a registry that cannot be written never fails the cancel), or with
         ``keep_endpoint`` kept for good."""
+        from pbs_toolkit.campaigns.counters import record_counters
         from pbs_toolkit.jobs.launch import cancel
 
         record = self.record(job)
+        record_counters(self.store, self.runner(record.transport), record)  # `pbstk usage` after it has gone
         stopped = cancel(record, runner=self.runner(record.transport))
         if keep_endpoint:
             self.store.keep_registry_entries(record)
         else:
             self.retire_endpoints(record)
         return stopped
+
+    def usage(self, *refs: str, since: float | None = None) -> UsageReport:
+        """``pbstk usage``: node- and GPU-hours, requests and tokens per job and service (campaigns/usage.py)."""
+        from pbs_toolkit.campaigns.usage import collect
+
+        return collect(self, refs, since)
 
     def logs(self, job: Job | JobRecord | str | None = None, lines: int = 50, follow: bool = False, *,
              stream: str = "vllm", final_every: float = 5.0,

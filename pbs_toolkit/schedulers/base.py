@@ -84,6 +84,21 @@ class ProfileSection:
         return self
 
 
+@dataclass
+class Accounting:
+    """What the scheduler's own accounting says a job used (``pbstk usage``, docs/campaigns.md). ``None``: it
+    does not say; ``source`` names where ``walltime_s`` came from, in the backend's words (its status command
+    and field, or ``wall clock``): docs/campaigns.md lists them."""
+
+    job_id: str
+    walltime_s: float | None
+    source: str
+    nodes: int | None = None
+    gpus: int | None = None
+    #: the job has ended: these figures will not change any more (``usage`` keeps them with the job)
+    final: bool = False
+
+
 class Scheduler:
     """One backend. Everything scheduler-specific lives in its module; CONTRIBUTING.md lists what to provide."""
 
@@ -172,6 +187,20 @@ class Scheduler:
                                        "`pbstk status` will tell")
         raise SchedulerError(f"{argv[0]} {ref.job_id} failed (exit {result.rc}): {first_line(result.stderr)}")
 
+    def accounting(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, Accounting]:
+        """What each of ``refs`` used, by job id, in as few calls as the scheduler allows; jobs it cannot say
+        anything about are absent. The default reads :meth:`query`'s ``walltime_used`` (``[D-]HH:MM:SS``), else
+        the running job's uptime; backends with a better source (an accounting database) override it."""
+        found = {}
+        for job_id, job in self.query(runner, refs).items():
+            used = hms_seconds(job.walltime_used)
+            final = job.state is SchedState.FINISHED
+            if used is None and job.uptime_s is not None:
+                found[job_id] = Accounting(job_id, job.uptime_s, f"{self.name} uptime", final=final)
+            elif used is not None:
+                found[job_id] = Accounting(job_id, float(used), f"{self.name} walltime used", final=final)
+        return found
+
     # -- the hooks of the sequence
 
     def submit_command(self, runner: Runner, script_path: str, *, begin_at: float | None,
@@ -205,6 +234,24 @@ class Scheduler:
         """Whether the cancel command's ``result`` says the job was gone already (not an error)."""
         return False
 
+
+
+def hms_seconds(value: str | None) -> int | None:
+    """``[D-]HH:MM:SS``, ``MM:SS`` or plain seconds -> seconds; ``None`` for anything else."""
+    text = (value or "").strip()
+    days = 0
+    if "-" in text:
+        head, text = text.split("-", 1)
+        if not head.isdigit():
+            return None
+        days = int(head)
+    parts = text.split(":")
+    if not text or not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        return None
+    seconds = 0
+    for part in parts:
+        seconds = seconds * 60 + int(part)
+    return days * 86400 + seconds
 
 def status_failed(program: str, result: Result) -> SchedulerError:
     """The error for a status command that gave no answer: ``SchedulerUnavailable`` when a signal ended it (try

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pbs_toolkit.errors import SchedulerError, UsageError
-from pbs_toolkit.schedulers.base import JobRef, Outcome, SchedState, Scheduler, SchedulerJob, first_line
+from pbs_toolkit.schedulers.base import Accounting, JobRef, Outcome, SchedState, Scheduler, SchedulerJob, first_line
 from pbs_toolkit.schedulers.pbs import PBSKeys, PBSScheduler, validate_directives
 from pbs_toolkit.transports.base import Runner
 
@@ -117,6 +117,17 @@ for d in "$@"; do
   wait_for=; [ "$alive" = 1 ] && [ -e "$s/waiting" ] && wait_for=$(head -c 200 "$s/waiting" 2>/dev/null | tr -d '\t\n')
   [ -d "$s" ] || pid=missing
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$pid" "$alive" "$ex" "$c" "$w" "$up" "$wl" "$wait_for"
+done
+"""
+# seconds each job ran (pid marker's mtime to the exit marker's, or to now), ``-`` when it never started
+_WALL_CLOCK = r"""
+m() { stat -c %Y "$1" 2>/dev/null || stat -f %m "$1" 2>/dev/null; }
+for d in "$@"; do
+  s="$d/.local-job"
+  if [ ! -s "$s/pid" ] || [ -e "$s/waiting" ]; then echo -; continue; fi
+  a=$(m "$s/pid") || { echo -; continue; }
+  f=0; if [ -e "$s/exit_status" ]; then f=1; b=$(m "$s/exit_status") || b=$a; else b=$(date +%s); fi
+  [ "$b" -ge "$a" ] && echo "$((b - a)) $f" || echo "0 $f"
 done
 """
 _CANCEL = _OURS + r"""
@@ -223,6 +234,18 @@ class LocalScheduler(Scheduler):
             if job is not None:  # None: no spool at all, like a job a scheduler has forgotten
                 jobs[ref.job_id] = job
         return jobs
+
+    def accounting(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, Accounting]:
+        """Wall clock from the spool: the pid marker's mtime (the start) to the exit marker's (or now)."""
+        if not refs:
+            return {}
+        result = runner.run(["bash", "-c", _WALL_CLOCK, "pbstk-usage", *[r.run_dir for r in refs]], timeout=60)
+        lines = result.stdout.splitlines()
+        if result.rc != 0 or len(lines) != len(refs):
+            raise SchedulerError(f"could not read local job markers: {first_line(result.stderr)}")
+        return {ref.job_id: Accounting(ref.job_id, float(line.split()[0]), "wall clock", nodes=1,
+                                       final=line.endswith(" 1"))
+                for ref, line in zip(refs, lines) if re.fullmatch(r"\d+ [01]", line)}
 
     def cancel(self, runner: Runner, ref: JobRef) -> bool:
         result = runner.run(["bash", "-c", _CANCEL, "pbstk-cancel", ref.run_dir], timeout=60)

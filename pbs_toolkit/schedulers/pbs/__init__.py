@@ -19,6 +19,7 @@ from typing import Any
 
 from pbs_toolkit.errors import ConfigError, SchedulerError, SchedulerUnavailable, UsageError
 from pbs_toolkit.schedulers.base import (
+    Accounting,
     JobRef,
     Outcome,
     ProfileSection,
@@ -31,6 +32,7 @@ from pbs_toolkit.schedulers.base import (
     status_failed,
 )
 from pbs_toolkit.schedulers.pbs import qstat_text
+from pbs_toolkit.schedulers.pbs.accounting import duration_s, sub_attr
 from pbs_toolkit.transports.base import Result, Runner
 
 STATES: dict[str, SchedState] = {
@@ -154,28 +156,6 @@ def status_argv(job_ids: Sequence[str]) -> list[str]:
 
 def is_transient(result: Result) -> bool:
     return result.rc == 255 or "cannot connect to server" in result.stderr.lower()
-
-
-def sub_attr(info: dict[str, Any], key: str, sub: str) -> Any:
-    """``info[key][sub]`` of a resource-style attribute, ``None`` when absent or not a mapping (a field pbstk
-    only displays must never turn a whole answer into a garbled one)."""
-    value = info.get(key)
-    return value.get(sub) if isinstance(value, dict) else None
-
-
-def duration_s(value: Any) -> int | None:
-    """``HH:MM:SS`` (or ``MM:SS``, or plain seconds: qstat -F json prints those as numbers) -> seconds."""
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return int(value) if value >= 0 else None
-    parts = str(value).strip().split(":")
-    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
-        return None
-    seconds = 0
-    for part in parts:
-        seconds = seconds * 60 + int(part)
-    return seconds
 
 
 def pbs_time(value: Any) -> float | None:
@@ -353,6 +333,11 @@ class PBSScheduler(Scheduler):
             qstat_text.remember_broken(runner.name, qstat_text.server_name(result.stdout))
             return {**jobs, **_query_text(runner, left_out)}
         return _listed(ids, found, result.rc)
+
+    def accounting(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, Accounting]:
+        from pbs_toolkit.schedulers.pbs.accounting import accounting
+
+        return accounting(self.query(runner, refs))  # the same one batched qstat -x -f -F json
 
     def already_gone(self, result: Result) -> bool:
         text = (result.stderr + result.stdout).lower()

@@ -21,6 +21,8 @@ from typing import Any
 
 from pbs_toolkit.errors import ConfigError, SchedulerError, SchedulerUnavailable, UsageError
 from pbs_toolkit.schedulers.base import (
+    Accounting,
+    JobRef,
     Outcome,
     ProfileSection,
     SchedState,
@@ -361,6 +363,11 @@ class SlurmScheduler(Scheduler):
         if missing:
             found.update(ask_sacct(runner, missing))
         return {job_id: found[job_id] for job_id in ids if job_id in found}
+
+    def accounting(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, Accounting]:
+        from pbs_toolkit.schedulers.slurm.accounting import accounting
+
+        return accounting(runner, refs, lambda: self.query(runner, refs), self.is_transient)
 
     def already_gone(self, result: Result) -> bool:
         text = (result.stderr + result.stdout).lower()
