@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from helpers import until
 
-from pbs_toolkit.jobs.render import RenderRequest, render
+from pbs_toolkit.jobs.render import render
+from pbs_toolkit.settings.launch_settings import RenderRequest
 
 MODEL = "Qwen/Qwen3-0.6B"
 
