@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from pbs_toolkit.transports import Runner
     from pbs_toolkit.transports.tunnel import Tunnel
     from pbs_toolkit.vllm.prom import MetricsSnapshot
+    from pbs_toolkit.weights.stage import StageReport
 
 __all__ = ["BenchResult", "Cancellation", "Client", "Diagnosis", "Endpoint", "Job", "Metrics"]
 
@@ -342,15 +343,22 @@ class Client:
 
     def launch_request(self, req: RenderRequest, *, api_key: str | None = None, use_api_key: bool = True,
                        dry_run: bool = False, begin_at: float | None = None,
-                       after: str | None = None) -> LaunchResult:
+                       after: str | None = None, stage: bool = False) -> LaunchResult:
         """``launch`` with everything it rendered (scripts, preset, notes); ``dry_run`` writes and submits
         nothing, and connects nowhere (a remote ``~`` stays for the remote shell: ``"$HOME"/...``).
-        ``begin_at`` (epoch seconds) / ``after`` (a job id that must start first): when the job may start."""
+        ``begin_at`` (epoch seconds) / ``after`` (a job id that must start first): when the job may start.
+        ``stage``: stage a Hub model an offline profile's nodes lack first (weights/preflight.py)."""
         from pbs_toolkit.jobs.launch import launch
 
         runner = None if dry_run else self._request_runner(req)
         return launch(req, store=self.store, runner=runner, api_key=api_key, use_api_key=use_api_key,
-                      dry_run=dry_run, begin_at=begin_at, after=after)
+                      dry_run=dry_run, begin_at=begin_at, after=after, stage=stage)
+
+    def stage(self, req: RenderRequest, *, revision: str = "main", verify_only: bool = False) -> StageReport:
+        """Download and verify Hub model ``req.model`` into its profile's ``hf_home`` on the login node."""
+        from pbs_toolkit.weights.stage import stage_request
+
+        return stage_request(req, self.runner, revision=revision, verify_only=verify_only)
 
     def wait(self, job: Job | JobRecord | str | None, timeout: float = 3600.0,
              on_progress: Callable[[JobStatus, float], None] | None = None) -> JobStatus:
@@ -658,7 +666,7 @@ class Client:
     def serve(self, model: str | RenderRequest, preset: str | None = None, profile: str | None = None, *,
               replicas: int = 1, name: str | None = None, keep_alive: bool = False, handover_s: float = 600.0,
               policy: str | None = None, nodes_per_replica: int | None = None, api_key: str | None = None,
-              **options: Any) -> ServiceRecord:
+              stage: bool = False, **options: Any) -> ServiceRecord:
         """Start a service: ``replicas`` jobs of ``model`` behind one vllm-router, one URL and one key, kept by
         a detached keeper; returns at once (``wait_service`` waits). ``options``: as for ``launch``."""
         from pbs_toolkit.services.manage import ServeOptions, start
@@ -666,7 +674,8 @@ class Client:
         req = self.request(model, preset, profile, **options)
         return start(self, req, ServeOptions(replicas=replicas, name=name, keep_alive=keep_alive,
                                              handover_s=handover_s, policy=policy,
-                                             nodes_per_replica=nodes_per_replica, api_key=api_key))
+                                             nodes_per_replica=nodes_per_replica, api_key=api_key,
+                                             stage=stage))
 
     def services(self, all: bool = False) -> list[ServiceRecord]:  # noqa: A002
         """Services pbstk started, newest first (default: those not ended). No scheduler query."""

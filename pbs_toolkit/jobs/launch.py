@@ -38,6 +38,7 @@ from pbs_toolkit.schedulers.marker import marked
 from pbs_toolkit.settings.profiles import walltime_seconds
 from pbs_toolkit.transports import Runner, open_runner
 from pbs_toolkit.transports.base import Result, WrappingRunner
+from pbs_toolkit.weights.preflight import preflight_weights
 
 DEFAULT_KEY_ENV = "PBSTK_API_KEY"
 
@@ -105,10 +106,12 @@ def launch(
     accept_unknown_host: bool = False,
     begin_at: float | None = None,
     after: str | None = None,
+    stage: bool = False,
 ) -> LaunchResult:
     """Render, write, submit and record one job. With ``dry_run`` only render: nothing is written, and without
     a ``runner`` nothing is connected to (paths on a remote host stay ``$HOME``-relative). ``begin_at`` and
-    ``after``: when the scheduler may start it (``Scheduler.submit``; a service's keep-alive successors)."""
+    ``after``: when the scheduler may start it (``Scheduler.submit``; a service's keep-alive successors).
+    ``stage``: stage missing weights first (``weights.preflight.preflight_weights``)."""
     store = store or JobStore()
     if dry_run and runner is None:
         return _dry_run(req, use_api_key, api_key)
@@ -130,6 +133,8 @@ def launch(
         record = job_record(req, rendered, transport, key)
         if dry_run:
             return LaunchResult(record, rendered)
+        preflight_weights(runner, req.model, rendered.profile, stage=stage, vllm_args=rendered.vllm_args,
+                          note=_note)  # an offline profile's nodes must find the weights: refused before queuing
         scheduler = get_scheduler(rendered.profile.scheduler)
         scheduler.id_source = functools.partial(store.next_id, scheduler.name)  # backends that number their jobs
         with file_lock(store.path.parent / ".launch.lock", store.timeout, store.path):
@@ -141,6 +146,10 @@ def launch(
     finally:
         if own_runner:
             runner.close()
+
+
+def _note(line: str) -> None:
+    sys.stderr.write(f"pbstk: note: {line}\n")
 
 
 def _dry_run(req: RenderRequest, use_api_key: bool, api_key: str | None) -> LaunchResult:

@@ -116,6 +116,18 @@ class ServeOptions:
     policy: str | None = None
     nodes_per_replica: int | None = None
     api_key: str | None = field(default=None, repr=False)
+    #: stage a Hub model an offline profile's nodes lack before anything starts (weights/preflight.py)
+    stage: bool = False
+
+
+def _check_weights(client: Client, req: RenderRequest, profile: Any, stage: bool) -> None:
+    """The weights preflight once for the service, before the router or any replica starts."""
+    import sys
+
+    from pbs_toolkit.weights.preflight import preflight_weights
+
+    preflight_weights(client.runner(profile.ssh_host or ""), req.model, profile, stage=stage,
+                      vllm_args=req.vllm_args, note=lambda line: sys.stderr.write(f"pbstk: note: {line}\n"))
 
 
 def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceRecord:
@@ -148,6 +160,7 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
     command = shlex.split(profile.router_command)
     if place != "job":  # a router job looks for it on its node (and fails with its own line)
         check_router_command(client, profile, command)
+    _check_weights(client, req, profile, opts.stage)
     rec = ServiceRecord(name=name, model=req.model, served_model_name=req.served_model_name or name,
                         profile=profile.name, replicas=opts.replicas, request=asdict(req),
                         transport=profile.ssh_host or "", scheduler=profile.scheduler, keep_alive=opts.keep_alive,

@@ -1,0 +1,290 @@
+"""Fetch and verify one Hub model in a Hugging Face cache; run by ``pbstk stage`` with the job environment's Python.
+
+Standard library + ``huggingface_hub`` only: pbstk sends this file over stdin to the login node (no copy is left
+there) and runs it with the Python the profile's ``setup``/``venv`` give, so what it downloads is laid out by the
+same ``huggingface_hub`` that vLLM will read it with. The first stdin line is a JSON object of inputs that must not
+be in argv (the token); the rest is this file. It prints one line ``PBSTK-STAGE-RESULT {json}`` last.
+
+Every file of the snapshot is checked against the name of the blob it links to, which the Hub cache takes from
+the file's ETag: the sha256 of a large-file-storage file (64 hex digits), the git blob sha1 of a small one (40).
+With the Hub reachable, the file list, sizes and hashes are also compared with the Hub's own listing. A snapshot
+that passes gets a manifest ``<repo folder>/pbstk-manifests/<commit>.json``; one that fails loses its manifest, so
+nothing incomplete is left looking staged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import errno
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+
+RESULT_PREFIX = "PBSTK-STAGE-RESULT "
+MANIFEST_DIR = "pbstk-manifests"
+MANIFEST_SCHEMA = 1
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SHA1 = re.compile(r"^[0-9a-f]{40}$")
+_CHUNK = 8 << 20
+
+
+def repo_folder(cache: str, repo: str) -> str:
+    return os.path.join(cache, "models--" + repo.replace("/", "--"))
+
+
+def algo_of(name: str) -> str | None:
+    """The hash a blob name is: ``sha256`` (large-file-storage files), ``git-sha1`` (small files) or ``None``."""
+    if _SHA256.match(name):
+        return "sha256"
+    if _SHA1.match(name):
+        return "git-sha1"
+    return None
+
+
+def file_hash(path: str, algo: str, size: int) -> str:
+    digest = hashlib.sha256() if algo == "sha256" else hashlib.sha1(b"blob %d\0" % size)  # noqa: S324 - git's id
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_file(snapshot: str, name: str, want: dict[str, object] | None) -> dict[str, object]:
+    """One file's result: status ``ok``, ``missing``, ``truncated``, ``size`` (larger than expected) or
+    ``corrupt`` (content does not hash to its blob's name or to the Hub's hash), with size, hash and algo."""
+    path = os.path.join(snapshot, name)
+    row: dict[str, object] = {"file": name, "status": "ok"}
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return {**row, "status": "missing", "detail": "not in the snapshot"}
+    row["size"] = size
+    blob = os.path.basename(os.path.realpath(path)) if os.path.islink(path) else ""
+    expected = str(want["hash"]) if want and want.get("hash") else (blob if algo_of(blob) else "")
+    algo = algo_of(expected)
+    if algo is None:
+        return {**row, "status": "corrupt", "detail": "no hash to check it against (not a Hub cache link)"}
+    if blob and algo_of(blob) and blob != expected:
+        return {**row, "status": "corrupt", "hash": blob, "algo": algo_of(blob),
+                "detail": f"links to blob {blob[:12]}, the Hub says {expected[:12]}"}
+    want_size = want.get("size") if want else None
+    if isinstance(want_size, int) and size != want_size:
+        status = "truncated" if size < want_size else "size"
+        return {**row, "status": status, "detail": f"{size} bytes, expected {want_size}"}
+    got = file_hash(path, algo, size)
+    row.update(hash=expected, algo=algo)
+    if got != expected:
+        return {**row, "status": "corrupt", "detail": f"content hashes to {got[:12]}, expected {expected[:12]}"}
+    return row
+
+
+def snapshot_files(snapshot: str) -> list[str]:
+    names = []
+    for root, _dirs, files in os.walk(snapshot):
+        for f in files:
+            names.append(os.path.relpath(os.path.join(root, f), snapshot))
+    return sorted(names)
+
+
+def index_shards(snapshot: str) -> list[str]:
+    """Weight files a ``*.index.json`` in the snapshot names (they must all be there)."""
+    shards: set[str] = set()
+    for name in os.listdir(snapshot) if os.path.isdir(snapshot) else []:
+        if name.endswith(".index.json"):
+            try:
+                with open(os.path.join(snapshot, name), encoding="utf-8") as f:
+                    data = json.load(f)
+            except (OSError, ValueError):
+                continue
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            if isinstance(weight_map, dict):
+                shards.update(str(v) for v in weight_map.values())
+    return sorted(shards)
+
+
+def read_json(path: str) -> dict[str, object] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_atomic(path: str, data: dict[str, object]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def hub_listing(api: object, repo: str, commit: str) -> dict[str, dict[str, object]]:
+    """``{file: {size, hash}}`` from the Hub (``model_info(files_metadata=True)``: every huggingface_hub has it)."""
+    info = api.model_info(repo, revision=commit, files_metadata=True)  # type: ignore[attr-defined]
+    listing = {}
+    for s in info.siblings or []:
+        lfs = getattr(s, "lfs", None)
+        sha = getattr(lfs, "sha256", None) if lfs is not None else None
+        listing[s.rfilename] = {"size": getattr(s, "size", None), "hash": sha or getattr(s, "blob_id", None)}
+    return listing
+
+
+def resolve_commit(folder: str, revision: str) -> str | None:
+    if _SHA1.match(revision):
+        return revision
+    try:
+        with open(os.path.join(folder, "refs", revision), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def classify(exc: BaseException, has_token: bool) -> tuple[str, str]:
+    """(kind, message) for an exception of huggingface_hub or the OS, by class name (stable across versions)."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if "GatedRepoError" in names:
+        how = "the token cannot access it: accept its terms on its Hub page" if has_token else \
+            "no token: set HF_TOKEN or run `hf auth login`, after accepting its terms on its Hub page"
+        return "gated", f"the model is gated and {how}"
+    if "RevisionNotFoundError" in names:
+        return "revision", "the Hub has no such revision of the model"
+    if "RepositoryNotFoundError" in names or status == 401:
+        how = "" if has_token else " (no token: set HF_TOKEN or run `hf auth login` if it is private)"
+        return "not_found", f"the Hub has no model of that name, or it is private{how}"
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "disk", f"no space left to download into the cache: {exc.strerror}"
+    if "LocalEntryNotFoundError" in names or "OfflineModeIsEnabled" in names or "ConnectError" in names:
+        return "network", "cannot reach the Hub from here (check HF_ENDPOINT and the proxy)"
+    first = str(exc).strip().splitlines()
+    return "error", f"{type(exc).__name__}: {first[0] if first else ''}"[:300]
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def stage(args: argparse.Namespace, token: str | None) -> dict[str, object]:
+    os.environ["HF_HUB_OFFLINE"] = "1" if args.verify_only else "0"
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    folder = repo_folder(args.cache, args.repo)
+    result: dict[str, object] = {"repo": args.repo, "revision": args.revision, "cache": args.cache,
+                                 "verify_only": args.verify_only, "ok": False, "error": None}
+    listing: dict[str, dict[str, object]] | None = None
+    commit = resolve_commit(folder, args.revision)
+    if not args.verify_only:
+        try:
+            import huggingface_hub as hub
+        except ImportError:
+            result["error"] = {"kind": "no_hub", "message": f"{sys.executable} has no huggingface_hub "
+                               "(the profile's venv/setup give the job's Python)"}
+            return result
+        has_token = bool(token or getattr(hub, "get_token", lambda: None)())
+        try:
+            path = hub.snapshot_download(args.repo, revision=args.revision, cache_dir=args.cache, token=token)
+            commit = os.path.basename(path)
+            listing = hub_listing(hub.HfApi(token=token), args.repo, commit)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes one classified line
+            kind, message = classify(exc, has_token)
+            result["error"] = {"kind": kind, "message": message}
+            return result
+    result["commit"] = commit
+    if commit is None:
+        result["error"] = {"kind": "not_staged", "message": f"not in the cache {args.cache} (no refs/{args.revision})"}
+        return result
+    snapshot = os.path.join(folder, "snapshots", commit)
+    manifest_path = os.path.join(folder, MANIFEST_DIR, commit + ".json")
+    result.update(snapshot=snapshot, manifest=manifest_path)
+    if listing is None:  # verify-only: the manifest's list, else what the snapshot and its index name
+        manifest = read_json(manifest_path)
+        rows = manifest.get("files") if manifest else None
+        if isinstance(rows, list):
+            listing = {str(r["file"]): {"size": r.get("size"), "hash": r.get("hash")} for r in rows
+                       if isinstance(r, dict) and "file" in r}
+        else:
+            listing = {name: {} for name in [*snapshot_files(snapshot), *index_shards(snapshot)]}
+            if not listing:
+                result["error"] = {"kind": "not_staged", "message": f"no snapshot {commit} in {args.cache}"}
+                return result
+    files = verify(snapshot, listing, args.jobs)
+    if not args.verify_only and any(r["status"] != "ok" for r in files):
+        repaired = repair(args, token, snapshot, listing, files)  # a bad blob is never downloaded over by itself
+        files = verify(snapshot, listing, args.jobs) if repaired else files
+    result["files"] = files
+    result["ok"] = all(r["status"] == "ok" for r in files)
+    if result["ok"]:
+        stamp = now()
+        write_atomic(manifest_path, {"schema": MANIFEST_SCHEMA, "repo": args.repo, "revision": args.revision,
+                                     "commit": commit, "verified_at": stamp,
+                                     "files": [{"file": r["file"], "size": r["size"], "hash": r["hash"],
+                                                "algo": r["algo"], "verified_at": stamp} for r in files]})
+    else:
+        try:
+            os.unlink(manifest_path)
+        except FileNotFoundError:
+            pass
+    return result
+
+
+def verify(snapshot: str, listing: dict[str, dict[str, object]], jobs: int) -> list[dict[str, object]]:
+    names = sorted(listing)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # hashlib frees the GIL
+        return list(pool.map(lambda n: check_file(snapshot, n, listing[n] or None), names))
+
+
+def repair(args: argparse.Namespace, token: str | None, snapshot: str, listing: dict[str, dict[str, object]],
+           files: list[dict[str, object]]) -> bool:
+    """Remove bad files (their link and blob) and download them again, once."""
+    import huggingface_hub as hub
+
+    bad = [str(r["file"]) for r in files if r["status"] != "ok"]
+    for name in bad:
+        path = os.path.join(snapshot, name)
+        blob = os.path.realpath(path) if os.path.islink(path) else None
+        for p in (path, blob):
+            if p:
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+    try:
+        hub.snapshot_download(args.repo, revision=os.path.basename(snapshot), cache_dir=args.cache, token=token)
+    except Exception:  # noqa: BLE001 - the second check reports what is still wrong
+        return True
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="stage_weights")
+    parser.add_argument("--repo", required=True)
+    parser.add_argument("--revision", default="main")
+    parser.add_argument("--cache", required=True, help="the hub cache directory (HF_HOME/hub)")
+    parser.add_argument("--verify-only", action="store_true")
+    parser.add_argument("--jobs", type=int, default=4)
+    args = parser.parse_args()
+    inputs = globals().get("PBSTK_INPUT") or {}
+    token = inputs.get("token") if isinstance(inputs, dict) else None
+    try:
+        result = stage(args, token or None)
+    except OSError as exc:
+        kind, message = classify(exc, bool(token))
+        result = {"repo": args.repo, "ok": False, "error": {"kind": kind, "message": message}}
+    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
