@@ -83,28 +83,20 @@ def check_file(snapshot: str, name: str, want: dict[str, object] | None) -> dict
     return row
 
 
-def snapshot_files(snapshot: str) -> list[str]:
-    names = []
-    for root, _dirs, files in os.walk(snapshot):
-        for f in files:
-            names.append(os.path.relpath(os.path.join(root, f), snapshot))
-    return sorted(names)
-
-
-def index_shards(snapshot: str) -> list[str]:
-    """Weight files a ``*.index.json`` in the snapshot names (they must all be there)."""
-    shards: set[str] = set()
-    for name in os.listdir(snapshot) if os.path.isdir(snapshot) else []:
-        if name.endswith(".index.json"):
-            try:
-                with open(os.path.join(snapshot, name), encoding="utf-8") as f:
-                    data = json.load(f)
-            except (OSError, ValueError):
-                continue
-            weight_map = data.get("weight_map") if isinstance(data, dict) else None
-            if isinstance(weight_map, dict):
-                shards.update(str(v) for v in weight_map.values())
-    return sorted(shards)
+def offline_listing(manifest_path: str, tree_path: str) -> dict[str, dict[str, object]] | None:
+    """``{file: {size, hash}}`` without the Hub: the manifest pbstk wrote, else the tree listing that
+    huggingface_hub (1.x and later) keeps beside the snapshot before it downloads; ``None`` if neither."""
+    manifest = read_json(manifest_path)
+    rows = manifest.get("files") if manifest else None
+    if isinstance(rows, list):
+        return {str(r["file"]): {"size": r.get("size"), "hash": r.get("hash")} for r in rows
+                if isinstance(r, dict) and "file" in r}
+    tree = read_json(tree_path)
+    files = tree.get("files") if tree and tree.get("format_version") == 1 else None
+    if not isinstance(files, dict):
+        return None
+    return {str(name): {"size": e.get("size"), "hash": e.get("lfs_sha256") or e.get("blob_id")}
+            for name, e in files.items() if isinstance(e, dict)}
 
 
 def read_json(path: str) -> dict[str, object] | None:
@@ -207,17 +199,12 @@ def stage(args: argparse.Namespace, token: str | None) -> dict[str, object]:
     snapshot = os.path.join(folder, "snapshots", commit)
     manifest_path = os.path.join(folder, MANIFEST_DIR, commit + ".json")
     result.update(snapshot=snapshot, manifest=manifest_path)
-    if listing is None:  # verify-only: the manifest's list, else what the snapshot and its index name
-        manifest = read_json(manifest_path)
-        rows = manifest.get("files") if manifest else None
-        if isinstance(rows, list):
-            listing = {str(r["file"]): {"size": r.get("size"), "hash": r.get("hash")} for r in rows
-                       if isinstance(r, dict) and "file" in r}
-        else:
-            listing = {name: {} for name in [*snapshot_files(snapshot), *index_shards(snapshot)]}
-            if not listing:
-                result["error"] = {"kind": "not_staged", "message": f"no snapshot {commit} in {args.cache}"}
-                return result
+    if listing is None:  # verify-only: the manifest's list, else the listing huggingface_hub cached
+        listing = offline_listing(manifest_path, os.path.join(folder, "trees", commit + ".json"))
+        if listing is None:
+            result["error"] = {"kind": "unlisted", "message": f"no manifest and no cached listing of commit "
+                               f"{commit[:12]}: cannot tell whether the snapshot is complete without the Hub"}
+            return result
     files = verify(snapshot, listing, args.jobs)
     if not args.verify_only and any(r["status"] != "ok" for r in files):
         repaired = repair(args, token, snapshot, listing, files)  # a bad blob is never downloaded over by itself
