@@ -1,7 +1,7 @@
 """The launch-time check that a job will find its weights: before anything is queued, never on a compute node.
 
-A profile whose compute nodes are offline (``hf_hub_offline: true``) needs a Hub model fully staged in its
-``hf_home``: a manifest from ``pbstk stage`` for the revision's commit, and every file it lists present with its
+A profile whose compute nodes are offline (``hf_hub_offline: true``) and that names the cache they read
+(``hf_home``) needs a Hub model fully staged there: a manifest from ``pbstk stage`` for the revision's commit, and every file it lists present with its
 size. Sizes only, by design: hashing hundreds of GB would cost every launch minutes; ``pbstk stage
 --verify-only`` is the full check (docs/weights.md). A model directory is checked for ``config.json`` and its
 weight files (the shards its index names, else at least one weight file).
@@ -48,7 +48,7 @@ def revision_of(vllm_args: Sequence[str]) -> str:
 def staged_problem(runner: Runner, profile: Profile, model: str, revision: str = "main") -> str | None:
     """Why Hub model ``model`` is not fully staged in the profile's ``hf_home`` (``None``: it is)."""
     if not profile.hf_home:
-        return "the profile has no hf_home, so the nodes would look in their default cache"
+        return "the profile has no hf_home: pbstk cannot tell which cache the nodes read"
     hf_home = runner.expanduser(profile.hf_home)
     commit = commit_of(runner, hf_home, model, revision)
     if commit is None:
@@ -106,6 +106,8 @@ def preflight_weights(runner: Runner, model: str, profile: Profile, *, stage: bo
         if problem:
             raise WeightsError(f"model directory {model}: {problem}; the compute nodes of profile {profile.name} "
                                f"cannot fetch anything (hf_hub_offline)")
+        return
+    if not profile.hf_home:  # the nodes read the user's default cache, which pbstk neither stages nor checks
         return
     revision = revision_of(vllm_args)
     problem = staged_problem(runner, profile, model, revision)
