@@ -68,6 +68,9 @@ class Profile:
     env: dict[str, str] = field(default_factory=dict)
     hf_home: str | None = None
     hf_hub_offline: bool = False
+    #: a node-local directory (e.g. /local/scratch): each node copies the staged weights there at job start and
+    #: vLLM loads that copy (docs/weights.md); empty: vLLM reads the shared filesystem
+    stage_to: str = ""
     vllm_cache_root: str | None = None
     runs_root: str = "~/pbstk-runs"
     ssh_host: str | None = None
@@ -237,6 +240,10 @@ def validate(p: Profile) -> Profile:
         value = getattr(p, key)
         if value is not None and ("\n" in value or not value.strip()):
             raise ConfigError(f"{where}: key {key!r} must be a path on one line")
+    if p.stage_to and (not isinstance(p.stage_to, str) or not p.stage_to.startswith("/")
+                       or not p.stage_to.isprintable()):
+        raise ConfigError(f"{where}: key 'stage_to' must be an absolute path on the nodes' local disk, "
+                          f"got {p.stage_to!r}")
     return p
 
 

@@ -1,10 +1,10 @@
 """The launch-time check that a job will find its weights: before anything is queued, never on a compute node.
 
 A profile whose compute nodes are offline (``hf_hub_offline: true``) and that names the cache they read
-(``hf_home``) needs a Hub model fully staged there: a manifest from ``pbstk stage`` for the revision's commit, and every file it lists present with its
-size. Sizes only, by design: hashing hundreds of GB would cost every launch minutes; ``pbstk stage
---verify-only`` is the full check (docs/weights.md). A model directory is checked for ``config.json`` and its
-weight files (the shards its index names, else at least one weight file).
+(``hf_home``) needs a Hub model fully staged there: a manifest from ``pbstk stage`` for the revision's commit,
+and every file it lists present with its size. Sizes only, by design: hashing hundreds of GB would cost every
+launch minutes; ``pbstk stage --verify-only`` is the full check (docs/weights.md). A model directory is checked
+for ``config.json`` and its weight files (the shards its index names, else at least one weight file).
 
 :func:`preflight_weights` is the one entry point (``launch``, ``serve`` and ``run`` call it).
 """
