@@ -186,12 +186,15 @@ def stage(args: argparse.Namespace, token: str | None) -> dict[str, object]:
         has_token = bool(token or getattr(hub, "get_token", lambda: None)())
         try:
             path = hub.snapshot_download(args.repo, revision=args.revision, cache_dir=args.cache, token=token)
-            commit = os.path.basename(path)
-            listing = hub_listing(hub.HfApi(token=token), args.repo, commit)
         except Exception as exc:  # noqa: BLE001 - every failure becomes one classified line
             kind, message = classify(exc, has_token)
             result["error"] = {"kind": kind, "message": message}
             return result
+        commit = os.path.basename(path)
+        try:
+            listing = hub_listing(hub.HfApi(token=token), args.repo, commit)
+        except Exception:  # noqa: BLE001 - the Hub went away after the download: check against the cached list
+            listing = None
     result["commit"] = commit
     if commit is None:
         result["error"] = {"kind": "not_staged", "message": f"not in the cache {args.cache} (no refs/{args.revision})"}
