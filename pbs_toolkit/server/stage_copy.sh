@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # --- node-local copy of the weights (profile key stage_to; docs/weights.md) ---
 # Included between the settings header and the body only when the profile sets stage_to. Each node's copy of the
-# start script (started by the site's launcher: mpiexec, pbsdsh, srun, ssh) copies the verified model once from
+# start script (started by the site's node launcher, NODE_LAUNCHER) copies the verified model once from
 # the shared filesystem to its own disk, all nodes at once, one copy per node; every size is checked against the
 # manifest `pbstk stage` wrote (a model directory: against the source's sizes), and vLLM loads the copy. The copy
 # is made under a temporary name and renamed only once it is complete, so a half copy never looks like a model.
