@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -118,8 +117,7 @@ def test_each_node_copies_the_staged_model_and_serves_the_copy(fake_site: dict[s
     commit = hub_cache(tmp_path / "shared-hf", files)
     local = tmp_path / "node-local"
     run_dir = two_node_job(tmp_path, profile_file(tmp_path, local))
-    if shutil.which("shellcheck"):
-        subprocess.run(["shellcheck", "-s", "bash", str(run_dir / "start_vllm.sh")], check=True)  # noqa: S603,S607
+    subprocess.run(["shellcheck", "-s", "bash", str(run_dir / "start_vllm.sh")], check=True)  # noqa: S603,S607
     job = subprocess.run(["qsub", str(run_dir / "job.pbs")], capture_output=True, text=True,  # noqa: S603,S607
                          check=True).stdout.strip()
     fake_site["jobs"].append(job)
