@@ -80,6 +80,18 @@ def blob_of(tmp_path: Path, name: str) -> Path:
     return Path(os.path.realpath(snapshot / name))
 
 
+def worker_pids(tmp_path: Path) -> list[int]:
+    """Processes whose command line names this test's cache: the stage worker."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(tmp_path / "shared-hf").encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
 def stage(profile: Path, *args: str) -> tuple[int, str, str]:
     result = pbstk("stage", MODEL, "--profile", str(profile), *args)
     assert "Traceback" not in result.output, result.output
@@ -157,6 +169,8 @@ def test_a_killed_download_leaves_nothing_looking_complete_and_the_next_stage_fi
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
+    # the worker runs in a session of its own (like every command pbstk runs): it must end with pbstk
+    until(lambda: not worker_pids(tmp_path), 30, "the worker to end with pbstk")
     snapshot = repo_dir(tmp_path) / "snapshots" / hub.repos[MODEL].commit
     assert not (snapshot / "model.safetensors").exists()  # the half file is no link of the snapshot
     assert not (repo_dir(tmp_path) / "pbstk-manifests").exists()
@@ -164,9 +178,13 @@ def test_a_killed_download_leaves_nothing_looking_complete_and_the_next_stage_fi
     assert rc == 11 and "model.safetensors: missing" in err, err  # the listing huggingface_hub kept
     hub.stall.clear()
     hub.release.set()
-    rc, out, err = stage(profile)
+    partial = next((repo_dir(tmp_path) / "blobs").glob("*.incomplete"))
+    os.utime(partial, (0, 0))  # untouched for long: nobody is writing it any more
+    rc, out, err = stage(profile, "--json")
     assert rc == 0, err
-    assert "4/4 files" in out
+    doc = json.loads(out)
+    assert doc["counts"]["ok"] == 4 and doc["removed_partials"] == 1
+    assert not partial.exists()
 
 
 def test_a_gated_repo_without_or_with_a_wrong_token_is_refused_in_one_line(
@@ -176,7 +194,9 @@ def test_a_gated_repo_without_or_with_a_wrong_token_is_refused_in_one_line(
     hub.repos[MODEL].tokens = {"hf_good_token"}
     rc, out, err = stage(profile)
     assert rc == 11 and out == ""
-    assert err.count("\n") == 1 and "gated" in err and "HF_TOKEN" in err and "hf auth login" in err
+    lines = [line for line in err.splitlines() if not line.startswith("pbstk: note: ")]
+    assert len(lines) == 1 and lines[0].startswith("pbstk: error: ")
+    assert "gated" in err and "HF_TOKEN" in err and "hf auth login" in err
     monkeypatch.setenv("HF_TOKEN", "hf_wrong_token")
     rc, _out, err = stage(profile)
     assert rc == 11 and "gated" in err and "cannot access it" in err
@@ -263,6 +283,8 @@ def test_staging_over_the_held_ssh_login(hub: FakeHub, login_node: SshdInfo, tmp
     monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(login_node.known_hosts))
     monkeypatch.setenv("HF_TOKEN", "hf_secret_value")  # forwarded on stdin; the stand-in repo is public
     profile = offline_profile(tmp_path, "pbs", ssh_host=login_node.alias)
+    res = pbstk("launch", MODEL, "--profile", str(profile), "--preset", "cpu")  # the preflight asks the login node
+    assert res.exit_code == 11 and "pbstk stage" in res.stderr, res.output
     result = pbstk("-v", "stage", MODEL, "--profile", str(profile), "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
@@ -271,3 +293,6 @@ def test_staging_over_the_held_ssh_login(hub: FakeHub, login_node: SshdInfo, tmp
     assert f"ssh {login_node.alias}" in result.stderr  # it did run there
     rc, _out, err = stage(profile, "--verify-only")
     assert rc == 0, err
+    res = pbstk("launch", MODEL, "--profile", str(profile), "--preset", "cpu")
+    assert res.exit_code == 0, res.output
+    pbstk("cancel", "--all")

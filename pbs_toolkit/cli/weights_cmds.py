@@ -36,6 +36,9 @@ def stage(model: str, revision: str, verify_only: bool, accept_new_host_key: boo
     from pbs_toolkit.weights.stage import require_ok
 
     req = build_request(model, **kw)
+    if not verify_only:  # the worker's output comes back at the end: say what is happening meanwhile
+        click.echo(f"pbstk: note: staging {model}: downloading what is missing, then hashing every file "
+                   f"(no progress is shown until it ends)", err=True)
     with Client(accept_new_host_key=accept_new_host_key) as c:
         report = c.stage(req, revision=revision, verify_only=verify_only)
     if as_json:

@@ -24,6 +24,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 RESULT_PREFIX = "PBSTK-STAGE-RESULT "
 MANIFEST_DIR = "pbstk-manifests"
@@ -214,6 +215,8 @@ def stage(args: argparse.Namespace, token: str | None) -> dict[str, object]:
         files = verify(snapshot, listing, args.jobs) if repaired else files
     result["files"] = files
     result["ok"] = all(r["status"] == "ok" for r in files)
+    if result["ok"] and not args.verify_only:
+        result["removed_partials"] = remove_stale_partials(os.path.join(folder, "blobs"))
     if result["ok"]:
         stamp = now()
         write_atomic(manifest_path, {"schema": MANIFEST_SCHEMA, "repo": args.repo, "revision": args.revision,
@@ -226,6 +229,22 @@ def stage(args: argparse.Namespace, token: str | None) -> dict[str, object]:
         except FileNotFoundError:
             pass
     return result
+
+
+def remove_stale_partials(blobs: str, older_than: float = 3600.0) -> int:
+    """Remove ``*.incomplete`` blobs nobody wrote to for ``older_than`` seconds: downloads killed midway (newer
+    huggingface_hub names each attempt uniquely and never resumes it); a download in progress keeps its fresh."""
+    removed = 0
+    cutoff = time.time() - older_than
+    for name in os.listdir(blobs) if os.path.isdir(blobs) else []:
+        path = os.path.join(blobs, name)
+        try:
+            if name.endswith(".incomplete") and os.stat(path).st_mtime < cutoff:
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            continue
+    return removed
 
 
 def verify(snapshot: str, listing: dict[str, dict[str, object]], jobs: int) -> list[dict[str, object]]:
@@ -256,7 +275,23 @@ def repair(args: argparse.Namespace, token: str | None, snapshot: str, listing: 
     return True
 
 
+def exit_with_parent() -> None:
+    """End this worker when pbstk (or the SSH session that started it) is gone: it runs in a session of its own,
+    so nothing else would stop a download that nobody will read the answer of."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main() -> int:
+    exit_with_parent()
     parser = argparse.ArgumentParser(prog="stage_weights")
     parser.add_argument("--repo", required=True)
     parser.add_argument("--revision", default="main")

@@ -61,6 +61,8 @@ class StageReport:
     snapshot: str | None = None
     manifest: str | None = None
     files: list[dict[str, Any]] = field(default_factory=list)
+    #: partial downloads (``blobs/*.incomplete`` untouched for an hour) removed after a successful stage
+    removed_partials: int = 0
 
     @property
     def counts(self) -> dict[str, int]:
@@ -84,7 +86,8 @@ class StageReport:
         return stamp("stage", {"model": self.model, "revision": self.revision, "where": self.where,
                                "hf_home": self.hf_home, "verify_only": self.verify_only, "ok": self.ok,
                                "commit": self.commit, "snapshot": self.snapshot, "manifest": self.manifest,
-                               "bytes": self.bytes, "counts": self.counts, "files": self.files})
+                               "bytes": self.bytes, "counts": self.counts,
+                               "removed_partials": self.removed_partials, "files": self.files})
 
 
 def staging_home(runner: Runner, profile: Profile) -> str:
@@ -121,7 +124,8 @@ def stage_model(runner: Runner, profile: Profile, model: str, *, revision: str =
                            + (_fix_hint(model, profile) if error.get("kind") == "not_staged" else ""))
     return StageReport(model=model, revision=revision, where=where, hf_home=hf_home, verify_only=verify_only,
                        ok=bool(doc.get("ok")), commit=doc.get("commit"), snapshot=doc.get("snapshot"),
-                       manifest=doc.get("manifest") if doc.get("ok") else None, files=list(doc.get("files") or []))
+                       manifest=doc.get("manifest") if doc.get("ok") else None, files=list(doc.get("files") or []),
+                       removed_partials=int(doc.get("removed_partials") or 0))
 
 
 def _fix_hint(model: str, profile: Profile) -> str:
