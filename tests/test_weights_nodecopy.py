@@ -70,11 +70,11 @@ def fake_site(standins: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     time.sleep(0.3)
 
 
-def profile_file(tmp_path: Path, stage_to: Path) -> Path:
+def profile_file(tmp_path: Path, stage_to: Path, parallel: int = 8) -> Path:
     path = tmp_path / "copysite.yaml"
     path.write_text(f"name: copysite\nscheduler: pbs\nqueue: workq\nselect: \"{{nodes}}:ncpus=8:ngpus=4\"\n"
                     f"gpus_per_node: 4\nhf_home: {tmp_path}/shared-hf\nhf_hub_offline: true\n"
-                    f"stage_to: {stage_to}\naddress: short\nnode_launcher: pbsdsh\n")
+                    f"stage_to: {stage_to}\nstage_to_parallel: {parallel}\naddress: short\nnode_launcher: pbsdsh\n")
     return path
 
 
@@ -112,11 +112,13 @@ def markers(run_dir: Path) -> dict[str, dict[str, str]]:
     return found
 
 
-def test_each_node_copies_the_staged_model_and_serves_the_copy(fake_site: dict[str, Any], tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", [8, 1])
+def test_each_node_copies_the_staged_model_and_serves_the_copy(fake_site: dict[str, Any], tmp_path: Path,
+                                                               parallel: int) -> None:
     files = {"config.json": b'{"model_type": "qwen3"}', "model.safetensors": os.urandom(150_000)}
     commit = hub_cache(tmp_path / "shared-hf", files)
     local = tmp_path / "node-local"
-    run_dir = two_node_job(tmp_path, profile_file(tmp_path, local))
+    run_dir = two_node_job(tmp_path, profile_file(tmp_path, local, parallel))
     subprocess.run(["shellcheck", "-s", "bash", str(run_dir / "start_vllm.sh")], check=True)  # noqa: S603,S607
     job = subprocess.run(["qsub", str(run_dir / "job.pbs")], capture_output=True, text=True,  # noqa: S603,S607
                          check=True).stdout.strip()
@@ -135,6 +137,9 @@ def test_each_node_copies_the_staged_model_and_serves_the_copy(fake_site: dict[s
     for marker in found.values():
         assert int(marker["start"]) <= int(marker["end"]) and marker["to"] == str(dest)
         assert int(marker["bytes"]) == sum(len(v) for v in files.values())
+    if parallel == 1:  # one node at a time: node 1 starts once node 0's copy ended
+        assert int(found["stage-copy.node1"]["start"]) >= int(found["stage-copy"]["end"])
+        assert "waiting for node 0's copy" in (run_dir / "vllm.node1.log").read_text()
 
 
 def test_a_copy_that_does_not_match_the_manifest_fails_the_node(fake_site: dict[str, Any], tmp_path: Path) -> None:

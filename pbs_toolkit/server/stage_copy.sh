@@ -1,10 +1,11 @@
 # shellcheck shell=bash
 # --- node-local copy of the weights (profile key stage_to; docs/weights.md) ---
 # Included between the settings header and the body only when the profile sets stage_to. Each node's copy of the
-# start script (started by the site's node launcher, NODE_LAUNCHER) copies the verified model once from
-# the shared filesystem to its own disk, all nodes at once, one copy per node; every size is checked against the
-# manifest `pbstk stage` wrote (a model directory: against the source's sizes), and vLLM loads the copy. The copy
-# is made under a temporary name and renamed only once it is complete, so a half copy never looks like a model.
+# start script (started by the site's node launcher, NODE_LAUNCHER) copies the verified model once from the shared
+# filesystem to its own disk, one copy per node, at most STAGE_PARALLEL nodes at once (profile key
+# stage_to_parallel); every size is checked against the manifest `pbstk stage` wrote (a model directory: against
+# the source's sizes), and vLLM loads the copy. The copy is made under a temporary name and renamed only once it
+# is complete, so a half copy never looks like a model.
 # Its time is a start-up phase: RUN_DIR/phases/stage-copy (node K > 0: stage-copy.node<K>) gets start=<epoch>,
 # then end=<epoch>, bytes=<n> and to=<dir>.
 
@@ -28,6 +29,20 @@ pbstk_stage_check() {
   done <"$2"
 }
 
+# node K copies once node K-STAGE_PARALLEL has finished: at most STAGE_PARALLEL nodes read the shared filesystem at
+# once (markers on the shared run directory, no lock: flock is not reliable on every parallel filesystem)
+pbstk_stage_wait_turn() {
+  local before=$((${NODE_RANK:-0} - STAGE_PARALLEL)) marker
+  { [ "$NODE_ROLE" = true ] && [ "$before" -ge 0 ]; } || return 0
+  marker="$RUN_DIR/phases/stage-copy"
+  [ "$before" -gt 0 ] && marker="$marker.node$before"
+  pbstk_log "stage copy: waiting for node $before's copy (at most $STAGE_PARALLEL nodes copy at once)"
+  until grep -q '^end=' "$marker" 2>/dev/null; do
+    [ -e "$RUN_DIR/stop" ] && pbstk_fail "stage_to: the job is stopping"
+    sleep 1
+  done
+}
+
 pbstk_stage_copy() {
   local src repo commit manifest="" key dest tmp sizes marker total
   marker="$RUN_DIR/phases/stage-copy"
@@ -48,6 +63,7 @@ pbstk_stage_copy() {
   dest="$STAGE_TO/pbstk-models/$(basename -- "$MODEL" | tr -c 'A-Za-z0-9._\n-' _)-$key"
   mkdir -p -- "$RUN_DIR/phases" "$STAGE_TO/pbstk-models" \
     || pbstk_fail "stage_to: cannot create $STAGE_TO/pbstk-models on $NODE"
+  pbstk_stage_wait_turn
   echo "start=$(date +%s)" >"$marker"
   sizes=$(mktemp "${TMPDIR:-/tmp}/pbstk-sizes.XXXXXX") || pbstk_fail "stage_to: cannot create a temporary file"
   pbstk_stage_sizes "$src" "$manifest" >"$sizes" || pbstk_fail "stage_to: cannot list $src"

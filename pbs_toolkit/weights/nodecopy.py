@@ -22,5 +22,6 @@ def stage_copy_block(profile: Profile, vllm_args: Sequence[str]) -> str:
         return ""
     settings = (f"# profile key stage_to: each node copies the model to its own disk (docs/weights.md)\n"
                 f"STAGE_TO={shlex.quote(profile.stage_to)}\n"
-                f"STAGE_REVISION={shlex.quote(revision_of(vllm_args))}\n")
+                f"STAGE_REVISION={shlex.quote(revision_of(vllm_args))}\n"
+                f"STAGE_PARALLEL={int(profile.stage_to_parallel)}\n")
     return settings + STAGE_COPY.read_text(encoding="utf-8")
