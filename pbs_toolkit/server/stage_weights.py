@@ -139,9 +139,10 @@ def resolve_commit(folder: str, revision: str) -> str | None:
         return revision
     try:
         with open(os.path.join(folder, "refs", revision), encoding="utf-8") as f:
-            return f.read().strip() or None
+            text = f.read().strip()
     except OSError:
         return None
+    return text if _SHA1.match(text) else None  # it names files: nothing but a commit id
 
 
 def classify(exc: BaseException, has_token: bool) -> tuple[str, str]:
