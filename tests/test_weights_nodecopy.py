@@ -1,13 +1,12 @@
-"""Profile key ``stage_to``: each node of a fake PBS job copies the staged model to its own disk, checks the sizes
-against the manifest, and the stand-in vLLM is started on the copy; the copy's time is a phase marker. The
-start scripts are the real rendered ones (shellcheck-clean), run by real bash under tests/fakepbs."""
+"""Profile key ``stage_to``: each node of a two-node job launched on the fake PBS copies the staged model to its
+own disk, checks the sizes against the manifest, and the stand-in vLLM is started on the copy; the copy's time is
+a phase marker. Real ``pbstk launch`` (preflight included), real rendered scripts (shellcheck-clean), real bash."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -17,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import pbstk
 
-from pbs_toolkit.jobs.render import _BODY, RenderRequest, render
+from pbs_toolkit.jobs.render import RenderRequest, render
+from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.weights.stage import WORKER
 
 FAKEPBS = Path(__file__).parent / "fakepbs"
@@ -65,9 +66,7 @@ def fake_site(standins: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     (tmp_path / "fakepbs").mkdir()
     site: dict[str, Any] = {"jobs": [], "record": standins}
     yield site
-    for job_id in site["jobs"]:
-        subprocess.run(["qdel", job_id], capture_output=True, check=False)  # noqa: S603,S607
-    time.sleep(0.3)
+    pbstk("cancel", "--all")
 
 
 def profile_file(tmp_path: Path, stage_to: Path, parallel: int = 8) -> Path:
@@ -78,21 +77,12 @@ def profile_file(tmp_path: Path, stage_to: Path, parallel: int = 8) -> Path:
     return path
 
 
-def two_node_job(tmp_path: Path, profile: Path) -> Path:
-    """The rendered job, widened to two nodes of native data parallelism (as tests/test_multinode_run.py does)."""
-    run_dir = tmp_path / "run"
-    rendered = render(RenderRequest(model=MODEL, run_dir=str(run_dir), profile=str(profile), preset="single",
-                                    port=_free_port()))
-    body = _BODY.read_text(encoding="utf-8")
-    header = ("NNODES=2\nNODE_ENGINE=dp\nTP=1\nPP=1\nDP=8\nDP_LOCAL=4\nNODE_LAUNCHER=pbsdsh\n"
-              "NCCL_IFNAME=lo\nGLOO_IFNAME=lo\n")
-    script = rendered.start_script[: -len(body)] + header + body
-    run_dir.mkdir()
-    job_script = re.sub(r"#PBS -l select=\S+", "#PBS -l select=2:ncpus=8:ngpus=4", rendered.job_script)
-    for name, text in (("job.pbs", job_script), ("start_vllm.sh", script)):
-        (run_dir / name).write_text(text)
-        (run_dir / name).chmod(0o755)
-    return run_dir
+def launch_two_nodes(profile: Path) -> Path:
+    """``pbstk launch`` of MODEL over two nodes (dp8: 2 nodes of 4 GPUs) on the fake PBS; its run directory."""
+    res = pbstk("launch", MODEL, "--profile", str(profile), "--preset", "dp8", "--port", "auto")
+    assert res.exit_code == 0, res.output  # the preflight found the model staged
+    record = JobStore().find(None)
+    return Path(record.run_dir)
 
 
 def wait(what: str, check: Any, run_dir: Path, timeout: float = 30) -> None:
@@ -118,11 +108,8 @@ def test_each_node_copies_the_staged_model_and_serves_the_copy(fake_site: dict[s
     files = {"config.json": b'{"model_type": "qwen3"}', "model.safetensors": os.urandom(150_000)}
     commit = hub_cache(tmp_path / "shared-hf", files)
     local = tmp_path / "node-local"
-    run_dir = two_node_job(tmp_path, profile_file(tmp_path, local, parallel))
+    run_dir = launch_two_nodes(profile_file(tmp_path, local, parallel))
     subprocess.run(["shellcheck", "-s", "bash", str(run_dir / "start_vllm.sh")], check=True)  # noqa: S603,S607
-    job = subprocess.run(["qsub", str(run_dir / "job.pbs")], capture_output=True, text=True,  # noqa: S603,S607
-                         check=True).stdout.strip()
-    fake_site["jobs"].append(job)
     argv_file = fake_site["record"] / "argv.jsonl"
     wait("both nodes' vLLM", lambda: argv_file.exists() and len(argv_file.read_text().splitlines()) == 2, run_dir)
     dest = local / "pbstk-models" / f"tiny-copy-{commit}"
@@ -142,29 +129,34 @@ def test_each_node_copies_the_staged_model_and_serves_the_copy(fake_site: dict[s
         assert "waiting for node 0's copy" in (run_dir / "vllm.node1.log").read_text()
 
 
-def test_a_copy_that_does_not_match_the_manifest_fails_the_node(fake_site: dict[str, Any], tmp_path: Path) -> None:
-    """The shared blob changed after staging: the node's size check refuses to serve it."""
+def test_a_changed_blob_is_refused_before_queuing(fake_site: dict[str, Any], tmp_path: Path) -> None:
+    """The shared blob changed after staging: the launch preflight (sizes against the manifest) refuses it."""
     files = {"config.json": b"{}", "model.safetensors": os.urandom(50_000)}
     hub_cache(tmp_path / "shared-hf", files)
     blob = next((tmp_path / "shared-hf").glob("hub/*/blobs/" + hashlib.sha256(files["model.safetensors"]).hexdigest()))
     with blob.open("r+b") as f:
         f.truncate(100)
-    run_dir = two_node_job(tmp_path, profile_file(tmp_path, tmp_path / "node-local"))
-    job = subprocess.run(["qsub", str(run_dir / "job.pbs")], capture_output=True, text=True,  # noqa: S603,S607
-                         check=True).stdout.strip()
-    fake_site["jobs"].append(job)
+    res = pbstk("launch", MODEL, "--profile", str(profile_file(tmp_path, tmp_path / "node-local")), "--preset", "dp8")
+    assert res.exit_code == 11 and "model.safetensors is 100 bytes, not 50000" in res.stderr
+    assert JobStore().all() == []
 
-    def failed() -> bool:
+
+def test_a_node_that_cannot_copy_fails_the_job_before_vllm(fake_site: dict[str, Any], tmp_path: Path) -> None:
+    """The node's disk is unusable (here: a file where the directory should be): the job fails with the reason."""
+    hub_cache(tmp_path / "shared-hf", {"config.json": b"{}", "model.safetensors": os.urandom(5_000)})
+    (tmp_path / "not-a-dir").write_text("")
+    run_dir = launch_two_nodes(profile_file(tmp_path, tmp_path / "not-a-dir" / "scratch"))
+
+    def reason() -> str:
         try:
-            return json.loads((run_dir / "server.json").read_text()).get("phase") == "failed"
+            doc = json.loads((run_dir / "server.json").read_text())
         except (OSError, ValueError):
-            return False
+            return ""
+        return str(doc.get("reason") or "") if doc.get("phase") == "failed" else ""
 
-    wait("the job to fail", failed, run_dir)
-    assert "stage_to: copying" in json.loads((run_dir / "server.json").read_text()).get("reason", "") or \
-        "is 100 bytes, expected 50000" in "".join(p.read_text() for p in run_dir.glob("vllm*.log"))
+    wait("the job to fail", reason, run_dir)
+    assert "stage_to: cannot create" in reason() and "not-a-dir/scratch/pbstk-models" in reason()
     assert not (fake_site["record"] / "argv.jsonl").exists()  # vLLM never started
-    assert not list((tmp_path / "node-local" / "pbstk-models").glob("*"))
 
 
 def test_no_stage_to_leaves_the_start_script_as_it_was(tmp_path: Path) -> None:
@@ -174,8 +166,6 @@ def test_no_stage_to_leaves_the_start_script_as_it_was(tmp_path: Path) -> None:
 
 
 def test_stage_to_must_be_an_absolute_path(tmp_path: Path) -> None:
-    from helpers import pbstk
-
     path = tmp_path / "bad.yaml"
     path.write_text("name: bad\nscheduler: pbs\nstage_to: scratch/models\n")
     res = pbstk("render", MODEL, "--profile", str(path), "--preset", "single")
