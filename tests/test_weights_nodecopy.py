@@ -170,3 +170,14 @@ def test_stage_to_must_be_an_absolute_path(tmp_path: Path) -> None:
     path.write_text("name: bad\nscheduler: pbs\nstage_to: scratch/models\n")
     res = pbstk("render", MODEL, "--profile", str(path), "--preset", "single")
     assert res.exit_code == 2 and "key 'stage_to' must be an absolute path" in res.stderr
+
+
+def test_the_copy_settings_cannot_be_overridden_by_env(tmp_path: Path) -> None:
+    profile = profile_file(tmp_path, tmp_path / "node-local")
+    text = render(RenderRequest(model=MODEL, run_dir=str(tmp_path / "r"), profile=str(profile), preset="dp8",
+                                port=8000)).start_script
+    assigned = {line.split("=", 1)[0] for line in text.splitlines() if line.startswith("STAGE_")}
+    assert assigned == {"STAGE_TO", "STAGE_REVISION", "STAGE_PARALLEL"}
+    for name in sorted(assigned):
+        res = pbstk("render", MODEL, "--profile", str(profile), "--preset", "dp8", "--env", f"{name}=/elsewhere")
+        assert res.exit_code == 2 and f"would overwrite the start script's own setting {name}" in res.stderr

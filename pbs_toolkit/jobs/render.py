@@ -619,8 +619,10 @@ def render_start_script(jenv: Any, context: dict[str, Any]) -> str:
 @functools.lru_cache(maxsize=1)
 def start_script_settings() -> frozenset[str]:
     """Names the settings header assigns: an exported ``--env`` of one of them would change what the body does."""
+    from pbs_toolkit.weights.nodecopy import STAGE_SETTINGS
+
     text = (_PACKAGE / "server" / _HEADER).read_text(encoding="utf-8")
-    return frozenset(_SETTING.findall(text)) | {line.split("=")[0] for line in bash_assignments()}
+    return frozenset(_SETTING.findall(text)) | {line.split("=")[0] for line in bash_assignments()} | STAGE_SETTINGS
 
 
 def _pair_flags(args: list[str]) -> list[list[str]]:

@@ -14,6 +14,8 @@ from pbs_toolkit.settings.profiles import Profile
 from pbs_toolkit.weights.preflight import revision_of
 
 STAGE_COPY = Path(__file__).resolve().parent.parent / "server" / "stage_copy.sh"
+#: the settings the block assigns: like the header's, an ``--env`` of one is refused (it would redirect the copy)
+STAGE_SETTINGS = frozenset({"STAGE_TO", "STAGE_REVISION", "STAGE_PARALLEL"})
 
 
 def stage_copy_block(profile: Profile, vllm_args: Sequence[str]) -> str:
