@@ -50,12 +50,42 @@ def build(hf_home: Path, mb: int, shards: int, small: int) -> None:
     (repo / "trees" / f"{commit}.json").write_text(json.dumps({"format_version": 1, "files": tree}))
 
 
+def download(args: argparse.Namespace) -> None:
+    """``stage_model`` of a model the stand-in Hub serves: loopback, so this is pbstk's and huggingface_hub's
+    overhead plus hashing, not a network's speed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from standins.hub import FakeHub
+
+    from pbs_toolkit.weights.stage import stage_model
+
+    files = {f"model-{k:05d}-of-{args.shards:05d}.safetensors": os.urandom(args.mb * (1 << 20) // args.shards)
+             for k in range(args.shards)}
+    files.update({f"extra-{k}.json": json.dumps({"k": k}).encode() for k in range(args.files)})
+    with tempfile.TemporaryDirectory() as tmp, FakeHub() as hub:
+        hub.add(REPO, files)
+        os.environ["HF_ENDPOINT"] = hub.url
+        profile = Profile(name="bench", hf_home=tmp, venv=args.venv, hf_hub_offline=True)
+        t0 = time.perf_counter()
+        report = stage_model(LocalRunner(), profile, REPO)
+        took = time.perf_counter() - t0
+        assert report.ok, report.failures()
+        print(f"pbstk stage (download from loopback + verify), {args.mb} MB, {len(files)} files: {took:.2f} s "
+              f"({args.mb / took:.0f} MB/s)")
+        t0 = time.perf_counter()
+        assert stage_model(LocalRunner(), profile, REPO).ok
+        print(f"pbstk stage again (nothing to download, verify only): {time.perf_counter() - t0:.2f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mb", type=int, default=256)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--files", type=int, default=12, help="small files besides the shards")
+    parser.add_argument("--venv", help="also time `pbstk stage` (download + verify) with this environment's "
+                        "huggingface_hub, from the loopback Hub stand-in of tests/standins/hub.py")
     args = parser.parse_args()
+    if args.venv:
+        download(args)
     with tempfile.TemporaryDirectory() as tmp:
         hf_home = Path(tmp)
         build(hf_home, args.mb, args.shards, args.files)
