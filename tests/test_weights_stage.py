@@ -296,3 +296,13 @@ def test_staging_over_the_held_ssh_login(hub: FakeHub, login_node: SshdInfo, tmp
     res = pbstk("launch", MODEL, "--profile", str(profile), "--preset", "cpu")
     assert res.exit_code == 0, res.output
     pbstk("cancel", "--all")
+
+
+def test_a_job_python_without_huggingface_hub_is_one_line(hub: FakeHub, tmp_path: Path) -> None:
+    venv = tmp_path / "bare-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)  # noqa: S603
+    profile = offline_profile(tmp_path)
+    profile.write_text(profile.read_text().replace(f"venv: {_VENV}", f"venv: {venv}"))
+    rc, out, err = stage(profile)
+    assert rc == 11 and out == ""
+    assert "has no huggingface_hub (the profile's venv/setup give the job's Python)" in err
