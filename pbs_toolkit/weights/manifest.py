@@ -21,6 +21,8 @@ from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.transports.base import Runner
 
 MANIFEST_DIR = "pbstk-manifests"
+#: a Hub repository id (``org/name``, or a bare name), as ``render`` tells one from a path
+HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 

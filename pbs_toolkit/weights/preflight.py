@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable, Sequence
 
 from pbs_toolkit.errors import PbstkError, WeightsError
 from pbs_toolkit.settings.profiles import Profile
 from pbs_toolkit.transports.base import Runner
-from pbs_toolkit.weights.manifest import commit_of, file_sizes, load_manifest
+from pbs_toolkit.weights.manifest import HF_ID, commit_of, file_sizes, load_manifest
 
-HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 #: config.json, the weight files and the index files of a model directory, in one command
 _LIST_DIR = ('cd -- "$1" 2>/dev/null || { echo nodir; exit 0; }; [ -f config.json ] && echo config; '

@@ -17,7 +17,7 @@ from typing import Any
 from pbs_toolkit.errors import UsageError, WeightsError
 from pbs_toolkit.settings.profiles import Profile
 from pbs_toolkit.transports.base import Runner
-from pbs_toolkit.weights.manifest import hub_cache
+from pbs_toolkit.weights.manifest import HF_ID, hub_cache
 
 WORKER = Path(__file__).resolve().parent.parent / "server" / "stage_weights.py"
 RESULT_PREFIX = "PBSTK-STAGE-RESULT "
@@ -155,14 +155,13 @@ def require_ok(report: StageReport) -> StageReport:
 def stage_request(req: Any, runner_for: Any, *, revision: str = "main", verify_only: bool = False) -> StageReport:
     """``pbstk stage``: the profile ``req`` resolves to (flags, config, profile), its runner (``runner_for(ssh
     host)``; "" is this machine), then :func:`stage_model`. ``req`` is a ``RenderRequest``."""
-    from pbs_toolkit.jobs.render import checked_profile
-    from pbs_toolkit.weights.preflight import HF_ID
+    from pbs_toolkit.settings.launch_settings import resolve_launch_settings
 
     if req.model.startswith(("/", "./", "../", "~")) or not HF_ID.match(req.model) or "/" not in req.model:
         raise UsageError(f"{req.model!r} is not a Hub model id (org/name): only Hub models are staged; a model "
                          f"directory is checked at launch")
     if not revision or "\n" in revision or revision.startswith("-") or ".." in revision:
         raise UsageError(f"--revision {revision!r} is not a branch, tag or commit")
-    profile = checked_profile(req)
+    profile = resolve_launch_settings(req).launchable()
     return stage_model(runner_for(profile.ssh_host or ""), profile, req.model, revision=revision,
                        verify_only=verify_only)
