@@ -58,11 +58,11 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeHub]:
         yield fake
 
 
-def offline_profile(tmp_path: Path, scheduler: str = "local", **extra: str) -> Path:
+def offline_profile(tmp_path: Path, scheduler: str = "local", venv: str = _VENV, **extra: str) -> Path:
     """A profile whose compute nodes are offline, with the Hub-capable Python as its job environment."""
     lines = [f"name: offline-{scheduler}", f"scheduler: {scheduler}", f"hf_home: {tmp_path}/shared-hf",
-             "hf_hub_offline: true", f"venv: {_VENV}", "gpus_per_node: 0", 'walltime: "00:10:00"',
-             "address: loopback", "bind_host: 127.0.0.1"]
+             "hf_hub_offline: true", "gpus_per_node: 0", 'walltime: "00:10:00"',
+             "address: loopback", "bind_host: 127.0.0.1"] + ([f"venv: {venv}"] if venv else [])
     if scheduler == "pbs":
         lines += ["queue: workq", 'select: "{nodes}:ncpus=2"']
     lines += [f"{k}: {v}" for k, v in extra.items()]
@@ -261,6 +261,33 @@ def test_a_model_directory_without_its_weights_is_refused(fakepbs: Path, standin
     res = pbstk("launch", str(model), "--profile", str(profile), "--preset", "cpu")
     assert res.exit_code == 0, res.output
     pbstk("cancel", "--all")
+
+
+def test_run_refuses_an_unstaged_model_and_its_stage_option_stages_it(hub: FakeHub, standins: Path,
+                                                                        tmp_path: Path) -> None:
+    """``pbstk run`` goes through the launch preflight: refused (exit 11) before anything is queued and COMMAND
+    never runs; ``run --stage`` stages first, then the server comes up and COMMAND runs against it."""
+    jobpy = tmp_path / "jobpy"  # the job's python3 is the Hub-capable one, its `vllm` the stand-in on PATH
+    jobpy.mkdir()
+    (jobpy / "python3").write_text(f'#!/bin/sh\nexec {_VENV}/bin/python3 "$@"\n')
+    (jobpy / "python3").chmod(0o755)
+    profile = offline_profile(tmp_path, venv="", setup=f'["export PATH={jobpy}:$PATH"]')
+    ran = tmp_path / "ran"
+    args = [sys.executable, "-m", "pbs_toolkit", "run", MODEL, "--profile", str(profile), "--preset", "cpu",
+            "--timeout", "60"]
+    command = ["--", "touch", str(ran)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    refused = subprocess.run(args + command, capture_output=True, text=True, env=env, timeout=120,  # noqa: S603
+                             check=False)
+    assert refused.returncode == 11, refused.stderr
+    assert f"run `pbstk stage {MODEL} --profile offline-local` first, or pass --stage" in refused.stderr
+    assert not ran.exists() and JobStore().all() == []
+    staged = subprocess.run(args + ["--stage", *command], capture_output=True, text=True, env=env,  # noqa: S603
+                            timeout=180, check=False)
+    assert staged.returncode == 0, staged.stderr
+    assert f"staging {MODEL}" in staged.stderr and ran.exists()
+    assert list((repo_dir(tmp_path) / "pbstk-manifests").glob("*.json"))
+    assert len(JobStore().all()) == 1  # one launch: the refused run recorded nothing
 
 
 def test_serve_refuses_before_the_router_or_any_replica(hub: FakeHub, tmp_path: Path,
