@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from pbs_toolkit.settings.presets import Preset
     from pbs_toolkit.transports import Runner
     from pbs_toolkit.transports.tunnel import Tunnel
+    from pbs_toolkit.weights.stage import StageReport
 
 __all__ = ["BenchResult", "Cancellation", "Client", "Diagnosis", "Endpoint", "Job", "Metrics", "launched", "serve"]
 
@@ -189,17 +190,24 @@ class Client(ServiceMethods, PerfMethods):
 
     def launch_request(self, req: RenderRequest | LaunchSettings, *, api_key: str | None = None,
                        use_api_key: bool = True, dry_run: bool = False, begin_at: float | None = None,
-                       after: str | None = None) -> LaunchResult:
+                       after: str | None = None, stage: bool = False) -> LaunchResult:
         """``launch`` with everything it rendered (scripts, preset, notes); ``dry_run`` writes and submits
         nothing, and connects nowhere (a remote ``~`` stays for the remote shell: ``"$HOME"/...``).
-        ``begin_at`` (epoch seconds) / ``after`` (a job id that must start first): when the job may start."""
+        ``begin_at`` (epoch seconds) / ``after`` (a job id that must start first): when the job may start.
+        ``stage``: stage a Hub model an offline profile's nodes lack first (weights/preflight.py)."""
         from pbs_toolkit.jobs.launch import launch
         from pbs_toolkit.settings.launch_settings import settings_of
 
         settings = settings_of(req)
         runner = None if dry_run else self._request_runner(settings)
         return launch(settings, store=self.store, runner=runner, api_key=api_key, use_api_key=use_api_key,
-                      dry_run=dry_run, begin_at=begin_at, after=after)
+                      dry_run=dry_run, begin_at=begin_at, after=after, stage=stage)
+
+    def stage(self, req: RenderRequest, *, revision: str = "main", verify_only: bool = False) -> StageReport:
+        """Download and verify Hub model ``req.model`` into its profile's ``hf_home`` on the login node."""
+        from pbs_toolkit.weights.stage import stage_request
+
+        return stage_request(req, self.runner, revision=revision, verify_only=verify_only)
 
     def wait(self, job: Job | JobRecord | str | None, timeout: float = 3600.0,
              on_progress: Callable[[JobStatus, float], None] | None = None) -> JobStatus:

@@ -12,6 +12,7 @@ Exit codes (documented in the README):
   8  an endpoint registry could not be read or written (``RegistryError``)
   9  the scheduler did not answer in time (hung, killed, garbled output): try again (``SchedulerUnavailable``)
  10  the local job store is unusable: locked too long, disk full, corrupt (``StoreError``)
+ 11  the model's weights are not staged, incomplete or corrupt, or cannot be fetched (``WeightsError``)
 """
 
 from __future__ import annotations
@@ -75,3 +76,10 @@ class StoreError(PbstkError):
     """The job store cannot be read or written (locked for too long, disk full, corrupt). Names the path."""
 
     exit_code = 10
+
+
+class WeightsError(PbstkError):
+    """Model weights missing, truncated or corrupt where the job would read them, or not fetchable (gated, no
+    token, no such model, Hub unreachable): ``pbstk stage`` and the launch preflight (docs/weights.md)."""
+
+    exit_code = 11

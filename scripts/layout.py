@@ -33,6 +33,7 @@ OTHER_FILES = {
     "server/start_vllm.sh.j2": "the start script's settings header: variables only, rendered per launch",
     "server/start_vllm.sh": "its static body (bash): set up, pick a port, start and supervise vLLM, write markers",
     "server/start_router.sh": "the static body of a router job: vllm-router on free ports, router.json once it answers",
+    "server/stage_copy.sh": "profile key stage_to: each node copies the staged weights to its own disk (bash)",
 }
 DATA_DIRS = {
     "settings/presets": "shipped presets (YAML data)",

@@ -72,6 +72,8 @@ class RunPlan:
     keep: bool = False
     tunnel: bool = False
     timeout: float = 3600.0
+    #: stage a Hub model an offline profile's nodes lack before launching (``launch --stage``)
+    stage: bool = False
 
 
 @dataclass
@@ -150,9 +152,11 @@ def _start(client: Client, plan: RunPlan, hooks: RunHooks, target: _Target) -> N
         else:
             target.record = client.record(plan.reuse)
     elif plan.request is not None:
-        # HOOK(stage): the lead wires stage's launch preflight (weights present, verified) in here
+        # the weights preflight (weights/preflight.py) runs inside launch and serve, before anything is queued:
+        # an offline profile's unstaged model is refused (exit 11), or staged first with plan.stage
         if plan.replicas > 1 or plan.serve:
-            target.service = client.serve(plan.request, replicas=plan.replicas, api_key=plan.api_key, **plan.serve)
+            target.service = client.serve(plan.request, replicas=plan.replicas, api_key=plan.api_key,
+                                          stage=plan.stage, **plan.serve)
         else:
             target.record = _launch(client, plan)
         target.launched = True
@@ -178,7 +182,8 @@ def _launch(client: Client, plan: RunPlan) -> JobRecord:
     assert plan.request is not None
     started, name = time.time(), plan.request.name or slug(plan.request.model)
     try:
-        return client.launch_request(plan.request, api_key=plan.api_key, use_api_key=plan.use_api_key).record
+        return client.launch_request(plan.request, api_key=plan.api_key, use_api_key=plan.use_api_key,
+                                     stage=plan.stage).record
     except (SystemExit, KeyboardInterrupt) as exc:
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 130
         for record in client.store.all():

@@ -22,7 +22,8 @@ from pbs_toolkit.cli.options import (
 
 _RUN_EPILOG = """\b
 Exit status: COMMAND's own (128+N when signal N ended it). Before COMMAND runs, pbstk's own codes: 2 bad input
-(COMMAND not found too), 3 scheduler, 4 SSH, 5 server failed, 6 timeout, 7 unknown --reuse name, 8 registry;
+(COMMAND not found too), 3 scheduler, 4 SSH, 5 server failed, 6 timeout, 7 unknown --reuse name, 8 registry,
+11 weights not staged (--stage stages them first);
 130 (Ctrl-C) or 143 (SIGTERM) when interrupted while waiting (what was launched is cancelled).
 """
 
@@ -52,10 +53,12 @@ Exit status: COMMAND's own (128+N when signal N ended it). Before COMMAND runs, 
               help="Reach the server through a tunnel over the SSH connection even when the node answers here "
                    "(default: only when it does not).")
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait for READY.")
+@click.option("--stage", "stage_weights", is_flag=True,
+              help="Offline profile: download and verify the model's weights first if they are not staged.")
 def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None, accept_new_host_key: bool,
             api_key_env: str | None, no_api_key: bool, replicas: int, nodes_per_replica: int | None,
             policy: str | None, keep_alive: bool, reuse: str | None, registry: str | None, alias: str | None,
-            fmt: str, keep: bool, via_tunnel: bool, timeout: float, **kw: Any) -> None:
+            fmt: str, keep: bool, via_tunnel: bool, timeout: float, stage_weights: bool, **kw: Any) -> None:
     """Launch MODEL (or --reuse a READY job or service), wait until READY, run COMMAND against it, then drain
     and cancel the server; pbstk exits with COMMAND's exit status.
 
@@ -74,7 +77,7 @@ def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None,
     if reuse:
         model, command = None, list(words)
         if any(v not in (None, (), False) for v in kw.values()) or scheduler or ssh_host or replicas != 1 \
-                or keep_alive or policy or nodes_per_replica:
+                or keep_alive or policy or nodes_per_replica or stage_weights:
             raise UsageError("--reuse takes no launch or serve options: the job or service runs already")
     else:
         if not words:
@@ -86,7 +89,8 @@ def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None,
         serve["name"] = kw.pop("name", None)
     plan = RunPlan(command=command, reuse=reuse, replicas=replicas, serve=serve,
                    api_key=read_key_env(api_key_env, os.environ), use_api_key=not no_api_key,
-                   registry=registry, alias=alias, fmt=fmt, keep=keep, tunnel=via_tunnel, timeout=timeout)
+                   registry=registry, alias=alias, fmt=fmt, keep=keep, tunnel=via_tunnel, timeout=timeout,
+                   stage=stage_weights)
     if model is not None:
         from pbs_toolkit.campaigns.run import check_command
 

@@ -34,16 +34,18 @@ def _read_key_env(name: str | None) -> str | None:
 @click.option("--wait", "wait_ready", is_flag=True, help="Wait until the server is ready.")
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait with --wait.")
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--stage", "stage_weights", is_flag=True,
+              help="Offline profile: download and verify the model's weights first if they are not staged.")
 def launch(model: str, scheduler: str | None, ssh_host: str | None, accept_new_host_key: bool,
            api_key_env: str | None, no_api_key: bool, dry_run: bool, wait_ready: bool, timeout: float,
-           as_json: bool, **kw: Any) -> None:
+           as_json: bool, stage_weights: bool, **kw: Any) -> None:
     """Render, submit and record a vLLM server job for MODEL."""
     from pbs_toolkit.client import Client
 
     req = build_request(model, scheduler=scheduler, ssh_host=ssh_host, **kw)
     with Client(accept_new_host_key=accept_new_host_key) as c:  # one connection submits and waits
         result = c.launch_request(req, api_key=_read_key_env(api_key_env), use_api_key=not no_api_key,
-                                  dry_run=dry_run)
+                                  dry_run=dry_run, stage=stage_weights)
         _show_launch(result, dry_run, as_json)  # the id at once: a long queue must not hide which job it is
         ready = None
         if wait_ready and not dry_run:

@@ -52,7 +52,8 @@ def cli(ctx: click.Context, verbose: bool) -> None:
 
     Settings come, in order, from flags, PBSTK_* variables, ~/.config/pbstk/config.yaml, the site profile,
     and package defaults. Exit codes: 0 ok, 1 error, 2 bad input, 3 scheduler, 4 SSH, 5 server failed,
-    6 timeout, 7 unknown job, 8 registry, 9 scheduler did not answer, 10 job store unusable.
+    6 timeout, 7 unknown job, 8 registry, 9 scheduler did not answer, 10 job store unusable,
+    11 weights not staged or corrupt.
     """
     if verbose:
         _show_commands(ctx)
@@ -94,10 +95,11 @@ def _register() -> None:
         render_cmds,
         service_cmds,
         ssh_cmds,
+        weights_cmds,
     )
 
     for module in (render_cmds, job_cmds, service_cmds, endpoint_cmds, observe_cmds, clean_cmds, ssh_cmds,
-                   campaign_cmds):
+                   campaign_cmds, weights_cmds):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -48,10 +48,12 @@ def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
               help="Wait until every replica is READY in the router and a request with the key gets through.")
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait with --wait.")
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--stage", "stage_weights", is_flag=True,
+              help="Offline profile: download and verify the model's weights first if they are not staged.")
 @render_options
 def serve(model: str, replicas: int, nodes_per_replica: int | None, keep_alive: bool, handover: float,
           policy: str | None, api_key_env: str | None, wait_ready: bool, timeout: float, as_json: bool,
-          **kw: Any) -> None:
+          stage_weights: bool, **kw: Any) -> None:
     """Serve MODEL as a service: N replica jobs behind one vllm-router, one URL and one key.
 
     \b
@@ -67,7 +69,8 @@ def serve(model: str, replicas: int, nodes_per_replica: int | None, keep_alive: 
     req = build_request(model, **kw)
     with Client() as c:
         rec = c.serve(req, replicas=replicas, name=name, keep_alive=keep_alive, handover_s=handover, policy=policy,
-                      nodes_per_replica=nodes_per_replica, api_key=read_key_env(api_key_env, os.environ))
+                      nodes_per_replica=nodes_per_replica, api_key=read_key_env(api_key_env, os.environ),
+                      stage=stage_weights)
         if not as_json:
             click.echo(f"service {rec.name}: {rec.replicas} replica(s) submitted, router at {rec.url}")
             click.echo("next:")

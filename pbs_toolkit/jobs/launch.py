@@ -36,6 +36,7 @@ from pbs_toolkit.schedulers import JobRef, Scheduler, backend_class, get_schedul
 from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, settings_of
 from pbs_toolkit.settings.profiles import walltime_seconds
 from pbs_toolkit.transports import Runner, open_runner
+from pbs_toolkit.weights.preflight import preflight_weights
 
 DEFAULT_KEY_ENV = "PBSTK_API_KEY"
 
@@ -89,11 +90,13 @@ def launch(
     accept_unknown_host: bool = False,
     begin_at: float | None = None,
     after: str | None = None,
+    stage: bool = False,
 ) -> LaunchResult:
     """Render, write, submit and record one job (a ``RenderRequest`` is resolved first, once). With ``dry_run``
     only render: nothing is written, and without a ``runner`` nothing is connected to (paths on a remote host
     stay ``$HOME``-relative). ``begin_at`` and ``after``: when the scheduler may start it (``Scheduler.submit``;
-    a service's keep-alive successors)."""
+    a service's keep-alive successors). ``stage``: stage missing weights first
+    (``weights.preflight.preflight_weights``)."""
     store = store or JobStore()
     settings = settings_of(settings)
     if dry_run and runner is None:
@@ -112,6 +115,8 @@ def launch(
         record = job_record(settings.request, rendered, transport, key)
         if dry_run:
             return LaunchResult(record, rendered)
+        preflight_weights(runner, rendered.model, rendered.profile, stage=stage, vllm_args=rendered.vllm_args,
+                          note=_note)  # an offline profile's nodes must find the weights: refused before queuing
         scheduler = get_scheduler(rendered.profile.scheduler)
         scheduler.id_source = functools.partial(store.next_id, scheduler.name)  # backends that number their jobs
         with file_lock(store.path.parent / ".launch.lock", store.timeout, store.path):
@@ -123,6 +128,10 @@ def launch(
     finally:
         if own_runner:
             runner.close()
+
+
+def _note(line: str) -> None:
+    sys.stderr.write(f"pbstk: note: {line}\n")
 
 
 def _dry_run(settings: LaunchSettings, use_api_key: bool, api_key: str | None) -> LaunchResult:

@@ -36,6 +36,7 @@ from pbs_toolkit.settings.profiles import Profile, walltime_seconds
 from pbs_toolkit.settings.vllm_flags import check_env, check_flag, flag_name, is_automatic, version_tuple
 from pbs_toolkit.settings.vllm_overrides import apply_overrides
 from pbs_toolkit.transports.base import Runner
+from pbs_toolkit.weights.nodecopy import STAGE_SETTINGS
 
 #: Hugging Face repository ids: ``org/name`` or ``name``
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -372,7 +373,7 @@ def _check_env_name(key: str, version: tuple[int, ...]) -> None:
         raise UsageError(f"bad environment variable name {key!r}")
     if key == "VLLM_API_KEY":
         raise UsageError("VLLM_API_KEY is set by pbstk from the job's key file; use --api-key-env or --no-api-key")
-    if key in start_script_settings():
+    if key in start_script_settings() or key in STAGE_SETTINGS:  # the header's, and stage_to's block's
         raise UsageError(f"environment variable {key} would overwrite the start script's own setting {key}; "
                          "pick another name")
     problem = check_env(key, version)

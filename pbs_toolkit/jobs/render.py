@@ -149,7 +149,10 @@ def render_start_script(jenv: Any, context: dict[str, Any]) -> str:
     The body is plain bash kept in its own file so shellcheck reads it as it runs; everything that differs
     between launches is a variable in the header, and the body branches on those with bash ``if``s.
     """
-    return jenv.get_template(START_HEADER).render(**context) + _BODY.read_text(encoding="utf-8")
+    from pbs_toolkit.weights.nodecopy import stage_copy_block
+
+    header = jenv.get_template(START_HEADER).render(**context)
+    return header + stage_copy_block(context["profile"], context["vllm_args"]) + _BODY.read_text(encoding="utf-8")
 
 
 def _pair_flags(args: list[str]) -> list[list[str]]:

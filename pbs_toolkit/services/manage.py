@@ -99,6 +99,18 @@ class ServeOptions:
     policy: str | None = None
     nodes_per_replica: int | None = None
     api_key: str | None = field(default=None, repr=False)
+    #: stage a Hub model an offline profile's nodes lack before anything starts (weights/preflight.py)
+    stage: bool = False
+
+
+def _check_weights(session: ServiceSession, req: RenderRequest, profile: Profile, stage: bool) -> None:
+    """The weights preflight once for the service, before the router or any replica starts."""
+    import sys
+
+    from pbs_toolkit.weights.preflight import preflight_weights
+
+    preflight_weights(session.runner(profile.ssh_host or ""), req.model, profile, stage=stage,
+                      vllm_args=req.vllm_args, note=lambda line: sys.stderr.write(f"pbstk: note: {line}\n"))
 
 
 def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> ServiceRecord:
@@ -133,6 +145,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
     command = shlex.split(profile.router_command)
     if place != "job":  # a router job looks for it on its node (and fails with its own line)
         check_router_command(session, profile, command)
+    _check_weights(session, req, profile, opts.stage)
     rec = ServiceRecord(name=name, model=req.model, served_model_name=req.served_model_name or name,
                         profile=profile.name, replicas=opts.replicas, request=asdict(req),
                         transport=profile.ssh_host or "", scheduler=profile.scheduler, keep_alive=opts.keep_alive,

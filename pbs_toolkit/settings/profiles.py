@@ -59,6 +59,11 @@ class Profile:
     env: dict[str, str] = field(default_factory=dict)
     hf_home: str | None = None
     hf_hub_offline: bool = False
+    #: a node-local directory (e.g. /local/scratch): each node copies the staged weights there at job start and
+    #: vLLM loads that copy (docs/weights.md); empty: vLLM reads the shared filesystem
+    stage_to: str = ""
+    #: at most this many nodes copy to ``stage_to`` at once (the shared filesystem's readers)
+    stage_to_parallel: int = 8
     vllm_cache_root: str | None = None
     #: a container image (Apptainer/Singularity .sif, or docker://...) that vLLM runs in; empty: no container
     container: str = ""
@@ -301,7 +306,20 @@ def validate(p: Profile) -> Profile:
         value = getattr(p, key)
         if value is not None and ("\n" in value or not value.strip()):
             raise ConfigError(f"{where}: key {key!r} must be a path on one line")
+    _validate_stage_to(p, where)
     return p
+
+
+def _validate_stage_to(p: Profile, where: str) -> None:
+    """``stage_to``: an absolute path on the nodes' own disk; ``stage_to_parallel``: a node count."""
+    if p.stage_to and (not isinstance(p.stage_to, str) or not p.stage_to.startswith("/")
+                       or not p.stage_to.isprintable()):
+        raise ConfigError(f"{where}: key 'stage_to' must be an absolute path on the nodes' local disk, "
+                          f"got {p.stage_to!r}")
+    parallel = p.stage_to_parallel
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= MAX_NODES:
+        raise ConfigError(f"{where}: key 'stage_to_parallel' must be a whole number of nodes from 1 to {MAX_NODES}, "
+                          f"got {parallel!r}")
 
 
 def _validate_multinode(p: Profile, where: str) -> None:

@@ -540,6 +540,8 @@ if [ "$NODE_ROLE" = true ]; then
   fi
   export PBSTK_NODE_RANK=$NODE_RANK PBSTK_NNODES=$NNODES
 fi
+# profile key stage_to: this node's copy of the weights on its own disk (server/stage_copy.sh, docs/weights.md)
+[ -n "${STAGE_TO:-}" ] && pbstk_stage_copy
 
 # --- the address clients (and the other nodes) use to reach this node; a launcher may name it ---
 case "$ADDRESS_MODE" in
