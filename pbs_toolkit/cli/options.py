@@ -130,10 +130,22 @@ def render_options(f: F) -> F:
                      help="Extra vLLM argument (repeat; use --vllm-arg=--flag=value); it replaces the "
                           "preset's value of that flag."),
         click.option("--env", "env", multiple=True, help="K=V exported in the job (repeat)."),
+        click.option("--idle-cancel", callback=_idle_duration, metavar="DURATION",
+                     help="Stop the server after this long without a request (30m, 2h; off). Default: the "
+                          "profile's idle_cancel (off). On serve: ends the whole service (docs/idle.md)."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def _idle_duration(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--idle-cancel``: checked now (one error line), passed on as written (``off`` switches a default off)."""
+    from pbs_toolkit.durations import parse
+
+    if value is not None:
+        parse(value, "--idle-cancel", off=True)
+    return value
 
 
 def parse_port(value: str | None) -> int | str | None:

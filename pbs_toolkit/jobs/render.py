@@ -80,6 +80,8 @@ class RenderRequest:
     vllm_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     run_dir: str | None = None
+    #: ``--idle-cancel``: stop the server after this long without a request (``30m``; ``off``); None: profile's
+    idle_cancel: str | None = None
 
 
 @dataclass
@@ -282,7 +284,7 @@ def request_flags(req: RenderRequest) -> dict[str, Any]:
         "venv": req.venv, "runs_root": req.runs_root, "vllm_version": req.vllm_version,
         "hf_home": req.hf_home, "vllm_cache_root": req.vllm_cache_root,
         "scheduler": req.scheduler, "ssh_host": req.ssh_host,
-        "port": req.port if isinstance(req.port, int) else None,
+        "port": req.port if isinstance(req.port, int) else None, "idle_cancel": req.idle_cancel,
     }
 
 
@@ -380,7 +382,7 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
         "vllm_arg_lines": _pair_flags(args), "port_span": PORT_SPAN,
         "compile_error_re": COMPILE_ERROR_RE, "port_in_use_re": PORT_IN_USE_RE,
         "proxy": any(k.lower() in ("http_proxy", "https_proxy") for k in env),
-        "phase_lines": bash_assignments(), "plan": plan,
+        "phase_lines": bash_assignments(), "plan": plan, "idle_cancel_s": idle_seconds(profile),
     }
     backend = backend_class(profile.scheduler)
     jenv = _environment(backend.template_dir)
@@ -391,6 +393,13 @@ def render(req: RenderRequest, runner: Runner | None = None) -> RenderedJob:
         profile=profile, port=port, fixed_port=fixed_port, vllm_args=args, notes=notes, params_b=params,
         plan=plan,
     )
+
+
+def idle_seconds(profile: Profile) -> int:
+    """The profile's ``idle_cancel`` (flag, env, config.yaml or profile) in whole seconds; 0: off."""
+    from pbs_toolkit.durations import parse
+
+    return int(round(parse(profile.idle_cancel, "--idle-cancel", off=True)))
 
 
 def plan_layout(req: RenderRequest) -> tuple[Preset, NodePlan, float | None]:

@@ -27,6 +27,7 @@ from typing import Any
 
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, SchedulerError, SchedulerUnavailable, TransportError
+from pbs_toolkit.jobs import idle
 from pbs_toolkit.jobs.nodes import NodeMarker, NodesView, node_log_name, node_phase_text
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView, look, look_all
 from pbs_toolkit.jobs.store import JobRecord, JobStore
@@ -147,7 +148,7 @@ class JobStatus:
             "walltime_left_s": _rounded(self.walltime_left_s), "walltime_ending": self.walltime_ending,
             "estimated_start": self.estimated_start,
             "nnodes": self.nnodes, "nodes_ready": self.nodes_ready, "nodes": self.nodes,
-            "failed_node": self.failed_node,
+            "failed_node": self.failed_node, "ended": idle.ended_how(self.state.value, self.reason),
         }
 
 
@@ -428,6 +429,7 @@ def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, st
         _save(store, record, **{ABSENCE_KEY: None})
     st = combine(record, sched, view.marker, view.lines, view.health, identity=view.identity, absence=absence,
                  answered=answered)
+    st = idle.mark(st, view.lines)  # stopped by its idle watcher (--idle-cancel): says so
     if view.nodes is not None:
         st = with_nodes(st, view.nodes, (view.marker or {}).get("reason"), view.lines)
     if view.identity is not None and view.identity.ours and view.marker:
