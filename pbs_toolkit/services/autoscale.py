@@ -141,7 +141,7 @@ def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision,
         return act("up", f"{obs.target} replica(s), below --min-replicas {spec.min_replicas}", obs.target + 1)
     if obs.target > top:
         return act("down", f"{obs.target} replicas, above {why_top} ({top})", obs.target - 1)
-    waiting = f"{obs.waiting:g} request(s) waiting (> {spec.up_waiting:g}) for {above} tick(s)"
+    waiting = f"{obs.waiting or 0:g} request(s) waiting (> {spec.up_waiting:g}) for {above} tick(s)"
     if above >= UP_TICKS:
         if obs.starting:
             return Decision("hold", f"{waiting}, but {obs.starting} replica(s) still queued or starting count "
