@@ -44,6 +44,7 @@ from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.readiness import scheduler_intervals
 from pbs_toolkit.services import record as records
+from pbs_toolkit.services import scaler
 from pbs_toolkit.services.manage import launch_replica, poll_seconds, service_dir
 from pbs_toolkit.services.ready import routable_count, still_starting, worker_url
 from pbs_toolkit.services.record import ServiceRecord, Slot
@@ -265,9 +266,12 @@ def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> L
         admin = link.get(rec)
         try:
             in_router = set(admin.workers())
+            idle = _scale(client, rec, statuses, in_router, failed)
+            if idle:
+                return _end_idle(client, rec, idle, Look(statuses, in_router, failed))
             for slot in rec.slots:
                 try:  # one slot that fails (a launch refused, a job that cannot be cancelled) spoils no other
-                    _reconcile(client, rec, slot, statuses, admin, in_router)
+                    (_retire if slot.retiring else _reconcile)(client, rec, slot, statuses, admin, in_router)
                 except intents.ServiceEnded:
                     raise
                 except PbstkError as exc:
@@ -277,6 +281,7 @@ def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> L
         except PbstkError:
             link.drop()  # a router or tunnel that failed is opened afresh next tick
             raise
+    rec.slots = [s for s in rec.slots if not (s.retiring and not s.jobs() and not s.launching)]  # retired
     rec.ready = routable_count(rec.slots, statuses, in_router)
     rec.ever_ready = rec.ever_ready or rec.ready >= rec.replicas
     rec.state = service_state(rec, rec.ready, still_starting(rec.slots, statuses, in_router))
@@ -285,6 +290,45 @@ def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> L
             _log(f"service ended while {job} was launched: cancelling it")
             client.cancel(job)
     return Look(statuses, in_router, failed)
+
+
+def _scale(client: Client, rec: ServiceRecord, statuses: dict[str, JobStatus], in_router: set[str],
+           failed: list[str]) -> str | None:
+    """Autoscaling and ``--idle-cancel`` (services/scaler.py), before the slots, which carry a decision out;
+    why the service must end now (idle), or ``None``. A failure (a launch refused) is this tick's error."""
+    try:
+        return scaler.step(client, rec, statuses, in_router)
+    except PbstkError as exc:
+        failed.append(f"scaling: {exc.message}")
+        _log(failed[-1])
+        return None
+
+
+def _end_idle(client: Client, rec: ServiceRecord, why: str, seen: Look) -> Look:
+    """``--idle-cancel`` of the service: the keeper ends the whole service itself (recorded ENDED, ``why`` kept)."""
+    from pbs_toolkit.services.stop import teardown
+
+    rec.end_reason = why
+    if records.save(client.store, rec):
+        _log(f"service {rec.name} ends: {why}")
+        teardown(client, rec, "ENDED", keeper_wait_s=0)  # never waits for (or stops) this keeper
+    return seen
+
+
+def _retire(client: Client, rec: ServiceRecord, slot: Slot, statuses: dict[str, JobStatus], admin: RouterAdmin,
+            in_router: set[str]) -> None:
+    """A slot the autoscaler removes: its jobs leave the router; the one serving drains like a handed-over
+    predecessor (``_drain``), the others are cancelled now; the tick drops the slot once it holds no job."""
+    for url in scaler.retire_jobs(slot, statuses, in_router):
+        admin.remove_worker(url)
+        in_router.discard(url)
+        _log(f"slot {slot.index}: removed {url} from the router (scaling down)")
+    for job in scaler.to_cancel(slot, statuses):
+        st = statuses.get(job)
+        if st is None or not st.state.final:
+            client.cancel(st.record if st is not None else job)
+            _log(f"slot {slot.index}: cancelled {job} (scaling down)")
+    _drain(client, slot, statuses)
 
 
 def _statuses(client: Client, jobs: list[str]) -> tuple[dict[str, JobStatus], set[str]]:

@@ -23,6 +23,7 @@ from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.record import ServiceRecord, Slot
+from pbs_toolkit.services.scaler import configure, status_fields
 from pbs_toolkit.services.state import service_state, serving_job
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class ServeOptions:
     policy: str | None = None
     nodes_per_replica: int | None = None
     api_key: str | None = field(default=None, repr=False)
+    scale: Any = None  # services/autoscale.py ScaleSpec: autoscaling between its min and max replicas
 
 
 def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceRecord:
@@ -123,6 +125,7 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
     from pbs_toolkit.jobs.render import checked_profile, slug
     from pbs_toolkit.settings.profiles import ROUTER_POLICIES, walltime_seconds
 
+    req, opts, extra = configure(req, opts)  # --min/--max-replicas, --idle-cancel: services/scaler.py
     if opts.replicas < 1:
         raise UsageError(f"--replicas {opts.replicas}: a service needs at least 1 replica")
     if opts.replicas > MAX_REPLICAS:
@@ -153,7 +156,7 @@ def start(client: Client, req: RenderRequest, opts: ServeOptions) -> ServiceReco
                         transport=profile.ssh_host or "", scheduler=profile.scheduler, keep_alive=opts.keep_alive,
                         handover_s=opts.handover_s, walltime_s=walltime_s, policy=policy,
                         slots=[Slot(k) for k in range(opts.replicas)],
-                        api_key=opts.api_key or secrets.token_urlsafe(32))
+                        api_key=opts.api_key or secrets.token_urlsafe(32), **extra)
     records.create(client.store, rec)  # refuses a second active service of that name
     try:
         _start_router(client, rec, profile, command, place)
@@ -324,7 +327,7 @@ def stop_keeper(name: str, timeout: float) -> None:
         time.sleep(0.1)
     try:
         info = json.loads((service_dir(name) / "keeper.json").read_text())
-        if launcher_alive(info["token"]):
+        if int(info["pid"]) != os.getpid() and launcher_alive(info["token"]):  # the keeper's own teardown: idle
             os.kill(int(info["pid"]), signal.SIGTERM)
     except (OSError, ValueError, KeyError):
         pass
@@ -388,8 +391,7 @@ class ServiceStatus:
             "router_job": {**rec.router_job, "state": self.router_job_state} if rec.router_job else None,
             "router_workers": self.route.workers if self.route is not None else None,
             "route_status": self.route.status if self.route is not None else None,
-            "slots": [asdict(s) for s in rec.slots],
-            "jobs": [s.to_dict() for s in self.replicas],
+            "slots": [asdict(s) for s in rec.slots], **status_fields(rec), "jobs": [s.to_dict() for s in self.replicas],
         })
 
 
