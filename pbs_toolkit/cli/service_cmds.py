@@ -72,7 +72,8 @@ def serve(model: str, replicas: int | None, nodes_per_replica: int | None, keep_
     req = build_request(model, **kw)
     with Client() as c:
         rec = c.serve(req, replicas=replicas or 1, name=name, scale=scale, keep_alive=keep_alive,
-                      handover_s=handover, policy=policy, nodes_per_replica=nodes_per_replica, api_key=read_key_env(api_key_env, os.environ))
+                      handover_s=handover, policy=policy, nodes_per_replica=nodes_per_replica,
+                      api_key=read_key_env(api_key_env, os.environ))
         if not as_json:
             click.echo(f"service {rec.name}: {rec.replicas} replica(s) submitted, router at {rec.url}")
             click.echo("next:")
