@@ -18,7 +18,8 @@ from pbs_toolkit.endpoints.registry import read_endpoints
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
 
-pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
+pytestmark = [pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python"),
+              pytest.mark.usefixtures("svc_profile")]
 
 
 def serve(*args: str) -> Any:
@@ -60,7 +61,7 @@ class Load:
             t.join(70)
 
 
-def test_an_autoscaling_service_grows_under_a_queue_and_shrinks_when_idle(svc_profile: str) -> None:
+def test_an_autoscaling_service_grows_under_a_queue_and_shrinks_when_idle() -> None:
     result = serve("--name", "auto", "--min-replicas", "1", "--max-replicas", "2", "--scale-up-waiting", "1",
                    "--scale-down-idle", "2s", "--vllm-arg=--max-num-seqs=2", "--wait", "--timeout", "60")
     assert result.exit_code == 0, result.output
@@ -97,7 +98,7 @@ def test_an_autoscaling_service_grows_under_a_queue_and_shrinks_when_idle(svc_pr
     assert pbstk("cancel", "auto").exit_code == 0
 
 
-def test_idle_cancel_on_a_service_ends_the_whole_service(svc_profile: str, isolated_user: Path) -> None:
+def test_idle_cancel_on_a_service_ends_the_whole_service(isolated_user: Path) -> None:
     result = serve("--name", "lazy", "--replicas", "2", "--idle-cancel", "2s", "--wait", "--timeout", "60")
     assert result.exit_code == 0, result.output
     rec = records.find(JobStore(), "lazy")
@@ -134,7 +135,7 @@ def test_idle_cancel_on_a_service_ends_the_whole_service(svc_profile: str, isola
     (["--max-replicas", "2", "--scale-down-idle", "soon"], "--scale-down-idle"),
     (["--min-replicas", "0", "--max-replicas", "2"], "--min-replicas"),
 ])
-def test_bad_scaling_options_are_one_error_line(svc_profile: str, args: list[str], words: str) -> None:
+def test_bad_scaling_options_are_one_error_line(args: list[str], words: str) -> None:
     result = serve("--name", "bad", *args)
     assert result.exit_code == 2, result.output
     assert result.output.count("pbstk: error:") == 1 and words in result.output, result.output

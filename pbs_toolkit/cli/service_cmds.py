@@ -71,7 +71,7 @@ def serve(model: str, replicas: int | None, nodes_per_replica: int | None, keep_
                        kw.pop("scale_down_idle"))
     req = build_request(model, **kw)
     with Client() as c:
-        rec = c.serve(req, replicas=replicas or 1, name=name, scale=scale, keep_alive=keep_alive,
+        rec = c.serve(req, replicas=1 if replicas is None else replicas, name=name, scale=scale, keep_alive=keep_alive,
                       handover_s=handover, policy=policy, nodes_per_replica=nodes_per_replica,
                       api_key=read_key_env(api_key_env, os.environ))
         if not as_json:
