@@ -9,9 +9,11 @@ import json
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import MODEL, pbstk, status_of, wait_recorded
+from test_slurm_real import cli as slurm_cli  # noqa: F401 - a fixture: pbstk with the cluster's environment
 
 from pbs_toolkit.durations import parse
 from pbs_toolkit.endpoints.registry import read_endpoints
@@ -102,3 +104,38 @@ def test_durations_and_the_log_line() -> None:
         parse("off", "x")
     assert idle_seconds(["pbstk: 10:00:00 ended idle: no request for 1800s; stopping vLLM (pid 7)"]) == 1800
     assert idle_seconds(["vllm: ended idle: no request for 1800s"]) is None
+
+
+# -- a real Slurm (tests/slurm_cluster.py; in conftest's ONE_WORKER "slurm" group) --------------------------------
+
+
+def test_idle_reclaim_on_a_real_slurm(slurm_cluster: Any, slurm_cli: Any, tmp_path: Path) -> None:  # noqa: F811
+    import yaml
+
+    cli = slurm_cli
+
+    profile = tmp_path / "slurm-idle.yaml"
+    profile.write_text(yaml.safe_dump({
+        "scheduler": "slurm", "slurm": {"queue": slurm_cluster.partition}, "nodes": 1,
+        "gpus_per_node": slurm_cluster.gpus_per_node, "cpus_per_node": 1, "walltime": "00:10:00",
+        "address": "loopback", "bind_host": "127.0.0.1", "vllm_version": "0.11.0", "idle_cancel": "3s"}))
+    result = cli("launch", MODEL, "--profile", str(profile), "--preset", "single", "--port", "auto", "--wait",
+                 "--timeout", "90")
+    assert result.returncode == 0, result.stdout + result.stderr
+    job = result.stdout.splitlines()[0].split()[1]
+    registry = tmp_path / "endpoints.json"
+    assert cli("update-endpoint", job, "--registry", str(registry)).returncode == 0
+    assert read_endpoints(registry)
+    deadline = time.monotonic() + 60
+    while True:
+        st = json.loads(cli("status", job, "--json").stdout)[0]
+        if st["state"] != "READY" or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    if st["state"] != "FINISHED":  # the scheduler may say COMPLETING for a moment
+        time.sleep(3)
+        st = json.loads(cli("status", job, "--json").stdout)[0]
+    assert st["state"] == "FINISHED" and st["ended"] == "idle", st
+    assert st["reason"] == "ended idle after 3s without a request", st
+    assert st["scheduler_state"] == "COMPLETED", st
+    assert read_endpoints(registry) == {}
