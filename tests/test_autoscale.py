@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from pbs_toolkit.errors import UsageError
@@ -108,3 +110,72 @@ def test_below_min_grows_and_no_metrics_holds() -> None:
 def test_bad_specs(spec: ScaleSpec, words: str) -> None:
     with pytest.raises(UsageError, match=words):
         spec.check(1000)
+
+
+# -- services/scaler.py's pure parts: the idle watch of a service, retiring a slot, the status line -----------------
+
+def _st(job: str, state: str = "READY", port: int = 9000, args: tuple[str, ...] = ()) -> Any:
+    from pbs_toolkit.jobs.spec import LaunchSpec
+    from pbs_toolkit.jobs.status import JobStatus, ServerState
+    from pbs_toolkit.jobs.store import JobRecord
+
+    record = JobRecord(job_id=job, scheduler="local", profile="p", model="m", served_model_name="m", preset="x",
+                       name=job, run_dir="/nonexistent", spec=LaunchSpec(vllm_args=list(args)))
+    return JobStatus(record=record, state=ServerState(state), address="127.0.0.1", port=port)
+
+
+def _snap(running: float = 0, waiting: float = 0, success: float = 0) -> Any:
+    from pbs_toolkit.vllm.prom import MetricsSnapshot
+
+    return MetricsSnapshot(timestamp=0, running=running, waiting=waiting, requests_success=success)
+
+
+def _rec(**kw: Any) -> Any:
+    from pbs_toolkit.services.record import ServiceRecord
+
+    return ServiceRecord(name="s", model="m", served_model_name="m", profile="p", replicas=1, request={}, **kw)
+
+
+def test_a_service_is_idle_only_when_nothing_ran_waited_or_finished_for_the_duration() -> None:
+    from pbs_toolkit.services.scaler import idle_end
+
+    rec = _rec(idle_cancel_s=10)
+    assert idle_end(rec, {"a": _snap(success=3)}, 1, 0) is None  # first look: the counter is new
+    assert idle_end(rec, {"a": _snap(success=3)}, 1, 9) is None
+    why = idle_end(rec, {"a": _snap(success=3)}, 1, 10)
+    assert why is not None and why.startswith("idle: no request for 10s")
+    for busy in ({"a": _snap(running=1, success=3)}, {"a": _snap(waiting=2, success=3)},
+                 {"a": _snap(success=4)}, {}):  # running, waiting, a request finished, or no replica answered
+        rec = _rec(idle_cancel_s=10, idle={"since": 0.0, "sig": '[["a", 3]]'})
+        assert idle_end(rec, busy, 1, 50) is None and rec.idle["since"] == 50
+    rec = _rec(idle_cancel_s=10, idle={"since": 0.0, "sig": '[["a", 3]]'})
+    assert idle_end(rec, {"a": _snap(success=3)}, 2, 50) is None  # one of two routable replicas did not answer
+    assert idle_end(_rec(), {}, 0, 50) is None  # off
+
+
+def test_retiring_a_slot_drains_what_serves_and_cancels_the_rest() -> None:
+    from pbs_toolkit.services.record import Slot
+    from pbs_toolkit.services.scaler import capacity, retire_jobs, to_cancel
+
+    statuses = {"j1": _st("j1", port=9001, args=("--max-num-seqs", "6")), "j2": _st("j2", "PENDING", 9002)}
+    slot = Slot(3, current="j1", successor="j2", retiring=True)
+    assert retire_jobs(slot, statuses, {"http://127.0.0.1:9001", "http://127.0.0.1:9009"}) == ["http://127.0.0.1:9001"]
+    assert to_cancel(slot, statuses) == ["j2"]
+    assert (slot.current, slot.successor, slot.draining) == (None, None, "j1")
+    queued = Slot(4, current="j2", retiring=True)
+    assert to_cancel(queued, statuses) == ["j2"] and queued.draining is None and not queued.jobs()
+    # a keep-alive predecessor still drains: the serving job waits its turn (out of the router already)
+    busy = Slot(5, current="j1", draining="j0", retiring=True)
+    assert to_cancel(busy, statuses) == [] and (busy.current, busy.draining) == ("j1", "j0")
+    assert capacity(statuses) == 6 and capacity({"j2": statuses["j2"]}) is None
+
+
+def test_the_status_line() -> None:
+    from pbs_toolkit.services.scaler import summary
+
+    scale = {"spec": {"min_replicas": 1, "max_replicas": 4}, "last": {"action": "up", "reason": "7 waiting", "at": 0},
+             "now": {"action": "hold", "reason": "spare capacity"}}
+    text = summary(scale, 2, 1)
+    assert text is not None and text.startswith("autoscaling 1..4: target 2, 1 routable; last: up at ")
+    assert text.endswith("(7 waiting); now: spare capacity")
+    assert summary({}, 2, 2) is None

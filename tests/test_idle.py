@@ -64,6 +64,8 @@ def _idle_run(job: str, registry: Path) -> None:
 def test_idle_reclaim_on_the_local_scheduler(standins: Path, tmp_path: Path) -> None:
     job = _launch(*LOCAL, "--name", "idle", "--idle-cancel", "2s")
     _idle_run(job, tmp_path / "endpoints.json")
+    assert "idle reclaim: vLLM is stopped after 2s without a request" in Path(
+        JobStore().find(job).run_dir, "vllm.log").read_text()
 
 
 def test_idle_reclaim_under_the_fake_pbs_from_the_profile(fakepbs: Path, standins: Path, tmp_path: Path) -> None:
@@ -80,7 +82,7 @@ def test_without_idle_cancel_a_server_keeps_running(standins: Path, tmp_path: Pa
     assert pbstk("wait", job, "--timeout", "30").exit_code == 0
     run_dir = JobStore().find(job).run_dir
     assert "IDLE_CANCEL_S=0\n" in Path(run_dir, "start_vllm.sh").read_text()
-    time.sleep(2.5)  # what a watcher with 2s would have stopped by now  # noqa: ASYNC251
+    assert "idle reclaim" not in Path(run_dir, "vllm.log").read_text()  # no watcher was started
     assert status_of(job)["state"] == "READY"
     assert pbstk("cancel", job).exit_code == 0
     assert wait_recorded(job, "CANCELLED")["ended"] is None

@@ -188,12 +188,9 @@ def shrink(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router: set
 
 
 def retire_jobs(slot: Slot, statuses: Mapping[str, JobStatus], in_router: set[str]) -> list[str]:
-    """A retiring slot's first step: the urls of its jobs to take out of the router now; its current job becomes
-    the one to drain when it serves (READY), and the rest (a queued successor, a job not READY) is returned by
-    ``to_cancel``."""
-    urls = [u for j in (slot.current, slot.successor) if j and (st := statuses.get(j)) is not None
+    """A retiring slot's first step: the urls of its jobs to take out of the router now (then ``to_cancel``)."""
+    return [u for j in (slot.current, slot.successor) if j and (st := statuses.get(j)) is not None
             and (u := worker_url(st)) is not None and u in in_router]
-    return urls
 
 
 def to_cancel(slot: Slot, statuses: Mapping[str, JobStatus]) -> list[str]:
@@ -201,7 +198,11 @@ def to_cancel(slot: Slot, statuses: Mapping[str, JobStatus]) -> list[str]:
     ``draining``."""
     cancel = []
     cur = statuses.get(slot.current or "")
-    if slot.current and cur is not None and cur.state.value == "READY" and not slot.draining:
+    serves = slot.current and cur is not None and cur.state.value == "READY"
+    if serves and slot.draining:  # a keep-alive predecessor still drains: this one (out of the router) waits
+        gone, slot.successor = slot.successor, None
+        return [gone] if gone else []
+    if serves:
         slot.draining, slot.drain_started = slot.current, time.time()
     elif slot.current:
         cancel.append(slot.current)
