@@ -453,6 +453,7 @@ pbstk_stop() {
   exit 143
 }
 pbstk_kill_server() {
+  [ "${IDLE_PID:-0}" -gt 0 ] && kill "$IDLE_PID" 2>/dev/null  # the idle watcher (--idle-cancel), if any
   if [ "$SERVER_PID" -gt 0 ]; then
     kill -TERM "$SERVER_PID" 2>/dev/null
     wait "$SERVER_PID" 2>/dev/null
