@@ -46,19 +46,19 @@ def _idle_run(job: str, registry: Path) -> None:
     st = status_of(job)
     key = JobStore().find(job).api_key
     started = time.monotonic()
-    _post(st, key, delay=3.5)  # running for longer than the idle time: not idle
-    for _ in range(3):  # a new request every second: not idle either
+    _post(st, key, delay=3.0)  # running for longer than the idle time: not idle
+    for _ in range(2):  # a new request every second: not idle either
         _post(st, key)
         time.sleep(1.0)
-    assert status_of(job)["state"] == "READY", "stopped while requests came in"
+    log = Path(JobStore().find(job).run_dir, "vllm.log")
+    assert "ended idle" not in log.read_text(), "stopped while requests came in"
     st = wait_recorded(job, "FINISHED", timeout=40)
-    assert time.monotonic() - started > 6.0
+    assert time.monotonic() - started > 5.0
     assert st["ended"] == "idle" and st["reason"].startswith("ended idle after 2s"), st
     assert st["exit_status"] == 0
     assert job not in {e.job_id for e in read_endpoints(registry).values()}, "the registry entry stayed"
     assert read_endpoints(registry) == {}
-    log = Path(JobStore().find(job).run_dir, "vllm.log").read_text()
-    assert "ended idle: no request for 2s" in log and Path(JobStore().find(job).run_dir, "ended_idle").is_file()
+    assert "ended idle: no request for 2s" in log.read_text() and Path(JobStore().find(job).run_dir, "ended_idle").is_file()
 
 
 def test_idle_reclaim_on_the_local_scheduler(standins: Path, tmp_path: Path) -> None:

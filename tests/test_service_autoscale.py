@@ -62,8 +62,10 @@ class Load:
 
 
 def test_an_autoscaling_service_grows_under_a_queue_and_shrinks_when_idle() -> None:
+    # with keep-alive: every replica, the added one too, gets its successor (queued until its handover time)
     result = serve("--name", "auto", "--min-replicas", "1", "--max-replicas", "2", "--scale-up-waiting", "1",
-                   "--scale-down-idle", "2s", "--vllm-arg=--max-num-seqs=2", "--wait", "--timeout", "60")
+                   "--scale-down-idle", "2s", "--vllm-arg=--max-num-seqs=2", "--keep-alive", "--handover", "5m",
+                   "--wait", "--timeout", "60")
     assert result.exit_code == 0, result.output
     doc = service_json("auto")
     assert (doc["replicas"], doc["ready"]) == (1, 1) and doc["autoscale"]["spec"]["max_replicas"] == 2
@@ -90,11 +92,13 @@ def test_an_autoscaling_service_grows_under_a_queue_and_shrinks_when_idle() -> N
     assert shrunk["autoscale"]["last"]["action"] == "down", shrunk["autoscale"]
     assert "no request waiting" in shrunk["autoscale"]["last"]["reason"]
     assert light.failed == 0 and light.ok > 0, light.errors[:3]
-    gone = [j for j in JobStore().all() if j.name.startswith("auto-r") and j.job_id not in
-            {s["current"] for s in shrunk["slots"]}]
-    assert len(gone) == 1
-    wait_for(lambda: pbstk("status", gone[0].job_id, "--json").stdout.count('"CANCELLED"'), 20,
-             "the removed replica cancelled after its drain")
+    kept = {j for s in shrunk["slots"] for j in (s["current"], s["successor"]) if j}
+    assert len(kept) == 2 and shrunk["slots"][0]["successor"], shrunk["slots"]  # the kept replica's successor
+    gone = [j for j in JobStore().all() if j.name.startswith("auto-r") and j.job_id not in kept]
+    assert {j.name for j in gone} == {"auto-r1", "auto-r1-g1"}, [j.name for j in gone]  # no replacement launched
+    for job in gone:  # the serving one after its drain, its queued successor at once
+        wait_for(lambda job=job: pbstk("status", job.job_id, "--json").stdout.count('"CANCELLED"'), 20,
+                 f"the removed replica's job {job.name} cancelled")
     assert pbstk("cancel", "auto").exit_code == 0
 
 

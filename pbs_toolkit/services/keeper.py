@@ -270,6 +270,8 @@ def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> L
             if idle:
                 return _end_idle(client, rec, idle, Look(statuses, in_router, failed))
             for slot in rec.slots:
+                if slot.current and slot.current not in before:  # just added by scaling up: looked at next tick
+                    continue
                 try:  # one slot that fails (a launch refused, a job that cannot be cancelled) spoils no other
                     (_retire if slot.retiring else _reconcile)(client, rec, slot, statuses, admin, in_router)
                 except intents.ServiceEnded:
