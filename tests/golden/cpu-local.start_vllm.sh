@@ -752,7 +752,8 @@ pbstk_idle_watch() {
       since=$SECONDS
     fi
     last=$success
-    if [ $((SECONDS - since)) -ge "$IDLE_CANCEL_S" ]; then
+    # -gt: SECONDS counts whole seconds, so "2 more" may be 1.01 s of real time; never stop early
+    if [ $((SECONDS - since)) -gt "$IDLE_CANCEL_S" ]; then
       date +%s >"$RUN_DIR/ended_idle"
       pbstk_log "ended idle: no request for ${IDLE_CANCEL_S}s; stopping vLLM (pid $SERVER_PID)"
       kill -TERM "$SERVER_PID" 2>/dev/null
