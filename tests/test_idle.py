@@ -43,6 +43,7 @@ def _idle_run(job: str, registry: Path) -> None:
     result = pbstk("wait", job, "--timeout", "30")
     assert result.exit_code == 0, result.output
     assert pbstk("update-endpoint", job, "--registry", str(registry), "--timeout", "30").exit_code == 0
+    assert read_endpoints(registry), "nothing registered"
     st = status_of(job)
     key = JobStore().find(job).api_key
     started = time.monotonic()

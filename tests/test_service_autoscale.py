@@ -138,6 +138,7 @@ def test_idle_cancel_on_a_service_ends_the_whole_service(isolated_user: Path) ->
     (["--scale-down-idle", "5m"], "need --max-replicas"),
     (["--max-replicas", "2", "--scale-down-idle", "soon"], "--scale-down-idle"),
     (["--min-replicas", "0", "--max-replicas", "2"], "--min-replicas"),
+    (["--max-replicas", "2", "--port", "8123"], "--port 8123 with --replicas 2 on the local scheduler"),
 ])
 def test_bad_scaling_options_are_one_error_line(args: list[str], words: str) -> None:
     result = serve("--name", "bad", *args)

@@ -42,7 +42,7 @@ def configure(req: RenderRequest, opts: ServeOptions) -> tuple[RenderRequest, Se
     from dataclasses import replace
 
     from pbs_toolkit.jobs.render import idle_seconds, resolve_profile
-    from pbs_toolkit.services.manage import MAX_REPLICAS
+    from pbs_toolkit.services.manage import MAX_REPLICAS, check_fixed_port
 
     profile = resolve_profile(req)[0]
     extra: dict[str, Any] = {"idle_cancel_s": float(idle_seconds(profile))}
@@ -50,6 +50,8 @@ def configure(req: RenderRequest, opts: ServeOptions) -> tuple[RenderRequest, Se
     spec = opts.scale
     if spec is not None:
         spec.check(MAX_REPLICAS)
+        if spec.max_replicas > 1:  # every replica it may add must pass the fixed-port rule of a fixed count
+            check_fixed_port(profile, req, replace(opts, replicas=spec.max_replicas))
         per_replica = 2 if opts.keep_alive else 1  # a keep-alive replica needs room for its successor
         extra["scale"] = {"spec": spec.to_dict(), "memory": {}, "next_index": spec.min_replicas,
                           "job_cap": profile.max_running_jobs // per_replica}
