@@ -59,6 +59,7 @@ def serve(model: str, replicas: int | None, nodes_per_replica: int | None, keep_
 
     \b
       pbstk serve Qwen/Qwen3-VL-2B-Instruct --replicas 2 --name qwen --wait
+      pbstk serve MODEL --min-replicas 1 --max-replicas 4 --idle-cancel 2h   # autoscaled, ends unused
       pbstk update-endpoint qwen        # registers the router's URL
       pbstk cancel qwen                 # replicas, router and keeper
     """
