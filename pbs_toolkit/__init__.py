@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from pbs_toolkit.version import __version__
 
 _LAZY = {
     "Client": ("pbs_toolkit.client", "Client"),
@@ -23,7 +23,7 @@ _LAZY = {
     "BenchResult": ("pbs_toolkit.client", "BenchResult"),
     "LevelResult": ("pbs_toolkit.perf.benchjob", "LevelResult"),
     "TuneReport": ("pbs_toolkit.perf.tune", "TuneReport"),
-    "RenderRequest": ("pbs_toolkit.jobs.render", "RenderRequest"),
+    "RenderRequest": ("pbs_toolkit.settings.launch_settings", "RenderRequest"),
     "JobStatus": ("pbs_toolkit.jobs.status", "JobStatus"),
     "wait_until_ready": ("pbs_toolkit.jobs.readiness", "wait_until_ready"),
     "update_endpoint": ("pbs_toolkit.endpoints", "update_endpoint"),

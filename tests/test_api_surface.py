@@ -22,9 +22,10 @@ from pbs_toolkit.client import Client, Endpoint, Job
 from pbs_toolkit.jobs.render import RenderRequest
 from pbs_toolkit.jobs.status import JobStatus, ServerState
 from pbs_toolkit.jobs.store import Intent, JobRecord, JobStore
-from pbs_toolkit.services.manage import ServeOptions, ServiceStatus
+from pbs_toolkit.services.manage import ServeOptions
 from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.services.router import RouterInfo
+from pbs_toolkit.services.status import ServiceStatus
 
 KEY = "sk-notebook-SECRET-4f2c"
 TOKEN = "router-token-SECRET-9a1b"

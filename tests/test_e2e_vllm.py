@@ -102,6 +102,19 @@ def launched_id(result: Any) -> str:
     return json.loads(result.stdout)["job_id"]
 
 
+def waiting_requests(metrics_url: str, key: str | None) -> float:
+    """The server's ``vllm:num_requests_waiting`` summed over engines (0 when it cannot be read)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(metrics_url, headers=headers),  # noqa: S310
+                                    timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_waiting"))
+
+
 def post(url: str, body: dict[str, Any], key: str | None) -> tuple[int, dict[str, Any]]:
     headers = {"Content-Type": "application/json"}
     if key:
@@ -217,7 +230,11 @@ def test_local_launch_register_complete_metrics_doctor_bench(tiny_model: str, tm
     load = [threading.Thread(target=long_request) for _ in range(8)]
     for t in load:
         t.start()
-    time.sleep(3)
+    # doctor looks once requests wait (the server's own gauge), not after a guess of how long that takes
+    metrics_url = entry["url"].rsplit("/v1", 1)[0] + "/metrics"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and waiting_requests(metrics_url, key) < 1:
+        time.sleep(0.2)
     findings = {f["code"] for f in json.loads(pbstk("doctor", job, "--json").stdout)["findings"]}
     for t in load:
         t.join()
@@ -333,3 +350,37 @@ def test_tune_two_presets_on_cpu(tiny_model: str, isolated_user: Path, tmp_path:
     check_tune_report(doc, res.stdout)  # recommended = best measured tokens/s at c=4; cells = measurements
     report = pbstk("tune", "--report", str(out))
     assert report.stdout == res.stdout
+
+
+E2E_EVAL = """\
+import os, sys
+from openai import OpenAI
+
+client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY from pbstk run
+model = client.models.list().data[0].id
+for q in ("What is two plus two?", "Name a prime number.", "Say hello."):
+    r = client.completions.create(model=model, prompt=q, max_tokens=8,
+                                  extra_body={"min_tokens": 8, "ignore_eos": True})
+    print("completion tokens:", r.usage.completion_tokens)
+sys.exit(int(os.environ.get("EVAL_EXIT", "0")))
+"""
+
+
+def test_run_an_openai_client_then_usage(tiny_model: str, tmp_path: Path) -> None:
+    """``pbstk run`` with a real vLLM: the client's output passes through, its exit code is pbstk's, the server
+    is cancelled, and ``usage`` reports the counters vLLM itself kept (recorded before the cancel)."""
+    script = tmp_path / "eval.py"
+    script.write_text(E2E_EVAL)
+    ran = subprocess.run(  # noqa: S603 - a real process: COMMAND writes to the real stdout
+        [sys.executable, "-m", "pbs_toolkit", "run", tiny_model, "--preset", "cpu", "--profile", "local",
+         "--name", "e2e-run", "--port", "auto", "--timeout", READY_TIMEOUT, "--", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "EVAL_EXIT": "3", "PYTHONPATH": str(ROOT)})
+    assert ran.returncode == 3, ran.stderr
+    assert ran.stdout.splitlines() == ["completion tokens: 8"] * 3, ran.stdout
+    assert "pbstk: cancelled" in ran.stderr, ran.stderr
+    doc = json.loads(pbstk("usage", "e2e-run", "--json").stdout)
+    row = doc["jobs"][0]
+    assert (row["requests"], row["output_tokens"]) == (3, 24), row
+    assert row["prompt_tokens"] > 0 and row["counters_source"] == "recorded", row
+    assert row["walltime_source"] == "wall clock" and row["walltime_s"] > 0 and row["gpus"] == 0, row
+    assert row["gpu_hours"] == 0 and row["output_tokens_per_gpu_hour"] is None, row

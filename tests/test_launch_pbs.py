@@ -197,10 +197,13 @@ def backoff(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     from pbs_toolkit.schedulers import base, pbs
 
     delays: list[float] = []
+    original = base.run_with_retry
 
     def recorded(*args: Any, **kw: Any) -> Any:
-        return base.run_with_retry(*args, **kw, sleep=delays.append)
+        return original(*args, **kw, sleep=delays.append)
 
+    # the base runs the sequence (submit, query, cancel); the backend itself retries its extra calls
+    monkeypatch.setattr(base, "run_with_retry", recorded)
     monkeypatch.setattr(pbs, "run_with_retry", recorded)
     return delays
 

@@ -29,7 +29,7 @@ from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.schema import SCHEMA_VERSION
 
 #: commands that print no result object (``logs`` prints the log itself)
-NO_JSON = {"logs", "_keeper"}  # _keeper: the hidden detached keeper prints no result
+NO_JSON = {"logs", "_keeper", "run"}  # _keeper: the hidden detached keeper prints no result; run: stdout is COMMAND's
 ANSI = "\x1b["
 LOCAL = ("--profile", "local-gpu", "--preset", "single", "--gpus-per-node", "1", "--port", "auto")
 

@@ -507,3 +507,19 @@ def test_every_shipped_format_is_in_the_dict_under_its_own_name() -> None:
     assert list(FORMATS) == ["py", "toml", "yaml", "json"]
     assert all(fmt.name == name and fmt.suffixes for name, fmt in FORMATS.items())
     assert [name for name, fmt in FORMATS.items() if fmt.holds_secrets] == ["yaml", "json"]
+
+
+def test_the_cli_format_choices_come_from_the_formats_dict(tmp_path: Path, user_dirs: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``update-endpoint --format`` offers ``auto`` and every name in ``FORMATS``: a format added there is usable
+    from the CLI with no second list to update (a fixed ``click.Choice`` refused it with exit 2)."""
+    from tests.helpers import pbstk
+
+    monkeypatch.setitem(FORMATS, "tab", _TabFormat())
+    path = tmp_path / "endpoints.txt"  # a suffix no format claims: only --format tab reads it
+    path.write_text(f"{NEW.alias}\t{NEW.model}\t{NEW.url}\t{NEW.key_env}\n")
+    result = pbstk("update-endpoint", "--remove", NEW.alias, "--registry", str(path), "--format", "tab")
+    assert result.exit_code == 0, result.output
+    assert path.read_text() == ""
+    listed = pbstk("update-endpoint", "--help").output
+    assert "auto|py|toml|yaml|json|tab" in listed.replace("\n", "").replace(" ", "")

@@ -275,26 +275,48 @@ GOLDEN_CASES = {
 }
 
 
+#: the static body every start script ends with: one golden copy, after each case's own header
+BODY_GOLDEN = GOLDEN / "start_vllm.body.sh"
+PACKAGE_BODY = Path(__file__).parent.parent / "pbs_toolkit" / "server" / "start_vllm.sh"
+
+
 @pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
 def test_golden(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job script and the start script of each case, byte for byte. A start script is the case's settings
+    header (``NAME.start_vllm.header.sh``) followed by the one static body (``start_vllm.body.sh``)."""
     # generic-pbspro's vllm_cache_root is ~/...: a fixed HOME keeps the rendered text the same everywhere.
     monkeypatch.setenv("HOME", "/home/golden")
     kw = dict(GOLDEN_CASES[name])
     job = _render(str(kw.pop("model", MODEL)), **kw)
     script_name = backend_class(job.profile.scheduler).script_name  # job.pbs, job.slurm
-    for suffix, text in ((f".{script_name}", job.job_script), (".start_vllm.sh", job.start_script)):
-        path = GOLDEN / f"{name}{suffix}"
-        if REGEN_GOLDEN:
-            path.write_text(text, encoding="utf-8")
-            continue
-        assert path.is_file(), f"{path} is missing: PBSTK_REGEN_GOLDEN=1 pytest tests/test_render.py -k golden"
-        expected = path.read_text(encoding="utf-8")
-        assert text == expected, f"{path.name} differs; if intended: PBSTK_REGEN_GOLDEN=1 pytest {__file__} -k golden"
+    job_path, header_path = GOLDEN / f"{name}.{script_name}", GOLDEN / f"{name}.start_vllm.header.sh"
+    if REGEN_GOLDEN:
+        body = PACKAGE_BODY.read_text(encoding="utf-8")
+        assert job.start_script.endswith(body), "the start script does not end with the static body"
+        job_path.write_text(job.job_script, encoding="utf-8")
+        header_path.write_text(job.start_script[: -len(body)], encoding="utf-8")
+        BODY_GOLDEN.write_text(body, encoding="utf-8")
+        return
+    regen = f"if intended: PBSTK_REGEN_GOLDEN=1 pytest {__file__} -k golden"
+    for path in (job_path, header_path, BODY_GOLDEN):
+        assert path.is_file(), f"{path} is missing: {regen}"
+    assert job.job_script == job_path.read_text(encoding="utf-8"), f"{job_path.name} differs; {regen}"
+    expected = header_path.read_text(encoding="utf-8") + BODY_GOLDEN.read_text(encoding="utf-8")
+    assert job.start_script == expected, f"{header_path.name} + {BODY_GOLDEN.name} differ; {regen}"
+
+
+def test_golden_directory_holds_exactly_the_cases() -> None:
+    """No golden file without a case (a renamed case or an old layout would otherwise linger unchecked)."""
+    wanted = {"README.md", BODY_GOLDEN.name}
+    for name, kw in GOLDEN_CASES.items():
+        script_name = backend_class(_profiles_by_name()[str(kw["profile"])].scheduler).script_name
+        wanted |= {f"{name}.{script_name}", f"{name}.start_vllm.header.sh"}
+    assert {p.name for p in GOLDEN.iterdir()} == wanted
 
 
 def test_golden_versions_differ_only_by_removed_flag() -> None:
-    old = (GOLDEN / "baseline-eager-pbspro-0.11.start_vllm.sh").read_text().splitlines()
-    new = (GOLDEN / "baseline-eager-pbspro-0.33.start_vllm.sh").read_text().splitlines()
+    old = (GOLDEN / "baseline-eager-pbspro-0.11.start_vllm.header.sh").read_text().splitlines()
+    new = (GOLDEN / "baseline-eager-pbspro-0.33.start_vllm.header.sh").read_text().splitlines()
     assert [line for line in old if line not in new] == ["  --disable-log-requests"]
     assert [line for line in new if line not in old] == []
 

@@ -51,20 +51,20 @@ def test_one_router_connection_across_ticks_reopened_after_a_failure(isolated_us
     try:
         rec = ServiceRecord(name="k", model="m", served_model_name="m", profile="p", replicas=0, request={},
                             router=first.to_dict())
-        with Client(on_removal=lambda r: None) as client, keeper.AdminLink(client) as link:
+        with Client(on_removal=lambda r: None) as client, keeper.AdminLink(client.service_session()) as link:
             for _ in range(5):
-                keeper.tick(client, rec, link)
+                keeper.tick(client.service_session(), rec, link)
             assert opens == [first.url]  # five ticks, one connection
             router.stop_router(runner, first, timeout=5)
             with pytest.raises(PbstkError):
-                keeper.tick(client, rec, link)  # the router is gone: the tick fails, the link is dropped
+                keeper.tick(client.service_session(), rec, link)  # the router is gone: the tick fails, link dropped
             with pytest.raises(PbstkError):
-                keeper.tick(client, rec, link)  # and tried afresh on the next tick
+                keeper.tick(client.service_session(), rec, link)  # and tried afresh on the next tick
             assert opens == [first.url] * 2  # the first failing tick used the kept one
             second = router.start_router(runner, str(tmp_path / "r2"), command=[str(ROUTER)])
             rec.router = second.to_dict()  # a new router: a new connection, then kept again
             for _ in range(3):
-                keeper.tick(client, rec, link)
+                keeper.tick(client.service_session(), rec, link)
             assert opens == [first.url] * 2 + [second.url]
     finally:
         for info in (first, second):
@@ -87,7 +87,7 @@ def test_a_worker_someone_else_added_is_removed_in_the_next_tick(isolated_user: 
             rec = ServiceRecord(name="f", model="m", served_model_name="m", profile="p", replicas=0, request={},
                                 router=info.to_dict())
             with Client(on_removal=lambda r: None) as client:
-                keeper.tick(client, rec)
+                keeper.tick(client.service_session(), rec)
             assert admin.workers() == []
     finally:
         foreign.shutdown()
@@ -117,9 +117,9 @@ def test_a_login_node_router_is_reached_through_one_tunnel_across_ticks(
             assert info.transport == login_node.alias
             rec = ServiceRecord(name="k", model="m", served_model_name="m", profile="p", replicas=0, request={},
                                 transport=login_node.alias, router=info.to_dict())
-            with keeper.AdminLink(client) as link:
+            with keeper.AdminLink(client.service_session()) as link:
                 for _ in range(10):
-                    keeper.tick(client, rec, link)
+                    keeper.tick(client.service_session(), rec, link)
                 assert len(tunnels) == 1
                 assert link.get(rec).workers() == []  # the one tunnel still carries admin calls
         finally:

@@ -137,10 +137,10 @@ def test_a_job_name_refuses_replica_and_an_unready_service_says_so(svc_profile: 
         assert waited.exit_code == 5 and "service nr is CANCELLED" in waited.stderr, waited.output
     finally:  # then what cancel does next: keeper, replica and router stopped
         from pbs_toolkit.client import Client
-        from pbs_toolkit.services.manage import teardown
+        from pbs_toolkit.services.stop import teardown
 
         with Client(on_removal=lambda r: None) as c:
-            teardown(c, records.find(c.store, "nr"), "CANCELLED")
+            teardown(c.service_session(), records.find(c.store, "nr"), "CANCELLED")
 
 
 def test_update_endpoint_via_tunnel_of_a_service(svc_profile: str, tmp_path: Path) -> None:  # noqa: F811

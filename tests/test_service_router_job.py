@@ -257,3 +257,117 @@ def test_router_job_on_a_real_slurm(isolated_user: Path, slurm_cluster: Any, tmp
     finally:
         cli("cancel", "rjs")
         slurm_cluster.cancel_all()
+
+
+# -- one command line for router: login and router: job ------------------------------------------------------
+
+_STUB_ROUTER = '''
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv
+with open({record!r}, "a") as fh:
+    fh.write(json.dumps(args) + "\\n")
+class Handler(BaseHTTPRequestHandler):
+    def answer(self):
+        body = b'{{"urls": []}}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    do_GET = do_POST = answer
+    def log_message(self, *a):
+        pass
+HTTPServer((args[args.index("--host") + 1], int(args[args.index("--port") + 1])), Handler).serve_forever()
+'''
+
+
+def _slotted(argv: list[str]) -> list[str]:
+    """``argv`` with its ports as the slots ``router_argv`` gets for a router job (they differ between starts)."""
+    port, prom = argv[argv.index("--port") + 1], argv[argv.index("--prometheus-port") + 1]
+    return [a.replace(prom, router_job.PROM_PORT_SLOT).replace(port, router_job.PORT_SLOT) for a in argv]
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "power_of_two"])
+def test_router_job_starts_the_router_with_the_login_command_line(policy: str, tmp_path: Path) -> None:
+    """``router: login`` (``start_router``) and ``router: job`` (``start_router.sh``) run the command line of
+    one builder, ``router.router_argv``: the same argv for the same settings, ports aside; power_of_two's start-up
+    worker (the router's own Prometheus port, twice) included, and removed by both."""
+    from dataclasses import replace
+
+    from pbs_toolkit.services.router import router_argv, start_router, stop_router
+    from pbs_toolkit.transports.local import LocalRunner
+
+    record = tmp_path / "argv.jsonl"
+    stub = tmp_path / "stub-router"
+    stub.write_text(f"#!{sys.executable}\n" + _STUB_ROUTER.format(record=str(record)))
+    stub.chmod(0o755)
+    command = [str(stub), "--log-level", "warn"]
+    info = start_router(LocalRunner(), str(tmp_path / "login"), command=command, bind="127.0.0.1", policy=policy,
+                        isolate=False)
+    try:
+        login = json.loads(record.read_text().splitlines()[-1])
+    finally:
+        stop_router(LocalRunner(), info, timeout=5)
+
+    prof = replace(_profile("local", router_isolation="none", bind_host="127.0.0.1", address="loopback"),
+                   router_bind="127.0.0.1")
+    run_dir = tmp_path / "job"
+    run_dir.mkdir()
+    (run_dir / "start_router.sh").write_text(router_job.render_start_script(prof, str(run_dir), "svc", command, policy))
+    proc = subprocess.Popen(["bash", str(run_dir / "start_router.sh")],  # noqa: S603,S607
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (run_dir / "router.json").exists(), 20, "router.json of the router job")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    job = json.loads(record.read_text().splitlines()[-1])
+
+    expected, seed = router_argv(command, policy=policy, bind="127.0.0.1", port=router_job.PORT_SLOT,
+                                 prometheus_port=router_job.PROM_PORT_SLOT)
+    assert _slotted(login) == _slotted(job) == expected
+    assert (seed is not None) == (policy == "power_of_two") and (seed is None or expected.count(seed) == 2)
+    assert "pbstk-router: error" not in (run_dir / "router.log").read_text()
+
+
+def test_router_job_command_line_behind_the_front_is_the_builders(tmp_path: Path) -> None:
+    """Behind the front (router_isolation netns) the job's command line is ``router_argv``'s too, with the
+    front's Python and this node's ports put into its slots by the script's own lines."""
+    from pbs_toolkit.services.router import router_argv
+
+    prof = _profile("local", bind_host="0.0.0.0", address="loopback")
+    command = ["vllm-router", "--log-level", "warn"]
+    script = router_job.render_start_script(prof, "/runs/r1", "svc", command, "power_of_two")
+    header, body = script.split("\nset -uo pipefail\n", 1)
+    fill = [line for line in body.splitlines() if line.startswith(("  argv=(", "  SEED="))]
+    assert len(fill) == 4, fill
+    show = header + "\nPORT=4001 PROM_PORT=4002 FRONT_PY=/usr/bin/python3\n" + "\n".join(fill) + (
+        '\nprintf "%s\\n" "$SEED" "${argv[@]}"\n')
+    out = subprocess.run(["bash", "-c", show], capture_output=True, text=True, check=True,  # noqa: S603,S607
+                         timeout=10).stdout.splitlines()
+    expected, seed = router_argv(command, policy="power_of_two", bind="0.0.0.0", port=4001, prometheus_port=4002,
+                                 front=("/usr/bin/python3", "/runs/r1/router_front.py"))
+    assert out == [seed, *expected] and seed == "http://127.0.0.1:4002"
+
+
+def test_router_body_declares_the_header_settings(tmp_path: Path) -> None:
+    """``start_router.sh``'s static body declares exactly what its header assigns, so shellcheck of the body
+    alone knows them and flags a misspelt one (``$SEED_UR``)."""
+    import re
+
+    body_path = Path(router_job.__file__).parent.parent / "server" / "start_router.sh"
+    body = body_path.read_text()
+    start = router_job.render_start_script(_profile("local"), "/runs/r1", "svc", ["vllm-router"], "round_robin")
+    header = start[: -len(body)]
+    declared = {w for line in body.splitlines() if line.startswith("declare ") for w in line.split()[1:]
+                if not w.startswith("-")}
+    assert declared == set(re.findall(r"^([A-Z_]+)=", header, re.MULTILINE))
+    clean = subprocess.run(["shellcheck", "-s", "bash", str(body_path)], capture_output=True, text=True,  # noqa: S603,S607
+                           check=False)
+    assert clean.returncode == 0, clean.stdout
+    bad = tmp_path / "start_router.sh"
+    bad.write_text(body.replace('SEED=${SEED_URL//', 'SEED=${SEED_UR//', 1))
+    assert bad.read_text() != body
+    flagged = subprocess.run(["shellcheck", "-s", "bash", str(bad)], capture_output=True, text=True,  # noqa: S603,S607
+                             check=False)
+    assert flagged.returncode != 0 and "SEED_UR" in flagged.stdout, flagged.stdout

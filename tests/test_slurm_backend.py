@@ -323,12 +323,16 @@ def test_refused_values(tmp_path: Path, keys: dict[str, Any], words: str) -> Non
 
 
 def test_validate_direct() -> None:
-    from pbs_toolkit.schedulers.slurm import validate_directives
+    from pbs_toolkit.schedulers.slurm import SlurmKeys, validate_directives
     from pbs_toolkit.settings.profiles import Profile
 
-    validate_directives(Profile(name="x", scheduler="slurm", extra_directives=["--licenses=scratch"]), "x")
+    # Slurm's own keys live in its section of the profile (``Profile.backend``)
+    def slurm(*directives: str) -> Profile:
+        return Profile(name="x", scheduler="slurm", backend=SlurmKeys(extra_directives=list(directives)))
+
+    validate_directives(slurm("--licenses=scratch"), "x")
     with pytest.raises(ConfigError):
-        validate_directives(Profile(name="x", scheduler="slurm", extra_directives=["--output=/tmp/x"]), "x")
+        validate_directives(slurm("--output=/tmp/x"), "x")
 
 
 def test_node_launchers_come_from_the_backend(tmp_path: Path) -> None:

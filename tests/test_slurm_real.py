@@ -149,3 +149,33 @@ def _begin_and_after(sched: Any, runner: Any, script: str, run_dir: str, begin: 
     assert sched.cancel(runner, JobRef(later, run_dir)) is False  # already gone: not an error
     # the one id asked for is one Slurm never had: squeue fails the call; pbstk reads "not known"
     assert sched.query(runner, [JobRef("999999", run_dir)]) == {}
+
+
+def test_run_then_usage_from_slurm_accounting(slurm_cluster: SlurmCluster, cli: Any, tmp_path: Path) -> None:
+    """``pbstk run`` on Slurm, then ``usage``: the wall time is what Slurm's own accounting says (this cluster
+    has no slurmdbd: ``sacct -c`` reads the job-completion log once the job has ended)."""
+    profile = _profile(tmp_path, slurm_cluster)
+    client = tmp_path / "client.py"
+    client.write_text("from openai import OpenAI\nc = OpenAI()\n"
+                      "r = c.completions.create(model=c.models.list().data[0].id, prompt='a b c', max_tokens=6)\n"
+                      "print(r.usage.completion_tokens)\n")
+    ran = cli("run", MODEL, "--profile", profile, "--port", "auto", "--preset", "single", "--name", "su",
+              "--", sys.executable, str(client))
+    assert ran.returncode == 0 and ran.stdout.strip() == "6", ran.stdout + ran.stderr
+    job = json.loads(cli("jobs", "--all", "--json").stdout)[0]["job_id"]
+    deadline = time.monotonic() + 60
+    while True:  # the completion log gets the job once slurmctld has finished it
+        acct = slurm_cluster.run("sacct", "-c", "--noheader", "--parsable2", f"--jobs={job}",
+                                 "--format=JobID,Elapsed")
+        rows = [line.split("|") for line in acct.stdout.splitlines() if line.startswith(f"{job}|")]
+        if rows or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert rows, acct.stdout + acct.stderr
+    h, m, s = (int(x) for x in rows[0][1].split(":"))
+    result = cli("usage", job, "--json")
+    assert result.returncode == 0, result.stderr
+    row = json.loads(result.stdout)["jobs"][0]
+    assert row["walltime_source"] == "sacct -c Elapsed" and row["walltime_s"] == h * 3600 + m * 60 + s, row
+    assert (row["requests"], row["prompt_tokens"], row["output_tokens"]) == (1, 3, 6), row
+    assert row["ended"] is True and row["gpus"] == 1 and row["nodes"] == 1, row

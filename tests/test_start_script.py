@@ -477,27 +477,101 @@ def test_static_body_writes_only_enum_phases() -> None:
     assert names == {phase.name for phase in Phase}
 
 
-@pytest.mark.parametrize("value", [
-    'plain', 'q"uote', 'back\\slash\\', '\\"', 'new\nline\r\ttab', "".join(chr(i) for i in range(1, 32)),
-    "ünïcødé €", "$(id) `id` 'single' &&& \\&", "",
-])
-def test_json_string_escaper_round_trips(value: str) -> None:
-    """The body's ``pbstk_json_str`` against values Python's json must read back unchanged."""
+def test_static_body_alone_catches_a_misspelt_setting(tmp_path: Path) -> None:
+    """The body declares the header's settings instead of disabling SC2154 for the whole file, so shellcheck of
+    the body alone flags a name nothing assigns (``$PHASE_SETUPP`` was accepted while the disable was global)."""
     body = BODY.read_text()
-    function = body[body.index("pbstk_json_str() {"):]
-    function = function[: function.index("\n}\n") + 3]
-    out = subprocess.run(["bash", "-c", function + 'pbstk_json_str "$1"', "bash", value],  # noqa: S603,S607
-                         capture_output=True, text=True, check=True, timeout=10).stdout
-    assert json.loads(out) == value
+    assert "disable=SC2154" not in body
+    assert 'pbstk_state "$PHASE_SETUP"\n' in body
+    bad = tmp_path / "start_vllm.sh"
+    bad.write_text(body.replace('pbstk_state "$PHASE_SETUP"\n', 'pbstk_state "$PHASE_SETUPP"\n', 1))
+    proc = subprocess.run(["shellcheck", "-f", "gcc", str(bad)], capture_output=True, text=True,  # noqa: S603,S607
+                          check=False, timeout=60)
+    assert proc.returncode != 0 and "PHASE_SETUPP" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_static_body_declares_exactly_the_header_settings() -> None:
+    """The body's ``declare`` list is what the header assigns: a setting added to the header without its
+    declaration (or a declaration left after a setting went) fails here, not in a job."""
+    from pbs_toolkit.jobs.render import start_script_settings
+
+    declared: set[str] = set()
+    for line in BODY.read_text().splitlines():
+        if line.startswith("declare "):
+            declared.update(word for word in line.split()[1:] if not word.startswith("-"))
+    assert declared == set(start_script_settings())
+
+
+#: values a marker must survive: quotes, backslashes, every control character, UTF-8, bytes that are not UTF-8
+HOSTILE = ['plain', 'q"uote', 'back\\slash\\', '\\"', 'new\nline\r\ttab', "".join(chr(i) for i in range(1, 32)),
+           "ünïcødé €", "$(id) `id` 'single' &&& \\&", "", '{"a": 1}, "b": [', "1234.pbs[5].server_x-y@z:1/2+3"]
+
+
+def _marker_functions() -> str:
+    body = BODY.read_text()
+    keys = body[body.index("PBSTK_NUMBER_KEYS="):]
+    keys = keys[: keys.index("\nMARKER_EXTRA=") + 1]
+    out = [keys]
+    for name in ("pbstk_safe", "pbstk_marker", "pbstk_marker_get"):
+        function = body[body.index(f"\n{name}() {{") + 1:]
+        out.append(function[: function.index("\n}\n") + 3])
+    return "".join(out)
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_marker_writer_needs_no_escaping(value: str, tmp_path: Path) -> None:
+    """``pbstk_marker`` writes a hostile string as printable text without ``"`` or ``\\`` (nothing to escape):
+    Python's json reads the marker, bash's ``pbstk_marker_get`` reads the same value back, and a plain value
+    (a job id, a host name) comes back unchanged."""
+    marker = tmp_path / "m.json"
+    script = _marker_functions() + (
+        'pbstk_marker "$1" "host=$2" port=8000 pid=x exit_code= eager=true "reason=$2"\n'
+        'pbstk_marker_get v "$1" host; printf "%s\\n" "$v"\n'
+        'pbstk_marker_get v "$1" port; printf "%s\\n" "$v"\n'
+        'pbstk_marker_get v "$1" pid; printf "[%s]\\n" "$v"\n'
+    )
+    for locale in ("C", "C.UTF-8"):
+        env = dict(os.environ, LC_ALL=locale)
+        out = subprocess.run(["bash", "-c", script, "bash", str(marker), value],  # noqa: S603,S607
+                             capture_output=True, env=env, check=True, timeout=10).stdout.decode()
+        raw = marker.read_bytes()
+        data = json.loads(raw)
+        written = data["host"]
+        assert b"\\" not in raw and raw.count(b'"') == 2 * 6 + 2 * 2  # keys and two strings: nothing escaped
+        assert "\n" not in written and '"' not in written and "\\" not in written
+        assert all(ch.isprintable() for ch in written), written
+        if re.fullmatch(r"[\w.@:/+\[\]-]*", value, re.ASCII):
+            assert written == value
+        assert data == {"host": written, "port": 8000, "pid": None, "exit_code": None, "eager": True,
+                        "reason": written}
+        assert out.splitlines() == [written, "8000", "[]"]
+
+
+def test_python_reads_markers_of_the_old_escaping_writer() -> None:
+    """Run directories of jobs started by an older pbstk hold markers with JSON escapes (the old
+    ``pbstk_json_str``): status still reads them."""
+    from pbs_toolkit.jobs.nodes import parse_node
+    from pbs_toolkit.jobs.rundir import parse_marker
+
+    old = (b'{"phase": "failed", "job_id": "evil\\"1\\\\2\\n3\\u0001.pbs", "host": "n\\u00fc", "address": "10.0.0.1", '
+           b'"port": 8000, "pid": 42, "attempt": 1, "eager_fallback": false, "nnodes": 2, '
+           b'"reason": "node 1 (host x) failed: a\\nb", "exit_code": 1, "updated": 1700000000}\n')
+    marker, problem = parse_marker(old)
+    assert problem is None and marker is not None
+    assert marker["job_id"] == 'evil"1\\2\n3\x01.pbs' and marker["host"] == "nü" and marker["port"] == 8000
+    assert marker["reason"] == "node 1 (host x) failed: a\nb" and marker["exit_code"] == 1
+    node = parse_node(b'{"rank": 1, "nnodes": 2, "host": "h\\"x", "address": "a", "phase": "failed", "pid": 7, '
+                      b'"exit_code": 3, "attempt": 2, "reason": "r\\n", "updated": 1700000001}\n', 1)
+    assert node is not None and node.host == 'h"x' and node.exit_code == 3 and node.attempt == 2
 
 
 def test_marker_is_valid_json_for_hostile_job_id(make_job: Any) -> None:
-    """A job id with a newline and control characters used to end up raw in server.json (unreadable marker)."""
+    """A job id with a newline and control characters used to end up raw in server.json (unreadable marker);
+    now it arrives cut down to printable text, and a real job id (``1234.pbs[5].server``) unchanged."""
     job = make_job()
-    job_id = 'evil"1\\2\n3\t4\x015.pbs'
-    job.start(PBS_JOBID=job_id)
+    job.start(PBS_JOBID='evil"1\\2\n3\t4\x015.pbs')
     state = job.wait_phase("ready")
-    assert state["job_id"] == job_id
+    assert state["job_id"] == "evil'1/2 3 4 5.pbs"
 
 
 def test_setup_lines_run_at_top_level(make_job: Any) -> None:

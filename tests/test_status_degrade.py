@@ -21,10 +21,13 @@ def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     """``run_with_retry`` without its sleeps between tries (the tries themselves still happen)."""
     from pbs_toolkit.schedulers import base, pbs
 
-    def quick(*args: Any, **kw: Any) -> Any:
-        return base.run_with_retry(*args, **kw, sleep=lambda _: None)
+    original = base.run_with_retry
 
-    monkeypatch.setattr(pbs, "run_with_retry", quick)
+    def quick(*args: Any, **kw: Any) -> Any:
+        return original(*args, **kw, sleep=lambda _: None)
+
+    monkeypatch.setattr(base, "run_with_retry", quick)  # the sequence the base runs
+    monkeypatch.setattr(pbs, "run_with_retry", quick)  # the backend's own extra calls
 
 
 def jobs_on_two_schedulers(fakepbs: Path) -> tuple[str, str]:

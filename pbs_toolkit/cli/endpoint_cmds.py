@@ -8,16 +8,16 @@ from typing import Any
 import click
 
 from pbs_toolkit.cli.complete import complete_job
-from pbs_toolkit.cli.job_cmds import progress_printer
+from pbs_toolkit.cli.lazy import LazyChoice, registry_formats
 from pbs_toolkit.cli.options import LOCAL_PORT, SECONDS, SECONDS_OR_ZERO, echo_json
-from pbs_toolkit.cli.progress import interrupt_hint
+from pbs_toolkit.cli.progress import interrupt_hint, progress_printer
 
 
 @click.command("update-endpoint")
 @click.argument("job", required=False, shell_complete=complete_job)
 @click.option("--registry", type=click.Path(),  # a directory, device or FIFO is refused by the registry (exit 8)
               help="Registry file (default: pbstk's own endpoints.yaml in the XDG data dir).")
-@click.option("--format", "fmt", type=click.Choice(["auto", "py", "toml", "yaml", "json"]), default="auto",
+@click.option("--format", "fmt", type=LazyChoice(registry_formats), default="auto",
               show_default=True, help="py = verifiers endpoints.py, toml = verifiers endpoints.toml.")
 @click.option("--force-format", is_flag=True, help="Allow a --format that disagrees with the file's suffix.")
 @click.option("--follow-symlink", is_flag=True,

@@ -11,14 +11,10 @@ import click
 from pbs_toolkit.cli.complete import complete_job
 from pbs_toolkit.cli.lazy import LazyChoice, backend_names, log_streams
 from pbs_toolkit.cli.options import SECONDS, build_request, echo_json, read_key_env, render_options, table
-from pbs_toolkit.cli.progress import Progress, interrupt_hint
+from pbs_toolkit.cli.output import time_cells
+from pbs_toolkit.cli.progress import interrupt_hint, progress_printer
 from pbs_toolkit.cli.render_cmds import layout_text
 from pbs_toolkit.durations import short
-
-
-def progress_printer(quiet: bool = False) -> Progress:
-    """An ``on_progress`` callback for a wait; ``with`` it to get the live line on a terminal (cli/progress.py)."""
-    return Progress(quiet)
 
 
 def _read_key_env(name: str | None) -> str | None:
@@ -133,13 +129,6 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
             click.echo(f"\n{s.record.job_id}: {s.reason}")
             for line in s.log_excerpt:
                 click.echo(f"  | {line}")
-
-
-def time_cells(s: Any) -> tuple[str, str]:
-    """UPTIME and WALLTIME-LEFT of a status row; ``!`` marks a job within ten minutes of its walltime."""
-    uptime = "-" if s.uptime_s is None else short(s.uptime_s)
-    left = s.walltime_left_s
-    return uptime, "-" if left is None else short(left) + ("!" if s.walltime_ending else "")
 
 
 @click.command()

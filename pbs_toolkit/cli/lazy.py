@@ -13,23 +13,21 @@ import click
 
 
 class LazyChoice(click.Choice):  # type: ignore[type-arg]
-    """A ``click.Choice`` whose choices come from ``source()`` the first time they are needed (parsing, a
-    command's ``--help``, shell completion), not when the option is declared."""
+    """A ``click.Choice`` whose choices come from ``source()`` whenever they are needed (parsing, a command's
+    ``--help``, shell completion), not when the option is declared: they follow the registry they name."""
 
     def __init__(self, source: Callable[[], Iterable[str]], case_sensitive: bool = True) -> None:
         self._source = source
-        self._choices: tuple[str, ...] | None = None
         self.case_sensitive = case_sensitive
 
     @property  # type: ignore[override]
     def choices(self) -> tuple[str, ...]:
-        if self._choices is None:
-            self._choices = tuple(self._source())
-        return self._choices
+        return tuple(self._source())
 
     @choices.setter
     def choices(self, value: Any) -> None:
-        self._choices = tuple(value)
+        fixed = tuple(value)
+        self._source = lambda: fixed
 
 
 def backend_names() -> list[str]:
@@ -44,3 +42,10 @@ def log_streams() -> tuple[str, ...]:
     from pbs_toolkit.jobs.logs import STREAMS
 
     return STREAMS
+
+
+def registry_formats() -> list[str]:
+    """``--format`` of the registry commands: ``auto`` (by the file's suffix), then every name in ``FORMATS``."""
+    from pbs_toolkit.endpoints.formats import FORMATS
+
+    return ["auto", *FORMATS]

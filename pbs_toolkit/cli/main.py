@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
-from pbs_toolkit import __version__
 from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.version import __version__
 
 
 def one_line(text: str) -> str:
@@ -86,6 +86,7 @@ def _show_commands(ctx: click.Context) -> None:
 
 def _register() -> None:
     from pbs_toolkit.cli import (
+        campaign_cmds,
         clean_cmds,
         endpoint_cmds,
         job_cmds,
@@ -95,7 +96,8 @@ def _register() -> None:
         ssh_cmds,
     )
 
-    for module in (render_cmds, job_cmds, service_cmds, endpoint_cmds, observe_cmds, clean_cmds, ssh_cmds):
+    for module in (render_cmds, job_cmds, service_cmds, endpoint_cmds, observe_cmds, clean_cmds, ssh_cmds,
+                   campaign_cmds):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -18,7 +18,7 @@ MAX_CONCURRENCY = 10000
 
 def _ready_status(c: Any, job: str | None, wait: bool, timeout: float) -> Any:
     """JOB's READY status through the command's client (``--wait``: wait for it, printing progress)."""
-    from pbs_toolkit.cli.job_cmds import progress_printer
+    from pbs_toolkit.cli.progress import progress_printer
 
     return c.ready_status(job, wait=wait, timeout=timeout, on_progress=progress_printer(),
                           hint="pass --wait to wait for it")

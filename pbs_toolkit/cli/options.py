@@ -194,7 +194,7 @@ def parse_port(value: str | None) -> int | str | None:
 
 
 def build_request(model: str, **kw: Any) -> Any:
-    from pbs_toolkit.jobs.render import RenderRequest
+    from pbs_toolkit.settings.launch_settings import RenderRequest
 
     env: dict[str, str] = {}
     for item in kw.pop("env", ()) or ():
@@ -247,11 +247,11 @@ def check_display_name(flag: str, value: str) -> None:
     The job name becomes the registry alias and the served name its model: catching a newline or an invisible
     character at launch beats a job that runs for an hour and then cannot be registered.
     """
-    from pbs_toolkit.endpoints.entry import _bad_character
+    from pbs_toolkit.endpoints.entry import bad_character
 
     if not value.strip() or value != value.strip():
         raise UsageError(f"{flag} {value!r} must be non-empty, without leading or trailing whitespace")
-    bad = _bad_character(value)
+    bad = bad_character(value)
     if bad is not None:
         raise UsageError(f"{flag} {value!r} contains the control character {bad}")
 

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from pbs_toolkit.durations import short
 from pbs_toolkit.textutil import table as plain_table
 
 __all__ = ["STATE_STYLES", "color_enabled", "state_style", "table", "wants_rich"]
@@ -81,3 +82,10 @@ def _rich_table(rows: list[list[str]], headers: list[str], color: bool, width: i
                       color_system="standard" if color else None, soft_wrap=False)
     console.print(grid)
     return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip("\n").splitlines())
+
+
+def time_cells(s: Any) -> tuple[str, str]:
+    """UPTIME and WALLTIME-LEFT of a status row; ``!`` marks a job within ten minutes of its walltime."""
+    uptime = "-" if s.uptime_s is None else short(s.uptime_s)
+    left = s.walltime_left_s
+    return uptime, "-" if left is None else short(left) + ("!" if s.walltime_ending else "")

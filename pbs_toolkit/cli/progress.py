@@ -140,3 +140,8 @@ def interrupt_hint(job_id: str, resume: str | None = None) -> Iterator[None]:
         click.echo(f"  {resume or 'pbstk wait ' + job_id}", err=True)
         click.echo(f"  pbstk cancel {job_id}", err=True)
         raise click.exceptions.Exit(130) from None
+
+
+def progress_printer(quiet: bool = False) -> Progress:
+    """An ``on_progress`` callback for a wait; ``with`` it to get the live line on a terminal (cli/progress.py)."""
+    return Progress(quiet)

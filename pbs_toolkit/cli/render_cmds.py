@@ -141,23 +141,26 @@ def config_show(profile: str | None, as_json: bool, **flags: Any) -> None:
 
 
 def _show_resolved(flags: dict[str, Any], as_json: bool, profile_source: str | None = None) -> None:
-    from pbs_toolkit.settings.resolved import resolve
+    from dataclasses import replace
 
-    resolved = resolve(flags)
+    from pbs_toolkit.settings.launch_settings import RenderRequest, resolve_launch_settings
+
+    resolved = resolve_launch_settings(RenderRequest(model="", **flags))  # no model: no default_presets entry
     if profile_source:
-        resolved.profile_source = profile_source
+        resolved = replace(resolved, profile_source=profile_source)
     if as_json:
         echo_json(resolved.to_dict())
         return
+    problems = resolved.problems()
     click.echo(f"profile: {resolved.profile.name}  ({resolved.profile_source}; "
                f"file {resolved.profile.source.split(' with ', 1)[0]})")
-    click.echo(f"preset:  {resolved.preset}  ({resolved.preset_source})")
+    click.echo(f"preset:  {resolved.preset_name}  ({resolved.preset_source})")
     rows = []
-    for key, (value, source, template) in resolved.values.items():
+    for key, (value, source, template) in resolved.values().items():
         shown = _shown(value)
         rows.append([key, shown, source + (f" (written {_shown(template)})" if template is not None else "")])
     click.echo(table(rows, ["KEY", "VALUE", "SOURCE"]))
-    for problem in resolved.problems:
+    for problem in problems:
         click.echo(f"pbstk: warning: a launch would be refused: {problem}", err=True)
 
 

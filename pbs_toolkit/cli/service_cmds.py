@@ -112,9 +112,10 @@ def resume(name: str, as_json: bool) -> None:
 @click.argument("name")
 def keeper(name: str) -> None:
     """The detached keeper of service NAME (started by `serve` and `service resume`)."""
-    from pbs_toolkit.services.keeper import run
+    from pbs_toolkit.client import Client
 
-    raise SystemExit(run(name))
+    with Client(on_removal=lambda r: None) as c:
+        raise SystemExit(c.keep_service(name))
 
 
 # -- what status / cancel print for services ------------------------------------------------------------------
@@ -125,7 +126,7 @@ def keeper_note(st: Any) -> str | None:
         return (f"pbstk: warning: service {st.record.name} is not stopped yet (an interrupted cancel?): its router "
                 f"or replicas may still run; `pbstk cancel {st.record.name}` finishes it")
     if st.keeper_stuck:
-        from pbs_toolkit.services.manage import service_dir
+        from pbs_toolkit.services.keeper_process import service_dir
 
         return (f"pbstk: warning: the keeper of service {st.record.name} runs but makes no progress "
                 f"({st.keeper_stuck}); see {service_dir(st.record.name) / 'keeper.log'}")
@@ -181,7 +182,7 @@ def _router_job(rec: Any, st: Any) -> str:
 
 def show_service(st: Any) -> None:
     """``status NAME`` of a service: its line, then each replica."""
-    from pbs_toolkit.cli.job_cmds import time_cells
+    from pbs_toolkit.cli.output import time_cells
 
     rec = st.record
     click.echo(f"service {rec.name}: {st.summary}  {st.url or '-'}")
@@ -254,8 +255,7 @@ class _ServiceLine:
 
 def wait_service(c: Any, svc: Any, timeout: float, quiet: bool) -> Any:
     """``wait NAME`` (and ``--wait`` of metrics/bench): the service's wait, with the progress line of a job's."""
-    from pbs_toolkit.cli.job_cmds import progress_printer
-    from pbs_toolkit.cli.progress import interrupt_hint
+    from pbs_toolkit.cli.progress import interrupt_hint, progress_printer
 
     with interrupt_hint(svc.name), progress_printer(quiet) as show:
         return c.wait_service(svc, timeout, lambda st, elapsed: show(_ServiceLine(st), elapsed))

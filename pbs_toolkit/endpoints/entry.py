@@ -28,7 +28,7 @@ class EndpointEntry:
     """Name of the environment variable that holds the API key (never the key itself)."""
 
 
-def _bad_character(text: str) -> str | None:
+def bad_character(text: str) -> str | None:
     for char in text:
         if unicodedata.category(char) in _FORBIDDEN_CATEGORIES:
             return repr(char)
@@ -42,12 +42,12 @@ def validate_entry(entry: EndpointEntry, fmt: str, path: Path) -> None:
         raise RegistryError(f"{path}: endpoint alias must be a non-empty string, got {alias!r}")
     if alias != alias.strip():
         raise RegistryError(f"{path}: endpoint alias {alias!r} has leading or trailing whitespace")
-    bad = _bad_character(alias)
+    bad = bad_character(alias)
     if bad is not None:
         raise RegistryError(f"{path}: endpoint alias {alias!r} contains the control character {bad}")
     if fmt == "py" and not alias.isprintable():
         raise RegistryError(f"{path}: endpoint alias {alias!r} has characters that are not printable")
-    if not isinstance(entry.model, str) or not entry.model.strip() or _bad_character(entry.model):
+    if not isinstance(entry.model, str) or not entry.model.strip() or bad_character(entry.model):
         raise RegistryError(
             f"{path}: model name for {alias!r} must be non-empty printable text: {entry.model!r}"
         )
@@ -56,7 +56,7 @@ def validate_entry(entry: EndpointEntry, fmt: str, path: Path) -> None:
         not isinstance(url, str)
         or not url.startswith(("http://", "https://"))
         or any(c.isspace() for c in url)
-        or _bad_character(url)
+        or bad_character(url)
     ):
         raise RegistryError(
             f"{path}: URL for {alias!r} must start with http:// or https:// and hold no spaces: {url!r}"

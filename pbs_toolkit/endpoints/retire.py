@@ -124,3 +124,16 @@ def remember(store: JobStore, record: JobRecord, result: Any, *, keep: bool, tun
     store.add_registry_entry(entry)
     if tunnel is not None:
         tunnel.on_close(lambda: retire(store, record, entries=[entry], notice=notice))
+
+
+def retire_ended(store: JobStore, records: list[JobRecord], notice: Callable[[Removal], None] | None = None) -> None:
+    """Retire the entries of ``records`` (jobs seen ended): one store read, nothing when none wrote any."""
+    if not records:
+        return
+    wrote: dict[tuple[str, str], list[RegistryEntry]] = {}
+    for entry in store.registry_entries():
+        wrote.setdefault((entry.transport, entry.job_id), []).append(entry)
+    for record in records:
+        entries = wrote.get((record.transport, record.job_id))
+        if entries:
+            retire(store, record, entries=entries, notice=notice)

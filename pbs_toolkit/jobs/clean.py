@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -111,9 +111,9 @@ def select(records: Sequence[JobRecord], older_than_s: float, now: float | None 
 
 def runs_root(record: JobRecord, runner: Runner) -> str:
     """The runs root of the job's profile under the current settings, expanded where the directory lives."""
-    from pbs_toolkit.jobs.render import RenderRequest, resolve_profile
+    from pbs_toolkit.settings.launch_settings import RenderRequest, resolve_launch_settings
 
-    profile = resolve_profile(RenderRequest(model=record.model, profile=record.profile))[0]
+    profile = resolve_launch_settings(RenderRequest(model=record.model, profile=record.profile)).written
     return runner.expanduser(profile.runs_root).rstrip("/") or "/"
 
 
@@ -179,3 +179,41 @@ def held_by_services(store: JobStore, records: Sequence[JobRecord], now: float) 
         else:
             free.append(record)
     return free, items
+
+
+def clean(store: JobStore, runner: Callable[[str], Runner], ask: Callable[[list[JobRecord]], object],
+          older_than: float, dry_run: bool) -> CleanReport:
+    """Remove the run directories and records of jobs that ended at least ``older_than`` seconds ago
+    (``Client.clean``). Jobs not recorded as ended are first ``ask``ed about (a status query per transport); one
+    whose scheduler or login node does not answer is left alone. ``runner``: the transport's open runner."""
+    from pbs_toolkit import paths
+    from pbs_toolkit.jobs.store import forget_run_dirs
+
+    report = CleanReport(older_than, dry_run)
+    pending = [r for r in store.all() if not r.final_state]
+    for transport in sorted({r.transport for r in pending}):
+        group = [r for r in pending if r.transport == transport]
+        try:
+            ask(group)
+        except PbstkError as exc:  # a refusing scheduler, an unreachable login node: its jobs stay
+            report.warnings.append(f"could not ask about {len(group)} job(s) via {transport or 'this machine'}"
+                                   f" ({exc.message}); they are left alone")
+    now = time.time()
+    old, report.active, report.recent = select(store.all(), older_than, now)
+    old, report.items = held_by_services(store, old, now)
+    removed_here: set[str] = set()
+    roots: dict[tuple[str, str], Any] = {}
+    for record in old:
+        try:
+            item = clean_one(runner(record.transport), record, dry_run, now, roots)
+        except PbstkError as exc:  # the login node did not answer: nothing there is touched
+            item = CleanItem(record.job_id, record.name, record.transport, record.final_state or "",
+                             record.run_dir, round(now - ended_at(record), 1), "skipped", exc.message)
+        if item.action == "removed":
+            store.remove(record)
+            if not record.transport:
+                removed_here.add(record.run_dir)
+        report.items.append(item)
+    if removed_here:
+        forget_run_dirs(paths.user_state_dir(), removed_here)
+    return report

@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from pbs_toolkit.durations import short
 
-if TYPE_CHECKING:
-    from pbs_toolkit.jobs.status import JobStatus
-
 #: the start script's log line (``pbstk_idle_watch``)
 _LINE = re.compile(r"^pbstk: \S+ ended idle: no request for (\d+)s")
-#: how a reason written by :func:`mark` begins (also in a final state recorded in the store)
+#: how a reason written by :func:`idle_reason` begins (also in a final state recorded in the store)
 REASON_PREFIX = "ended idle"
 
 
@@ -35,14 +31,19 @@ def idle_seconds(lines: Sequence[str]) -> int | None:
     return None
 
 
-def mark(st: JobStatus, lines: Sequence[str]) -> JobStatus:
-    """A FINISHED job stopped by its idle watcher gets the reason that says so."""
-    if st.state.value != "FINISHED":
-        return st
-    seconds = idle_seconds(lines)
-    if seconds is not None:
-        st.reason = f"{REASON_PREFIX} after {short(seconds)} without a request"
-    return st
+def idle_reason(state: str, lines: Sequence[str]) -> str | None:
+    """The reason of a FINISHED job stopped by its idle watcher (jobs/judge.py puts it in the status), else
+    ``None``."""
+    seconds = idle_seconds(lines) if state == "FINISHED" else None
+    return None if seconds is None else f"{REASON_PREFIX} after {short(seconds)} without a request"
+
+
+def watch_seconds(idle_cancel: str) -> int:
+    """A profile's ``idle_cancel`` (flag, env, config.yaml or profile) in whole seconds, the start script's
+    ``IDLE_CANCEL_S``; 0: off. A bad one is one ``UsageError``."""
+    from pbs_toolkit.durations import parse
+
+    return int(round(parse(idle_cancel, "--idle-cancel", off=True)))
 
 
 def ended_how(state: str, reason: str | None) -> str | None:

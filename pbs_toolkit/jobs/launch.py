@@ -11,15 +11,14 @@ import secrets
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.jobs.nodes import request_stop
-from pbs_toolkit.jobs.render import RenderedJob, RenderRequest, render, run_dir_errors
+from pbs_toolkit.jobs.render import RenderedJob, render, run_dir_errors
 from pbs_toolkit.jobs.spec import LaunchSpec, launch_options
 from pbs_toolkit.jobs.store import (
     JOB_ID_MARKER,
@@ -34,10 +33,9 @@ from pbs_toolkit.jobs.store import (
     nothing_submitted,
 )
 from pbs_toolkit.schedulers import JobRef, Scheduler, backend_class, get_scheduler
-from pbs_toolkit.schedulers.marker import marked
+from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, settings_of
 from pbs_toolkit.settings.profiles import walltime_seconds
 from pbs_toolkit.transports import Runner, open_runner
-from pbs_toolkit.transports.base import Result, WrappingRunner
 
 DEFAULT_KEY_ENV = "PBSTK_API_KEY"
 
@@ -80,22 +78,8 @@ def defer_interrupts() -> Iterator[list[int]]:
         raise KeyboardInterrupt
 
 
-class _MarkingRunner(WrappingRunner):
-    """The launch's runner, except that the backend's ``submit_program`` runs under the wrapper that leaves
-    ``RUN_DIR/job_id`` (schedulers/marker.py); argv[0] stays the program for the scheduler's own messages."""
-
-    def __init__(self, inner: Runner, run_dir: str, program: str | None) -> None:
-        super().__init__(inner)
-        self.run_dir, self.program = run_dir, program
-
-    def run(self, argv: Sequence[str], **kw: Any) -> Result:
-        if argv and self.program is not None and argv[0] == self.program:
-            return self.inner.run(marked(argv, self.run_dir), **kw)
-        return self.inner.run(argv, **kw)
-
-
 def launch(
-    req: RenderRequest,
+    settings: LaunchSettings | RenderRequest,
     *,
     store: JobStore | None = None,
     runner: Runner | None = None,
@@ -106,28 +90,26 @@ def launch(
     begin_at: float | None = None,
     after: str | None = None,
 ) -> LaunchResult:
-    """Render, write, submit and record one job. With ``dry_run`` only render: nothing is written, and without
-    a ``runner`` nothing is connected to (paths on a remote host stay ``$HOME``-relative). ``begin_at`` and
-    ``after``: when the scheduler may start it (``Scheduler.submit``; a service's keep-alive successors)."""
+    """Render, write, submit and record one job (a ``RenderRequest`` is resolved first, once). With ``dry_run``
+    only render: nothing is written, and without a ``runner`` nothing is connected to (paths on a remote host
+    stay ``$HOME``-relative). ``begin_at`` and ``after``: when the scheduler may start it (``Scheduler.submit``;
+    a service's keep-alive successors)."""
     store = store or JobStore()
+    settings = settings_of(settings)
     if dry_run and runner is None:
-        return _dry_run(req, use_api_key, api_key)
+        return _dry_run(settings, use_api_key, api_key)
     if not dry_run:  # no silent local server on a cluster's login node
-        from pbs_toolkit.jobs.render import request_flags, resolve_profile
-        from pbs_toolkit.settings.config import resolve_settings
         from pbs_toolkit.settings.login_host import refuse_unchosen_local
 
-        refuse_unchosen_local(resolve_settings(request_flags(req)), resolve_profile(req)[0])
+        refuse_unchosen_local(settings.explicit, settings.written)
     own_runner = runner is None
     if runner is None:
-        from pbs_toolkit.jobs.render import checked_profile
-
-        runner = open_runner(checked_profile(req).ssh_host, accept_unknown_host=accept_unknown_host)
+        runner = open_runner(settings.launchable().ssh_host, accept_unknown_host=accept_unknown_host)
     try:
-        rendered = render(req, runner)
+        rendered = render(settings, runner)
         transport = "" if runner.name == "local" else runner.name.split(":", 1)[-1]
         key = (api_key or secrets.token_urlsafe(32)) if use_api_key else None
-        record = job_record(req, rendered, transport, key)
+        record = job_record(settings.request, rendered, transport, key)
         if dry_run:
             return LaunchResult(record, rendered)
         scheduler = get_scheduler(rendered.profile.scheduler)
@@ -143,12 +125,12 @@ def launch(
             runner.close()
 
 
-def _dry_run(req: RenderRequest, use_api_key: bool, api_key: str | None) -> LaunchResult:
+def _dry_run(settings: LaunchSettings, use_api_key: bool, api_key: str | None) -> LaunchResult:
     """``launch --dry-run`` without a runner: render as the job would run, connecting nowhere."""
-    rendered = render(req, None)
+    rendered = render(settings, None)
     transport = rendered.profile.ssh_host or ""
     key = (api_key or secrets.token_urlsafe(32)) if use_api_key else None
-    return LaunchResult(job_record(req, rendered, transport, key), rendered)
+    return LaunchResult(job_record(settings.request, rendered, transport, key), rendered)
 
 
 def job_record(req: RenderRequest, rendered: RenderedJob, transport: str, key: str | None) -> JobRecord:
@@ -224,8 +206,8 @@ def submit_recorded(store: JobStore, runner: Runner, scheduler: Scheduler, recor
     try:
         write()
         with defer_interrupts():
-            marking = _MarkingRunner(runner, run_dir, scheduler.submit_program)
-            record.job_id = scheduler.submit(marking, f"{run_dir}/{scheduler.script_name}", run_dir, record.name,
+            # the backend's submit leaves the id in RUN_DIR/job_id itself (Scheduler.submit, schedulers/marker.py)
+            record.job_id = scheduler.submit(runner, f"{run_dir}/{scheduler.script_name}", run_dir, record.name,
                                              walltime_s=walltime_s, begin_at=begin_at, after=after)
             if recorded is None:
                 store.record_submitted(intent, record)

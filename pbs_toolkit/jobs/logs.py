@@ -205,31 +205,15 @@ def follow(
     end), bad UTF-8 (shown as U+FFFD), and the end of the job (drains what is left, then returns). ``is_final``
     is called at most every ``final_every`` seconds since it may ask the scheduler.
     """
-    state = _Follower(runner, path, emit, notice)
-    last_check = 0.0
-    final = False
-    try:
-        while True:
-            if state.step(lines):
-                continue  # more may be waiting: read again before sleeping
-            if final:
-                return  # the job ended and its file is read to the end
-            now = time.monotonic()
-            if now - last_check >= final_every:
-                last_check = now
-                if is_final():
-                    final = True
-                    continue
-            time.sleep(poll)
-    finally:
-        state.close()  # the incomplete last line, if any, is shown now
+    for line in follow_lines(runner, path, lines, final_every, notice, is_final, poll=poll):
+        emit(line)
 
 
 def follow_lines(runner: Runner, path: str, lines: int, final_every: float, notice: Callable[[str], None],
-                 is_final: Callable[[], bool]) -> Iterator[str]:
-    """``follow``'s loop as a generator (``Client.logs``): the same follower, its lines handed out as they arrive
-    and its notices told to ``notice`` in their place between them (so "rotated" comes between the old file's
-    last line and the new file's first). Closing the generator stops following."""
+                 is_final: Callable[[], bool], *, poll: float = 0.2) -> Iterator[str]:
+    """The follow loop (``follow`` hands each line to ``emit``; ``Client.logs`` iterates): the follower's lines
+    handed out as they arrive and its notices told to ``notice`` in their place between them (so "rotated"
+    comes between the old file's last line and the new file's first). Closing the generator stops following."""
     pending: list[tuple[bool, str]] = []
     follower = _Follower(runner, path, lambda line: pending.append((False, line)),
                          lambda message: pending.append((True, message)))
@@ -247,7 +231,7 @@ def follow_lines(runner: Runner, path: str, lines: int, final_every: float, noti
                 final = is_final()
                 if final:
                     continue
-            time.sleep(0.2)
+            time.sleep(poll)
         follower.close()  # the incomplete last line, if any
         closed = True
         yield from _drain(pending, notice)
@@ -273,3 +257,42 @@ def _emit_lines(data: bytes, emit: Callable[[str], None]) -> bytes:
     for line in complete:
         emit(line.decode("utf-8", "replace"))
     return rest
+
+
+# -- one job's log (``Client.logs`` / ``log_text``) -----------------------------------------------------------
+
+
+def check_log_request(lines: int, stream: str, node: int | None) -> None:
+    """Refuse a negative ``lines``, and ``node`` with a stream that is the job's, not a node's."""
+    if lines < 0:
+        raise UsageError("lines must not be negative")
+    if node is not None and stream != "vllm":
+        raise UsageError(f"--node picks one node's vLLM log; the {stream} stream is the job's, not a node's")
+
+
+def tail_pieces(runner: Runner, path: str, lines: int, owner: str) -> Iterator[str]:
+    """The last ``lines`` of ``path`` as decoded pieces (line ends kept); ``owner``: whose log, for the error
+    when it does not exist yet."""
+    try:
+        blocks, _ = tail_blocks(runner, path, lines)
+    except FileNotFoundError:
+        raise UsageError(f"{path} does not exist yet ({owner} not started?)") from None
+    return decoded_pieces(blocks)
+
+
+def last_lines(runner: Runner, path: str, lines: int, owner: str) -> Iterator[str]:
+    """``tail_pieces`` as lines without their ends (refuses a log that does not exist yet, at once)."""
+    pieces = tail_pieces(runner, path, lines, owner)
+    return iter("".join(pieces).splitlines() if lines else ())
+
+
+def follow_job_log(runner: Callable[[], Runner], path: str, lines: int, final_every: float,
+                   notice: Callable[[str], None], is_final: Callable[[], bool]) -> Iterator[str]:
+    """``follow_lines`` until ``is_final``, a dropped connection named as such (the path it followed). The
+    runner is opened at the first line asked for."""
+    from pbs_toolkit.errors import TransportError
+
+    try:
+        yield from follow_lines(runner(), path, lines, final_every, notice, is_final)
+    except TransportError as exc:
+        raise TransportError(f"lost the connection while following {path}: {exc}") from exc

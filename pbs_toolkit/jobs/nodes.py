@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,3 +240,13 @@ def node_log_path(runner: Runner, run_dir: str, job_id: str, rank: int) -> str:
         has = "runs on 1 node (node 0 only)" if count == 1 else f"has {count} nodes (0 to {count - 1})"
         raise UsageError(f"job {job_id} {has}: there is no node {rank}")
     return f"{run_dir}/{node_log_name(rank)}"
+
+
+def job_log_path(runner: Callable[[], Runner], run_dir: str, scheduler: str, job_id: str, stream: str,
+                 node: int | None = None) -> str:
+    """The file of a job's ``stream``; ``node``: that node's vLLM log (found through ``runner()``)."""
+    from pbs_toolkit.jobs.logs import stream_path
+
+    if node is not None:
+        return node_log_path(runner(), run_dir, job_id, node)
+    return stream_path(run_dir, scheduler, stream)

@@ -240,3 +240,13 @@ def wait_until_ready(
     finally:
         if own:
             runner.close()
+
+
+def require_ready(st: JobStatus, hint: str) -> JobStatus:
+    """``st`` when READY; else ``ServerFailed`` saying why, ending in ``hint`` (how to wait, in the caller's words)
+    for a job that has not ended (waiting helps only that one)."""
+    if st.state.value != "READY":
+        advice = "it has ended: `pbstk launch` a new one" if st.state.final else hint
+        raise ServerFailed(f"job {st.record.job_id} is {st.state.value}, not READY"
+                           f"{': ' + st.reason if st.reason else ''} ({advice})")
+    return st

@@ -12,203 +12,69 @@ moved aside (``jobs.sqlite3.corrupt-<time>``) and the jobs it knew are re-adopte
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import re
-import socket
 import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import JobNotFound, StoreError, UsageError
-from pbs_toolkit.jobs.spec import SPEC_KEYS, LaunchSpec, split_legacy_extra
+from pbs_toolkit.jobs.launcher import launcher_alive, launcher_token
+from pbs_toolkit.jobs.records import (
+    COLUMNS,
+    FINAL_AT_KEY,
+    FINAL_STATES,
+    INTENT_GRACE_S,
+    JOB_ID_MARKER,
+    JOB_ID_RE,
+    RECORD_MARKER,
+    SUBMITTING_MARKER,
+    Intent,
+    JobRecord,
+    RegistryEntry,
+    record_values,
+    row_to_record,
+)
+from pbs_toolkit.jobs.run_markers import (
+    forget_run_dirs,
+    log_run_dir,
+    logged_run_dirs,
+    nothing_submitted,
+    nothing_submitted_here,
+    read_job_id_marker,
+    read_run_dir_record,
+    record_from_marker,
+)
+from pbs_toolkit.jobs.store_sql import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    TABLES,
+    describe_error,
+    file_lock,
+    insert_record,
+    load_intents,
+    long_empty,
+    migrate_spec,
+    readopt_services,
+    service_stopping,
+)
 
-#: 2: the launch settings moved from ``extra`` into their own ``spec`` column (see ``_migrate_spec``)
-#: 3: the ``endpoints`` table: which registry entries each job wrote (removed when the job ends or is cancelled)
-#: 4: the ``services`` table: several replica jobs behind one router (``pbstk serve``; services/record.py)
-SCHEMA_VERSION = 4
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT NOT NULL,
-    transport TEXT NOT NULL,
-    scheduler TEXT NOT NULL,
-    profile TEXT NOT NULL,
-    model TEXT NOT NULL,
-    served_model_name TEXT NOT NULL,
-    preset TEXT NOT NULL,
-    name TEXT NOT NULL,
-    run_dir TEXT NOT NULL,
-    created REAL NOT NULL,
-    api_key TEXT,
-    api_key_env TEXT,
-    final_state TEXT,
-    extra TEXT NOT NULL DEFAULT '{}',
-    spec TEXT NOT NULL DEFAULT '{}',
-    PRIMARY KEY (transport, job_id)
-);
-CREATE TABLE IF NOT EXISTS intents (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    name TEXT NOT NULL,
-    transport TEXT NOT NULL,
-    run_dir TEXT NOT NULL,
-    created REAL NOT NULL,
-    launcher TEXT NOT NULL,
-    record TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS counters (
-    name TEXT PRIMARY KEY,
-    value INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS endpoints (
-    transport TEXT NOT NULL,
-    job_id TEXT NOT NULL,
-    registry TEXT NOT NULL,
-    format TEXT NOT NULL,
-    alias TEXT NOT NULL,
-    url TEXT NOT NULL,
-    keep INTEGER NOT NULL DEFAULT 0,
-    written REAL NOT NULL,
-    PRIMARY KEY (transport, job_id, registry, alias)
-);
-CREATE TABLE IF NOT EXISTS services (
-    name TEXT PRIMARY KEY,
-    transport TEXT NOT NULL,
-    created REAL NOT NULL,
-    ended REAL,
-    api_key TEXT,
-    data TEXT NOT NULL
-);
-"""
-#: every table of the current schema (a store lacking one gets it, keeping its rows)
-_TABLES = frozenset({"jobs", "intents", "counters", "endpoints", "services"})
-#: extra key: when the job was first recorded as ended (``pbstk clean --older-than`` counts from it)
-FINAL_AT_KEY = "final_at"
-#: final states a record may carry (status.ServerState's final members)
-FINAL_STATES = frozenset({"FAILED", "FINISHED", "CANCELLED", "LOST"})
-#: what a scheduler job id may look like in a ``RUN_DIR/job_id`` marker
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.\[\]-]{1,200}$")
-#: markers the submission leaves in the run directory (see schedulers/marker.py)
-JOB_ID_MARKER = "job_id"
-SUBMITTING_MARKER = ".submitting"
-RECORD_MARKER = "pbstk-job.json"
-#: an intent whose launcher is gone but whose submission may still be running is kept this long
-INTENT_GRACE_S = 3600.0
-
-
-@dataclass
-class JobRecord:
-    job_id: str
-    scheduler: str
-    profile: str
-    model: str
-    served_model_name: str
-    preset: str
-    name: str
-    run_dir: str
-    #: "" for this machine, else the SSH host the job was submitted through
-    transport: str = ""
-    created: float = field(default_factory=time.time)
-    #: secret: never in ``repr`` (a notebook prints reprs and saves them) nor in ``public``/``to_dict``
-    api_key: str | None = field(default=None, repr=False)
-    api_key_env: str | None = None
-    #: set once a final state is known, so later status calls skip the scheduler
-    final_state: str | None = None
-    #: runtime bookkeeping only (final reason, absence count, verified endpoint, ...)
-    extra: dict[str, Any] = field(default_factory=dict)
-    #: what the job was launched with (layout, vLLM arguments, ...): written once by ``launch``
-    spec: LaunchSpec = field(default_factory=LaunchSpec)
-
-    def public(self) -> dict[str, Any]:
-        """Everything but the secret."""
-        data = asdict(self)
-        data.pop("api_key")
-        return data
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``job`` object of ``pbstk jobs --json`` (docs/json.md): :meth:`public` with the transport named
-        ``local`` for this machine, as ``status --json`` (which adds the state fields) and the tables name it."""
-        from pbs_toolkit.schema import stamp
-
-        data = self.public()
-        data["transport"] = self.transport or "local"
-        return stamp("job", data)
-
-
-_COLUMNS = tuple(f.name for f in fields(JobRecord))
-_TEXT = ("job_id", "transport", "scheduler", "profile", "model", "served_model_name", "preset", "name", "run_dir")
-
-
-@dataclass
-class RegistryEntry:
-    """One entry a job wrote into an endpoint registry: what ``cancel`` and the job's end remove again."""
-
-    job_id: str
-    transport: str
-    #: the real path of the registry file that was written
-    registry: str
-    format: str
-    alias: str
-    url: str
-    #: ``update-endpoint --keep-after-end`` / ``cancel --keep-endpoint``: leave it when the job ends
-    keep: bool = False
-    written: float = field(default_factory=time.time)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class Intent:
-    """A launch that wrote its plan but whose job id is not recorded yet."""
-
-    id: int
-    name: str
-    transport: str
-    run_dir: str
-    created: float
-    launcher: str
-    record: JobRecord
+#: the names this module has always offered (importers keep importing them from here)
+__all__ = ["FINAL_AT_KEY", "FINAL_STATES", "INTENT_GRACE_S", "JOB_ID_MARKER", "JOB_ID_RE", "RECORD_MARKER",
+           "SCHEMA_VERSION", "SUBMITTING_MARKER", "Intent", "JobRecord", "JobStore", "RegistryEntry", "StoreError",
+           "file_lock", "forget_run_dirs", "launcher_alive", "launcher_token", "log_run_dir", "nothing_submitted",
+           "read_job_id_marker", "read_run_dir_record", "record_from_marker"]
 
 
 def _warn(message: str) -> None:
     sys.stderr.write(f"pbstk: warning: {message}\n")
-
-
-def launcher_token(pid: int | None = None) -> str:
-    """``host:pid:starttime`` of a process: tells a live launcher from a dead one whose pid was reused."""
-    pid = os.getpid() if pid is None else pid
-    return f"{socket.gethostname()}:{pid}:{_start_time(pid)}"
-
-
-def _start_time(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return "?"
-
-
-def launcher_alive(token: str) -> bool:
-    """Whether the process that wrote an intent still runs (unknowable for another host: assume so)."""
-    host, _, rest = token.partition(":")
-    pid_text, _, start = rest.partition(":")
-    if host != socket.gethostname():
-        return True
-    try:
-        pid = int(pid_text)
-        os.kill(pid, 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return start in ("?", _start_time(pid))
 
 
 class JobStore:
@@ -233,7 +99,7 @@ class JobStore:
             with conn:
                 yield conn
         except sqlite3.Error as exc:
-            raise StoreError(_describe(exc, self.path)) from None
+            raise StoreError(describe_error(exc, self.path)) from None
         except OSError as exc:
             raise StoreError(f"cannot write the job store {self.path}: {exc.strerror or exc}") from None
         finally:
@@ -246,7 +112,7 @@ class JobStore:
             fd = os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600)
             os.close(fd)
             created = (self.path.parent / "run_dirs.log").exists()  # a store deleted after launches
-        elif not self._checked and _long_empty(self.path):
+        elif not self._checked and long_empty(self.path):
             existed_empty = True
         conn = sqlite3.connect(self.path, timeout=self.timeout)
         conn.row_factory = sqlite3.Row
@@ -256,7 +122,7 @@ class JobStore:
             problem = self._check(conn)
         except sqlite3.OperationalError as exc:  # locked, read-only, I/O: not corruption, never move aside
             conn.close()
-            raise StoreError(_describe(exc, self.path)) from None
+            raise StoreError(describe_error(exc, self.path)) from None
         except sqlite3.DatabaseError as exc:
             problem = str(exc)
         if problem:
@@ -284,19 +150,19 @@ class JobStore:
             raise StoreError(f"the job store {self.path} was written by a newer pbstk (schema {version}); "
                              f"upgrade pbstk or set XDG_STATE_HOME elsewhere")
         cols = {row[1] for row in conn.execute("PRAGMA table_info(jobs)")}
-        if cols and not set(_COLUMNS) - {"spec"} <= cols:
-            return f"not a pbstk job store (table jobs lacks {', '.join(sorted(set(_COLUMNS) - cols))})"
+        if cols and not set(COLUMNS) - {"spec"} <= cols:
+            return f"not a pbstk job store (table jobs lacks {', '.join(sorted(set(COLUMNS) - cols))})"
         if cols and "spec" not in cols:
-            _migrate_spec(conn)
+            migrate_spec(conn)
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        if not cols and tables - _TABLES - {"sqlite_sequence"}:
+        if not cols and tables - TABLES - {"sqlite_sequence"}:
             return f"not a pbstk job store (tables {', '.join(sorted(tables))})"
-        if version < SCHEMA_VERSION or not _TABLES <= tables:  # 2 -> 3 -> 4: new tables, old rows kept
+        if version < SCHEMA_VERSION or not TABLES <= tables:  # 2 -> 3 -> 4: new tables, old rows kept
             self._create(conn)
         return None
 
     def _create(self, conn: sqlite3.Connection) -> None:
-        conn.executescript(_SCHEMA)
+        conn.executescript(SCHEMA)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _move_aside(self, problem: str) -> None:
@@ -309,7 +175,7 @@ class JobStore:
                 finally:
                     conn.close()
             except sqlite3.OperationalError as exc:
-                raise StoreError(_describe(exc, self.path)) from None
+                raise StoreError(describe_error(exc, self.path)) from None
             except sqlite3.DatabaseError:
                 still_bad = True
             if not still_bad:
@@ -327,17 +193,17 @@ class JobStore:
         """A lost store must not silently forget jobs: re-record every run directory pbstk launched here
         that holds a job id (``run_dirs.log`` lists them)."""
         adopted, skipped = [], 0
-        for run_dir in _logged_run_dirs(self.path.parent):
+        for run_dir in logged_run_dirs(self.path.parent):
             record = read_run_dir_record(run_dir)
             if record is None:
                 continue
             try:
                 with conn:
-                    _insert(conn, record)
+                    insert_record(conn, record)
                 adopted.append(record.job_id)
             except sqlite3.IntegrityError:
                 skipped += 1
-        services = _readopt_services(conn, self.path.parent / "services")
+        services = readopt_services(conn, self.path.parent / "services")
         if adopted:
             _warn(f"re-adopted {len(adopted)} job(s) from their run directories: {', '.join(adopted[:10])}")
         if services:
@@ -351,7 +217,7 @@ class JobStore:
         """Record a job. Never replaces: the same (transport, job id) twice is a ``StoreError``."""
         try:
             with self._connect() as conn:
-                _insert(conn, record)
+                insert_record(conn, record)
         except StoreError as exc:
             raise StoreError(f"job {record.job_id} could not be recorded: {exc}") from None
 
@@ -377,10 +243,10 @@ class JobStore:
             return []
         with self._connect() as conn:
             self._resolve_intents(conn)
-            rows = conn.execute(f"SELECT {', '.join(_COLUMNS)} FROM jobs ORDER BY created DESC").fetchall()  # noqa: S608
+            rows = conn.execute(f"SELECT {', '.join(COLUMNS)} FROM jobs ORDER BY created DESC").fetchall()  # noqa: S608
         out, broken = [], []
         for row in rows:
-            record, problem = _row_to_record(dict(row))
+            record, problem = row_to_record(dict(row))
             if record is None:
                 broken.append(f"{row['job_id']!r} ({problem})")
                 continue
@@ -481,7 +347,7 @@ class JobStore:
             row = conn.execute("SELECT ended, data FROM services WHERE name = ?", (name,)).fetchone()
             if row is not None and row["ended"] is None:
                 raise UsageError(f"a service named {name!r} is already active; cancel it or pass another --name")
-            if row is not None and _service_stopping(row["data"]):  # its teardown has not finished: its router
+            if row is not None and service_stopping(row["data"]):  # its teardown has not finished: its router
                 raise UsageError(f"a service named {name!r} is still being stopped (an interrupted `pbstk cancel`?); "
                                  f"run `pbstk cancel {name}` to finish it, or pass another --name")
             conn.execute("INSERT OR REPLACE INTO services (name, transport, created, ended, api_key, data) "
@@ -550,7 +416,7 @@ class JobStore:
         """The job id, in the same transaction that retires the intent."""
         try:
             with self._connect() as conn:
-                _insert(conn, record)
+                insert_record(conn, record)
                 conn.execute("DELETE FROM intents WHERE id = ?", (intent_id,))
         except StoreError as exc:
             raise StoreError(f"job {record.job_id} could not be recorded: {exc}") from None
@@ -564,7 +430,7 @@ class JobStore:
                 took = conn.execute("UPDATE services SET data = ? WHERE name = ? AND created = ? AND ended IS NULL",
                                     (data, name, created)).rowcount > 0
                 if not took:
-                    _insert(conn, record)
+                    insert_record(conn, record)
                 conn.execute("DELETE FROM intents WHERE id = ?", (intent_id,))
         except StoreError as exc:
             raise StoreError(f"job {record.job_id} could not be recorded: {exc}") from None
@@ -580,12 +446,12 @@ class JobStore:
             return []
         with self._connect() as conn:
             self._resolve_intents(conn)
-            return _load_intents(conn)
+            return load_intents(conn)
 
     def _resolve_intents(self, conn: sqlite3.Connection) -> None:
         """Adopt interrupted launches on this machine whose run directory holds a job id; drop those that
         clearly submitted nothing (launcher gone and no submission started, or the submission failed)."""
-        for intent in _load_intents(conn):
+        for intent in load_intents(conn):
             if intent.transport:
                 continue  # on a login node: `launch` resolves them through its SSH connection
             if launcher_alive(intent.launcher):
@@ -593,7 +459,7 @@ class JobStore:
             job_id = read_job_id_marker(intent.run_dir)
             if job_id:
                 self._adopt(conn, intent, job_id)
-            elif _nothing_submitted(intent):
+            elif nothing_submitted_here(intent):
                 with conn:
                     conn.execute("DELETE FROM intents WHERE id = ?", (intent.id,))
 
@@ -612,7 +478,7 @@ class JobStore:
         with conn:
             conn.execute("DELETE FROM intents WHERE id = ?", (intent.id,))
             conn.execute("INSERT OR IGNORE INTO jobs ({}) VALUES ({})".format(  # noqa: S608
-                ", ".join(_COLUMNS), ", ".join("?" for _ in _COLUMNS)), _values(intent.record))
+                ", ".join(COLUMNS), ", ".join("?" for _ in COLUMNS)), record_values(intent.record))
         _warn(f"adopted job {job_id} ({intent.name}): its launch was interrupted before it was recorded")
 
     def _warn_once(self, message: str) -> None:
@@ -621,240 +487,3 @@ class JobStore:
             _warn(message)
 
 
-@contextmanager
-def file_lock(path: Path, timeout: float, store: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path``, waited for at most ``timeout`` seconds (then ``StoreError``)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise StoreError(f"the job store {store} is locked by another pbstk for more than "
-                                     f"{timeout:g} s ({path})") from None
-                time.sleep(0.02)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _service_stopping(data: str) -> bool:
-    """Whether a service row's data says its teardown is not finished (services/record.py ``STOPPING``)."""
-    try:
-        return bool(json.loads(data).get("state") == "STOPPING")
-    except (ValueError, TypeError, AttributeError):
-        return False
-
-
-def _readopt_services(conn: sqlite3.Connection, directory: Path) -> list[str]:
-    """Services whose ``services/NAME/service.json`` (services/record.py ``write_file``) the store lacks."""
-    names = []
-    for path in sorted(directory.glob("*/service.json")):
-        try:
-            row = json.loads(path.read_text())
-            values = tuple(row[k] for k in ("name", "transport", "created", "ended", "api_key", "data"))
-            with conn:
-                if conn.execute("INSERT OR IGNORE INTO services (name, transport, created, ended, api_key, data) "
-                                "VALUES (?, ?, ?, ?, ?, ?)", values).rowcount:
-                    names.append(str(row["name"]))
-        except (OSError, ValueError, TypeError, KeyError, sqlite3.Error):
-            continue
-    return names
-
-
-def _insert(conn: sqlite3.Connection, record: JobRecord) -> None:
-    marks = ", ".join("?" for _ in _COLUMNS)
-    try:
-        conn.execute(f"INSERT INTO jobs ({', '.join(_COLUMNS)}) VALUES ({marks})", _values(record))  # noqa: S608
-    except sqlite3.IntegrityError:
-        raise sqlite3.IntegrityError(f"job {record.job_id} is already recorded; not replacing it") from None
-
-
-def _migrate_spec(conn: sqlite3.Connection) -> None:
-    """Schema 1 -> 2: add the ``spec`` column and move each row's launch keys out of ``extra`` into it.
-
-    One ``BEGIN IMMEDIATE`` transaction that looks at the columns again, so two pbstk processes opening the
-    same old store at once migrate it once; a row whose ``extra`` is not JSON is left as it was (it is read
-    with a warning, as before)."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        if "spec" not in {row[1] for row in conn.execute("PRAGMA table_info(jobs)")}:
-            conn.execute("ALTER TABLE jobs ADD COLUMN spec TEXT NOT NULL DEFAULT '{}'")
-            for row in conn.execute("SELECT rowid, extra FROM jobs").fetchall():
-                try:
-                    extra = json.loads(row["extra"] or "{}")
-                except (ValueError, TypeError):
-                    continue
-                if not isinstance(extra, dict) or not SPEC_KEYS & extra.keys():
-                    continue
-                spec, rest = split_legacy_extra(extra, None)
-                conn.execute("UPDATE jobs SET extra = ?, spec = ? WHERE rowid = ?",
-                             (json.dumps(rest), json.dumps(spec.to_dict()), row["rowid"]))
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:  # not when BEGIN itself failed (locked): keep that error, not ROLLBACK's
-            conn.execute("ROLLBACK")
-        raise
-
-
-def _values(record: JobRecord) -> list[Any]:
-    data = asdict(record)
-    data["extra"] = json.dumps(record.extra)
-    data["spec"] = json.dumps(record.spec.to_dict())
-    return [data[c] for c in _COLUMNS]
-
-
-def _row_to_record(data: dict[str, Any]) -> tuple[JobRecord | None, str | None]:
-    """A record and what is wrong with it; ``None`` when the row cannot stand for a job at all."""
-    if any(not isinstance(data.get(k), str) for k in _TEXT) or not isinstance(data.get("created"), (int, float)):
-        return None, "a required field is missing or not text"
-    if data.get("final_state") is not None and data["final_state"] not in FINAL_STATES:
-        return None, f"unknown final state {str(data['final_state'])[:40]!r}"
-    for key in ("api_key", "api_key_env"):
-        if data.get(key) is not None and not isinstance(data[key], str):
-            data[key] = None
-    problem = None
-    try:
-        extra = json.loads(data.get("extra") or "{}")
-        if not isinstance(extra, dict):
-            raise ValueError("not an object")
-    except (ValueError, TypeError) as exc:
-        extra, problem = {"broken_record": f"extra is not a JSON object: {exc}"}, "bad extra JSON"
-    try:
-        spec = json.loads(data.get("spec") or "{}")
-    except (ValueError, TypeError):
-        spec, problem = {}, problem or "bad spec JSON"
-    # rows, intents and run-directory records written before LaunchSpec kept its keys in extra
-    data["spec"], data["extra"] = split_legacy_extra(extra, spec)
-    return JobRecord(**data), problem
-
-
-def _load_intents(conn: sqlite3.Connection) -> list[Intent]:
-    out = []
-    for row in conn.execute("SELECT id, name, transport, run_dir, created, launcher, record FROM intents"):
-        try:
-            data = json.loads(row["record"])
-            record, _ = _row_to_record({**data, "extra": json.dumps(data.get("extra") or {}),
-                                        "spec": json.dumps(data.get("spec") or {})})
-        except (ValueError, TypeError):
-            record = None
-        if record is None:
-            continue
-        out.append(Intent(row["id"], row["name"], row["transport"], row["run_dir"], row["created"],
-                          row["launcher"], record))
-    return out
-
-
-def read_job_id_marker(run_dir: str) -> str | None:
-    """The job id the submission left in ``RUN_DIR/job_id`` (local paths only), if it is a valid id."""
-    try:
-        text = Path(run_dir, JOB_ID_MARKER).read_text(errors="replace").strip()
-    except OSError:
-        return None
-    return text if JOB_ID_RE.match(text) else None
-
-
-def _nothing_submitted(intent: Intent) -> bool:
-    run = Path(intent.run_dir)
-    return nothing_submitted(intent, run.is_dir(), (run / SUBMITTING_MARKER).exists(), (run / "submit_rc").exists())
-
-
-def nothing_submitted(intent: Intent, run_dir_exists: bool, submitting: bool, failed: bool) -> bool:
-    """Whether a launch whose launcher is gone and that left no job id can be forgotten: its run directory is
-    gone, the submission never started or it failed; one still running after an hour is given up too."""
-    if not run_dir_exists or not submitting or failed:
-        return True
-    return time.time() - intent.created > INTENT_GRACE_S
-
-
-def read_run_dir_record(run_dir: str) -> JobRecord | None:
-    """The record a launch left in ``RUN_DIR/pbstk-job.json`` with the job id from ``RUN_DIR/job_id``."""
-    job_id = read_job_id_marker(run_dir)
-    if not job_id:
-        return None
-    try:
-        key_file = Path(run_dir, "api_key")
-        return record_from_marker(Path(run_dir, RECORD_MARKER).read_bytes(), job_id,
-                                  key_file.read_text().strip() if key_file.exists() else None)
-    except OSError:
-        return None
-
-
-def record_from_marker(raw: bytes, job_id: str, api_key: str | None) -> JobRecord | None:
-    """The record in a ``RUN_DIR/pbstk-job.json`` (``raw``) for job ``job_id`` with its key; ``None`` if unusable."""
-    try:
-        data = json.loads(raw)
-        data["job_id"] = job_id
-        data["api_key"] = api_key
-        data["extra"] = json.dumps(data.get("extra") or {})
-        data["spec"] = json.dumps(data.get("spec") or {})
-        data.setdefault("final_state", None)
-        record, _ = _row_to_record({k: data.get(k) for k in _COLUMNS})
-    except (ValueError, TypeError, AttributeError):
-        return None
-    return record
-
-
-def log_run_dir(state_dir: Path, run_dir: str) -> None:
-    """Append a local run directory to ``run_dirs.log``: what a lost store is rebuilt from."""
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(state_dir / "run_dirs.log", os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
-        try:
-            os.write(fd, (run_dir + "\n").encode())
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise StoreError(f"cannot write {state_dir / 'run_dirs.log'}: {exc.strerror or exc}") from None
-
-
-def forget_run_dirs(state_dir: Path, removed: set[str]) -> None:
-    """Drop removed run directories from ``run_dirs.log`` (``pbstk clean``), so it does not grow forever either.
-
-    Rewritten to a temp file and renamed over the log; a launch appending meanwhile may lose its line, which
-    only matters if the store is lost too (its job is then not re-adopted). Best effort: errors are ignored."""
-    import contextlib
-
-    log = state_dir / "run_dirs.log"
-    with contextlib.suppress(OSError):
-        lines = log.read_bytes().decode("utf-8", "replace").splitlines()
-        kept = [line for line in lines if line not in removed]
-        if len(kept) == len(lines):
-            return
-        tmp = log.with_name(f".run_dirs.log.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, "".join(line + "\n" for line in kept).encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, log)
-
-
-def _logged_run_dirs(state_dir: Path) -> list[str]:
-    try:
-        text = (state_dir / "run_dirs.log").read_bytes().decode("utf-8", "replace")
-    except OSError:
-        return []
-    return list(dict.fromkeys(line for line in text.splitlines() if line.startswith("/")))
-
-
-def _long_empty(path: Path) -> bool:
-    """0 bytes for a while and no journal: a store that lost its content, not one being created right now."""
-    st = path.stat()
-    return st.st_size == 0 and time.time() - st.st_mtime > 2 and not path.with_name(path.name + "-journal").exists()
-
-
-def _describe(exc: sqlite3.Error, path: Path) -> str:
-    text = str(exc)
-    if "locked" in text or "busy" in text:
-        return f"the job store {path} is locked by another process (waited too long): {text}"
-    if "full" in text:
-        return f"the job store {path} cannot be written: the disk is full"
-    if "readonly" in text or "read-only" in text:
-        return f"the job store {path} is read-only: {text}"
-    return f"the job store {path} is unusable: {text}"

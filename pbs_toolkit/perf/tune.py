@@ -13,13 +13,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pbs_toolkit import __version__, paths
+from pbs_toolkit import paths
 from pbs_toolkit.errors import PbstkError, UsageError
-from pbs_toolkit.jobs.render import RenderRequest, render, slug
+from pbs_toolkit.jobs.plan import slug
+from pbs_toolkit.jobs.render import render
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.perf.benchjob import LevelResult
 from pbs_toolkit.schema import STAMP_KEYS
+from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, settings_of
 from pbs_toolkit.transports import Runner
+from pbs_toolkit.version import __version__
 
 Progress = Callable[[str], None]
 
@@ -119,17 +122,18 @@ class TuneReport:
         return next((r for r in self.runs if r.preset == preset), None)
 
 
-def check_presets(base: RenderRequest, presets: Sequence[str], runner: Runner) -> None:
+def check_presets(base: LaunchSettings, presets: Sequence[str], runner: Runner) -> None:
     """Render every preset first: unknown presets or GPU mismatches are refused before anything is submitted.
 
-    Through ``runner``, as launch will render: the model may be a directory on the login node.
+    Through ``runner``, as launch will render: the model may be a directory on the login node. ``base`` is
+    resolved once for all of them (only the preset differs).
     """
     if not presets:
         raise UsageError("tune needs at least one preset")
     problems = []
     for name in presets:
         try:
-            render(replace(base, preset=name, run_dir="/tmp/pbstk-tune-check"), runner)
+            render(base.with_request(preset=name, run_dir="/tmp/pbstk-tune-check"), runner)
         except PbstkError as exc:
             problems.append(f"{name}: {exc}")
     if problems:
@@ -137,7 +141,7 @@ def check_presets(base: RenderRequest, presets: Sequence[str], runner: Runner) -
 
 
 def run_tune(
-    base: RenderRequest,
+    base: LaunchSettings | RenderRequest,
     presets: Sequence[str],
     *,
     concurrencies: Sequence[int] = (1, 8, 64),
@@ -157,15 +161,16 @@ def run_tune(
 
     ``checkpoint`` receives the report after every preset, so a run cut short keeps what it measured.
     Everything goes through one transport: over SSH one connection (one MFA prompt) serves the whole run.
+    ``base`` (a ``RenderRequest`` is resolved first) is resolved once for every preset.
     """
     from contextlib import nullcontext
 
-    from pbs_toolkit.jobs.render import resolve_profile
     from pbs_toolkit.transports import open_runner
 
+    base = settings_of(base)
     store = store or JobStore()
     # ``runner``: the caller's open transport (``Client``), kept open; else one of our own for the run
-    with nullcontext(runner) if runner else open_runner(resolve_profile(base)[0].ssh_host) as runner:
+    with nullcontext(runner) if runner else open_runner(base.written.ssh_host) as runner:
         check_presets(base, presets, runner)
         started = time.time()
         runs: list[TuneRun] = []
@@ -178,7 +183,7 @@ def run_tune(
     return doc
 
 
-def _tune_one(base: RenderRequest, name: str, runner: Runner, store: JobStore, concurrencies: Sequence[int],
+def _tune_one(base: LaunchSettings, name: str, runner: Runner, store: JobStore, concurrencies: Sequence[int],
               input_len: int, output_len: int, num_prompts: int | None, rounds: int, client: str,
               timeout: float, progress: Progress) -> TuneRun:
     """Launch one preset, wait, benchmark, cancel; the run's entry (with ``error`` when it failed)."""
@@ -192,9 +197,9 @@ def _tune_one(base: RenderRequest, name: str, runner: Runner, store: JobStore, c
     def show(s: Any, elapsed: float) -> None:
         progress(f"[{name}] {elapsed:5.0f}s {s.state.value} {s.phase or s.comment or ''}")
 
-    req = replace(base, preset=name, name=f"{base.name or slug(base.model)}-{slug(name)}"[:63])
+    job_name = f"{base.request.name or slug(base.model)}-{slug(name)}"[:63]
     progress(f"[{name}] launching")
-    result = launch(req, store=store, runner=runner)
+    result = launch(base.with_request(preset=name, name=job_name), store=store, runner=runner)
     record = result.record
     entry = TuneRun(name, layout=result.rendered.preset.layout(), eager=result.rendered.preset.eager,
                     job_id=record.job_id, run_dir=record.run_dir)
@@ -216,11 +221,11 @@ def _tune_one(base: RenderRequest, name: str, runner: Runner, store: JobStore, c
     return entry
 
 
-def _document(base: RenderRequest, started: float, input_len: int, output_len: int,
+def _document(base: LaunchSettings, started: float, input_len: int, output_len: int,
               concurrencies: Sequence[int], baseline: str | None, runs: list[TuneRun]) -> TuneReport:
-    doc = TuneReport(model=base.model, profile=base.profile, started=started,
+    doc = TuneReport(model=base.model, profile=base.request.profile, started=started,
                      duration_s=round(time.time() - started, 1), input_len=input_len, output_len=output_len,
-                     concurrencies=list(concurrencies), vllm_args=list(base.vllm_args),
+                     concurrencies=list(concurrencies), vllm_args=list(base.request.vllm_args),
                      baseline=baseline or pick_baseline(runs), runs=list(runs))
     doc.recommended = recommend(doc)
     return doc
@@ -376,3 +381,25 @@ def plot(doc: TuneReport, out: str) -> str:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def tune(req: LaunchSettings | RenderRequest, presets: Sequence[str], *, store: JobStore, runner: Runner,
+         progress: Callable[[str], None], save: bool = False, output: str | None = None, append: bool = False,
+         baseline: str | None = None, **options: Any) -> TuneReport:
+    """``run_tune`` saved as ``Client.tune`` promises: ``save`` under pbstk's data dir; ``output`` there instead,
+    after each preset too (an interrupted tune keeps what it measured); ``append`` merges into the runs already
+    in ``output``. ``progress`` hears each step, and ``saved PATH`` at the end. ``options``: ``run_tune``'s."""
+    import os
+
+    earlier = load_result(output) if append and output and os.path.exists(output) else None
+
+    def checkpoint(partial: TuneReport) -> None:
+        save_result(merge(earlier, partial, baseline) if earlier else partial, output)
+
+    doc = run_tune(req, list(presets), baseline=baseline, progress=progress,
+                   checkpoint=checkpoint if output else None, store=store, runner=runner, **options)
+    if earlier is not None:
+        doc = merge(earlier, doc, baseline)
+    if save or output:
+        progress(f"saved {save_result(doc, output)}")
+    return doc

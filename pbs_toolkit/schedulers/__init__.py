@@ -32,6 +32,13 @@ def get_scheduler(name: str) -> Scheduler:
     return backend_class(name)()
 
 
+def runs_on_submit_host(name: str) -> bool:
+    """Whether backend ``name``'s jobs run on the host that submits them (``Scheduler.runs_on_submit_host``);
+    ``False`` for a name no longer registered (an old record's)."""
+    cls = BACKENDS.get(name)
+    return cls is not None and cls.runs_on_submit_host
+
+
 def stream_names() -> list[str]:
     """Every scheduler output stream name some backend offers (``sched-out``, ``sched-err``)."""
     return list(dict.fromkeys(name for cls in BACKENDS.values() for name in cls.streams))
@@ -43,4 +50,4 @@ def stream_aliases() -> dict[str, str]:
 
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "JobRef", "Outcome", "SchedState", "Scheduler", "SchedulerJob",
-           "backend_class", "get_scheduler", "stream_aliases", "stream_names"]
+           "backend_class", "get_scheduler", "runs_on_submit_host", "stream_aliases", "stream_names"]

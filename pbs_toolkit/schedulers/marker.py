@@ -9,7 +9,10 @@ directory holds a job id (see ``JobStore._resolve_intents``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pbs_toolkit.transports.base import Result, Runner, WrappingRunner
 
 # Constant text; the run directory and the command arrive as positional parameters.
 _WRAPPER = r"""
@@ -32,3 +35,18 @@ exit "$rc"
 def marked(argv: Sequence[str], run_dir: str) -> list[str]:
     """``argv`` wrapped so that its output (the job id) also lands in ``run_dir/job_id``."""
     return ["bash", "-c", _WRAPPER, "pbstk-submit", run_dir, *argv]
+
+
+class MarkingRunner(WrappingRunner):
+    """``inner``, except that every command runs under the wrapper that leaves ``run_dir/job_id``, with ``env``
+    added to its environment (through ``env=``: an ``env`` prefix would hide the program from the wrapper's
+    messages). ``Scheduler.submit`` runs its submit command, and only that, through one."""
+
+    def __init__(self, inner: Runner, run_dir: str, env: Mapping[str, str] | None = None) -> None:
+        super().__init__(inner)
+        self.run_dir, self.env = run_dir, dict(env or {})
+
+    def run(self, argv: Sequence[str], **kw: Any) -> Result:
+        if self.env:
+            kw = {**kw, "env": {**(kw.get("env") or {}), **self.env}}
+        return self.inner.run(marked(argv, self.run_dir), **kw)

@@ -1,5 +1,10 @@
 
 # --- the body of start_router.sh: static; every setting is a variable of the header above -------------------
+# shellcheck shell=bash
+# The settings the header assigns (services/router_job.py render_start_script), declared so that shellcheck of
+# this body alone flags a misspelt one; `declare NAME` without a value keeps the header's.
+declare RUN_DIR BIND_HOST ADDRESS_MODE ADDRESS_SUFFIX POLICY SEED_URL VENV START_WAIT_S STOP_WAIT_S ISOLATE
+declare -a ROUTER_CMD ROUTER_ARGV
 # A service's vllm-router inside a small CPU job (profile `router: job`). It chooses free ports on this node,
 # starts the router bound to BIND_HOST, and once the router answers /list_workers writes RUN_DIR/router.json
 # (host = this node's address as ADDRESS_MODE names it, port, prometheus_port, pid; 0644, no secret in it) for
@@ -101,21 +106,14 @@ for attempt in 1 2 3 4; do
   read -r PORT PROM_PORT < <(pbstk_free_ports)
   pbstk_log "starting ${ROUTER_CMD[0]} on $BIND_HOST:$PORT (prometheus $PROM_PORT), attempt $attempt"
   log_from=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
-  # a policy the router refuses to start with fewer than 2 workers (power_of_two) starts with its own Prometheus
-  # endpoint (bound before the router waits for workers) given twice, removed before router.json is written
-  seed_args=()
-  if [ "$SEED" = 1 ]; then
-    case "$REACH" in *:*) SEED_URL="http://[$REACH]:$PROM_PORT" ;; *) SEED_URL="http://$REACH:$PROM_PORT" ;; esac
-    seed_args=(--worker-urls "$SEED_URL" "$SEED_URL")
-  fi
-  if [ "$ISOLATE" = 1 ]; then
-    # the router in a private network namespace behind pbstk's front (router_front.py), which binds the ports
-    "$FRONT_PY" "$RUN_DIR/router_front.py" "$BIND_HOST" "$PORT" "$PROM_PORT" -- \
-      "${ROUTER_CMD[@]}" --policy "$POLICY" "${ROUTER_ARGS[@]}" "${seed_args[@]}" >>"$LOG" 2>&1 &
-  else
-    "${ROUTER_CMD[@]}" --host "$BIND_HOST" --port "$PORT" --prometheus-port "$PROM_PORT" \
-      --prometheus-host "$BIND_HOST" --policy "$POLICY" "${ROUTER_ARGS[@]}" "${seed_args[@]}" >>"$LOG" 2>&1 &
-  fi
+  # the command line pbstk built (services/router.py router_argv), with this node's ports and Python put in; a
+  # policy the router refuses to start with fewer than 2 workers (power_of_two) has its own Prometheus endpoint
+  # (bound before the router waits for workers) as its start-up worker, removed before router.json is written
+  argv=("${ROUTER_ARGV[@]//"@PORT@"/$PORT}")
+  argv=("${argv[@]//"@PROM_PORT@"/$PROM_PORT}")
+  argv=("${argv[@]//"@PYTHON@"/${FRONT_PY:-}}")
+  SEED=${SEED_URL//"@PROM_PORT@"/$PROM_PORT}
+  "${argv[@]}" >>"$LOG" 2>&1 &
   CHILD=$!
   waited=0
   while ! pbstk_answers "$PORT"; do
@@ -130,9 +128,9 @@ for attempt in 1 2 3 4; do
     sleep 0.2 & wait $!
     waited=$((waited + 1))
   done
-  if [ "$SEED" = 1 ] && ! pbstk_unseed "$PORT" "$SEED_URL"; then
+  if [ -n "$SEED" ] && ! pbstk_unseed "$PORT" "$SEED"; then
     kill -KILL "$CHILD" 2>/dev/null
-    pbstk_fail "the router did not remove its start-up worker $SEED_URL; see $LOG"
+    pbstk_fail "the router did not remove its start-up worker $SEED; see $LOG"
   fi
   printf '{"host": "%s", "port": %s, "prometheus_port": %s, "pid": %s, "policy": "%s", "run_dir": "%s"}\n' \
     "$ADDRESS" "$PORT" "$PROM_PORT" "$CHILD" "$POLICY" "$RUN_DIR" >"$RUN_DIR/router.json.tmp"

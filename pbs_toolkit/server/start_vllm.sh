@@ -1,7 +1,15 @@
 # shellcheck shell=bash
-# shellcheck disable=SC2154  # the settings (RUN_DIR, MODEL, PHASE_*, ...) come from the rendered header above
 # The static body of every rendered start_vllm.sh (pbs_toolkit/server/start_vllm.sh): plain bash that reads the
 # settings header the launch rendered in front of it; no Jinja here, so shellcheck checks this file as it runs.
+# The settings the header assigns (start_vllm.sh.j2, server/phases.py), declared so that shellcheck of this body
+# alone knows them and flags any other name (a misspelt $PHASE_SETUPP) as never assigned; `declare NAME` without
+# a value keeps the header's, and a setting the header lacks stays unset (set -u stops at its first use).
+# tests/test_start_script.py checks this list against the header.
+declare RUN_DIR MODEL VENV PROXY HF_HOME_DIR HF_HUB_OFFLINE_ON VLLM_CACHE_DIR ADDRESS_MODE ADDRESS_SUFFIX BIND_HOST
+declare PORT_LO FIXED_PORT PORT_SPAN VLLM_ENTRYPOINT EAGER COMPILE_ERROR_RE PORT_IN_USE_RE IDLE_CANCEL_S
+declare NNODES NODE_ENGINE TP PP DP DP_LOCAL NODE_LAUNCHER NCCL_IFNAME GLOO_IFNAME
+declare PHASE_SETUP PHASE_STARTING PHASE_READY PHASE_FAILED PHASE_EXITED PHASE_CANCELLED
+declare -a SITE_SETUP ENV_EXPORTS VLLM_ARGS
 set -uo pipefail
 # --- several nodes (docs: RUN_DIR/nodes/K.json, head.json, stop). A header without these is one node ---
 : "${NNODES:=1}" "${NODE_ENGINE:=single}" "${TP:=1}" "${PP:=1}" "${DP:=1}" "${DP_LOCAL:=1}"
@@ -46,64 +54,88 @@ ADDRESS=
 REASON=
 
 pbstk_log() { echo "pbstk: $(date '+%H:%M:%S') $*"; }
+# One second in the background: a stop signal's trap runs at once (bash defers it until a foreground command ends).
+pbstk_sleep() { sleep 1 & wait $! 2>/dev/null; }
 
-# A JSON string for $1: backslash, quote and every control character escaped (RFC 8259 section 7), so a
-# hostile host name, job id or address cannot break or extend server.json. Builtins only: it runs on every marker write.
-pbstk_json_str() {
-  local s=$1 bs=\\ q='"' i hex ch esc
-  s=${s//"$bs"/"$bs$bs"}
-  s=${s//"$q"/"$bs$q"}
-  for ((i = 1; i < 32; i++)); do
-    printf -v hex '%02x' "$i"
-    printf -v ch '%b' "\\x$hex"
-    [[ $s == *"$ch"* ]] || continue
-    printf -v esc '\\u%04x' "$i"
-    s=${s//"$ch"/"$esc"}
+# --- markers: server.json (the head's), RUN_DIR/nodes/K.json (every node's), head.json (for the workers) ---
+# One line of JSON each, written with no escaping at all: a string value is first cut down to characters JSON
+# takes as they are (pbstk_safe), so a hostile host name, job id or reason can neither break nor extend a marker,
+# and a number is checked to be one (else null). Keys of numbers and of booleans; every other key is a string.
+PBSTK_NUMBER_KEYS=" rank nnodes port rpc_port pid attempt exit_code updated "
+PBSTK_BOOL_KEYS=" eager eager_fallback "
+# Fields a feature adds to every server.json (KEY=VALUE words; a number's KEY goes into PBSTK_NUMBER_KEYS).
+MARKER_EXTRA=()
+
+# pbstk_safe VAR VALUE: VAR = VALUE with a control character (newline, tab, ...) as a space, " as ', \ as /, and
+# anything else that is neither a letter, a digit, punctuation nor a space as ? (a byte that is not UTF-8 too).
+pbstk_safe() {
+  local s=$2
+  s=${s//[[:cntrl:]]/ }
+  s=${s//\"/\'}
+  s=${s//\\/\/}
+  s=${s//[^[:alnum:][:punct:] ]/?}
+  printf -v "$1" '%s' "$s"
+}
+
+# pbstk_marker FILE KEY=VALUE...: FILE as one line of JSON, in that order, replaced atomically (readers never see
+# half a file). Builtins only, as pbstk_marker_get, for the same reason.
+pbstk_marker() {
+  local file=$1 kv key value json='' sep=''
+  shift
+  for kv in "$@"; do
+    key=${kv%%=*}
+    value=${kv#*=}
+    if [[ $PBSTK_NUMBER_KEYS == *" $key "* ]]; then
+      [[ $value =~ ^(0|-?[1-9][0-9]*)$ ]] || value=null
+    elif [[ $PBSTK_BOOL_KEYS == *" $key "* ]]; then
+      [ "$value" = true ] || value=false
+    else
+      pbstk_safe value "$value"
+      value="\"$value\""
+    fi
+    json+="$sep\"$key\": $value"
+    sep=', '
   done
-  printf '"%s"' "$s"
+  printf '%s\n' "{$json}" >"$file.tmp.$$" && mv -f "$file.tmp.$$" "$file"
 }
 
-# A JSON number for $1, or null: the marker never carries a bare word where a number belongs.
-pbstk_json_int() { if [[ $1 =~ ^-?[0-9]+$ ]]; then printf '%s' "$1"; else printf 'null'; fi; }
-
-# Extra keys of a multi-node marker: the node count and, once known, why it failed.
-pbstk_multi_keys() {
-  [ "$NNODES" -gt 1 ] || return 0
-  printf '"nnodes": %s, ' "$(pbstk_json_int "$NNODES")"
-  [ -z "$REASON" ] || printf '"reason": %s, ' "$(pbstk_json_str "$REASON")"
+# pbstk_marker_get VAR FILE KEY: VAR = KEY's value in a marker above ("" when it has none or null; strings without
+# their quotes). No string in a marker holds " or \ (pbstk_safe), so a string ends at the next ", any other value
+# at the next , or }. Builtins only, no $(...): the polling loops call it each second, and bash 5.2 can fail to run
+# a trap (a cancel's TERM) that arrives while it parses a command substitution ("trap: unexpected EOF while looking
+# for matching `)'").
+pbstk_marker_get() {
+  local _line='' _re="\"$3\": (\"([^\"]*)\"|([^,}]*))"
+  [ -r "$2" ] && IFS= read -r _line 2>/dev/null <"$2"
+  printf -v "$1" '%s' ""
+  [[ $_line =~ $_re ]] || return 0
+  [ "${BASH_REMATCH[3]}" = null ] || printf -v "$1" '%s' "${BASH_REMATCH[2]}${BASH_REMATCH[3]}"
 }
 
-# server.json (the head's) and RUN_DIR/nodes/K.json (every node's) are replaced atomically so readers never see
-# half a file.
+# The markers of this node in phase $1 (exit code $2, if any): server.json (the head's, and the launcher's
+# before the nodes start) and, on a node of several, RUN_DIR/nodes/K.json.
 pbstk_state() {
-  local phase=$1 exit_code=${2:-null} tmp="$STATE.tmp.$$"
+  local now multi=()
+  printf -v now '%(%s)T' -1
+  [ "$NNODES" -gt 1 ] && multi=("nnodes=$NNODES") && [ -n "$REASON" ] && multi+=("reason=$REASON")
   if [ "$WRITE_SERVER" = true ]; then
-    {
-      printf '{"phase": %s, "job_id": %s, ' "$(pbstk_json_str "$phase")" "$(pbstk_json_str "${PBSTK_JOB_ID:-}")"
-      printf '"host": %s, "address": %s, ' "$(pbstk_json_str "$NODE")" "$(pbstk_json_str "$ADDRESS")"
-      printf '"port": %s, "pid": %s, ' "$(pbstk_json_int "$PORT")" "$(pbstk_json_int "$SERVER_PID")"
-      printf '"attempt": %s, "eager_fallback": %s, ' "$(pbstk_json_int "$ATTEMPT")" "$EAGER_FALLBACK"
-      pbstk_multi_keys
-      printf '"exit_code": %s, "updated": %s}\n' "$(pbstk_json_int "$exit_code")" "$(date +%s)"
-    } >"$tmp" && mv -f "$tmp" "$STATE"
+    pbstk_marker "$STATE" "phase=$1" "job_id=${PBSTK_JOB_ID:-}" "host=$NODE" "address=$ADDRESS" "port=$PORT" \
+      "pid=$SERVER_PID" "attempt=$ATTEMPT" "eager_fallback=$EAGER_FALLBACK" "${multi[@]}" "${MARKER_EXTRA[@]}" \
+      "exit_code=${2:-}" "updated=$now"
   fi
   if [ -n "$NODE_STATE" ]; then
-    pbstk_node_state "$NODE_STATE" "${NODE_RANK:-null}" "$phase" "$exit_code"
+    pbstk_node_state "$NODE_STATE" "${NODE_RANK:-}" "$1" "${2:-}"
   fi
 }
 
 # pbstk_node_state FILE RANK PHASE EXIT_CODE: one node's marker.
 pbstk_node_state() {
-  local tmp="$1.tmp.$$"
+  local now reason=()
+  printf -v now '%(%s)T' -1
+  [ -z "$REASON" ] || reason=("reason=$REASON")
   mkdir -p "${1%/*}" 2>/dev/null
-  {
-    printf '{"rank": %s, "nnodes": %s, ' "$(pbstk_json_int "$2")" "$(pbstk_json_int "$NNODES")"
-    printf '"host": %s, "address": %s, ' "$(pbstk_json_str "$NODE")" "$(pbstk_json_str "$ADDRESS")"
-    printf '"phase": %s, "pid": %s, ' "$(pbstk_json_str "$3")" "$(pbstk_json_int "$SERVER_PID")"
-    printf '"exit_code": %s, "attempt": %s, ' "$(pbstk_json_int "$4")" "$(pbstk_json_int "$ATTEMPT")"
-    [ -z "$REASON" ] || printf '"reason": %s, ' "$(pbstk_json_str "$REASON")"
-    printf '"updated": %s}\n' "$(date +%s)"
-  } >"$tmp" && mv -f "$tmp" "$1"
+  pbstk_marker "$1" "rank=$2" "nnodes=$NNODES" "host=$NODE" "address=$ADDRESS" "phase=$3" "pid=$SERVER_PID" \
+    "exit_code=$4" "attempt=$ATTEMPT" "${reason[@]}" "updated=$now"
 }
 
 pbstk_fail() {
@@ -289,8 +321,7 @@ pbstk_launch_nodes() {
       pbstk_log "nodes still running ${STOP_GRACE:-60} s after stop; killing them"
       kill -KILL "${NODE_PIDS[@]}" 2>/dev/null
     fi
-    sleep 1 &
-    wait $! 2>/dev/null
+    pbstk_sleep
   done
   # the head's marker was written by the node itself; an unset exit (all 0) still means the server ended
   exit "$LAUNCH_RC"
@@ -448,18 +479,8 @@ pbstk_pick_rpc_port() {
 
 # head.json: what the workers start with; a new attempt number makes every worker restart (eager fallback).
 pbstk_write_head() {
-  local tmp="$RUN_DIR/head.json.tmp.$$"
-  printf '{"address": %s, "port": %s, "rpc_port": %s, "attempt": %s, "eager": %s}\n' "$(pbstk_json_str "$ADDRESS")" \
-    "$(pbstk_json_int "$PORT")" "$(pbstk_json_int "$RPC_PORT")" "$(pbstk_json_int "$ATTEMPT")" "$EAGER" >"$tmp" \
-    && mv -f "$tmp" "$RUN_DIR/head.json"
-}
-# pbstk_json_get VAR FILE KEY: VAR = a value from one of our own one-line markers (strings unquoted), "" if none.
-# Builtins only, no $(...): the polling loops call it each second, and bash 5.2 can fail to run a trap (a cancel's TERM)
-# that arrives while it parses a command substitution ("trap: unexpected EOF while looking for matching `)'").
-pbstk_json_get() {
-  local _jline='' _jre="\"$3\": \"?([^\",}]*)"
-  [ -r "$2" ] && IFS= read -r _jline 2>/dev/null <"$2"
-  if [[ $_jline =~ $_jre ]]; then printf -v "$1" '%s' "${BASH_REMATCH[1]}"; else printf -v "$1" '%s' ""; fi
+  pbstk_marker "$RUN_DIR/head.json" "address=$ADDRESS" "port=$PORT" "rpc_port=$RPC_PORT" "attempt=$ATTEMPT" \
+    "eager=$EAGER"
 }
 
 # The head, each second: a worker that failed ends the attempt (HEAD_ACTION fail, or eager when it was a compile
@@ -469,12 +490,12 @@ pbstk_head_watch() {
   [ -n "$HEAD_ACTION" ] && return 0
   for ((k = 1; k < NNODES; k++)); do
     marker="$RUN_DIR/nodes/$k.json"
-    pbstk_json_get attempt "$marker" attempt
+    pbstk_marker_get attempt "$marker" attempt
     [ "$attempt" = "$ATTEMPT" ] || continue
-    pbstk_json_get phase "$marker" phase
+    pbstk_marker_get phase "$marker" phase
     case "$phase" in "$PHASE_FAILED" | "$PHASE_EXITED") ;; *) continue ;; esac
     FAILED_NODE=$k
-    pbstk_json_get FAILED_RC "$marker" exit_code
+    pbstk_marker_get FAILED_RC "$marker" exit_code
     HEAD_ACTION=fail
     # the worker's compile error, or the head's own (its workers lose the head and fail too)
     if [ "$EAGER" = false ] && [ "$NODE_ENGINE" != ray ] \
@@ -495,8 +516,9 @@ pbstk_head_watch() {
 pbstk_head_fail() {
   local host lines
   if [ -n "$FAILED_NODE" ]; then
-    pbstk_json_get host "$RUN_DIR/nodes/$FAILED_NODE.json" host
+    pbstk_marker_get host "$RUN_DIR/nodes/$FAILED_NODE.json" host
     lines=$(tail -n 20 "$RUN_DIR/vllm.node$FAILED_NODE.log" 2>/dev/null | grep -v "^pbstk: " | tail -n 4)
+    lines=${lines//$'\n'/ | }  # one line: a marker's strings hold no newline (pbstk_safe)
     REASON="node $FAILED_NODE (host $host) failed: ${lines:-exit code ${FAILED_RC:-?}}"
   else
     REASON=$(head -c 2000 "$RUN_DIR/stop")
@@ -525,8 +547,7 @@ pbstk_ray_head() {
     pbstk_head_watch
     [ "$HEAD_ACTION" = stop ] && pbstk_stop
     [ -n "$HEAD_ACTION" ] && pbstk_head_fail
-    sleep 1 &
-    wait $! 2>/dev/null
+    pbstk_sleep
   done
   pbstk_fail "the Ray cluster did not reach $NNODES nodes in ${RAY_WAIT_S:-600} s"
 }
@@ -536,18 +557,17 @@ pbstk_wait_head() {
   local attempt phase
   while true; do
     [ -e "$RUN_DIR/stop" ] && return 1
-    pbstk_json_get attempt "$RUN_DIR/head.json" attempt
+    pbstk_marker_get attempt "$RUN_DIR/head.json" attempt
     if [[ $attempt =~ ^[0-9]+$ ]] && [ "$attempt" -gt "$1" ]; then
-      pbstk_json_get HEAD_ADDR "$RUN_DIR/head.json" address
-      pbstk_json_get RPC_PORT "$RUN_DIR/head.json" rpc_port
-      pbstk_json_get HEAD_EAGER "$RUN_DIR/head.json" eager
+      pbstk_marker_get HEAD_ADDR "$RUN_DIR/head.json" address
+      pbstk_marker_get RPC_PORT "$RUN_DIR/head.json" rpc_port
+      pbstk_marker_get HEAD_EAGER "$RUN_DIR/head.json" eager
       ATTEMPT=$attempt
       return 0
     fi
-    pbstk_json_get phase "$STATE" phase
+    pbstk_marker_get phase "$STATE" phase
     case "$phase" in "$PHASE_FAILED" | "$PHASE_EXITED" | "$PHASE_CANCELLED") return 1 ;; esac
-    sleep 1 &
-    wait $! 2>/dev/null
+    pbstk_sleep
   done
 }
 
@@ -574,7 +594,7 @@ pbstk_worker() {
     SERVER_PID=$!
     pbstk_state "$PHASE_STARTING"
     while kill -0 "$SERVER_PID" 2>/dev/null; do
-      pbstk_json_get head_phase "$STATE" phase
+      pbstk_marker_get head_phase "$STATE" phase
       if [ "$READY" = false ] && [ "$head_phase" = "$PHASE_READY" ]; then
         READY=true
         pbstk_state "$PHASE_READY"
@@ -587,15 +607,14 @@ pbstk_worker() {
         pbstk_state "$PHASE_CANCELLED" 143
         exit 143
       fi
-      pbstk_json_get head_attempt "$RUN_DIR/head.json" attempt
+      pbstk_marker_get head_attempt "$RUN_DIR/head.json" attempt
       if [ "$NODE_ENGINE" != ray ] && [ "$head_attempt" != "$seen" ]; then
         pbstk_log "the head started attempt $head_attempt; restarting with it"
         pbstk_kill_server
         restart=true
         break
       fi
-      sleep 1 &
-      wait $! 2>/dev/null
+      pbstk_sleep
     done
     [ "$restart" = true ] && continue
     wait "$SERVER_PID"
@@ -626,16 +645,16 @@ pbstk_worker() {
 timeout_wait_head() {
   local i attempt
   for ((i = 0; i < 60; i++)); do
-    pbstk_json_get attempt "$RUN_DIR/head.json" attempt
+    pbstk_marker_get attempt "$RUN_DIR/head.json" attempt
     [[ $attempt =~ ^[0-9]+$ ]] && [ "$attempt" -gt "$1" ] && return 0
     [ -e "$RUN_DIR/stop" ] && return 1
-    sleep 1 &
-    wait $! 2>/dev/null
+    pbstk_sleep
   done
   return 1
 }
+# This attempt's part of the log (from ATTEMPT_START, its size when the attempt began).
+pbstk_attempt_log() { tail -c +"$((ATTEMPT_START + 1))" "$LOG" 2>/dev/null; }
 if [ "$NODE_ROLE" = true ] && [ "$NODE_RANK" -gt 0 ]; then
-  pbstk_attempt_log() { tail -c +"$((ATTEMPT_START + 1))" "$LOG" 2>/dev/null; }
   pbstk_worker
 fi
 HEAD_ACTION=
@@ -702,6 +721,9 @@ pbstk_idle_end() {
   exit 0
 }
 
+# vLLM's output line by line into the log where stdbuf is there
+LINE_BUFFERED=()
+command -v stdbuf >/dev/null 2>&1 && LINE_BUFFERED=(stdbuf -oL -eL)
 # Runs one attempt; sets RC and READY. Readiness here is "the port accepts connections": vLLM binds it
 # only once the engine is up. pbstk itself checks /health and /v1/models.
 pbstk_attempt() {
@@ -727,11 +749,7 @@ pbstk_attempt() {
   fi
   ATTEMPT_START=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
   pbstk_log "attempt $ATTEMPT: starting vLLM on $ADDRESS:$PORT: ${VLLM_CMD[*]} ${VLLM_ARGS[*]} --host $BIND_HOST --port $PORT ${extra[*]}"
-  if command -v stdbuf >/dev/null 2>&1; then
-    stdbuf -oL -eL "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" "${extra[@]}" &
-  else
-    "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" "${extra[@]}" &
-  fi
+  "${LINE_BUFFERED[@]}" "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" "${extra[@]}" &
   SERVER_PID=$!
   pbstk_state "$PHASE_STARTING"
   while kill -0 "$SERVER_PID" 2>/dev/null; do
@@ -742,14 +760,11 @@ pbstk_attempt() {
       pbstk_idle_start
     fi
     [ "$NNODES" -gt 1 ] && pbstk_head_watch
-    sleep 1 &
-    wait $! 2>/dev/null
+    pbstk_sleep
   done
   wait "$SERVER_PID"
   RC=$?
 }
-
-pbstk_attempt_log() { tail -c +"$((ATTEMPT_START + 1))" "$LOG" 2>/dev/null; }
 
 EXTRA=()
 [ "$EAGER" = true ] && EXTRA=(--enforce-eager)

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 from pbs_toolkit.errors import PbstkError
 
 if TYPE_CHECKING:
-    from pbs_toolkit.client import Client
     from pbs_toolkit.jobs.store import JobRecord
     from pbs_toolkit.services.record import ServiceRecord, Slot
+    from pbs_toolkit.services.session import ServiceSession
 
 #: a launch's job record is made after its slot's intent: allow for float rounding, never for another launch
 _SLACK_S = 1.0
@@ -43,38 +43,38 @@ def clear(slot: Slot) -> None:
     slot.launching, slot.launching_role, slot.launching_since = None, "current", 0.0
 
 
-def launched_job(client: Client, rec: ServiceRecord, slot: Slot) -> JobRecord | None:
+def launched_job(session: ServiceSession, rec: ServiceRecord, slot: Slot) -> JobRecord | None:
     """The job the slot's interrupted launch submitted, when the store knows it (recorded, or adopted from its run
     directory by this very read)."""
-    found = [r for r in client.store.all() if r.name == slot.launching and r.transport == rec.transport
+    found = [r for r in session.store.all() if r.name == slot.launching and r.transport == rec.transport
              and r.created >= slot.launching_since - _SLACK_S]
     return found[0] if found else None
 
 
-def in_flight(client: Client, rec: ServiceRecord, slot: Slot) -> bool:
+def in_flight(session: ServiceSession, rec: ServiceRecord, slot: Slot) -> bool:
     """Whether the launch's own intent is still unresolved (being submitted, or its outcome unknown yet)."""
     from pbs_toolkit.jobs.launch import resolve_remote_intents
 
-    intents = [i for i in client.store.intents() if i.name == slot.launching and i.transport == rec.transport]
+    intents = [i for i in session.store.intents() if i.name == slot.launching and i.transport == rec.transport]
     if intents and rec.transport:  # on a login node: read its run directory's markers there
-        resolve_remote_intents(client.store, client.runner(rec.transport), intents)
-        intents = [i for i in client.store.intents() if i.name == slot.launching and i.transport == rec.transport]
+        resolve_remote_intents(session.store, session.runner(rec.transport), intents)
+        intents = [i for i in session.store.intents() if i.name == slot.launching and i.transport == rec.transport]
     return bool(intents)
 
 
-def settle(client: Client, rec: ServiceRecord, slot: Slot, wait_s: float = 0.0) -> bool:
+def settle(session: ServiceSession, rec: ServiceRecord, slot: Slot, wait_s: float = 0.0) -> bool:
     """Turn the slot's launch intent into its job (or drop it when nothing was submitted); waits at most
     ``wait_s`` for a submission still under way. ``False``: still unresolved (the intent stays)."""
     if not slot.launching:
         return True
     deadline = time.monotonic() + wait_s
     while True:
-        job = launched_job(client, rec, slot)
+        job = launched_job(session, rec, slot)
         if job is not None:
             done(slot, job.job_id)
             return True
-        if not in_flight(client, rec, slot):
-            if (job := launched_job(client, rec, slot)) is not None:  # recorded between the two looks
+        if not in_flight(session, rec, slot):
+            if (job := launched_job(session, rec, slot)) is not None:  # recorded between the two looks
                 done(slot, job.job_id)
             else:
                 clear(slot)

@@ -4,7 +4,7 @@ Started by ``serve`` as ``python -m pbs_toolkit _keeper NAME`` in its own sessio
 runs (same job store, same transports). It holds ``services/NAME/keeper.lock`` while it runs, so only one keeper
 per service ever runs and ``status`` can tell whether it does. Each tick (``PBSTK_SERVICE_POLL_S``, default 15;
 while some replica is still on its way to the router, on the scheduler ramp 2, 4, 8 s up to that):
-one ``Client.status`` over the service's jobs (one scheduler query), then for each replica slot:
+one ``session.status`` over the service's jobs (one scheduler query), then for each replica slot:
 
 * a READY job that is not in the router is added; one that is not READY (ended, failed, restarting) is removed
   at once;
@@ -45,20 +45,19 @@ from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.readiness import scheduler_intervals
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services import scaler
-from pbs_toolkit.services.manage import launch_replica, poll_seconds, service_dir
+from pbs_toolkit.services.keeper_process import TICK_FILE, heartbeat, poll_seconds, service_dir
+from pbs_toolkit.services.manage import launch_replica
 from pbs_toolkit.services.ready import routable_count, still_starting, worker_url
 from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.services.state import service_state
 
 if TYPE_CHECKING:
-    from pbs_toolkit.client import Client
     from pbs_toolkit.jobs.status import JobStatus
     from pbs_toolkit.services.router import RouterAdmin
+    from pbs_toolkit.services.session import ServiceSession
 
 #: a drained predecessor is looked at no sooner than this after leaving the router (requests in flight)
 DRAIN_MIN_S = 2.0
-#: the keeper's heartbeat in its service directory (``heartbeat``)
-TICK_FILE = "keeper-tick.json"
 #: seconds between two ``/health`` probes of a starting replica while the keeper waits for its next tick
 PROBE_S = 0.5
 #: how many times one job's answering ``/health`` may bring the next tick forward
@@ -89,9 +88,9 @@ def _log(message: str) -> None:
     sys.stderr.flush()
 
 
-def run(name: str) -> int:
-    """The keeper's life: take the lock (another keeper holds it: exit 0), tick until the service ends."""
-    from pbs_toolkit.client import Client
+def run(name: str, session: ServiceSession) -> int:
+    """The keeper's life: take the lock (another keeper holds it: exit 0), tick until the service ends.
+    ``session``: the caller's (``Client.keep_service``), whose runners the caller closes."""
     from pbs_toolkit.jobs.store import launcher_token
 
     directory = service_dir(name)
@@ -106,15 +105,15 @@ def run(name: str) -> int:
     (directory / TICK_FILE).unlink(missing_ok=True)  # an earlier keeper's (or service's) heartbeat is not ours
     _log(f"keeper of service {name} started (pid {os.getpid()})")
     try:
-        with Client(on_removal=lambda r: None) as client, AdminLink(client) as link:
+        with AdminLink(session) as link:
             ramp, wakes = 0, {}  # type: int, dict[str, int]
             while True:
                 try:  # a store locked for a while, a router or scheduler that fails: logged, tried next tick
-                    rec = records.load(client.store, name)
+                    rec = records.load(session.store, name)
                     if rec is None or rec.ended is not None:
                         _log(f"service {name} {'is gone' if rec is None else 'ended'}; keeper stops")
                         return 0
-                    seen = tick(client, rec, link)
+                    seen = tick(session, rec, link)
                     heartbeat(name, "; ".join(seen.failed) or None)
                 except PbstkError as exc:
                     _log(f"tick failed: {exc.message}")
@@ -132,51 +131,22 @@ def run(name: str) -> int:
                     wait, ramp = min(wait, steps[min(ramp, len(steps) - 1)]), ramp + 1
                 else:
                     ramp = 0
-                woken = watch(client, seen, wait, wakes, lambda: _ended(client, name))
+                woken = watch(session, seen, wait, wakes, lambda: _ended(session, name))
                 if woken:
                     _log(f"{woken} answers: looking now")
     finally:
         os.close(fd)
 
 
-def heartbeat(name: str, error: str | None) -> None:
-    """``keeper-tick.json``: when the last tick succeeded, and the last failure since (``status`` shows a keeper
-    that runs but makes no progress). Written atomically; a full disk only costs the note."""
-    path = service_dir(name) / TICK_FILE
+def _ended(session: ServiceSession, name: str) -> bool:
     try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
-        old = {}
-    now = time.time()
-    body = {"ok_at": now, "error": None, "error_at": None, "failures": 0} if error is None else {
-        "ok_at": old.get("ok_at"), "error": error, "error_at": now, "failures": int(old.get("failures") or 0) + 1}
-    tmp = path.with_name(f".{TICK_FILE}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
-def last_tick(name: str) -> dict[str, Any]:
-    """What the keeper's ``heartbeat`` last wrote (``ok_at``, ``error``, ``error_at``, ``failures``); ``{}``
-    before its first tick."""
-    try:
-        data = json.loads((service_dir(name) / TICK_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _ended(client: Client, name: str) -> bool:
-    try:
-        rec = records.load(client.store, name)
+        rec = records.load(session.store, name)
     except PbstkError:  # a store locked for a moment: the next tick reads it again
         return False
     return rec is None or rec.ended is not None
 
 
-def watch(client: Client, seen: Look, seconds: float, wakes: dict[str, int],
+def watch(session: ServiceSession, seen: Look, seconds: float, wakes: dict[str, int],
           ended: Callable[[], bool] = lambda: False) -> str | None:
     """Wait ``seconds``, probing ``/health`` of every starting replica every ``PROBE_S`` meanwhile; the job id of
     the first that answers (the next tick runs at once), or ``None`` once the time is up or the service ended
@@ -190,7 +160,7 @@ def watch(client: Client, seen: Look, seconds: float, wakes: dict[str, int],
     while True:
         for st in candidates:
             try:
-                answer = http_request(client.runner(st.record.transport), str(st.address), int(st.port or 0),
+                answer = http_request(session.runner(st.record.transport), str(st.address), int(st.port or 0),
                                       "/health", timeout=2.0, body_limit=0)[0]
             except PbstkError:
                 answer = None
@@ -208,8 +178,8 @@ class AdminLink:
     for the keeper's life instead of one per tick. Reopened only after a failure (``drop``) or when the
     router's record changes (a new router, another address)."""
 
-    def __init__(self, client: Client) -> None:
-        self.client = client
+    def __init__(self, session: ServiceSession) -> None:
+        self.session = session
         self._stack: ExitStack | None = None
         self._admin: RouterAdmin | None = None
         self._for: dict[str, Any] = {}
@@ -224,7 +194,8 @@ class AdminLink:
         self.drop()
         stack = ExitStack()
         try:
-            admin = stack.enter_context(open_admin(self.client.runner(rec.transport), RouterInfo.from_dict(rec.router)))
+            admin = stack.enter_context(open_admin(self.session.runner(rec.transport),
+                                                   RouterInfo.from_dict(rec.router)))
         except BaseException:
             stack.close()
             raise
@@ -247,33 +218,33 @@ class AdminLink:
         self.drop()
 
 
-def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> Look:
+def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = None) -> Look:
     """One look and the reconciliation it calls for; the record is saved unless the service ended meanwhile
     (then whatever this tick launched is cancelled again). ``link``: the router connection kept across ticks
     (without one, a connection for this tick only). Returns what it saw."""
     from pbs_toolkit.services import intents
 
     for slot in rec.slots:  # a launch that a killed keeper (or serve) left half done: its job takes its role
-        if slot.launching and not intents.settle(client, rec, slot):
+        if slot.launching and not intents.settle(session, rec, slot):
             _log(f"slot {slot.index}: the submission of {slot.launching} has not finished yet")
     jobs = [j for s in rec.slots for j in s.jobs()]
-    statuses, unknown = _statuses(client, jobs)
+    statuses, unknown = _statuses(session, jobs)
     before = set(jobs)
     failed: list[str] = []
     with ExitStack() as own:
         if link is None:
-            link = own.enter_context(AdminLink(client))
+            link = own.enter_context(AdminLink(session))
         admin = link.get(rec)
         try:
             in_router = set(admin.workers())
-            idle = _scale(client, rec, statuses, in_router, failed)
+            idle = _scale(session, rec, statuses, in_router, failed)
             if idle:
-                return _end_idle(client, rec, idle, Look(statuses, in_router, failed))
+                return _end_idle(session, rec, idle, Look(statuses, in_router, failed))
             for slot in rec.slots:
                 if slot.current and slot.current not in before:  # just added by scaling up: looked at next tick
                     continue
                 try:  # one slot that fails (a launch refused, a job that cannot be cancelled) spoils no other
-                    (_retire if slot.retiring else _reconcile)(client, rec, slot, statuses, admin, in_router)
+                    (_retire if slot.retiring else _reconcile)(session, rec, slot, statuses, admin, in_router)
                 except intents.ServiceEnded:
                     raise
                 except PbstkError as exc:
@@ -287,38 +258,38 @@ def tick(client: Client, rec: ServiceRecord, link: AdminLink | None = None) -> L
     rec.ready = routable_count(rec.slots, statuses, in_router)
     rec.ever_ready = rec.ever_ready or rec.ready >= rec.replicas
     rec.state = service_state(rec, rec.ready, still_starting(rec.slots, statuses, in_router))
-    if not records.save(client.store, rec):
+    if not records.save(session.store, rec):
         for job in {j for s in rec.slots for j in s.jobs()} - before:
             _log(f"service ended while {job} was launched: cancelling it")
-            client.cancel(job)
+            session.cancel(job)
     return Look(statuses, in_router, failed)
 
 
-def _scale(client: Client, rec: ServiceRecord, statuses: dict[str, JobStatus], in_router: set[str],
+def _scale(session: ServiceSession, rec: ServiceRecord, statuses: dict[str, JobStatus], in_router: set[str],
            failed: list[str]) -> str | None:
     """Autoscaling and ``--idle-cancel`` (services/scaler.py), before the slots, which carry a decision out;
     why the service must end now (idle), or ``None``. A failure (a launch refused) is this tick's error."""
     try:
-        return scaler.step(client, rec, statuses, in_router)
+        return scaler.step(session, rec, statuses, in_router)
     except PbstkError as exc:
         failed.append(f"scaling: {exc.message}")
         _log(failed[-1])
         return None
 
 
-def _end_idle(client: Client, rec: ServiceRecord, why: str, seen: Look) -> Look:
+def _end_idle(session: ServiceSession, rec: ServiceRecord, why: str, seen: Look) -> Look:
     """``--idle-cancel`` of the service: the keeper ends the whole service itself (recorded ENDED, ``why`` kept)."""
     from pbs_toolkit.services.stop import teardown
 
     rec.end_reason = why
-    if records.save(client.store, rec):
+    if records.save(session.store, rec):
         _log(f"service {rec.name} ends: {why}")
-        teardown(client, rec, "ENDED", keeper_wait_s=0)  # never waits for (or stops) this keeper
+        teardown(session, rec, "ENDED", keeper_wait_s=0)  # never waits for (or stops) this keeper
     return seen
 
 
-def _retire(client: Client, rec: ServiceRecord, slot: Slot, statuses: dict[str, JobStatus], admin: RouterAdmin,
-            in_router: set[str]) -> None:
+def _retire(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses: dict[str, JobStatus],
+            admin: RouterAdmin, in_router: set[str]) -> None:
     """A slot the autoscaler removes: its jobs leave the router; the one serving drains like a handed-over
     predecessor (``_drain``), the others are cancelled now; the tick drops the slot once it holds no job."""
     for url in scaler.retire_jobs(slot, statuses, in_router):
@@ -328,20 +299,20 @@ def _retire(client: Client, rec: ServiceRecord, slot: Slot, statuses: dict[str, 
     for job in scaler.to_cancel(slot, statuses):
         st = statuses.get(job)
         if st is None or not st.state.final:
-            client.cancel(st.record if st is not None else job)
+            session.cancel(st.record if st is not None else job)
             _log(f"slot {slot.index}: cancelled {job} (scaling down)")
-    _drain(client, slot, statuses)
+    _drain(session, slot, statuses)
 
 
-def _statuses(client: Client, jobs: list[str]) -> tuple[dict[str, JobStatus], set[str]]:
+def _statuses(session: ServiceSession, jobs: list[str]) -> tuple[dict[str, JobStatus], set[str]]:
     """One status query over the slots' jobs; a job the store no longer knows (its record cleaned away, a lost
     store) is left out, logged, and its slot treats it as lost, instead of failing every tick."""
-    by_id = {r.job_id: r for r in client.store.all()} if jobs else {}
+    by_id = {r.job_id: r for r in session.store.all()} if jobs else {}
     known = [by_id[j] for j in jobs if j in by_id]
     unknown = {j for j in jobs if j not in by_id}
     for job in sorted(unknown):
         _log(f"job {job} is not in the job store: treated as lost")
-    return {st.record.job_id: st for st in client.status(*known)} if known else {}, unknown
+    return {st.record.job_id: st for st in session.status(known)} if known else {}, unknown
 
 
 def _sync_router(st: JobStatus | None, admin: RouterAdmin, in_router: set[str]) -> None:
@@ -375,7 +346,7 @@ def _remove_foreign(jobs: list[str], statuses: dict[str, JobStatus], admin: Rout
         _log(f"removed {url} from the router: not a replica of this service (added by someone else)")
 
 
-def _reconcile(client: Client, rec: ServiceRecord, slot: Slot, statuses: dict[str, JobStatus],
+def _reconcile(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses: dict[str, JobStatus],
                admin: RouterAdmin, in_router: set[str]) -> None:
     cur = statuses.get(slot.current) if slot.current else None
     suc = statuses.get(slot.successor) if slot.successor else None
@@ -389,14 +360,14 @@ def _reconcile(client: Client, rec: ServiceRecord, slot: Slot, statuses: dict[st
     if suc is not None and suc.state.value == "READY" and joined:
         _hand_over(slot, cur, suc, admin, in_router)
         cur, suc = suc, None
-    _drain(client, slot, statuses)
+    _drain(session, slot, statuses)
     slot.state = cur.state.value if cur is not None else "LOST"
     if cur is None or cur.state.final:
-        _replace(client, rec, slot, suc)
+        _replace(session, rec, slot, suc)
     elif (rec.keep_alive and slot.successor is None and not slot.launching and cur.uptime_s is not None
           and cur.walltime_s):
         begin = time.time() - cur.uptime_s + cur.walltime_s - rec.handover_s
-        launch_replica(client, rec, slot, "successor", begin_at=begin if begin > time.time() + 1 else None)
+        launch_replica(session, rec, slot, "successor", begin_at=begin if begin > time.time() + 1 else None)
         _log(f"slot {slot.index}: successor {slot.successor} of {slot.current} eligible at "
              f"{time.strftime('%H:%M:%S', time.localtime(max(begin, time.time())))}")
 
@@ -414,7 +385,7 @@ def _hand_over(slot: Slot, cur: JobStatus | None, suc: JobStatus, admin: RouterA
     slot.current, slot.successor = slot.successor, None
 
 
-def _drain(client: Client, slot: Slot, statuses: dict[str, JobStatus]) -> None:
+def _drain(session: ServiceSession, slot: Slot, statuses: dict[str, JobStatus]) -> None:
     """Cancel the drained predecessor once its server runs no request (or after the drain bound)."""
     if not slot.draining:
         return
@@ -423,29 +394,29 @@ def _drain(client: Client, slot: Slot, statuses: dict[str, JobStatus]) -> None:
     if st is not None and not st.state.final:
         if waited < min(DRAIN_MIN_S, drain_seconds()):
             return
-        if waited < drain_seconds() and _running(client, st):
+        if waited < drain_seconds() and _running(session, st):
             return
-        client.cancel(st.record)
+        session.cancel(st.record)
         _log(f"slot {slot.index}: drained and cancelled {slot.draining} after {waited:.0f} s")
     slot.draining, slot.drain_started = None, None
 
 
-def _running(client: Client, st: JobStatus) -> bool:
+def _running(session: ServiceSession, st: JobStatus) -> bool:
     """Whether the server still runs requests (its ``/metrics``); a server that does not answer runs none."""
     from pbs_toolkit.perf.scrape import scrape
 
     try:
-        snap = scrape(client.runner(st.record.transport), st, timeout=3.0)
+        snap = scrape(session.runner(st.record.transport), st, timeout=3.0)
     except PbstkError:
         return False
     return bool(snap.running)
 
 
-def _replace(client: Client, rec: ServiceRecord, slot: Slot, suc: JobStatus | None) -> None:
+def _replace(session: ServiceSession, rec: ServiceRecord, slot: Slot, suc: JobStatus | None) -> None:
     """The current job has ended: a successor already starting (or queued past its begin time) takes its place;
     with keep-alive one still waiting for its handover time (state W) is cancelled and a replacement launched now."""
     if slot.current is None and slot.successor is None and not slot.launching:
-        launch_replica(client, rec, slot)  # never launched (a serve killed before it got there): launch it now
+        launch_replica(session, rec, slot)  # never launched (a serve killed before it got there): launch it now
         _log(f"slot {slot.index}: had no job; {slot.current} launched")
         return
     if not rec.keep_alive:
@@ -459,8 +430,8 @@ def _replace(client: Client, rec: ServiceRecord, slot: Slot, suc: JobStatus | No
     if slot.launching:  # a replacement's submission not settled yet (services/intents.py): never a second one
         return
     if suc is not None and not suc.state.final:  # still waiting for its handover time (W): too late now
-        client.cancel(suc.record)
+        session.cancel(suc.record)
     ended = slot.current
     slot.successor = None
-    launch_replica(client, rec, slot)
+    launch_replica(session, rec, slot)
     _log(f"slot {slot.index}: {ended} ended unexpectedly; replacement {slot.current} launched")

@@ -24,11 +24,12 @@ from pbs_toolkit.services.state import serving_job
 from pbs_toolkit.vllm.prom import Histogram, MetricsSnapshot, combine, delta, rates, summarize
 
 if TYPE_CHECKING:
-    from pbs_toolkit.client import Client, Diagnosis
     from pbs_toolkit.jobs.status import JobStatus
     from pbs_toolkit.perf.doctor import Finding
-    from pbs_toolkit.services.manage import ServiceStatus
+    from pbs_toolkit.perf.observe import Diagnosis
     from pbs_toolkit.services.record import ServiceRecord
+    from pbs_toolkit.services.session import ServiceSession
+    from pbs_toolkit.services.status import ServiceStatus
     from pbs_toolkit.transports import Runner
 
 #: vllm-router's Prometheus samples pbstk reads (0.1.17; each ``worker``-labelled one per worker URL)
@@ -71,27 +72,22 @@ def router_log(rec: ServiceRecord) -> str:
     return f"{run_dir}/{LOG_FILE}"
 
 
-def log_lines(client: Client, rec: ServiceRecord, lines: int, follow: bool, *, replica: int | None, pieces: bool,
-              final_every: float, notice: Callable[[str], None], stream: str = "vllm",
-              node: int | None = None) -> Iterator[str]:
-    """Replica ``replica``'s job log as ``Client.logs`` gives it (``pieces``: as ``log_text``), else the router's
-    log the same way: the last ``lines``, or followed until the service ends."""
+def router_log_lines(session: ServiceSession, rec: ServiceRecord, lines: int, follow: bool, *, pieces: bool,
+                     final_every: float, notice: Callable[[str], None], stream: str = "vllm",
+                     node: int | None = None) -> Iterator[str]:
+    """The router's log as ``Client.logs`` gives a job's (``pieces``: as ``log_text``): the last ``lines``, or
+    followed until the service ends. ``stream``/``node`` are a replica's (``Client.service_log`` picks it)."""
     from pbs_toolkit.jobs.logs import decoded_pieces, follow_lines, tail_blocks
     from pbs_toolkit.services.record import load
 
-    if replica is not None:
-        job = replica_job(rec, replica)
-        if pieces:
-            return client.log_text(job, lines, stream=stream, node=node)
-        return client.logs(job, lines, follow, stream=stream, node=node, final_every=final_every, notice=notice)
     if node is not None or stream != "vllm":
         raise UsageError(f"--stream and --node are a replica's: add --replica K (service {rec.name})")
     if lines < 0:
         raise UsageError("lines must not be negative")
-    runner, path = client.runner(rec.transport), router_log(rec)
+    runner, path = session.runner(rec.transport), router_log(rec)
     if follow:
         return follow_lines(runner, path, lines, final_every, notice,
-                            lambda: (load(client.store, rec.name) or rec).ended is not None)
+                            lambda: (load(session.store, rec.name) or rec).ended is not None)
     try:
         blocks, _ = tail_blocks(runner, path, lines)
     except FileNotFoundError:
@@ -100,14 +96,15 @@ def log_lines(client: Client, rec: ServiceRecord, lines: int, follow: bool, *, r
     return text if pieces else iter("".join(text).splitlines() if lines else ())
 
 
-def serving_status(client: Client, name: str | ServiceRecord | ServiceStatus) -> ServiceStatus:
+def serving_status(session: ServiceSession, name: str | ServiceRecord | ServiceStatus) -> ServiceStatus:
     """A ``ServiceStatus`` as it is (just waited for), else the service's, which must have a running router and
     a serving replica (``ServerFailed``)."""
-    from pbs_toolkit.services.manage import ServiceStatus
+    from pbs_toolkit.services.record import find
+    from pbs_toolkit.services.status import ServiceStatus, look
 
     if isinstance(name, ServiceStatus):
         return name
-    st = client.service_status(name)
+    st = look(session, find(session.store, name) if isinstance(name, str) else name)
     if not st.router_running or not serving(st):
         raise ServerFailed(f"service {st.record.name} is {st.summary}: nothing to measure yet (`pbstk wait "
                            f"{st.record.name}`, or --wait, waits for it)")
@@ -248,8 +245,8 @@ class _Round:
 class _Scraper:
     """The serving replicas of one look at the service, scraped together with the router."""
 
-    def __init__(self, client: Client, st: ServiceStatus) -> None:
-        self.client, self.rec, self.targets = client, st.record, serving(st)
+    def __init__(self, session: ServiceSession, st: ServiceStatus) -> None:
+        self.session, self.rec, self.targets = session, st.record, serving(st)
 
     def take(self) -> _Round:
         from pbs_toolkit.perf.scrape import scrape
@@ -257,12 +254,12 @@ class _Scraper:
         snaps, errors = {}, {}
         for _, js in self.targets:
             try:
-                snaps[js.record.job_id] = scrape(self.client.runner(js.record.transport), js)
+                snaps[js.record.job_id] = scrape(self.session.runner(js.record.transport), js)
             except PbstkError as exc:  # a replica that went away: named, the others still summed
                 errors[js.record.job_id] = exc.message
         router, router_error = None, None
         try:
-            router = scrape_router(self.client.runner(self.rec.transport), self.rec)
+            router = scrape_router(self.session.runner(self.rec.transport), self.rec)
         except PbstkError as exc:
             router_error = exc.message
         return _Round(time.time(), snaps, errors, router, router_error)
@@ -292,18 +289,19 @@ def _summary(prev: MetricsSnapshot | None, cur: MetricsSnapshot, window: bool) -
     return summary
 
 
-def metrics(client: Client, st: ServiceStatus, interval: float = 1.0) -> ServiceMetrics:
+def metrics(session: ServiceSession, st: ServiceStatus, interval: float = 1.0) -> ServiceMetrics:
     """Two scrapes of every serving replica and the router, ``interval`` s apart."""
-    scraper = _Scraper(client, st)
+    scraper = _Scraper(session, st)
     prev = scraper.take()
     time.sleep(interval)
     return scraper.look(prev, scraper.take(), window=False)
 
 
-def watch_metrics(client: Client, st: ServiceStatus, every: float = 5.0, count: int = 0) -> Iterator[ServiceMetrics]:
+def watch_metrics(session: ServiceSession, st: ServiceStatus, every: float = 5.0,
+                  count: int = 0) -> Iterator[ServiceMetrics]:
     """A look every ``every`` s over the interval since the one before; ``count`` looks (0: until stopped). The
     replicas are looked up again after a scrape failed (a handover replaced one)."""
-    scraper = _Scraper(client, st)
+    scraper = _Scraper(session, st)
     prev = scraper.take()
     looks = 0
     while not count or looks < count:
@@ -312,7 +310,10 @@ def watch_metrics(client: Client, st: ServiceStatus, every: float = 5.0, count: 
         looks += 1
         yield scraper.look(prev, cur, window=True)
         if cur.errors:
-            scraper = _Scraper(client, client.service_status(st.record.name))
+            from pbs_toolkit.services.record import find
+            from pbs_toolkit.services.status import look
+
+            scraper = _Scraper(session, look(session, find(session.store, st.record.name)))
             cur = scraper.take()
         prev = cur
 
@@ -340,23 +341,24 @@ class ServiceDiagnosis:
             "replicas": [{"replica": k, **d.to_dict()} for k, d in self.replicas]})
 
 
-def doctor(client: Client, st: ServiceStatus, replica: int | None = None) -> ServiceDiagnosis:
+def doctor(session: ServiceSession, st: ServiceStatus, job_doctor: Callable[[JobStatus | str], Diagnosis],
+           replica: int | None = None) -> ServiceDiagnosis:
     """Findings about the router (running, its workers against the serving replicas, their health) and the
-    keeper, and the job doctor on each replica's job (``replica``: that one only)."""
+    keeper, and ``job_doctor`` (``Client.doctor``) on each replica's job (``replica``: that one only)."""
     rec = st.record
     by_id = {s.record.job_id: s for s in st.replicas}
     indexes = [replica] if replica is not None else [slot.index for slot in rec.slots]
     diagnoses = []
     for k in indexes:
         job = replica_job(rec, k)
-        diagnoses.append((k, client.doctor(by_id.get(job) or job)))
-    router, findings = _router_findings(client, st)
+        diagnoses.append((k, job_doctor(by_id.get(job) or job)))
+    router, findings = _router_findings(session, st)
     return ServiceDiagnosis(rec.name, st.state, router, findings, diagnoses)
 
 
-def _router_findings(client: Client, st: ServiceStatus) -> tuple[dict[str, Any], list[Finding]]:
+def _router_findings(session: ServiceSession, st: ServiceStatus) -> tuple[dict[str, Any], list[Finding]]:
     from pbs_toolkit.perf.doctor import Finding
-    from pbs_toolkit.services.keeper import worker_url
+    from pbs_toolkit.services.ready import worker_url
 
     rec = st.record
     router: dict[str, Any] = {"running": st.router_running, "url": rec.url, "keeper_running": st.keeper_running,
@@ -375,7 +377,7 @@ def _router_findings(client: Client, st: ServiceStatus) -> tuple[dict[str, Any],
                                 f"`pbstk service resume {rec.name}` (replicas are not added or removed meanwhile)"))
     if st.router_running:
         try:
-            snap = scrape_router(client.runner(rec.transport), rec)
+            snap = scrape_router(session.runner(rec.transport), rec)
         except PbstkError as exc:
             router["error"] = exc.message
         else:
@@ -409,7 +411,7 @@ def worker_findings(name: str, snap: RouterSnapshot, expected: set[str]) -> list
 def bench_status(st: ServiceStatus) -> JobStatus:
     """A READY status at the router's address: the service's key and name, and a serving replica's run directory
     (its 0600 key file) and Python environment, where ``vllm bench serve`` runs and saves its result."""
-    from pbs_toolkit.services.manage import service_job_status
+    from pbs_toolkit.services.entry import service_job_status
 
     rec = st.record
     base = service_job_status(rec)

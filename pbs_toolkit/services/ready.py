@@ -13,21 +13,15 @@ scheduler query; ``wait`` asks the scheduler on the usual ramp (2, 4, 8, 30 s) a
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pbs_toolkit.services.record import ServiceRecord, Slot
 
 if TYPE_CHECKING:
-    from pbs_toolkit.client import Client
     from pbs_toolkit.jobs.status import JobStatus
-    from pbs_toolkit.services.manage import ServiceStatus
-
-#: seconds between two cheap looks at the router while ``wait`` waits (no scheduler query)
-ROUTE_POLL_S = 0.25
-
+    from pbs_toolkit.services.session import ServiceSession
 
 @dataclass
 class RouteCheck:
@@ -60,12 +54,12 @@ def worker_url(st: JobStatus) -> str | None:
     return endpoint_url(st)[: -len("/v1")]
 
 
-def check_route(client: Client, rec: ServiceRecord) -> RouteCheck:
+def check_route(session: ServiceSession, rec: ServiceRecord) -> RouteCheck:
     """The router's workers and one authenticated ``GET /v1/models`` through it (two requests, no scheduler)."""
     from pbs_toolkit.services.router import RouterInfo, http_request, list_workers
 
     info = RouterInfo.from_dict(rec.router)
-    runner = client.runner(info.transport)
+    runner = session.runner(info.transport)
     workers = list_workers(runner, info.host, info.port)
     if workers is None:
         return RouteCheck(None, None)
@@ -98,43 +92,12 @@ def still_starting(slots: Sequence[Slot], statuses: Mapping[str, JobStatus], wor
     return False
 
 
-def wait(client: Client, rec: ServiceRecord, timeout: float,
-         on_progress: Callable[[ServiceStatus, float], None] | None = None) -> ServiceStatus:
-    """Block until the service is READY N/N, routable (``WaitTimeout``; ``ServerFailed`` when the service
-    ended or every replica failed). The scheduler is asked on the usual ramp; the router every ``ROUTE_POLL_S``
-    in between, and a router with enough workers answering the key is confirmed by one full look at once."""
-    from pbs_toolkit.errors import ServerFailed, WaitTimeout
-    from pbs_toolkit.jobs.readiness import scheduler_intervals
-    from pbs_toolkit.services.manage import look
-
-    start = time.monotonic()
-    intervals = iter(scheduler_intervals())
-    step = 1.0
-    while True:
-        st = look(client, rec)
-        if on_progress is not None:
-            on_progress(st, time.monotonic() - start)
-        if st.state == "READY":
-            return st
-        if st.record.ended is not None or (st.replicas and all(j.state.final for j in st.replicas)):
-            raise ServerFailed(f"service {st.record.name} is {st.state}: no replica can become ready "
-                               f"(`pbstk status {st.record.name}` shows each)")
-        if time.monotonic() - start > timeout:
-            raise WaitTimeout(f"service {st.record.name} is {st.summary} after {timeout:g} s")
-        step = next(intervals, step)
-        until = min(time.monotonic() + step, start + timeout + 0.01)
-        while time.monotonic() < until:
-            time.sleep(ROUTE_POLL_S)
-            if st.router_running and _looks_routable(client, rec):
-                break
-
-
-def _looks_routable(client: Client, rec: ServiceRecord) -> bool:
+def looks_routable(session: ServiceSession, rec: ServiceRecord) -> bool:
     """Cheap: the router lists at least N workers and answers the key (then a full look confirms)."""
     from pbs_toolkit.errors import PbstkError
 
     try:
-        route = check_route(client, rec)
+        route = check_route(session, rec)
     except PbstkError:
         return False
     return route.ok and route.workers is not None and len(route.workers) >= rec.replicas

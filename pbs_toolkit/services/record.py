@@ -230,3 +230,13 @@ def check_name(name: str) -> None:
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,60}", name):
         raise UsageError(f"service name {name!r}: letters, digits, '.', '_' and '-' only (at most 61)")
+
+
+def unless_a_job(store: JobStore, ref: str | None) -> ServiceRecord | None:
+    """The service ``ref`` names, when no job has that exact id or name (a job of that name wins)."""
+    if not ref:
+        return None
+    found = load(store, ref)
+    if found is None or any(r.job_id == ref or r.name == ref for r in store.all()):
+        return None
+    return found

@@ -57,16 +57,30 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
-import requests
-
-from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.services.router_admin import (
+    ADD_WAIT_S,
+    ADMIN_HEADER,
+    RouterAdmin,
+    RouterError,
+    http_request,
+    http_status,
+    list_workers,
+    open_admin,
+)
 from pbs_toolkit.transports.base import Runner
+
+#: the admin client lives in ``router_admin.py``; callers may import it from here with the rest of the router
+__all__ = [
+    "ADD_WAIT_S", "ADMIN_HEADER", "DEFAULT_ARGS", "SEEDED_POLICIES", "RouterAdmin", "RouterError", "RouterInfo",
+    "http_request", "http_status", "list_workers", "load_info", "open_admin", "router_alive", "router_argv",
+    "seed_url", "start_router", "stop_router",
+]
 
 TOKEN_ENV = "PBSTK_ROUTER_TOKEN"
 INFO_FILE = "router.json"
@@ -76,16 +90,12 @@ FRONT_FILE = "router_front.py"
 FRONT_SOURCE = Path(__file__).resolve().parent.parent / "server" / FRONT_FILE
 #: every file the front needs on the router's host (its data path is a module of its own), copied side by side
 FRONT_SOURCES = (FRONT_SOURCE, FRONT_SOURCE.with_name("router_relay.py"))
-#: the header the front wants, with the router's admin token, on every admin call (``/add_worker``, ...)
-ADMIN_HEADER = "X-Pbstk-Router-Token"
 #: added before ``extra_args`` (argparse: a later repeat of an option wins, so callers can override each)
 DEFAULT_ARGS: tuple[str, ...] = (
     "--health-check-interval-secs", "5",
     "--worker-startup-timeout-secs", "20",
     "--worker-startup-check-interval", "1",
 )
-#: how long ``/add_worker`` may wait for the worker's ``/health`` (``--worker-startup-timeout-secs`` above)
-ADD_WAIT_S = 20.0
 #: policies vllm-router 0.1.17 refuses to start with fewer than 2 workers ("Power-of-two policy requires at least 2
 #: workers"), although they route any number once started (measured: 2, 1, 0, then 1 again after an add). Such a
 #: router starts with its own Prometheus port (bound before the router waits for its workers; ``/health`` answers
@@ -144,10 +154,6 @@ print(" ".join(str(s.getsockname()[1]) for s in socks))
 """
 
 
-class RouterError(PbstkError):
-    """The router could not be started, reached or stopped (exit 1): the message says which and where."""
-
-
 @dataclass
 class RouterInfo:
     """Where a started router is and how to prove a pid is still it (``router.json``)."""
@@ -194,13 +200,14 @@ def _transport(runner: Runner) -> str:
     return "" if runner.name == "local" else runner.name.split(":", 1)[-1]
 
 
-def _reach(bind: str) -> str:
-    """The address to connect to on the router's own host for a router bound to ``bind``."""
+def reach_address(bind: str) -> str:
+    """The address to connect to on the router's own host for a router bound to ``bind`` (``start_router.sh``
+    has the same rule)."""
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bind, bind)
 
 
 def _free_ports(runner: Runner, bind: str) -> tuple[int, int]:
-    result = runner.run(["python3", "-c", _FREE_PORTS, _reach(bind)], timeout=30)
+    result = runner.run(["python3", "-c", _FREE_PORTS, reach_address(bind)], timeout=30)
     fields = result.stdout.split()
     if result.ok and len(fields) == 2 and all(f.isdigit() for f in fields):
         return int(fields[0]), int(fields[1])
@@ -235,56 +242,6 @@ def _plain(line: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", line).rstrip()
 
 
-def _http_status(runner: Runner, host: str, port: int, path: str, timeout: float = 3.0) -> int | None:
-    """Status of ``GET path`` as the router's host sees it (a socket or an SSH channel), or None: no answer."""
-    return http_request(runner, host, port, path, timeout=timeout, body_limit=0)[0]
-
-
-def http_request(runner: Runner, host: str, port: int, path: str, *, method: str = "GET",
-                 headers: dict[str, str] | None = None, timeout: float = 3.0,
-                 body_limit: int = 65536) -> tuple[int | None, bytes]:
-    """``(status, body)`` of one HTTP/1.0 request as the runner's host sees ``host:port`` (a socket here, an SSH
-    channel on a login node), or ``(None, b"")`` when nothing answered. ``headers`` travel only in the request
-    (an ``Authorization`` header never reaches an argv or a log). At most ``body_limit`` bytes of the body."""
-    try:
-        conn = runner.open_connection(host, port, timeout)
-    except (OSError, PbstkError):
-        return None, b""
-    try:
-        conn.settimeout(timeout)
-        lines = [f"{method} {path} HTTP/1.0", f"Host: {host}", "Connection: close", "Content-Length: 0",
-                 *(f"{k}: {v}" for k, v in (headers or {}).items())]
-        conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        data = b""
-        while len(data) < body_limit + 8192:
-            chunk = conn.recv(8192)
-            if not chunk:
-                break
-            data += chunk
-            if not body_limit and b"\r\n" in data:
-                break
-        head, _, body = data.partition(b"\r\n\r\n")
-        fields = head.split(b"\r\n", 1)[0].split()
-        status = int(fields[1]) if len(fields) >= 2 and fields[1].isdigit() else None
-        return status, body[:body_limit]
-    except OSError:
-        return None, b""
-    finally:
-        with contextlib.suppress(OSError):
-            conn.close()
-
-
-def list_workers(runner: Runner, host: str, port: int) -> list[str] | None:
-    """The router's current workers (``GET /list_workers``, public), or None when it did not answer with a list."""
-    status, body = http_request(runner, host, port, "/list_workers")
-    if status != 200:
-        return None
-    try:
-        return [str(u) for u in json.loads(body)["urls"]]
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
 def _read_pid(runner: Runner, run_dir: str, deadline: float) -> int:
     path = f"{run_dir}/router.pid"
     while time.monotonic() < deadline:
@@ -310,7 +267,7 @@ def _wait_ready(runner: Runner, info: RouterInfo, reach: str, log_from: int, dea
     """"ready", or "port" when the router died on a lost bind race; raises when it exited otherwise or hung."""
     delay = 0.05
     while True:
-        if _http_status(runner, reach, info.port, "/list_workers") == 200:
+        if http_status(runner, reach, info.port, "/list_workers") == 200:
             return "ready"
         if not router_alive(runner, info):
             new_log = runner.read_bytes(f"{info.run_dir}/{LOG_FILE}", log_from).decode(errors="replace")
@@ -354,6 +311,7 @@ def start_router(
     transport = _transport(runner)
     host = advertise or (bind if bind not in _WILDCARDS else _default_advertise(runner))
     deadline = time.monotonic() + timeout
+    python = ""
     if isolate:
         python = runner.run(["bash", "-c", _FRONT_PYTHON, "pbstk-python", command[0]], timeout=30).stdout.strip()
         if not python:
@@ -364,32 +322,47 @@ def start_router(
     for _attempt in range(_BIND_ATTEMPTS):
         port, prom_port = _free_ports(runner, bind)
         token = secrets.token_hex(16)
-        router_args = [*command, "--policy", policy, *DEFAULT_ARGS, *extra_args]
-        seed = seed_url(bind, prom_port) if policy in SEEDED_POLICIES and len(worker_urls) < 2 else None
-        if worker_urls or seed:
-            router_args += ["--worker-urls", *worker_urls, *([seed, seed] if seed else [])]
-        if isolate:  # the front binds the ports and gives the router its own, inside the namespace
-            argv = [python, f"{run_dir}/{FRONT_FILE}", bind, str(port), str(prom_port), "--", *router_args]
-        else:
-            argv = [*router_args, "--host", bind, "--port", str(port), "--prometheus-port", str(prom_port),
-                    "--prometheus-host", bind]
+        front = (python, f"{run_dir}/{FRONT_FILE}") if isolate else None
+        argv, seed = router_argv(command, policy=policy, bind=bind, port=port, prometheus_port=prom_port,
+                                 worker_urls=worker_urls, extra_args=extra_args, front=front)
         log_from = runner.size(f"{run_dir}/{LOG_FILE}") or 0
         _launch_once(runner, run_dir, argv, token)
         pid = _read_pid(runner, run_dir, deadline)
         info = RouterInfo(host=host, port=port, prometheus_port=prom_port, pid=pid, policy=policy,
                           run_dir=run_dir, transport=transport, token=token, admin_token=token if isolate else "")
-        if _wait_ready(runner, info, _reach(bind), log_from, deadline) == "ready":
+        if _wait_ready(runner, info, reach_address(bind), log_from, deadline) == "ready":
             if seed:
-                _unseed(runner, info, _reach(bind), seed)
+                _unseed(runner, info, reach_address(bind), seed)
             runner.write_bytes(f"{run_dir}/{INFO_FILE}", json.dumps(info.to_dict(), indent=2).encode(), 0o600)
             return info
     raise RouterError(f"the router on {_where(runner)} could not bind a free port in {_BIND_ATTEMPTS} attempts",
                       details=_log_tail(runner, run_dir))
 
 
-def seed_url(bind: str, prometheus_port: int) -> str:
+def router_argv(command: Sequence[str], *, policy: str, bind: str, port: int | str, prometheus_port: int | str,
+                worker_urls: Sequence[str] = (), extra_args: Sequence[str] = (),
+                front: tuple[str, str] | None = None) -> tuple[list[str], str | None]:
+    """The command line that starts a router: the one place it is built, for ``router: login``
+    (:func:`start_router`) and ``router: job`` (``router_job.render_start_script`` renders it into
+    ``start_router.sh`` with placeholders for the ports, which that script chooses on its node).
+
+    ``front``: (its Python, the path of ``router_front.py``) to run the router behind the front, which binds
+    ``bind``'s ports and gives the router its own inside a private network namespace; ``None``: the router binds
+    them itself. Returns (argv, seed): ``seed`` is the worker URL a ``SEEDED_POLICIES`` router with fewer than 2
+    workers starts with (twice) and that must be removed once it answers, else ``None``."""
+    router = [*command, "--policy", policy, *DEFAULT_ARGS, *extra_args]
+    seed = seed_url(bind, prometheus_port) if policy in SEEDED_POLICIES and len(worker_urls) < 2 else None
+    if worker_urls or seed:
+        router += ["--worker-urls", *worker_urls, *([seed, seed] if seed else [])]
+    if front is not None:
+        return [front[0], front[1], bind, str(port), str(prometheus_port), "--", *router], seed
+    return [*router, "--host", bind, "--port", str(port), "--prometheus-port", str(prometheus_port),
+            "--prometheus-host", bind], seed
+
+
+def seed_url(bind: str, prometheus_port: int | str) -> str:
     """The router's own Prometheus endpoint as a worker URL: the seed of a ``SEEDED_POLICIES`` router."""
-    host = _reach(bind)
+    host = reach_address(bind)
     return f"http://[{host}]:{prometheus_port}" if ":" in host else f"http://{host}:{prometheus_port}"
 
 
@@ -458,75 +431,3 @@ def stop_router(runner: Runner, info: RouterInfo, timeout: float = 10.0) -> bool
                       f"{result.stderr.strip() or result.rc}")
 
 
-class RouterAdmin:
-    """The router's admin API (``/list_workers``, ``/add_worker``, ``/remove_worker``): plain synchronous HTTP."""
-
-    def __init__(self, base_url: str, timeout: float = 5.0, admin_token: str = "") -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout = timeout
-        self.session = requests.Session()
-        self.session.trust_env = False  # a proxy from the environment must not see (or break) loopback calls
-        if admin_token:  # the router's front lets admin calls through only with it (never in a log or argv)
-            self.session.headers[ADMIN_HEADER] = admin_token
-
-    def _call(self, method: str, path: str, timeout: float, **params: str) -> requests.Response:
-        try:
-            return self.session.request(method, f"{self.base_url}{path}", params=params or None, timeout=timeout)
-        except requests.RequestException as exc:
-            raise RouterError(f"the router at {self.base_url} did not answer {path}: {type(exc).__name__}") from exc
-
-    def workers(self) -> list[str]:
-        response = self._call("GET", "/list_workers", self.timeout)
-        try:
-            urls = response.json()["urls"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise RouterError(f"the router at {self.base_url} answered /list_workers with "
-                              f"{response.status_code}: {response.text[:200]}") from exc
-        return [str(u) for u in urls]
-
-    def add_worker(self, url: str) -> None:
-        """Add ``url`` (idempotent). The router first waits for the worker's ``/health`` (up to ``ADD_WAIT_S``)."""
-        _check_url(url)
-        response = self._call("POST", "/add_worker", self.timeout + ADD_WAIT_S, url=url)
-        if response.ok or (response.status_code == 400 and "already exists" in response.text):
-            return
-        raise RouterError(f"the router at {self.base_url} refused worker {url}: "
-                          f"{response.status_code} {response.text.strip()[:200]}")
-
-    def remove_worker(self, url: str) -> None:
-        """Remove ``url`` (idempotent: a URL that is not there is fine)."""
-        response = self._call("POST", "/remove_worker", self.timeout, url=url)
-        if response.ok or "not found" in response.text:
-            return
-        raise RouterError(f"the router at {self.base_url} did not remove worker {url}: "
-                          f"{response.status_code} {response.text.strip()[:200]}")
-
-    def close(self) -> None:
-        self.session.close()
-
-    def __enter__(self) -> RouterAdmin:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _check_url(url: str) -> None:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise RouterError(f"worker URL {url!r} is not an http(s) URL")
-
-
-@contextlib.contextmanager
-def open_admin(runner: Runner, info: RouterInfo) -> Iterator[RouterAdmin]:
-    """A :class:`RouterAdmin` for ``info``: direct for a router on this machine, through an SSH tunnel
-    (``transports/tunnel.py``, one ``direct-tcpip`` channel per connection) for one on a login node."""
-    if not info.transport:
-        with RouterAdmin(info.url, admin_token=info.admin_token) as admin:
-            yield admin
-        return
-    from pbs_toolkit.transports.tunnel import start_tunnel
-
-    with start_tunnel(runner, info.host, info.port) as tunnel, \
-            RouterAdmin(tunnel.url, admin_token=info.admin_token) as admin:
-        yield admin

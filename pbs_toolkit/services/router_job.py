@@ -35,19 +35,20 @@ from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.schedulers import JobRef, SchedState, backend_class, get_scheduler
 from pbs_toolkit.services.router import (
-    DEFAULT_ARGS,
+    FRONT_FILE,
     FRONT_SOURCES,
     INFO_FILE,
     LOG_FILE,
-    SEEDED_POLICIES,
     RouterError,
     RouterInfo,
+    http_status,
+    router_argv,
 )
 
 if TYPE_CHECKING:
-    from pbs_toolkit.client import Client
     from pbs_toolkit.schedulers import SchedulerJob
     from pbs_toolkit.services.record import ServiceRecord
+    from pbs_toolkit.services.session import ServiceSession
     from pbs_toolkit.settings.profiles import Profile
     from pbs_toolkit.transports import Runner
 
@@ -60,6 +61,8 @@ ROUTER_JOB_CPUS = 2
 #: seconds the router gets to answer once started, and to drain after SIGTERM before it is killed
 START_WAIT_S = 60
 STOP_WAIT_S = 20
+#: what ``start_router.sh`` puts into the router's command line once it has chosen them on its node
+PORT_SLOT, PROM_PORT_SLOT, PYTHON_SLOT = "@PORT@", "@PROM_PORT@", "@PYTHON@"
 
 KEEP_ALIVE_REFUSED = ("--keep-alive with router: job: a router inside a job ends at its walltime and its "
                       "successor would have another URL; use router: login for --keep-alive")
@@ -76,24 +79,24 @@ def job_profile(profile: Profile) -> Profile:
         "nodes": 1, "gpus_per_node": 0, "cpus_per_node": min(ROUTER_JOB_CPUS, profile.cpus_per_node),
         "queue": profile.router_job_queue or profile.queue,
         "walltime": str(profile.router_job_walltime or profile.walltime),
+        "backend": profile.backend.without_whole_nodes(),  # a whole node for a router would waste it
     }
-    if hasattr(profile, "exclusive"):  # a whole node for a router would waste it
-        changes["exclusive"] = False
     return replace(profile, **changes)
 
 
 def render_job_script(profile: Profile, job_name: str, run_dir: str) -> str:
     """The backend's job template, rendered for the router job (its entry script: ``start_router.sh``)."""
-    from pbs_toolkit import __version__
-    from pbs_toolkit.jobs.render import _environment, _normalised_walltime
+    from pbs_toolkit.jobs.plan import normalised_walltime
+    from pbs_toolkit.jobs.render import template_environment
+    from pbs_toolkit.version import __version__
 
     backend = backend_class(profile.scheduler)
     # ngpus=0 in a select statement is at best noise (and refused by some servers): a CPU job asks for none
     select = re.sub(r":ngpus=0(?=:|$)", "", profile.select_statement())
     context = {"version": __version__, "model": "vllm-router", "preset": _NoPreset(), "profile": profile,
                "job_name": job_name, "run_dir": run_dir, "select": select,
-               "walltime": _normalised_walltime(profile), "entry_script": ENTRY_SCRIPT}
-    return str(_environment(backend.template_dir).get_template(backend.template_name).render(**context))
+               "walltime": normalised_walltime(profile), "entry_script": ENTRY_SCRIPT}
+    return str(template_environment(backend.template_dir).get_template(backend.template_name).render(**context))
 
 
 class _NoPreset:
@@ -103,14 +106,21 @@ class _NoPreset:
 
 
 def render_start_script(profile: Profile, run_dir: str, service: str, command: list[str], policy: str) -> str:
-    """``start_router.sh``: a header of quoted settings, then the static body (shellcheck reads it as it runs)."""
-    from pbs_toolkit import __version__
+    """``start_router.sh``: a header of quoted settings, then the static body (shellcheck reads it as it runs).
+
+    The router's command line is :func:`~pbs_toolkit.services.router.router_argv`'s, as ``router: login`` starts
+    it, with slots for what only the node knows: the ports the script picks there and the front's Python."""
     from pbs_toolkit.jobs.render import sh_path
+    from pbs_toolkit.version import __version__
 
     def array(values: list[str] | tuple[str, ...]) -> str:
         return "(" + " ".join(shlex.quote(v) for v in values) + ")"
 
     bind = profile.router_bind or profile.bind_host
+    isolate = profile.router_isolation != "none"
+    front = (PYTHON_SLOT, f"{run_dir}/{FRONT_FILE}") if isolate else None
+    argv, seed = router_argv(command, policy=policy, bind=bind, port=PORT_SLOT, prometheus_port=PROM_PORT_SLOT,
+                             front=front)
     venv = sh_path(profile.venv) if profile.venv else "''"
     lines = [
         "#!/bin/bash",
@@ -118,45 +128,48 @@ def render_start_script(profile: Profile, run_dir: str, service: str, command: l
         "# shellcheck disable=SC2034  # settings the body below reads",
         f"RUN_DIR={sh_path(run_dir)}",
         f"ROUTER_CMD={array(command)}",
-        f"ROUTER_ARGS={array(DEFAULT_ARGS)}",
+        "# the router's command line (services/router.py router_argv, as for router: login): the body puts in the",
+        f"# ports it picks ({PORT_SLOT}, {PROM_PORT_SLOT}) and the front's Python ({PYTHON_SLOT})",
+        f"ROUTER_ARGV={array(argv)}",
         f"BIND_HOST={shlex.quote(bind)}",
         f"ADDRESS_MODE={shlex.quote(profile.address)}",
         f"ADDRESS_SUFFIX={shlex.quote(profile.address_suffix or '')}",
         f"POLICY={shlex.quote(policy)}",
-        f"SEED={1 if policy in SEEDED_POLICIES else 0}",
+        f"# the start-up worker to remove once the router answers ('': none; {PROM_PORT_SLOT} as above)",
+        f"SEED_URL={shlex.quote(seed or '')}",
         f"VENV={venv}",
         f"START_WAIT_S={START_WAIT_S}",
         f"STOP_WAIT_S={STOP_WAIT_S}",
-        f"ISOLATE={0 if profile.router_isolation == 'none' else 1}",
+        f"ISOLATE={1 if isolate else 0}",
     ]
     return "\n".join(lines) + "\n" + _BODY.read_text(encoding="utf-8")
 
 
-def submit(client: Client, rec: ServiceRecord, profile: Profile, command: list[str]) -> dict[str, str]:
+def submit(session: ServiceSession, rec: ServiceRecord, profile: Profile, command: list[str]) -> dict[str, str]:
     """Write the router job's run directory and submit it through launch's crash-safe sequence
     (jobs/launch.py ``submit_recorded``): the service records the job's run directory before anything is
     submitted, an intent covers the submission, and the job id lands in the service's row in the transaction that
     retires the intent; a pbstk killed in between leaves the id in ``RUN_DIR/job_id`` for ``settle``. Returns
     ``{job_id, run_dir, scheduler, name}`` (also in ``rec.router_job``)."""
     from pbs_toolkit.jobs.launch import submit_recorded
-    from pbs_toolkit.jobs.render import _RUN_DIR, _default_run_dir
+    from pbs_toolkit.jobs.plan import RUN_DIR_RE, default_run_dir
     from pbs_toolkit.jobs.store import JobRecord
     from pbs_toolkit.services import intents
     from pbs_toolkit.services import record as records
     from pbs_toolkit.settings.profiles import walltime_seconds
 
-    runner = client.runner(rec.transport)
+    runner = session.runner(rec.transport)
     prof = job_profile(profile)
     job_name = f"{rec.name}-router"
-    run_dir = _default_run_dir(prof, job_name, runner.expanduser)
-    if not _RUN_DIR.fullmatch(run_dir):
+    run_dir = default_run_dir(prof, job_name, runner.expanduser)
+    if not RUN_DIR_RE.fullmatch(run_dir):
         raise UsageError(f"run directory {run_dir!r} must be an absolute path of letters, digits and _ . / @ + ~ -")
     if prof.venv:
         prof = replace(prof, venv=runner.expanduser(prof.venv))
     scheduler = get_scheduler(prof.scheduler)
-    scheduler.id_source = functools.partial(client.store.next_id, scheduler.name)
+    scheduler.id_source = functools.partial(session.store.next_id, scheduler.name)
     rec.router_job = {"job_id": "", "run_dir": run_dir, "scheduler": prof.scheduler, "name": job_name}
-    if not records.save(client.store, rec):  # a cancel came first: submit nothing
+    if not records.save(session.store, rec):  # a cancel came first: submit nothing
         rec.router_job = {}
         raise intents.ServiceEnded(f"service {rec.name} was ended; its router job is not submitted")
     record = JobRecord(job_id="", scheduler=prof.scheduler, profile=prof.name, model="vllm-router",
@@ -176,16 +189,16 @@ def submit(client: Client, rec: ServiceRecord, profile: Profile, command: list[s
 
     def recorded(job: JobRecord) -> None:
         rec.router_job = {**rec.router_job, "job_id": job.job_id}
-        if client.store.record_service_job(intent, job, rec.name, rec.created, rec.data()):
-            records.write_file(client.store, rec)
+        if session.store.record_service_job(intent, job, rec.name, rec.created, rec.data()):
+            records.write_file(session.store, rec)
 
-    intent = client.store.add_intent(record)
-    submit_recorded(client.store, runner, scheduler, record, intent, write=write, recorded=recorded,
+    intent = session.store.add_intent(record)
+    submit_recorded(session.store, runner, scheduler, record, intent, write=write, recorded=recorded,
                     walltime_s=walltime_seconds(prof.walltime))
     return dict(rec.router_job)
 
 
-def settle(client: Client, rec: ServiceRecord, wait_s: float = 0.0) -> bool:
+def settle(session: ServiceSession, rec: ServiceRecord, wait_s: float = 0.0) -> bool:
     """A router job whose submission was interrupted (no id in the service's record): its id from the run
     directory's ``job_id`` marker, or, when its launch's intent is gone with no marker, nothing was submitted (the
     record's ``router_job`` emptied). Waits at most ``wait_s`` for a submission under way; ``False``: unresolved."""
@@ -194,17 +207,17 @@ def settle(client: Client, rec: ServiceRecord, wait_s: float = 0.0) -> bool:
     job = rec.router_job
     if not job or job.get("job_id"):
         return True
-    runner = client.runner(rec.transport)
+    runner = session.runner(rec.transport)
     deadline = time.monotonic() + wait_s
     while True:
         found = marker_job_id(runner, job["run_dir"])
         if found:
             rec.router_job = {**job, "job_id": found}
             return True
-        pending = [i for i in client.store.intents() if i.run_dir == job["run_dir"]]
+        pending = [i for i in session.store.intents() if i.run_dir == job["run_dir"]]
         if pending and rec.transport:
-            resolve_remote_intents(client.store, runner, pending)
-            pending = [i for i in client.store.intents() if i.run_dir == job["run_dir"]]
+            resolve_remote_intents(session.store, runner, pending)
+            pending = [i for i in session.store.intents() if i.run_dir == job["run_dir"]]
         if not pending:
             if (found := marker_job_id(runner, job["run_dir"])) is not None:
                 rec.router_job = {**job, "job_id": found}
@@ -216,20 +229,20 @@ def settle(client: Client, rec: ServiceRecord, wait_s: float = 0.0) -> bool:
         time.sleep(0.1)
 
 
-def query(client: Client, rec: ServiceRecord) -> SchedulerJob | None:
+def query(session: ServiceSession, rec: ServiceRecord) -> SchedulerJob | None:
     """What the scheduler says of the router job (one query), or None when it no longer knows it."""
     job = rec.router_job
-    found = get_scheduler(job["scheduler"]).query(client.runner(rec.transport),
+    found = get_scheduler(job["scheduler"]).query(session.runner(rec.transport),
                                                   [JobRef(job["job_id"], job["run_dir"])])
     return found.get(job["job_id"])
 
 
-def wait_router(client: Client, rec: ServiceRecord, timeout: float | None = None) -> RouterInfo:
+def wait_router(session: ServiceSession, rec: ServiceRecord, timeout: float | None = None) -> RouterInfo:
     """Wait (bounded) until the router job wrote ``router.json``; its router. ``RouterError`` when the job ended
     first, ``WaitTimeout`` when it did not get there in time (the caller cancels it)."""
     from pbs_toolkit.errors import WaitTimeout
 
-    runner = client.runner(rec.transport)
+    runner = session.runner(rec.transport)
     job = rec.router_job
     path = f"{job['run_dir']}/{INFO_FILE}"
     limit = wait_seconds() if timeout is None else timeout
@@ -241,7 +254,7 @@ def wait_router(client: Client, rec: ServiceRecord, timeout: float | None = None
         if info is not None:
             return info
         if time.monotonic() >= next_query:
-            seen = query(client, rec)
+            seen = query(session, rec)
             if seen is None or seen.state == SchedState.FINISHED:
                 raise RouterError(f"the router job {job['job_id']} ended before its router answered "
                                   f"(log: {job['run_dir']}/{LOG_FILE})",
@@ -280,17 +293,15 @@ def _tail(runner: Runner, run_dir: str, scheduler: str, lines: int = 8) -> list[
     return out[-lines:]
 
 
-def router_answers(client: Client, info: RouterInfo) -> bool:
+def router_answers(session: ServiceSession, info: RouterInfo) -> bool:
     """Whether the router answers ``GET /list_workers`` (as the scheduler's host reaches the node)."""
-    from pbs_toolkit.services.router import _http_status
-
     try:
-        return _http_status(client.runner(info.transport), info.host, info.port, "/list_workers") == 200
+        return http_status(session.runner(info.transport), info.host, info.port, "/list_workers") == 200
     except PbstkError:
         return False
 
 
-def cancel(client: Client, rec: ServiceRecord) -> bool:
+def cancel(session: ServiceSession, rec: ServiceRecord) -> bool:
     """Cancel the router job (its script passes SIGTERM on to the router); False when it had ended."""
     job = rec.router_job
-    return get_scheduler(job["scheduler"]).cancel(client.runner(rec.transport), JobRef(job["job_id"], job["run_dir"]))
+    return get_scheduler(job["scheduler"]).cancel(session.runner(rec.transport), JobRef(job["job_id"], job["run_dir"]))

@@ -27,36 +27,9 @@ from pbs_toolkit.services.ready import worker_url
 from pbs_toolkit.services.record import ServiceRecord, Slot
 
 if TYPE_CHECKING:
-    from pbs_toolkit.client import Client
-    from pbs_toolkit.jobs.render import RenderRequest
     from pbs_toolkit.jobs.status import JobStatus
-    from pbs_toolkit.services.manage import ServeOptions
+    from pbs_toolkit.services.session import ServiceSession
     from pbs_toolkit.vllm.prom import MetricsSnapshot
-
-
-def configure(req: RenderRequest, opts: ServeOptions) -> tuple[RenderRequest, ServeOptions, dict[str, Any]]:
-    """``serve``'s scaling and idle options: with ``opts.scale`` the service starts at ``--min-replicas``; its
-    ``--idle-cancel`` (or the profile's ``idle_cancel``) belongs to the whole service, so its replicas get none
-    of their own (one ending idle would only be replaced). Returns the request for the replicas, the options, and
-    the record's ``idle_cancel_s`` and ``scale``."""
-    from dataclasses import replace
-
-    from pbs_toolkit.jobs.render import idle_seconds, resolve_profile
-    from pbs_toolkit.services.manage import MAX_REPLICAS, check_fixed_port
-
-    profile = resolve_profile(req)[0]
-    extra: dict[str, Any] = {"idle_cancel_s": float(idle_seconds(profile))}
-    req = replace(req, idle_cancel="off")
-    spec = opts.scale
-    if spec is not None:
-        spec.check(MAX_REPLICAS)
-        if spec.max_replicas > 1:  # every replica it may add must pass the fixed-port rule of a fixed count
-            check_fixed_port(profile, req, replace(opts, replicas=spec.max_replicas))
-        per_replica = 2 if opts.keep_alive else 1  # a keep-alive replica needs room for its successor
-        extra["scale"] = {"spec": spec.to_dict(), "memory": {}, "next_index": spec.min_replicas,
-                          "job_cap": profile.max_running_jobs // per_replica}
-        opts = replace(opts, replicas=spec.min_replicas)
-    return req, opts, extra
 
 
 def status_fields(rec: ServiceRecord) -> dict[str, Any]:
@@ -79,7 +52,7 @@ def serving(slot: Slot, statuses: Mapping[str, JobStatus], in_router: set[str]) 
     return None
 
 
-def snapshots(client: Client, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
+def snapshots(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
               in_router: set[str]) -> dict[str, MetricsSnapshot]:
     """One ``/metrics`` scrape of every routable replica (job id -> snapshot); a replica that does not answer is
     left out."""
@@ -91,7 +64,7 @@ def snapshots(client: Client, rec: ServiceRecord, statuses: Mapping[str, JobStat
         if st is None:
             continue
         try:
-            out[st.record.job_id] = scrape(client.runner(st.record.transport), st, timeout=3.0)
+            out[st.record.job_id] = scrape(session.runner(st.record.transport), st, timeout=3.0)
         except PbstkError:
             continue
     return out
@@ -138,13 +111,14 @@ def observation(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router
         capacity=capacity(statuses) or rec.scale.get("capacity"), job_cap=int(rec.scale.get("job_cap") or 0))
 
 
-def step(client: Client, rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router: set[str]) -> str | None:
+def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
+         in_router: set[str]) -> str | None:
     """This tick's idle check and scaling decision, applied. Returns why the service must end now (idle), or
     ``None``."""
     if not rec.scale and not rec.idle_cancel_s:
         return None
     now = time.time()
-    snaps = snapshots(client, rec, statuses, in_router)
+    snaps = snapshots(session, rec, statuses, in_router)
     routable = sum(1 for s in active(rec) if serving(s, statuses, in_router) is not None)
     why = idle_end(rec, snaps, routable, now)
     if why or not rec.scale:
@@ -157,13 +131,13 @@ def step(client: Client, rec: ServiceRecord, statuses: Mapping[str, JobStatus], 
     if obs.capacity:
         rec.scale["capacity"] = obs.capacity
     if decision.action == "up":
-        grow(client, rec, decision)
+        grow(session, rec, decision)
     elif decision.action == "down":
         shrink(rec, statuses, in_router, decision)
     return None
 
 
-def grow(client: Client, rec: ServiceRecord, decision: autoscale.Decision) -> None:
+def grow(session: ServiceSession, rec: ServiceRecord, decision: autoscale.Decision) -> None:
     """A new slot and its replica job; its index is never reused (job names stay unique)."""
     from pbs_toolkit.services.manage import launch_replica
 
@@ -173,7 +147,7 @@ def grow(client: Client, rec: ServiceRecord, decision: autoscale.Decision) -> No
     rec.slots.append(slot)
     rec.replicas = len(active(rec))
     rec.scale["last"] = decision.to_dict()
-    launch_replica(client, rec, slot)
+    launch_replica(session, rec, slot)
     _log(f"scale up to {rec.replicas}: {decision.reason}; r{index} is {slot.current}")
 
 

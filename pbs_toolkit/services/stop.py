@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING
 
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services.manage import poll_seconds, service_job_record, stop_keeper
+from pbs_toolkit.services.entry import service_job_record
+from pbs_toolkit.services.keeper_process import poll_seconds, stop_keeper
 from pbs_toolkit.services.record import ServiceRecord
 
 if TYPE_CHECKING:
-    from pbs_toolkit.client import Client
+    from pbs_toolkit.services.session import ServiceSession
 
 
-def teardown(client: Client, rec: ServiceRecord, final: str, *, keep_endpoint: bool = False,
+def teardown(session: ServiceSession, rec: ServiceRecord, final: str, *, keep_endpoint: bool = False,
              keeper_wait_s: float | None = None) -> list[tuple[str, str, bool]]:
     """Stop the service: mark it ``STOPPING`` (ended: the keeper stops on its next tick and launches nothing
     more), wait for the keeper, settle a launch it or ``serve`` left half done (services/intents.py), cancel every
@@ -30,47 +31,47 @@ def teardown(client: Client, rec: ServiceRecord, final: str, *, keep_endpoint: b
     from pbs_toolkit.errors import JobNotFound
     from pbs_toolkit.services import intents
 
-    marked = records.begin_stop(client.store, rec, final)
+    marked = records.begin_stop(session.store, rec, final)
     if marked is None and rec.ended is None:  # not recorded at all (a store lost and not re-adopted): as it is
         rec.stop_as, rec.state = final, records.STOPPING
     stop_keeper(rec.name, keeper_wait_s if keeper_wait_s is not None else poll_seconds() + 5)
     # the keeper's last write may hold a new job or a launch intent; ``rec`` (serve's own copy) may hold a router
     # or a job that serve could no longer save once a cancel had begun: stop what either knows
-    fresh = records.load(client.store, rec.name, created=rec.created) or marked or rec
+    fresh = records.load(session.store, rec.name, created=rec.created) or marked or rec
     problems: list[str] = []
     for slot in fresh.slots:
-        if not intents.settle(client, fresh, slot, wait_s=SETTLE_WAIT_S):
+        if not intents.settle(session, fresh, slot, wait_s=SETTLE_WAIT_S):
             problems.append(f"the submission of {slot.launching} has not finished (`pbstk jobs` names it)")
     for r in (fresh, rec):
         if r.router_job and not r.router_job.get("job_id"):
             from pbs_toolkit.services import router_job
 
-            if not router_job.settle(client, r, wait_s=SETTLE_WAIT_S):
+            if not router_job.settle(session, r, wait_s=SETTLE_WAIT_S):
                 problems.append(f"the submission of the router job {r.router_job['name']} has not finished")
     done = []
     for job in dict.fromkeys(j for r in (fresh, rec) for s in r.slots for j in s.jobs()):
         try:
-            record = client.record(job)
+            record = session.store.find(job)
         except JobNotFound:
             continue  # no record, nothing this pbstk can stop (`pbstk clean` keeps a live service's jobs)
         try:
-            done.append((record.job_id, record.name, client.cancel(record)))
+            done.append((record.job_id, record.name, session.cancel(record)))
         except PbstkError as exc:
             done.append((job, f"not cancelled: {exc.message}", False))
             problems.append(f"{job}: {exc.message}")
-    done += _stop_routers(client, [r for r in (fresh, rec) if r.router or r.router_job], problems)
+    done += _stop_routers(session, [r for r in (fresh, rec) if r.router or r.router_job], problems)
     entry = service_job_record(fresh)
     if keep_endpoint:
-        client.store.keep_registry_entries(entry)
+        session.store.keep_registry_entries(entry)
     else:
         from pbs_toolkit.endpoints.retire import retire
 
-        retire(client.store, entry, notice=client.on_removal)
+        retire(session.store, entry, notice=session.on_removal)
     if problems:
-        records.keep_stopping(client.store, fresh)
+        records.keep_stopping(session.store, fresh)
         raise PbstkError(f"service {rec.name} is not stopped yet: {'; '.join(problems)}; run "
                          f"`pbstk cancel {rec.name}` again to finish")
-    records.finish_stop(client.store, fresh)
+    records.finish_stop(session.store, fresh)
     rec.state, rec.ended = fresh.state, fresh.ended
     return done
 
@@ -79,7 +80,8 @@ def teardown(client: Client, rec: ServiceRecord, final: str, *, keep_endpoint: b
 SETTLE_WAIT_S = 30.0
 
 
-def _stop_routers(client: Client, recs: list[ServiceRecord], problems: list[str]) -> list[tuple[str, str, bool]]:
+def _stop_routers(session: ServiceSession, recs: list[ServiceRecord],
+                  problems: list[str]) -> list[tuple[str, str, bool]]:
     """Stop the router (or cancel the router job) each record names, once each."""
     from pbs_toolkit.services.router import RouterInfo, stop_router
 
@@ -94,13 +96,13 @@ def _stop_routers(client: Client, recs: list[ServiceRecord], problems: list[str]
 
             rj = r.router_job
             try:
-                done.append((rj["job_id"], rj["name"], router_job.cancel(client, r)))
+                done.append((rj["job_id"], rj["name"], router_job.cancel(session, r)))
             except PbstkError as exc:
                 done.append((rj["job_id"], f"not cancelled: {exc.message}", False))
                 problems.append(f"router job {rj['job_id']}: {exc.message}")
             continue
         try:
-            stop_router(client.runner(r.transport), RouterInfo.from_dict(r.router))
+            stop_router(session.runner(r.transport), RouterInfo.from_dict(r.router))
         except PbstkError as exc:
             problems.append(f"the router: {exc.message}")
     return done

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from pbs_toolkit import paths
@@ -59,16 +59,13 @@ DEFAULT_PRESET = "auto"
 def profile_kinds() -> dict[str, str]:
     """Every profile key config.yaml may set -> the kind of value it takes (bool, int, list, map, str).
 
-    Read from the ``Profile`` dataclass itself, so a new profile key is settable in config.yaml at once."""
-    from pbs_toolkit.settings.profiles import Profile
+    Read from the ``Profile`` dataclass itself (and every backend's section), so a new profile key is settable in
+    config.yaml at once."""
+    from pbs_toolkit.settings.profiles import profile_defaults
 
-    default = Profile(name="")
     kinds: dict[str, str] = {}
-    for f in fields(Profile):
-        if f.name in ("name", "source"):
-            continue
-        value = getattr(default, f.name)
-        kinds[f.name] = ("bool" if isinstance(value, bool) else "int" if isinstance(value, int)
+    for key, value in profile_defaults().items():
+        kinds[key] = ("bool" if isinstance(value, bool) else "int" if isinstance(value, int)
                          else "list" if isinstance(value, list) else "map" if isinstance(value, dict) else "str")
     return kinds
 

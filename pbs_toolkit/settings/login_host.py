@@ -14,59 +14,24 @@ Two rules (issue 21, items 9 and 10; README "On the login node"):
 
 from __future__ import annotations
 
-import fnmatch
 import shutil
-import socket
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.schedulers import BACKENDS
+from pbs_toolkit.schedulers import BACKENDS, runs_on_submit_host
+from pbs_toolkit.settings.this_host import on_login_host, submit_program
 
 if TYPE_CHECKING:
     from pbs_toolkit.settings.profiles import Profile
 
 
-def host_names() -> list[str]:
-    """This host's name and its first label (the fully qualified name is looked up only when a pattern needs it)."""
-    name = socket.gethostname()
-    return [name, name.split(".", 1)[0]]
-
-
-def _matches(patterns: list[str]) -> bool:
-    names = host_names()
-    if any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns):
-        return True
-    if any("." in p for p in patterns):  # a pattern with a domain: ask DNS once (slow on some laptops)
-        fqdn = socket.getfqdn()
-        return any(fnmatch.fnmatchcase(fqdn, p) for p in patterns)
-    return False
-
-
-def submit_program(scheduler: str) -> str | None:
-    backend = BACKENDS.get(scheduler)
-    return getattr(backend, "submit_program", None) if backend is not None else None
-
-
-def on_login_host(profile: Profile) -> bool:
-    """Whether this is one of ``profile``'s login hosts, with its scheduler's submit program on PATH."""
-    program = submit_program(profile.scheduler)
-    return bool(profile.login_hosts and program and shutil.which(program) and _matches(profile.login_hosts))
-
-
-def without_ssh_here(profile: Profile, explicit: set[str]) -> Profile:
-    """``profile`` without its ``ssh_host`` on one of its own login hosts, unless ``ssh_host`` was set explicitly."""
-    from dataclasses import replace
-
-    if profile.ssh_host and "ssh_host" not in explicit and on_login_host(profile):
-        return replace(profile, ssh_host=None)
-    return profile
-
-
-def refuse_unchosen_local(settings: Any, profile: Profile) -> None:
-    """Refuse a launch on the default ``local`` profile when a scheduler's submit program is on PATH."""
-    if "profile" in settings.sources or "scheduler" in settings.sources:
+def refuse_unchosen_local(explicit: Collection[str], profile: Profile) -> None:
+    """Refuse a launch on the default ``local`` profile when a scheduler's submit program is on PATH
+    (``explicit``: the settings a flag, ``PBSTK_*`` or config.yaml set, ``LaunchSettings.explicit``)."""
+    if "profile" in explicit or "scheduler" in explicit:
         return
-    if profile.scheduler != "local" or profile.ssh_host:
+    if not runs_on_submit_host(profile.scheduler) or profile.ssh_host:
         return
     programs = sorted({p for name in BACKENDS if (p := submit_program(name)) and shutil.which(p)})
     if not programs:

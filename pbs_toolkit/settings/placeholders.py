@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import getpass
 import re
-from dataclasses import replace
 from typing import Any
 
 from pbs_toolkit.errors import ConfigError, UsageError
@@ -56,7 +55,7 @@ def fill_profile(profile: Profile) -> Profile:
         elif value is not None:
             changes[key] = _fill(profile, key, value, values)
     # filled values reach directive lines too (extra_directives): check them as the profile's own values
-    return validate(replace(profile, **changes))
+    return validate(profile.replaced(changes))
 
 
 def _fill(profile: Profile, key: str, text: str, values: dict[str, str | None]) -> str:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import re
 import string
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError, UsageError
 from pbs_toolkit.schedulers import BACKENDS, DEFAULT_BACKEND
+from pbs_toolkit.schedulers.base import ProfileSection
 from pbs_toolkit.settings.vllm_flags import DEFAULT_VLLM_VERSION, version_tuple
 from pbs_toolkit.settings.yamlio import Fields, load_yaml_mapping, require_file
 
@@ -45,23 +46,13 @@ class Profile:
     queue: str | None = None
     account: str | None = None
     account_required: bool = False
-    # -- keys one backend reads (its ``profile_keys``; a profile may nest them under a section named after it)
-    #: the scheduler's node request; ``{nodes}``, ``{gpus_per_node}``, ``{cpus_per_node}`` are filled in
-    select: str = "{nodes}:ncpus={cpus_per_node}:ngpus={gpus_per_node}"
-    place: str | None = None
-    filesystems: str | None = None
+    #: the keys only the profile's scheduler reads (its ``Scheduler.section_type``: a node request, a quality of
+    #: service, ...); a profile file nests them under a section named after the backend, or keeps them flat
+    backend: ProfileSection = field(default_factory=ProfileSection)
     walltime: str = "01:00:00"
     nodes: int = 1
     gpus_per_node: int = 4
     cpus_per_node: int = 32
-    keep_files: str | None = "doe"
-    #: quality of service, node features, and how GPUs are asked for (``gres`` or ``gpus-per-node``)
-    qos: str | None = None
-    constraint: str | None = None
-    gpu_directive: str = "gres"
-    #: the job takes whole nodes
-    exclusive: bool = False
-    extra_directives: list[str] = field(default_factory=list)
     #: shell lines run before vLLM starts (modules, conda); trusted site configuration, rendered as written
     setup: list[str] = field(default_factory=list)
     venv: str | None = None
@@ -115,39 +106,107 @@ class Profile:
     idle_cancel: str = ""
     source: str = "builtin"
 
+    def __post_init__(self) -> None:
+        # the section is always the scheduler's own type: a new scheduler (``--scheduler``) gets its keys, with
+        # the values of keys both backends know carried over (as flat profiles always had them)
+        wanted = section_type(self.scheduler)
+        if type(self.backend) is not wanted:
+            carried = {k: v for k, v in vars(self.backend).items() if k in _names(wanted)}
+            object.__setattr__(self, "backend", wanted(**carried))
+
+    if not TYPE_CHECKING:  # at run time only: typed code reads ``profile.backend``
+        def __getattr__(self, key: str) -> Any:
+            """A backend's key read flat (``getattr(profile, "qos")``: config show, placeholders, older code): the
+            section's value, or, for a key only other backends read, its default there."""
+            if key in BACKEND_KEYS and "backend" in self.__dict__:
+                return getattr(self.backend, key, BACKEND_KEYS[key])
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
 
     def select_statement(self) -> str:
+        """The backend's node request (``select``) with the node, GPU and CPU counts filled in; ``""`` for a
+        backend that has none."""
+        template = getattr(self.backend, "select", None)
+        if template is None:
+            return ""
         values = {"nodes": self.nodes, "gpus_per_node": self.gpus_per_node, "cpus_per_node": self.cpus_per_node}
-        return fill_placeholders(self.select, values, f"{self.source}: key 'select'")
+        return fill_placeholders(template, values, f"{self.source}: key 'select'")
+
+    def replaced(self, changes: dict[str, Any]) -> Profile:
+        """A copy with ``changes`` (flat keys, a backend's among them) applied, not validated. A key only other
+        backends read is dropped, as a flat profile's always was (config.yaml may set it for all profiles)."""
+        unknown = set(changes) - _KEYS
+        if unknown:
+            raise UsageError(f"unknown profile setting {sorted(unknown)[0]!r}")
+        profile = replace(self, **{k: v for k, v in changes.items() if k not in BACKEND_KEYS})
+        own = {k: v for k, v in changes.items() if k in _names(type(profile.backend))}
+        return replace(profile, backend=replace(profile.backend, **own)) if own else profile
 
     def with_overrides(self, overrides: dict[str, Any]) -> Profile:
         """A copy with ``overrides`` applied (flag, env and user-config values), validated again."""
         clean = {k: v for k, v in overrides.items() if v is not None}
-        unknown = set(clean) - {f.name for f in fields(self)}
-        if unknown:
-            raise UsageError(f"unknown profile setting {sorted(unknown)[0]!r}")
         # errors about overridden values must not blame the profile file
         source = self.source
         if clean:
             source = f"{self.source} with {', '.join(sorted(clean))} from flags/PBSTK_*/config.yaml"
-        from pbs_toolkit.settings.login_host import without_ssh_here
+        from pbs_toolkit.settings.this_host import without_ssh_here
 
-        return without_ssh_here(validate(replace(self, **clean, source=source)), set(clean))
+        return without_ssh_here(validate(self.replaced({**clean, "source": source})), set(clean))
 
     def to_dict(self) -> dict[str, Any]:
-        """A ``profile`` object (``profiles --json``; docs/json.md): every setting, ``gpus`` added, and the value
-        of an ``env`` entry whose name looks secret (TOKEN, KEY, SECRET, PASSWORD) replaced by ``<hidden>``."""
+        """A ``profile`` object (``profiles --json``; docs/json.md): every setting (a backend's flat, as in a flat
+        profile file), ``gpus`` added, and the value of an ``env`` entry whose name looks secret (TOKEN, KEY,
+        SECRET, PASSWORD) replaced by ``<hidden>``."""
         from dataclasses import asdict
 
         from pbs_toolkit.schema import stamp
 
-        data = asdict(self)
+        data: dict[str, Any] = {}
+        for key, value in asdict(self).items():
+            if key == "backend":
+                data.update({k: getattr(self, k) for k in BACKEND_KEYS})
+            else:
+                data[key] = value
         data["env"] = {k: "<hidden>" if _SECRET_NAME.search(k) else v for k, v in self.env.items()}
         data["gpus"] = self.gpus
         return stamp("profile", data)
+
+
+def section_type(scheduler: str) -> type[ProfileSection]:
+    """The type of ``scheduler``'s profile section (the plain, empty one for a name not registered: ``validate``
+    refuses that name)."""
+    backend = BACKENDS.get(scheduler)
+    return backend.section_type if backend is not None else ProfileSection
+
+
+def _names(cls: type[ProfileSection]) -> set[str]:
+    return {f.name for f in fields(cls)}
+
+
+def _default(f: Field[Any]) -> Any:
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+#: every backend's own keys -> its default (the first backend's, for a key several read)
+BACKEND_KEYS: dict[str, Any] = {}
+for _backend in BACKENDS.values():
+    for _f in fields(_backend.section_type):
+        BACKEND_KEYS.setdefault(_f.name, _default(_f))
+
+
+def profile_defaults() -> dict[str, Any]:
+    """Every profile key (a backend's too) -> its default, in the order ``config show`` lists them."""
+    default = Profile(name="")
+    out: dict[str, Any] = {}
+    for f in fields(Profile):
+        if f.name == "backend":
+            out.update(BACKEND_KEYS)
+        elif f.name not in ("name", "source"):
+            out[f.name] = getattr(default, f.name)
+    return out
 
 
 #: environment variable names whose values ``Profile.to_dict`` does not print
@@ -177,7 +236,7 @@ def fill_placeholders(template: str, values: dict[str, int], where: str) -> str:
     return "".join(out)
 
 
-_KEYS = {f.name for f in fields(Profile)} - {"source"}
+_KEYS = ({f.name for f in fields(Profile)} - {"backend"}) | set(BACKEND_KEYS)
 _WALLTIME_RE = re.compile(r"^(?:(\d+):)?([0-5]?\d):([0-5]\d)$")
 _SECONDS_RE = re.compile(r"()()(\d+)")  # same groups as _WALLTIME_RE: hours, minutes, seconds
 #: upper bounds: far above any real queue or node, far below what overflows a scheduler or a job script
@@ -319,25 +378,25 @@ def _flatten_backend_section(data: dict[str, Any], source: Path) -> dict[str, An
 
 def _parse(data: dict[str, Any], source: Path) -> Profile:
     data = _flatten_backend_section(data, source)
-    f = Fields(data, str(source), _KEYS)
-    default = Profile(name=source.stem)
-    kwargs: dict[str, Any] = {"source": str(source), "name": f.get_str("name", source.stem)}
-    for fld in fields(Profile):
-        key = fld.name
-        if key in ("name", "source") or key not in data:
+    f = Fields(data, str(source), _KEYS - {"source"})
+    values: dict[str, Any] = {}
+    for key, current in profile_defaults().items():
+        if key not in data:
             continue
-        current = getattr(default, key)
         if isinstance(current, bool):
-            kwargs[key] = f.get_bool(key, current)
+            values[key] = f.get_bool(key, current)
         elif isinstance(current, int):
-            kwargs[key] = f.get_int(key, current, minimum=0)
+            values[key] = f.get_int(key, current, minimum=0)
         elif isinstance(current, list):
-            kwargs[key] = f.get_str_list(key)
+            values[key] = f.get_str_list(key)
         elif isinstance(current, dict):
-            kwargs[key] = f.get_str_map(key)
+            values[key] = f.get_str_map(key)
         else:
-            kwargs[key] = f.get_str(key, current)
-    return validate(Profile(**kwargs))
+            values[key] = f.get_str(key, current)
+    # the scheduler first: its section takes the backend's keys
+    name: Any = f.get_str("name", source.stem)
+    profile = Profile(name=name, scheduler=values.pop("scheduler", DEFAULT_BACKEND), source=str(source))
+    return validate(profile.replaced(values))
 
 
 def _profile_files() -> dict[str, Path]:
@@ -364,10 +423,12 @@ def profile_path(name_or_path: str) -> Path:
     return files[name_or_path]
 
 
-def profile_file_keys(name_or_path: str) -> set[str]:
-    """The keys the profile's file sets itself (a backend section's keys included); the rest are defaults."""
+def load_profile_and_keys(name_or_path: str) -> tuple[Profile, frozenset[str]]:
+    """The profile (:func:`load_profile`) and the keys its file sets itself (a backend section's keys included;
+    the rest are defaults), from one read of the file."""
     path = profile_path(name_or_path)
-    return set(_flatten_backend_section(load_yaml_mapping(path), path)) - {"name"}
+    data = load_yaml_mapping(path)
+    return _parse(data, path), frozenset(_flatten_backend_section(data, path)) - {"name"}
 
 
 def load_profile(name_or_path: str) -> Profile:

@@ -1,9 +1,10 @@
 """``SSHRunner``: commands, files and TCP connections on a login node over ONE paramiko connection.
 
 Login nodes of most sites ask for MFA on every new connection, so a runner opens a single connection
-lazily and reuses it for every exec channel, the SFTP session and ``direct-tcpip`` forwards. Only this
-module and :mod:`~pbs_toolkit.transports.ssh_auth` (host keys, authentication) import paramiko
-(``open_runner`` imports this one lazily), which keeps ``pbstk --help`` fast.
+lazily and reuses it for every exec channel, the SFTP session and ``direct-tcpip`` forwards. Only the
+``ssh*`` modules of this package import paramiko: this one, :mod:`.ssh_destination` (the config lookup),
+:mod:`.ssh_auth` (host keys, authentication), :mod:`.ssh_channel` (one exec channel's I/O) and
+:mod:`.ssh_sftp` (a file held open); ``open_runner`` imports this one lazily, which keeps ``pbstk --help`` fast.
 
 Between commands the login is kept by a connection holder (:mod:`.ssh_holder`, reached through
 :mod:`.ssh_mux`) unless ``persist`` is 0: the runner then sends its exec, SFTP and ``direct-tcpip`` requests
@@ -13,32 +14,30 @@ to the holder instead of opening a connection of its own, so a day of commands c
 from __future__ import annotations
 
 import errno
-import getpass
 import logging
 import os
-import re
 import secrets
-import select
-import shlex
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import paramiko
 
-from pbs_toolkit.errors import ConfigError, TransportError
+from pbs_toolkit.errors import TransportError
 from pbs_toolkit.transports.base import OpenFile, Result, Runner
-from pbs_toolkit.transports.ssh_auth import (
-    Authenticator,
-    HostKeyPolicy,
+from pbs_toolkit.transports.ssh_auth import Authenticator, HostKeyPolicy, known_hosts_name, terminal_prompt
+from pbs_toolkit.transports.ssh_channel import build_remote_command, collect
+from pbs_toolkit.transports.ssh_destination import (
+    AUTH_TIMEOUT_S,
+    CONNECT_TIMEOUT_S,
+    KEEPALIVE_S,
     PasswordPrompt,
-    known_hosts_name,
-    terminal_prompt,
+    SSHDestination,
+    split_destination,
 )
 from pbs_toolkit.transports.ssh_mux import MuxClient, persist_seconds
+from pbs_toolkit.transports.ssh_sftp import SftpFile
 
 __all__ = [
     "AUTH_TIMEOUT_S",
@@ -51,11 +50,6 @@ __all__ = [
     "terminal_prompt",
 ]
 
-CONNECT_TIMEOUT_S = 10.0
-#: keyboard-interactive waits for a person (MFA codes, push approvals): give them time
-AUTH_TIMEOUT_S = 180.0
-KEEPALIVE_S = 30
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _T = TypeVar("_T")
 
 # paramiko logs a dropped connection at ERROR, with two tracebacks, from its transport thread. With no handler
@@ -64,56 +58,7 @@ _T = TypeVar("_T")
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
-def build_remote_command(
-    argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None
-) -> str:
-    """The shell line run on the login node: every value quoted; env set through ``env`` (no AcceptEnv)."""
-    if not argv:
-        raise ValueError("argv must not be empty")
-    parts = []
-    if cwd:
-        parts.append(f"cd {shlex.quote(cwd)} && ")
-    if env:
-        for key in env:
-            if not _ENV_NAME.match(key):
-                raise ValueError(f"invalid environment variable name: {key!r}")
-        parts.append("env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()) + " ")
-    parts.append(shlex.join(argv))
-    return "".join(parts)
-
-
-def _config_number(cfg: Mapping[str, Any], key: str, default: float, config_file: Path, alias: str,
-                   *, integer: bool = False) -> Any:
-    """A numeric ``~/.ssh/config`` value (``Port``, ``ConnectTimeout``) checked like ssh(1) does, so
-    ``Port notaport`` is one clear line naming the file and the key instead of a traceback."""
-    raw = cfg.get(key)
-    if raw is None:
-        return int(default) if integer else default
-    try:
-        value = int(raw) if integer else float(raw)
-    except (TypeError, ValueError):
-        value = None
-    low, high = (1, 65535) if integer else (0.001, 86400.0)
-    if value is None or not low <= value <= high:  # NaN fails the comparison too
-        raise ConfigError(f"{config_file}: host {alias}: bad {key} {raw!r} (expected a number "
-                          f"from {low:g} to {high:g})")
-    return value
-
-
-def split_destination(destination: str) -> tuple[str | None, str, int | None]:
-    """``user@host:port`` -> (user, host, port); host may be an ``~/.ssh/config`` alias or ``[v6]:port``."""
-    user = None
-    if "@" in destination:
-        user, destination = destination.rsplit("@", 1)
-    match = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?", destination) or re.fullmatch(
-        r"([^:]+):(\d+)", destination
-    )
-    if match:
-        return user or None, match.group(1), int(match.group(2)) if match.group(2) else None
-    return user or None, destination, None
-
-
-class SSHRunner(Runner):
+class SSHRunner(SSHDestination, Runner):
     """A :class:`Runner` on ``host`` (config alias, or ``user@host:port``) over one reused SSH connection."""
 
     def __init__(
@@ -126,10 +71,7 @@ class SSHRunner(Runner):
         password_prompt: PasswordPrompt | None = None,
         persist: float | None = None,
     ) -> None:
-        self.host = host
         self.name = f"ssh:{host}"
-        self.accept_unknown_host = accept_unknown_host
-        self.password_prompt = password_prompt
         #: how many SSH connections this runner opened (1 unless the connection dropped)
         self.connections_opened = 0
         self._lock = threading.RLock()
@@ -142,44 +84,8 @@ class SSHRunner(Runner):
         self.persist = persist
         self._mux: MuxClient | None = None
 
-        config_file = Path(config_path or os.environ.get("PBSTK_SSH_CONFIG") or "~/.ssh/config").expanduser()
-        self.config_path = config_file
-        try:
-            self._ssh_config = (
-                paramiko.SSHConfig.from_path(str(config_file))
-                if config_file.exists()
-                else paramiko.SSHConfig()
-            )
-        except (OSError, paramiko.ssh_exception.ConfigParseError) as exc:
-            raise TransportError(f"cannot read SSH config {config_file}: {exc}") from exc
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"cannot read SSH config {config_file}: not UTF-8 text (byte {exc.start})") from None
-        except ValueError as exc:  # shlex inside paramiko: ``Match exec "false`` (no closing quotation)
-            raise ConfigError(f"cannot read SSH config {config_file}: {exc}") from None
-        user, alias, port = split_destination(host)
-        cfg = self._ssh_config.lookup(alias)
-        self.hostname: str = cfg.get("hostname", alias)
-        self.port: int = port or _config_number(cfg, "port", 22, config_file, alias, integer=True)
-        self.user: str = user or cfg.get("user") or getpass.getuser()
-        self.identity_files: list[str] = list(cfg.get("identityfile", []))
-        self.identities_only = cfg.get("identitiesonly", "no").lower() == "yes"
-        self.proxy_command: str | None = (
-            cfg.get("proxycommand") if cfg.get("proxycommand", "none") != "none" else None
-        )
-        if self.proxy_command is not None:
-            try:  # paramiko splits it only when connecting: a bad one is a config error, found now
-                shlex.split(self.proxy_command)
-            except ValueError as exc:
-                raise ConfigError(f"{config_file}: host {alias}: bad proxycommand: {exc}") from None
-        self.proxy_jump: str | None = cfg.get("proxyjump") if cfg.get("proxyjump", "none") != "none" else None
-        self.connect_timeout = _config_number(cfg, "connecttimeout", CONNECT_TIMEOUT_S, config_file, alias)
-        user_known = cfg.get("userknownhostsfile", "").split()
-        self.known_hosts_path = Path(
-            known_hosts_path
-            or os.environ.get("PBSTK_KNOWN_HOSTS")
-            or (user_known[0] if user_known else "")
-            or "~/.ssh/known_hosts"
-        ).expanduser()
+        SSHDestination.__init__(self, host, accept_unknown_host=accept_unknown_host, config_path=config_path,
+                                known_hosts_path=known_hosts_path, password_prompt=password_prompt)
 
     # -- connection -------------------------------------------------------------------------------
 
@@ -343,7 +249,7 @@ class SSHRunner(Runner):
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise TransportError(f"cannot run {argv[0]} on {self.host}: {exc}") from exc
         try:
-            rc, out, err = _collect(channel, stdin, timeout)
+            rc, out, err = collect(channel, stdin, timeout)
         except TimeoutError as exc:
             raise TransportError(f"{argv[0]} on {self.host} did not finish within {timeout:g} s") from exc
         except (paramiko.SSHException, EOFError, OSError) as exc:
@@ -435,8 +341,8 @@ class SSHRunner(Runner):
 
     def open_file(self, path: str) -> OpenFile:
         """An SFTP handle on ``path``: no ``stat`` command per poll (an exec channel cost ~0.7 s on a loaded
-        host, an SFTP call ~1 ms). See ``_SftpFile`` for how identity is judged without inodes."""
-        return _SftpFile(self, path)
+        host, an SFTP call ~1 ms). See ``SftpFile`` (ssh_sftp.py) for how identity is judged without inodes."""
+        return SftpFile(path, self._sftp_call)
 
     def write_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
         directory, base = os.path.split(path)
@@ -522,116 +428,3 @@ class SSHRunner(Runner):
         return channel
 
 
-def _collect(channel: paramiko.Channel, stdin: str | None, timeout: float | None) -> tuple[int, bytes, bytes]:
-    """Feed stdin and drain stdout and stderr together (no deadlock on large outputs); return rc and both."""
-    _feed_stdin(channel, stdin)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    out, err = _drain_channel(channel, deadline)
-    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-    if not channel.status_event.wait(remaining):
-        raise TimeoutError
-    return channel.recv_exit_status(), out, err
-
-
-def _feed_stdin(channel: paramiko.Channel, stdin: str | None) -> None:
-    """Send ``stdin`` from a thread (a command that writes before reading must not block us), then EOF."""
-    if stdin is None:
-        channel.shutdown_write()
-        return
-    data = stdin.encode()
-
-    def feed() -> None:
-        try:
-            channel.sendall(data)
-            channel.shutdown_write()
-        except OSError:
-            pass
-
-    threading.Thread(target=feed, daemon=True, name="pbstk-ssh-stdin").start()
-
-
-def _drain_channel(channel: paramiko.Channel, deadline: float | None) -> tuple[bytes, bytes]:
-    """stdout and stderr until stdout's EOF (``TimeoutError`` past ``deadline``)."""
-    out: list[bytes] = []
-    err: list[bytes] = []
-    stdout_open = True
-    while stdout_open:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, _, _ = select.select([channel], [], [], remaining)
-        if not ready:
-            raise TimeoutError
-        while channel.recv_stderr_ready():
-            err.append(channel.recv_stderr(65536))
-        if channel.recv_ready() or channel.eof_received or channel.closed:
-            chunk = channel.recv(65536)
-            if chunk:
-                out.append(chunk)
-            elif not channel.recv_ready():
-                stdout_open = False
-    while True:  # EOF covers both streams: what is left of stderr is already buffered
-        chunk = channel.recv_stderr(65536) if channel.recv_stderr_ready() else b""
-        if not chunk:
-            break
-        err.append(chunk)
-    return b"".join(out), b"".join(err)
-
-
-class _SftpFile(OpenFile):
-    """A file held open over SFTP: reads reach the same file after a rename or an unlink (sftp-server keeps it
-    open), so a rotated log is drained to its end.
-
-    SFTP attributes carry no inode, so "the path still names it" is judged from (size, mtime): fstat the
-    handle, stat the path, fstat again; the path is this file when its attributes equal the handle's at either
-    end or, while the file grows, its size lies between the two. A replacement with exactly the old size and
-    mtime second would pass for the old file until either changes. After a dropped connection the handle is
-    gone: the path is opened again and taken for the same file.
-    """
-
-    def __init__(self, runner: SSHRunner, path: str) -> None:
-        super().__init__(path)
-        self.runner = runner
-        self._fh: paramiko.SFTPFile | None = None
-        self._sftp: paramiko.SFTPClient | None = None
-        self._call(lambda _fh: None)  # opens it now: FileNotFoundError when missing
-
-    def _call(self, operation: Callable[[paramiko.SFTPFile], _T]) -> _T:
-        def call(sftp: paramiko.SFTPClient) -> _T:
-            if self._fh is None or self._sftp is not sftp:  # first use, or a new session after a drop
-                self._fh, self._sftp = sftp.open(self.path, "rb"), sftp
-            return operation(self._fh)
-
-        return self.runner._sftp_call(call)
-
-    def read(self, offset: int, length: int) -> bytes:
-        def read(fh: paramiko.SFTPFile) -> bytes:
-            fh.seek(offset)
-            return fh.read(length)
-
-        return self._call(read)
-
-    def size(self) -> int:
-        return int(self._call(lambda fh: fh.stat().st_size) or 0)
-
-    def path_names_it(self) -> bool | None:
-        def check(fh: paramiko.SFTPFile) -> bool | None:
-            before = fh.stat()
-            try:
-                now = fh.sftp.stat(self.path)
-            except FileNotFoundError:
-                return None
-            after = fh.stat()
-            ends = {(before.st_size, before.st_mtime), (after.st_size, after.st_mtime)}
-            if (now.st_size, now.st_mtime) in ends:
-                return True
-            grew = (before.st_size or 0) < (after.st_size or 0)
-            return grew and (before.st_size or 0) <= (now.st_size or 0) <= (after.st_size or 0)
-
-        return self._call(check)
-
-    def close(self) -> None:
-        if self._fh is not None:
-            try:
-                self._fh.close()
-            except Exception:  # noqa: S110 - closing on a dead session may fail in many ways
-                pass
-            self._fh = None

@@ -1,4 +1,4 @@
-"""How ``SSHRunner`` trusts a login node and proves who the user is: known_hosts and authentication.
+"""How ``SSHDestination`` trusts a login node and proves who the user is: known_hosts and authentication.
 
 Host keys: a known key is checked by paramiko; an unknown one is refused unless the user opted in, and then
 appended to known_hosts. Authentication follows OpenSSH's order (agent and key files), then asks the user
@@ -12,20 +12,15 @@ import base64
 import getpass
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import paramiko
 from paramiko.auth_strategy import AuthStrategy
 
 from pbs_toolkit.errors import TransportError
-
-if TYPE_CHECKING:
-    from pbs_toolkit.transports.ssh import SSHRunner
-
-#: ``password_prompt(prompt, echo) -> answer``: asks the user one keyboard-interactive question
-PasswordPrompt = Callable[[str, bool], str]
+from pbs_toolkit.transports.ssh_destination import PasswordPrompt, SSHDestination
 
 _DEFAULT_KEYS = ("id_ed25519", "id_ecdsa", "id_rsa")
 
@@ -39,7 +34,7 @@ def terminal_prompt(prompt: str, echo: bool) -> str:
     return getpass.getpass(prompt)
 
 
-def known_hosts_name(runner: SSHRunner) -> str:
+def known_hosts_name(runner: SSHDestination) -> str:
     """The runner's host as known_hosts and ``ssh-keygen -R`` spell it (``[host]:port`` off port 22)."""
     return runner.hostname if runner.port == 22 else f"[{runner.hostname}]:{runner.port}"
 
@@ -47,7 +42,7 @@ def known_hosts_name(runner: SSHRunner) -> str:
 class HostKeyPolicy(paramiko.MissingHostKeyPolicy):
     """Unknown host: refuse, or (opt-in) append its key to known_hosts. Changed keys never get here."""
 
-    def __init__(self, runner: SSHRunner) -> None:
+    def __init__(self, runner: SSHDestination) -> None:
         self.runner = runner
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
@@ -67,8 +62,8 @@ class HostKeyPolicy(paramiko.MissingHostKeyPolicy):
 class Authenticator(AuthStrategy):
     """Keys (agent and files, like OpenSSH), then keyboard-interactive/password prompts for MFA."""
 
-    def __init__(self, runner: SSHRunner) -> None:
-        super().__init__(ssh_config=runner._ssh_config)
+    def __init__(self, runner: SSHDestination) -> None:
+        super().__init__(ssh_config=runner.ssh_config)
         self.runner = runner
         self.prompt_error: BaseException | None = None
 

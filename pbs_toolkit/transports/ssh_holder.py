@@ -291,7 +291,7 @@ class Holder:
                     return None
 
     def _exec(self, conn: socket.socket, transport: Any, command: str, stdin: Any) -> None:
-        from pbs_toolkit.transports.ssh import _feed_stdin
+        from pbs_toolkit.transports.ssh_channel import feed_stdin
 
         def start() -> Any:
             channel = transport.open_session(timeout=self.runner.connect_timeout)
@@ -304,7 +304,7 @@ class Holder:
         token, channel = opened
         try:
             send_line(conn, {"ok": True})
-            _feed_stdin(channel, stdin if isinstance(stdin, str) else None)
+            feed_stdin(channel, stdin if isinstance(stdin, str) else None)
             if _stream(conn, channel):
                 send_frame(conn, b"x", struct.pack(">i", channel.recv_exit_status()))
         finally:

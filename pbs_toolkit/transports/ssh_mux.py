@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.errors import ConfigError, TransportError
 
 if TYPE_CHECKING:
-    from pbs_toolkit.transports.ssh import SSHRunner
+    from pbs_toolkit.transports.ssh_destination import SSHDestination
 
 #: how long the holder queues an exec or SFTP request for a free session slot (sshd's MaxSessions)
 SESSION_QUEUE_S = 30.0
@@ -113,14 +113,14 @@ def socket_dir() -> Path:
     return _private_dir(paths.user_state_dir() / "ssh")
 
 
-def holder_key(runner: SSHRunner) -> str:
+def holder_key(runner: SSHDestination) -> str:
     """A short name for a destination as this runner reaches it (the same alias in two configs differs)."""
     parts = [runner.host, runner.user, runner.hostname, str(runner.port), str(runner.config_path),
              str(runner.known_hosts_path), runner.proxy_jump or "", runner.proxy_command or ""]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def socket_path(runner: SSHRunner) -> Path:
+def socket_path(runner: SSHDestination) -> Path:
     path = socket_dir() / f"{holder_key(runner)}.sock"
     if len(str(path)) > _SUN_PATH_MAX:  # a deep state dir: fall back to a private dir in /tmp, like ssh-agent
         path = _private_dir(Path(tempfile.gettempdir()) / f"pbstk-{os.getuid()}") / path.name
@@ -221,7 +221,7 @@ def request(path: Path, message: dict[str, Any], timeout: float = 5.0) -> tuple[
 class MuxClient:
     """Operations of one ``SSHRunner`` through its destination's holder; starts the holder when there is none."""
 
-    def __init__(self, runner: SSHRunner, persist: float) -> None:
+    def __init__(self, runner: SSHDestination, persist: float) -> None:
         self.runner = runner
         self.persist = persist
         self.path = socket_path(runner)
@@ -332,13 +332,11 @@ def _file_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def spawn_holder(runner: SSHRunner, path: Path, persist: float) -> None:
+def spawn_holder(runner: SSHDestination, path: Path, persist: float) -> None:
     """Start a holder for ``runner``'s destination and wait until it has logged in (or failed).
 
     It runs on this terminal until then, so passcode prompts reach the user; then it detaches. Its failure is
     raised here as the same one-line error a direct connection gives."""
-    import pbs_toolkit
-
     read_fd, write_fd = os.pipe()
     argv = [sys.executable, "-m", "pbs_toolkit.transports.ssh_holder", "--socket", str(path),
             "--ready-fd", str(write_fd), "--persist", repr(persist), "--config", str(runner.config_path),
@@ -346,7 +344,7 @@ def spawn_holder(runner: SSHRunner, path: Path, persist: float) -> None:
     if runner.accept_unknown_host:
         argv.append("--accept-new-host-key")
     argv += ["--", runner.host]
-    package_root = str(Path(pbs_toolkit.__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parents[2])  # the directory that holds pbs_toolkit/
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     try:
@@ -367,9 +365,9 @@ def spawn_holder(runner: SSHRunner, path: Path, persist: float) -> None:
     raise TransportError(message, details=details)
 
 
-def _read_ready(fd: int, runner: SSHRunner) -> dict[str, Any]:
+def _read_ready(fd: int, runner: SSHDestination) -> dict[str, Any]:
     """The holder's one answer line; bounded by the connect and authentication time a person may take."""
-    from pbs_toolkit.transports.ssh import AUTH_TIMEOUT_S
+    from pbs_toolkit.transports.ssh_destination import AUTH_TIMEOUT_S
 
     deadline = time.monotonic() + 2 * float(runner.connect_timeout) + AUTH_TIMEOUT_S + 30
     data = b""

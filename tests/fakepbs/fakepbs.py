@@ -688,7 +688,10 @@ def node_tools(env: dict[str, str], job_id: str) -> None:
     for tool in os.listdir(NODEBIN):
         if tool not in missing and not os.path.exists(os.path.join(bindir, tool)):
             os.symlink(os.path.join(NODEBIN, tool), os.path.join(bindir, tool))
-    env["PATH"] = f"{bindir}:{env.get('PATH', '')}"
+    # missing means missing: also where this machine has the tool (a real OpenPBS's /opt/pbs/bin/mpiexec)
+    path = [d for d in env.get("PATH", "").split(":")
+            if d and not any(os.path.exists(os.path.join(d, tool)) for tool in missing)]
+    env["PATH"] = ":".join([bindir, *path])
     env["PBSTK_FAKE_HOSTNAME"] = "fakenode0"
 
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pbs_toolkit.errors import SchedulerError, UsageError
-from pbs_toolkit.schedulers.base import JobRef, Outcome, SchedState, Scheduler, SchedulerJob, first_line
-from pbs_toolkit.schedulers.pbs import PBSScheduler, validate_directives
+from pbs_toolkit.schedulers.base import Accounting, JobRef, Outcome, SchedState, Scheduler, SchedulerJob, first_line
+from pbs_toolkit.schedulers.pbs import PBSKeys, PBSScheduler, validate_directives
 from pbs_toolkit.transports.base import Runner
 
 SPOOL = ".local-job"
@@ -38,6 +38,12 @@ _SIGKILL = 9
 _SUPERVISOR = r"""
 spool=$1 script=$2
 exec </dev/null >"$spool/supervisor.log" 2>&1
+# a job that must wait says so before its pid exists: a job started `after` it must never see it started early
+if [ -n "$7" ]; then
+  printf 'eligible at %s\n' "$(date -d "@$7" +%H:%M:%S 2>/dev/null || date -r "$7" +%H:%M:%S)" >"$spool/waiting"
+elif [ -n "$8" ]; then
+  printf 'waiting for job %s to start\n' "$9" >"$spool/waiting"
+fi
 echo "$$" >"$spool/pid"
 hostname >"$spool/nodefile"
 export PBS_JOBID=$3 PBS_JOBNAME=$4 PBS_O_WORKDIR=$5 PBS_NODEFILE="$spool/nodefile"
@@ -50,7 +56,6 @@ if [ -n "$7$8" ]; then
   stop() { echo 143 >"$spool/exit_status.tmp" && mv -f "$spool/exit_status.tmp" "$spool/exit_status"; exit 143; }
   trap stop TERM INT HUP
   if [ -n "$7" ]; then
-    printf 'eligible at %s\n' "$(date -d "@$7" +%H:%M:%S 2>/dev/null || date -r "$7" +%H:%M:%S)" >"$spool/waiting"
     while [ "$(date +%s)" -lt "$7" ]; do sleep 0.5 & wait $!; done
   fi
   if [ -n "$8" ]; then
@@ -114,6 +119,17 @@ for d in "$@"; do
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$pid" "$alive" "$ex" "$c" "$w" "$up" "$wl" "$wait_for"
 done
 """
+# seconds each job ran (pid marker's mtime to the exit marker's, or to now), ``-`` when it never started
+_WALL_CLOCK = r"""
+m() { stat -c %Y "$1" 2>/dev/null || stat -f %m "$1" 2>/dev/null; }
+for d in "$@"; do
+  s="$d/.local-job"
+  if [ ! -s "$s/pid" ] || [ -e "$s/waiting" ]; then echo -; continue; fi
+  a=$(m "$s/pid") || { echo -; continue; }
+  f=0; if [ -e "$s/exit_status" ]; then f=1; b=$(m "$s/exit_status") || b=$a; else b=$(date +%s); fi
+  [ "$b" -ge "$a" ] && echo "$((b - a)) $f" || echo "0 $f"
+done
+"""
 _CANCEL = _OURS + r"""
 s=$1/.local-job
 pid=$(cat "$s/pid" 2>/dev/null) || exit 3
@@ -137,9 +153,11 @@ class LocalScheduler(Scheduler):
     template_dir = PBSScheduler.template_dir
     template_name = PBSScheduler.template_name
     script_name = PBSScheduler.script_name
+    section_type = PBSKeys  # what the shared template reads (no ``local:`` section: ``profile_keys`` is empty)
     streams = {"sched-out": f"{SPOOL}/stdout", "sched-err": f"{SPOOL}/stderr"}  # what the supervisor captures
     cancel_when_final = False  # a process group id may belong to anything once the job has ended
     fixed_node_launcher = "local"  # the start script's own: every node's copy on this machine
+    runs_on_submit_host = True
 
     def validate_profile(self, profile: Any, where: str) -> None:
         # the shared template still renders the directive lines: keep them single, plain lines
@@ -189,8 +207,7 @@ class LocalScheduler(Scheduler):
             time.sleep(0.05)
         raise SchedulerError(f"the local job did not start (see {spool}/supervisor.log)")
 
-    @staticmethod
-    def _after_spool(after: str) -> str:
+    def _after_spool(self, after: str) -> str:
         """The spool of local job ``after`` (from the job store: a local job id says nothing about its run
         directory), whose start the new job waits for."""
         from pbs_toolkit.errors import JobNotFound
@@ -200,7 +217,7 @@ class LocalScheduler(Scheduler):
             record = JobStore().find(after)
         except JobNotFound:
             raise UsageError(f"after: no local job {after!r} in the job store") from None
-        if record.scheduler != "local":
+        if record.scheduler != self.name:
             raise UsageError(f"after: job {after} is not a local job")
         return f"{record.run_dir}/{SPOOL}"
 
@@ -217,6 +234,18 @@ class LocalScheduler(Scheduler):
             if job is not None:  # None: no spool at all, like a job a scheduler has forgotten
                 jobs[ref.job_id] = job
         return jobs
+
+    def accounting(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, Accounting]:
+        """Wall clock from the spool: the pid marker's mtime (the start) to the exit marker's (or now)."""
+        if not refs:
+            return {}
+        result = runner.run(["bash", "-c", _WALL_CLOCK, "pbstk-usage", *[r.run_dir for r in refs]], timeout=60)
+        lines = result.stdout.splitlines()
+        if result.rc != 0 or len(lines) != len(refs):
+            raise SchedulerError(f"could not read local job markers: {first_line(result.stderr)}")
+        return {ref.job_id: Accounting(ref.job_id, float(line.split()[0]), "wall clock", nodes=1,
+                                       final=line.endswith(" 1"))
+                for ref, line in zip(refs, lines) if re.fullmatch(r"\d+ [01]", line)}
 
     def cancel(self, runner: Runner, ref: JobRef) -> bool:
         result = runner.run(["bash", "-c", _CANCEL, "pbstk-cancel", ref.run_dir], timeout=60)

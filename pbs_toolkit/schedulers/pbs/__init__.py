@@ -12,24 +12,28 @@ import json
 import math
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from pbs_toolkit.errors import ConfigError, SchedulerError, SchedulerUnavailable, UsageError
 from pbs_toolkit.schedulers.base import (
+    Accounting,
     JobRef,
     Outcome,
+    ProfileSection,
     SchedState,
     Scheduler,
     SchedulerJob,
     first_line,
     run_with_retry,
     scheduler_timeout,
-    was_killed,
+    status_failed,
 )
 from pbs_toolkit.schedulers.pbs import qstat_text
-from pbs_toolkit.transports.base import Result, Runner, WrappingRunner
+from pbs_toolkit.schedulers.pbs.accounting import duration_s, sub_attr
+from pbs_toolkit.transports.base import Result, Runner
 
 STATES: dict[str, SchedState] = {
     "Q": SchedState.QUEUED, "W": SchedState.QUEUED, "T": SchedState.QUEUED, "M": SchedState.QUEUED,
@@ -42,9 +46,23 @@ _GONE = (153, 35)
 WALLTIME_EXIT = -29
 #: docs/pbs.md "Exit_status": a signal N ends the job with 256 + N
 SIGNAL_BASE = 256
-#: profile keys that only reach ``#PBS`` directive lines
-PROFILE_KEYS = frozenset({"queue", "account", "account_required", "select", "place", "filesystems", "keep_files",
-                          "extra_directives"})
+
+
+@dataclass(frozen=True)
+class PBSKeys(ProfileSection):
+    """The profile keys only PBS reads: they reach ``#PBS`` directive lines (docs/pbs.md)."""
+
+    #: the node request; ``{nodes}``, ``{gpus_per_node}``, ``{cpus_per_node}`` are filled in
+    select: str = "{nodes}:ncpus={cpus_per_node}:ngpus={gpus_per_node}"
+    place: str | None = None
+    filesystems: str | None = None
+    keep_files: str | None = "doe"
+    #: more ``#PBS`` lines, one qsub option each
+    extra_directives: list[str] = field(default_factory=list)
+
+
+#: what a profile may nest under ``pbs:``
+PROFILE_KEYS = frozenset({"queue", "account", "account_required", *(f.name for f in fields(PBSKeys))})
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.@-]+$")
 #: how PBS prints times (``stime``, ``estimated.start_time``): ctime in the server host's local time
 TIME_FORMAT = "%a %b %d %H:%M:%S %Y"
@@ -77,10 +95,10 @@ def validate_directives(p: Any, where: str) -> None:
         if value is not None and not _NAME_RE.fullmatch(value):  # ``$`` would accept a trailing newline
             raise UsageError(f"bad {key} {value!r}: only letters, digits and _ . @ - are allowed")
     for key in ("select", "place", "filesystems", "keep_files"):
-        value = getattr(p, key)
+        value = getattr(p.backend, key)
         if value is not None and (not value or any(c.isspace() for c in value)):
             raise ConfigError(f"{where}: key {key!r} must be a non-empty value without spaces, got {value!r}")
-    for line in p.extra_directives:
+    for line in p.backend.extra_directives:
         # qsub parses every option on a directive line: "-l a=b -V" would smuggle in -V
         if not _DIRECTIVE_RE.fullmatch(line) or line.startswith("-V"):
             raise ConfigError(f"{where}: extra_directives entry {line!r} must be one qsub option like '-l foo=bar'")
@@ -114,18 +132,6 @@ def exec_time(runner: Runner, begin_at: float) -> tuple[str, dict[str, str]]:
     return time.strftime(EXEC_TIME_FORMAT, time.gmtime(epoch)), {"TZ": "UTC0"}
 
 
-class _EnvRunner(WrappingRunner):
-    """``inner`` with extra environment variables for every command (the launch's runner wraps qsub to leave
-    its marker, so the variables go through ``env=``, never as an ``env`` prefix that would hide qsub)."""
-
-    def __init__(self, inner: Runner, env: Mapping[str, str]) -> None:
-        super().__init__(inner)
-        self.env = dict(env)
-
-    def run(self, argv: Sequence[str], **kw: Any) -> Result:
-        return self.inner.run(argv, **{**kw, "env": {**(kw.get("env") or {}), **self.env}})
-
-
 def waiting_comment(raw_state: str, info: dict[str, Any]) -> str | None:
     """What pbstk says about a job the scheduler has not commented on: OpenPBS's scheduler never looks at a job
     waiting for its ``-a`` time (state W) or held by a dependency (H, ``Hold_Types`` s), so qstat shows no
@@ -150,28 +156,6 @@ def status_argv(job_ids: Sequence[str]) -> list[str]:
 
 def is_transient(result: Result) -> bool:
     return result.rc == 255 or "cannot connect to server" in result.stderr.lower()
-
-
-def sub_attr(info: dict[str, Any], key: str, sub: str) -> Any:
-    """``info[key][sub]`` of a resource-style attribute, ``None`` when absent or not a mapping (a field pbstk
-    only displays must never turn a whole answer into a garbled one)."""
-    value = info.get(key)
-    return value.get(sub) if isinstance(value, dict) else None
-
-
-def duration_s(value: Any) -> int | None:
-    """``HH:MM:SS`` (or ``MM:SS``, or plain seconds: qstat -F json prints those as numbers) -> seconds."""
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return int(value) if value >= 0 else None
-    parts = str(value).strip().split(":")
-    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
-        return None
-    seconds = 0
-    for part in parts:
-        seconds = seconds * 60 + int(part)
-    return seconds
 
 
 def pbs_time(value: Any) -> float | None:
@@ -252,9 +236,7 @@ def _job(job_id: str, info: dict[str, Any], asked_at: float | None = None) -> Sc
 def check_answer(result: Result, ids: Sequence[str]) -> None:
     """Raise unless ``result`` is an answer about ``ids`` (rc 0, or 153/35 with the JSON document)."""
     if result.rc not in (0, *_GONE):
-        if was_killed(result.rc):
-            raise SchedulerUnavailable(f"qstat was killed (exit {result.rc}): {first_line(result.stderr)}")
-        raise SchedulerError(f"qstat failed (exit {result.rc}): {first_line(result.stderr)}")
+        raise status_failed("qstat", result)
     if not result.stdout.strip():
         # -F json always prints the document, even when no id matched: nothing at all is a cut-off answer
         raise SchedulerUnavailable(
@@ -311,6 +293,7 @@ class PBSScheduler(Scheduler):
     streams = {"sched-out": "pbs.out", "sched-err": "pbs.err"}
     stream_aliases = {"pbs-out": "sched-out", "pbs-err": "sched-err"}
     profile_keys = PROFILE_KEYS
+    section_type = PBSKeys
     submit_program = "qsub"
     node_launchers = ("pbsdsh",)
     default_node_launcher = "pbsdsh"
@@ -321,24 +304,25 @@ class PBSScheduler(Scheduler):
     def stop_hint(self, job_id: str, run_dir: str) -> str:
         return f"qdel {job_id}"
 
-    def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
-               walltime_s: int | None = None, begin_at: float | None = None, after: str | None = None) -> str:
+    def submit_command(self, runner: Runner, script_path: str, *, begin_at: float | None,
+                       after: str | None) -> tuple[list[str], dict[str, str]]:
         if after is not None and not _JOB_ID.match(after):
             raise UsageError(f"cannot start a job after {after!r}: not a PBS job id")
         when, env = exec_time(runner, begin_at) if begin_at is not None else (None, {})
-        argv = submit_argv(script_path, exec_time=when, after=after)
-        result = run_with_retry(_EnvRunner(runner, env) if env else runner, argv, is_transient)
-        if result.rc != 0:
-            raise SchedulerError(f"qsub refused the job: {first_line(result.stderr or result.stdout)}")
-        return parse_job_id(result.stdout)
+        return submit_argv(script_path, exec_time=when, after=after), env
+
+    parse_job_id = staticmethod(parse_job_id)
+    is_transient = staticmethod(is_transient)
+    status_argv = staticmethod(status_argv)
+    cancel_argv = staticmethod(cancel_argv)
 
     def query(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, SchedulerJob]:
-        if not refs:
-            return {}
-        ids = [ref.job_id for ref in refs]
+        ids = list(dict.fromkeys(ref.job_id for ref in refs))
         if len(ids) > 1 and qstat_text.batching_broken(runner.name):
             return _query_text(runner, ids)  # this server's batched JSON lists one job: one call in text
-        result = run_with_retry(runner, status_argv(ids), is_transient, timeout=scheduler_timeout())
+        return super().query(runner, refs)
+
+    def read_status(self, runner: Runner, ids: Sequence[str], result: Result) -> dict[str, SchedulerJob]:
         check_answer(result, ids)
         found = parse_status(result.stdout)
         jobs = {job_id: found[m] for job_id in ids if (m := match_id(job_id, found))}
@@ -350,14 +334,11 @@ class PBSScheduler(Scheduler):
             return {**jobs, **_query_text(runner, left_out)}
         return _listed(ids, found, result.rc)
 
-    def cancel(self, runner: Runner, ref: JobRef) -> bool:
-        result = run_with_retry(runner, cancel_argv(ref.job_id), is_transient, timeout=scheduler_timeout())
-        if result.rc == 0:
-            return True
+    def accounting(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, Accounting]:
+        from pbs_toolkit.schedulers.pbs.accounting import accounting
+
+        return accounting(self.query(runner, refs))  # the same one batched qstat -x -f -F json
+
+    def already_gone(self, result: Result) -> bool:
         text = (result.stderr + result.stdout).lower()
-        if result.rc in _GONE or "unknown job id" in text or "job has finished" in text:
-            return False
-        if was_killed(result.rc):
-            raise SchedulerUnavailable(f"qdel {ref.job_id} was killed (exit {result.rc}): is the job stopped? "
-                                       "`pbstk status` will tell")
-        raise SchedulerError(f"qdel {ref.job_id} failed (exit {result.rc}): {first_line(result.stderr)}")
+        return result.rc != 0 and (result.rc in _GONE or "unknown job id" in text or "job has finished" in text)

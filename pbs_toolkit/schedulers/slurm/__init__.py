@@ -15,20 +15,23 @@ import math
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from pbs_toolkit.errors import ConfigError, SchedulerError, SchedulerUnavailable, UsageError
 from pbs_toolkit.schedulers.base import (
+    Accounting,
     JobRef,
     Outcome,
+    ProfileSection,
     SchedState,
     Scheduler,
     SchedulerJob,
     first_line,
     run_with_retry,
     scheduler_timeout,
-    was_killed,
+    status_failed,
 )
 from pbs_toolkit.transports.base import Result, Runner
 
@@ -58,10 +61,28 @@ _TRANSIENT = ("socket timed out", "unable to contact slurm controller", "zero by
 _UNKNOWN_ID = "invalid job id specified"
 #: what scancel -v says about an id it did not stop
 _CANCEL_GONE = ("invalid job id specified", "already completing or completed")
-#: profile keys that only reach ``#SBATCH`` lines
-PROFILE_KEYS = frozenset({"queue", "account", "account_required", "qos", "constraint", "gpu_directive",
-                          "exclusive", "extra_directives"})
 GPU_DIRECTIVES = ("gres", "gpus-per-node")
+
+
+@dataclass(frozen=True)
+class SlurmKeys(ProfileSection):
+    """The profile keys only Slurm reads: they reach ``#SBATCH`` lines (docs/slurm.md)."""
+
+    #: quality of service, node features, and how GPUs are asked for (``gres`` or ``gpus-per-node``)
+    qos: str | None = None
+    constraint: str | None = None
+    gpu_directive: str = "gres"
+    #: the job takes whole nodes
+    exclusive: bool = False
+    #: more ``#SBATCH`` lines, one long option each
+    extra_directives: list[str] = field(default_factory=list)
+
+    def without_whole_nodes(self) -> SlurmKeys:
+        return replace(self, exclusive=False)
+
+
+#: what a profile may nest under ``slurm:``
+PROFILE_KEYS = frozenset({"queue", "account", "account_required", *(f.name for f in fields(SlurmKeys))})
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.@-]+$")
 #: a constraint expression: features joined by & | , and brackets, multipliers like *2
 _CONSTRAINT_RE = re.compile(r"^[A-Za-z0-9_.&|,\[\]()*:-]+$")
@@ -74,17 +95,17 @@ _REFUSED_DIRECTIVES = ("--export", "--output", "--error", "--job-name", "--chdir
 
 def validate_directives(p: Any, where: str) -> None:
     """Check values that reach ``#SBATCH`` lines (sbatch parses them, no shell: refuse instead of quoting)."""
-    for key in ("queue", "account", "qos"):
-        value = getattr(p, key)
+    keys: SlurmKeys = p.backend
+    for key, value in (("queue", p.queue), ("account", p.account), ("qos", keys.qos)):
         if value is not None and not _NAME_RE.fullmatch(value):  # ``$`` would accept a trailing newline
             raise UsageError(f"bad {key} {value!r}: only letters, digits and _ . @ - are allowed")
-    if p.constraint is not None and not _CONSTRAINT_RE.fullmatch(p.constraint):
+    if keys.constraint is not None and not _CONSTRAINT_RE.fullmatch(keys.constraint):
         raise ConfigError(f"{where}: key 'constraint' must be a feature expression like gpu or 'gpu&hbm80g', "
-                          f"got {p.constraint!r}")
-    if p.gpu_directive not in GPU_DIRECTIVES:
+                          f"got {keys.constraint!r}")
+    if keys.gpu_directive not in GPU_DIRECTIVES:
         raise ConfigError(f"{where}: key 'gpu_directive' must be one of {', '.join(GPU_DIRECTIVES)}, "
-                          f"got {p.gpu_directive!r}")
-    for line in p.extra_directives:
+                          f"got {keys.gpu_directive!r}")
+    for line in keys.extra_directives:
         # sbatch reads every option on a directive line: "--mem=0 --export=ALL" would smuggle in --export
         if not _DIRECTIVE_RE.fullmatch(line) or line.split("=", 1)[0] in _REFUSED_DIRECTIVES:
             raise ConfigError(f"{where}: extra_directives entry {line!r} must be one sbatch long option like "
@@ -250,9 +271,7 @@ def check_answer(result: Result, ids: Sequence[str]) -> bool:
         return True
     if len(ids) == 1 and _UNKNOWN_ID in result.stderr.lower():
         return False
-    if was_killed(result.rc):
-        raise SchedulerUnavailable(f"squeue was killed (exit {result.rc}): {first_line(result.stderr)}")
-    raise SchedulerError(f"squeue failed (exit {result.rc}): {first_line(result.stderr)}")
+    raise status_failed("squeue", result)
 
 
 #: the sacct columns read for jobs squeue has forgotten (``--parsable2``: ``|`` between columns, none after)
@@ -315,6 +334,7 @@ class SlurmScheduler(Scheduler):
     # the template's #SBATCH --output/--error lines
     streams = {"sched-out": "slurm.out", "sched-err": "slurm.err"}
     profile_keys = PROFILE_KEYS
+    section_type = SlurmKeys
     submit_program = "sbatch"
     #: one job step per node (node_launch.sh.j2)
     node_launchers = ("srun",)
@@ -326,18 +346,16 @@ class SlurmScheduler(Scheduler):
     def stop_hint(self, job_id: str, run_dir: str) -> str:
         return f"scancel {job_id}"
 
-    def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
-               walltime_s: int | None = None, begin_at: float | None = None, after: str | None = None) -> str:
-        result = run_with_retry(runner, submit_argv(script_path, begin_at=begin_at, after=after), is_transient)
-        if result.rc != 0:
-            raise SchedulerError(f"sbatch refused the job: {first_line(result.stderr or result.stdout)}")
-        return parse_job_id(result.stdout)
+    def submit_command(self, runner: Runner, script_path: str, *, begin_at: float | None,
+                       after: str | None) -> tuple[list[str], dict[str, str]]:
+        return submit_argv(script_path, begin_at=begin_at, after=after), {}
 
-    def query(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, SchedulerJob]:
-        if not refs:
-            return {}
-        ids = list(dict.fromkeys(ref.job_id for ref in refs))
-        result = run_with_retry(runner, status_argv(ids), is_transient, timeout=scheduler_timeout())
+    parse_job_id = staticmethod(parse_job_id)
+    is_transient = staticmethod(is_transient)
+    status_argv = staticmethod(status_argv)
+    cancel_argv = staticmethod(cancel_argv)
+
+    def read_status(self, runner: Runner, ids: Sequence[str], result: Result) -> dict[str, SchedulerJob]:
         if not check_answer(result, ids):
             return ask_sacct(runner, ids)
         found = parse_status(result.stdout)
@@ -346,14 +364,11 @@ class SlurmScheduler(Scheduler):
             found.update(ask_sacct(runner, missing))
         return {job_id: found[job_id] for job_id in ids if job_id in found}
 
-    def cancel(self, runner: Runner, ref: JobRef) -> bool:
-        result = run_with_retry(runner, cancel_argv(ref.job_id), is_transient, timeout=scheduler_timeout())
+    def accounting(self, runner: Runner, refs: Sequence[JobRef]) -> dict[str, Accounting]:
+        from pbs_toolkit.schedulers.slurm.accounting import accounting
+
+        return accounting(runner, refs, lambda: self.query(runner, refs), self.is_transient)
+
+    def already_gone(self, result: Result) -> bool:
         text = (result.stderr + result.stdout).lower()
-        if any(words in text for words in _CANCEL_GONE):
-            return False
-        if result.rc == 0:
-            return True
-        if was_killed(result.rc):
-            raise SchedulerUnavailable(f"scancel {ref.job_id} was killed (exit {result.rc}): is the job stopped? "
-                                       "`pbstk status` will tell")
-        raise SchedulerError(f"scancel {ref.job_id} failed (exit {result.rc}): {first_line(result.stderr)}")
+        return any(words in text for words in _CANCEL_GONE)

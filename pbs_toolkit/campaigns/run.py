@@ -1,0 +1,413 @@
+"""``pbstk run [launch or serve options] MODEL -- COMMAND [ARGS...]``: a server for exactly as long as a command
+needs it (docs/campaigns.md "pbstk run").
+
+1. Launch a job (``--replicas N``: a service), or take the job or service ``--reuse NAME`` names; wait until
+   READY. A launch or wait that fails cancels what was launched and raises pbstk's own error (its exit code);
+   COMMAND never runs then.
+2. Work out how COMMAND reaches the server from here: directly, or through a tunnel over the job's SSH
+   connection when the node does not answer from this machine (``tunnel=True`` forces one).
+3. With ``registry``: write the entry (removed again at the end, whatever happens).
+4. Run COMMAND in its own process group with ``pbstk env``'s variables added to this environment (the key only
+   there, never in an argument). SIGINT, SIGTERM and SIGHUP received meanwhile go to COMMAND's group; what is
+   still running ``grace_s`` later is killed, and so is whatever COMMAND left behind in its group.
+5. Remove the entry, close the tunnel, and unless ``keep`` (or the server was reused) drain the server (until
+   no request runs or waits, at most ``drain_s``) and cancel it, its counters recorded first (``pbstk usage``).
+
+The result is COMMAND's exit status (``128 + N`` when signal N ended it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pbs_toolkit.campaigns import counters
+from pbs_toolkit.envvars import env_float
+from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
+
+if TYPE_CHECKING:
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.jobs.render import RenderRequest
+    from pbs_toolkit.jobs.store import JobRecord
+    from pbs_toolkit.services.record import ServiceRecord
+
+#: signals passed on to COMMAND (and, before it runs, turned into a cancel of what was launched)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def grace_seconds() -> float:
+    """``PBSTK_RUN_GRACE_S``: how long COMMAND has to end after a forwarded signal before it is killed (10)."""
+    return env_float("PBSTK_RUN_GRACE_S", 10.0, lambda v: 0 <= v < float("inf"))
+
+
+def drain_seconds() -> float:
+    """``PBSTK_RUN_DRAIN_S``: the most the end waits for requests still running on the server (30)."""
+    return env_float("PBSTK_RUN_DRAIN_S", 30.0, lambda v: 0 <= v < float("inf"))
+
+
+@dataclass
+class RunPlan:
+    """What ``run`` does; ``request`` is ``None`` with ``reuse``."""
+
+    command: list[str]
+    request: RenderRequest | None = None
+    reuse: str | None = None
+    replicas: int = 1
+    #: ``Client.serve`` keywords besides the request and ``replicas`` (a service: ``replicas`` > 1 or any set)
+    serve: dict[str, Any] = field(default_factory=dict)
+    #: secret: never in ``repr``
+    api_key: str | None = field(default=None, repr=False)
+    use_api_key: bool = field(default=True, repr=False)
+    registry: str | None = None
+    alias: str | None = None
+    fmt: str = "auto"
+    keep: bool = False
+    tunnel: bool = False
+    timeout: float = 3600.0
+
+
+@dataclass
+class RunHooks:
+    """How ``run`` talks: ``notice`` gets pbstk's own lines (stderr in the CLI); ``wait_job``/``wait_service``
+    wait with the caller's progress display (default: the client's plain waits)."""
+
+    notice: Callable[[str], None] = lambda _m: None
+    wait_job: Callable[[Client, JobRecord, float], Any] | None = None
+    wait_service: Callable[[Client, ServiceRecord, float], Any] | None = None
+
+
+class _Stopped(BaseException):
+    """A SIGTERM or SIGHUP before COMMAND ran: what was launched is cancelled, then pbstk exits 128 + signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@dataclass
+class _Target:
+    record: JobRecord | None = None
+    service: ServiceRecord | None = None
+    launched: bool = False
+    entry: Any = None  # the registry entry written (an EndpointUpdate)
+
+    @property
+    def name(self) -> str:
+        return self.service.name if self.service else self.record.job_id if self.record else "?"
+
+
+def check_command(command: Sequence[str]) -> None:
+    """Refuse, before anything is launched, a COMMAND that cannot be started here."""
+    if not command:
+        raise UsageError("run needs a COMMAND after `--` (e.g. `pbstk run MODEL -- python eval.py`)")
+    program = command[0]
+    found = shutil.which(program) if os.sep not in program else (program if os.path.isfile(program) else None)
+    if found is None:
+        raise UsageError(f"COMMAND {program!r} was not found (not on PATH, or no such file)")
+    if not os.access(found, os.X_OK):
+        raise UsageError(f"COMMAND {program!r} is not executable")
+
+
+def run(client: Client, plan: RunPlan, hooks: RunHooks | None = None) -> int:
+    """The whole of ``pbstk run``; returns COMMAND's exit status (``PbstkError`` when no COMMAND ran)."""
+    hooks = hooks or RunHooks()
+    check_command(plan.command)
+    target = _Target()
+    code: int | None = None
+    with _terminating():
+        try:
+            _start(client, plan, hooks, target)
+            env = _environment(client, plan, target, hooks)
+            hooks.notice(f"running {' '.join(plan.command)} against {env['OPENAI_BASE_URL']}")
+            code = run_command(plan.command, env, hooks.notice)
+        except _Stopped as stop:
+            hooks.notice(f"{signal.Signals(stop.signum).name} received before COMMAND ran")
+            code = 128 + stop.signum
+        except _Launched as launched:  # interrupted while submitting: the job is cancelled below
+            target.record, target.launched = launched.record, True
+            hooks.notice(f"interrupted while {launched.record.job_id} was submitted")
+            code = launched.code
+        finally:
+            with _held() as later:
+                _finish(client, plan, target, hooks, later)
+    return code if code is not None else 1
+
+
+def _start(client: Client, plan: RunPlan, hooks: RunHooks, target: _Target) -> None:
+    """Launch (or find) the server and wait until it is READY."""
+    if plan.reuse:
+        svc = client.service(plan.reuse)
+        if svc is not None:
+            target.service = svc
+        else:
+            target.record = client.record(plan.reuse)
+    elif plan.request is not None:
+        # HOOK(stage): the lead wires stage's launch preflight (weights present, verified) in here
+        if plan.replicas > 1 or plan.serve:
+            target.service = client.serve(plan.request, replicas=plan.replicas, api_key=plan.api_key, **plan.serve)
+        else:
+            target.record = _launch(client, plan)
+        target.launched = True
+        hooks.notice(f"launched {target.name}" + (f" ({plan.replicas} replicas)" if target.service else "")
+                     + ("; it is cancelled when COMMAND ends" if not plan.keep else "; --keep: it stays up"))
+    else:
+        raise UsageError("run needs MODEL to launch, or --reuse NAME")
+    if target.service is not None:
+        if target.service.ended is not None:
+            raise ServerFailed(f"service {target.service.name} has ended ({target.service.state})")
+        (hooks.wait_service or (lambda c, s, t: c.wait_service(s, t)))(client, target.service, plan.timeout)
+    else:
+        assert target.record is not None
+        (hooks.wait_job or (lambda c, r, t: c.wait(r, t)))(client, target.record, plan.timeout)
+
+
+def _launch(client: Client, plan: RunPlan) -> JobRecord:
+    """``launch_request``; when a signal arrives while the job is submitted, launch records it and then exits
+    (jobs/launch.py ``defer_interrupts``): the job is found by its name (unique among active jobs) so that the
+    end of ``run`` cancels it."""
+    from pbs_toolkit.jobs.plan import slug
+
+    assert plan.request is not None
+    started, name = time.time(), plan.request.name or slug(plan.request.model)
+    try:
+        return client.launch_request(plan.request, api_key=plan.api_key, use_api_key=plan.use_api_key).record
+    except (SystemExit, KeyboardInterrupt) as exc:
+        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 130
+        for record in client.store.all():
+            if record.name == name and not record.final_state and record.created >= started - 1:
+                raise _Launched(record, code) from None
+        raise
+
+
+class _Launched(BaseException):
+    """A launch interrupted once its job was recorded: ``record`` is to be cancelled."""
+
+    def __init__(self, record: JobRecord, code: int) -> None:
+        super().__init__(record.job_id)
+        self.record, self.code = record, code
+
+
+def _environment(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks) -> dict[str, str]:
+    """This environment plus the endpoint's variables; the registry entry and the tunnel on the way."""
+    if target.service is not None:
+        from pbs_toolkit.services.entry import service_job_status
+
+        st = service_job_status(target.service)
+    else:
+        st = client.ready_status(target.record)
+    from urllib.parse import urlsplit
+
+    from pbs_toolkit.endpoints import endpoint_url
+
+    transport = st.record.transport if target.service is None else target.service.transport
+    tunnel = plan.tunnel or (bool(transport) and not reachable(urlsplit(endpoint_url(st)).hostname, st.port))
+    local_url = None
+    if plan.registry is not None:
+        if target.service is not None:
+            target.entry = client.update_service_endpoint(target.service, plan.registry, fmt=plan.fmt,
+                                                          alias=plan.alias, via_tunnel=tunnel)
+        else:
+            target.entry = client.update_endpoint(st.record, plan.registry, fmt=plan.fmt, alias=plan.alias,
+                                                  timeout=plan.timeout, via_tunnel=tunnel)
+        hooks.notice(f"{target.entry.registry}: {target.entry.alias} -> {target.entry.url} (removed at the end)")
+        local_url = client.tunnels[-1].url if tunnel else None
+    elif tunnel:
+        local_url = client.tunnel(st)[1].url
+    if local_url:
+        hooks.notice(f"{st.address}:{st.port} is reached through a tunnel on {local_url}")
+    ep = client.service_endpoint(target.service, local_url) if target.service is not None \
+        else client.endpoint(st.record, local_url)
+    return {**os.environ, **ep.env}
+
+
+def reachable(host: str | None, port: int | None, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the server opens from this machine."""
+    if not host or not port:
+        return False
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def run_command(command: Sequence[str], env: dict[str, str], notice: Callable[[str], None],
+                grace_s: float | None = None) -> int:
+    """Run ``command`` in its own process group and return its exit status (``128 + N`` for signal N).
+    Signals meanwhile are passed on to the group; ``grace_s`` after the first, the group is killed. Whatever
+    the command left running in its group when it ended is stopped too."""
+    grace = grace_seconds() if grace_s is None else grace_s
+    received: list[int] = []
+    with _held() as early:  # a signal between the spawn and the handlers below must not be lost
+        proc = subprocess.Popen(list(command), env=env, process_group=0)  # noqa: S603 - argv, no shell
+    pgid = proc.pid
+
+    first_at: list[float] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        first_at.append(time.monotonic())
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in SIGNALS}
+    try:
+        for signum in early:
+            forward(signum, None)
+        killed = False
+        while True:
+            try:
+                rc = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if received and not killed and time.monotonic() - first_at[0] > grace:
+                    notice(f"COMMAND did not end {grace:g} s after {signal.Signals(received[0]).name}: killing it")
+                    with suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pgid, signal.SIGKILL)
+                    killed = True
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    _reap_group(pgid)
+    return 128 - rc if rc < 0 else rc
+
+
+def _reap_group(pgid: int, wait_s: float = 2.0) -> None:
+    """Stop what is left of COMMAND's process group: TERM, then KILL after ``wait_s``."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _finish(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks, interrupts: list[int]) -> None:
+    """Entry out, tunnel closed, then (unless kept or reused) drain and cancel. Errors become notices: the
+    exit status is COMMAND's."""
+    if target.entry is not None:
+        _remove_entry(client, target, hooks)
+    for tunnel in list(client.tunnels):
+        tunnel.close()
+        client.tunnels.remove(tunnel)
+    if not target.launched:
+        return
+    if plan.keep:
+        hooks.notice(f"--keep: {target.name} stays up (`pbstk cancel {target.name}` stops it)")
+        return
+    try:
+        _drain(client, target, hooks, interrupts)
+        if target.service is not None:
+            client.cancel_service(target.service)
+        elif target.record is not None:
+            client.cancel(target.record)
+        hooks.notice(f"cancelled {target.name}")
+    except PbstkError as exc:
+        hooks.notice(f"warning: {target.name} was not cancelled: {exc.message}; `pbstk cancel {target.name}`")
+        return
+    summary = usage_line(client, target.service.name if target.service else target.name)
+    if summary:
+        hooks.notice(summary)
+
+
+def usage_line(client: Client, ref: str) -> str | None:
+    """One line of what the server used (``pbstk usage REF`` has the table); ``None`` when it cannot be said."""
+    from pbs_toolkit.campaigns.usage import collect
+
+    try:
+        totals = collect(client, [ref]).totals.to_dict()
+    except PbstkError:
+        return None
+
+    def n(value: Any, unit: str) -> str:
+        return f"{'-' if value is None else round(value, 3)} {unit}"
+
+    return (f"usage: {n(totals['node_hours'], 'node-h')}, {n(totals['gpu_hours'], 'GPU-h')}, "
+            f"{n(totals['requests'], 'requests')}, {n(totals['output_tokens'], 'output tokens')} "
+            f"(`pbstk usage {ref}` for the table)")
+
+
+def _remove_entry(client: Client, target: _Target, hooks: RunHooks) -> None:
+    from pbs_toolkit.endpoints.retire import retire
+
+    update = target.entry
+    if target.service is not None:
+        from pbs_toolkit.services.entry import service_job_record
+
+        record = service_job_record(target.service)
+    else:
+        record = target.record
+    mine = [e for e in client.store.registry_entries(record)
+            if e.registry == update.registry and e.alias == update.alias]
+    try:
+        retire(client.store, record, include_kept=True, entries=mine, notice=client.on_removal)
+    except PbstkError as exc:
+        hooks.notice(f"warning: the entry {update.alias} in {update.registry} was not removed: {exc.message}")
+
+
+def _servers(client: Client, target: _Target) -> list[JobRecord]:
+    if target.service is None:
+        return [target.record] if target.record is not None else []
+    from pbs_toolkit.errors import JobNotFound
+
+    found = []
+    for job in [j for s in target.service.slots for j in s.jobs()]:
+        with suppress(JobNotFound):
+            found.append(client.record(job))
+    return found
+
+
+def _drain(client: Client, target: _Target, hooks: RunHooks, interrupts: list[int]) -> None:
+    """Wait (at most ``drain_seconds``; a further signal ends the wait) until no request runs or waits."""
+    deadline = time.monotonic() + drain_seconds()
+    records = _servers(client, target)
+    said = False
+    while time.monotonic() < deadline and not interrupts:
+        busy = sum(counters.in_flight(counters.scrape(client.runner(r.transport), r)) for r in records)
+        if not busy:
+            return
+        if not said:
+            hooks.notice(f"draining {target.name}: {busy:g} request(s) still in flight")
+            said = True
+        time.sleep(0.5)
+
+
+@contextmanager
+def _terminating() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise ``_Stopped`` (SIGINT stays ``KeyboardInterrupt``) until COMMAND runs."""
+    def stop(signum: int, _frame: Any) -> None:
+        raise _Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def _held() -> Iterator[list[int]]:
+    """Signals are only noted (in the list yielded) while the block runs: the end always completes."""
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _f: received.append(signum)) for sig in SIGNALS}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

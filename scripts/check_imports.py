@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""House rules for the package's shape (issue 22): what a newcomer should find, checked with ``ast`` alone.
+
+Prints, and exits 1 when there is any:
+
+* every module of ``pbs_toolkit`` over 500 lines (data files and templates are not modules: ``.py`` only);
+* every import cycle between ``pbs_toolkit`` modules, counting EVERY import: top-level, inside a function,
+  under ``if TYPE_CHECKING:``. A function-level import only hides a circle, it does not remove it.
+  One line per strongly connected group of modules, with one concrete circle through it;
+* every ``from X import _name`` (or ``import X._mod``) that takes a private name from another module.
+
+An edge goes to the module an import names: ``from pbs_toolkit.jobs import store`` is an edge to
+``pbs_toolkit.jobs.store``, ``from pbs_toolkit.jobs.store import JobStore`` too. The package ``__init__`` a
+dotted import also runs is not counted (``pbs_toolkit/__init__.py``'s lazy ``Client`` would otherwise close
+a circle through every module).
+
+    python scripts/check_imports.py [PACKAGE_DIR]     # default: the pbs_toolkit beside this script
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+MAX_LINES = 500
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` under the package directory ``root``."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The dotted name a (possibly relative) ``from ... import`` names."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(module: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str, str, int]]:
+    """(imported module, name taken from it or "", line) for every import anywhere in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, "", node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(module, is_package, node)
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                if sub in known:  # ``from pkg import submodule``
+                    yield sub, "", node.lineno
+                else:
+                    yield source, alias.name, node.lineno
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def check(root: Path) -> list[str]:
+    """Every problem, one line each (sizes, then cycles, then private imports)."""
+    known = modules(root)
+    problems: list[str] = []
+    graph: dict[str, set[str]] = {m: set() for m in known}
+    private: list[str] = []
+    for module, path in known.items():
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MAX_LINES:
+            problems.append(f"size: {path.relative_to(root.parent)} has {lines} lines (over {MAX_LINES})")
+        for target, name, line in imports(module, path, known):
+            if target in known and target != module:
+                graph[module].add(target)
+            where = f"{path.relative_to(root.parent)}:{line}"
+            if target != module and name and _private(name):
+                private.append(f"private: {where} imports {name} from {target}")
+            elif not name and any(_private(part) for part in target.split(".")):
+                private.append(f"private: {where} imports the private module {target}")
+    for group in _cycles(graph):
+        problems.append(f"cycle: {' -> '.join(_circle(graph, group))}  (group: {', '.join(sorted(group))})")
+    return problems + private
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected groups of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    groups: list[set[str]] = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.add(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    groups.append(group)
+    return sorted(groups, key=lambda g: sorted(g))
+
+
+def _circle(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """One shortest circle through the group's first module, staying inside the group (breadth first)."""
+    start = min(group)
+    parents: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for child in sorted(graph[node] & group):
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parents[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if len(path) > 1 else [start, node, start]
+                if child not in parents:
+                    parents[child] = node
+                    nxt.append(child)
+        frontier = nxt
+    return sorted(group)
+
+
+def main(argv: list[str]) -> int:
+    root = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parent.parent / "pbs_toolkit"
+    problems = check(root)
+    for line in problems:
+        print(line)
+    if not problems:
+        print(f"{root.name}: no module over {MAX_LINES} lines, no import cycle, no private cross-module import")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
