@@ -57,6 +57,8 @@ EAGER=true
 # "Failed" too: torch reports "torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised: ...".
 COMPILE_ERROR_RE='(Error|Exception|[Ff]ailed).*([Dd]ynamo|[Ii]nductor|[Cc]ompil|[Gg]raph|[Cc]apturing|[Tt]riton)|([Dd]ynamo|[Ii]nductor|[Cc]ompil|[Cc]uda[Gg]raph|CUDA graph|[Tt]riton).*(Error|Exception|[Ff]ailed)'
 PORT_IN_USE_RE='(Address already in use|Errno 98)'
+# idle reclaim (--idle-cancel, docs/idle.md): seconds without a request after which the head stops vLLM; 0: off
+IDLE_CANCEL_S=0
 # PBS's part of the start script (schedulers/pbs/node_launch.sh.j2): the job's id and node file for node copies
 # started without the job script's environment, and the `pbsdsh` node launcher.
 : "${PBSTK_JOB_ID:=${PBS_JOBID:-}}" "${PBSTK_NODEFILE:=${PBS_NODEFILE:-}}"
