@@ -493,7 +493,7 @@ def test_static_body_alone_catches_a_misspelt_setting(tmp_path: Path) -> None:
 def test_static_body_declares_exactly_the_header_settings() -> None:
     """The body's ``declare`` list is what the header assigns: a setting added to the header without its
     declaration (or a declaration left after a setting went) fails here, not in a job."""
-    from pbs_toolkit.jobs.render import start_script_settings
+    from pbs_toolkit.jobs.plan import start_script_settings
 
     declared: set[str] = set()
     for line in BODY.read_text().splitlines():
