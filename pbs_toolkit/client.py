@@ -179,7 +179,8 @@ class Client(ServiceMethods, PerfMethods):
                runs_root: str | None = None, vllm_version: str | None = None, hf_home: str | None = None,
                vllm_cache_root: str | None = None, scheduler: str | None = None, ssh_host: str | None = None,
                eager: bool | None = None, vllm_args: list[str] | None = None, env: dict[str, str] | None = None,
-               run_dir: str | None = None, api_key: str | None = None, use_api_key: bool = True) -> Job:
+               run_dir: str | None = None, idle_cancel: str | None = None, api_key: str | None = None,
+               use_api_key: bool = True) -> Job:
         """Render, submit and record a server job for ``model``; returns at once (``wait`` waits). The keywords
         before ``api_key`` are ``RenderRequest``'s fields (``None``: from the profile, preset or user config);
         a misspelt one is a ``TypeError``."""

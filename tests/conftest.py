@@ -34,6 +34,7 @@ ONE_WORKER = {
     # the other users of the session's Slurm cluster: on the same worker, so one cluster starts per run
     "tests/test_service_router_job.py::test_router_job_on_a_real_slurm": "slurm",
     "tests/test_bench_status_calls.py::test_vec_inf_replay": "slurm",
+    "tests/test_idle.py::test_idle_reclaim_on_a_real_slurm": "slurm",
     "tests/test_render.py::": "render",  # the whole module: more than the test_matrix_* tests read the matrix
 }
 #: tests that start first (real vLLM, minutes each): at the end of the queue they would be the tail of the run

@@ -282,6 +282,47 @@ def test_run_with_replicas_serves_a_service_and_usage_groups_it(standins: Path, 
     assert json.loads(status.stdout)[0]["state"] == "CANCELLED", status.stdout
 
 
+SERVICE_SEEN = textwrap.dedent("""\
+    import json, subprocess, sys
+    out = subprocess.run([sys.executable, "-m", "pbs_toolkit", "status", "sa", "--json"], capture_output=True,
+                         text=True, check=True).stdout
+    svc = json.loads(out)[0]
+    print("seen:", json.dumps({"spec": svc["autoscale"]["spec"], "idle": svc["idle_cancel_s"]}, sort_keys=True))
+""")
+
+
+@pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
+def test_run_takes_the_autoscaling_and_idle_options_of_serve(standins: Path, isolated_user: Path,
+                                                             tmp_path: Path) -> None:
+    """``run --min/--max-replicas`` serves an autoscaled service (``scale`` reaches ``serve``) and ``--idle-cancel``
+    comes with the render options; bad combinations are one error line before anything launches."""
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "svc.yaml").write_text(
+        "name: svc\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
+        f"address: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
+    script = tmp_path / "seen.py"
+    script.write_text(SERVICE_SEEN)
+    env = _env(PBSTK_SERVICE_POLL_S="0.5", PBSTK_TEST_STANDIN_DELAY="0")
+    for bad, says in ((("--replicas", "2", "--max-replicas", "3"), "--replicas N keeps a fixed N"),
+                      (("--scale-down-idle", "5m"), "need --max-replicas"),
+                      (("--idle-cancel", "soon"), "--idle-cancel 'soon'")):
+        refused = cli("run", MODEL, "--profile", "svc", *bad, "--", sys.executable, "-c", "pass", env=env)
+        assert refused.returncode == 2 and refused.stderr.startswith("pbstk: error: "), refused.stderr
+        assert says in refused.stderr and len(refused.stderr.splitlines()) == 1, refused.stderr
+    reuse = cli("run", "--reuse", "sa", "--max-replicas", "2", "--", sys.executable, "-c", "pass", env=env)
+    assert reuse.returncode == 2 and "--reuse takes no launch or serve options" in reuse.stderr, reuse.stderr
+    assert not list(JobStore().all())  # nothing launched by any of them
+    ran = cli("run", MODEL, "--profile", "svc", "--preset", "single", "--min-replicas", "1", "--max-replicas", "2",
+              "--scale-up-waiting", "3", "--idle-cancel", "30m", "--name", "sa", "--", sys.executable, str(script),
+              env=env)
+    assert ran.returncode == 0, ran.stderr
+    seen = json.loads(ran.stdout.split("seen:", 1)[1])
+    assert seen["idle"] == 1800.0
+    assert (seen["spec"]["min_replicas"], seen["spec"]["max_replicas"], seen["spec"]["up_waiting"]) == (1, 2, 3.0)
+    assert "pbstk: cancelled sa" in ran.stderr, ran.stderr
+
+
 @pytest.mark.ssh
 def test_run_over_ssh_through_a_tunnel(login_node: Any, tmp_path: Path) -> None:
     """Submitted through a real sshd to the fake PBS behind it; COMMAND runs here and reaches the node through a

@@ -124,6 +124,8 @@ def test_each_node_copies_the_staged_model_and_serves_the_copy(fake_site: dict[s
     for marker in found.values():
         assert int(marker["start"]) <= int(marker["end"]) and marker["to"] == str(dest)
         assert int(marker["bytes"]) == sum(len(v) for v in files.values())
+    timeline = (run_dir / "startup.log").read_text().split()
+    assert "stage" in timeline and "staged" in timeline  # the head's copy is the start-up phase stage_copy
     if parallel == 1:  # one node at a time: node 1 starts once node 0's copy ended
         assert int(found["stage-copy.node1"]["start"]) >= int(found["stage-copy"]["end"])
         assert "waiting for node 0's copy" in (run_dir / "vllm.node1.log").read_text()

@@ -17,6 +17,8 @@ from pbs_toolkit.cli.options import (
     echo_json,
     read_key_env,
     render_options,
+    scale_options,
+    scale_spec,
     table,
 )
 
@@ -36,12 +38,13 @@ Exit status: COMMAND's own (128+N when signal N ended it). Before COMMAND runs, 
 @click.option("--accept-new-host-key", is_flag=True, help="Trust an SSH host key not yet in known_hosts.")
 @click.option("--api-key-env", help="Take the server's API key from this environment variable.")
 @click.option("--no-api-key", is_flag=True, help="Serve without an API key (anyone on the network can use it).")
-@click.option("--replicas", "-n", type=Count("replicas"), default=1, show_default=True,
-              help="More than 1: a service (`pbstk serve`) of that many replicas behind one router.")
+@click.option("--replicas", "-n", type=Count("replicas"),
+              help="More than 1: a service (`pbstk serve`) of that many replicas behind one router (default 1).")
 @click.option("--nodes-per-replica", type=BoundedInt(1, 10000), help="With --replicas: nodes of each replica.")
 @click.option("--policy", help="With --replicas: the router's policy (docs/services.md).")
 @click.option("--keep-alive", is_flag=True, help="With --replicas: a successor queued for every replica across "
               "walltimes (`serve --keep-alive`, handover 10m before the end), for runs longer than one walltime.")
+@scale_options
 @click.option("--reuse", metavar="NAME",
               help="Use the job or service NAME (waited for until READY) instead of launching; it stays up.")
 @click.option("--registry", type=click.Path(), help="Write the endpoint into this registry first; removed after.")
@@ -56,7 +59,7 @@ Exit status: COMMAND's own (128+N when signal N ended it). Before COMMAND runs, 
 @click.option("--stage", "stage_weights", is_flag=True,
               help="Offline profile: download and verify the model's weights first if they are not staged.")
 def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None, accept_new_host_key: bool,
-            api_key_env: str | None, no_api_key: bool, replicas: int, nodes_per_replica: int | None,
+            api_key_env: str | None, no_api_key: bool, replicas: int | None, nodes_per_replica: int | None,
             policy: str | None, keep_alive: bool, reuse: str | None, registry: str | None, alias: str | None,
             fmt: str, keep: bool, via_tunnel: bool, timeout: float, stage_weights: bool, **kw: Any) -> None:
     """Launch MODEL (or --reuse a READY job or service), wait until READY, run COMMAND against it, then drain
@@ -76,15 +79,18 @@ def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None,
 
     if reuse:
         model, command = None, list(words)
-        if any(v not in (None, (), False) for v in kw.values()) or scheduler or ssh_host or replicas != 1 \
+        if any(v not in (None, (), False) for v in kw.values()) or scheduler or ssh_host or replicas not in (None, 1) \
                 or keep_alive or policy or nodes_per_replica or stage_weights:
             raise UsageError("--reuse takes no launch or serve options: the job or service runs already")
     else:
         if not words:
             raise UsageError("run needs MODEL, `--` and COMMAND (or --reuse NAME -- COMMAND)")
         model, command = words[0], list(words[1:])
+    scale = scale_spec(replicas, kw.pop("min_replicas"), kw.pop("max_replicas"), kw.pop("scale_up_waiting"),
+                       kw.pop("scale_down_idle"))  # autoscaling: a service, as `serve --min/--max-replicas`
+    replicas = 1 if replicas is None else replicas
     serve: dict[str, Any] = {k: v for k, v in (("nodes_per_replica", nodes_per_replica), ("policy", policy),
-                                               ("keep_alive", keep_alive or None)) if v is not None}
+                                               ("keep_alive", keep_alive or None), ("scale", scale)) if v is not None}
     if replicas > 1 or serve:
         serve["name"] = kw.pop("name", None)
     plan = RunPlan(command=command, reuse=reuse, replicas=replicas, serve=serve,

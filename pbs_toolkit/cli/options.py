@@ -17,7 +17,7 @@ from pbs_toolkit.errors import UsageError
 __all__ = [
     "GPUS_PER_NODE", "LOCAL_PORT", "NODES", "SECONDS", "SECONDS_OR_ZERO", "BoundedInt", "Seconds",
     "build_request", "check_display_name", "check_writable_file", "echo_json", "parse_port", "read_key_env",
-    "render_options", "table", "writable_file",
+    "render_options", "scale_options", "scale_spec", "table", "writable_file",
 ]
 
 F = Callable[..., Any]
@@ -130,10 +130,55 @@ def render_options(f: F) -> F:
                      help="Extra vLLM argument (repeat; use --vllm-arg=--flag=value); it replaces the "
                           "preset's value of that flag."),
         click.option("--env", "env", multiple=True, help="K=V exported in the job (repeat)."),
+        click.option("--idle-cancel", callback=_idle_duration, metavar="DURATION",
+                     help="Stop the server after this long without a request (30m, 2h; off). Default: the "
+                          "profile's idle_cancel (off). On serve: ends the whole service (docs/idle.md)."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def _idle_duration(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--idle-cancel``: checked now (one error line), passed on as written (``off`` switches a default off)."""
+    from pbs_toolkit.durations import parse
+
+    if value is not None:
+        parse(value, "--idle-cancel", off=True)
+    return value
+
+
+def scale_options(f: F) -> F:
+    """Autoscaling options of a service (``serve``; services/autoscale.py): ``scale_spec`` turns them into one."""
+    options = [
+        click.option("--min-replicas", type=BoundedInt(1, 1000), help="Autoscale: never fewer replicas (start here)."),
+        click.option("--max-replicas", type=BoundedInt(1, 1000), help="Autoscale: never more replicas."),
+        click.option("--scale-up-waiting", type=SECONDS_OR_ZERO, metavar="W",
+                     help="Autoscale: add a replica when more than W requests wait for two ticks (default 1)."),
+        click.option("--scale-down-idle", metavar="D", help="Autoscale: remove one (drained first) after D with "
+                     "no request waiting and spare capacity (default 5m)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def scale_spec(replicas: int | None, min_replicas: int | None, max_replicas: int | None, up_waiting: float | None,
+               down_idle: str | None) -> Any:
+    """The ``ScaleSpec`` the autoscaling options ask for, or ``None`` (a fixed ``--replicas``)."""
+    from pbs_toolkit.durations import parse
+    from pbs_toolkit.services.autoscale import DEFAULT_DOWN_IDLE_S, DEFAULT_UP_WAITING, ScaleSpec
+
+    if min_replicas is None and max_replicas is None:
+        if up_waiting is not None or down_idle is not None:
+            raise UsageError("--scale-up-waiting and --scale-down-idle need --max-replicas (autoscaling)")
+        return None
+    if replicas is not None:
+        raise UsageError("--replicas N keeps a fixed N; to autoscale give --min-replicas/--max-replicas instead")
+    if max_replicas is None:
+        raise UsageError("--min-replicas needs --max-replicas (the most replicas autoscaling may start)")
+    return ScaleSpec(min_replicas or 1, max_replicas, DEFAULT_UP_WAITING if up_waiting is None else up_waiting,
+                     DEFAULT_DOWN_IDLE_S if down_idle is None else parse(down_idle, "--scale-down-idle"))
 
 
 def parse_port(value: str | None) -> int | str | None:

@@ -15,6 +15,8 @@ from pbs_toolkit.cli.options import (
     echo_json,
     read_key_env,
     render_options,
+    scale_options,
+    scale_spec,
     table,
 )
 
@@ -34,8 +36,8 @@ def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
 
 @click.command()
 @click.argument("model")
-@click.option("--replicas", "-n", type=Count("replicas"), default=1, show_default=True,
-              help="How many replica jobs serve behind the one URL.")
+@click.option("--replicas", "-n", type=Count("replicas"),
+              help="How many replica jobs serve behind the one URL (a fixed count; default 1).")
 @click.option("--nodes-per-replica", type=BoundedInt(1, 10000), help="Nodes of each replica job (--nodes).")
 @click.option("--keep-alive", is_flag=True, help="Keep a successor queued for every replica across walltimes.")
 @click.option("--handover", default="10m", show_default=True, callback=_handover,
@@ -50,14 +52,16 @@ def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--stage", "stage_weights", is_flag=True,
               help="Offline profile: download and verify the model's weights first if they are not staged.")
+@scale_options
 @render_options
-def serve(model: str, replicas: int, nodes_per_replica: int | None, keep_alive: bool, handover: float,
+def serve(model: str, replicas: int | None, nodes_per_replica: int | None, keep_alive: bool, handover: float,
           policy: str | None, api_key_env: str | None, wait_ready: bool, timeout: float, as_json: bool,
           stage_weights: bool, **kw: Any) -> None:
     """Serve MODEL as a service: N replica jobs behind one vllm-router, one URL and one key.
 
     \b
       pbstk serve Qwen/Qwen3-VL-2B-Instruct --replicas 2 --name qwen --wait
+      pbstk serve MODEL --min-replicas 1 --max-replicas 4 --idle-cancel 2h   # autoscaled, ends unused
       pbstk update-endpoint qwen        # registers the router's URL
       pbstk cancel qwen                 # replicas, router and keeper
     """
@@ -66,11 +70,13 @@ def serve(model: str, replicas: int, nodes_per_replica: int | None, keep_alive: 
     from pbs_toolkit.client import Client
 
     name = kw.pop("name", None)
+    scale = scale_spec(replicas, kw.pop("min_replicas"), kw.pop("max_replicas"), kw.pop("scale_up_waiting"),
+                       kw.pop("scale_down_idle"))
     req = build_request(model, **kw)
     with Client() as c:
-        rec = c.serve(req, replicas=replicas, name=name, keep_alive=keep_alive, handover_s=handover, policy=policy,
-                      nodes_per_replica=nodes_per_replica, api_key=read_key_env(api_key_env, os.environ),
-                      stage=stage_weights)
+        rec = c.serve(req, replicas=1 if replicas is None else replicas, name=name, scale=scale, keep_alive=keep_alive,
+                      handover_s=handover, policy=policy, nodes_per_replica=nodes_per_replica,
+                      api_key=read_key_env(api_key_env, os.environ), stage=stage_weights)
         if not as_json:
             click.echo(f"service {rec.name}: {rec.replicas} replica(s) submitted, router at {rec.url}")
             click.echo("next:")
@@ -188,6 +194,7 @@ def show_service(st: Any) -> None:
                f"router {'running' if st.router_running else 'not running'}{_router_job(rec, st)}"
                f"{f' ({st.route.text})' if st.route is not None else ''}, "
                f"keeper {'running' if st.keeper_running else 'not running'}")
+    scaling_line(st)
     by_id = {s.record.job_id: s for s in st.replicas}
     rows = []
     for slot in rec.slots:
@@ -207,6 +214,19 @@ def show_service(st: Any) -> None:
     note = keeper_note(st)
     if note:
         click.echo(note, err=True)
+
+
+def scaling_line(st: Any) -> None:
+    """Autoscaling (target, routable replicas, the last change and its reason) and an end the keeper chose."""
+    from pbs_toolkit.services.scaler import summary
+
+    rec = st.record
+    text = summary(rec.scale, rec.replicas, st.ready)
+    if text:
+        click.echo(text)
+    if rec.idle_cancel_s:
+        click.echo(f"idle cancel: after {format(rec.idle_cancel_s, 'g')} s without a request"
+                   + (f"; ended: {rec.end_reason}" if rec.end_reason else ""))
 
 
 COMMANDS = [serve, service, keeper]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pbs_toolkit.errors import UsageError
+from pbs_toolkit.jobs.idle import watch_seconds
 from pbs_toolkit.jobs.plan import HOME_VAR, SERVER_DIR, START_HEADER, LaunchPlan, plan_launch
 from pbs_toolkit.schedulers import backend_class
 from pbs_toolkit.server.coldstart import coldstart_context
@@ -112,6 +113,7 @@ def script_context(plan: LaunchPlan) -> dict[str, Any]:
         "proxy": any(k.lower() in ("http_proxy", "https_proxy") for k in plan.env),
         "phase_lines": bash_assignments(), "plan": plan.nodes,
         **coldstart_context(plan.model, plan.preset.layout(), plan.nodes.nnodes, plan.profile),
+        "idle_cancel_s": watch_seconds(plan.profile.idle_cancel),
     }
 
 

@@ -30,8 +30,9 @@ def layout_key(layout: str, nnodes: int) -> str:
 
 
 def stage_dir(profile: Any) -> str:
-    """The node-local weight copy's directory (the ``stage_to`` profile key; empty when absent)."""
-    return str(getattr(profile, "stage_to", "") or "")
+    """The node-local weight copy's directory (the ``stage_to`` profile key; empty when absent). In the job it is
+    ``STAGE_TO``, set by server/stage_copy.sh's settings when the key is."""
+    return str(profile.stage_to or "")
 
 
 def coldstart_context(model: str, layout: str, nnodes: int, profile: Any) -> dict[str, Any]:
@@ -39,7 +40,6 @@ def coldstart_context(model: str, layout: str, nnodes: int, profile: Any) -> dic
     return {
         "cache_key_model": model_key(model), "cache_key_layout": layout_key(layout, nnodes),
         "container_image": profile.container or "", "container_runtime": profile.container_runtime,
-        "stage_to_dir": stage_dir(profile),
     }
 
 

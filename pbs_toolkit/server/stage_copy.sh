@@ -65,6 +65,7 @@ pbstk_stage_copy() {
     || pbstk_fail "stage_to: cannot create $STAGE_TO/pbstk-models on $NODE"
   pbstk_stage_wait_turn
   echo "start=$(date +%s)" >"$marker"
+  pbstk_startup_mark stage  # the start-up timeline's stage_copy phase (docs/coldstart.md)
   sizes=$(mktemp "${TMPDIR:-/tmp}/pbstk-sizes.XXXXXX") || pbstk_fail "stage_to: cannot create a temporary file"
   pbstk_stage_sizes "$src" "$manifest" >"$sizes" || pbstk_fail "stage_to: cannot list $src"
   if [ -d "$dest" ] && pbstk_stage_check "$dest" "$sizes"; then
@@ -83,5 +84,6 @@ pbstk_stage_copy() {
   total=$(awk -F'\t' '{ s += $1 } END { print s + 0 }' "$sizes")
   rm -f -- "$sizes"
   printf 'end=%s\nbytes=%s\nto=%s\n' "$(date +%s)" "$total" "$dest" >>"$marker"
+  pbstk_startup_mark staged
   MODEL=$dest
 }

@@ -56,14 +56,15 @@ class ServiceMethods:
     def serve(self, model: str | RenderRequest, preset: str | None = None, profile: str | None = None, *,
               replicas: int = 1, name: str | None = None, keep_alive: bool = False, handover_s: float = 600.0,
               policy: str | None = None, nodes_per_replica: int | None = None, api_key: str | None = None,
-              stage: bool = False, **options: Any) -> ServiceRecord:
+              stage: bool = False, scale: Any = None, **options: Any) -> ServiceRecord:
         """Start a service: ``replicas`` jobs of ``model`` behind one vllm-router, one URL and one key, kept by
-        a detached keeper; returns at once (``wait_service`` waits). ``options``: as for ``launch``."""
+        a detached keeper; returns at once (``wait_service`` waits). ``scale``: a services/autoscale.py
+        ``ScaleSpec`` (autoscaling instead of a fixed count). ``options``: as for ``launch``."""
         from pbs_toolkit.services.manage import ServeOptions, start
 
         req = self.request(model, preset, profile, **options)
         return start(self.service_session(), req, ServeOptions(
-            replicas=replicas, name=name, keep_alive=keep_alive, handover_s=handover_s, policy=policy,
+            replicas=replicas, name=name, keep_alive=keep_alive, handover_s=handover_s, policy=policy, scale=scale,
             nodes_per_replica=nodes_per_replica, api_key=api_key, stage=stage))
 
     def services(self, all: bool = False) -> list[ServiceRecord]:  # noqa: A002

@@ -44,6 +44,7 @@ from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.readiness import scheduler_intervals
 from pbs_toolkit.services import record as records
+from pbs_toolkit.services import scaler
 from pbs_toolkit.services.keeper_process import TICK_FILE, heartbeat, poll_seconds, service_dir
 from pbs_toolkit.services.manage import launch_replica
 from pbs_toolkit.services.ready import routable_count, still_starting, worker_url
@@ -236,9 +237,14 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
         admin = link.get(rec)
         try:
             in_router = set(admin.workers())
+            idle = _scale(session, rec, statuses, in_router, failed)
+            if idle:
+                return _end_idle(session, rec, idle, Look(statuses, in_router, failed))
             for slot in rec.slots:
+                if slot.current and slot.current not in before:  # just added by scaling up: looked at next tick
+                    continue
                 try:  # one slot that fails (a launch refused, a job that cannot be cancelled) spoils no other
-                    _reconcile(session, rec, slot, statuses, admin, in_router)
+                    (_retire if slot.retiring else _reconcile)(session, rec, slot, statuses, admin, in_router)
                 except intents.ServiceEnded:
                     raise
                 except PbstkError as exc:
@@ -248,6 +254,7 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
         except PbstkError:
             link.drop()  # a router or tunnel that failed is opened afresh next tick
             raise
+    rec.slots = [s for s in rec.slots if not (s.retiring and not s.jobs() and not s.launching)]  # retired
     rec.ready = routable_count(rec.slots, statuses, in_router)
     rec.ever_ready = rec.ever_ready or rec.ready >= rec.replicas
     rec.state = service_state(rec, rec.ready, still_starting(rec.slots, statuses, in_router))
@@ -256,6 +263,45 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
             _log(f"service ended while {job} was launched: cancelling it")
             session.cancel(job)
     return Look(statuses, in_router, failed)
+
+
+def _scale(session: ServiceSession, rec: ServiceRecord, statuses: dict[str, JobStatus], in_router: set[str],
+           failed: list[str]) -> str | None:
+    """Autoscaling and ``--idle-cancel`` (services/scaler.py), before the slots, which carry a decision out;
+    why the service must end now (idle), or ``None``. A failure (a launch refused) is this tick's error."""
+    try:
+        return scaler.step(session, rec, statuses, in_router)
+    except PbstkError as exc:
+        failed.append(f"scaling: {exc.message}")
+        _log(failed[-1])
+        return None
+
+
+def _end_idle(session: ServiceSession, rec: ServiceRecord, why: str, seen: Look) -> Look:
+    """``--idle-cancel`` of the service: the keeper ends the whole service itself (recorded ENDED, ``why`` kept)."""
+    from pbs_toolkit.services.stop import teardown
+
+    rec.end_reason = why
+    if records.save(session.store, rec):
+        _log(f"service {rec.name} ends: {why}")
+        teardown(session, rec, "ENDED", keeper_wait_s=0)  # never waits for (or stops) this keeper
+    return seen
+
+
+def _retire(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses: dict[str, JobStatus],
+            admin: RouterAdmin, in_router: set[str]) -> None:
+    """A slot the autoscaler removes: its jobs leave the router; the one serving drains like a handed-over
+    predecessor (``_drain``), the others are cancelled now; the tick drops the slot once it holds no job."""
+    for url in scaler.retire_jobs(slot, statuses, in_router):
+        admin.remove_worker(url)
+        in_router.discard(url)
+        _log(f"slot {slot.index}: removed {url} from the router (scaling down)")
+    for job in scaler.to_cancel(slot, statuses):
+        st = statuses.get(job)
+        if st is None or not st.state.final:
+            session.cancel(st.record if st is not None else job)
+            _log(f"slot {slot.index}: cancelled {job} (scaling down)")
+    _drain(session, slot, statuses)
 
 
 def _statuses(session: ServiceSession, jobs: list[str]) -> tuple[dict[str, JobStatus], set[str]]:

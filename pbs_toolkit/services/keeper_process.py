@@ -84,7 +84,7 @@ def stop_keeper(name: str, timeout: float) -> None:
         time.sleep(0.1)
     try:
         info = json.loads((service_dir(name) / "keeper.json").read_text())
-        if launcher_alive(info["token"]):
+        if int(info["pid"]) != os.getpid() and launcher_alive(info["token"]):  # the keeper's own teardown: idle
             os.kill(int(info["pid"]), signal.SIGTERM)
     except (OSError, ValueError, KeyError):
         pass

@@ -16,7 +16,7 @@ import shlex
 import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.schedulers import runs_on_submit_host
@@ -99,6 +99,7 @@ class ServeOptions:
     policy: str | None = None
     nodes_per_replica: int | None = None
     api_key: str | None = field(default=None, repr=False)
+    scale: Any = None  # services/autoscale.py ScaleSpec: autoscaling between its min and max replicas
     #: stage a Hub model an offline profile's nodes lack before anything starts (weights/preflight.py)
     stage: bool = False
 
@@ -130,6 +131,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
     req = replace(req, name=None, served_model_name=served_model_name(req.model, req.served_model_name, name))
     settings = resolve_launch_settings(req)  # once for the checks, the router and every replica
     profile = settings.launchable()
+    settings, req, opts, extra = configure_scaling(settings, req, opts)  # --min/--max-replicas, --idle-cancel
     check_fixed_port(profile, req, opts)
     place = router_place(profile)
     policy = opts.policy or profile.router_policy
@@ -151,7 +153,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
                         transport=profile.ssh_host or "", scheduler=profile.scheduler, keep_alive=opts.keep_alive,
                         handover_s=opts.handover_s, walltime_s=walltime_s, policy=policy,
                         slots=[Slot(k) for k in range(opts.replicas)],
-                        api_key=opts.api_key or secrets.token_urlsafe(32))
+                        api_key=opts.api_key or secrets.token_urlsafe(32), **extra)
     records.create(session.store, rec)  # refuses a second active service of that name
     try:
         _start_router(session, rec, profile, command, place)
@@ -172,6 +174,37 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
                 sys.stderr.write(f"pbstk: warning: {exc.message}\n")
         raise
     return rec
+
+
+def configure_scaling(settings: LaunchSettings, req: RenderRequest, opts: ServeOptions
+              ) -> tuple[LaunchSettings, RenderRequest, ServeOptions, dict[str, Any]]:
+    """``serve``'s scaling and idle options, on the settings ``start`` resolved once: with ``opts.scale`` the
+    service starts at ``--min-replicas``; its ``--idle-cancel`` (or the profile's ``idle_cancel``) belongs to the
+    whole service, so its replicas get none of their own (one ending idle would only be replaced): the settings
+    and the request the replicas are launched from (the keeper's too) say ``off``. Returns them, the options,
+    and the record's ``idle_cancel_s`` and ``scale``."""
+    from dataclasses import replace
+    from types import MappingProxyType
+
+    from pbs_toolkit.jobs.idle import watch_seconds
+
+    profile = settings.launchable()
+    extra: dict[str, Any] = {"idle_cancel_s": float(watch_seconds(profile.idle_cancel))}
+    req = replace(req, idle_cancel="off")
+    settings = replace(settings, request=replace(settings.request, idle_cancel="off"),
+                       written=replace(settings.written, idle_cancel="off"),
+                       profile=replace(settings.profile, idle_cancel="off"),
+                       sources=MappingProxyType({**settings.sources, "idle_cancel": "serve (the service's own)"}))
+    spec = opts.scale
+    if spec is not None:
+        spec.check(MAX_REPLICAS)
+        if spec.max_replicas > 1:  # every replica it may add must pass the fixed-port rule of a fixed count
+            check_fixed_port(profile, req, replace(opts, replicas=spec.max_replicas))
+        per_replica = 2 if opts.keep_alive else 1  # a keep-alive replica needs room for its successor
+        extra["scale"] = {"spec": spec.to_dict(), "memory": {}, "next_index": spec.min_replicas,
+                          "job_cap": profile.max_running_jobs // per_replica}
+        opts = replace(opts, replicas=spec.min_replicas)
+    return settings, req, opts, extra
 
 
 def _start_router(session: ServiceSession, rec: ServiceRecord, profile: Profile, command: list[str],

@@ -45,6 +45,8 @@ class Slot:
     launching_since: float = 0.0
     #: the local scheduler: the GPUs (``CUDA_VISIBLE_DEVICES``) each of the slot's jobs was given
     gpus: dict[str, str] = field(default_factory=dict)
+    #: the autoscaler removes this slot (services/scaler.py): out of the router, drained, cancelled, dropped
+    retiring: bool = False
 
     def jobs(self) -> list[str]:
         return [j for j in (self.current, self.successor, self.draining) if j]
@@ -79,6 +81,14 @@ class ServiceRecord:
     ever_ready: bool = False
     created: float = field(default_factory=time.time)
     ended: float | None = None
+    #: autoscaling (services/scaler.py): ``spec`` (min/max, W, D), the policy's ``memory``, this tick's decision
+    #: (``now``) and the last change (``last``), ``next_index``, ``job_cap``, ``capacity``; empty: fixed replicas
+    scale: dict[str, Any] = field(default_factory=dict)
+    #: ``--idle-cancel`` of the whole service in seconds (0: off), and the idle watch's ``since``/``sig``
+    idle_cancel_s: float = 0.0
+    idle: dict[str, Any] = field(default_factory=dict)
+    #: why the keeper ended the service itself (``idle: no request for 30m00s ...``); "" otherwise
+    end_reason: str = ""
     #: secret: never in ``to_dict``
     api_key: str | None = field(default=None, repr=False)
 

@@ -13,6 +13,7 @@ from pbs_toolkit.errors import JobNotFound, PbstkError
 from pbs_toolkit.services.keeper_process import keeper_alive, last_tick, poll_seconds
 from pbs_toolkit.services.ready import RouteCheck, check_route, looks_routable, routable_count, still_starting
 from pbs_toolkit.services.record import ServiceRecord
+from pbs_toolkit.services.scaler import status_fields
 from pbs_toolkit.services.state import service_state
 
 if TYPE_CHECKING:
@@ -81,8 +82,7 @@ class ServiceStatus:
             "router_job": {**rec.router_job, "state": self.router_job_state} if rec.router_job else None,
             "router_workers": self.route.workers if self.route is not None else None,
             "route_status": self.route.status if self.route is not None else None,
-            "slots": [asdict(s) for s in rec.slots],
-            "jobs": [s.to_dict() for s in self.replicas],
+            "slots": [asdict(s) for s in rec.slots], **status_fields(rec), "jobs": [s.to_dict() for s in self.replicas],
         })
 
 

@@ -45,6 +45,7 @@ ENV_VARS: dict[str, str] = {
     "port": "PBSTK_PORT",
     "hf_home": "PBSTK_HF_HOME",
     "vllm_cache_root": "PBSTK_VLLM_CACHE_ROOT",
+    "idle_cancel": "PBSTK_IDLE_CANCEL",
 }
 #: the command-line flag of a setting, where it is not ``--`` + the key with dashes
 FLAG_NAMES = {"ssh_host": "--ssh"}
@@ -71,7 +72,7 @@ def profile_kinds() -> dict[str, str]:
 
 #: settings that also have a command-line flag (render, launch, tune; ``--ssh``/``--scheduler``: launch)
 FLAGGED = {"queue", "account", "walltime", "nodes", "gpus_per_node", "port", "venv", "runs_root", "vllm_version",
-           "hf_home", "vllm_cache_root", "scheduler", "ssh_host"}
+           "hf_home", "vllm_cache_root", "scheduler", "ssh_host", "idle_cancel"}
 
 
 def flag_name(key: str) -> str:

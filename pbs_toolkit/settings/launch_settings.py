@@ -53,6 +53,8 @@ class RenderRequest:
     vllm_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     run_dir: str | None = None
+    #: ``--idle-cancel``: stop the server after this long without a request (``30m``; ``off``); None: profile's
+    idle_cancel: str | None = None
 
 
 def request_flags(req: RenderRequest) -> dict[str, Any]:
@@ -63,7 +65,7 @@ def request_flags(req: RenderRequest) -> dict[str, Any]:
         "venv": req.venv, "runs_root": req.runs_root, "vllm_version": req.vllm_version,
         "hf_home": req.hf_home, "vllm_cache_root": req.vllm_cache_root,
         "scheduler": req.scheduler, "ssh_host": req.ssh_host,
-        "port": req.port if isinstance(req.port, int) else None,
+        "port": req.port if isinstance(req.port, int) else None, "idle_cancel": req.idle_cancel,
     }
 
 

@@ -111,6 +111,8 @@ class Profile:
     router_job_walltime: str = ""
     #: the queue's running-job limit per user (0 = unknown or none); keep-alive needs replicas x 2 to run at once
     max_running_jobs: int = 0
+    #: idle reclaim (docs/idle.md): a server with no request for this long (``30m``) is stopped; "" = off
+    idle_cancel: str = ""
     source: str = "builtin"
 
     def __post_init__(self) -> None:
@@ -376,6 +378,16 @@ def _validate_router(p: Profile, where: str) -> None:
     jobs = p.max_running_jobs
     if isinstance(jobs, bool) or not isinstance(jobs, int) or not 0 <= jobs <= 100000:
         raise ConfigError(f"{where}: key 'max_running_jobs' must be a whole number >= 0 (0: unknown), got {jobs!r}")
+    _validate_idle(p, where)
+
+
+def _validate_idle(p: Profile, where: str) -> None:
+    from pbs_toolkit.durations import parse
+
+    try:
+        parse(p.idle_cancel, "idle_cancel", off=True)
+    except UsageError as exc:
+        raise ConfigError(f"{where}: key {exc.message}") from None
 
 
 def _flatten_backend_section(data: dict[str, Any], source: Path) -> dict[str, Any]:

@@ -36,7 +36,6 @@ CACHE_KEY_MODEL=qwen3-vl-2b-instruct-bae3815d
 CACHE_KEY_LAYOUT=DP8-2n
 CONTAINER_IMAGE=''
 CONTAINER_RUNTIME=apptainer
-STAGE_TO_DIR=''
 # Nodes: NNODES (1 = one node), NODE_ENGINE single|dp|nnodes|ray, the layout TP x PP x DP (DP_LOCAL ranks per
 # node), NODE_LAUNCHER (how the job starts one start script per node), NCCL_IFNAME/GLOO_IFNAME (exported as
 # NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME when non-empty). VLLM_ARGS below is the same on every node: it has
@@ -69,6 +68,8 @@ EAGER=false
 # "Failed" too: torch reports "torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised: ...".
 COMPILE_ERROR_RE='(Error|Exception|[Ff]ailed).*([Dd]ynamo|[Ii]nductor|[Cc]ompil|[Gg]raph|[Cc]apturing|[Tt]riton)|([Dd]ynamo|[Ii]nductor|[Cc]ompil|[Cc]uda[Gg]raph|CUDA graph|[Tt]riton).*(Error|Exception|[Ff]ailed)'
 PORT_IN_USE_RE='(Address already in use|Errno 98)'
+# idle reclaim (--idle-cancel, docs/idle.md): seconds without a request after which the head stops vLLM; 0: off
+IDLE_CANCEL_S=0
 # Slurm's part of the start script (schedulers/slurm/node_launch.sh.j2): the job's id for node copies started
 # without the job script's environment, and the `srun` node launcher (one job step per node, rank given).
 : "${PBSTK_JOB_ID:=${SLURM_JOB_ID:-}}"

@@ -6,10 +6,10 @@
 # a value keeps the header's, and a setting the header lacks stays unset (set -u stops at its first use).
 # tests/test_start_script.py checks this list against the header.
 declare RUN_DIR MODEL VENV PROXY HF_HOME_DIR HF_HUB_OFFLINE_ON VLLM_CACHE_DIR ADDRESS_MODE ADDRESS_SUFFIX BIND_HOST
-declare PORT_LO FIXED_PORT PORT_SPAN VLLM_ENTRYPOINT EAGER COMPILE_ERROR_RE PORT_IN_USE_RE
+declare PORT_LO FIXED_PORT PORT_SPAN VLLM_ENTRYPOINT EAGER COMPILE_ERROR_RE PORT_IN_USE_RE IDLE_CANCEL_S
 declare NNODES NODE_ENGINE TP PP DP DP_LOCAL NODE_LAUNCHER NCCL_IFNAME GLOO_IFNAME
 declare PHASE_SETUP PHASE_STARTING PHASE_READY PHASE_FAILED PHASE_EXITED PHASE_CANCELLED
-declare CACHE_KEY_MODEL CACHE_KEY_LAYOUT CONTAINER_IMAGE CONTAINER_RUNTIME STAGE_TO_DIR
+declare CACHE_KEY_MODEL CACHE_KEY_LAYOUT CONTAINER_IMAGE CONTAINER_RUNTIME
 declare -a SITE_SETUP ENV_EXPORTS VLLM_ARGS
 set -uo pipefail
 # --- several nodes (docs: RUN_DIR/nodes/K.json, head.json, stop). A header without these is one node ---
@@ -154,7 +154,7 @@ pbstk_fail() {
 # them from a few hook lines marked "cold start". ---
 # (their names are declared with the other header settings at the top)
 : "${CACHE_KEY_MODEL:=model}" "${CACHE_KEY_LAYOUT:=layout}"
-: "${CONTAINER_IMAGE:=}" "${CONTAINER_RUNTIME:=apptainer}" "${STAGE_TO_DIR:=}"
+: "${CONTAINER_IMAGE:=}" "${CONTAINER_RUNTIME:=apptainer}"
 STARTUP_LOG="$RUN_DIR/startup.log"
 COMPILE_OWNER=false
 COMPILE_LOCK=
@@ -315,7 +315,7 @@ pbstk_container_prefix() {
   # a bind whose source is missing stops the runtime: create the directories vLLM writes into
   # the runtime binds /tmp itself; a JIT directory elsewhere (PBSTK_JIT_DIR) is bound like the others
   [[ $JIT_BASE == /tmp/* ]] && JIT_BASE=
-  for dir in "$RUN_DIR" "$HF_HOME_DIR" "$VLLM_CACHE_DIR" "$STAGE_TO_DIR" "$JIT_BASE"; do
+  for dir in "$RUN_DIR" "$HF_HOME_DIR" "$VLLM_CACHE_DIR" "${STAGE_TO:-}" "$JIT_BASE"; do  # STAGE_TO: stage_copy.sh
     [ -n "$dir" ] || continue
     # the runtime splits --bind values at ',' and ':' (several binds, SRC:DST:OPTS): such a path cannot be bound
     [[ $dir == *[,:]* ]] && pbstk_fail "cannot bind $dir into the container: its path holds ',' or ':'"
@@ -618,6 +618,7 @@ pbstk_stop() {
   exit 143
 }
 pbstk_kill_server() {
+  [ "${IDLE_PID:-0}" -gt 0 ] && kill "$IDLE_PID" 2>/dev/null  # the idle watcher (--idle-cancel), if any
   if [ "$SERVER_PID" -gt 0 ]; then
     kill -TERM "$SERVER_PID" 2>/dev/null
     wait "$SERVER_PID" 2>/dev/null
@@ -871,6 +872,63 @@ RPC_PORT=0
 RAY_PID=0
 [ "$NODE_ROLE" = true ] && [ "$NODE_ENGINE" = ray ] && pbstk_ray_head
 
+# --- idle reclaim (--idle-cancel; docs/idle.md): the head watches its own /metrics in the background ---
+# No request running or waiting and no request finished (vllm:request_success_total unchanged) for IDLE_CANCEL_S
+# seconds: it writes RUN_DIR/ended_idle, logs "ended idle: ..." (pbstk status reads that line) and stops vLLM with
+# SIGTERM (vLLM finishes what it runs); the job then ends with code 0. A /metrics that does not answer is not idle.
+IDLE_PID=0
+# shellcheck disable=SC2317  # the reads below run in the background watcher
+pbstk_idle_metrics() {
+  local line running=0 waiting=0 success=
+  exec 3<>"/dev/tcp/$PROBE_HOST/$PORT" || return 1
+  printf 'GET /metrics HTTP/1.0\r\nHost: %s\r\nConnection: close\r\n\r\n' "$PROBE_HOST" >&3
+  while IFS= read -r -t 10 line <&3; do
+    line=${line%$'\r'}
+    case $line in
+      vllm:num_requests_running*) line=${line##* }; running=$((running + ${line%%.*})) ;;
+      vllm:num_requests_waiting*) line=${line##* }; waiting=$((waiting + ${line%%.*})) ;;
+      vllm:request_success_total*) success+="${line##* },"
+    esac
+  done
+  exec 3<&-
+  echo "$running $waiting ${success:-none}"
+}
+pbstk_idle_watch() {
+  local since=$SECONDS last='' running waiting success step=$((IDLE_CANCEL_S / 6))
+  [ "$step" -lt 1 ] && step=1
+  [ "$step" -gt 30 ] && step=30
+  rm -f "$RUN_DIR/ended_idle"
+  while kill -0 "$SERVER_PID" 2>/dev/null; do
+    sleep "$step"
+    if ! read -r running waiting success < <(pbstk_idle_metrics 2>/dev/null) || [ -z "$success" ] ||
+      [ "$running" -gt 0 ] || [ "$waiting" -gt 0 ] || [ "$success" != "$last" ]; then
+      since=$SECONDS
+    fi
+    last=$success
+    # -gt: SECONDS counts whole seconds, so "2 more" may be 1.01 s of real time; never stop early
+    if [ $((SECONDS - since)) -gt "$IDLE_CANCEL_S" ]; then
+      date +%s >"$RUN_DIR/ended_idle"
+      pbstk_log "ended idle: no request for ${IDLE_CANCEL_S}s; stopping vLLM (pid $SERVER_PID)"
+      kill -TERM "$SERVER_PID" 2>/dev/null
+      return 0
+    fi
+  done
+}
+pbstk_idle_start() {
+  [ "${IDLE_CANCEL_S:-0}" -gt 0 ] && [ "$WRITE_SERVER" = true ] || return 0
+  pbstk_idle_watch &
+  IDLE_PID=$!
+  pbstk_log "idle reclaim: vLLM is stopped after ${IDLE_CANCEL_S}s without a request"
+}
+# The job after an idle stop: a normal end (code 0), whatever code SIGTERM gave vLLM.
+pbstk_idle_end() {
+  [ "$IDLE_PID" -gt 0 ] && kill "$IDLE_PID" 2>/dev/null
+  [ -f "$RUN_DIR/ended_idle" ] && [ "$READY" = true ] || return 0
+  pbstk_state "$PHASE_EXITED" 0
+  [ "$NNODES" -gt 1 ] && : >>"$RUN_DIR/stop"
+  exit 0
+}
+
 # vLLM's output line by line into the log where stdbuf is there
 LINE_BUFFERED=()
 command -v stdbuf >/dev/null 2>&1 && LINE_BUFFERED=(stdbuf -oL -eL)
@@ -909,6 +967,7 @@ pbstk_attempt() {
       pbstk_state "$PHASE_READY"
       pbstk_coldstart_ready
       pbstk_log "vLLM is listening on $ADDRESS:$PORT"
+      pbstk_idle_start
     fi
     [ "$NNODES" -gt 1 ] && pbstk_head_watch
     pbstk_sleep
@@ -963,6 +1022,7 @@ while true; do
   break
 done
 pbstk_compile_release  # a start that never got ready leaves the compile to the next engine
+pbstk_idle_end
 if [ "$READY" = true ]; then
   pbstk_log "vLLM exited with code $RC"
   pbstk_state "$PHASE_EXITED" "$RC"

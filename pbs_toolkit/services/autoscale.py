@@ -1,0 +1,167 @@
+"""The autoscaling policy of a service (``pbstk serve --min-replicas N --max-replicas M``): a pure function from one
+tick's observations to a decision, so every rule is tested without a process (tests/test_autoscale.py).
+
+The keeper (services/keeper.py, through services/scaler.py) observes once per tick and applies the decision:
+
+* **up** when the replicas' ``vllm:num_requests_waiting`` (summed) stays above ``W`` (``--scale-up-waiting``,
+  default 1) for ``UP_TICKS`` ticks in a row; never above ``--max-replicas``, nor above what the profile's
+  ``max_running_jobs`` lets run at once (halved with keep-alive: every replica needs room for its successor);
+  while a replica added earlier is still queued or starting, nothing more is added: it counts toward the target
+  already, so a slow queue does not turn a burst into a storm of jobs;
+* **down** (one replica, drained first) after ``D`` (``--scale-down-idle``, default 5m) in which no request
+  waited and the requests running would fit on one replica fewer (spare capacity: ``--max-num-seqs`` of each
+  replica, when known; otherwise only when nothing runs); never below ``--min-replicas``; and not within ``D``
+  of the last change (a cooldown: a replica added for a burst is not removed in the lull between two waves);
+* otherwise **hold**, with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pbs_toolkit.durations import short
+from pbs_toolkit.errors import UsageError
+
+#: how many ticks in a row the waiting requests must stay above ``W`` before a replica is added
+UP_TICKS = 2
+DEFAULT_UP_WAITING = 1.0
+DEFAULT_DOWN_IDLE_S = 300.0
+
+
+@dataclass(frozen=True)
+class ScaleSpec:
+    """What the user asked for (``serve`` options)."""
+
+    min_replicas: int
+    max_replicas: int
+    up_waiting: float = DEFAULT_UP_WAITING
+    down_idle_s: float = DEFAULT_DOWN_IDLE_S
+
+    def check(self, max_replicas_allowed: int) -> None:
+        if self.min_replicas < 1:
+            raise UsageError(f"--min-replicas {self.min_replicas}: a service keeps at least 1 replica (to end an "
+                             f"idle service, use --idle-cancel)")
+        if self.max_replicas < self.min_replicas:
+            raise UsageError(f"--max-replicas {self.max_replicas} is below --min-replicas {self.min_replicas}")
+        if self.max_replicas > max_replicas_allowed:
+            raise UsageError(f"--max-replicas {self.max_replicas}: at most {max_replicas_allowed} replicas per service")
+        if not math.isfinite(self.up_waiting) or self.up_waiting < 0:
+            raise UsageError(f"--scale-up-waiting {self.up_waiting}: must be a number of requests >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ScaleSpec:
+        return cls(int(data["min_replicas"]), int(data["max_replicas"]), float(data["up_waiting"]),
+                   float(data["down_idle_s"]))
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One tick's look at the service."""
+
+    now: float
+    #: replicas the service has now (queued and starting ones included; those being removed not)
+    target: int
+    #: of those, how many are queued or starting (not in the router yet)
+    starting: int
+    #: requests waiting and running, summed over the replicas in the router (``None``: no replica answered)
+    waiting: float | None
+    running: float | None
+    #: one replica's capacity (``--max-num-seqs``), when known
+    capacity: int | None = None
+    #: the most replicas the profile's ``max_running_jobs`` lets run at once (0: no limit known)
+    job_cap: int = 0
+
+
+@dataclass
+class Memory:
+    """What the policy carries from one tick to the next (saved in the service's record)."""
+
+    #: consecutive ticks with more than ``W`` requests waiting
+    above: int = 0
+    #: since when no request has waited and the running ones fit on one replica fewer (``None``: not so now)
+    calm_since: float | None = None
+    #: when the last replica was added or removed
+    last_change: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Memory:
+        data = data or {}
+        return cls(int(data.get("above") or 0), data.get("calm_since"), float(data.get("last_change") or 0.0))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``up``, ``down`` or ``hold``, and why, in words."""
+
+    action: str
+    reason: str
+    at: float = 0.0
+    target: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"action": self.action, "reason": self.reason, "at": self.at, "target": self.target}
+
+
+def limit(spec: ScaleSpec, obs: Observation) -> tuple[int, str]:
+    """The most replicas allowed now, and which option or profile key sets it."""
+    if obs.job_cap and obs.job_cap < spec.max_replicas:
+        return obs.job_cap, "the profile's max_running_jobs"
+    return spec.max_replicas, "--max-replicas"
+
+
+def _spare(obs: Observation) -> bool:
+    """No request waits and the running ones would fit on one replica fewer."""
+    if obs.waiting is None or obs.running is None or obs.waiting > 0:
+        return False
+    if obs.capacity:
+        return obs.running <= (obs.target - obs.starting - 1) * obs.capacity
+    return obs.running == 0
+
+
+def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision, Memory]:
+    """The decision for this tick and the memory for the next one. Pure."""
+    above = memory.above + 1 if obs.waiting is not None and obs.waiting > spec.up_waiting else 0
+    calm = obs.now if memory.calm_since is None else memory.calm_since
+    mem = Memory(above, calm if _spare(obs) else None, memory.last_change)
+    top, why_top = limit(spec, obs)
+
+    def act(action: str, reason: str, target: int) -> tuple[Decision, Memory]:
+        done = Memory(0, None if action == "up" else obs.now, obs.now)
+        return Decision(action, reason, obs.now, target), done
+
+    if obs.target < spec.min_replicas:
+        return act("up", f"{obs.target} replica(s), below --min-replicas {spec.min_replicas}", obs.target + 1)
+    if obs.target > top:
+        return act("down", f"{obs.target} replicas, above {why_top} ({top})", obs.target - 1)
+    waiting = f"{obs.waiting or 0:g} request(s) waiting (> {spec.up_waiting:g}) for {above} tick(s)"
+    if above >= UP_TICKS:
+        if obs.starting:
+            return Decision("hold", f"{waiting}, but {obs.starting} replica(s) still queued or starting count "
+                                    f"toward the target", obs.now, obs.target), mem
+        if obs.target >= top:
+            return Decision("hold", f"{waiting}, but at {why_top} ({top})", obs.now, obs.target), mem
+        return act("up", waiting, obs.target + 1)
+    if mem.calm_since is not None and obs.target > spec.min_replicas:
+        calm_for = obs.now - mem.calm_since
+        since_change = obs.now - memory.last_change
+        if calm_for >= spec.down_idle_s and since_change >= spec.down_idle_s:
+            fit = f"{obs.running:g} running fit on {obs.target - 1}" if obs.running else "nothing running"
+            return act("down", f"no request waiting for {short(calm_for)} and {fit}", obs.target - 1)
+        wait = max(spec.down_idle_s - calm_for, spec.down_idle_s - since_change)
+        return Decision("hold", f"spare capacity; one replica fewer in {short(wait)} if it stays so", obs.now,
+                        obs.target), mem
+    if above:
+        return Decision("hold", f"{waiting}: one more tick and a replica is added", obs.now, obs.target), mem
+    if obs.waiting is None:
+        return Decision("hold", "no replica in the router answered /metrics yet", obs.now, obs.target), mem
+    state = "at --min-replicas" if obs.target <= spec.min_replicas else "no spare capacity"
+    return Decision("hold", f"{obs.waiting:g} waiting, {obs.running or 0:g} running; {state}", obs.now,
+                    obs.target), mem

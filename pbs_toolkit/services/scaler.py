@@ -1,0 +1,211 @@
+"""What the keeper does each tick for an autoscaling service (``--min-replicas/--max-replicas``) and for one with
+``--idle-cancel``: observe the replicas' ``/metrics``, ask the policy (services/autoscale.py), apply its decision.
+
+* **up**: a new replica slot (its index never reused, so job names stay unique) is launched through the same
+  path as every replica (services/manage.py ``launch_replica``: the intent saved first, the service's key);
+* **down**: one slot is marked ``retiring`` (a queued or starting one first, else the newest): the keeper takes
+  its job out of the router, lets it finish what it runs (the same drain as a keep-alive predecessor, at most
+  ``PBSTK_SERVICE_DRAIN_S``), cancels it and drops the slot;
+* **idle** (``--idle-cancel`` on a service): no request running, waiting or finished on any replica for the
+  duration ends the whole service (replicas, router, registry entries), recorded ENDED with the reason ``idle``.
+
+The decision and its reason are kept in the record (``scale``): ``status`` shows the target, the replicas and
+the last change with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from pbs_toolkit.durations import short
+from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.services import autoscale
+from pbs_toolkit.services.ready import worker_url
+from pbs_toolkit.services.record import ServiceRecord, Slot
+
+if TYPE_CHECKING:
+    from pbs_toolkit.jobs.status import JobStatus
+    from pbs_toolkit.services.session import ServiceSession
+    from pbs_toolkit.vllm.prom import MetricsSnapshot
+
+
+def status_fields(rec: ServiceRecord) -> dict[str, Any]:
+    """The ``service`` object's fields of this module (docs/json.md)."""
+    return {"autoscale": rec.scale or None, "idle_cancel_s": rec.idle_cancel_s or None,
+            "end_reason": rec.end_reason or None}
+
+
+def active(rec: ServiceRecord) -> list[Slot]:
+    """The slots that count toward the target (not being removed)."""
+    return [s for s in rec.slots if not s.retiring]
+
+
+def serving(slot: Slot, statuses: Mapping[str, JobStatus], in_router: set[str]) -> JobStatus | None:
+    """The slot's job that is READY and in the router (the current one, else its successor)."""
+    for job in (slot.current, slot.successor):
+        st = statuses.get(job or "")
+        if st is not None and st.state.value == "READY" and worker_url(st) in in_router:
+            return st
+    return None
+
+
+def snapshots(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
+              in_router: set[str]) -> dict[str, MetricsSnapshot]:
+    """One ``/metrics`` scrape of every routable replica (job id -> snapshot); a replica that does not answer is
+    left out."""
+    from pbs_toolkit.perf.scrape import scrape
+
+    out = {}
+    for slot in active(rec):
+        st = serving(slot, statuses, in_router)
+        if st is None:
+            continue
+        try:
+            out[st.record.job_id] = scrape(session.runner(st.record.transport), st, timeout=3.0)
+        except PbstkError:
+            continue
+    return out
+
+
+def capacity(statuses: Mapping[str, JobStatus]) -> int | None:
+    """One replica's ``--max-num-seqs`` from its rendered vLLM arguments, when it has one."""
+    for st in statuses.values():
+        args = list(st.record.spec.vllm_args)
+        for i, arg in enumerate(args):
+            value = arg.split("=", 1)[1] if arg.startswith("--max-num-seqs=") else (
+                args[i + 1] if arg == "--max-num-seqs" and i + 1 < len(args) else None)
+            if value is not None and value.isdigit():
+                return int(value)
+    return None
+
+
+def idle_end(rec: ServiceRecord, snaps: Mapping[str, MetricsSnapshot], routable: int, now: float) -> str | None:
+    """``--idle-cancel`` of a service: the reason to end it now, or ``None``. Idle means: every replica in the
+    router answered, none runs or has waiting requests, and no replica's success counter moved since the last
+    tick (a request that came and went between two ticks is seen too). A replica that does not answer is not
+    idle; neither is a service none of whose replicas is routable yet."""
+    if not rec.idle_cancel_s:
+        return None
+    sig = json.dumps(sorted((job, s.requests_success) for job, s in snaps.items()))
+    busy = (not snaps or len(snaps) < routable or sig != rec.idle.get("sig")
+            or any((s.running or 0) > 0 or (s.waiting or 0) > 0 for s in snaps.values()))
+    since = now if busy or rec.idle.get("since") is None else float(rec.idle["since"])
+    rec.idle = {"since": since, "sig": sig}
+    if now - since >= rec.idle_cancel_s:
+        return f"idle: no request for {short(now - since)} (--idle-cancel {short(rec.idle_cancel_s)})"
+    return None
+
+
+def observation(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router: set[str],
+                snaps: Mapping[str, MetricsSnapshot], now: float) -> autoscale.Observation:
+    slots = active(rec)
+    starting = sum(1 for s in slots if serving(s, statuses, in_router) is None)
+    answered = [s for s in snaps.values() if s.waiting is not None or s.running is not None]
+    return autoscale.Observation(
+        now=now, target=len(slots), starting=starting,
+        waiting=sum(s.waiting or 0 for s in answered) if answered else None,
+        running=sum(s.running or 0 for s in answered) if answered else None,
+        capacity=capacity(statuses) or rec.scale.get("capacity"), job_cap=int(rec.scale.get("job_cap") or 0))
+
+
+def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
+         in_router: set[str]) -> str | None:
+    """This tick's idle check and scaling decision, applied. Returns why the service must end now (idle), or
+    ``None``."""
+    if not rec.scale and not rec.idle_cancel_s:
+        return None
+    now = time.time()
+    snaps = snapshots(session, rec, statuses, in_router)
+    routable = sum(1 for s in active(rec) if serving(s, statuses, in_router) is not None)
+    why = idle_end(rec, snaps, routable, now)
+    if why or not rec.scale:
+        return why
+    spec = autoscale.ScaleSpec.from_dict(rec.scale["spec"])
+    obs = observation(rec, statuses, in_router, snaps, now)
+    decision, memory = autoscale.decide(spec, autoscale.Memory.from_dict(rec.scale.get("memory")), obs)
+    rec.scale["memory"] = memory.to_dict()
+    rec.scale["now"] = decision.to_dict()
+    if obs.capacity:
+        rec.scale["capacity"] = obs.capacity
+    if decision.action == "up":
+        grow(session, rec, decision)
+    elif decision.action == "down":
+        shrink(rec, statuses, in_router, decision)
+    return None
+
+
+def grow(session: ServiceSession, rec: ServiceRecord, decision: autoscale.Decision) -> None:
+    """A new slot and its replica job; its index is never reused (job names stay unique)."""
+    from pbs_toolkit.services.manage import launch_replica
+
+    index = max([s.index for s in rec.slots] + [int(rec.scale.get("next_index") or 0) - 1]) + 1
+    rec.scale["next_index"] = index + 1
+    slot = Slot(index)
+    rec.slots.append(slot)
+    rec.replicas = len(active(rec))
+    rec.scale["last"] = decision.to_dict()
+    launch_replica(session, rec, slot)
+    _log(f"scale up to {rec.replicas}: {decision.reason}; r{index} is {slot.current}")
+
+
+def shrink(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router: set[str],
+           decision: autoscale.Decision) -> None:
+    """Mark one slot ``retiring``: a queued or starting one first (nothing to drain), else the newest."""
+    slots = active(rec)
+    waiting = [s for s in slots if serving(s, statuses, in_router) is None]
+    slot = max(waiting or slots, key=lambda s: s.index)
+    slot.retiring = True
+    rec.replicas = len(active(rec))
+    rec.scale["last"] = decision.to_dict()
+    _log(f"scale down to {rec.replicas}: {decision.reason}; r{slot.index} ({slot.current}) drains and goes")
+
+
+def retire_jobs(slot: Slot, statuses: Mapping[str, JobStatus], in_router: set[str]) -> list[str]:
+    """A retiring slot's first step: the urls of its jobs to take out of the router now (then ``to_cancel``)."""
+    return [u for j in (slot.current, slot.successor) if j and (st := statuses.get(j)) is not None
+            and (u := worker_url(st)) is not None and u in in_router]
+
+
+def to_cancel(slot: Slot, statuses: Mapping[str, JobStatus]) -> list[str]:
+    """The retiring slot's jobs to cancel at once (not serving: nothing to drain); its serving job is moved to
+    ``draining``."""
+    cancel = []
+    cur = statuses.get(slot.current or "")
+    serves = slot.current and cur is not None and cur.state.value == "READY"
+    if serves and slot.draining:  # a keep-alive predecessor still drains: this one (out of the router) waits
+        gone, slot.successor = slot.successor, None
+        return [gone] if gone else []
+    if serves:
+        slot.draining, slot.drain_started = slot.current, time.time()
+    elif slot.current:
+        cancel.append(slot.current)
+    if slot.successor:
+        cancel.append(slot.successor)
+    slot.current = slot.successor = None
+    return cancel
+
+
+def summary(scale: Mapping[str, Any], replicas: int, ready: int) -> str | None:
+    """``autoscaling 1..4: target 2, 2 routable; last: up at 12:03:04 (7 request(s) waiting ...)``."""
+    if not scale:
+        return None
+    spec = scale.get("spec") or {}
+    text = f"autoscaling {spec.get('min_replicas')}..{spec.get('max_replicas')}: target {replicas}, {ready} routable"
+    last = scale.get("last")
+    if last:
+        at = time.strftime("%H:%M:%S", time.localtime(last.get("at") or 0))
+        text += f"; last: {last.get('action')} at {at} ({last.get('reason')})"
+    now = scale.get("now")
+    if now and now.get("action") == "hold":
+        text += f"; now: {now.get('reason')}"
+    return text
+
+
+def _log(message: str) -> None:
+    import sys
+
+    sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+    sys.stderr.flush()

@@ -1,0 +1,181 @@
+"""The autoscaling policy (services/autoscale.py) rule by rule: pure, no process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pbs_toolkit.errors import UsageError
+from pbs_toolkit.services.autoscale import Memory, Observation, ScaleSpec, decide
+
+SPEC = ScaleSpec(min_replicas=1, max_replicas=3, up_waiting=1, down_idle_s=60)
+
+
+def obs(now: float, target: int = 1, waiting: float | None = 0, running: float | None = 0, starting: int = 0,
+        capacity: int | None = 4, job_cap: int = 0) -> Observation:
+    return Observation(now=now, target=target, starting=starting, waiting=waiting, running=running,
+                       capacity=capacity, job_cap=job_cap)
+
+
+def run(ticks: list[Observation], spec: ScaleSpec = SPEC, memory: Memory | None = None) -> list[str]:
+    mem = memory or Memory()
+    actions = []
+    for o in ticks:
+        d, mem = decide(spec, mem, o)
+        assert d.reason
+        actions.append(d.action)
+    return actions
+
+
+def test_two_ticks_above_w_add_one_replica_and_one_tick_does_not() -> None:
+    assert run([obs(0, waiting=5), obs(10, waiting=0), obs(20, waiting=5)]) == ["hold"] * 3
+    assert run([obs(0, waiting=5), obs(10, waiting=5)]) == ["hold", "up"]
+    assert run([obs(0, waiting=1), obs(10, waiting=1)]) == ["hold", "hold"]  # not *above* W
+    d, mem = decide(SPEC, Memory(above=1), obs(10, waiting=7))
+    assert d.action == "up" and d.target == 2 and "7 request(s) waiting" in d.reason and mem.above == 0
+
+
+def test_a_queued_replica_counts_toward_the_target_no_storm() -> None:
+    # a replica added is queued for many ticks while the queue stays long: nothing more is added meanwhile
+    ticks = [obs(t, target=2, starting=1, waiting=20) for t in range(0, 100, 10)]
+    actions = run(ticks, memory=Memory(above=0, last_change=0))
+    assert actions == ["hold"] * len(ticks)
+    d, _ = decide(SPEC, Memory(above=5), obs(100, target=2, starting=1, waiting=20))
+    assert "still queued or starting" in d.reason
+    # once it runs and requests still wait, the next one is added at once (the count of ticks was kept)
+    d, _ = decide(SPEC, Memory(above=5), obs(110, target=2, waiting=20))
+    assert d.action == "up" and d.target == 3
+
+
+def test_never_above_max_replicas_nor_max_running_jobs() -> None:
+    d, _ = decide(SPEC, Memory(above=3), obs(0, target=3, waiting=50))
+    assert d.action == "hold" and "--max-replicas (3)" in d.reason
+    d, _ = decide(SPEC, Memory(above=3), obs(0, target=2, waiting=50, job_cap=2))
+    assert d.action == "hold" and "max_running_jobs (2)" in d.reason
+    # a limit lowered under the replicas running: one goes (drained), not all at once
+    d, _ = decide(SPEC, Memory(), obs(0, target=3, job_cap=2, running=8, waiting=3))
+    assert d.action == "down" and d.target == 2
+
+
+def test_down_after_d_without_waiting_and_with_spare_capacity_never_below_min() -> None:
+    spec = ScaleSpec(min_replicas=1, max_replicas=3, down_idle_s=60)
+    ticks = [obs(t, target=3, running=2) for t in (0, 30, 59, 60)]
+    assert run(ticks, spec) == ["hold", "hold", "hold", "down"]
+    # after a removal the next one waits another D
+    d, mem = decide(spec, Memory(calm_since=0), obs(60, target=3))
+    assert d.action == "down" and d.target == 2
+    d, mem = decide(spec, mem, obs(90, target=2))
+    assert d.action == "hold" and "fewer in" in d.reason
+    d, mem = decide(spec, mem, obs(120, target=2))
+    assert d.action == "down" and d.target == 1
+    d, mem = decide(spec, mem, obs(1000, target=1))
+    assert d.action == "hold" and "--min-replicas" in d.reason
+
+
+def test_no_spare_capacity_no_down() -> None:
+    # 8 running on 2 replicas of 4: one replica fewer could not hold them
+    assert run([obs(t, target=2, running=8) for t in range(0, 300, 30)]) == ["hold"] * 10
+    # a waiting request resets the calm period
+    ticks = [obs(0, target=2, running=1), obs(50, target=2, waiting=1, running=4), obs(100, target=2, running=1),
+             obs(150, target=2, running=1), obs(160, target=2, running=1)]
+    assert run(ticks) == ["hold", "hold", "hold", "hold", "down"]
+    # capacity unknown: only when nothing runs
+    assert run([obs(t, target=2, running=1, capacity=None) for t in range(0, 300, 60)]) == ["hold"] * 5
+    assert run([obs(t, target=2, running=0, capacity=None) for t in (0, 60)]) == ["hold", "down"]
+
+
+def test_cooldown_after_a_scale_up() -> None:
+    # a replica added for a burst is not removed in the lull right after it
+    d, mem = decide(SPEC, Memory(above=1), obs(100, target=1, waiting=9))
+    assert d.action == "up"
+    actions = run([obs(t, target=2) for t in (110, 130, 159)], memory=mem)
+    assert actions == ["hold", "hold", "hold"]
+    # calm for long enough, but the last change was less than D ago: the cooldown holds it
+    assert run([obs(165, target=2)], memory=Memory(calm_since=0, last_change=110)) == ["hold"]
+    assert run([obs(170, target=2)], memory=Memory(calm_since=0, last_change=110)) == ["down"]
+
+
+def test_below_min_grows_and_no_metrics_holds() -> None:
+    d, _ = decide(ScaleSpec(2, 4), Memory(), obs(0, target=1))
+    assert d.action == "up" and "--min-replicas 2" in d.reason
+    d, _ = decide(SPEC, Memory(), obs(0, target=2, waiting=None, running=None))
+    assert d.action == "hold" and "answered" in d.reason
+
+
+@pytest.mark.parametrize(("spec", "words"), [
+    (ScaleSpec(0, 2), "at least 1"), (ScaleSpec(3, 2), "below --min-replicas"), (ScaleSpec(1, 5000), "at most"),
+    (ScaleSpec(1, 2, up_waiting=-1), "--scale-up-waiting"),
+])
+def test_bad_specs(spec: ScaleSpec, words: str) -> None:
+    with pytest.raises(UsageError, match=words):
+        spec.check(1000)
+
+
+# -- services/scaler.py's pure parts: the idle watch of a service, retiring a slot, the status line -----------------
+
+def _st(job: str, state: str = "READY", port: int = 9000, args: tuple[str, ...] = ()) -> Any:
+    from pbs_toolkit.jobs.spec import LaunchSpec
+    from pbs_toolkit.jobs.status import JobStatus, ServerState
+    from pbs_toolkit.jobs.store import JobRecord
+
+    record = JobRecord(job_id=job, scheduler="local", profile="p", model="m", served_model_name="m", preset="x",
+                       name=job, run_dir="/nonexistent", spec=LaunchSpec(vllm_args=list(args)))
+    return JobStatus(record=record, state=ServerState(state), address="127.0.0.1", port=port)
+
+
+def _snap(running: float = 0, waiting: float = 0, success: float = 0) -> Any:
+    from pbs_toolkit.vllm.prom import MetricsSnapshot
+
+    return MetricsSnapshot(timestamp=0, running=running, waiting=waiting, requests_success=success)
+
+
+def _rec(**kw: Any) -> Any:
+    from pbs_toolkit.services.record import ServiceRecord
+
+    return ServiceRecord(name="s", model="m", served_model_name="m", profile="p", replicas=1, request={}, **kw)
+
+
+def test_a_service_is_idle_only_when_nothing_ran_waited_or_finished_for_the_duration() -> None:
+    from pbs_toolkit.services.scaler import idle_end
+
+    rec = _rec(idle_cancel_s=10)
+    assert idle_end(rec, {"a": _snap(success=3)}, 1, 0) is None  # first look: the counter is new
+    assert idle_end(rec, {"a": _snap(success=3)}, 1, 9) is None
+    why = idle_end(rec, {"a": _snap(success=3)}, 1, 10)
+    assert why is not None and why.startswith("idle: no request for 10s")
+    for busy in ({"a": _snap(running=1, success=3)}, {"a": _snap(waiting=2, success=3)},
+                 {"a": _snap(success=4)}, {}):  # running, waiting, a request finished, or no replica answered
+        rec = _rec(idle_cancel_s=10, idle={"since": 0.0, "sig": '[["a", 3]]'})
+        assert idle_end(rec, busy, 1, 50) is None and rec.idle["since"] == 50
+    rec = _rec(idle_cancel_s=10, idle={"since": 0.0, "sig": '[["a", 3]]'})
+    assert idle_end(rec, {"a": _snap(success=3)}, 2, 50) is None  # one of two routable replicas did not answer
+    assert idle_end(_rec(), {}, 0, 50) is None  # off
+
+
+def test_retiring_a_slot_drains_what_serves_and_cancels_the_rest() -> None:
+    from pbs_toolkit.services.record import Slot
+    from pbs_toolkit.services.scaler import capacity, retire_jobs, to_cancel
+
+    statuses = {"j1": _st("j1", port=9001, args=("--max-num-seqs", "6")), "j2": _st("j2", "PENDING", 9002)}
+    slot = Slot(3, current="j1", successor="j2", retiring=True)
+    assert retire_jobs(slot, statuses, {"http://127.0.0.1:9001", "http://127.0.0.1:9009"}) == ["http://127.0.0.1:9001"]
+    assert to_cancel(slot, statuses) == ["j2"]
+    assert (slot.current, slot.successor, slot.draining) == (None, None, "j1")
+    queued = Slot(4, current="j2", retiring=True)
+    assert to_cancel(queued, statuses) == ["j2"] and queued.draining is None and not queued.jobs()
+    # a keep-alive predecessor still drains: the serving job waits its turn (out of the router already)
+    busy = Slot(5, current="j1", draining="j0", retiring=True)
+    assert to_cancel(busy, statuses) == [] and (busy.current, busy.draining) == ("j1", "j0")
+    assert capacity(statuses) == 6 and capacity({"j2": statuses["j2"]}) is None
+
+
+def test_the_status_line() -> None:
+    from pbs_toolkit.services.scaler import summary
+
+    scale = {"spec": {"min_replicas": 1, "max_replicas": 4}, "last": {"action": "up", "reason": "7 waiting", "at": 0},
+             "now": {"action": "hold", "reason": "spare capacity"}}
+    text = summary(scale, 2, 1)
+    assert text is not None and text.startswith("autoscaling 1..4: target 2, 1 routable; last: up at ")
+    assert text.endswith("(7 waiting); now: spare capacity")
+    assert summary({}, 2, 2) is None
