@@ -301,6 +301,8 @@ def test_api_key_in_config_file_not_env_argv_nor_log(make_job: Any) -> None:
     assert start["argv"][start["argv"].index("--config") + 1] == str(config)
     assert stat.S_IMODE(config.stat().st_mode) == 0o600
     assert yaml.safe_load(config.read_text()) == {"api-key": key}
+    # vLLM <= 0.22 prints the key in its "non-default args" line: the log is as private as the key file
+    assert stat.S_IMODE((job.run_dir / "vllm.log").stat().st_mode) == 0o600
     assert key not in job.log and key not in (job.run_dir / "server.json").read_text()
     assert _models_status(state["port"], None) == 401
     assert _models_status(state["port"], "wrong") == 401

@@ -407,6 +407,9 @@ if [ -f "$RUN_DIR/api_key" ] && [ "$API_KEY_VIA" = config ] && [[ " ${VLLM_ARGS[
       && mv -f "$API_KEY_CONFIG.tmp" "$API_KEY_CONFIG") || pbstk_fail "cannot write $API_KEY_CONFIG"
     unset pbstk_api_key
     API_KEY_ARGS=(--config "$API_KEY_CONFIG")
+    # vLLM before vllm-project/vllm#52523 (0.22.1 among them) prints its arguments, the key too, in its
+    # "non-default args" start-up line: this log is then as private as the key file
+    chmod go= "$LOG" 2>/dev/null
   fi
 elif [ -f "$RUN_DIR/api_key" ]; then
   # vLLM < 0.6 (no --config), or the preset passes its own --config (vLLM takes one): the environment
