@@ -167,9 +167,10 @@ def test_vllm_starts_inside_the_container_with_the_directories_bound(make_job: A
     assert binds == [str(job.run_dir), str(hf), str(cache)]
     rest = argv[argv.index(str(image)) + 1:]
     assert rest[:3] == ["vllm", "serve", MODEL] and "--port" in rest
-    assert "sekrit" not in json.dumps(argv)  # the key travels in the environment, never in argv
-    (start,) = job.records("argv.jsonl")  # the stand-in vllm ran inside, with the environment passed on
-    assert start["env"]["VLLM_API_KEY"] == "sekrit"
+    assert "sekrit" not in json.dumps(argv)  # never in argv: in a 0600 file under RUN_DIR, which is bound
+    assert rest[rest.index("--config") + 1] == str(job.run_dir / "vllm_api_key.yaml")
+    (start,) = job.records("argv.jsonl")  # the stand-in vllm ran inside; no VLLM_API_KEY (the compile cache key)
+    assert "VLLM_API_KEY" not in start["env"]
     assert "vLLM runs in a container: apptainer exec --nv" in job.log
 
 

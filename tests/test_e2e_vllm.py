@@ -181,6 +181,10 @@ def test_local_launch_register_complete_metrics_doctor_bench(tiny_model: str, tm
     assert key not in (run_dir(job) / "vllm.log").read_text()
     cmdline = Path(f"/proc/{server_json(job)['pid']}/cmdline").read_bytes().decode(errors="replace")
     assert key not in cmdline and "--enforce-eager" in cmdline
+    # the real vLLM took the key from the 0600 --config file; VLLM_API_KEY would key (and fill) its compile cache
+    assert "--config" in cmdline.split("\0")
+    environ = Path(f"/proc/{server_json(job)['pid']}/environ").read_bytes().split(b"\0")
+    assert not any(var.startswith(b"VLLM_API_KEY=") for var in environ)
 
     registry = tmp_path / "configs" / "endpoints.py"
     registry.parent.mkdir()

@@ -189,8 +189,9 @@ def test_launch_from_another_process_status_cancel(standins: Path) -> None:
     record = JobStore().find(job)
     assert env["PBS_JOBID"] == job and env["PBS_O_WORKDIR"] == record.run_dir
     assert Path(env["PBS_NODEFILE"]).is_file()
-    assert record.api_key and env["VLLM_API_KEY"] == record.api_key
+    assert record.api_key and "VLLM_API_KEY" not in env  # vLLM reads it from a 0600 --config file
     assert record.api_key not in " ".join(started[-1]["argv"])  # never on the command line
+    assert Path(record.run_dir, "vllm_api_key.yaml").read_text() == f"api-key: '{record.api_key}'\n"
 
     server = json.loads(Path(record.run_dir, "server.json").read_text())
     server_pid = server["pid"]

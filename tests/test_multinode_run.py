@@ -471,8 +471,12 @@ def test_tp4pp2_over_two_nodes_reports_both_registers_one_url_and_cancel_takes_i
     request = urllib.request.Request(f"{st['url']}/models", headers={"Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(request, timeout=5) as resp:  # noqa: S310 - loopback
         assert resp.status == 200
-    starts = {s["env"]["PBSTK_NODE_RANK"]: s["argv"] for s in
-              (json.loads(line) for line in (standins / "argv.jsonl").read_text().splitlines())}
+    records = [json.loads(line) for line in (standins / "argv.jsonl").read_text().splitlines()]
+    starts = {s["env"]["PBSTK_NODE_RANK"]: s["argv"] for s in records}
+    # the key: the head's API server reads it from a 0600 --config file; no node has VLLM_API_KEY or it in argv
+    assert _flag(starts["0"], "--config") == str(Path(st["run_dir"]) / "vllm_api_key.yaml")
+    assert "--config" not in starts["1"]
+    assert not any("VLLM_API_KEY" in s["env"] or key in " ".join(s["argv"]) for s in records)
     for rank, argv in starts.items():
         assert _flag(argv, "--nnodes") == "2" and _flag(argv, "--node-rank") == rank
         assert _flag(argv, "--tensor-parallel-size") == "4" and _flag(argv, "--pipeline-parallel-size") == "2"

@@ -15,6 +15,7 @@ import socket
 import stat
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from pbs_toolkit.jobs.render import PORT_SPAN, RenderRequest, render
 
@@ -273,21 +275,58 @@ def test_fixed_busy_port_fails(make_job: Any) -> None:
 # --- API key ---------------------------------------------------------------------------------------------
 
 
-def test_api_key_in_env_not_argv_nor_log(make_job: Any) -> None:
+def _models_status(port: int, key: str | None) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_api_key_in_config_file_not_env_argv_nor_log(make_job: Any) -> None:
+    """vLLM <= 0.22 hashes every VLLM_* variable into its compile cache key and writes the values into the cache's
+    cache_key_factors.json: the key reaches vLLM through a 0600 `--config` YAML file, never VLLM_API_KEY."""
     key = "k3y-" + os.urandom(8).hex()
     job = make_job(api_key=key)
     assert stat.S_IMODE((job.run_dir / "api_key").stat().st_mode) == 0o600
+    job.start(VLLM_API_KEY="from-the-site-env")  # a site's own VLLM_API_KEY is not passed on either
+    state = job.wait_phase("ready")
+    (start,) = job.starts()
+    assert "VLLM_API_KEY" not in start["env"]
+    assert not any(key in arg for arg in start["argv"])
+    assert "--api-key" not in start["argv"]
+    config = job.run_dir / "vllm_api_key.yaml"
+    assert start["argv"][start["argv"].index("--config") + 1] == str(config)
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    assert yaml.safe_load(config.read_text()) == {"api-key": key}
+    # vLLM <= 0.22 prints the key in its "non-default args" line: the log is as private as the key file
+    assert stat.S_IMODE((job.run_dir / "vllm.log").stat().st_mode) == 0o600
+    assert key not in job.log and key not in (job.run_dir / "server.json").read_text()
+    assert _models_status(state["port"], None) == 401
+    assert _models_status(state["port"], "wrong") == 401
+    assert _models_status(state["port"], key) == 200
+
+
+def test_api_key_in_env_for_vllm_without_config(make_job: Any) -> None:
+    """vLLM before 0.6 has no --config: the key goes in the environment there, as before."""
+    key = "k3y-" + os.urandom(8).hex()
+    job = make_job(api_key=key, vllm_version="0.5.4")
     job.start()
     state = job.wait_phase("ready")
     (start,) = job.starts()
     assert start["env"]["VLLM_API_KEY"] == key
-    assert not any(key in arg for arg in start["argv"])
-    assert "--api-key" not in start["argv"]
-    assert key not in job.log and key not in (job.run_dir / "server.json").read_text()
-    req = urllib.request.Request(f"http://127.0.0.1:{state['port']}/v1/models",
-                                 headers={"Authorization": f"Bearer {key}"})
-    with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310
-        assert json.load(resp)["data"][0]["id"] == "Qwen/Qwen3-0.6B"
+    assert "--config" not in start["argv"] and not (job.run_dir / "vllm_api_key.yaml").exists()
+    assert _models_status(state["port"], key) == 200
+
+
+def test_api_key_with_odd_characters_fails_before_vllm(make_job: Any) -> None:
+    job = make_job(api_key="it's\nnot: safe")
+    job.start()
+    assert job.wait_phase("failed")["phase"] == "failed"
+    assert job.starts() == [] and not (job.run_dir / "vllm_api_key.yaml").exists()
+    assert "holds characters other than" in job.log
 
 
 def test_no_api_key_file_no_key(make_job: Any) -> None:
@@ -295,6 +334,7 @@ def test_no_api_key_file_no_key(make_job: Any) -> None:
     job.start()
     job.wait_phase("ready")
     assert "VLLM_API_KEY" not in job.starts()[0]["env"]
+    assert "--config" not in job.starts()[0]["argv"] and not (job.run_dir / "vllm_api_key.yaml").exists()
 
 
 # --- eager fallback and fatal errors ---------------------------------------------------------------------

@@ -9,7 +9,7 @@ declare RUN_DIR MODEL VENV PROXY HF_HOME_DIR HF_HUB_OFFLINE_ON VLLM_CACHE_DIR AD
 declare PORT_LO FIXED_PORT PORT_SPAN VLLM_ENTRYPOINT EAGER COMPILE_ERROR_RE PORT_IN_USE_RE IDLE_CANCEL_S
 declare NNODES NODE_ENGINE TP PP DP DP_LOCAL NODE_LAUNCHER NCCL_IFNAME GLOO_IFNAME
 declare PHASE_SETUP PHASE_STARTING PHASE_READY PHASE_FAILED PHASE_EXITED PHASE_CANCELLED
-declare CACHE_KEY_MODEL CACHE_KEY_LAYOUT CONTAINER_IMAGE CONTAINER_RUNTIME
+declare CACHE_KEY_MODEL CACHE_KEY_LAYOUT CONTAINER_IMAGE CONTAINER_RUNTIME API_KEY_VIA
 declare -a SITE_SETUP ENV_EXPORTS VLLM_ARGS
 set -uo pipefail
 # --- several nodes (docs: RUN_DIR/nodes/K.json, head.json, stop). A header without these is one node ---
@@ -387,8 +387,32 @@ if [ "${#TMPDIR}" -gt 60 ]; then
   export TMPDIR
 fi
 
-# --- API key: read from a 0600 file into the environment; never on the command line ---
-if [ -f "$RUN_DIR/api_key" ]; then
+# --- API key (docs/vllm.md): from the 0600 file RUN_DIR/api_key; never on the command line. Not in the
+# environment either where the vLLM is new enough (API_KEY_VIA=config): vLLM <= 0.22 hashes every VLLM_* variable
+# into its compile cache's key and writes their values into the cache's cache_key_factors.json, so a per-job
+# VLLM_API_KEY missed the cache on every launch and left the key in plain text in a (shared) cache directory.
+# The head's vLLM reads it from a 0600 YAML file instead (`--config FILE`, API_KEY_ARGS); workers serve no HTTP.
+: "${API_KEY_VIA:=env}"
+unset VLLM_API_KEY
+API_KEY_ARGS=()
+API_KEY_CONFIG="$RUN_DIR/vllm_api_key.yaml"
+if [ -f "$RUN_DIR/api_key" ] && [ "$API_KEY_VIA" = config ] && [[ " ${VLLM_ARGS[*]} " != *" --config "* ]]; then
+  if [ "$NODE_ROLE" = false ] || [ "${NODE_RANK:-0}" = 0 ]; then
+    pbstk_api_key=$(<"$RUN_DIR/api_key")
+    # single-quoted in the YAML: these characters need no escaping there (nor does YAML read them as a bool)
+    [[ $pbstk_api_key =~ ^[A-Za-z0-9._~+/=-]+$ ]] \
+      || pbstk_fail "the API key in $RUN_DIR/api_key holds characters other than A-Z a-z 0-9 . _ ~ + / = -"
+    # created 0600 (umask 077 in the subshell), then renamed over any older copy: never readable by others
+    (umask 077 && printf "api-key: '%s'\n" "$pbstk_api_key" >"$API_KEY_CONFIG.tmp" \
+      && mv -f "$API_KEY_CONFIG.tmp" "$API_KEY_CONFIG") || pbstk_fail "cannot write $API_KEY_CONFIG"
+    unset pbstk_api_key
+    API_KEY_ARGS=(--config "$API_KEY_CONFIG")
+    # vLLM before vllm-project/vllm#52523 (0.22.1 among them) prints its arguments, the key too, in its
+    # "non-default args" start-up line: this log is then as private as the key file
+    chmod go= "$LOG" 2>/dev/null
+  fi
+elif [ -f "$RUN_DIR/api_key" ]; then
+  # vLLM < 0.6 (no --config), or the preset passes its own --config (vLLM takes one): the environment
   VLLM_API_KEY=$(<"$RUN_DIR/api_key")
   export VLLM_API_KEY
 fi
@@ -956,8 +980,9 @@ pbstk_attempt() {
     pbstk_write_head
   fi
   ATTEMPT_START=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
-  pbstk_log "attempt $ATTEMPT: starting vLLM on $ADDRESS:$PORT: ${VLLM_CMD[*]} ${VLLM_ARGS[*]} --host $BIND_HOST --port $PORT ${extra[*]}"
-  "${LINE_BUFFERED[@]}" "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" "${extra[@]}" &
+  pbstk_log "attempt $ATTEMPT: starting vLLM on $ADDRESS:$PORT: ${VLLM_CMD[*]} ${VLLM_ARGS[*]} --host $BIND_HOST --port $PORT ${extra[*]} ${API_KEY_ARGS[*]}"
+  "${LINE_BUFFERED[@]}" "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" "${extra[@]}" \
+    "${API_KEY_ARGS[@]}" &
   SERVER_PID=$!
   pbstk_startup_mark vllm
   pbstk_state "$PHASE_STARTING"

@@ -14,7 +14,7 @@ What vllm-router 0.1.17 does (measured on loopback with tests/standins/vllm and 
 docs/services.md "## The router"):
 
 * **API key**: the router forwards the client's ``Authorization`` header to the worker unchanged and checks no key
-  itself. A service's replicas share one key (``VLLM_API_KEY``); clients send it to the router URL and the replicas
+  itself. A service's replicas share one key (in ``--config``); clients send it to the router URL and the replicas
   check it (no or a wrong key -> the replica's own 401, passed through). ``--api-key`` is only "the key for
   authorization with workers" for data-parallel routing; in regular mode it is neither required from clients nor
   added to forwarded requests, so pbstk never passes it (and a secret never goes in argv anyway). There is no

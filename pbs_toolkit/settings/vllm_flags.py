@@ -23,6 +23,7 @@ AUTOMATIC_SINCE: dict[str, tuple[int, ...]] = {"--async-scheduling": (0, 14)}
 ADDED_IN: dict[str, tuple[int, ...]] = {
     "--enable-log-requests": (0, 10),
     "--api-server-count": (0, 10),
+    "--config": (0, 6),  # vllm-project/vllm#7737: ``vllm serve --config FILE.yaml`` (YAML keys are flag names)
 }
 
 
@@ -69,6 +70,13 @@ def check_flag(flag: str, version: tuple[int, ...]) -> str | None:
 def is_automatic(flag: str, version: tuple[int, ...]) -> bool:
     name = flag_name(flag)
     return name in AUTOMATIC_SINCE and version >= AUTOMATIC_SINCE[name]
+
+
+def api_key_channel(version: str) -> str:
+    """How the job hands vLLM its API key: ``"config"`` (a 0600 YAML file passed as ``--config``, vLLM >= 0.6) or
+    ``"env"`` (``VLLM_API_KEY``, older vLLM). Not the environment where avoidable: vLLM <= 0.22 hashes every
+    ``VLLM_*`` variable into its compile cache's key and writes the values into ``cache_key_factors.json``."""
+    return "config" if version_tuple(version) >= ADDED_IN["--config"] else "env"
 
 
 def check_env(name: str, version: tuple[int, ...]) -> str | None:

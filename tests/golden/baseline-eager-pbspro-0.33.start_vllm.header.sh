@@ -34,6 +34,8 @@ CACHE_KEY_MODEL=qwen3-vl-2b-instruct-bae3815d
 CACHE_KEY_LAYOUT=TP4
 CONTAINER_IMAGE=''
 CONTAINER_RUNTIME=apptainer
+# how vLLM gets the API key (RUN_DIR/api_key): config (a 0600 YAML file, --config) or env (VLLM_API_KEY, vLLM < 0.6)
+API_KEY_VIA=config
 # Nodes: NNODES (1 = one node), NODE_ENGINE single|dp|nnodes|ray, the layout TP x PP x DP (DP_LOCAL ranks per
 # node), NODE_LAUNCHER (how the job starts one start script per node), NCCL_IFNAME/GLOO_IFNAME (exported as
 # NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME when non-empty). VLLM_ARGS below is the same on every node: it has
