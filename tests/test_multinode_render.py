@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import pbstk
 
+from pbs_toolkit.jobs.render import start_body
+
 MODEL = "Qwen/Qwen3-1.7B"
 BIG = "meta-llama/Llama-3.1-70B-Instruct"
 #: flags the start script's body adds per node at run time; the rendered, shared VLLM_ARGS never has them
@@ -259,7 +261,7 @@ def test_multinode_scripts_pass_shellcheck(tmp_path: Path) -> None:
     # A start script is a header (this launch's variables) and the same static body: shellcheck reads the first
     # start script whole, the others' headers alone (~1 s of CPU each saved; the body's variables are read only by
     # the body, so "assigned but unused", SC2034, is expected in a header and only there).
-    body = (Path(__file__).resolve().parents[1] / "pbs_toolkit" / "server" / "start_vllm.sh").read_text()
+    body = start_body()
     starts = [p for p in files if p.endswith("start_vllm.sh")]
     headers = []
     for path in starts[1:]:

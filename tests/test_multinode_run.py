@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from pbs_toolkit.jobs.render import _BODY, RenderRequest, render
+from pbs_toolkit.jobs.render import RenderRequest, render, start_body
 
 FAKEPBS = Path(__file__).parent / "fakepbs"
 FINAL = ("failed", "exited", "cancelled")
@@ -100,7 +100,7 @@ class MultiJob:
 
 def _multinode_script(start_script: str, header: dict[str, str]) -> str:
     """The rendered single-node script with the multi-node settings added in front of the static body."""
-    body = _BODY.read_text(encoding="utf-8")
+    body = start_body()
     assert start_script.endswith(body)
     lines = "".join(f"{key}={value}\n" for key, value in header.items())
     return start_script[: -len(body)] + lines + body

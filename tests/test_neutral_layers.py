@@ -43,7 +43,7 @@ def test_generic_layers_name_no_scheduler() -> None:
 
 def test_the_check_sees_the_generic_files() -> None:
     names = {str(p.relative_to(PACKAGE)) for p in _generic_files()}
-    assert {"server/start_vllm.sh", "server/start_vllm.sh.j2", "jobs/status.py", "schedulers/base.py"} <= names
+    assert {"server/start/launcher.sh", "server/start_vllm.sh.j2", "jobs/status.py", "schedulers/base.py"} <= names
 
 
 #: files allowed to branch on a backend's name: none

@@ -22,7 +22,7 @@ from unittest import mock
 import pytest
 
 from pbs_toolkit.errors import ConfigError, UsageError
-from pbs_toolkit.jobs.render import RenderedJob, RenderRequest, render
+from pbs_toolkit.jobs.render import RenderedJob, RenderRequest, render, start_body
 from pbs_toolkit.schedulers import backend_class
 from pbs_toolkit.settings.presets import list_presets, params_from_config, params_from_name
 from pbs_toolkit.settings.profiles import list_profiles
@@ -121,8 +121,8 @@ VARIATIONS = [
 ]
 
 
-#: the start script's static body (pbs_toolkit/server/start_vllm.sh): every rendered start script ends with it
-START_BODY = (Path(__file__).resolve().parents[1] / "pbs_toolkit" / "server" / "start_vllm.sh").read_text()
+#: the start script's static body (pbs_toolkit/server/start/, its parts in order): every start script ends with it
+START_BODY = start_body()
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +277,6 @@ GOLDEN_CASES = {
 
 #: the static body every start script ends with: one golden copy, after each case's own header
 BODY_GOLDEN = GOLDEN / "start_vllm.body.sh"
-PACKAGE_BODY = Path(__file__).parent.parent / "pbs_toolkit" / "server" / "start_vllm.sh"
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
@@ -291,7 +290,7 @@ def test_golden(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     script_name = backend_class(job.profile.scheduler).script_name  # job.pbs, job.slurm
     job_path, header_path = GOLDEN / f"{name}.{script_name}", GOLDEN / f"{name}.start_vllm.header.sh"
     if REGEN_GOLDEN:
-        body = PACKAGE_BODY.read_text(encoding="utf-8")
+        body = start_body()
         assert job.start_script.endswith(body), "the start script does not end with the static body"
         job_path.write_text(job.job_script, encoding="utf-8")
         header_path.write_text(job.start_script[: -len(body)], encoding="utf-8")

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pbs_toolkit.jobs.render import PORT_SPAN, RenderRequest, render
+from pbs_toolkit.jobs.render import PORT_SPAN, START_DIR, START_PARTS, RenderRequest, render, start_body
 
 GPU_B = "GPU-bbbbbbbb-1111-1111-1111-111111111111"
 GPU_D = "GPU-dddddddd-3333-3333-3333-333333333333"
@@ -486,21 +486,42 @@ def test_sigterm_cancels_and_stops_vllm(make_job: Any) -> None:
 
 # --- the static body and the marker ----------------------------------------------------------------------
 
-BODY = Path(__file__).parent.parent / "pbs_toolkit" / "server" / "start_vllm.sh"
+#: the static body: server/start/'s parts, concatenated in START_PARTS order, as every start script ends
+BODY_TEXT = start_body()
+
+
+@pytest.fixture
+def body_file(tmp_path: Path) -> Path:
+    """The static body alone, in one file, for shellcheck."""
+    path = tmp_path / "body.sh"
+    path.write_text(BODY_TEXT, encoding="utf-8")
+    return path
 
 
 def test_rendered_script_is_header_then_static_body(make_job: Any) -> None:
     """Each launch writes its own start_vllm.sh; everything after the settings header is the static body."""
     job = make_job()
     text = (job.run_dir / "start_vllm.sh").read_text()
-    body = BODY.read_text()
+    body = BODY_TEXT
     assert text.startswith("#!/bin/bash\n") and text.endswith(body)
     assert "{%" not in body and "{{" not in body
 
 
-def test_static_body_is_shellcheck_clean() -> None:
+def test_static_body_is_its_parts_in_order() -> None:
+    """The body is split by concern into server/start/: every file there is a listed part (a new one not added to
+    START_PARTS would silently be left out of every start script), each begins with a comment line saying what it
+    holds, and each ends its last line, so the concatenation never glues two lines together."""
+    assert sorted(p.name for p in START_DIR.iterdir()) == sorted(START_PARTS)
+    assert len(set(START_PARTS)) == len(START_PARTS)
+    for name in START_PARTS:
+        text = (START_DIR / name).read_text(encoding="utf-8")
+        assert text.startswith("# ") and text.endswith("\n"), name
+    assert BODY_TEXT.startswith("# shellcheck shell=bash\n") and BODY_TEXT.rstrip().endswith('exit "$RC"')
+
+
+def test_static_body_is_shellcheck_clean(body_file: Path) -> None:
     """The body alone, as it is in the package: no rendering stands between shellcheck and what runs."""
-    proc = subprocess.run(["shellcheck", "-f", "gcc", str(BODY)], capture_output=True, text=True,  # noqa: S603,S607
+    proc = subprocess.run(["shellcheck", "-f", "gcc", str(body_file)], capture_output=True, text=True,  # noqa: S603,S607
                           check=False, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -509,7 +530,7 @@ def test_static_body_writes_only_enum_phases() -> None:
     """Every ``pbstk_state`` call names a ``$PHASE_<NAME>`` of :class:`Phase`, and every phase is written."""
     from pbs_toolkit.server.phases import Phase
 
-    calls = re.findall(r"pbstk_state (\S+)", BODY.read_text())
+    calls = re.findall(r"pbstk_state (\S+)", BODY_TEXT)
     assert calls
     names = set()
     for arg in calls:
@@ -522,7 +543,7 @@ def test_static_body_writes_only_enum_phases() -> None:
 def test_static_body_alone_catches_a_misspelt_setting(tmp_path: Path) -> None:
     """The body declares the header's settings instead of disabling SC2154 for the whole file, so shellcheck of
     the body alone flags a name nothing assigns (``$PHASE_SETUPP`` was accepted while the disable was global)."""
-    body = BODY.read_text()
+    body = BODY_TEXT
     assert "disable=SC2154" not in body
     assert 'pbstk_state "$PHASE_SETUP"\n' in body
     bad = tmp_path / "start_vllm.sh"
@@ -538,7 +559,7 @@ def test_static_body_declares_exactly_the_header_settings() -> None:
     from pbs_toolkit.jobs.plan import start_script_settings
 
     declared: set[str] = set()
-    for line in BODY.read_text().splitlines():
+    for line in BODY_TEXT.splitlines():
         if line.startswith("declare "):
             declared.update(word for word in line.split()[1:] if not word.startswith("-"))
     assert declared == set(start_script_settings())
@@ -550,7 +571,7 @@ HOSTILE = ['plain', 'q"uote', 'back\\slash\\', '\\"', 'new\nline\r\ttab', "".joi
 
 
 def _marker_functions() -> str:
-    body = BODY.read_text()
+    body = BODY_TEXT
     keys = body[body.index("PBSTK_NUMBER_KEYS="):]
     keys = keys[: keys.index("\nMARKER_EXTRA=") + 1]
     out = [keys]

@@ -1,6 +1,6 @@
 """Idle reclaim as status sees it: a job whose start script stopped vLLM for lack of requests (``--idle-cancel``).
 
-The watcher lives in the job (server/start_vllm.sh ``pbstk_idle_watch``: the head reads its own ``/metrics``), so
+The watcher lives in the job (server/start/idle.sh ``pbstk_idle_watch``: the head reads its own ``/metrics``), so
 it needs no process on the login node and keeps working when the terminal that launched it is closed. When it
 stops the server it logs one line, ``pbstk: HH:MM:SS ended idle: no request for 1800s; ...``, and the job ends
 with code 0. ``status`` reads that line from the log it already tails and reports FINISHED with the reason

@@ -81,7 +81,22 @@ class RenderedJob:
 # Two template homes: the scheduler's job script lives with its backend (``Scheduler.template_dir``), the
 # start script with the server.
 _SERVER_TEMPLATES = SERVER_DIR
-_BODY = SERVER_DIR / "start_vllm.sh"
+#: the start script's static body: these files of server/start/, concatenated in this order (the order they run)
+START_DIR = SERVER_DIR / "start"
+START_PARTS = (
+    "settings.sh",  # the header's settings declared, strict mode
+    "node-role.sh",  # this copy's node, role and rank; its log and marker paths
+    "markers.sh",  # server.json, nodes/K.json, head.json
+    "coldstart.sh",  # the start-up timeline, the keyed compile cache, containers (functions)
+    "setup.sh",  # the profile's site setup, TMPDIR, the API key, GPU UUIDs
+    "launcher.sh",  # several nodes: the launcher starts one copy per node
+    "address.sh",  # the address this node is reached at
+    "port.sh",  # the port: the requested one or a free one in its window
+    "server.sh",  # what runs vLLM; the stop trap
+    "peers.sh",  # several nodes: per-rank engine flags, head.json, the nodes watching each other
+    "idle.sh",  # idle reclaim (--idle-cancel)
+    "supervise.sh",  # the server's attempts, the eager restart, the exit code
+)
 
 
 def render(settings: LaunchSettings | RenderRequest, runner: Runner | None = None) -> RenderedJob:
@@ -145,16 +160,22 @@ def sh_path(value: Any) -> str:
     return shlex.quote(text)
 
 
+def start_body() -> str:
+    """The static body every start script ends with: the ``START_PARTS`` files, in that order."""
+    return "".join((START_DIR / name).read_text(encoding="utf-8") for name in START_PARTS)
+
+
 def render_start_script(jenv: Any, context: dict[str, Any]) -> str:
     """The launch's ``start_vllm.sh``: its rendered settings header (variables only), then the static body.
 
-    The body is plain bash kept in its own file so shellcheck reads it as it runs; everything that differs
-    between launches is a variable in the header, and the body branches on those with bash ``if``s.
+    The body is plain bash kept in its own files (``START_PARTS``, one per concern) so shellcheck reads it as it
+    runs; everything that differs between launches is a variable in the header, and the body branches on those
+    with bash ``if``s.
     """
     from pbs_toolkit.weights.nodecopy import stage_copy_block
 
     header = jenv.get_template(START_HEADER).render(**context)
-    return header + stage_copy_block(context["profile"], context["vllm_args"]) + _BODY.read_text(encoding="utf-8")
+    return header + stage_copy_block(context["profile"], context["vllm_args"]) + start_body()
 
 
 def _pair_flags(args: list[str]) -> list[list[str]]:

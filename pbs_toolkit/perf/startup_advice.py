@@ -8,7 +8,7 @@ from typing import Any
 
 #: a start (without the queue) above this many seconds is worth a finding; 60-130 s cold and 30-70 s warm measured
 SLOW_START_S = 90.0
-#: the marker the start script logs before it starts vLLM in a container (the cold start block of server/start_vllm.sh)
+#: the marker the start script logs before it starts vLLM in a container (server/start/coldstart.sh)
 CONTAINER_LINE = "vLLM runs in a container: "
 
 _FIXES = {

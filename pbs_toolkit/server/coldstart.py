@@ -1,5 +1,5 @@
-"""What the "cold start" block of ``server/start_vllm.sh`` needs from a render, and the container command it will
-run, spelled out for ``render`` and ``doctor`` (docs/coldstart.md).
+"""What the start script's cold start part (``server/start/coldstart.sh``) needs from a render, and the container
+command it will run, spelled out for ``render`` and ``doctor`` (docs/coldstart.md).
 
 The compile cache's key is finished in the job (torch and vLLM versions come from the job's own Python); the
 parts only the render knows (model, layout) are rendered into the settings header here.

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# The static body of every rendered start_vllm.sh (pbs_toolkit/server/start_vllm.sh): plain bash that reads the
-# settings header the launch rendered in front of it; no Jinja here, so shellcheck checks this file as it runs.
+# The static body of every rendered start_vllm.sh (the parts in pbs_toolkit/server/start/, joined in render.py's
+# START_PARTS order): plain bash that reads the settings header the launch rendered in front of it; no Jinja here.
 # The settings the header assigns (start_vllm.sh.j2, server/phases.py), declared so that shellcheck of this body
 # alone knows them and flags any other name (a misspelt $PHASE_SETUPP) as never assigned; `declare NAME` without
 # a value keeps the header's, and a setting the header lacks stays unset (set -u stops at its first use).
