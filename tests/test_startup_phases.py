@@ -168,3 +168,16 @@ def test_a_recorded_vllm_start_splits_at_its_own_lines() -> None:
     assert got["phases"] == {"queued": 5, "setup": 5, "stage_copy": None, "compile_wait": None, "imports": 19,
                              "weights": 6, "compile": 44, "graphs": 17, "api_up": 17, "verified_ready": 1}
     assert (got["longest"], got["total_s"]) == ("compile", 114)
+
+
+def test_a_recorded_vllm_0_22_start_has_its_compile_phase() -> None:
+    # a real vLLM 0.22.1 start on an H200 (benchmarks/gpu/results/h200x2-coldstart-b, cold): 0.22 says
+    # "torch.compile took N s in total", where 0.11 said "takes"; the timeline is that job's own startup.log
+    lines = (Path(__file__).parent / "data" / "observe" / "startup-0.22.1-graphs.log").read_text().splitlines()
+    text = ("job 1795660430.072848 11-26 02:33:50\nsetup 1795660430.075633 11-26 02:33:50\n"
+            "vllm 1795660430.169899 11-26 02:33:50\napi 1795660531.478855 11-26 02:35:31\n")
+    got = breakdown(1795660430.0, parse_timeline(text), lines, verified_at=1795660531.5)
+    phases = got["phases"]
+    assert phases["compile"] is not None and 19 <= phases["compile"] <= 23, phases  # 02:34:48 -> 02:35:09
+    assert phases["graphs"] is not None and 18 <= phases["graphs"] <= 22, phases  # -> engine ready 02:35:29
+    assert got["longest"] == "imports"

@@ -34,7 +34,7 @@ _SLACK_S = 5.0
 _EPOCH = re.compile(r"\d{1,12}(?:\.\d{1,9})?")
 _WEIGHTS_END = ("Model loading took", "Loading weights took", "Loading model weights took")
 _WEIGHTS_START = ("Starting to load model", "Loading safetensors checkpoint shards", "Loading model", "Loading weights")
-_COMPILE_END = ("torch.compile takes",)
+_COMPILE_END = ("torch.compile takes", "torch.compile took")  # 0.11 / 0.22 wording
 _GRAPHS_END = ("init engine (profile, create kv cache, warmup model) took", "Graph capturing finished")
 
 

@@ -63,6 +63,7 @@ _PHASE_MARKERS: tuple[tuple[str, str], ...] = (
     ("Capturing CUDA graph", CAPTURING_GRAPHS),
     ("Capturing cudagraphs", CAPTURING_GRAPHS),
     ("torch.compile takes", INITIALIZING_ENGINE),
+    ("torch.compile took", INITIALIZING_ENGINE),  # vLLM >= 0.2x words it in the past tense
     ("Available KV cache memory", INITIALIZING_ENGINE),
     ("KV cache size:", INITIALIZING_ENGINE),
     ("Maximum concurrency for", INITIALIZING_ENGINE),
@@ -96,7 +97,7 @@ _TIMINGS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("model_load_s", re.compile(r"Model loading took .*?" + _NUMBER + r"\s*s(?:ec|econds)?\b")),
     ("compile_graph_s", re.compile(r"Compiling a graph for .*? takes " + _NUMBER + r"\s*s")),
     ("compile_cache_load_s", re.compile(r"Directly load the compiled graph.*?took " + _NUMBER + r"\s*s")),
-    ("torch_compile_s", re.compile(r"torch\.compile takes " + _NUMBER + r"\s*s in total")),
+    ("torch_compile_s", re.compile(r"torch\.compile (?:takes|took) " + _NUMBER + r"\s*s in total")),
     ("graph_capture_s", re.compile(r"Graph capturing finished in " + _NUMBER + r"\s*sec")),
     ("init_engine_s", re.compile(r"init engine \(profile, create kv cache, warmup model\) took " + _NUMBER)),
 )
