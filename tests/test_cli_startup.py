@@ -37,6 +37,42 @@ def test_help_imports_no_backend_transport_or_client() -> None:
     extra = {m for m in ours - ALLOWED if not m.startswith("pbs_toolkit.cli")}
     assert extra == set(), f"pbstk --help imported {sorted(extra)}: import them inside the command"
     assert loaded & HEAVY_STDLIB == set()
+    commands = sorted(m for m in ours if m.endswith("_cmds"))
+    assert commands == [], f"pbstk --help imported command modules {commands}: cli/index.py lists them"
+
+
+def test_the_index_names_each_commands_module_and_help() -> None:
+    """cli/index.py is what --help lists and where a command is looked up: it must match the commands."""
+    import inspect
+
+    from pbs_toolkit.cli.index import INDEX
+    from pbs_toolkit.cli.main import load_all
+
+    group = load_all()
+    assert set(INDEX) == set(group.commands)
+    for name, command in group.commands.items():
+        entry = INDEX[name]
+        assert command.callback is not None and command.callback.__module__ == f"pbs_toolkit.cli.{entry.module}"
+        assert command.hidden == entry.hidden, name
+        if not command.hidden:
+            first = inspect.cleandoc(command.short_help or command.help or "").split("\n\n")[0]
+            assert entry.summary == " ".join(first.split()), f"{name}: cli/index.py's summary is not its help's"
+
+
+def test_the_lazy_listing_is_clicks_own() -> None:
+    """``pbstk --help`` from the index reads exactly as click's listing of the imported commands."""
+    probe = """
+import click
+from click.testing import CliRunner
+from pbs_toolkit.cli.main import cli, load_all
+lazy = CliRunner().invoke(cli, ["--help"], prog_name="pbstk").output
+load_all()
+eager = click.Group("pbstk", commands=dict(cli.commands), help=cli.help, params=cli.params,
+                    context_settings=cli.context_settings)
+print(lazy == CliRunner().invoke(eager, ["--help"], prog_name="pbstk").output and "Commands:" in lazy)
+"""
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)  # noqa: S603
+    assert result.stdout.strip() == "True", result.stderr
 
 
 def test_lazy_choices_still_list_and_check_the_backends_and_streams() -> None:

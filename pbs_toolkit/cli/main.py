@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from pbs_toolkit.cli.index import INDEX
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.version import __version__
 
@@ -24,6 +25,28 @@ def one_line(text: str) -> str:
 
 
 class PbstkGroup(click.Group):
+    """The ``pbstk`` group: commands are imported when called (cli/index.py says where each one lives), the
+    listing of ``pbstk --help`` comes from the index, and every ``PbstkError`` becomes one line."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(INDEX) | set(self.commands))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in INDEX:
+            load(INDEX[cmd_name].module)
+        return self.commands.get(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """As click lists commands, from the index's summaries, so ``--help`` imports no command module."""
+        shown = [(name, INDEX[name].summary) for name in self.list_commands(ctx)
+                 if name in INDEX and not INDEX[name].hidden]
+        if shown:
+            limit = formatter.width - 6 - max(len(name) for name, _ in shown)
+            with formatter.section("Commands"):
+                # a bare Command shortens the summary exactly as the real command's help would be
+                formatter.write_dl([(name, click.Command(name, help=text).get_short_help_str(limit))
+                                    for name, text in shown])
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -85,26 +108,20 @@ def _show_commands(ctx: click.Context) -> None:
     ctx.call_on_close(restore)
 
 
-def _register() -> None:
-    from pbs_toolkit.cli import (
-        campaign_cmds,
-        clean_cmds,
-        endpoint_cmds,
-        job_cmds,
-        observe_cmds,
-        render_cmds,
-        service_cmds,
-        ssh_cmds,
-        weights_cmds,
-    )
+def load(module: str) -> None:
+    """Import ``pbs_toolkit.cli.<module>`` and add its commands to the group (once)."""
+    import importlib
 
-    for module in (render_cmds, job_cmds, service_cmds, endpoint_cmds, observe_cmds, clean_cmds, ssh_cmds,
-                   campaign_cmds, weights_cmds):
-        for command in module.COMMANDS:
+    for command in importlib.import_module(f"pbs_toolkit.cli.{module}").COMMANDS:
+        if command.name not in cli.commands:
             cli.add_command(command)
 
 
-_register()
+def load_all() -> click.Group:
+    """Every command imported and registered (for what walks the whole tree: tests, documentation)."""
+    for module in dict.fromkeys(entry.module for entry in INDEX.values()):
+        load(module)
+    return cli
 
 
 def main() -> None:
