@@ -3,7 +3,7 @@
 # no PBS) and runs lint, types and the whole suite, the end-to-end tests with real vLLM on CPU included.
 #   bash scripts/test.sh            everything
 #   bash scripts/test.sh -m 'not e2e'   pytest arguments are passed through
-#   PBSTK_TEST_WORKERS=0 bash scripts/test.sh   one process (default: 10 pytest-xdist workers; most tests wait on
+#   PBSTK_TEST_WORKERS=0 bash scripts/test.sh   one process (default: 6 pytest-xdist workers; most tests wait on
 #                                     servers and schedulers rather than compute, so more workers than cores pay)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,5 +55,6 @@ parallel=()
 # --reruns 2: a test that fails is run again, at most twice, and the run reports it as rerun ("R"): on 2 shared
 # cores with the e2e tier running, a different timing-bound test lost now and then in fresh-clone runs (see the
 # closing notes); a test that fails three times in a row still fails the run. Set PBSTK_TEST_RERUNS=0 to see them.
+# -rR names each rerun test at the end, so a flaky one is found and fixed rather than hidden.
 reruns="${PBSTK_TEST_RERUNS:-2}"
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "${parallel[@]}" --reruns "$reruns" --durations=20 "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "${parallel[@]}" --reruns "$reruns" -rR --durations=20 "$@"
