@@ -55,6 +55,7 @@ parallel=()
 # --reruns 2: a test that fails is run again, at most twice, and the run reports it as rerun ("R"): on 2 shared
 # cores with the e2e tier running, a different timing-bound test lost now and then in fresh-clone runs (see the
 # closing notes); a test that fails three times in a row still fails the run. Set PBSTK_TEST_RERUNS=0 to see them.
-# -rfER: the usual failed/error summary, and each rerun test named at the end, so a flaky one is found and fixed rather than hidden.
+# -rfER: the usual failed/error summary, and each rerun test named at the end (a flaky test is found and fixed,
+# not hidden).
 reruns="${PBSTK_TEST_RERUNS:-2}"
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "${parallel[@]}" --reruns "$reruns" -rfER --durations=20 "$@"
