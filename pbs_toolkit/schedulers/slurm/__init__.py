@@ -29,6 +29,7 @@ from pbs_toolkit.schedulers.base import (
     Scheduler,
     SchedulerJob,
     first_line,
+    hms_seconds,
     run_with_retry,
     scheduler_timeout,
     status_failed,
@@ -147,24 +148,6 @@ def is_transient(result: Result) -> bool:
     return result.rc != 0 and any(words in text for words in _TRANSIENT)
 
 
-def duration_s(value: str) -> int | None:
-    """squeue's ``[D-]HH:MM:SS`` / ``MM:SS`` (TimeUsed, TimeLimit) -> seconds; ``None`` for UNLIMITED and the like."""
-    text = value.strip()
-    days = 0
-    if "-" in text:
-        head, text = text.split("-", 1)
-        if not head.isdigit():
-            return None
-        days = int(head)
-    parts = text.split(":")
-    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
-        return None
-    seconds = 0
-    for part in parts:
-        seconds = seconds * 60 + int(part)
-    return days * 86400 + seconds
-
-
 def slurm_time(value: str) -> float | None:
     """A squeue time (``2026-11-23T11:49:32``, local time of the login node) -> epoch seconds; N/A, NONE,
     Unknown -> ``None``."""
@@ -239,7 +222,7 @@ def _job(info: dict[str, str], asked_at: float) -> SchedulerJob:
     raw_state = info["State"]
     state = STATES.get(raw_state, SchedState.QUEUED)
     exit_code = exit_parts(info["exit_code"])
-    used = duration_s(info["TimeUsed"])
+    used = hms_seconds(info["TimeUsed"])  # squeue's [D-]HH:MM:SS; None for UNLIMITED and the like
     start = slurm_time(info["StartTime"])
     ran = bool(used) or bool(first_host(info["NodeList"]))
     how, how_code = outcome(raw_state, exit_code, ran) if state is SchedState.FINISHED else (None, None)
@@ -257,7 +240,7 @@ def _job(info: dict[str, str], asked_at: float) -> SchedulerJob:
         outcome=how,
         outcome_code=how_code,
         uptime_s=float(used) if state is SchedState.RUNNING and used is not None else None,
-        walltime_s=duration_s(info["TimeLimit"]),
+        walltime_s=hms_seconds(info["TimeLimit"]),
         # for a pending job StartTime is the scheduler's estimate (backfill), or its --begin time
         estimated_start=start if state is SchedState.QUEUED and start is not None and start > asked_at - 60
         else None,
