@@ -521,5 +521,6 @@ def test_the_cli_format_choices_come_from_the_formats_dict(tmp_path: Path, user_
     result = pbstk("update-endpoint", "--remove", NEW.alias, "--registry", str(path), "--format", "tab")
     assert result.exit_code == 0, result.output
     assert path.read_text() == ""
-    listed = pbstk("update-endpoint", "--help").output
-    assert "auto|py|toml|yaml|json|tab" in listed.replace("\n", "").replace(" ", "")
+    for command in ("update-endpoint", "run"):  # run --registry writes the same entries
+        listed = pbstk(command, "--help").output
+        assert "auto|py|toml|yaml|json|tab" in listed.replace("\n", "").replace(" ", ""), command

@@ -8,9 +8,10 @@ from typing import Any
 
 import click
 
-from pbs_toolkit.cli.lazy import LazyChoice, backend_names
+from pbs_toolkit.cli.lazy import LazyChoice, backend_names, registry_formats
 from pbs_toolkit.cli.options import (
     SECONDS,
+    STAGE_OPTION,
     BoundedInt,
     Count,
     build_request,
@@ -49,15 +50,14 @@ Exit status: COMMAND's own (128+N when signal N ended it). Before COMMAND runs, 
               help="Use the job or service NAME (waited for until READY) instead of launching; it stays up.")
 @click.option("--registry", type=click.Path(), help="Write the endpoint into this registry first; removed after.")
 @click.option("--alias", help="With --registry: the entry's name (default: the job's or service's name).")
-@click.option("--format", "fmt", type=click.Choice(["auto", "py", "toml", "yaml", "json"]), default="auto",
+@click.option("--format", "fmt", type=LazyChoice(registry_formats), default="auto",
               show_default=True, help="With --registry: as `update-endpoint --format`.")
 @click.option("--keep", is_flag=True, help="Leave the server up when COMMAND ends (default: drained, cancelled).")
 @click.option("--via-tunnel", is_flag=True,
               help="Reach the server through a tunnel over the SSH connection even when the node answers here "
                    "(default: only when it does not).")
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait for READY.")
-@click.option("--stage", "stage_weights", is_flag=True,
-              help="Offline profile: download and verify the model's weights first if they are not staged.")
+@STAGE_OPTION
 def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None, accept_new_host_key: bool,
             api_key_env: str | None, no_api_key: bool, replicas: int | None, nodes_per_replica: int | None,
             policy: str | None, keep_alive: bool, reuse: str | None, registry: str | None, alias: str | None,

@@ -10,7 +10,7 @@ import click
 
 from pbs_toolkit.cli.complete import complete_job
 from pbs_toolkit.cli.lazy import LazyChoice, backend_names, log_streams
-from pbs_toolkit.cli.options import SECONDS, build_request, echo_json, read_key_env, render_options, table
+from pbs_toolkit.cli.options import SECONDS, STAGE_OPTION, build_request, echo_json, read_key_env, render_options, table
 from pbs_toolkit.cli.output import time_cells
 from pbs_toolkit.cli.progress import interrupt_hint, progress_printer
 from pbs_toolkit.cli.render_cmds import layout_text
@@ -34,8 +34,7 @@ def _read_key_env(name: str | None) -> str | None:
 @click.option("--wait", "wait_ready", is_flag=True, help="Wait until the server is ready.")
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait with --wait.")
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--stage", "stage_weights", is_flag=True,
-              help="Offline profile: download and verify the model's weights first if they are not staged.")
+@STAGE_OPTION
 def launch(model: str, scheduler: str | None, ssh_host: str | None, accept_new_host_key: bool,
            api_key_env: str | None, no_api_key: bool, dry_run: bool, wait_ready: bool, timeout: float,
            as_json: bool, stage_weights: bool, **kw: Any) -> None:

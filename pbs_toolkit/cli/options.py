@@ -148,6 +148,12 @@ def _idle_duration(ctx: click.Context, param: click.Parameter, value: str | None
     return value
 
 
+#: ``launch``, ``serve`` and ``run``: stage the weights first (weights/preflight.py)
+STAGE_OPTION = click.option(
+    "--stage", "stage_weights", is_flag=True,
+    help="Offline profile: download and verify the model's weights first if they are not staged.")
+
+
 def scale_options(f: F) -> F:
     """Autoscaling options of a service (``serve``; services/autoscale.py): ``scale_spec`` turns them into one."""
     options = [

@@ -9,6 +9,7 @@ import click
 
 from pbs_toolkit.cli.options import (
     SECONDS,
+    STAGE_OPTION,
     BoundedInt,
     Count,
     build_request,
@@ -50,8 +51,7 @@ def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
               help="Wait until every replica is READY in the router and a request with the key gets through.")
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait with --wait.")
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--stage", "stage_weights", is_flag=True,
-              help="Offline profile: download and verify the model's weights first if they are not staged.")
+@STAGE_OPTION
 @scale_options
 @render_options
 def serve(model: str, replicas: int | None, nodes_per_replica: int | None, keep_alive: bool, handover: float,
