@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.campaigns import counters
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
+from pbs_toolkit.signal_scope import handled_by
 
 if TYPE_CHECKING:
     from pbs_toolkit.client import Client
@@ -398,21 +399,13 @@ def _terminating() -> Iterator[None]:
     def stop(signum: int, _frame: Any) -> None:
         raise _Stopped(signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with handled_by(stop, (signal.SIGTERM, signal.SIGHUP)):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 @contextmanager
 def _held() -> Iterator[list[int]]:
     """Signals are only noted (in the list yielded) while the block runs: the end always completes."""
     received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _f: received.append(signum)) for sig in SIGNALS}
-    try:
+    with handled_by(lambda signum, _f: received.append(signum), SIGNALS):
         yield received
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -35,6 +35,7 @@ from pbs_toolkit.jobs.store import (
 from pbs_toolkit.schedulers import JobRef, Scheduler, backend_class, get_scheduler
 from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, settings_of
 from pbs_toolkit.settings.profiles import walltime_seconds
+from pbs_toolkit.signal_scope import handled_by
 from pbs_toolkit.transports import Runner, open_runner
 from pbs_toolkit.weights.preflight import preflight_weights
 
@@ -66,12 +67,8 @@ def defer_interrupts() -> Iterator[list[int]]:
         yield []
         return
     received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in _DEFERRED}
-    try:
+    with handled_by(lambda signum, _frame: received.append(signum), _DEFERRED):
         yield received
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if received:
         terminating = [sig for sig in received if sig != signal.SIGINT]
         if terminating:

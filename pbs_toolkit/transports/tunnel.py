@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pbs_toolkit.errors import TransportError, UsageError
+from pbs_toolkit.signal_scope import handled_by
 from pbs_toolkit.transports.base import Runner
 
 log = logging.getLogger(__name__)
@@ -187,12 +188,8 @@ def _stop_signals() -> Iterator[None]:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with handled_by(interrupt, (signal.SIGTERM, signal.SIGHUP)):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def start_tunnel(
