@@ -6,6 +6,8 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -177,3 +179,19 @@ class HealthOnly(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args: Any) -> None:
         pass
+
+
+def kill_started_job(proc: subprocess.Popen[bytes] | None, server_pid: int) -> None:
+    """A test's leftovers of a job script run by hand: its process group (``start_new_session``) and the vLLM
+    stand-in its ``server.json`` names (``server_pid`` 0: none), both with SIGKILL; gone already is fine."""
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=5)
+    if server_pid > 0:
+        try:
+            os.kill(server_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

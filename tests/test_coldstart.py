@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import until
+from helpers import kill_started_job, until
 
 from pbs_toolkit.jobs.render import render
 from pbs_toolkit.settings.launch_settings import RenderRequest
@@ -77,18 +77,7 @@ class Job:
                           f"phase in {phases}; log:\n{self.log}"))
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=5)
-        pid = int(self.state().get("pid") or 0)
-        if pid > 0:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_started_job(self.proc, int(self.state().get("pid") or 0))
 
 
 @pytest.fixture

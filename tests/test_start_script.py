@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import kill_started_job
 
 from pbs_toolkit.jobs.render import PORT_SPAN, START_DIR, START_PARTS, RenderRequest, render, start_body
 
@@ -104,18 +105,7 @@ class Job:
         return self.proc.wait(timeout=timeout)
 
     def kill_all(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=5)
-        pid = int(self.state().get("pid") or 0)
-        if pid > 0:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_started_job(self.proc, int(self.state().get("pid") or 0))
 
 
 @pytest.fixture
