@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 GOAL_HELP_MS = 120.0
 #: pbstk --help / the --compare command's --help
@@ -28,8 +28,10 @@ RENDER_ARGS = ["render", "Qwen/Qwen3-VL-2B-Instruct", "--preset", "dp4", "--prof
 
 
 def pbstk_argv() -> list[str]:
-    exe = shutil.which("pbstk")
-    return [exe] if exe else [sys.executable, "-m", "pbs_toolkit.cli.main"]
+    """This environment's own ``pbstk`` (beside its python: on a fresh machine only the venv has one), else
+    ``python -m pbs_toolkit``; never another ``pbstk`` that happens to come first on PATH."""
+    exe = Path(sys.executable).with_name("pbstk")
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "pbs_toolkit"]
 
 
 def median_ms(argv: list[str], runs: int, env: dict[str, str]) -> tuple[float, float]:
