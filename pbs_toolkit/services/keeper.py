@@ -33,7 +33,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -45,7 +44,7 @@ from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.readiness import scheduler_intervals
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services import scaler
-from pbs_toolkit.services.keeper_process import TICK_FILE, heartbeat, poll_seconds, service_dir
+from pbs_toolkit.services.keeper_process import TICK_FILE, heartbeat, keeper_log, poll_seconds, service_dir
 from pbs_toolkit.services.manage import launch_replica
 from pbs_toolkit.services.ready import routable_count, still_starting, worker_url
 from pbs_toolkit.services.record import ServiceRecord, Slot
@@ -83,9 +82,6 @@ def drain_seconds() -> float:
     return env_float("PBSTK_SERVICE_DRAIN_S", 60.0, lambda v: 0 <= v <= 86400)
 
 
-def _log(message: str) -> None:
-    sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
-    sys.stderr.flush()
 
 
 def run(name: str, session: ServiceSession) -> int:
@@ -99,11 +95,11 @@ def run(name: str, session: ServiceSession) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        _log(f"another keeper already keeps service {name}")
+        keeper_log(f"another keeper already keeps service {name}")
         return 0
     (directory / "keeper.json").write_text(json.dumps({"pid": os.getpid(), "token": launcher_token()}))
     (directory / TICK_FILE).unlink(missing_ok=True)  # an earlier keeper's (or service's) heartbeat is not ours
-    _log(f"keeper of service {name} started (pid {os.getpid()})")
+    keeper_log(f"keeper of service {name} started (pid {os.getpid()})")
     try:
         with AdminLink(session) as link:
             ramp, wakes = 0, {}  # type: int, dict[str, int]
@@ -111,17 +107,17 @@ def run(name: str, session: ServiceSession) -> int:
                 try:  # a store locked for a while, a router or scheduler that fails: logged, tried next tick
                     rec = records.load(session.store, name)
                     if rec is None or rec.ended is not None:
-                        _log(f"service {name} {'is gone' if rec is None else 'ended'}; keeper stops")
+                        keeper_log(f"service {name} {'is gone' if rec is None else 'ended'}; keeper stops")
                         return 0
                     seen = tick(session, rec, link)
                     heartbeat(name, "; ".join(seen.failed) or None)
                 except PbstkError as exc:
-                    _log(f"tick failed: {exc.message}")
+                    keeper_log(f"tick failed: {exc.message}")
                     heartbeat(name, exc.message)
                     time.sleep(poll_seconds())
                     continue
                 except Exception as exc:  # noqa: BLE001 - nothing a tick meets may end the keeper for good
-                    _log(f"tick failed: {type(exc).__name__}: {exc}")
+                    keeper_log(f"tick failed: {type(exc).__name__}: {exc}")
                     heartbeat(name, f"{type(exc).__name__}: {exc}")
                     time.sleep(poll_seconds())
                     continue
@@ -133,7 +129,7 @@ def run(name: str, session: ServiceSession) -> int:
                     ramp = 0
                 woken = watch(session, seen, wait, wakes, lambda: _ended(session, name))
                 if woken:
-                    _log(f"{woken} answers: looking now")
+                    keeper_log(f"{woken} answers: looking now")
     finally:
         os.close(fd)
 
@@ -209,7 +205,7 @@ class AdminLink:
             try:
                 stack.close()
             except Exception as exc:  # noqa: BLE001 - closing a broken tunnel must not end the keeper
-                _log(f"closing the router connection: {exc}")
+                keeper_log(f"closing the router connection: {exc}")
 
     def __enter__(self) -> AdminLink:
         return self
@@ -226,7 +222,7 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
 
     for slot in rec.slots:  # a launch that a killed keeper (or serve) left half done: its job takes its role
         if slot.launching and not intents.settle(session, rec, slot):
-            _log(f"slot {slot.index}: the submission of {slot.launching} has not finished yet")
+            keeper_log(f"slot {slot.index}: the submission of {slot.launching} has not finished yet")
     jobs = [j for s in rec.slots for j in s.jobs()]
     statuses, unknown = _statuses(session, jobs)
     before = set(jobs)
@@ -249,7 +245,7 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
                     raise
                 except PbstkError as exc:
                     failed.append(f"slot {slot.index}: {exc.message}")
-                    _log(failed[-1])
+                    keeper_log(failed[-1])
             _remove_foreign([j for j in jobs if j not in unknown], statuses, admin, in_router)
         except PbstkError:
             link.drop()  # a router or tunnel that failed is opened afresh next tick
@@ -260,7 +256,7 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
     rec.state = service_state(rec, rec.ready, still_starting(rec.slots, statuses, in_router))
     if not records.save(session.store, rec):
         for job in {j for s in rec.slots for j in s.jobs()} - before:
-            _log(f"service ended while {job} was launched: cancelling it")
+            keeper_log(f"service ended while {job} was launched: cancelling it")
             session.cancel(job)
     return Look(statuses, in_router, failed)
 
@@ -273,7 +269,7 @@ def _scale(session: ServiceSession, rec: ServiceRecord, statuses: dict[str, JobS
         return scaler.step(session, rec, statuses, in_router)
     except PbstkError as exc:
         failed.append(f"scaling: {exc.message}")
-        _log(failed[-1])
+        keeper_log(failed[-1])
         return None
 
 
@@ -283,7 +279,7 @@ def _end_idle(session: ServiceSession, rec: ServiceRecord, why: str, seen: Look)
 
     rec.end_reason = why
     if records.save(session.store, rec):
-        _log(f"service {rec.name} ends: {why}")
+        keeper_log(f"service {rec.name} ends: {why}")
         teardown(session, rec, "ENDED", keeper_wait_s=0)  # never waits for (or stops) this keeper
     return seen
 
@@ -295,12 +291,12 @@ def _retire(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses: d
     for url in scaler.retire_jobs(slot, statuses, in_router):
         admin.remove_worker(url)
         in_router.discard(url)
-        _log(f"slot {slot.index}: removed {url} from the router (scaling down)")
+        keeper_log(f"slot {slot.index}: removed {url} from the router (scaling down)")
     for job in scaler.to_cancel(slot, statuses):
         st = statuses.get(job)
         if st is None or not st.state.final:
             session.cancel(st.record if st is not None else job)
-            _log(f"slot {slot.index}: cancelled {job} (scaling down)")
+            keeper_log(f"slot {slot.index}: cancelled {job} (scaling down)")
     _drain(session, slot, statuses)
 
 
@@ -311,7 +307,7 @@ def _statuses(session: ServiceSession, jobs: list[str]) -> tuple[dict[str, JobSt
     known = [by_id[j] for j in jobs if j in by_id]
     unknown = {j for j in jobs if j not in by_id}
     for job in sorted(unknown):
-        _log(f"job {job} is not in the job store: treated as lost")
+        keeper_log(f"job {job} is not in the job store: treated as lost")
     return {st.record.job_id: st for st in session.status(known)} if known else {}, unknown
 
 
@@ -323,11 +319,11 @@ def _sync_router(st: JobStatus | None, admin: RouterAdmin, in_router: set[str]) 
     if st.state.value == "READY" and url not in in_router:
         admin.add_worker(url)
         in_router.add(url)
-        _log(f"added {st.record.job_id} ({url}) to the router")
+        keeper_log(f"added {st.record.job_id} ({url}) to the router")
     elif st.state.value != "READY" and url in in_router:
         admin.remove_worker(url)
         in_router.discard(url)
-        _log(f"removed {st.record.job_id} ({url}) from the router: {st.state.value}")
+        keeper_log(f"removed {st.record.job_id} ({url}) from the router: {st.state.value}")
 
 
 def _remove_foreign(jobs: list[str], statuses: dict[str, JobStatus], admin: RouterAdmin,
@@ -343,7 +339,7 @@ def _remove_foreign(jobs: list[str], statuses: dict[str, JobStatus], admin: Rout
     for url in sorted(in_router - ours):
         admin.remove_worker(url)
         in_router.discard(url)
-        _log(f"removed {url} from the router: not a replica of this service (added by someone else)")
+        keeper_log(f"removed {url} from the router: not a replica of this service (added by someone else)")
 
 
 def _reconcile(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses: dict[str, JobStatus],
@@ -368,7 +364,7 @@ def _reconcile(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses
           and cur.walltime_s):
         begin = time.time() - cur.uptime_s + cur.walltime_s - rec.handover_s
         launch_replica(session, rec, slot, "successor", begin_at=begin if begin > time.time() + 1 else None)
-        _log(f"slot {slot.index}: successor {slot.successor} of {slot.current} eligible at "
+        keeper_log(f"slot {slot.index}: successor {slot.successor} of {slot.current} eligible at "
              f"{time.strftime('%H:%M:%S', time.localtime(max(begin, time.time())))}")
 
 
@@ -381,7 +377,7 @@ def _hand_over(slot: Slot, cur: JobStatus | None, suc: JobStatus, admin: RouterA
             in_router.discard(url)
         if not cur.state.final:
             slot.draining, slot.drain_started = slot.current, time.time()
-    _log(f"slot {slot.index}: {suc.record.job_id} took over from {slot.current}")
+    keeper_log(f"slot {slot.index}: {suc.record.job_id} took over from {slot.current}")
     slot.current, slot.successor = slot.successor, None
 
 
@@ -397,7 +393,7 @@ def _drain(session: ServiceSession, slot: Slot, statuses: dict[str, JobStatus]) 
         if waited < drain_seconds() and _running(session, st):
             return
         session.cancel(st.record)
-        _log(f"slot {slot.index}: drained and cancelled {slot.draining} after {waited:.0f} s")
+        keeper_log(f"slot {slot.index}: drained and cancelled {slot.draining} after {waited:.0f} s")
     slot.draining, slot.drain_started = None, None
 
 
@@ -417,7 +413,7 @@ def _replace(session: ServiceSession, rec: ServiceRecord, slot: Slot, suc: JobSt
     with keep-alive one still waiting for its handover time (state W) is cancelled and a replacement launched now."""
     if slot.current is None and slot.successor is None and not slot.launching:
         launch_replica(session, rec, slot)  # never launched (a serve killed before it got there): launch it now
-        _log(f"slot {slot.index}: had no job; {slot.current} launched")
+        keeper_log(f"slot {slot.index}: had no job; {slot.current} launched")
         return
     if not rec.keep_alive:
         if suc is not None and not suc.state.final:
@@ -434,4 +430,4 @@ def _replace(session: ServiceSession, rec: ServiceRecord, slot: Slot, suc: JobSt
     ended = slot.current
     slot.successor = None
     launch_replica(session, rec, slot)
-    _log(f"slot {slot.index}: {ended} ended unexpectedly; replacement {slot.current} launched")
+    keeper_log(f"slot {slot.index}: {ended} ended unexpectedly; replacement {slot.current} launched")

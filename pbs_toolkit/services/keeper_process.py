@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -128,3 +129,9 @@ def resume(store: Any, name: str) -> int:
     if keeper_alive(name):
         return 0
     return spawn_keeper(name)
+
+
+def keeper_log(message: str) -> None:
+    """One timestamped line of the keeper's log (its stderr is ``keeper.log`` in the service's directory)."""
+    sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+    sys.stderr.flush()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.durations import short
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.services import autoscale
+from pbs_toolkit.services.keeper_process import keeper_log
 from pbs_toolkit.services.ready import worker_url
 from pbs_toolkit.services.record import ServiceRecord, Slot
 
@@ -148,7 +149,7 @@ def grow(session: ServiceSession, rec: ServiceRecord, decision: autoscale.Decisi
     rec.replicas = len(active(rec))
     rec.scale["last"] = decision.to_dict()
     launch_replica(session, rec, slot)
-    _log(f"scale up to {rec.replicas}: {decision.reason}; r{index} is {slot.current}")
+    keeper_log(f"scale up to {rec.replicas}: {decision.reason}; r{index} is {slot.current}")
 
 
 def shrink(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router: set[str],
@@ -160,7 +161,7 @@ def shrink(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router: set
     slot.retiring = True
     rec.replicas = len(active(rec))
     rec.scale["last"] = decision.to_dict()
-    _log(f"scale down to {rec.replicas}: {decision.reason}; r{slot.index} ({slot.current}) drains and goes")
+    keeper_log(f"scale down to {rec.replicas}: {decision.reason}; r{slot.index} ({slot.current}) drains and goes")
 
 
 def retire_jobs(slot: Slot, statuses: Mapping[str, JobStatus], in_router: set[str]) -> list[str]:
@@ -202,10 +203,3 @@ def summary(scale: Mapping[str, Any], replicas: int, ready: int) -> str | None:
     if now and now.get("action") == "hold":
         text += f"; now: {now.get('reason')}"
     return text
-
-
-def _log(message: str) -> None:
-    import sys
-
-    sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
-    sys.stderr.flush()
