@@ -113,7 +113,7 @@ def launch(
         if dry_run:
             return LaunchResult(record, rendered)
         preflight_weights(runner, rendered.model, rendered.profile, stage=stage, vllm_args=rendered.vllm_args,
-                          note=_note)  # an offline profile's nodes must find the weights: refused before queuing
+                          note=stderr_note)  # an offline profile's nodes must find the weights: refused before queuing
         scheduler = get_scheduler(rendered.profile.scheduler)
         scheduler.id_source = functools.partial(store.next_id, scheduler.name)  # backends that number their jobs
         with file_lock(store.path.parent / ".launch.lock", store.timeout, store.path):
@@ -127,7 +127,8 @@ def launch(
             runner.close()
 
 
-def _note(line: str) -> None:
+def stderr_note(line: str) -> None:
+    """A ``pbstk: note:`` line on stderr (what the weights preflight says while it stages, say)."""
     sys.stderr.write(f"pbstk: note: {line}\n")
 
 

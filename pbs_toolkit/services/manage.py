@@ -106,12 +106,11 @@ class ServeOptions:
 
 def _check_weights(session: ServiceSession, req: RenderRequest, profile: Profile, stage: bool) -> None:
     """The weights preflight once for the service, before the router or any replica starts."""
-    import sys
-
+    from pbs_toolkit.jobs.launch import stderr_note
     from pbs_toolkit.weights.preflight import preflight_weights
 
     preflight_weights(session.runner(profile.ssh_host or ""), req.model, profile, stage=stage,
-                      vllm_args=req.vllm_args, note=lambda line: sys.stderr.write(f"pbstk: note: {line}\n"))
+                      vllm_args=req.vllm_args, note=stderr_note)
 
 
 def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> ServiceRecord:
