@@ -36,6 +36,7 @@ OTHER_FILES = {
     "server/start/markers.sh": "start body: server.json, nodes/K.json and head.json, written with no escaping",
     "server/start/coldstart.sh": "start body: start-up timeline, keyed compile cache, node-local caches, containers",
     "server/start/setup.sh": "start body: the profile's site setup, a short TMPDIR, the API key, GPU UUIDs",
+    "server/start/amx.sh": "start body: AMX CPUs, every Python process of vLLM asks for the AMX tile permission",
     "server/start/launcher.sh": "start body: several nodes, the launcher starts one copy of the script per node",
     "server/start/address.sh": "start body: the address clients and the other nodes reach this node at",
     "server/start/port.sh": "start body: the requested port, or a free one in its window",

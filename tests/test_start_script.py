@@ -642,3 +642,52 @@ def test_setup_lines_run_at_top_level(make_job: Any) -> None:
     job.wait_phase("ready")
     (start,) = job.starts()
     assert start["env"]["SETUP_DECLARED"] == "a b" and start["env"]["SETUP_BLOCK"] == "1"
+
+
+# --- AMX CPUs: the tile permission asked in every Python process (issue 29's SIGILL) -------------------------------
+
+def _cpuinfo(tmp_path: Path, flags: str) -> Path:
+    path = tmp_path / f"cpuinfo-{len(flags)}"
+    path.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 avx2 {flags}\n\n")
+    return path
+
+
+def _has_amx() -> bool:
+    return "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+
+
+def test_amx_cpu_every_python_process_asks_for_the_tile_permission(make_job: Any, tmp_path: Path) -> None:
+    job = make_job()
+    job.start(PBSTK_CPUINFO=str(_cpuinfo(tmp_path, "avx512f amx_bf16 amx_tile amx_int8")))
+    job.wait_phase("ready")
+    (start,) = job.starts()
+    env = start["env"]
+    prelude = job.run_dir / "python-amx"
+    assert env["PYTHONPATH"].split(":")[0] == str(prelude)
+    # the stand-in is a Python process: the prelude ran in it, and asked (granted only where the CPU has AMX)
+    assert env["PBSTK_AMX"] == ("granted" if _has_amx() else "refused")
+    assert "asks for the AMX tile permission" in job.log
+
+
+def test_no_amx_no_prelude(make_job: Any, tmp_path: Path) -> None:
+    job = make_job()
+    job.start(PBSTK_CPUINFO=str(_cpuinfo(tmp_path, "avx512f avx512_bf16")))
+    job.wait_phase("ready")
+    (start,) = job.starts()
+    assert "PBSTK_AMX" not in start["env"]
+    assert "python-amx" not in start["env"].get("PYTHONPATH", "")
+    assert not (job.run_dir / "python-amx").exists()
+
+
+def test_amx_prelude_runs_the_environments_own_sitecustomize(make_job: Any, tmp_path: Path) -> None:
+    job = make_job()
+    job.start(PBSTK_CPUINFO=str(_cpuinfo(tmp_path, "amx_tile")))
+    job.wait_phase("ready")
+    own = tmp_path / "own-site"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITECUSTOMIZE'] = 'ran'\n")
+    env = dict(os.environ, PYTHONPATH=f"{job.run_dir / 'python-amx'}:{own}")
+    out = subprocess.run(["python3", "-c", "import os; print(os.environ.get('PBSTK_AMX'), "  # noqa: S603,S607
+                          "os.environ.get('OWN_SITECUSTOMIZE'))"], env=env, capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.split() == ["granted" if _has_amx() else "refused", "ran"]

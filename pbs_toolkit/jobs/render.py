@@ -89,6 +89,7 @@ START_PARTS = (
     "markers.sh",  # server.json, nodes/K.json, head.json
     "coldstart.sh",  # the start-up timeline, the keyed compile cache, containers (functions)
     "setup.sh",  # the profile's site setup, TMPDIR, the API key, GPU UUIDs
+    "amx.sh",  # AMX CPUs: every Python process asks for the AMX tile permission first
     "launcher.sh",  # several nodes: the launcher starts one copy per node
     "address.sh",  # the address this node is reached at
     "port.sh",  # the port: the requested one or a free one in its window
