@@ -36,8 +36,9 @@ int main(int argc, char **argv) {
   return 0;
 }
 C
-cc -O1 -mamx-tile -o "$dir/tile" "$dir/tile.c" && cc -O1 -mamx-tile -shared -fPIC -o "$dir/tile.so" "$dir/tile.c" \
-  || { echo "cannot compile the probe"; exit 0; }
+if ! cc -O1 -mamx-tile -o "$dir/tile" "$dir/tile.c" || ! cc -O1 -mamx-tile -shared -fPIC -o "$dir/tile.so" "$dir/tile.c"; then
+  echo "cannot compile the probe"; exit 0
+fi
 for mode in none ask ask-exec ask-fork; do
   echo "== C: $mode"; "$dir/tile" "$mode"; echo "  exit $?"
 done
