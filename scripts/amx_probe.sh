@@ -51,12 +51,14 @@ echo "== python with the prelude"
 PYTHONPATH="$dir/prelude" python3 -c "import os; print('  PBSTK_AMX =', os.environ.get('PBSTK_AMX')); $call" "$dir/tile.so"
 echo "  exit $?"
 echo "== a multiprocessing spawn child of a python with the prelude"
-PYTHONPATH="$dir/prelude" python3 - "$dir/tile.so" <<'PYEOF'
+cat >"$dir/spawn.py" <<'PYEOF'
 import ctypes, multiprocessing, sys
 def child(path): ctypes.CDLL(path).tile()
 if __name__ == "__main__":
     p = multiprocessing.get_context("spawn").Process(target=child, args=(sys.argv[1],))
     p.start(); p.join(); print("  spawned child exit", p.exitcode)
 PYEOF
+PYTHONPATH="$dir/prelude" python3 "$dir/spawn.py" "$dir/tile.so"
+echo "== the same spawn child without the prelude"; python3 "$dir/spawn.py" "$dir/tile.so"
 lscpu | grep -E 'Model name|^CPU\(s\)' | sed 's/^/  /'
 uname -r | sed 's/^/  kernel /'
