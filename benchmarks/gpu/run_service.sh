@@ -8,6 +8,11 @@
 # POLICIES="round_robin power_of_two" picks the router policies measured for `service` (default power_of_two, the
 # profile default); C1=0 skips the one-request level;
 # PROMPTS (default 6000) is the number of prompts of each c=256 level (half of it for each side of the pair).
+# LEVELS="256 1024" adds levels to dp2 and service (each PROMPTS prompts, at least 4x the concurrency).
+# Issue 28's load cases (the keeper's log of each kept in OUT_DIR/NAME-keeper.log, its router removals counted):
+#   svc1-c512       a 1-replica service (`serve --replicas 1`) under a c=512 burst of BURST prompts (default 6000)
+#   autoscale-c512  `serve --min-replicas 1 --max-replicas 2 --scale-up-waiting 1 --scale-down-idle 60s`, the same
+#                   burst; the replica count is sampled each second into OUT_DIR/autoscale-c512.replicas
 set -euo pipefail
 out=${1:?usage: run_service.sh OUT_DIR one|service|dp2 [...]}
 shift
@@ -68,6 +73,30 @@ base_of() {  # JOB: its server's base URL, without /v1
   pbstk env "$1" --json | python3 -c 'import json, sys; print(json.load(sys.stdin)["base_url"].removesuffix("/v1"))'
 }
 
+levels() {  # LABEL-PREFIX: the c=256 level, then each of LEVELS past it (the router's load sampled for c=256 only)
+  local c
+  for c in ${LEVELS:-}; do
+    [ "$c" = 256 ] && continue
+    bench "$1-c$c" "$c" "$(( prompts > 4 * c ? prompts : 4 * c ))"
+  done
+}
+
+keeper_log() {  # SERVICE: its keeper's log beside the results, and how often a replica left the router
+  local log="${XDG_STATE_HOME:-$HOME/.local/state}/pbstk/services/$1/keeper.log"
+  cp "$log" "$out/$1-keeper.log" 2>/dev/null || true
+  echo "[$1] keeper: $(grep -c 'from the router' "$out/$1-keeper.log" 2>/dev/null || echo 0) removal(s) from the router, $(grep -c 'added' "$out/$1-keeper.log" 2>/dev/null || echo 0) addition(s)"
+}
+
+count_replicas() {  # SERVICE: one line per second "t routable wanted" (its status) until killed
+  while :; do
+    echo "$(date +%s) $(pbstk status "$1" --json 2>/dev/null | python3 -c 'import json, sys; d = json.load(sys.stdin)[0]; print(d["ready"], d["replicas"])' 2>/dev/null)"
+    sleep 1
+  done >>"$out/$1.replicas"
+}
+
+burst=${BURST:-6000}
+svc_common=(--preset single --gpus-per-node 1 --policy power_of_two)
+
 for what in "$@"; do
   start=$(date +%s)
   case "$what" in
@@ -81,6 +110,8 @@ for what in "$@"; do
       eval "$(pbstk env dp2)"
       b=$(base_of dp2)
       with_load dp2-c256 "$b" -- bench dp2-c256 256 "$prompts"
+      levels dp2
+      [ -z "${BURST_DP2:-}" ] || bench dp2-c512 512 "$burst"
       pbstk cancel dp2 ;;
     service)
       for policy in ${POLICIES:-power_of_two}; do
@@ -92,6 +123,8 @@ for what in "$@"; do
         r0=$(base_of "$svc-r0"); r1=$(base_of "$svc-r1")
         [ "${C1:-1}" = 0 ] || bench "$svc-c1" 1 32
         with_load "$svc-c256" "$r0 $r1" -- bench "$svc-c256" 256 "$prompts"
+        levels "$svc"
+        keeper_log "$svc"
         # the direct pair: the same two replicas driven at once, half the load each (a perfect balancer)
         pair() { bench "$svc-pair-r0-c128" 128 $((prompts / 2)) "$r0" & local a=$!
                  bench "$svc-pair-r1-c128" 128 $((prompts / 2)) "$r1"; wait "$a"; }
@@ -99,6 +132,25 @@ for what in "$@"; do
         pbstk status "$svc" --json >"$out/$svc-status.json" || true
         pbstk cancel "$svc"
       done ;;
+    svc1-c512)
+      pbstk serve "$model" --name svc1 --replicas 1 "${svc_common[@]}" "${common[@]}" --wait --timeout 420
+      eval "$(pbstk env svc1)"
+      bench svc1-c512 512 "$burst"
+      pbstk status svc1
+      keeper_log svc1
+      pbstk cancel svc1 ;;
+    autoscale-c512)
+      pbstk serve "$model" --name auto --min-replicas 1 --max-replicas 2 --scale-up-waiting 1 --scale-down-idle 60s \
+        "${svc_common[@]}" "${common[@]}" --wait --timeout 420
+      eval "$(pbstk env auto)"
+      count_replicas auto & counter=$!
+      t0=$(date +%s)
+      bench autoscale-c512 512 "$burst"
+      kill "$counter" 2>/dev/null || true; wait "$counter" 2>/dev/null || true
+      awk -v t0="$t0" '$2 >= 2 && !s {print "[autoscale-c512] 2 replicas ready " $1 - t0 " s after the burst began"; s=1}' "$out/auto.replicas" || true
+      pbstk status auto
+      keeper_log auto
+      pbstk cancel auto ;;
     *) echo "unknown: $what" >&2; exit 2 ;;
   esac
   echo "== $what took $(( $(date +%s) - start )) s"
