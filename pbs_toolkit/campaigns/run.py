@@ -367,12 +367,16 @@ def _remove_entry(client: Client, target: _Target, hooks: RunHooks) -> None:
 
 
 def _servers(client: Client, target: _Target) -> list[JobRecord]:
-    if target.service is None:
-        return [target.record] if target.record is not None else []
+    """The server's jobs as the store has them now: the wait recorded there where each one answered (the
+    launch's own record in memory does not know it, and the drain would scrape nothing)."""
     from pbs_toolkit.errors import JobNotFound
 
+    if target.service is not None:
+        jobs: list[Any] = [j for s in target.service.slots for j in s.jobs()]
+    else:
+        jobs = [target.record] if target.record is not None else []
     found = []
-    for job in [j for s in target.service.slots for j in s.jobs()]:
+    for job in jobs:
         with suppress(JobNotFound):
             found.append(client.record(job))
     return found

@@ -1,0 +1,95 @@
+"""``pbstk run`` keeps the promises of docs/campaigns.md and docs/registries.md (issue 32): the server is drained
+before it is cancelled, a run takes out of a registry only what it put there, options are refused before
+anything is queued, an interrupt says what happened once, and the job's end is recorded where run ends it.
+
+Real parts: pbstk as a subprocess, the local scheduler and the fake PBS running the stand-in ``vllm``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import helpers
+import pytest
+from helpers import MODEL
+
+from pbs_toolkit.jobs.store import JobStore
+
+TESTS = Path(__file__).resolve().parent
+LOCAL = ("--profile", "local-gpu", "--gpus-per-node", "1", "--preset", "single", "--port", "auto")
+PBS = ("--profile", "generic-pbspro", "--preset", "dp4", "--port", "auto")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(TESTS.parent), **extra}
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pbs_toolkit", *args], capture_output=True, text=True,  # noqa: S603
+                          timeout=timeout, check=False, env=env or _env())
+
+
+def _popen(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "pbs_toolkit", *args], env=_env(), text=True,  # noqa: S603
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _running(base_url: str, key: str) -> float:
+    request = urllib.request.Request(base_url.removesuffix("/v1") + "/metrics",
+                                     headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=10) as answer:  # noqa: S310 - loopback
+        text = answer.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
+
+
+# -- 1. the single-job drain -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["local", "pbs"])
+def test_a_request_in_flight_when_command_ends_completes(where: str, standins: Path, tmp_path: Path,
+                                                         request: pytest.FixtureRequest) -> None:
+    """COMMAND hands its URL and key out and ends while a slow request runs: run drains before it cancels."""
+    if where == "pbs":
+        request.getfixturevalue("fakepbs")
+    options = LOCAL if where == "local" else PBS
+    seen, go = tmp_path / "seen", tmp_path / "go"
+    command = f'echo "$OPENAI_BASE_URL $OPENAI_API_KEY" > {seen}.tmp && mv {seen}.tmp {seen}; ' \
+              f'while [ ! -e {go} ]; do sleep 0.1; done'
+    proc = _popen("run", MODEL, *options, "--name", "dr", "--", "sh", "-c", command)
+    answer: dict[str, Any] = {}
+    try:
+        helpers.until(seen.exists, timeout=90, what="COMMAND to start")
+        base_url, key = seen.read_text().split()
+
+        def slow() -> None:
+            body = json.dumps({"prompt": "hi", "max_tokens": 4, "standin_delay_s": 4}).encode()
+            post = urllib.request.Request(f"{base_url}/completions", data=body, method="POST",
+                                          headers={"Authorization": f"Bearer {key}",
+                                                   "Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(post, timeout=60) as reply:  # noqa: S310 - loopback
+                    answer["status"] = reply.status
+            except OSError as exc:
+                answer["error"] = repr(exc)
+
+        client = threading.Thread(target=slow)
+        client.start()
+        helpers.until(lambda: _running(base_url, key) >= 1, timeout=30, what="the slow request to run")
+        go.touch()  # COMMAND ends with the request in flight
+        _, err = proc.communicate(timeout=120)
+        client.join(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert answer == {"status": 200}, (answer, err)
+    job = JobStore().find("dr").job_id
+    assert f"pbstk: draining {job}: 1 request(s) still in flight" in err, err
+    assert err.index("pbstk: draining") < err.index(f"pbstk: cancelled {job}"), err
