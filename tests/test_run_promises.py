@@ -93,3 +93,38 @@ def test_a_request_in_flight_when_command_ends_completes(where: str, standins: P
     job = JobStore().find("dr").job_id
     assert f"pbstk: draining {job}: 1 request(s) still in flight" in err, err
     assert err.index("pbstk: draining") < err.index(f"pbstk: cancelled {job}"), err
+
+
+# -- 3. refused before anything is queued ----------------------------------------------------------------
+
+
+def test_bad_registry_and_entry_options_are_refused_before_qsub(standins: Path, fakepbs: Path,
+                                                                tmp_path: Path) -> None:
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    (readonly / "endpoints.yaml").write_text("endpoints: {}\n")
+    readonly.chmod(0o555)
+    (tmp_path / "adir").mkdir()
+    cases = [
+        (("--registry", str(tmp_path / "endpoints.txt")), 8, "cannot tell the registry format"),
+        (("--registry", str(readonly / "endpoints.yaml")), 8, str(readonly)),
+        (("--registry", "/dev/null"), 8, "/dev/null"),
+        (("--registry", str(tmp_path / "adir")), 8, "adir"),
+        (("--registry", str(tmp_path / "e.py"), "--alias", "two\nlines"), 8, "alias"),
+        (("--registry", str(tmp_path / "e.py"), "--format", "toml"), 8, "does not match the suffix"),
+        (("--alias", "qwen"), 2, "--registry"),
+        (("--format", "yaml"), 2, "--registry"),
+    ]
+    try:
+        for options, code, says in cases:
+            refused = cli("run", MODEL, *PBS, "--name", "bad", *options, "--", "true")
+            assert refused.returncode == code, (options, refused.stderr)
+            lines = refused.stderr.splitlines()
+            assert len(lines) == 1 and lines[0].startswith("pbstk: error: ") and says in lines[0], (options, lines)
+            assert helpers.fake_jobs(fakepbs) == {}, options  # no qsub happened
+        reused = cli("run", "--reuse", "nosuch", "--registry", "/dev/null", "--", "true")
+        assert reused.returncode == 8 and "/dev/null" in reused.stderr, reused.stderr
+    finally:
+        readonly.chmod(0o755)
+    assert not list(JobStore().all())  # nothing launched, nothing recorded
+    assert not (tmp_path / "e.py").exists()

@@ -119,10 +119,23 @@ def check_command(command: Sequence[str]) -> None:
         raise UsageError(f"COMMAND {program!r} is not executable")
 
 
+def check_plan(plan: RunPlan) -> None:
+    """Refuse, before anything is launched or waited for, what would only fail later: COMMAND, and the registry
+    (the file, its format, the alias) where one is given; ``--alias``/``--format`` without ``--registry``."""
+    from pbs_toolkit.endpoints import check_registry_for
+
+    check_command(plan.command)
+    if plan.registry is None:
+        if plan.alias is not None or plan.fmt != "auto":
+            raise UsageError("--alias and --format describe the entry --registry writes; give --registry too")
+        return
+    check_registry_for(plan.registry, plan.fmt, plan.alias)
+
+
 def run(client: Client, plan: RunPlan, hooks: RunHooks | None = None) -> int:
     """The whole of ``pbstk run``; returns COMMAND's exit status (``PbstkError`` when no COMMAND ran)."""
     hooks = hooks or RunHooks()
-    check_command(plan.command)
+    check_plan(plan)
     target = _Target()
     code: int | None = None
     with _terminating():
