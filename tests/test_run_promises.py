@@ -128,3 +128,76 @@ def test_bad_registry_and_entry_options_are_refused_before_qsub(standins: Path, 
         readonly.chmod(0o755)
     assert not list(JobStore().all())  # nothing launched, nothing recorded
     assert not (tmp_path / "e.py").exists()
+
+
+# -- 2. a run removes only what it added ---------------------------------------------------------------------
+
+HAND_WRITTEN = '''# my endpoints, kept by hand
+ENDPOINTS = {
+    "theirs": {"model": "m", "url": "http://10.0.0.9:8000/v1", "key": "EMPTY"},  # a colleague's
+}
+'''
+
+
+def _launched(name: str) -> str:
+    out = cli("launch", MODEL, *LOCAL, "--name", name, "--wait", "--timeout", "60")
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()[1]
+
+
+def _url(job: str) -> str:
+    return str(helpers.status_of(job)["url"])
+
+
+def test_run_reuse_puts_back_the_alias_it_re_pointed(standins: Path, tmp_path: Path) -> None:
+    """``update-endpoint svc --alias other``, then ``run --reuse j1 --alias other``: during the run ``other``
+    is j1's; after it the file is as it was, byte for byte, and svc's entry is still svc's to take back."""
+    registry, during = tmp_path / "endpoints.py", tmp_path / "during.py"
+    registry.write_text(HAND_WRITTEN)
+    svc, j1 = _launched("svc"), _launched("j1")
+    added = cli("update-endpoint", svc, "--registry", str(registry), "--alias", "other")
+    assert added.returncode == 0, added.stderr
+    before = registry.read_bytes()
+    ran = cli("run", "--reuse", j1, "--registry", str(registry), "--alias", "other", "--",
+              "cp", str(registry), str(during))
+    assert ran.returncode == 0, ran.stderr
+    assert _url(j1) in during.read_text() and _url(svc) not in during.read_text()  # j1's during the run
+    assert registry.read_bytes() == before, ran.stderr  # svc's again, byte for byte
+    assert "put 'other'" in ran.stderr and "back as it was" in ran.stderr, ran.stderr
+    # the store knows the entry as svc's again: svc's end takes it out (it would stay there otherwise)
+    assert cli("cancel", svc).returncode == 0
+    assert "other" not in registry.read_text() and "theirs" in registry.read_text()
+    assert helpers.status_of(j1)["state"] == "READY"
+    assert cli("cancel", j1).returncode == 0
+
+
+def test_run_reuse_keeps_the_jobs_own_alias_and_the_readme_pairing(standins: Path, tmp_path: Path) -> None:
+    """An alias that already pointed at the reused job (`update-endpoint j1 --alias mine`, the README's
+    `update-endpoint qwen` then `run --reuse qwen --registry R`) is the user's: still there, still j1's, after."""
+    registry, data = tmp_path / "endpoints.py", tmp_path / "endpoints.yaml"
+    registry.write_text(HAND_WRITTEN)
+    j1 = _launched("qwen")
+    assert cli("update-endpoint", j1, "--registry", str(registry), "--alias", "mine").returncode == 0
+    assert cli("update-endpoint", "qwen", "--registry", str(data)).returncode == 0  # alias: the job's name
+    py_before, yaml_before = registry.read_bytes(), data.read_bytes()
+    for options in (("--registry", str(registry), "--alias", "mine"), ("--registry", str(data))):
+        ran = cli("run", "--reuse", "qwen", *options, "--", "true")
+        assert ran.returncode == 0, ran.stderr
+    assert registry.read_bytes() == py_before and data.read_bytes() == yaml_before
+    # still recorded as the job's: its end takes both out, as update-endpoint promised
+    assert cli("cancel", j1).returncode == 0
+    assert "mine" not in registry.read_text() and "theirs" in registry.read_text()
+    assert "qwen" not in data.read_text()
+
+
+def test_run_that_launches_puts_back_a_hand_written_entry(standins: Path, tmp_path: Path) -> None:
+    """A run that launched its own server over the user's own alias (no job wrote it) restores it too, and a
+    new alias is still removed."""
+    registry = tmp_path / "endpoints.py"
+    registry.write_text(HAND_WRITTEN)
+    before = registry.read_bytes()
+    for alias in ("theirs", "fresh"):
+        ran = cli("run", MODEL, *LOCAL, "--name", f"l-{alias}", "--registry", str(registry), "--alias", alias,
+                  "--", "true")
+        assert ran.returncode == 0, ran.stderr
+        assert registry.read_bytes() == before, (alias, ran.stderr)

@@ -101,6 +101,7 @@ class _Target:
     service: ServiceRecord | None = None
     launched: bool = False
     entry: Any = None  # the registry entry written (an EndpointUpdate)
+    prior: Any = None  # the registry before it (endpoints/register.py ``Prior``): what the end puts back
 
     @property
     def name(self) -> str:
@@ -230,13 +231,17 @@ def _environment(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks
     tunnel = plan.tunnel or (bool(transport) and not reachable(urlsplit(endpoint_url(st)).hostname, st.port))
     local_url = None
     if plan.registry is not None:
+        from pbs_toolkit.endpoints.register import note_prior
+
+        target.prior = note_prior(client.store, plan.registry, plan.fmt)
         if target.service is not None:
             target.entry = client.update_service_endpoint(target.service, plan.registry, fmt=plan.fmt,
                                                           alias=plan.alias, via_tunnel=tunnel)
         else:
             target.entry = client.update_endpoint(st.record, plan.registry, fmt=plan.fmt, alias=plan.alias,
                                                   timeout=plan.timeout, via_tunnel=tunnel)
-        hooks.notice(f"{target.entry.registry}: {target.entry.alias} -> {target.entry.url} (removed at the end)")
+        back = "put back" if target.entry.alias in target.prior.aliases() else "removed"
+        hooks.notice(f"{target.entry.registry}: {target.entry.alias} -> {target.entry.url} ({back} at the end)")
         local_url = client.tunnels[-1].url if tunnel else None
     elif tunnel:
         local_url = client.tunnel(st)[1].url
@@ -362,9 +367,19 @@ def usage_line(client: Client, ref: str) -> str | None:
 
 
 def _remove_entry(client: Client, target: _Target, hooks: RunHooks) -> None:
+    """Take out the entry this run added, or put back the one it replaced: a run removes only what it added."""
+    from pbs_toolkit.endpoints.register import give_back
     from pbs_toolkit.endpoints.retire import retire
 
     update = target.entry
+    try:
+        given = give_back(client.store, target.prior, update) if target.prior is not None else None
+    except PbstkError as exc:
+        hooks.notice(f"warning: the entry {update.alias} in {update.registry} was not put back: {exc.message}")
+        return
+    if given is not None:
+        client.on_removal(given)
+        return
     if target.service is not None:
         from pbs_toolkit.services.entry import service_job_record
 

@@ -19,8 +19,8 @@ from pbs_toolkit.errors import RegistryError, UsageError
 from pbs_toolkit.jobs.store import JobRecord, JobStore, RegistryEntry
 from pbs_toolkit.schema import stamp
 
-#: what happened to one entry
-REMOVED, ABSENT, REPOINTED, FAILED = "removed", "absent", "re-pointed", "failed"
+#: what happened to one entry (``restored``: the entry it replaced is back, ``pbstk run``'s end)
+REMOVED, ABSENT, REPOINTED, FAILED, RESTORED = "removed", "absent", "re-pointed", "failed", "restored"
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Removal:
     outcome: str
     url: str | None = None
     job_id: str | None = None
-    #: the URL the alias points to now (re-pointed), or why the removal failed
+    #: the URL the alias points to now (re-pointed, restored), or why the removal failed
     detail: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -46,6 +46,8 @@ class Removal:
         if self.outcome == REPOINTED:
             return (f"pbstk: note: left {self.alias!r} in {self.registry}: it now points to {self.detail}, "
                     f"not to {self.url}{job}")
+        if self.outcome == RESTORED:
+            return f"pbstk: note: put {self.alias!r} in {self.registry} back as it was: -> {self.detail}"
         if self.outcome == FAILED:
             return (f"pbstk: warning: could not remove {self.alias!r} from {self.registry}: {self.detail}; "
                     f"remove it with `pbstk update-endpoint --remove {self.alias} --registry {self.registry}`")
