@@ -201,3 +201,21 @@ def test_run_that_launches_puts_back_a_hand_written_entry(standins: Path, tmp_pa
                   "--", "true")
         assert ran.returncode == 0, ran.stderr
         assert registry.read_bytes() == before, (alias, ran.stderr)
+
+
+# -- the end recorded where run ends it ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["local", "pbs"])
+def test_pbstk_jobs_shows_the_end_once_run_has_ended(where: str, standins: Path, tmp_path: Path,
+                                                     request: pytest.FixtureRequest) -> None:
+    if where == "pbs":
+        request.getfixturevalue("fakepbs")
+    ran = cli("run", MODEL, *(LOCAL if where == "local" else PBS), "--name", "fin", "--", "true")
+    assert ran.returncode == 0, ran.stderr
+    # no status call in between: the store already has the end
+    assert JobStore().find("fin").final_state == "CANCELLED"
+    listed = cli("jobs")
+    assert listed.returncode == 0 and "fin" not in listed.stdout, listed.stdout
+    everything = cli("jobs", "--all")
+    assert "CANCELLED" in everything.stdout and "active" not in everything.stdout, everything.stdout

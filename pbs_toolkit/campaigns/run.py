@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 #: signals passed on to COMMAND (and, before it runs, turned into a cancel of what was launched)
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: the most the end looks for the scheduler to confirm the cancelled jobs ended (to record it)
+SETTLE_S = 30.0
 
 
 def grace_seconds() -> float:
@@ -344,6 +346,7 @@ def _finish(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks, int
     except PbstkError as exc:
         hooks.notice(f"warning: {target.name} was not cancelled: {exc.message}; `pbstk cancel {target.name}`")
         return
+    _settle(client, _servers(client, target), interrupts)
     summary = usage_line(client, target.service.name if target.service else target.name)
     if summary:
         hooks.notice(summary)
@@ -422,6 +425,21 @@ def _drain(client: Client, target: _Target, hooks: RunHooks, interrupts: list[in
         if not said:
             hooks.notice(f"draining {target.name}: {busy:g} request(s) still in flight")
             said = True
+        time.sleep(0.5)
+
+
+def _settle(client: Client, records: list[JobRecord], interrupts: list[int]) -> None:
+    """Look (at most ``SETTLE_S``; a further signal ends it) until the scheduler says the cancelled jobs ended:
+    each look records an end in the store, so ``pbstk jobs`` shows it now, not after the next ``status``."""
+    deadline = time.monotonic() + SETTLE_S
+    pending = [r for r in records if not r.final_state]
+    while pending and not interrupts:
+        try:
+            pending = [st.record for st in client.status(*pending) if not st.record.final_state]
+        except PbstkError:
+            return  # the next status records it
+        if not pending or time.monotonic() >= deadline:
+            return
         time.sleep(0.5)
 
 
