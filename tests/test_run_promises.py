@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -36,9 +37,14 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> 
                           timeout=timeout, check=False, env=env or _env())
 
 
-def _popen(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "pbs_toolkit", *args], env=_env(), text=True,  # noqa: S603
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a test runner may have it ignored: Ctrl-C must act
+
+
+def _popen(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "pbs_toolkit", *args], env=env or _env(), text=True,  # noqa: S603
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_default_sigint)  # noqa: PLW1509 - before exec, nothing else
 
 
 def _running(base_url: str, key: str) -> float:
@@ -219,3 +225,71 @@ def test_pbstk_jobs_shows_the_end_once_run_has_ended(where: str, standins: Path,
     assert listed.returncode == 0 and "fin" not in listed.stdout, listed.stdout
     everything = cli("jobs", "--all")
     assert "CANCELLED" in everything.stdout and "active" not in everything.stdout, everything.stdout
+
+
+# -- an interrupt says what happened, once --------------------------------------------------------------------
+
+
+def _stderr_lines(proc: subprocess.Popen[str]) -> tuple[list[str], threading.Thread]:
+    """``proc``'s stderr lines as they come, and the thread that reads them (it ends with the pipe)."""
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in iter(proc.stderr.readline, ""):
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return lines, reader
+
+
+def test_sigint_during_qsub_is_cancelled_and_said_once(standins: Path, fakepbs: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    helpers.set_faults(fakepbs, slow_qsub=2.0)
+    proc = _popen("run", MODEL, *PBS, "--name", "sub", "--", "touch", str(marker))
+    try:
+        helpers.until(lambda: helpers.fake_jobs(fakepbs), timeout=60, what="qsub to create the job")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    job = JobStore().find("sub").job_id
+    assert "stop it with" not in err and "left as it is" not in err, err  # it is not left: run cancels it
+    assert f"pbstk: interrupted while {job} was submitted" in err and f"pbstk: cancelled {job}" in err, err
+    assert not marker.exists()
+    helpers.until(lambda: set(helpers.fake_jobs(fakepbs).values()) == {"F"}, timeout=30, what="the job to end")
+
+
+ROUTER = Path(sys.executable).parent / "vllm-router"
+
+
+@pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
+def test_ctrl_c_during_a_services_wait_cancels_it_and_says_so_once(standins: Path, isolated_user: Path,
+                                                                   tmp_path: Path) -> None:
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "svc.yaml").write_text(
+        "name: svc\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
+        f"address: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
+    env = _env(PBSTK_SERVICE_POLL_S="0.5", PBSTK_TEST_STANDIN_MODE="hang")
+    proc = _popen("run", MODEL, "--profile", "svc", "--preset", "single", "--replicas", "2", "--name", "sw",
+                  "--", "true", env=env)
+    lines, reader = _stderr_lines(proc)
+    try:
+        helpers.until(lambda: any(line.startswith("pbstk: launched sw") for line in lines), timeout=90,
+                      what="the service to be launched and waited for")
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=30)
+    err = "".join(lines)
+    assert proc.returncode == 130, err
+    assert "left as it is" not in err and "pbstk cancel sw" not in err, err  # it was not left: it was cancelled
+    assert err.count("SIGINT received before COMMAND ran") == 1 and err.count("pbstk: cancelled sw") == 1, err
+    status = cli("status", "sw", "--json", env=env)
+    assert json.loads(status.stdout)[0]["state"] == "CANCELLED", status.stdout

@@ -150,6 +150,9 @@ def run(client: Client, plan: RunPlan, hooks: RunHooks | None = None) -> int:
         except _Stopped as stop:
             hooks.notice(f"{signal.Signals(stop.signum).name} received before COMMAND ran")
             code = 128 + stop.signum
+        except KeyboardInterrupt:  # Ctrl-C while launching or waiting: what was launched is cancelled below
+            hooks.notice("SIGINT received before COMMAND ran")
+            code = 128 + signal.SIGINT
         except _Launched as launched:  # interrupted while submitting: the job is cancelled below
             target.record, target.launched = launched.record, True
             hooks.notice(f"interrupted while {launched.record.job_id} was submitted")

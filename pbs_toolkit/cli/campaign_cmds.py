@@ -119,7 +119,7 @@ def _wait_job(c: Any, record: Any, timeout: float) -> Any:
 def _wait_service(c: Any, svc: Any, timeout: float) -> Any:
     from pbs_toolkit.cli.service_cmds import wait_service
 
-    return wait_service(c, svc, timeout, False)
+    return wait_service(c, svc, timeout, False, hint=False)  # Ctrl-C cancels it here: run says so
 
 
 @click.command("usage")
