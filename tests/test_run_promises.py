@@ -293,3 +293,20 @@ def test_ctrl_c_during_a_services_wait_cancels_it_and_says_so_once(standins: Pat
     assert err.count("SIGINT received before COMMAND ran") == 1 and err.count("pbstk: cancelled sw") == 1, err
     status = cli("status", "sw", "--json", env=env)
     assert json.loads(status.stdout)[0]["state"] == "CANCELLED", status.stdout
+
+
+def test_run_through_a_tunnel_puts_back_the_jobs_own_alias(standins: Path, tmp_path: Path) -> None:
+    """With --via-tunnel the entry (the tunnel's URL) is also taken back when the tunnel closes: that must not
+    undo the put-back, nor forget that the entry is the reused job's."""
+    registry = tmp_path / "endpoints.py"
+    registry.write_text(HAND_WRITTEN)
+    j1 = _launched("tj")
+    assert cli("update-endpoint", j1, "--registry", str(registry), "--alias", "mine").returncode == 0
+    before = registry.read_bytes()
+    ran = cli("run", "--reuse", j1, "--via-tunnel", "--registry", str(registry), "--alias", "mine", "--", "true")
+    assert ran.returncode == 0, ran.stderr
+    assert "through a tunnel" in ran.stderr, ran.stderr
+    assert registry.read_bytes() == before, ran.stderr
+    assert "it now points to" not in ran.stderr, ran.stderr  # no account of a removal that did not happen
+    assert cli("cancel", j1).returncode == 0
+    assert "mine" not in registry.read_text()  # still the job's: its end took it out

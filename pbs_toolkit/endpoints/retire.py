@@ -125,7 +125,16 @@ def remember(store: JobStore, record: JobRecord, result: Any, *, keep: bool, tun
                           keep=keep)
     store.add_registry_entry(entry)
     if tunnel is not None:
-        tunnel.on_close(lambda: retire(store, record, entries=[entry], notice=notice))
+        tunnel.on_close(lambda: _retire_if_recorded(store, record, entry, notice))
+
+
+def _retire_if_recorded(store: JobStore, record: JobRecord, entry: RegistryEntry,
+                        notice: Callable[[Removal], None] | None) -> None:
+    """A tunnel's entry when the tunnel closes, unless already taken back (the job's end, or ``pbstk run``'s
+    end putting back the entry it had replaced: the store's row is then that entry's, and must stay)."""
+    key = (entry.registry, entry.alias, entry.url)
+    if any((e.registry, e.alias, e.url) == key for e in store.registry_entries(record)):
+        retire(store, record, entries=[entry], notice=notice)
 
 
 def retire_ended(store: JobStore, records: list[JobRecord], notice: Callable[[Removal], None] | None = None) -> None:
