@@ -310,3 +310,30 @@ def test_run_through_a_tunnel_puts_back_the_jobs_own_alias(standins: Path, tmp_p
     assert "it now points to" not in ran.stderr, ran.stderr  # no account of a removal that did not happen
     assert cli("cancel", j1).returncode == 0
     assert "mine" not in registry.read_text()  # still the job's: its end took it out
+
+
+@pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
+def test_the_readme_service_pairing_keeps_the_services_entry(standins: Path, isolated_user: Path,
+                                                             tmp_path: Path) -> None:
+    """README: `serve --name qwen`, `update-endpoint qwen --registry R`; docs/campaigns.md: `run --reuse qwen
+    --registry R`. The service's entry is there after the run, and the service's cancel still takes it out."""
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "svc.yaml").write_text(
+        "name: svc\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
+        f"address: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
+    env = _env(PBSTK_SERVICE_POLL_S="0.5", PBSTK_TEST_STANDIN_DELAY="0")
+    registry = tmp_path / "endpoints.py"
+    served = cli("serve", MODEL, "--profile", "svc", "--preset", "single", "--replicas", "2", "--name", "qwen",
+                 "--wait", env=env)
+    assert served.returncode == 0, served.stderr
+    try:
+        assert cli("update-endpoint", "qwen", "--registry", str(registry), env=env).returncode == 0
+        before = registry.read_bytes()
+        assert b"qwen" in before
+        ran = cli("run", "--reuse", "qwen", "--registry", str(registry), "--", "true", env=env)
+        assert ran.returncode == 0, ran.stderr
+        assert registry.read_bytes() == before, ran.stderr
+    finally:
+        assert cli("cancel", "qwen", env=env).returncode == 0
+    assert "qwen" not in registry.read_text()
