@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 #: signals passed on to COMMAND (and, before it runs, turned into a cancel of what was launched)
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: the most the end looks for the scheduler to confirm the cancelled jobs ended (to record it)
+SETTLE_S = 30.0
 
 
 def grace_seconds() -> float:
@@ -101,6 +103,7 @@ class _Target:
     service: ServiceRecord | None = None
     launched: bool = False
     entry: Any = None  # the registry entry written (an EndpointUpdate)
+    prior: Any = None  # the registry before it (endpoints/register.py ``Prior``): what the end puts back
 
     @property
     def name(self) -> str:
@@ -119,10 +122,23 @@ def check_command(command: Sequence[str]) -> None:
         raise UsageError(f"COMMAND {program!r} is not executable")
 
 
+def check_plan(plan: RunPlan) -> None:
+    """Refuse, before anything is launched or waited for, what would only fail later: COMMAND, and the registry
+    (the file, its format, the alias) where one is given; ``--alias``/``--format`` without ``--registry``."""
+    from pbs_toolkit.endpoints import check_registry_for
+
+    check_command(plan.command)
+    if plan.registry is None:
+        if plan.alias is not None or plan.fmt != "auto":
+            raise UsageError("--alias and --format describe the entry --registry writes; give --registry too")
+        return
+    check_registry_for(plan.registry, plan.fmt, plan.alias)
+
+
 def run(client: Client, plan: RunPlan, hooks: RunHooks | None = None) -> int:
     """The whole of ``pbstk run``; returns COMMAND's exit status (``PbstkError`` when no COMMAND ran)."""
     hooks = hooks or RunHooks()
-    check_command(plan.command)
+    check_plan(plan)
     target = _Target()
     code: int | None = None
     with _terminating():
@@ -134,6 +150,9 @@ def run(client: Client, plan: RunPlan, hooks: RunHooks | None = None) -> int:
         except _Stopped as stop:
             hooks.notice(f"{signal.Signals(stop.signum).name} received before COMMAND ran")
             code = 128 + stop.signum
+        except KeyboardInterrupt:  # Ctrl-C while launching or waiting: what was launched is cancelled below
+            hooks.notice("SIGINT received before COMMAND ran")
+            code = 128 + signal.SIGINT
         except _Launched as launched:  # interrupted while submitting: the job is cancelled below
             target.record, target.launched = launched.record, True
             hooks.notice(f"interrupted while {launched.record.job_id} was submitted")
@@ -217,13 +236,17 @@ def _environment(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks
     tunnel = plan.tunnel or (bool(transport) and not reachable(urlsplit(endpoint_url(st)).hostname, st.port))
     local_url = None
     if plan.registry is not None:
+        from pbs_toolkit.endpoints.register import note_prior
+
+        target.prior = note_prior(client.store, plan.registry, plan.fmt)
         if target.service is not None:
             target.entry = client.update_service_endpoint(target.service, plan.registry, fmt=plan.fmt,
                                                           alias=plan.alias, via_tunnel=tunnel)
         else:
             target.entry = client.update_endpoint(st.record, plan.registry, fmt=plan.fmt, alias=plan.alias,
                                                   timeout=plan.timeout, via_tunnel=tunnel)
-        hooks.notice(f"{target.entry.registry}: {target.entry.alias} -> {target.entry.url} (removed at the end)")
+        back = "put back" if target.entry.alias in target.prior.aliases() else "removed"
+        hooks.notice(f"{target.entry.registry}: {target.entry.alias} -> {target.entry.url} ({back} at the end)")
         local_url = client.tunnels[-1].url if tunnel else None
     elif tunnel:
         local_url = client.tunnel(st)[1].url
@@ -326,6 +349,7 @@ def _finish(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks, int
     except PbstkError as exc:
         hooks.notice(f"warning: {target.name} was not cancelled: {exc.message}; `pbstk cancel {target.name}`")
         return
+    _settle(client, _servers(client, target), interrupts)
     summary = usage_line(client, target.service.name if target.service else target.name)
     if summary:
         hooks.notice(summary)
@@ -349,9 +373,19 @@ def usage_line(client: Client, ref: str) -> str | None:
 
 
 def _remove_entry(client: Client, target: _Target, hooks: RunHooks) -> None:
+    """Take out the entry this run added, or put back the one it replaced: a run removes only what it added."""
+    from pbs_toolkit.endpoints.register import give_back
     from pbs_toolkit.endpoints.retire import retire
 
     update = target.entry
+    try:
+        given = give_back(client.store, target.prior, update) if target.prior is not None else None
+    except PbstkError as exc:
+        hooks.notice(f"warning: the entry {update.alias} in {update.registry} was not put back: {exc.message}")
+        return
+    if given is not None:
+        client.on_removal(given)
+        return
     if target.service is not None:
         from pbs_toolkit.services.entry import service_job_record
 
@@ -367,12 +401,16 @@ def _remove_entry(client: Client, target: _Target, hooks: RunHooks) -> None:
 
 
 def _servers(client: Client, target: _Target) -> list[JobRecord]:
-    if target.service is None:
-        return [target.record] if target.record is not None else []
+    """The server's jobs as the store has them now: the wait recorded there where each one answered (the
+    launch's own record in memory does not know it, and the drain would scrape nothing)."""
     from pbs_toolkit.errors import JobNotFound
 
+    if target.service is not None:
+        jobs: list[Any] = [j for s in target.service.slots for j in s.jobs()]
+    else:
+        jobs = [target.record] if target.record is not None else []
     found = []
-    for job in [j for s in target.service.slots for j in s.jobs()]:
+    for job in jobs:
         with suppress(JobNotFound):
             found.append(client.record(job))
     return found
@@ -390,6 +428,21 @@ def _drain(client: Client, target: _Target, hooks: RunHooks, interrupts: list[in
         if not said:
             hooks.notice(f"draining {target.name}: {busy:g} request(s) still in flight")
             said = True
+        time.sleep(0.5)
+
+
+def _settle(client: Client, records: list[JobRecord], interrupts: list[int]) -> None:
+    """Look (at most ``SETTLE_S``; a further signal ends it) until the scheduler says the cancelled jobs ended:
+    each look records an end in the store, so ``pbstk jobs`` shows it now, not after the next ``status``."""
+    deadline = time.monotonic() + SETTLE_S
+    pending = [r for r in records if not r.final_state]
+    while pending and not interrupts:
+        try:
+            pending = [st.record for st in client.status(*pending) if not st.record.final_state]
+        except PbstkError:
+            return  # the next status records it
+        if not pending or time.monotonic() >= deadline:
+            return
         time.sleep(0.5)
 
 

@@ -25,8 +25,8 @@ from pbs_toolkit.cli.options import (
 
 _RUN_EPILOG = """\b
 Exit status: COMMAND's own (128+N when signal N ended it). Before COMMAND runs, pbstk's own codes: 2 bad input
-(COMMAND not found too), 3 scheduler, 4 SSH, 5 server failed, 6 timeout, 7 unknown --reuse name, 8 registry,
-11 weights not staged (--stage stages them first);
+(COMMAND not found too), 3 scheduler, 4 SSH, 5 server failed, 6 timeout, 7 unknown --reuse name, 8 registry
+(a bad --registry is refused before anything is launched), 11 weights not staged (--stage stages them first);
 130 (Ctrl-C) or 143 (SIGTERM) when interrupted while waiting (what was launched is cancelled).
 """
 
@@ -73,7 +73,7 @@ def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None,
     `pbstk env` exports; its stdout and stderr are its own, pbstk's lines go to stderr. Ctrl-C and SIGTERM go to
     COMMAND first (killed 10 s later, PBSTK_RUN_GRACE_S), then the server is cancelled.
     """
-    from pbs_toolkit.campaigns.run import RunHooks, RunPlan, run
+    from pbs_toolkit.campaigns.run import RunHooks, RunPlan, check_plan, run
     from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
 
@@ -97,10 +97,8 @@ def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None,
                    api_key=read_key_env(api_key_env, os.environ), use_api_key=not no_api_key,
                    registry=registry, alias=alias, fmt=fmt, keep=keep, tunnel=via_tunnel, timeout=timeout,
                    stage=stage_weights)
+    check_plan(plan)  # COMMAND and the registry, before anything renders, connects or is queued
     if model is not None:
-        from pbs_toolkit.campaigns.run import check_command
-
-        check_command(command)  # before anything renders or connects
         plan.request = build_request(model, scheduler=scheduler, ssh_host=ssh_host, **kw)
     with Client(accept_new_host_key=accept_new_host_key) as c:
         code = run(c, plan, RunHooks(notice=_notice, wait_job=_wait_job, wait_service=_wait_service))
@@ -121,7 +119,7 @@ def _wait_job(c: Any, record: Any, timeout: float) -> Any:
 def _wait_service(c: Any, svc: Any, timeout: float) -> Any:
     from pbs_toolkit.cli.service_cmds import wait_service
 
-    return wait_service(c, svc, timeout, False)
+    return wait_service(c, svc, timeout, False, hint=False)  # Ctrl-C cancels it here: run says so
 
 
 @click.command("usage")

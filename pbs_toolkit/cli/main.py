@@ -55,9 +55,19 @@ class PbstkGroup(click.Group):
             for line in exc.details:
                 click.echo(f"  | {one_line(line)}", err=True)
             ctx.exit(exc.exit_code)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            _echo_notes(exc)
             click.echo("pbstk: interrupted", err=True)
             ctx.exit(130)
+        except SystemExit as exc:  # a SIGTERM or SIGHUP that a launch held until its job was recorded
+            _echo_notes(exc)
+            raise
+
+
+def _echo_notes(exc: BaseException) -> None:
+    """The lines the library attached to an interrupt (``add_note``: which job was submitted meanwhile)."""
+    for note in getattr(exc, "__notes__", ()):
+        click.echo(one_line(note), err=True)
 
 
 @click.group(cls=PbstkGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

@@ -258,11 +258,14 @@ class _ServiceLine:
                      f"{'running' if st.router_running else 'not running'}"
 
 
-def wait_service(c: Any, svc: Any, timeout: float, quiet: bool) -> Any:
-    """``wait NAME`` (and ``--wait`` of metrics/bench): the service's wait, with the progress line of a job's."""
+def wait_service(c: Any, svc: Any, timeout: float, quiet: bool, *, hint: bool = True) -> Any:
+    """``wait NAME`` (and ``--wait`` of metrics/bench): the service's wait, with the progress line of a job's.
+    ``hint``: Ctrl-C says the service was left as it is (not for a caller that stops it then: ``pbstk run``)."""
+    from contextlib import nullcontext
+
     from pbs_toolkit.cli.progress import interrupt_hint, progress_printer
 
-    with interrupt_hint(svc.name), progress_printer(quiet) as show:
+    with interrupt_hint(svc.name) if hint else nullcontext(), progress_printer(quiet) as show:
         return c.wait_service(svc, timeout, lambda st, elapsed: show(_ServiceLine(st), elapsed))
 
 

@@ -72,13 +72,29 @@ def check_registry(
     file and its directory are writable, that an existing file parses, and that the alias fits the format.
     Returns the format. The write itself checks all of this again under the lock.
     """
+    return check_registry_for(registry, fmt, alias or default_alias(record), model=record.served_model_name,
+                              key_env=record.api_key_env or NO_KEY_ENV, follow_symlink=follow_symlink,
+                              force_format=force_format)
+
+
+def check_registry_for(
+    registry: str | None,
+    fmt: str = "auto",
+    alias: str | None = None,
+    *,
+    model: str = "model",
+    key_env: str = NO_KEY_ENV,
+    follow_symlink: bool = False,
+    force_format: bool = False,
+) -> str:
+    """:func:`check_registry` before there is a job (``pbstk run`` checks before it launches one): the file, the
+    format and ``alias`` (``None``: only the file and format, the job's name being pbstk's own). The format."""
     from pbs_toolkit.endpoints.entry import validate_entry
     from pbs_toolkit.endpoints.registry import EndpointEntry, check_target
 
     path, kind = check_target(registry, fmt, follow_symlink=follow_symlink, force_format=force_format)
-    placeholder = EndpointEntry(alias=alias or default_alias(record), model=record.served_model_name,
-                                url="http://node:1/v1", key_env=record.api_key_env or NO_KEY_ENV)
-    validate_entry(placeholder, kind, path)
+    if alias is not None:
+        validate_entry(EndpointEntry(alias=alias, model=model, url="http://node:1/v1", key_env=key_env), kind, path)
     return kind
 
 

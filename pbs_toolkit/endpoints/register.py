@@ -7,13 +7,15 @@ the job in the store (endpoints/retire.py takes it back when the job ends, unles
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pbs_toolkit.endpoints import EndpointUpdate
     from pbs_toolkit.endpoints.retire import Removal
     from pbs_toolkit.jobs.status import JobStatus
-    from pbs_toolkit.jobs.store import JobRecord, JobStore
+    from pbs_toolkit.jobs.store import JobRecord, JobStore, RegistryEntry
     from pbs_toolkit.transports.tunnel import Tunnel
 
 
@@ -70,3 +72,53 @@ def remove_ref(store: JobStore, ref: str, registry: str | None, *, fmt: str = "a
         return [Removal(str(target), ref, ABSENT)]
     entries = [e for e in store.registry_entries(found) if registry is None or e.registry == str(target)]
     return retire(store, found, include_kept=True, entries=entries) or [Removal(str(target), ref, ABSENT)]
+
+
+@dataclass(frozen=True)
+class Prior:
+    """A registry as it was before a write that is only borrowed (``pbstk run``'s): its text and the store's
+    records of its entries, so that the end puts back an alias the write re-pointed instead of removing it."""
+
+    target: Path
+    kind: str
+    text: str | None
+    rows: list[RegistryEntry]
+
+    def aliases(self) -> set[str]:
+        """The aliases the registry held."""
+        from pbs_toolkit.endpoints.registry import parse_text
+
+        return set(parse_text(self.text, self.kind, self.target)) if self.text is not None else set()
+
+
+def note_prior(store: JobStore, registry: str | None, fmt: str = "auto") -> Prior:
+    """The registry ``registry`` (checked as for a write) and the store's entries for it, now."""
+    from pbs_toolkit.endpoints import atomic
+    from pbs_toolkit.endpoints.registry import check_target
+
+    target, kind = check_target(registry, fmt)
+    rows = [e for e in store.registry_entries() if e.registry == str(target)]
+    return Prior(target, kind, atomic.read_text(target, follow=False), rows)
+
+
+def give_back(store: JobStore, prior: Prior, update: EndpointUpdate) -> Removal | None:
+    """End the borrowed write ``update``: an alias the registry held before (``prior``) gets its entry back, in
+    the file (byte for byte while nothing else changed there) and in the store (whose job wrote it, kept or
+    not). ``None``: the alias is new, and is the caller's to remove (``retire``)."""
+    from pbs_toolkit.endpoints.registry import parse_text, put_back
+    from pbs_toolkit.endpoints.retire import ABSENT, REPOINTED, RESTORED, Removal
+
+    if prior.text is None or str(prior.target) != update.registry:
+        return None
+    old = parse_text(prior.text, prior.kind, prior.target).get(update.alias)
+    if old is None:
+        return None
+    restored, current = put_back(prior.target, prior.kind, update.alias, prior.text, update.url)
+    store.forget_alias(update.registry, update.alias)  # this run's record of it
+    if not restored:  # re-pointed or removed meanwhile, by the user or another job: theirs now
+        outcome = ABSENT if current is None else REPOINTED
+        return Removal(update.registry, update.alias, outcome, update.url, detail=current.url if current else None)
+    for row in prior.rows:
+        if row.alias == update.alias:
+            store.add_registry_entry(row)
+    return Removal(update.registry, update.alias, RESTORED, update.url, detail=old.url)

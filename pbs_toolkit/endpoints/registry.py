@@ -247,3 +247,37 @@ def remove_entry(
         mode = atomic.existing_mode(target)
         atomic.replace_atomically(target, bom + new_text, atomic.MODE_PLAIN if mode is None else mode)
     return True, current
+
+
+def parse_text(text: str, kind: str, path: Path) -> dict[str, EndpointEntry]:
+    """Every entry by alias in ``text``, a registry file's whole text (a byte order mark included)."""
+    return FORMATS[kind].parse(_without_bom(text)[1], path)
+
+
+def put_back(path: Path, kind: str, alias: str, before: str, only_url: str) -> tuple[bool, EndpointEntry | None]:
+    """Give ``alias`` back the entry it had in ``before`` (the file's text before a borrowed write), while it
+    still points to ``only_url`` (the borrowed URL), under the lock. When nothing else in the file changed
+    meanwhile, the file becomes ``before`` again, byte for byte; otherwise only the entry is written back.
+    Returns whether it was put back, and the entry found (``None``: absent)."""
+    from pbs_toolkit.endpoints import atomic
+    from pbs_toolkit.endpoints import target as safety
+
+    fmt_impl = FORMATS[kind]
+    old = parse_text(before, kind, path)
+    safety.check_writable(path)
+    with atomic.locked(path):
+        safety.refuse_non_regular(path, path)
+        read = atomic.read_text(path, follow=False)
+        if read is None:
+            return False, None
+        bom, text = _without_bom(read)
+        now = fmt_impl.parse(text, path)
+        current = now.get(alias)
+        if current is None or current.url != only_url:
+            return False, current
+        others_unchanged = {k: v for k, v in now.items() if k != alias} == {k: v for k, v in old.items()
+                                                                            if k != alias}
+        new_text = before if others_unchanged else bom + fmt_impl.upsert(text, old[alias], path, None)[0]
+        mode = atomic.existing_mode(path)
+        atomic.replace_atomically(path, new_text, atomic.MODE_PLAIN if mode is None else mode)
+    return True, current

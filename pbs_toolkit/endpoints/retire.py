@@ -19,8 +19,8 @@ from pbs_toolkit.errors import RegistryError, UsageError
 from pbs_toolkit.jobs.store import JobRecord, JobStore, RegistryEntry
 from pbs_toolkit.schema import stamp
 
-#: what happened to one entry
-REMOVED, ABSENT, REPOINTED, FAILED = "removed", "absent", "re-pointed", "failed"
+#: what happened to one entry (``restored``: the entry it replaced is back, ``pbstk run``'s end)
+REMOVED, ABSENT, REPOINTED, FAILED, RESTORED = "removed", "absent", "re-pointed", "failed", "restored"
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Removal:
     outcome: str
     url: str | None = None
     job_id: str | None = None
-    #: the URL the alias points to now (re-pointed), or why the removal failed
+    #: the URL the alias points to now (re-pointed, restored), or why the removal failed
     detail: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -46,6 +46,8 @@ class Removal:
         if self.outcome == REPOINTED:
             return (f"pbstk: note: left {self.alias!r} in {self.registry}: it now points to {self.detail}, "
                     f"not to {self.url}{job}")
+        if self.outcome == RESTORED:
+            return f"pbstk: note: put {self.alias!r} in {self.registry} back as it was: -> {self.detail}"
         if self.outcome == FAILED:
             return (f"pbstk: warning: could not remove {self.alias!r} from {self.registry}: {self.detail}; "
                     f"remove it with `pbstk update-endpoint --remove {self.alias} --registry {self.registry}`")
@@ -123,7 +125,16 @@ def remember(store: JobStore, record: JobRecord, result: Any, *, keep: bool, tun
                           keep=keep)
     store.add_registry_entry(entry)
     if tunnel is not None:
-        tunnel.on_close(lambda: retire(store, record, entries=[entry], notice=notice))
+        tunnel.on_close(lambda: _retire_if_recorded(store, record, entry, notice))
+
+
+def _retire_if_recorded(store: JobStore, record: JobRecord, entry: RegistryEntry,
+                        notice: Callable[[Removal], None] | None) -> None:
+    """A tunnel's entry when the tunnel closes, unless already taken back (the job's end, or ``pbstk run``'s
+    end putting back the entry it had replaced: the store's row is then that entry's, and must stay)."""
+    key = (entry.registry, entry.alias, entry.url)
+    if any((e.registry, e.alias, e.url) == key for e in store.registry_entries(record)):
+        retire(store, record, entries=[entry], notice=notice)
 
 
 def retire_ended(store: JobStore, records: list[JobRecord], notice: Callable[[Removal], None] | None = None) -> None:

@@ -228,8 +228,10 @@ def submit_recorded(store: JobStore, runner: Runner, scheduler: Scheduler, recor
                 raise type(exc)(f"{exc.message}; job {job_id} WAS submitted: {_how_to_stop(record, job_id)}",
                                 details=exc.details) from None
             if record.job_id and isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                sys.stderr.write(f"pbstk: {job_id} was submitted and recorded before the signal; "
-                                 f"stop it with `pbstk cancel {job_id}`\n")
+                # a note for the CLI's boundary to print, not a line now: a caller that stops the job itself
+                # (`pbstk run`) says so instead, and the user reads one account of what happened
+                exc.add_note(f"pbstk: {job_id} was submitted and recorded before the signal; "
+                             f"stop it with `pbstk cancel {job_id}`")
             else:
                 how = _how_to_stop(record, job_id)
                 sys.stderr.write(f"pbstk: job {job_id} WAS submitted but not recorded: {how}\n")
