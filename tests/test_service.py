@@ -177,7 +177,8 @@ class Load:
 
 
 def test_losing_a_replica_under_load_degrades_and_leaves_the_router(svc_profile: str) -> None:
-    result = serve("--replicas", "3", "--name", "loss", "--wait", "--timeout", "90", "--json")
+    # --max-restarts 0: the lost replica stays lost (tests/test_service_heal.py replaces one)
+    result = serve("--replicas", "3", "--name", "loss", "--max-restarts", "0", "--wait", "--timeout", "90", "--json")
     assert result.exit_code == 0, result.output
     served = json.loads(result.stdout)  # serve --json --wait: one service object, READY
     assert (served["kind"], served["state"], served["ready"], served["replicas"]) == ("service", "READY", 3, 3)

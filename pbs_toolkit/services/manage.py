@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.schedulers import runs_on_submit_host
 from pbs_toolkit.services import record as records
+from pbs_toolkit.services import restarts
 from pbs_toolkit.services.keeper_process import service_dir, spawn_keeper
 from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.services.state import serving_job
@@ -102,6 +103,11 @@ class ServeOptions:
     scale: Any = None  # services/autoscale.py ScaleSpec: autoscaling between its min and max replicas
     #: stage a Hub model an offline profile's nodes lack before anything starts (weights/preflight.py)
     stage: bool = False
+    #: the restart policy (services/restarts.py): ``None`` takes the profile's ``max_restarts``,
+    #: ``restart_window``, ``restart_backoff``
+    max_restarts: int | None = None
+    restart_window: str | None = None
+    restart_backoff: str | None = None
 
 
 def _check_weights(session: ServiceSession, req: RenderRequest, profile: Profile, stage: bool) -> None:
@@ -137,6 +143,9 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
     if policy not in ROUTER_POLICIES:
         raise UsageError(f"--policy {policy!r}: must be one of {', '.join(ROUTER_POLICIES)}")
     walltime_s = walltime_seconds(profile.walltime)
+    restart = restarts.policy(profile.max_restarts if opts.max_restarts is None else opts.max_restarts,
+                              opts.restart_window or profile.restart_window,
+                              opts.restart_backoff or profile.restart_backoff)
     if opts.keep_alive:
         if place == "job":  # the router's own job would end at its walltime, and the URL with it
             from pbs_toolkit.services.router_job import KEEP_ALIVE_REFUSED
@@ -151,7 +160,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
                         profile=profile.name, replicas=opts.replicas, request=asdict(req),
                         transport=profile.ssh_host or "", scheduler=profile.scheduler, keep_alive=opts.keep_alive,
                         handover_s=opts.handover_s, walltime_s=walltime_s, policy=policy,
-                        slots=[Slot(k) for k in range(opts.replicas)],
+                        slots=[Slot(k) for k in range(opts.replicas)], restart=restart.to_dict(),
                         api_key=opts.api_key or secrets.token_urlsafe(32), **extra)
     records.create(session.store, rec)  # refuses a second active service of that name
     try:
