@@ -85,6 +85,7 @@ def test_a_replica_failing_at_start_is_not_restarted_past_the_limit_and_the_caus
     error = [line for line in result.stderr.splitlines() if line.startswith("pbstk: error:")]
     assert len(error) == 1 and "DOWN" in error[0] and "out of memory" in error[0].lower(), result.stderr
     assert "not restarted after 2 restart(s)" in error[0], error
+    print(f"serve --wait of a replica failing at start: {error[0]}")
     jobs = lambda: sorted(r.name for r in JobStore().all() if r.name.startswith("oom-"))  # noqa: E731
     assert jobs() == ["oom-r0", "oom-r0-g1", "oom-r0-g2"]
     ticks = (service_dir("oom") / "keeper-tick.json").read_text
