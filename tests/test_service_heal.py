@@ -136,3 +136,15 @@ def test_a_replica_recorded_final_before_the_keeper_looked_is_its_own_not_a_stra
     wait_for(lambda: service_json("own")["state"] == "READY", 60, "READY again with a replacement")
     assert records.find(JobStore(), "own").slots[0].restarts == 1
     assert pbstk("cancel", "own").exit_code == 0
+
+
+def test_a_service_cancelled_while_a_replacement_waits_its_backoff_is_not_healed(svc_profile: str) -> None:  # noqa: F811
+    result = serve("--replicas", "1", "--name", "cx", "--restart-backoff", "3s", "--wait", "--timeout", "90")
+    assert result.exit_code == 0, result.output
+    first = records.find(JobStore(), "cx").slots[0].current or ""
+    os.kill(int(str(server_of(first)["pid"])), signal.SIGKILL)
+    wait_for(lambda: "restart in" in keeper_log("cx"), 30, "the failure noted, its replacement waiting")
+    assert pbstk("cancel", "cx").exit_code == 0
+    wait_for(lambda: not keeper_alive("cx"), 15, "the keeper gone")
+    assert [r.name for r in JobStore().all() if r.name.startswith("cx-")] == ["cx-r0"]
+    assert records.find(JobStore(), "cx").state == "CANCELLED"

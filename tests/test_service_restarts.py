@@ -88,3 +88,11 @@ def test_the_policy_from_values_refuses_a_bad_count() -> None:
     with pytest.raises(UsageError, match="--max-restarts"):
         restarts.policy(True, "30m", "10s")
     assert restarts.policy(0, "1h", "5s") == restarts.RestartPolicy(0, 3600.0, 5.0)
+
+
+def test_only_a_slot_still_waiting_for_its_replacement_brings_the_next_tick_forward() -> None:
+    rec = ServiceRecord(name="s", model="m", served_model_name="m", profile="p", replicas=3, request={}, slots=[
+        Slot(0, current="j1", failed_job="j1", retry_at=50.0),  # waiting out its backoff
+        Slot(1, current="j5", failed_job="j2", retry_at=20.0),  # a successor took the slot meanwhile
+        Slot(2, current="j3", failed_job="j3", retry_at=10.0, gave_up="no more")])
+    assert restarts.next_due(rec) == 50.0

@@ -450,7 +450,7 @@ def _replace(session: ServiceSession, rec: ServiceRecord, slot: Slot, cur: JobSt
         return
     if suc is not None and not suc.state.final and not (rec.keep_alive and suc.scheduler_state == "W"):
         # starting, or queued past its begin time (waiting for resources): it keeps its place in the queue
-        slot.current, slot.successor = slot.successor, None
+        slot.current, slot.successor, slot.retry_at = slot.successor, None, None
         return
     if slot.launching:  # a replacement's submission not settled yet (services/intents.py): never a second one
         return

@@ -111,7 +111,8 @@ def restarted(slot: Slot, now: float | None = None) -> None:
 
 def next_due(rec: ServiceRecord) -> float | None:
     """When the first replacement waiting out its backoff may start (``None``: none waits)."""
-    due = [s.retry_at for s in rec.slots if s.retry_at is not None and not s.gave_up and not s.retiring]
+    due = [s.retry_at for s in rec.slots
+           if s.retry_at is not None and s.current == s.failed_job and not s.gave_up and not s.retiring]
     return min(due) if due else None
 
 
