@@ -60,7 +60,8 @@ def test_a_killed_replica_of_a_fixed_service_is_replaced_and_no_request_fails(sv
                        "READY 2/2 again")
         before = load.ok
         wait_for(lambda: load.ok >= before + 20, 30, "load through the healed service")
-    print(f"replica killed and replaced under load: {load.ok} ok, {load.failed} failed: {load.errors[:3]}")
+    print(f"replica killed and replaced under load: {load.ok} ok, {load.failed} failed: {load.errors[:3]}; "
+          f"cause shown: {doc['slots'][0]['last_failure']}")
     assert load.failed == 0, load.errors
     assert slot.current == JobStore().find("heal-r0-g1").job_id
     shown = doc["slots"][0]
