@@ -143,9 +143,6 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
     if policy not in ROUTER_POLICIES:
         raise UsageError(f"--policy {policy!r}: must be one of {', '.join(ROUTER_POLICIES)}")
     walltime_s = walltime_seconds(profile.walltime)
-    restart = restarts.policy(profile.max_restarts if opts.max_restarts is None else opts.max_restarts,
-                              opts.restart_window or profile.restart_window,
-                              opts.restart_backoff or profile.restart_backoff)
     if opts.keep_alive:
         if place == "job":  # the router's own job would end at its walltime, and the URL with it
             from pbs_toolkit.services.router_job import KEEP_ALIVE_REFUSED
@@ -160,7 +157,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
                         profile=profile.name, replicas=opts.replicas, request=asdict(req),
                         transport=profile.ssh_host or "", scheduler=profile.scheduler, keep_alive=opts.keep_alive,
                         handover_s=opts.handover_s, walltime_s=walltime_s, policy=policy,
-                        slots=[Slot(k) for k in range(opts.replicas)], restart=restart.to_dict(),
+                        slots=[Slot(k) for k in range(opts.replicas)], restart=_restarts(profile, opts),
                         api_key=opts.api_key or secrets.token_urlsafe(32), **extra)
     records.create(session.store, rec)  # refuses a second active service of that name
     try:
@@ -182,6 +179,13 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
                 sys.stderr.write(f"pbstk: warning: {exc.message}\n")
         raise
     return rec
+
+
+def _restarts(profile: Profile, opts: ServeOptions) -> dict[str, Any]:
+    """The record's restart policy: ``serve``'s options, else the profile's keys (services/restarts.py)."""
+    return restarts.policy(profile.max_restarts if opts.max_restarts is None else opts.max_restarts,
+                           opts.restart_window or profile.restart_window,
+                           opts.restart_backoff or profile.restart_backoff).to_dict()
 
 
 def configure_scaling(settings: LaunchSettings, req: RenderRequest, opts: ServeOptions
