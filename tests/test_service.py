@@ -271,8 +271,8 @@ def test_keep_alive_hands_over_under_openai_load_with_zero_failures(svc_profile:
 
 
 def test_keep_alive_replaces_a_lost_replica_now_and_resume_restarts_a_killed_keeper(svc_profile: str) -> None:
-    result = serve("--replicas", "1", "--name", "rep", "--keep-alive", "--handover", "60", "--wait",
-                   "--timeout", "60")
+    result = serve("--replicas", "1", "--name", "rep", "--keep-alive", "--handover", "60", "--restart-backoff", "1s",
+                   "--wait", "--timeout", "60")
     assert result.exit_code == 0, result.output
     # a 10-minute walltime: the successor is queued at once, eligible 60 s before the end
     doc = wait_for(lambda: (d := service_json("rep"))["slots"][0]["successor"] and d, 15, "a queued successor")
