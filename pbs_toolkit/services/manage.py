@@ -157,7 +157,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
                         profile=profile.name, replicas=opts.replicas, request=asdict(req),
                         transport=profile.ssh_host or "", scheduler=profile.scheduler, keep_alive=opts.keep_alive,
                         handover_s=opts.handover_s, walltime_s=walltime_s, policy=policy,
-                        slots=[Slot(k) for k in range(opts.replicas)], restart=_restarts(profile, opts),
+                        slots=[Slot(k) for k in range(opts.replicas)],
                         api_key=opts.api_key or secrets.token_urlsafe(32), **extra)
     records.create(session.store, rec)  # refuses a second active service of that name
     try:
@@ -194,14 +194,15 @@ def configure_scaling(settings: LaunchSettings, req: RenderRequest, opts: ServeO
     service starts at ``--min-replicas``; its ``--idle-cancel`` (or the profile's ``idle_cancel``) belongs to the
     whole service, so its replicas get none of their own (one ending idle would only be replaced): the settings
     and the request the replicas are launched from (the keeper's too) say ``off``. Returns them, the options,
-    and the record's ``idle_cancel_s`` and ``scale``."""
+    and the record's ``idle_cancel_s``, ``scale`` and ``restart`` (the restart policy of its replicas)."""
     from dataclasses import replace
     from types import MappingProxyType
 
     from pbs_toolkit.jobs.idle import watch_seconds
 
     profile = settings.launchable()
-    extra: dict[str, Any] = {"idle_cancel_s": float(watch_seconds(profile.idle_cancel))}
+    extra: dict[str, Any] = {"idle_cancel_s": float(watch_seconds(profile.idle_cancel)),
+                             "restart": _restarts(profile, opts)}  # checked before anything starts
     req = replace(req, idle_cancel="off")
     settings = replace(settings, request=replace(settings.request, idle_cancel="off"),
                        written=replace(settings.written, idle_cancel="off"),
