@@ -177,7 +177,8 @@ class Load:
 
 
 def test_losing_a_replica_under_load_degrades_and_leaves_the_router(svc_profile: str) -> None:
-    result = serve("--replicas", "3", "--name", "loss", "--wait", "--timeout", "90", "--json")
+    # --max-restarts 0: the lost replica stays lost (tests/test_service_heal.py replaces one)
+    result = serve("--replicas", "3", "--name", "loss", "--max-restarts", "0", "--wait", "--timeout", "90", "--json")
     assert result.exit_code == 0, result.output
     served = json.loads(result.stdout)  # serve --json --wait: one service object, READY
     assert (served["kind"], served["state"], served["ready"], served["replicas"]) == ("service", "READY", 3, 3)
@@ -270,8 +271,8 @@ def test_keep_alive_hands_over_under_openai_load_with_zero_failures(svc_profile:
 
 
 def test_keep_alive_replaces_a_lost_replica_now_and_resume_restarts_a_killed_keeper(svc_profile: str) -> None:
-    result = serve("--replicas", "1", "--name", "rep", "--keep-alive", "--handover", "60", "--wait",
-                   "--timeout", "60")
+    result = serve("--replicas", "1", "--name", "rep", "--keep-alive", "--handover", "60", "--restart-backoff", "1s",
+                   "--wait", "--timeout", "60")
     assert result.exit_code == 0, result.output
     # a 10-minute walltime: the successor is queued at once, eligible 60 s before the end
     doc = wait_for(lambda: (d := service_json("rep"))["slots"][0]["successor"] and d, 15, "a queued successor")

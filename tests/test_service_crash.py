@@ -184,9 +184,10 @@ def test_cancel_and_serve_of_one_name_at_once_orphan_nothing(pbs_svc: Path) -> N
 
 
 def _failed_replica(name: str) -> tuple[records.ServiceRecord, str]:
-    """A local service of two replicas, READY, then replica 1's server killed: (its record, the failed job id)."""
+    """A local service of two replicas, READY, then replica 1's server killed (not restarted: --max-restarts 0):
+    (its record, the failed job id)."""
     result = pbstk("serve", MODEL, "--profile", "svc", "--preset", "single", "--replicas", "2", "--name", name,
-                   "--wait", "--timeout", "60")
+                   "--max-restarts", "0", "--wait", "--timeout", "60")
     assert result.exit_code == 0, result.output
     svc = rec(name)
     victim = JobStore().find(svc.slots[1].current or "")

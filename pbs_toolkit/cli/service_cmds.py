@@ -50,13 +50,21 @@ def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
 @click.option("--wait/--no-wait", "wait_ready", default=False,
               help="Wait until every replica is READY in the router and a request with the key gets through.")
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait with --wait.")
+@click.option("--max-restarts", type=BoundedInt(0, 1000), metavar="K",
+              help="Replace a failed replica at most K times within --restart-window, then leave its slot down "
+              "(default: the profile's max_restarts, 3; 0: never).")
+@click.option("--restart-window", metavar="D", help="The window --max-restarts counts in (default: the profile's "
+              "restart_window, 30m).")
+@click.option("--restart-backoff", metavar="D", help="Wait before replacing a failed replica, doubled for each "
+              "restart in the window, at most 5m (default: the profile's restart_backoff, 10s).")
 @click.option("--json", "as_json", is_flag=True)
 @STAGE_OPTION
 @scale_options
 @render_options
 def serve(model: str, replicas: int | None, nodes_per_replica: int | None, keep_alive: bool, handover: float,
-          policy: str | None, api_key_env: str | None, wait_ready: bool, timeout: float, as_json: bool,
-          stage_weights: bool, **kw: Any) -> None:
+          policy: str | None, api_key_env: str | None, wait_ready: bool, timeout: float, max_restarts: int | None,
+          restart_window: str | None, restart_backoff: str | None, as_json: bool, stage_weights: bool,
+          **kw: Any) -> None:
     """Serve MODEL as a service: N replica jobs behind one vllm-router, one URL and one key.
 
     \b
@@ -76,7 +84,8 @@ def serve(model: str, replicas: int | None, nodes_per_replica: int | None, keep_
     with Client() as c:
         rec = c.serve(req, replicas=1 if replicas is None else replicas, name=name, scale=scale, keep_alive=keep_alive,
                       handover_s=handover, policy=policy, nodes_per_replica=nodes_per_replica,
-                      api_key=read_key_env(api_key_env, os.environ), stage=stage_weights)
+                      api_key=read_key_env(api_key_env, os.environ), stage=stage_weights,
+                      max_restarts=max_restarts, restart_window=restart_window, restart_backoff=restart_backoff)
         if not as_json:
             click.echo(f"service {rec.name}: {rec.replicas} replica(s) submitted, router at {rec.url}")
             click.echo("next:")
@@ -167,9 +176,9 @@ def print_service_lines(services: list[Any], jobs_follow: bool) -> bool:
     for line in service_lines(services):
         click.echo(line)
     for st in services:
-        note = keeper_note(st)
-        if note:
-            click.echo(note, err=True)
+        for note in (keeper_note(st), restart_note(st)):
+            if note:
+                click.echo(note, err=True)
     if services and jobs_follow:
         click.echo("")
     return bool(services)
@@ -195,6 +204,7 @@ def show_service(st: Any) -> None:
                f"{f' ({st.route.text})' if st.route is not None else ''}, "
                f"keeper {'running' if st.keeper_running else 'not running'}")
     scaling_line(st)
+    restart_lines(rec)
     by_id = {s.record.job_id: s for s in st.replicas}
     rows = []
     for slot in rec.slots:
@@ -227,6 +237,26 @@ def scaling_line(st: Any) -> None:
     if rec.idle_cancel_s:
         click.echo(f"idle cancel: after {format(rec.idle_cancel_s, 'g')} s without a request"
                    + (f"; ended: {rec.end_reason}" if rec.end_reason else ""))
+
+
+def restart_lines(rec: Any) -> None:
+    """The restart policy, each slot's restarts and last failure, and why the service is short for good."""
+    from pbs_toolkit.services import restarts
+
+    click.echo(f"restarts: {restarts.RestartPolicy.from_dict(rec.restart).text}")
+    for slot in rec.slots:
+        if text := restarts.slot_text(slot):
+            click.echo(f"  {text}")
+    if why := restarts.reason(rec):
+        click.echo(f"not restarted: {why}")
+
+
+def restart_note(st: Any) -> str | None:
+    """``status``'s one line for a service short of a replica for good (services/restarts.py)."""
+    from pbs_toolkit.services import restarts
+
+    why = restarts.reason(st.record) if st.record.ended is None else None
+    return f"pbstk: warning: service {st.record.name} is {st.state}: {why}" if why else None
 
 
 COMMANDS = [serve, service, keeper]

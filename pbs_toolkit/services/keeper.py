@@ -11,7 +11,10 @@ one ``session.status`` over the service's jobs (one scheduler query), then for e
 * keep-alive: a running job with a known walltime gets its successor, eligible ``handover`` seconds before the
   walltime ends (``begin_at``); when the successor is READY it is added, and on the next tick (the router has
   routed to it by then) the predecessor is removed, drained (its ``/metrics`` shows no running request, at most
-  ``PBSTK_SERVICE_DRAIN_S``, default 60) and cancelled. A job that ends unexpectedly is replaced at once;
+  ``PBSTK_SERVICE_DRAIN_S``, default 60) and cancelled;
+* a job that ends unexpectedly (crash, OOM, node failure, killed), with or without keep-alive, is replaced under
+  the service's restart policy (services/restarts.py): after a backoff, at most K times in a window, then the
+  slot is no longer restarted and the service says why;
 * a worker in the router that is none of the service's jobs is removed (added by hand, or by anyone at all
   with ``router_isolation: none``: the router's admin API has no authentication of its own).
 
@@ -34,7 +37,7 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,7 +46,7 @@ from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.readiness import scheduler_intervals
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services import scaler
+from pbs_toolkit.services import restarts, scaler
 from pbs_toolkit.services.keeper_process import TICK_FILE, heartbeat, keeper_log, poll_seconds, service_dir
 from pbs_toolkit.services.manage import launch_replica
 from pbs_toolkit.services.ready import routable_count, still_starting, worker_url
@@ -127,6 +130,9 @@ def run(name: str, session: ServiceSession) -> int:
                     wait, ramp = min(wait, steps[min(ramp, len(steps) - 1)]), ramp + 1
                 else:
                     ramp = 0
+                due = restarts.next_due(rec)  # a replacement's backoff ends: not a whole poll interval later
+                if due is not None:
+                    wait = min(wait, max(PROBE_S, due - time.time()))
                 woken = watch(session, seen, wait, wakes, lambda: _ended(session, name))
                 if woken:
                     keeper_log(f"{woken} answers: looking now")
@@ -246,7 +252,8 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
                 except PbstkError as exc:
                     failed.append(f"slot {slot.index}: {exc.message}")
                     keeper_log(failed[-1])
-            _remove_foreign([j for j in jobs if j not in unknown], statuses, admin, in_router)
+            _remove_foreign([j for j in jobs if j not in unknown], statuses, admin, in_router,
+                            {url for s in rec.slots for j, url in s.urls.items() if j in s.jobs()})
         except PbstkError:
             link.drop()  # a router or tunnel that failed is opened afresh next tick
             raise
@@ -327,15 +334,17 @@ def _sync_router(st: JobStatus | None, admin: RouterAdmin, in_router: set[str]) 
 
 
 def _remove_foreign(jobs: list[str], statuses: dict[str, JobStatus], admin: RouterAdmin,
-                    in_router: set[str]) -> None:
+                    in_router: set[str], own: Collection[str] = ()) -> None:
     """Remove every worker that is none of the service's jobs. The router's admin API has no authentication
     (docs/services.md "Who can reach the router"): behind pbstk's front only the owner reaches it, but with
     ``router_isolation: none`` whoever reaches its port can add a worker of theirs, which would then receive
     prompts with the service's key (this sweep does not stop one re-added every 50 ms: the front does).
-    Skipped in a tick where the scheduler did not answer for some job (its worker could be one of those)."""
+    ``own``: the worker URLs the slots recorded for their jobs (a job recorded final has no address in its
+    status any more, and is still no stranger). Skipped in a tick where the scheduler did not answer for some
+    job (its worker could be one of those)."""
     if any(job not in statuses or statuses[job].state.value == "UNKNOWN" for job in jobs):
         return
-    ours = {url for st in statuses.values() if (url := worker_url(st)) is not None}
+    ours = {url for st in statuses.values() if (url := worker_url(st)) is not None} | set(own)
     for url in sorted(in_router - ours):
         admin.remove_worker(url)
         in_router.discard(url)
@@ -351,6 +360,7 @@ def _reconcile(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses
     # under load in tests/test_service.py's handover)
     suc_url = worker_url(suc) if suc is not None else None
     joined = suc_url is not None and suc_url in in_router
+    _remember_urls(slot, cur, suc)
     _sync_router(cur, admin, in_router)
     _sync_router(suc, admin, in_router)
     if suc is not None and suc.state.value == "READY" and joined:
@@ -359,7 +369,9 @@ def _reconcile(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses
     _drain(session, slot, statuses)
     slot.state = cur.state.value if cur is not None else "LOST"
     if cur is None or cur.state.final:
-        _replace(session, rec, slot, suc)
+        _leave_router(slot, cur, admin, in_router)
+        _replace(session, rec, slot, cur, suc)
+        slot.urls = {job: url for job, url in slot.urls.items() if job in slot.jobs()}
     elif (rec.keep_alive and slot.successor is None and not slot.launching and cur.uptime_s is not None
           and cur.walltime_s):
         begin = time.time() - cur.uptime_s + cur.walltime_s - rec.handover_s
@@ -408,26 +420,56 @@ def _running(session: ServiceSession, st: JobStatus) -> bool:
     return bool(snap.running)
 
 
-def _replace(session: ServiceSession, rec: ServiceRecord, slot: Slot, suc: JobStatus | None) -> None:
+def _remember_urls(slot: Slot, *seen: JobStatus | None) -> None:
+    """Keep each job's worker URL in its slot while its status has one (a status recorded final has none)."""
+    for st in seen:
+        if st is not None and (url := worker_url(st)) is not None:
+            slot.urls[st.record.job_id] = url
+
+
+def _leave_router(slot: Slot, cur: JobStatus | None, admin: RouterAdmin, in_router: set[str]) -> None:
+    """The current job ended and its status has no address any more (recorded final by an earlier look, or not
+    in the store): its recorded URL leaves the router as the service's own ended job, not as a stranger."""
+    url = slot.urls.get(slot.current or "")
+    if url is None or url not in in_router or (cur is not None and worker_url(cur) is not None):
+        return  # not in the router, or _sync_router already removed it by its status
+    admin.remove_worker(url)
+    in_router.discard(url)
+    keeper_log(f"removed {slot.current} ({url}) from the router: {cur.state.value if cur else 'not in the job store'}")
+
+
+def _replace(session: ServiceSession, rec: ServiceRecord, slot: Slot, cur: JobStatus | None,
+             suc: JobStatus | None) -> None:
     """The current job has ended: a successor already starting (or queued past its begin time) takes its place;
-    with keep-alive one still waiting for its handover time (state W) is cancelled and a replacement launched now."""
+    otherwise it failed, and the restart policy (services/restarts.py) says whether a replacement is launched
+    now, after its backoff, or never again (with keep-alive, a successor still waiting for its handover time,
+    state W, is cancelled when the replacement is launched)."""
     if slot.current is None and slot.successor is None and not slot.launching:
         launch_replica(session, rec, slot)  # never launched (a serve killed before it got there): launch it now
         keeper_log(f"slot {slot.index}: had no job; {slot.current} launched")
         return
-    if not rec.keep_alive:
-        if suc is not None and not suc.state.final:
-            slot.current, slot.successor = slot.successor, None
-        return
-    if suc is not None and not suc.state.final and suc.scheduler_state != "W":
+    if suc is not None and not suc.state.final and not (rec.keep_alive and suc.scheduler_state == "W"):
         # starting, or queued past its begin time (waiting for resources): it keeps its place in the queue
-        slot.current, slot.successor = slot.successor, None
+        slot.current, slot.successor, slot.retry_at = slot.successor, None, None
         return
     if slot.launching:  # a replacement's submission not settled yet (services/intents.py): never a second one
         return
+    ended = slot.current or ""
+    first = slot.failed_job != ended
+    step = restarts.judge(restarts.RestartPolicy.from_dict(rec.restart), slot, ended,
+                          restarts.failure_cause(ended, cur))
+    if first:
+        keeper_log(f"slot {slot.index}: failed: {slot.last_failure}")
+        if step == restarts.STOP:
+            keeper_log(f"slot {slot.index}: {slot.gave_up}")
+        elif step == restarts.WAIT and slot.retry_at is not None:
+            keeper_log(f"slot {slot.index}: restart in {slot.retry_at - time.time():.0f} s (backoff)")
+    if step != restarts.RESTART:
+        return
     if suc is not None and not suc.state.final:  # still waiting for its handover time (W): too late now
         session.cancel(suc.record)
-    ended = slot.current
     slot.successor = None
     launch_replica(session, rec, slot)
-    keeper_log(f"slot {slot.index}: {ended} ended unexpectedly; replacement {slot.current} launched")
+    restarts.restarted(slot)
+    keeper_log(f"slot {slot.index}: {ended} ended unexpectedly; replacement {slot.current} launched "
+               f"(restart {slot.restarts})")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.schedulers import runs_on_submit_host
 from pbs_toolkit.services import record as records
+from pbs_toolkit.services import restarts
 from pbs_toolkit.services.keeper_process import service_dir, spawn_keeper
 from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.services.state import serving_job
@@ -102,6 +103,11 @@ class ServeOptions:
     scale: Any = None  # services/autoscale.py ScaleSpec: autoscaling between its min and max replicas
     #: stage a Hub model an offline profile's nodes lack before anything starts (weights/preflight.py)
     stage: bool = False
+    #: the restart policy (services/restarts.py): ``None`` takes the profile's ``max_restarts``,
+    #: ``restart_window``, ``restart_backoff``
+    max_restarts: int | None = None
+    restart_window: str | None = None
+    restart_backoff: str | None = None
 
 
 def _check_weights(session: ServiceSession, req: RenderRequest, profile: Profile, stage: bool) -> None:
@@ -175,20 +181,28 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
     return rec
 
 
+def _restarts(profile: Profile, opts: ServeOptions) -> dict[str, Any]:
+    """The record's restart policy: ``serve``'s options, else the profile's keys (services/restarts.py)."""
+    return restarts.policy(profile.max_restarts if opts.max_restarts is None else opts.max_restarts,
+                           opts.restart_window or profile.restart_window,
+                           opts.restart_backoff or profile.restart_backoff).to_dict()
+
+
 def configure_scaling(settings: LaunchSettings, req: RenderRequest, opts: ServeOptions
               ) -> tuple[LaunchSettings, RenderRequest, ServeOptions, dict[str, Any]]:
     """``serve``'s scaling and idle options, on the settings ``start`` resolved once: with ``opts.scale`` the
     service starts at ``--min-replicas``; its ``--idle-cancel`` (or the profile's ``idle_cancel``) belongs to the
     whole service, so its replicas get none of their own (one ending idle would only be replaced): the settings
     and the request the replicas are launched from (the keeper's too) say ``off``. Returns them, the options,
-    and the record's ``idle_cancel_s`` and ``scale``."""
+    and the record's ``idle_cancel_s``, ``scale`` and ``restart`` (the restart policy of its replicas)."""
     from dataclasses import replace
     from types import MappingProxyType
 
     from pbs_toolkit.jobs.idle import watch_seconds
 
     profile = settings.launchable()
-    extra: dict[str, Any] = {"idle_cancel_s": float(watch_seconds(profile.idle_cancel))}
+    extra: dict[str, Any] = {"idle_cancel_s": float(watch_seconds(profile.idle_cancel)),
+                             "restart": _restarts(profile, opts)}  # checked before anything starts
     req = replace(req, idle_cancel="off")
     settings = replace(settings, request=replace(settings.request, idle_cancel="off"),
                        written=replace(settings.written, idle_cancel="off"),

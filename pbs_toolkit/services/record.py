@@ -47,6 +47,17 @@ class Slot:
     gpus: dict[str, str] = field(default_factory=dict)
     #: the autoscaler removes this slot (services/scaler.py): out of the router, drained, cancelled, dropped
     retiring: bool = False
+    #: each job's worker URL as the keeper saw it: a job whose status no longer has its address (recorded final)
+    #: is still known as the service's own, never a foreign worker
+    urls: dict[str, str] = field(default_factory=dict)
+    #: restarts (services/restarts.py): replacements launched after a failure, when (those in the window count),
+    #: the failed job last noted and why it failed, when the next replacement may start, why no more will
+    restarts: int = 0
+    restart_times: list[float] = field(default_factory=list)
+    failed_job: str | None = None
+    last_failure: str = ""
+    retry_at: float | None = None
+    gave_up: str = ""
 
     def jobs(self) -> list[str]:
         return [j for j in (self.current, self.successor, self.draining) if j]
@@ -84,6 +95,8 @@ class ServiceRecord:
     #: autoscaling (services/scaler.py): ``spec`` (min/max, W, D), the policy's ``memory``, this tick's decision
     #: (``now``) and the last change (``last``), ``next_index``, ``job_cap``, ``capacity``; empty: fixed replicas
     scale: dict[str, Any] = field(default_factory=dict)
+    #: the restart policy of its replicas (services/restarts.py ``RestartPolicy.to_dict``); empty: the defaults
+    restart: dict[str, Any] = field(default_factory=dict)
     #: ``--idle-cancel`` of the whole service in seconds (0: off), and the idle watch's ``since``/``sig``
     idle_cancel_s: float = 0.0
     idle: dict[str, Any] = field(default_factory=dict)

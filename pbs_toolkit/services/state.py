@@ -3,9 +3,10 @@
 "Ready" counts routable replicas (services/ready.py: READY and in the router, which answers the key). STARTING
 n/N until the service was READY N/N once (while replicas are still on their way: a normal start with one of two
 up is STARTING 1/2, not DEGRADED), READY n/N (all), DEGRADED n/N (some, after having been READY, e.g. a predecessor
-ended before its late successor ran; or some while the others ended for good), DOWN (none, after having been
-up; or 0/N whenever the router is gone), then CANCELLED or ENDED once recorded so (STOPPING between: a teardown
-that has not finished).
+ended before its late successor ran; or some while the others ended for good, or are no longer restarted),
+DOWN (none, after having been up, or none and some replica no longer restarted: services/restarts.py; or 0/N
+whenever the router is gone), then CANCELLED or ENDED once recorded so (STOPPING between: a teardown that has not
+finished).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def service_state(record: ServiceRecord, ready: int, starting: bool = True) -> s
         return record.state if record.state in ("CANCELLED", "ENDED", "STOPPING") else "ENDED"
     if ready >= record.replicas:
         return "READY"
+    # a replica no longer restarted (services/restarts.py) will not come: short of it for good, never STARTING
+    stopped = any(s.gave_up and not s.retiring for s in record.slots)
     if ready == 0:
-        return "DOWN" if record.ever_ready else "STARTING"
-    return "DEGRADED" if record.ever_ready or not starting else "STARTING"
+        return "DOWN" if record.ever_ready or stopped else "STARTING"
+    return "DEGRADED" if record.ever_ready or not starting or stopped else "STARTING"

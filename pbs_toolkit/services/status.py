@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import JobNotFound, PbstkError
+from pbs_toolkit.services import record as records
+from pbs_toolkit.services import restarts
 from pbs_toolkit.services.keeper_process import keeper_alive, last_tick, poll_seconds
 from pbs_toolkit.services.ready import RouteCheck, check_route, looks_routable, routable_count, still_starting
 from pbs_toolkit.services.record import ServiceRecord
@@ -82,7 +84,9 @@ class ServiceStatus:
             "router_job": {**rec.router_job, "state": self.router_job_state} if rec.router_job else None,
             "router_workers": self.route.workers if self.route is not None else None,
             "route_status": self.route.status if self.route is not None else None,
-            "slots": [asdict(s) for s in rec.slots], **status_fields(rec), "jobs": [s.to_dict() for s in self.replicas],
+            "slots": [asdict(s) for s in rec.slots], **status_fields(rec),
+            "restart_policy": restarts.RestartPolicy.from_dict(rec.restart).to_dict(),
+            "restart_stopped": restarts.reason(rec), "jobs": [s.to_dict() for s in self.replicas],
         })
 
 
@@ -180,14 +184,17 @@ def wait(session: ServiceSession, rec: ServiceRecord, timeout: float,
     intervals = iter(scheduler_intervals())
     step = 1.0
     while True:
+        rec = records.load(session.store, rec.name, rec.created) or rec  # the keeper's replacements too
         st = look(session, rec)
         if on_progress is not None:
             on_progress(st, time.monotonic() - start)
         if st.state == "READY":
             return st
-        if st.record.ended is not None or (st.replicas and all(j.state.final for j in st.replicas)):
-            raise ServerFailed(f"service {st.record.name} is {st.state}: no replica can become ready "
-                               f"(`pbstk status {st.record.name}` shows each)")
+        stopped = restarts.reason(st.record)
+        if st.record.ended is not None or (st.replicas and all(j.state.final for j in st.replicas) and (
+                not st.keeper_running or not restarts.may_heal(st.record))):
+            raise ServerFailed(f"service {st.record.name} is {st.state}: no replica can become ready"
+                               + (f": {stopped}" if stopped else f" (`pbstk status {st.record.name}` shows each)"))
         if time.monotonic() - start > timeout:
             raise WaitTimeout(f"service {st.record.name} is {st.summary} after {timeout:g} s")
         step = next(intervals, step)

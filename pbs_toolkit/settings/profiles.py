@@ -113,6 +113,11 @@ class Profile:
     max_running_jobs: int = 0
     #: idle reclaim (docs/idle.md): a server with no request for this long (``30m``) is stopped; "" = off
     idle_cancel: str = ""
+    #: a service's restart policy (services/restarts.py; docs/services.md "Self-healing"): a failed replica is
+    #: replaced at most max_restarts times in restart_window, waiting restart_backoff (doubling) before each
+    max_restarts: int = 3
+    restart_window: str = "30m"
+    restart_backoff: str = "10s"
     source: str = "builtin"
 
     def __post_init__(self) -> None:
@@ -382,12 +387,19 @@ def _validate_router(p: Profile, where: str) -> None:
 
 
 def _validate_idle(p: Profile, where: str) -> None:
+    """``idle_cancel`` and the restart policy's durations and count."""
     from pbs_toolkit.durations import parse
 
     try:
         parse(p.idle_cancel, "idle_cancel", off=True)
+        parse(p.restart_window, "restart_window")
+        parse(p.restart_backoff, "restart_backoff")
     except UsageError as exc:
         raise ConfigError(f"{where}: key {exc.message}") from None
+    count = p.max_restarts
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= 1000:
+        raise ConfigError(f"{where}: key 'max_restarts' must be a whole number from 0 (never restart) to 1000, "
+                          f"got {count!r}")
 
 
 def _flatten_backend_section(data: dict[str, Any], source: Path) -> dict[str, Any]:
