@@ -22,6 +22,11 @@ def _age(seconds: float) -> str:
 def clean(older_than: str, dry_run: bool, as_json: bool) -> None:
     """Remove run directories and job records of jobs that ended (locally and over SSH).
 
+    What goes, per job: its run directory (logs, job and start scripts, server.json, the local scheduler's
+    spool) and its record (`pbstk jobs`, `status`, `logs` no longer know it). What stays: its figures in
+    `pbstk usage` (wall time, nodes, GPUs, requests, tokens: kept in the job store's usage ledger), its
+    service's record, and every registry file (clean never edits one).
+
     Never touches a job that is running, queued or UNKNOWN (jobs not recorded as ended get one status
     query first), nor a replica an active service still names, nor a directory that is not a pbstk run
     directory directly inside its runs root.
@@ -46,8 +51,9 @@ def clean(older_than: str, dry_run: bool, as_json: bool) -> None:
         click.echo(f"{item.action} {what}" + (f" ({item.detail})" if item.detail else ""))
     done = sum(1 for i in report.items if i.action != "skipped")
     verb = "would remove" if dry_run else "removed"
+    kept = "; `pbstk usage` keeps their figures" if done else ""
     click.echo(f"{verb} {done} job(s); left {report.active} not ended, {report.recent} ended less than "
-               f"{older_than} ago, {len(report.items) - done} skipped", err=True)
+               f"{older_than} ago, {len(report.items) - done} skipped{kept}", err=True)
 
 
 COMMANDS = [clean]

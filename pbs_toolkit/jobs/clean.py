@@ -12,6 +12,9 @@ runner, in one ``sh`` call whose values are arguments, never spliced into the sc
 ``rm -rf`` never follows symlinks inside the directory. A directory that fails a check is left, with the reason,
 and so is its record (so a later ``clean`` can say it again); one already gone just loses its record. A job that
 an active service still names (``held_by_services``) is left too.
+
+What ``pbstk usage`` reports of a removed job is not lost: its final accounting is read first, and the store
+keeps the job's figures in its ledger when it forgets the record (``JobStore.remove``).
 """
 
 from __future__ import annotations
@@ -182,10 +185,13 @@ def held_by_services(store: JobStore, records: Sequence[JobRecord], now: float) 
 
 
 def clean(store: JobStore, runner: Callable[[str], Runner], ask: Callable[[list[JobRecord]], object],
-          older_than: float, dry_run: bool) -> CleanReport:
+          older_than: float, dry_run: bool, keep_usage: Callable[[list[JobRecord]], object] | None = None
+          ) -> CleanReport:
     """Remove the run directories and records of jobs that ended at least ``older_than`` seconds ago
     (``Client.clean``). Jobs not recorded as ended are first ``ask``ed about (a status query per transport); one
-    whose scheduler or login node does not answer is left alone. ``runner``: the transport's open runner."""
+    whose scheduler or login node does not answer is left alone. ``runner``: the transport's open runner.
+    ``keep_usage`` gets the jobs about to be removed while their run directories still exist (their final
+    accounting is read then); each removed record's usage figures stay in the store's ledger."""
     from pbs_toolkit import paths
     from pbs_toolkit.jobs.store import forget_run_dirs
 
@@ -201,6 +207,8 @@ def clean(store: JobStore, runner: Callable[[str], Runner], ask: Callable[[list[
     now = time.time()
     old, report.active, report.recent = select(store.all(), older_than, now)
     old, report.items = held_by_services(store, old, now)
+    if old and keep_usage is not None and not dry_run:
+        keep_usage(old)
     removed_here: set[str] = set()
     roots: dict[tuple[str, str], Any] = {}
     for record in old:

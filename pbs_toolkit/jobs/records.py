@@ -14,6 +14,10 @@ from pbs_toolkit.jobs.spec import LaunchSpec, split_legacy_extra
 
 #: extra key: when the job was first recorded as ended (``pbstk clean --older-than`` counts from it)
 FINAL_AT_KEY = "final_at"
+#: extra keys of what ``pbstk usage`` keeps of an ended job: the scheduler's final accounting
+#: (campaigns/usage.py) and the server's counters scraped before its cancel (campaigns/counters.py)
+ACCOUNTING_KEY = "usage_accounting"
+COUNTERS_KEY = "usage_counters"
 #: final states a record may carry (status.ServerState's final members)
 FINAL_STATES = frozenset({"FAILED", "FINISHED", "CANCELLED", "LOST"})
 #: what a scheduler job id may look like in a ``RUN_DIR/job_id`` marker

@@ -59,7 +59,9 @@ from pbs_toolkit.jobs.store_sql import (
     describe_error,
     file_lock,
     insert_record,
+    keep_in_ledger,
     load_intents,
+    load_ledger,
     long_empty,
     migrate_spec,
     readopt_services,
@@ -257,6 +259,13 @@ class JobStore:
             self._warn_once(f"{len(broken)} broken record(s) in the job store {self.path}: {'; '.join(broken[:5])}")
         return out
 
+    def ledger(self) -> list[JobRecord]:
+        """The compact records of forgotten jobs (``remove``), newest first: what ``pbstk usage`` still reports."""
+        if not self.path.exists():
+            return []
+        with self._connect() as conn:
+            return load_ledger(conn)
+
     def find(self, ref: str | None) -> JobRecord:
         """A job by full id, id prefix (``123`` for ``123.server``), or name; ``None`` = the newest job."""
         records = self.all()
@@ -277,8 +286,10 @@ class JobStore:
         raise JobNotFound(f"unknown job {ref!r}: `pbstk jobs` lists the jobs pbstk knows")
 
     def remove(self, record: JobRecord) -> None:
-        """Forget the job and the registry entries it recorded (the entries themselves are not touched)."""
+        """Forget the job and the registry entries it recorded (the entries themselves are not touched). Its usage
+        figures move to the ledger in the same transaction: ``pbstk usage`` counts them once, before and after."""
         with self._connect() as conn:
+            keep_in_ledger(conn, record)
             conn.execute("DELETE FROM jobs WHERE job_id = ? AND transport = ?", (record.job_id, record.transport))
             conn.execute("DELETE FROM endpoints WHERE job_id = ? AND transport = ?", (record.job_id, record.transport))
 
