@@ -143,11 +143,11 @@ def parse_since(text: str, now: float | None = None) -> float:
     local time) or an age (``90m``, ``12h``, ``7d``, ``2w``) -> epoch seconds."""
     from datetime import datetime
 
-    from pbs_toolkit.jobs.clean import parse_duration
+    from pbs_toolkit.durations import parse, seconds_of
 
     value = text.strip()
-    if re.fullmatch(r"\d+(\.\d+)?[smhdw]", value):
-        return (time.time() if now is None else now) - parse_duration(value)
+    if seconds_of(value, bare=False) is not None:
+        return (time.time() if now is None else now) - parse(value, "--since", zero=True, bare=False)
     try:
         return datetime.fromisoformat(value.replace(" ", "T", 1)).timestamp()
     except ValueError:

@@ -16,7 +16,8 @@ def _age(seconds: float) -> str:
 
 @click.command()
 @click.option("--older-than", "older_than", default="7d", show_default=True, metavar="DURATION",
-              help="Only jobs that ended at least this long ago: 30m, 12h, 7d, 2w (0: every ended job).")
+              help="Only jobs that ended at least this long ago: 30m, 12h, 1d12h, 2w (0: every ended job; "
+              "docs/settings.md#durations).")
 @click.option("--dry-run", is_flag=True, help="Show what would be removed; remove nothing.")
 @click.option("--json", "as_json", is_flag=True)
 def clean(older_than: str, dry_run: bool, as_json: bool) -> None:
@@ -36,9 +37,10 @@ def clean(older_than: str, dry_run: bool, as_json: bool) -> None:
       pbstk clean --older-than 12h
     """
     from pbs_toolkit.client import Client
-    from pbs_toolkit.jobs.clean import parse_duration
+    from pbs_toolkit.durations import parse
 
-    seconds = parse_duration(older_than)  # refused before anything is asked or removed
+    # refused before anything is asked or removed; a bare number needs its unit here (7 could mean days)
+    seconds = parse(older_than, "--older-than", zero=True, bare=False)
     with Client() as c:
         report = c.clean(seconds, dry_run=dry_run)
     for warning in report.warnings:

@@ -19,20 +19,16 @@ keeps the job's figures in its ledger when it forgets the record (``JobStore.rem
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pbs_toolkit.errors import PbstkError, UsageError
+from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.store import FINAL_AT_KEY, JOB_ID_MARKER, RECORD_MARKER, JobRecord, JobStore
 from pbs_toolkit.schema import stamp
 from pbs_toolkit.transports import Runner
 
-#: ``--older-than`` units
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 DEFAULT_OLDER_THAN = "7d"
 
 # $1 run dir, $2 runs root, $3 job id, $4 1 = only check. Prints one word (and a reason), exit 0 / 3.
@@ -50,17 +46,6 @@ if [ "$(cat -- "$d/$6")" != "$3" ]; then echo "skip: its $6 marker names another
 if [ "$4" = 1 ]; then echo ok; exit 0; fi
 rm -rf -- "$d" && echo removed
 """
-
-
-def parse_duration(text: str) -> float:
-    """``30m``, ``12h``, ``7d``, ``2w``, ``90s`` (or ``0``) -> seconds; anything else is a ``UsageError``."""
-    text = text.strip()
-    if text == "0":
-        return 0.0
-    match = _DURATION.match(text)
-    if not match:
-        raise UsageError(f"--older-than {text!r}: use a number and a unit, e.g. 30m, 12h, 7d, 2w (or 0)")
-    return float(match.group(1)) * _UNITS[match.group(2)]
 
 
 @dataclass
