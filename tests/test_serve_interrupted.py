@@ -114,9 +114,11 @@ def test_sigint_during_serve_leaves_no_process_of_the_service(slow_router_profil
     assert pbstk("cancel", "--all").exit_code == 0 and not _group_alive(group)
 
 
-def test_serve_killed_while_its_router_starts_is_stopped_by_cancel(slow_router_profile: str) -> None:
+@pytest.mark.parametrize("cancel", [("cancel", "si"), ("cancel", "--all")])
+def test_serve_killed_while_its_router_starts_is_stopped_by_cancel(slow_router_profile: str,
+                                                                   cancel: tuple[str, str]) -> None:
     """kill -9 leaves no teardown: the service and its router, recorded before serve waited, are what a later
-    ``pbstk cancel NAME`` stops."""
+    ``pbstk cancel NAME`` or ``cancel --all`` stops."""
     proc = _serve("si")
     try:
         group = until(lambda: _router_group("si"), 60, "the router's wrapper to start")
@@ -128,6 +130,28 @@ def test_serve_killed_while_its_router_starts_is_stopped_by_cancel(slow_router_p
     assert _group_alive(group)
     svc = records.find(JobStore(), "si")
     assert svc is not None and svc.router.get("token"), "the router was not recorded before serve waited for it"
-    cancelled = pbstk("cancel", "si")
+    cancelled = pbstk(*cancel)
     assert cancelled.exit_code == 0, cancelled.output
     until(lambda: not _group_alive(group), 30, f"the router's process group {group} to end")
+
+
+def test_a_router_recorded_before_its_pid_is_stopped_by_its_token(tmp_path: Path) -> None:
+    """What ``start_router`` records first (pid 0: not known yet) is enough to stop the router: it is found by the
+    token its wrapper carries, and only its own process group is signalled."""
+    from pbs_toolkit.services.router import RouterInfo, router_alive, start_router, stop_router
+    from pbs_toolkit.transports.local import LocalRunner
+
+    heard: list[RouterInfo] = []
+    runner = LocalRunner()
+    info = start_router(runner, str(tmp_path / "router"), command=[str(ROUTER)],
+                        record=lambda i: heard.append(RouterInfo.from_dict(i.to_dict())))
+    try:
+        assert [h.pid for h in heard] == [0, info.pid] and heard[0].token == info.token
+        assert heard[0].port == info.port and heard[0].run_dir == info.run_dir
+        assert router_alive(runner, info)
+        other = RouterInfo.from_dict({**heard[0].to_dict(), "token": "not-this-routers-token"})
+        assert stop_router(runner, other, timeout=2) is False and router_alive(runner, info)
+        assert stop_router(runner, heard[0], timeout=5) is True
+        until(lambda: not _group_alive(info.pid), 30, "the router's process group to end")
+    finally:
+        stop_router(runner, info, timeout=2)
