@@ -286,8 +286,7 @@ class JobStore:
         raise JobNotFound(f"unknown job {ref!r}: `pbstk jobs` lists the jobs pbstk knows")
 
     def remove(self, record: JobRecord) -> None:
-        """Forget the job and the registry entries it recorded (the entries themselves are not touched). Its usage
-        figures move to the ledger in the same transaction: ``pbstk usage`` counts them once, before and after."""
+        """Forget the job and its records of registry entries (not the entries); its usage moves to the ledger."""
         with self._connect() as conn:
             keep_in_ledger(conn, record)
             conn.execute("DELETE FROM jobs WHERE job_id = ? AND transport = ?", (record.job_id, record.transport))
