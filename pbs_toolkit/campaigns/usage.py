@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pbs_toolkit.campaigns import counters
 from pbs_toolkit.errors import JobNotFound, PbstkError, UsageError
-from pbs_toolkit.jobs.records import ACCOUNTING_KEY
+from pbs_toolkit.jobs.records import ACCOUNTING_KEY, find_in
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.store import JobRecord, JobStore
@@ -200,7 +200,7 @@ def collect(client: UsageSource, refs: Sequence[str], since: float | None = None
             if svc is not None:
                 services.append(svc)
             else:
-                jobs.append(_job(client, records, ref))  # JobNotFound: exit 7, nothing queried yet
+                jobs.append(_job(client, ref))  # JobNotFound: exit 7, nothing queried yet
     else:
         services = [s for s in client.services(all=True) if since is None or s.created >= since]
     rows: list[UsageRow] = []
@@ -245,16 +245,15 @@ def with_ledger(store: JobStore) -> list[JobRecord]:
     return records + [r for r in store.ledger() if (r.transport, r.job_id) not in known]
 
 
-def _job(client: UsageSource, records: Sequence[JobRecord], ref: str) -> JobRecord:
-    """A job by id, id prefix or name; one that ``clean`` forgot is found in the ledger (newest first)."""
+def _job(client: UsageSource, ref: str) -> JobRecord:
+    """A job by id, id prefix or name, as ``client.record`` finds it; one that ``clean`` forgot, in the ledger."""
     try:
         return client.record(ref)
     except JobNotFound:
-        for match in ([r for r in records if r.job_id == ref], [r for r in records if r.job_id.split(".")[0] == ref],
-                      [r for r in records if r.name == ref]):
-            if match:
-                return max(match, key=lambda r: r.created)
-        raise
+        forgotten = client.store.ledger()  # newest first, as the store's records
+        if not forgotten:
+            raise
+        return find_in(forgotten, ref)
 
 
 def keep_final_accounting(client: UsageSource, records: Sequence[JobRecord]) -> None:

@@ -39,6 +39,7 @@ from pbs_toolkit.jobs.records import (
     Intent,
     JobRecord,
     RegistryEntry,
+    find_in,
     record_values,
     row_to_record,
 )
@@ -271,19 +272,7 @@ class JobStore:
         records = self.all()
         if not records:
             raise JobNotFound("no jobs launched yet: start one with `pbstk launch MODEL`")
-        if ref is None:
-            return records[0]
-        for match in (
-            [r for r in records if r.job_id == ref],
-            [r for r in records if r.job_id.split(".", 1)[0] == ref],
-            [r for r in records if r.name == ref],
-        ):
-            if len(match) == 1 or (match and match[0].name == ref):
-                return match[0]  # newest job of that name
-            if len(match) > 1:
-                ids = ", ".join(r.job_id for r in match[:5])
-                raise UsageError(f"job {ref!r} is ambiguous: {ids}")
-        raise JobNotFound(f"unknown job {ref!r}: `pbstk jobs` lists the jobs pbstk knows")
+        return records[0] if ref is None else find_in(records, ref)
 
     def remove(self, record: JobRecord) -> None:
         """Forget the job and its records of registry entries (not the entries); its usage moves to the ledger."""
