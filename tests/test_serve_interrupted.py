@@ -114,6 +114,24 @@ def test_sigint_during_serve_leaves_no_process_of_the_service(slow_router_profil
     assert pbstk("cancel", "--all").exit_code == 0 and not _group_alive(group)
 
 
+def test_sigterm_during_run_with_replicas_leaves_no_router(slow_router_profile: str) -> None:
+    """``pbstk run --replicas 2`` starts its service the same way: SIGTERM while the router starts stops it."""
+    proc = subprocess.Popen(  # noqa: S603
+        [sys.executable, "-m", "pbs_toolkit", "run", MODEL, "--profile", "svc", "--preset", "single", "--replicas",
+         "2", "--name", "si", "--", "true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        group = until(lambda: _router_group("si"), 60, "the router's wrapper to start")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    until(lambda: not _group_alive(group), 30, f"the router's process group {group} to end")
+    svc = records.load(JobStore(), "si")
+    assert svc is not None and not svc.active, svc
+
+
 @pytest.mark.parametrize("cancel", [("cancel", "si"), ("cancel", "--all")])
 def test_serve_killed_while_its_router_starts_is_stopped_by_cancel(slow_router_profile: str,
                                                                    cancel: tuple[str, str]) -> None:
