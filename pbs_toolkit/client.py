@@ -254,10 +254,13 @@ class Client(ServiceMethods, PerfMethods):
     def clean(self, older_than: float = 7 * 86400.0, *, dry_run: bool = False) -> CleanReport:
         """Remove the run directories and records of jobs that ended at least ``older_than`` seconds ago
         (``pbstk clean``; see ``jobs.clean`` for what makes a directory safe to delete). Jobs not recorded as
-        ended get one status query first; one whose scheduler or login node does not answer is left alone."""
+        ended get one status query first; one whose scheduler or login node does not answer is left alone. What
+        ``usage`` reports of the removed jobs stays (their final accounting is read first, kept in the ledger)."""
+        from pbs_toolkit.campaigns.usage import keep_final_accounting
         from pbs_toolkit.jobs.clean import clean
 
-        return clean(self.store, self.runner, self._status_of, older_than, dry_run)
+        return clean(self.store, self.runner, self._status_of, older_than, dry_run,
+                     keep_usage=lambda records: keep_final_accounting(self, records))
 
     def _records(self, show_all: bool) -> list[JobRecord]:
         return [r for r in self.store.all() if show_all or not r.final_state]

@@ -119,7 +119,7 @@ def conn_fix(store: JobStore, job_id: str, run_dir: str) -> None:
 def test_a_bad_duration_is_refused(isolated_user: Path, bad: str) -> None:
     result = pbstk("clean", "--older-than", bad)
     assert result.exit_code == 2
-    assert result.stderr.startswith(f"pbstk: error: --older-than {bad!r}: use a number and a unit")
+    assert result.stderr.startswith(f"pbstk: error: --older-than {bad!r}: expected a duration")
     assert len(result.stderr.strip().splitlines()) == 1
 
 

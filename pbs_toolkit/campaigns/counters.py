@@ -14,12 +14,11 @@ import time
 from typing import Any
 
 from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.jobs.records import COUNTERS_KEY
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.transports.base import Runner
 
-#: the key of the recorded counters in a job record's ``extra``
-COUNTERS_KEY = "usage_counters"
 #: the counters' names in ``usage`` (and its JSON), from the snapshot's fields
 FIELDS = {"requests": "requests_success", "prompt_tokens": "prompt_tokens", "output_tokens": "generation_tokens"}
 #: one scrape before a cancel may take this long (a server that does not answer must not hold the cancel up)

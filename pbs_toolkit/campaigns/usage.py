@@ -5,7 +5,9 @@ says which of its sources it read), node- and GPU-hours, and the
 server's requests and tokens (live from ``/metrics`` while it serves, else what was recorded before its cancel:
 campaigns/counters.py). A service's jobs are its replicas over its whole life (keep-alive successors included:
 names ``NAME-rK`` and ``NAME-rK-gG``) and its router job. What the scheduler said about an ended job is kept
-in the job's record, so it survives the scheduler forgetting the job.
+in the job's record, so it survives the scheduler forgetting the job; ``pbstk clean`` moves an ended job's
+figures into the job store's ledger before it forgets the record (``JobStore.remove``), and ``usage`` reads
+records and ledger together, each job once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pbs_toolkit.campaigns import counters
-from pbs_toolkit.errors import PbstkError, UsageError
+from pbs_toolkit.errors import JobNotFound, PbstkError, UsageError
+from pbs_toolkit.jobs.records import ACCOUNTING_KEY, find_in
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.store import JobRecord, JobStore
@@ -36,8 +39,6 @@ class UsageSource(Protocol):
     def services(self, all: bool = False) -> list[ServiceRecord]: ...  # noqa: A002
 
 
-#: the key of the scheduler's final accounting in an ended job's record
-ACCOUNTING_KEY = "usage_accounting"
 #: the figures every row and total carries, in table order
 FIGURES = ("nodes", "gpus", "walltime_s", "node_hours", "gpu_hours", "requests", "prompt_tokens",
            "output_tokens", "output_tokens_per_gpu_hour")
@@ -142,11 +143,11 @@ def parse_since(text: str, now: float | None = None) -> float:
     local time) or an age (``90m``, ``12h``, ``7d``, ``2w``) -> epoch seconds."""
     from datetime import datetime
 
-    from pbs_toolkit.jobs.clean import parse_duration
+    from pbs_toolkit.durations import parse, seconds_of
 
     value = text.strip()
-    if re.fullmatch(r"\d+(\.\d+)?[smhdw]", value):
-        return (time.time() if now is None else now) - parse_duration(value)
+    if seconds_of(value, bare=False) is not None:
+        return (time.time() if now is None else now) - parse(value, "--since", zero=True, bare=False)
     try:
         return datetime.fromisoformat(value.replace(" ", "T", 1)).timestamp()
     except ValueError:
@@ -191,7 +192,7 @@ def collect(client: UsageSource, refs: Sequence[str], since: float | None = None
             warn: Callable[[str], None] | None = None) -> UsageReport:
     """The usage of ``refs`` (job ids or names, service names; none: every job and service in the store, those
     created at or after ``since`` when it is given)."""
-    records = client.store.all()
+    records = with_ledger(client.store)
     services, jobs = [], []
     if refs:
         for ref in refs:
@@ -199,7 +200,7 @@ def collect(client: UsageSource, refs: Sequence[str], since: float | None = None
             if svc is not None:
                 services.append(svc)
             else:
-                jobs.append(client.record(ref))  # JobNotFound: exit 7, nothing queried yet
+                jobs.append(_job(client, ref))  # JobNotFound: exit 7, nothing queried yet
     else:
         services = [s for s in client.services(all=True) if since is None or s.created >= since]
     rows: list[UsageRow] = []
@@ -235,6 +236,31 @@ def collect(client: UsageSource, refs: Sequence[str], since: float | None = None
             rows.append(row)
     everything = [r for g in groups for r in g.rows] + rows
     return UsageReport(jobs=everything, services=groups, totals=Totals("total", everything), notes=notes)
+
+
+def with_ledger(store: JobStore) -> list[JobRecord]:
+    """Every job's record, then the ledger's compact records of jobs ``pbstk clean`` forgot (each job once)."""
+    records = store.all()
+    known = {(r.transport, r.job_id) for r in records}
+    return records + [r for r in store.ledger() if (r.transport, r.job_id) not in known]
+
+
+def _job(client: UsageSource, ref: str) -> JobRecord:
+    """A job by id, id prefix or name, as ``client.record`` finds it; one that ``clean`` forgot, in the ledger."""
+    try:
+        return client.record(ref)
+    except JobNotFound:
+        forgotten = client.store.ledger()  # newest first, as the store's records
+        if not forgotten:
+            raise
+        return find_in(forgotten, ref)
+
+
+def keep_final_accounting(client: UsageSource, records: Sequence[JobRecord]) -> None:
+    """Ask the schedulers once for the accounting of ``records`` (ended jobs ``clean`` is about to forget) and
+    keep each final answer in its record, so that the ledger holds the wall time the run directory will no
+    longer tell. A scheduler that does not answer leaves its jobs without one, as ``usage`` would."""
+    _account(client, [(row_of(r), r, None) for r in records], [])
 
 
 def _is_service_job(record: JobRecord, services: Sequence[ServiceRecord]) -> bool:

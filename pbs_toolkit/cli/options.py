@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import stat
 from collections.abc import Callable, Mapping
@@ -27,8 +26,13 @@ MAX_NODES = 10000
 MAX_GPUS_PER_NODE = 64
 
 
+#: timeouts and intervals (``--timeout``, ``--interval``, ``--watch``) may be fractions of a second, down to this
+TIMEOUT_MIN_S = 0.001
+
+
 class Seconds(click.ParamType):
-    """A duration in seconds: finite and > 0 (``allow_zero``: >= 0). ``nan`` would wait forever, ``-1`` never.
+    """A timeout or interval in the one duration grammar (durations.py: ``45``, ``0.5``, ``90s``, ``1h30m``): > 0
+    (``allow_zero``: or 0), at most a year. ``nan`` would wait forever, ``-1`` never.
 
     Errors are our ``UsageError`` so the CLI prints its one ``pbstk: error:`` line, not click's usage block.
     """
@@ -39,15 +43,10 @@ class Seconds(click.ParamType):
         self.allow_zero = allow_zero
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        flag = _flag(param)
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            raise UsageError(f"{flag} {value!r} is not a number of seconds") from None
-        if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not self.allow_zero):
-            bound = ">= 0" if self.allow_zero else "> 0"
-            raise UsageError(f"{flag} {value!r}: must be a finite number of seconds {bound}")
-        return seconds
+        from pbs_toolkit.durations import parse
+
+        # the one duration grammar (plain seconds, or 90s, 5m, 1h30m); fractions of a second are fine here
+        return parse(value, _flag(param), zero=self.allow_zero, minimum=TIMEOUT_MIN_S)
 
 
 class BoundedInt(click.ParamType):
@@ -131,8 +130,9 @@ def render_options(f: F) -> F:
                           "preset's value of that flag."),
         click.option("--env", "env", multiple=True, help="K=V exported in the job (repeat)."),
         click.option("--idle-cancel", callback=_idle_duration, metavar="DURATION",
-                     help="Stop the server after this long without a request (30m, 2h; off). Default: the "
-                          "profile's idle_cancel (off). On serve: ends the whole service (docs/idle.md)."),
+                     help="Stop the server after this long without a request (30m, 1h30m; off). Default: the "
+                          "profile's idle_cancel (off). On serve: ends the whole service (docs/idle.md; "
+                          "durations: docs/settings.md#durations)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -159,10 +159,10 @@ def scale_options(f: F) -> F:
     options = [
         click.option("--min-replicas", type=BoundedInt(1, 1000), help="Autoscale: never fewer replicas (start here)."),
         click.option("--max-replicas", type=BoundedInt(1, 1000), help="Autoscale: never more replicas."),
-        click.option("--scale-up-waiting", type=SECONDS_OR_ZERO, metavar="W",
+        click.option("--scale-up-waiting", type=BoundedInt(0, 1_000_000), metavar="W",
                      help="Autoscale: add a replica when more than W requests wait for two ticks (default 1)."),
-        click.option("--scale-down-idle", metavar="D", help="Autoscale: remove one (drained first) after D with "
-                     "no request waiting and spare capacity (default 5m)."),
+        click.option("--scale-down-idle", metavar="DURATION", help="Autoscale: remove one (drained first) after "
+                     "DURATION (90s, 5m, 1h30m) with no request waiting and spare capacity (default 5m)."),
     ]
     for option in reversed(options):
         f = option(f)

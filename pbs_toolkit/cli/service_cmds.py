@@ -23,16 +23,9 @@ from pbs_toolkit.cli.options import (
 
 
 def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
-    from pbs_toolkit.errors import UsageError
-    from pbs_toolkit.jobs.clean import parse_duration
+    from pbs_toolkit.durations import parse
 
-    try:  # plain seconds too (45), or a unit: 90s, 10m, 1h
-        seconds = float(value) if value.strip().replace(".", "", 1).isdigit() else parse_duration(value)
-    except (UsageError, ValueError):
-        raise UsageError(f"--handover {value!r}: expected a duration like 10m, 90s or 1h") from None
-    if seconds <= 0:
-        raise UsageError(f"--handover {value!r}: must be positive")
-    return seconds
+    return parse(value, "--handover")
 
 
 @click.command()
@@ -41,8 +34,9 @@ def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
               help="How many replica jobs serve behind the one URL (a fixed count; default 1).")
 @click.option("--nodes-per-replica", type=BoundedInt(1, 10000), help="Nodes of each replica job (--nodes).")
 @click.option("--keep-alive", is_flag=True, help="Keep a successor queued for every replica across walltimes.")
-@click.option("--handover", default="10m", show_default=True, callback=_handover,
-              help="With --keep-alive: the successor becomes eligible this long before the walltime ends.")
+@click.option("--handover", default="10m", show_default=True, callback=_handover, metavar="DURATION",
+              help="With --keep-alive: the successor becomes eligible this long before the walltime ends "
+                   "(90s, 10m, 1h30m; docs/settings.md#durations).")
 @click.option("--policy", help="Router policy (default: the profile's router_policy, power_of_two): "
               "power_of_two (fewer requests in flight), consistent_hash (session-affine: multi-turn), "
               "round_robin, ... (docs/services.md \"Policies\").")

@@ -12,24 +12,23 @@ runner, in one ``sh`` call whose values are arguments, never spliced into the sc
 ``rm -rf`` never follows symlinks inside the directory. A directory that fails a check is left, with the reason,
 and so is its record (so a later ``clean`` can say it again); one already gone just loses its record. A job that
 an active service still names (``held_by_services``) is left too.
+
+What ``pbstk usage`` reports of a removed job is not lost: its final accounting is read first, and the store
+keeps the job's figures in its ledger when it forgets the record (``JobStore.remove``).
 """
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pbs_toolkit.errors import PbstkError, UsageError
+from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.store import FINAL_AT_KEY, JOB_ID_MARKER, RECORD_MARKER, JobRecord, JobStore
 from pbs_toolkit.schema import stamp
 from pbs_toolkit.transports import Runner
 
-#: ``--older-than`` units
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 DEFAULT_OLDER_THAN = "7d"
 
 # $1 run dir, $2 runs root, $3 job id, $4 1 = only check. Prints one word (and a reason), exit 0 / 3.
@@ -47,17 +46,6 @@ if [ "$(cat -- "$d/$6")" != "$3" ]; then echo "skip: its $6 marker names another
 if [ "$4" = 1 ]; then echo ok; exit 0; fi
 rm -rf -- "$d" && echo removed
 """
-
-
-def parse_duration(text: str) -> float:
-    """``30m``, ``12h``, ``7d``, ``2w``, ``90s`` (or ``0``) -> seconds; anything else is a ``UsageError``."""
-    text = text.strip()
-    if text == "0":
-        return 0.0
-    match = _DURATION.match(text)
-    if not match:
-        raise UsageError(f"--older-than {text!r}: use a number and a unit, e.g. 30m, 12h, 7d, 2w (or 0)")
-    return float(match.group(1)) * _UNITS[match.group(2)]
 
 
 @dataclass
@@ -182,10 +170,13 @@ def held_by_services(store: JobStore, records: Sequence[JobRecord], now: float) 
 
 
 def clean(store: JobStore, runner: Callable[[str], Runner], ask: Callable[[list[JobRecord]], object],
-          older_than: float, dry_run: bool) -> CleanReport:
+          older_than: float, dry_run: bool, keep_usage: Callable[[list[JobRecord]], object] | None = None
+          ) -> CleanReport:
     """Remove the run directories and records of jobs that ended at least ``older_than`` seconds ago
     (``Client.clean``). Jobs not recorded as ended are first ``ask``ed about (a status query per transport); one
-    whose scheduler or login node does not answer is left alone. ``runner``: the transport's open runner."""
+    whose scheduler or login node does not answer is left alone. ``runner``: the transport's open runner.
+    ``keep_usage`` gets the jobs about to be removed while their run directories still exist (their final
+    accounting is read then); each removed record's usage figures stay in the store's ledger."""
     from pbs_toolkit import paths
     from pbs_toolkit.jobs.store import forget_run_dirs
 
@@ -201,6 +192,8 @@ def clean(store: JobStore, runner: Callable[[str], Runner], ask: Callable[[list[
     now = time.time()
     old, report.active, report.recent = select(store.all(), older_than, now)
     old, report.items = held_by_services(store, old, now)
+    if old and keep_usage is not None and not dry_run:
+        keep_usage(old)
     removed_here: set[str] = set()
     roots: dict[tuple[str, str], Any] = {}
     for record in old:

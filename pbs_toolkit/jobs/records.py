@@ -10,10 +10,15 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from pbs_toolkit.errors import JobNotFound, UsageError
 from pbs_toolkit.jobs.spec import LaunchSpec, split_legacy_extra
 
 #: extra key: when the job was first recorded as ended (``pbstk clean --older-than`` counts from it)
 FINAL_AT_KEY = "final_at"
+#: extra keys of what ``pbstk usage`` keeps of an ended job: the scheduler's final accounting
+#: (campaigns/usage.py) and the server's counters scraped before its cancel (campaigns/counters.py)
+ACCOUNTING_KEY = "usage_accounting"
+COUNTERS_KEY = "usage_counters"
 #: final states a record may carry (status.ServerState's final members)
 FINAL_STATES = frozenset({"FAILED", "FINISHED", "CANCELLED", "LOST"})
 #: what a scheduler job id may look like in a ``RUN_DIR/job_id`` marker
@@ -131,3 +136,19 @@ def row_to_record(data: dict[str, Any]) -> tuple[JobRecord | None, str | None]:
     # rows, intents and run-directory records written before LaunchSpec kept its keys in extra
     data["spec"], data["extra"] = split_legacy_extra(extra, spec)
     return JobRecord(**data), problem
+
+
+def find_in(records: list[JobRecord], ref: str) -> JobRecord:
+    """A job of ``records`` (newest first) by full id, id prefix (``123`` for ``123.server``), or name (the newest
+    job of that name); ``JobNotFound`` or, for a prefix or name several jobs share, ``UsageError``."""
+    for match in (
+        [r for r in records if r.job_id == ref],
+        [r for r in records if r.job_id.split(".", 1)[0] == ref],
+        [r for r in records if r.name == ref],
+    ):
+        if len(match) == 1 or (match and match[0].name == ref):
+            return match[0]  # newest job of that name
+        if len(match) > 1:
+            ids = ", ".join(r.job_id for r in match[:5])
+            raise UsageError(f"job {ref!r} is ambiguous: {ids}")
+    raise JobNotFound(f"unknown job {ref!r}: `pbstk jobs` lists the jobs pbstk knows")

@@ -39,6 +39,7 @@ from pbs_toolkit.jobs.records import (
     Intent,
     JobRecord,
     RegistryEntry,
+    find_in,
     record_values,
     row_to_record,
 )
@@ -59,7 +60,9 @@ from pbs_toolkit.jobs.store_sql import (
     describe_error,
     file_lock,
     insert_record,
+    keep_in_ledger,
     load_intents,
+    load_ledger,
     long_empty,
     migrate_spec,
     readopt_services,
@@ -257,28 +260,24 @@ class JobStore:
             self._warn_once(f"{len(broken)} broken record(s) in the job store {self.path}: {'; '.join(broken[:5])}")
         return out
 
+    def ledger(self) -> list[JobRecord]:
+        """The compact records of forgotten jobs (``remove``), newest first: what ``pbstk usage`` still reports."""
+        if not self.path.exists():
+            return []
+        with self._connect() as conn:
+            return load_ledger(conn)
+
     def find(self, ref: str | None) -> JobRecord:
         """A job by full id, id prefix (``123`` for ``123.server``), or name; ``None`` = the newest job."""
         records = self.all()
         if not records:
             raise JobNotFound("no jobs launched yet: start one with `pbstk launch MODEL`")
-        if ref is None:
-            return records[0]
-        for match in (
-            [r for r in records if r.job_id == ref],
-            [r for r in records if r.job_id.split(".", 1)[0] == ref],
-            [r for r in records if r.name == ref],
-        ):
-            if len(match) == 1 or (match and match[0].name == ref):
-                return match[0]  # newest job of that name
-            if len(match) > 1:
-                ids = ", ".join(r.job_id for r in match[:5])
-                raise UsageError(f"job {ref!r} is ambiguous: {ids}")
-        raise JobNotFound(f"unknown job {ref!r}: `pbstk jobs` lists the jobs pbstk knows")
+        return records[0] if ref is None else find_in(records, ref)
 
     def remove(self, record: JobRecord) -> None:
-        """Forget the job and the registry entries it recorded (the entries themselves are not touched)."""
+        """Forget the job and its records of registry entries (not the entries); its usage moves to the ledger."""
         with self._connect() as conn:
+            keep_in_ledger(conn, record)
             conn.execute("DELETE FROM jobs WHERE job_id = ? AND transport = ?", (record.job_id, record.transport))
             conn.execute("DELETE FROM endpoints WHERE job_id = ? AND transport = ?", (record.job_id, record.transport))
 

@@ -13,12 +13,24 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pbs_toolkit.errors import StoreError
-from pbs_toolkit.jobs.records import COLUMNS, Intent, JobRecord, record_values, row_to_record
+from pbs_toolkit.jobs.records import (
+    ACCOUNTING_KEY,
+    COLUMNS,
+    COUNTERS_KEY,
+    FINAL_AT_KEY,
+    Intent,
+    JobRecord,
+    record_values,
+    row_to_record,
+)
 from pbs_toolkit.jobs.spec import SPEC_KEYS, split_legacy_extra
 
 #: 2: the launch settings moved from ``extra`` into their own ``spec`` column (see ``migrate_spec``)
 #: 3: the ``endpoints`` table: which registry entries each job wrote (removed when the job ends or is cancelled)
 #: 4: the ``services`` table: several replica jobs behind one router (``pbstk serve``; services/record.py)
+#: (4 still) the ``ledger`` table: what ``pbstk usage`` needs of a job whose record ``pbstk clean`` removed. Added
+#: without a new version: a store lacking it gets it (``TABLES``), and an older pbstk reads a store that has it
+#: (it only ignores the ledger), where a new version would make that pbstk refuse the store
 SCHEMA_VERSION = 4
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -71,9 +83,43 @@ CREATE TABLE IF NOT EXISTS services (
     api_key TEXT,
     data TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS ledger (
+    transport TEXT NOT NULL,
+    job_id TEXT NOT NULL,
+    created REAL NOT NULL,
+    data TEXT NOT NULL,
+    PRIMARY KEY (transport, job_id)
+);
 """
 #: every table of the current schema (a store lacking one gets it, keeping its rows)
-TABLES = frozenset({"jobs", "intents", "counters", "endpoints", "services"})
+TABLES = frozenset({"jobs", "intents", "counters", "endpoints", "services", "ledger"})
+#: what a ledger row keeps of a record's ``extra``: when it ended and what ``usage`` recorded; the rest (reasons,
+#: endpoints, absence counts) is of no use once the job is forgotten
+LEDGER_EXTRA = (FINAL_AT_KEY, ACCOUNTING_KEY, COUNTERS_KEY)
+
+
+def keep_in_ledger(conn: sqlite3.Connection, record: JobRecord) -> None:
+    """Keep ``record``'s usage figures (no secret, ``extra`` cut to ``LEDGER_EXTRA``) before its row goes."""
+    data = record.public()
+    data["extra"] = {k: v for k, v in record.extra.items() if k in LEDGER_EXTRA}
+    data["spec"] = record.spec.to_dict()
+    conn.execute("INSERT OR REPLACE INTO ledger (transport, job_id, created, data) VALUES (?, ?, ?, ?)",
+                 (record.transport, record.job_id, record.created, json.dumps(data)))
+
+
+def load_ledger(conn: sqlite3.Connection) -> list[JobRecord]:
+    """The records kept in the ledger (compact: no key, ``extra`` cut), newest first; unreadable rows skipped."""
+    out = []
+    for row in conn.execute("SELECT data FROM ledger ORDER BY created DESC"):
+        try:
+            data = json.loads(row["data"])
+            record, _ = row_to_record({**data, "extra": json.dumps(data.get("extra") or {}),
+                                       "spec": json.dumps(data.get("spec") or {})})
+        except (ValueError, TypeError, AttributeError):
+            record = None
+        if record is not None:
+            out.append(record)
+    return out
 
 
 @contextmanager

@@ -222,7 +222,7 @@ def configure_scaling(settings: LaunchSettings, req: RenderRequest, opts: ServeO
 
 def _start_router(session: ServiceSession, rec: ServiceRecord, profile: Profile, command: list[str],
                   place: str) -> None:
-    from pbs_toolkit.services.router import start_router
+    from pbs_toolkit.services.router import RouterInfo, start_router
 
     if place == "job":
         from pbs_toolkit.services import router_job
@@ -241,10 +241,13 @@ def _start_router(session: ServiceSession, rec: ServiceRecord, profile: Profile,
         bind = profile.router_bind or profile.bind_host
     # a loopback bind is reached as itself; otherwise the router module names the host (hostname -f there)
     advertise = bind if bind.startswith("127.") else None
-    info = start_router(runner, run_dir, command=command, bind=bind, advertise=advertise, policy=rec.policy,
-                        isolate=profile.router_isolation != "none")
-    rec.router = info.to_dict()
-    records.save(session.store, rec)
+
+    def record(info: RouterInfo) -> None:  # before the wait: an interrupted serve's teardown stops what it names
+        rec.router = info.to_dict()
+        records.save(session.store, rec)
+
+    start_router(runner, run_dir, record=record, command=command, bind=bind, advertise=advertise,
+                 policy=rec.policy, isolate=profile.router_isolation != "none")
 
 
 def launch_replica(session: ServiceSession, rec: ServiceRecord, slot: Slot, role: str = "current",

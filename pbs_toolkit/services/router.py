@@ -57,7 +57,7 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,6 +138,24 @@ n=$(( $3 * 10 ))
 while [ "$n" -gt 0 ]; do ours "$1" "$2" || exit 0; sleep 0.1; n=$((n - 1)); done
 kill -KILL -- "-$1" 2>/dev/null || kill -KILL "$1" 2>/dev/null
 exit 0
+"""
+# leader TOKEN: the pid of the process-group leader carrying the router's token (the wrapper, once ``setsid`` made it
+# one), for a router recorded before its pid was known. A process carrying it that leads no group yet (``setsid -f``
+# between fork and setsid) is waited for, a second at most: its group is still its starter's, never signalled.
+_LEADER = r"""
+for _ in 1 2 3 4 5 6 7 8 9 10; do
+  young=
+  for e in /proc/[0-9]*/environ; do
+    tr '\0' '\n' 2>/dev/null <"$e" | grep -qxF "PBSTK_ROUTER_TOKEN=$1" || continue
+    p=${e#/proc/}; p=${p%/environ}
+    read -r st 2>/dev/null <"/proc/$p/stat" || continue
+    read -r _ _ pgrp _ <<<"${st##*) }"
+    if [ "$pgrp" = "$p" ]; then echo "$p"; exit 0; fi
+    young=1
+  done
+  [ -n "$young" ] || exit 0
+  sleep 0.1
+done
 """
 # the Python for the front: the router's own (next to its command: a venv's, new enough), else python3 on PATH
 _FRONT_PYTHON = r"""
@@ -287,6 +305,7 @@ def start_router(
     runner: Runner,
     run_dir: str,
     *,
+    record: Callable[[RouterInfo], object] | None = None,
     command: Sequence[str] = ("vllm-router",),
     bind: str = "127.0.0.1",
     advertise: str | None = None,
@@ -304,6 +323,8 @@ def start_router(
     ``isolate`` (the default): the router runs in a private network namespace behind ``router_front.py``, which
     holds ``bind``'s ports and passes on service traffic only; its admin API needs ``RouterInfo.admin_token``.
     False: the router itself binds ``bind``, and its admin API is open to whoever reaches that port.
+    ``record`` hears the router before it is started (pid 0: :func:`stop_router` finds it by its token) and again
+    once its pid is known, both before the wait: a caller interrupted meanwhile can stop what it recorded.
     """
     _check_command(runner, command)
     runner.makedirs(run_dir, 0o700)
@@ -326,10 +347,14 @@ def start_router(
         argv, seed = router_argv(command, policy=policy, bind=bind, port=port, prometheus_port=prom_port,
                                  worker_urls=worker_urls, extra_args=extra_args, front=front)
         log_from = runner.size(f"{run_dir}/{LOG_FILE}") or 0
-        _launch_once(runner, run_dir, argv, token)
-        pid = _read_pid(runner, run_dir, deadline)
-        info = RouterInfo(host=host, port=port, prometheus_port=prom_port, pid=pid, policy=policy,
+        info = RouterInfo(host=host, port=port, prometheus_port=prom_port, pid=0, policy=policy,
                           run_dir=run_dir, transport=transport, token=token, admin_token=token if isolate else "")
+        if record is not None:
+            record(info)
+        _launch_once(runner, run_dir, argv, token)
+        info.pid = _read_pid(runner, run_dir, deadline)
+        if record is not None:
+            record(info)
         if _wait_ready(runner, info, reach_address(bind), log_from, deadline) == "ready":
             if seed:
                 _unseed(runner, info, reach_address(bind), seed)
@@ -415,13 +440,23 @@ def router_alive(runner: Runner, info: RouterInfo) -> bool:
     return runner.run(["bash", "-c", _ALIVE, "pbstk-router-alive", str(info.pid), info.token], timeout=30).ok
 
 
+def _leader(runner: Runner, token: str) -> int:
+    """The pid of the router's process-group leader, found by its token (0: none runs)."""
+    found = runner.run(["bash", "-c", _LEADER, "pbstk-router-find", token], timeout=30).stdout.strip()
+    return int(found) if found.isdigit() else 0
+
+
 def stop_router(runner: Runner, info: RouterInfo, timeout: float = 10.0) -> bool:
     """Stop the router (TERM, then KILL after ``timeout`` s). False when it was already gone (or the pid is no
-    longer the router's: then nothing is signalled)."""
-    if info.pid <= 0 or not info.token:
+    longer the router's: then nothing is signalled). A router recorded before its pid was known (pid 0) is found
+    by its token."""
+    if not info.token:
+        return False
+    pid = info.pid if info.pid > 0 else _leader(runner, info.token)
+    if pid <= 0:
         return False
     seconds = max(1, int(round(timeout)))
-    result = runner.run(["bash", "-c", _STOP, "pbstk-router-stop", str(info.pid), info.token, str(seconds)],
+    result = runner.run(["bash", "-c", _STOP, "pbstk-router-stop", str(pid), info.token, str(seconds)],
                         timeout=seconds + 30)
     if result.rc == 0:
         return True
