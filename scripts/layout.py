@@ -43,6 +43,7 @@ OTHER_FILES = {
     "server/start/server.sh": "start body: what runs vLLM (venv, container, launcher); the stop trap",
     "server/start/peers.sh": "start body: several nodes, per-rank engine flags, head.json, nodes watching each other",
     "server/start/idle.sh": "start body: idle reclaim (--idle-cancel), the head watches its own /metrics",
+    "server/start/lease.sh": "start body: the lease of pbstk run, the job ends itself once the run stops renewing it",
     "server/start/supervise.sh": "start body, last part: vLLM's attempts, the eager restart, the exit code",
     "server/start_router.sh": "the static body of a router job: vllm-router on free ports, router.json once it answers",
     "server/stage_copy.sh": "profile key stage_to: each node copies the staged weights to its own disk (bash)",

@@ -29,7 +29,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pbs_toolkit.campaigns import counters
+from pbs_toolkit.campaigns import counters, lease
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 from pbs_toolkit.signal_scope import handled_by
@@ -141,9 +141,11 @@ def run(client: Client, plan: RunPlan, hooks: RunHooks | None = None) -> int:
     check_plan(plan)
     target = _Target()
     code: int | None = None
+    renewal = lease.Renewal(hooks.notice)  # the job's lease (campaigns/lease.py), renewed until the end is done
     with _terminating():
         try:
             _start(client, plan, hooks, target)
+            renewal.start(_leased(client, plan, target), plan.request.lease_s if plan.request else 0)
             env = _environment(client, plan, target, hooks)
             hooks.notice(f"running {' '.join(plan.command)} against {env['OPENAI_BASE_URL']}")
             code = run_command(plan.command, env, hooks.notice)
@@ -160,7 +162,15 @@ def run(client: Client, plan: RunPlan, hooks: RunHooks | None = None) -> int:
         finally:
             with _held() as later:
                 _finish(client, plan, target, hooks, later)
+            renewal.stop()
     return code if code is not None else 1
+
+
+def _leased(client: Client, plan: RunPlan, target: _Target) -> list[tuple[Any, str]]:
+    """The run directory (and its runner) whose lease the run renews: the job it launched, unless kept."""
+    if not target.launched or plan.keep or target.service is not None or target.record is None:
+        return []
+    return [(client.runner(target.record.transport), target.record.run_dir)]
 
 
 def _start(client: Client, plan: RunPlan, hooks: RunHooks, target: _Target) -> None:

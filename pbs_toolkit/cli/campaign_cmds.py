@@ -4,6 +4,7 @@ The work is in campaigns/; docs/campaigns.md."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -53,6 +54,9 @@ Exit status: COMMAND's own (128+N when signal N ended it). Before COMMAND runs, 
 @click.option("--format", "fmt", type=LazyChoice(registry_formats), default="auto",
               show_default=True, help="With --registry: as `update-endpoint --format`.")
 @click.option("--keep", is_flag=True, help="Leave the server up when COMMAND ends (default: drained, cancelled).")
+@click.option("--lease", metavar="DURATION",
+              help="The job ends itself once pbstk run has not renewed its lease for this long (pbstk killed, "
+                   "its machine asleep, its SSH connection gone): 90s, 5m, off (default 5m, PBSTK_RUN_LEASE).")
 @click.option("--via-tunnel", is_flag=True,
               help="Reach the server through a tunnel over the SSH connection even when the node answers here "
                    "(default: only when it does not).")
@@ -61,7 +65,8 @@ Exit status: COMMAND's own (128+N when signal N ended it). Before COMMAND runs, 
 def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None, accept_new_host_key: bool,
             api_key_env: str | None, no_api_key: bool, replicas: int | None, nodes_per_replica: int | None,
             policy: str | None, keep_alive: bool, reuse: str | None, registry: str | None, alias: str | None,
-            fmt: str, keep: bool, via_tunnel: bool, timeout: float, stage_weights: bool, **kw: Any) -> None:
+            fmt: str, keep: bool, lease: str | None, via_tunnel: bool, timeout: float, stage_weights: bool,
+            **kw: Any) -> None:
     """Launch MODEL (or --reuse a READY job or service), wait until READY, run COMMAND against it, then drain
     and cancel the server; pbstk exits with COMMAND's exit status.
 
@@ -99,10 +104,26 @@ def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None,
                    stage=stage_weights)
     check_plan(plan)  # COMMAND and the registry, before anything renders, connects or is queued
     if model is not None:
-        plan.request = build_request(model, scheduler=scheduler, ssh_host=ssh_host, **kw)
+        plan.request = replace(build_request(model, scheduler=scheduler, ssh_host=ssh_host, **kw),
+                               lease_s=_lease(lease, keep, replicas > 1 or bool(serve)))
+    elif lease is not None:
+        raise UsageError("--lease is for a server pbstk run launches: a --reuse'd one has no lease")
     with Client(accept_new_host_key=accept_new_host_key) as c:
         code = run(c, plan, RunHooks(notice=_notice, wait_job=_wait_job, wait_service=_wait_service))
     raise SystemExit(code)
+
+
+def _lease(text: str | None, keep: bool, service: bool) -> int:
+    """The job's lease in seconds (campaigns/lease.py): none for --keep and for services."""
+    from pbs_toolkit.campaigns.lease import lease_seconds
+    from pbs_toolkit.errors import UsageError
+
+    if keep or service:
+        if text is not None and lease_seconds(text):
+            raise UsageError("--lease is not for " + ("a --keep server: it stays up" if keep else
+                                                      "a service (--replicas): its replicas have no lease yet"))
+        return 0
+    return lease_seconds(text)
 
 
 def _notice(message: str) -> None:

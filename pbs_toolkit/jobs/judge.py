@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pbs_toolkit.jobs import idle
+from pbs_toolkit.jobs import idle, lease
 from pbs_toolkit.jobs.nodes import NodeMarker, NodesView, node_log_name, node_phase_text
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView, look
 from pbs_toolkit.jobs.startup_phases import job_startup, to_freeze
@@ -291,7 +291,9 @@ def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, st
         _save(store, record, **{ABSENCE_KEY: None})
     st = combine(record, sched, view.marker, view.lines, view.health, identity=view.identity, absence=absence,
                  answered=answered)
-    st.reason = idle.idle_reason(st.state.value, view.lines) or st.reason  # stopped by --idle-cancel: says so
+    # stopped by --idle-cancel, or by the lease of a lost pbstk run: says so
+    st.reason = idle.idle_reason(st.state.value, view.lines) or lease.lease_reason(st.state.value, view.lines) \
+        or st.reason
     if view.nodes is not None:
         st = with_nodes(st, view.nodes, (view.marker or {}).get("reason"), view.lines)
     if view.identity is not None and view.identity.ours and view.marker:

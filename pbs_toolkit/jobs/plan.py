@@ -79,6 +79,8 @@ class LaunchPlan:
     run_dir: str
     #: the container command vLLM starts with (server/coldstart.py), ``None`` without a container
     container_command: list[str] | None = None
+    #: the lease of ``pbstk run`` in seconds (the start script's ``LEASE_S``, server/start/lease.sh); 0: none
+    lease_s: int = 0
 
 
 def plan_launch(settings: LaunchSettings, runner: Runner | None = None) -> LaunchPlan:
@@ -110,7 +112,8 @@ def plan_launch(settings: LaunchSettings, runner: Runner | None = None) -> Launc
     return LaunchPlan(model=req.model, model_path=model_path, preset=preset,
                       profile=profile, nodes=nodes, params_b=params,
                       job_name=job_name, served_model_name=served, walltime=walltime, vllm_args=args, notes=notes,
-                      env=env, port=port, fixed_port=fixed_port, run_dir=run_dir, container_command=container)
+                      env=env, port=port, fixed_port=fixed_port, run_dir=run_dir, container_command=container,
+                      lease_s=_lease(req.lease_s))
 
 
 def plan_layout(request: LaunchSettings | RenderRequest) -> tuple[Preset, NodePlan, float | None]:
@@ -386,6 +389,13 @@ def start_script_settings() -> frozenset[str]:
     """Names the settings header assigns: an exported ``--env`` of one of them would change what the body does."""
     text = (SERVER_DIR / START_HEADER).read_text(encoding="utf-8")
     return frozenset(_SETTING.findall(text)) | {line.split("=")[0] for line in bash_assignments()}
+
+
+def _lease(seconds: object) -> int:
+    """The request's ``lease_s`` as the start script's ``LEASE_S``: a whole number of seconds, 0 (none) or more."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or seconds < 0:
+        raise UsageError(f"lease_s must be a whole number of seconds, 0 or more (got {seconds!r})")
+    return seconds
 
 
 def _port(req: RenderRequest, profile: Profile) -> tuple[int, bool]:

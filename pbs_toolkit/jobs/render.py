@@ -96,6 +96,7 @@ START_PARTS = (
     "server.sh",  # what runs vLLM; the stop trap
     "peers.sh",  # several nodes: per-rank engine flags, head.json, the nodes watching each other
     "idle.sh",  # idle reclaim (--idle-cancel)
+    "lease.sh",  # the lease of pbstk run: the job ends itself when the run stops renewing it
     "supervise.sh",  # the server's attempts, the eager restart, the exit code
 )
 
@@ -129,7 +130,7 @@ def script_context(plan: LaunchPlan) -> dict[str, Any]:
         "proxy": any(k.lower() in ("http_proxy", "https_proxy") for k in plan.env),
         "phase_lines": bash_assignments(), "plan": plan.nodes,
         **coldstart_context(plan.model, plan.preset.layout(), plan.nodes.nnodes, plan.profile),
-        "idle_cancel_s": watch_seconds(plan.profile.idle_cancel),
+        "idle_cancel_s": watch_seconds(plan.profile.idle_cancel), "lease_s": plan.lease_s,
     }
 
 

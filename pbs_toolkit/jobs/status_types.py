@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pbs_toolkit.envvars import env_float
-from pbs_toolkit.jobs import idle
+from pbs_toolkit.jobs import idle, lease
 from pbs_toolkit.jobs.nodes import node_log_name
 from pbs_toolkit.jobs.store import JobRecord
 
@@ -128,7 +128,7 @@ class JobStatus:
             "estimated_start": self.estimated_start,
             "nnodes": self.nnodes, "nodes_ready": self.nodes_ready, "nodes": self.nodes,
             "failed_node": self.failed_node, "startup": self.startup,
-            "ended": idle.ended_how(self.state.value, self.reason),
+            "ended": idle.ended_how(self.state.value, self.reason) or lease.ended_how(self.state.value, self.reason),
         }
 
 

@@ -55,6 +55,9 @@ class RenderRequest:
     run_dir: str | None = None
     #: ``--idle-cancel``: stop the server after this long without a request (``30m``; ``off``); None: profile's
     idle_cancel: str | None = None
+    #: the lease of ``pbstk run`` in whole seconds (campaigns/lease.py): the job ends itself once the run has not
+    #: renewed it for this long; 0: no lease (``launch``, ``serve``, ``run --keep``)
+    lease_s: int = 0
 
 
 def request_flags(req: RenderRequest) -> dict[str, Any]:

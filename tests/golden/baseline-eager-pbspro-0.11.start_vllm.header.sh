@@ -67,6 +67,9 @@ COMPILE_ERROR_RE='(Error|Exception|[Ff]ailed).*([Dd]ynamo|[Ii]nductor|[Cc]ompil|
 PORT_IN_USE_RE='(Address already in use|Errno 98)'
 # idle reclaim (--idle-cancel, docs/idle.md): seconds without a request after which the head stops vLLM; 0: off
 IDLE_CANCEL_S=0
+# the lease of pbstk run (docs/campaigns.md "The lease"): seconds without a renewal of $RUN_DIR/lease after which
+# the head drains and stops vLLM; 0: no lease (launch, serve, run --keep)
+LEASE_S=0
 # PBS's part of the start script (schedulers/pbs/node_launch.sh.j2): the job's id and node file for node copies
 # started without the job script's environment, and the `pbsdsh` node launcher.
 : "${PBSTK_JOB_ID:=${PBS_JOBID:-}}" "${PBSTK_NODEFILE:=${PBS_NODEFILE:-}}"

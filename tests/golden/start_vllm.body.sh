@@ -6,7 +6,7 @@
 # a value keeps the header's, and a setting the header lacks stays unset (set -u stops at its first use).
 # tests/test_start_script.py checks this list against the header.
 declare RUN_DIR MODEL VENV PROXY HF_HOME_DIR HF_HUB_OFFLINE_ON VLLM_CACHE_DIR ADDRESS_MODE ADDRESS_SUFFIX BIND_HOST
-declare PORT_LO FIXED_PORT PORT_SPAN VLLM_ENTRYPOINT EAGER COMPILE_ERROR_RE PORT_IN_USE_RE IDLE_CANCEL_S
+declare PORT_LO FIXED_PORT PORT_SPAN VLLM_ENTRYPOINT EAGER COMPILE_ERROR_RE PORT_IN_USE_RE IDLE_CANCEL_S LEASE_S
 declare NNODES NODE_ENGINE TP PP DP DP_LOCAL NODE_LAUNCHER NCCL_IFNAME GLOO_IFNAME
 declare PHASE_SETUP PHASE_STARTING PHASE_READY PHASE_FAILED PHASE_EXITED PHASE_CANCELLED
 declare CACHE_KEY_MODEL CACHE_KEY_LAYOUT CONTAINER_IMAGE CONTAINER_RUNTIME API_KEY_VIA
@@ -696,6 +696,7 @@ pbstk_stop() {
 }
 pbstk_kill_server() {
   [ "${IDLE_PID:-0}" -gt 0 ] && kill "$IDLE_PID" 2>/dev/null  # the idle watcher (--idle-cancel), if any
+  [ "${LEASE_PID:-0}" -gt 0 ] && kill "$LEASE_PID" 2>/dev/null  # the lease watcher (pbstk run), if any
   if [ "$SERVER_PID" -gt 0 ]; then
     kill -TERM "$SERVER_PID" 2>/dev/null
     wait "$SERVER_PID" 2>/dev/null
@@ -1006,6 +1007,59 @@ pbstk_idle_end() {
   exit 0
 }
 
+# --- the lease of pbstk run (docs/campaigns.md "The lease"): the head ends the job once the run is gone ---
+# `pbstk run` rewrites RUN_DIR/lease (a new content each time) every few seconds while COMMAND runs. When the
+# content has not changed for LEASE_S seconds of this node's own clock (no clock of another machine is compared),
+# the run was killed, its machine sleeps or its SSH connection dropped: the watcher writes RUN_DIR/ended_lease,
+# logs "lease lapsed: ..." (pbstk status reads that line), waits until no request runs or waits (at most
+# LEASE_DRAIN_S; the /metrics read is idle.sh's) and stops vLLM with SIGTERM; the job then ends with code 0.
+LEASE_PID=0
+LEASE_DRAIN_S=30
+# shellcheck disable=SC2317  # runs in the background watcher
+pbstk_lease_drain() {
+  local running waiting _success until=$((SECONDS + LEASE_DRAIN_S))
+  while [ "$SECONDS" -lt "$until" ] && kill -0 "$SERVER_PID" 2>/dev/null; do
+    read -r running waiting _success < <(pbstk_idle_metrics 2>/dev/null) || return 0
+    [ "$((running + waiting))" -gt 0 ] || return 0
+    sleep 1
+  done
+}
+pbstk_lease_watch() {
+  local since=$SECONDS last='' seen step=$((LEASE_S / 6))
+  [ "$step" -lt 1 ] && step=1
+  [ "$step" -gt 30 ] && step=30
+  rm -f "$RUN_DIR/ended_lease"
+  while kill -0 "$SERVER_PID" 2>/dev/null; do
+    sleep "$step"
+    seen=$(cat "$RUN_DIR/lease" 2>/dev/null) || seen=''
+    if [ -n "$seen" ] && [ "$seen" != "$last" ]; then
+      since=$SECONDS
+      last=$seen
+    fi
+    # -gt: SECONDS counts whole seconds; never end early
+    if [ $((SECONDS - since)) -gt "$LEASE_S" ]; then
+      date +%s >"$RUN_DIR/ended_lease"
+      pbstk_log "lease lapsed: no renewal from pbstk run for ${LEASE_S}s; draining, then stopping vLLM (pid $SERVER_PID)"
+      pbstk_lease_drain
+      kill -TERM "$SERVER_PID" 2>/dev/null
+      return 0
+    fi
+  done
+}
+pbstk_lease_start() {
+  [ "${LEASE_S:-0}" -gt 0 ] && [ "$WRITE_SERVER" = true ] || return 0
+  pbstk_lease_watch &
+  LEASE_PID=$!
+  pbstk_log "lease: vLLM is stopped when pbstk run has not renewed $RUN_DIR/lease for ${LEASE_S}s"
+}
+# The job after its lease lapsed: a normal end (code 0), whatever code SIGTERM gave vLLM.
+pbstk_lease_end() {
+  [ "$LEASE_PID" -gt 0 ] && kill "$LEASE_PID" 2>/dev/null
+  [ -f "$RUN_DIR/ended_lease" ] && [ "$READY" = true ] || return 0
+  pbstk_state "$PHASE_EXITED" 0
+  [ "$NNODES" -gt 1 ] && : >>"$RUN_DIR/stop"
+  exit 0
+}
 # vLLM's output line by line into the log where stdbuf is there
 LINE_BUFFERED=()
 command -v stdbuf >/dev/null 2>&1 && LINE_BUFFERED=(stdbuf -oL -eL)
@@ -1046,6 +1100,7 @@ pbstk_attempt() {
       pbstk_coldstart_ready
       pbstk_log "vLLM is listening on $ADDRESS:$PORT"
       pbstk_idle_start
+      pbstk_lease_start
     fi
     [ "$NNODES" -gt 1 ] && pbstk_head_watch
     pbstk_sleep
@@ -1101,6 +1156,7 @@ while true; do
 done
 pbstk_compile_release  # a start that never got ready leaves the compile to the next engine
 pbstk_idle_end
+pbstk_lease_end
 if [ "$READY" = true ]; then
   pbstk_log "vLLM exited with code $RC"
   pbstk_state "$PHASE_EXITED" "$RC"

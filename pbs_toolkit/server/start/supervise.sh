@@ -38,6 +38,7 @@ pbstk_attempt() {
       pbstk_coldstart_ready
       pbstk_log "vLLM is listening on $ADDRESS:$PORT"
       pbstk_idle_start
+      pbstk_lease_start
     fi
     [ "$NNODES" -gt 1 ] && pbstk_head_watch
     pbstk_sleep
@@ -93,6 +94,7 @@ while true; do
 done
 pbstk_compile_release  # a start that never got ready leaves the compile to the next engine
 pbstk_idle_end
+pbstk_lease_end
 if [ "$READY" = true ]; then
   pbstk_log "vLLM exited with code $RC"
   pbstk_state "$PHASE_EXITED" "$RC"

@@ -1,0 +1,45 @@
+"""The lease of ``pbstk run`` as status sees it: a job that ended itself because the run stopped renewing it.
+
+``pbstk run`` launches its server with a lease (``--lease``, docs/campaigns.md "The lease") and rewrites
+``RUN_DIR/lease`` while COMMAND runs (campaigns/lease.py). The job's watcher (server/start/lease.sh) ends the
+job once no renewal came for the lease's length (the run was killed, its machine slept, its SSH connection
+dropped): it logs one line, ``pbstk: HH:MM:SS lease lapsed: no renewal from pbstk run for 300s; ...``, drains and
+stops vLLM, and the job ends with code 0. ``status`` reads that line from the log it already tails and reports
+FINISHED with the reason ``the lease of pbstk run lapsed ...`` (``ended: "lease"`` in JSON).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from pbs_toolkit.durations import short
+
+#: the file the run rewrites and the job watches, in the run directory
+LEASE_FILE = "lease"
+#: the start script's log line (``pbstk_lease_watch``)
+_LINE = re.compile(r"^pbstk: \S+ lease lapsed: no renewal from pbstk run for (\d+)s")
+#: how a reason written by :func:`lease_reason` begins
+REASON_PREFIX = "the lease of pbstk run lapsed"
+
+
+def lapsed_after(lines: Sequence[str]) -> int | None:
+    """The lease the job's log says lapsed, in seconds, or ``None``: it did not lapse."""
+    for line in reversed(lines[-50:]):
+        match = _LINE.match(line)
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def lease_reason(state: str, lines: Sequence[str]) -> str | None:
+    """The reason of a FINISHED job ended by its lease (jobs/judge.py puts it in the status), else ``None``."""
+    seconds = lapsed_after(lines) if state == "FINISHED" else None
+    if seconds is None:
+        return None
+    return f"{REASON_PREFIX} (no renewal for {short(seconds)}: the run was killed or lost): the job ended itself"
+
+
+def ended_how(state: str, reason: str | None) -> str | None:
+    """``lease`` for a job ended by its lease (``status --json``'s ``ended``), else ``None``."""
+    return "lease" if state == "FINISHED" and (reason or "").startswith(REASON_PREFIX) else None
