@@ -11,12 +11,14 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import helpers
 import pytest
 from helpers import MODEL
 
 from pbs_toolkit.campaigns.lease import Renewal, lease_seconds, renewal_interval
+from pbs_toolkit.endpoints.registry import read_endpoints
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.lease import lapsed_after, lease_reason
 from pbs_toolkit.jobs.store import JobStore
@@ -50,11 +52,13 @@ def orphans() -> Iterator[list[int]]:
 
 def _kill_run_during_command(tmp_path: Path, name: str, options: tuple[str, ...], orphans: list[int]) -> None:
     """``pbstk run`` with a 3 s lease (from PBSTK_RUN_LEASE, as a user's shell may set it), SIGKILLed while COMMAND
-    runs: its job must end by itself, FINISHED with the lapsed lease as the reason."""
+    runs: its job must end by itself, FINISHED with the lapsed lease as the reason, and its registry entry go."""
     pidfile = tmp_path / f"{name}.pid"
+    registry = tmp_path / "endpoints.yaml"
     command = f'echo $$ > "{pidfile}"; exec sleep 600'
     proc = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "run", MODEL, *options, "--name", name,  # noqa: S603
-                             "--", "sh", "-c", command], env=_env(PBSTK_RUN_LEASE="3s"), text=True,
+                             "--registry", str(registry), "--", "sh", "-c", command],
+                            env=_env(PBSTK_RUN_LEASE="3s"), text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         helpers.until(lambda: pidfile.exists() and pidfile.read_text().strip(), timeout=120, what="COMMAND started")
@@ -75,6 +79,17 @@ def _kill_run_during_command(tmp_path: Path, name: str, options: tuple[str, ...]
     assert "lease lapsed: no renewal from pbstk run for 3s" in log, log
     human = helpers.pbstk("status", name)
     assert "the lease of pbstk run lapsed" in human.output, human.output
+    assert read_endpoints(registry) == {}, "the registry entry outlived the job"
+    # what the lease does not reap (docs/campaigns.md): COMMAND, orphaned, still runs
+    assert _group_alive(orphans[-1])
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_kill_9_of_run_ends_its_local_job_within_the_lease(standins: Path, tmp_path: Path,
@@ -172,3 +187,37 @@ def test_lease_seconds_renewal_and_the_log_line(tmp_path: Path, monkeypatch: pyt
     assert lease_reason("FINISHED", lines) == ("the lease of pbstk run lapsed (no renewal for 5m00s: the run was "
                                                "killed or lost): the job ended itself")
     assert lease_reason("FAILED", lines) is None
+
+
+@pytest.mark.ssh
+def test_over_ssh_the_run_renews_through_its_connection_and_a_kill_lapses(
+        login_node: Any, tmp_path: Path, orphans: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Submitted through a real sshd to the fake PBS behind it: the renewals travel over the job's SSH connection
+    (the run directory is the login node's), keep the job up past several leases, and stop with a kill -9."""
+    pidfile = tmp_path / "ssh.pid"
+    monkeypatch.setenv("PBSTK_SSH_CONFIG", str(login_node.ssh_config))  # status in this process too
+    monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(login_node.known_hosts))
+    env = _env()
+    proc = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "run", MODEL, "--ssh", login_node.alias,  # noqa: S603
+                             *PBS, "--name", "ls", "--lease", "2s", "--via-tunnel", "--", "sh", "-c",
+                             f'echo $$ > "{pidfile}"; exec sleep 600'], env=env, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        helpers.until(lambda: pidfile.exists() and pidfile.read_text().strip(), timeout=120, what="COMMAND started")
+        orphans.append(int(pidfile.read_text()))
+        lease = Path(JobStore().find("ls").run_dir, "lease")
+
+        def renewals() -> int:
+            text = lease.read_text() if lease.exists() else ""
+            return int(text.split()[0]) if text.strip() else 0
+
+        first = helpers.until(renewals, timeout=60, what="a renewal over SSH")
+        helpers.until(lambda: renewals() >= first + 10, timeout=120, what="renewals over two leases")
+        assert helpers.status_of("ls")["state"] == "READY"
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    st = helpers.wait_recorded("ls", "FINISHED", timeout=120, interval=0.5)
+    assert st["ended"] == "lease" and st["reason"].startswith("the lease of pbstk run lapsed (no renewal for 2s"), st
