@@ -103,6 +103,64 @@ def test_kill_9_of_run_ends_its_pbs_job_within_the_lease(standins: Path, fakepbs
     helpers.until(lambda: set(helpers.fake_jobs(fakepbs).values()) == {"F"}, timeout=60, what="the PBS job to end")
 
 
+def test_a_run_killed_while_it_waits_leaves_a_job_that_ends_after_its_lease(standins: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    proc = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "run", MODEL, *LOCAL, "--name", "lw",  # noqa: S603
+                             "--lease", "2s", "--", "touch", str(marker)],
+                            env=_env(PBSTK_TEST_STANDIN_DELAY="4"), text=True,  # listens 4 s after it starts
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        helpers.until(lambda: JobStore().all(), timeout=60, what="the launch")
+        helpers.until(lambda: helpers.status_of("lw")["state"] == "STARTING", timeout=60, what="STARTING")
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    st = helpers.wait_recorded("lw", "FINISHED", timeout=120, interval=0.5)
+    assert st["ended"] == "lease", st
+    assert "vLLM is listening" in Path(JobStore().find("lw").run_dir, "vllm.log").read_text()  # it got READY
+    assert not marker.exists()
+
+
+SLOW_CLIENT = """\
+import json, os, sys, urllib.request
+open(sys.argv[1] + ".started", "w").close()
+body = json.dumps({"model": os.environ["PBSTK_MODEL"], "prompt": "hi", "max_tokens": 2, "standin_delay_s": 8})
+request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/completions", data=body.encode(), headers={
+    "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        status = str(answer.status)
+except Exception as exc:
+    status = type(exc).__name__
+with open(sys.argv[1], "w") as out:
+    out.write(status)
+"""
+
+
+def test_a_lapsed_lease_drains_the_request_still_running(standins: Path, tmp_path: Path) -> None:
+    """The run is killed while its COMMAND's request runs (8 s, longer than the 2 s lease): the job waits for it
+    before it stops vLLM (the stand-in, like a SIGKILL, drops what runs when it gets SIGTERM)."""
+    client, result = tmp_path / "slow.py", tmp_path / "result"
+    client.write_text(SLOW_CLIENT)
+    proc = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "run", MODEL, *LOCAL, "--name", "ld",  # noqa: S603
+                             "--lease", "2s", "--", sys.executable, str(client), str(result)], env=_env(),
+                            text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        helpers.until(lambda: Path(f"{result}.started").exists(), timeout=120, what="the request")
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    st = helpers.wait_recorded("ld", "FINISHED", timeout=120, interval=0.5)
+    assert st["ended"] == "lease", st
+    helpers.until(lambda: result.exists() and result.read_text(), timeout=120, what="the request's end")
+    assert result.read_text() == "200"  # served to its end, not cut by the stop
+    assert "lease lapsed" in Path(JobStore().find("ld").run_dir, "vllm.log").read_text()
+
+
 def test_renewals_keep_the_job_up_and_a_clean_end_still_cancels_at_once(standins: Path, tmp_path: Path) -> None:
     go = tmp_path / "go"
     proc = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "run", MODEL, *LOCAL, "--name", "lc",  # noqa: S603

@@ -1,8 +1,8 @@
 """The lease of ``pbstk run`` (docs/campaigns.md "The lease"): the server a run launched ends itself soon after
 the run is gone.
 
-A run's job is rendered with ``LEASE_S`` (``--lease``, default 5m; ``PBSTK_RUN_LEASE``); from READY until its end
-(COMMAND, the drain, the cancel) the run rewrites the job's ``RUN_DIR/lease`` through the job's runner (this
+A run's job is rendered with ``LEASE_S`` (``--lease``, default 5m; ``PBSTK_RUN_LEASE``); from the launch until its
+end (the wait, COMMAND, the drain, the cancel) the run rewrites the job's ``RUN_DIR/lease`` through its runner (this
 machine, or the login node over SSH: the shared filesystem carries it to the node) every ``lease / 5`` seconds
 (between 0.5 s and 60 s), a new content each time. The job's watcher (server/start/lease.sh) compares that
 content by its own clock, so no two machines' clocks are compared; once it has not changed for the lease's

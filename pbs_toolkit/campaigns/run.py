@@ -144,8 +144,8 @@ def run(client: Client, plan: RunPlan, hooks: RunHooks | None = None) -> int:
     renewal = lease.Renewal(hooks.notice)  # the job's lease (campaigns/lease.py), renewed until the end is done
     with _terminating():
         try:
-            _start(client, plan, hooks, target)
-            renewal.start(_leased(client, plan, target), plan.request.lease_s if plan.request else 0)
+            _start(client, plan, hooks, target, lambda: renewal.start(
+                _leased(client, plan, target), plan.request.lease_s if plan.request else 0))
             env = _environment(client, plan, target, hooks)
             hooks.notice(f"running {' '.join(plan.command)} against {env['OPENAI_BASE_URL']}")
             code = run_command(plan.command, env, hooks.notice)
@@ -173,8 +173,10 @@ def _leased(client: Client, plan: RunPlan, target: _Target) -> list[tuple[Any, s
     return [(client.runner(target.record.transport), target.record.run_dir)]
 
 
-def _start(client: Client, plan: RunPlan, hooks: RunHooks, target: _Target) -> None:
-    """Launch (or find) the server and wait until it is READY."""
+def _start(client: Client, plan: RunPlan, hooks: RunHooks, target: _Target,
+           launched: Callable[[], None] = lambda: None) -> None:
+    """Launch (or find) the server and wait until it is READY; ``launched`` runs once the launch is recorded,
+    before the wait (the lease is renewed from then on: the job's watcher starts at its own READY)."""
     if plan.reuse:
         svc = client.service(plan.reuse)
         if svc is not None:
@@ -190,6 +192,7 @@ def _start(client: Client, plan: RunPlan, hooks: RunHooks, target: _Target) -> N
         else:
             target.record = _launch(client, plan)
         target.launched = True
+        launched()
         hooks.notice(f"launched {target.name}" + (f" ({plan.replicas} replicas)" if target.service else "")
                      + ("; it is cancelled when COMMAND ends" if not plan.keep else "; --keep: it stays up"))
     else:
