@@ -179,11 +179,12 @@ class Client(ServiceMethods, PerfMethods):
                runs_root: str | None = None, vllm_version: str | None = None, hf_home: str | None = None,
                vllm_cache_root: str | None = None, scheduler: str | None = None, ssh_host: str | None = None,
                eager: bool | None = None, vllm_args: list[str] | None = None, env: dict[str, str] | None = None,
-               run_dir: str | None = None, idle_cancel: str | None = None, api_key: str | None = None,
-               use_api_key: bool = True) -> Job:
+               run_dir: str | None = None, idle_cancel: str | None = None, lease_s: int | None = None,
+               api_key: str | None = None, use_api_key: bool = True) -> Job:
         """Render, submit and record a server job for ``model``; returns at once (``wait`` waits). The keywords
         before ``api_key`` are ``RenderRequest``'s fields (``None``: from the profile, preset or user config);
-        a misspelt one is a ``TypeError``."""
+        a misspelt one is a ``TypeError``. ``lease_s``: the job ends itself once ``RUN_DIR/lease`` has not been
+        rewritten for that long (what ``pbstk run`` does; campaigns/lease.py ``Renewal``); default none."""
         options = {k: v for k, v in locals().items() if v is not None and k not in _NOT_REQUEST_FIELDS}
         result = self.launch_request(self.request(model, preset, profile, **options), api_key=api_key,
                                      use_api_key=use_api_key)

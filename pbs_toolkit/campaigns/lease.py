@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from pbs_toolkit.durations import parse
-from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.jobs.lease import LEASE_FILE
 from pbs_toolkit.transports.base import Runner
 
@@ -35,6 +35,18 @@ def lease_seconds(text: str | None) -> int:
     what = "--lease" if text is not None else ENV
     raw = text if text is not None else (os.environ.get(ENV) or DEFAULT_LEASE)
     return int(math.ceil(parse(raw, what, off=True)))
+
+
+def run_lease(text: str | None, *, keep: bool, service: bool) -> int:
+    """The lease of the job a run launches, in seconds (:func:`lease_seconds`): none for a ``--keep`` server,
+    which is meant to outlive the run, nor for a service's replicas (not leased yet); ``--lease`` with either is
+    one ``UsageError``."""
+    if keep or service:
+        if text is not None and lease_seconds(text):
+            raise UsageError("--lease is not for " + ("a --keep server: it stays up" if keep else
+                                                      "a service (--replicas): its replicas have no lease yet"))
+        return 0
+    return lease_seconds(text)
 
 
 def renewal_interval(lease_s: float) -> float:

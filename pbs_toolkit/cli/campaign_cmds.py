@@ -104,26 +104,15 @@ def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None,
                    stage=stage_weights)
     check_plan(plan)  # COMMAND and the registry, before anything renders, connects or is queued
     if model is not None:
+        from pbs_toolkit.campaigns.lease import run_lease
+
         plan.request = replace(build_request(model, scheduler=scheduler, ssh_host=ssh_host, **kw),
-                               lease_s=_lease(lease, keep, replicas > 1 or bool(serve)))
+                               lease_s=run_lease(lease, keep=keep, service=replicas > 1 or bool(serve)))
     elif lease is not None:
         raise UsageError("--lease is for a server pbstk run launches: a --reuse'd one has no lease")
     with Client(accept_new_host_key=accept_new_host_key) as c:
         code = run(c, plan, RunHooks(notice=_notice, wait_job=_wait_job, wait_service=_wait_service))
     raise SystemExit(code)
-
-
-def _lease(text: str | None, keep: bool, service: bool) -> int:
-    """The job's lease in seconds (campaigns/lease.py): none for --keep and for services."""
-    from pbs_toolkit.campaigns.lease import lease_seconds
-    from pbs_toolkit.errors import UsageError
-
-    if keep or service:
-        if text is not None and lease_seconds(text):
-            raise UsageError("--lease is not for " + ("a --keep server: it stays up" if keep else
-                                                      "a service (--replicas): its replicas have no lease yet"))
-        return 0
-    return lease_seconds(text)
 
 
 def _notice(message: str) -> None:
