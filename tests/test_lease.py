@@ -279,3 +279,15 @@ def test_over_ssh_the_run_renews_through_its_connection_and_a_kill_lapses(
             proc.kill()
     st = helpers.wait_recorded("ls", "FINISHED", timeout=120, interval=0.5)
     assert st["ended"] == "lease" and st["reason"].startswith("the lease of pbstk run lapsed (no renewal for 2s"), st
+
+
+def test_the_lease_reaches_the_start_script_and_a_bad_one_is_refused(standins: Path) -> None:
+    from pbs_toolkit.client import Client
+
+    with Client() as client:
+        rendered = client.render(MODEL, "single", "local-gpu", gpus_per_node=1, lease_s=7)
+        assert "\nLEASE_S=7\n" in rendered.start_script
+        assert "\nLEASE_S=0\n" in client.render(MODEL, "single", "local-gpu", gpus_per_node=1).start_script
+        for bad in (-1, 2.5, True, "5m"):
+            with pytest.raises(UsageError, match="lease_s must be a whole number"):
+                client.render(MODEL, "single", "local-gpu", gpus_per_node=1, lease_s=bad)
