@@ -5,6 +5,7 @@ PBS running the stand-in vLLM and the rendered start script in bash."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -80,8 +81,12 @@ def _kill_run_during_command(tmp_path: Path, name: str, options: tuple[str, ...]
     human = helpers.pbstk("status", name)
     assert "the lease of pbstk run lapsed" in human.output, human.output
     assert read_endpoints(registry) == {}, "the registry entry outlived the job"
-    # what the lease does not reap (docs/campaigns.md): COMMAND, orphaned, still runs
+    # what the lease does not reap or record (docs/campaigns.md): COMMAND, orphaned, still runs; no counters
     assert _group_alive(orphans[-1])
+    usage = _cli("usage", name, "--json")
+    assert usage.returncode == 0, usage.stderr
+    row = json.loads(usage.stdout)["jobs"][0]
+    assert row["requests"] is None and row["counters_source"] is None, row
 
 
 def _group_alive(pgid: int) -> bool:
