@@ -53,6 +53,14 @@ Progress = Callable[["JobStatus", float], None]
 _NOT_REQUEST_FIELDS = frozenset({"self", "model", "preset", "profile", "api_key", "use_api_key"})
 
 
+def _print_removal(removal: Removal) -> None:
+    """The default ``on_removal``: one line on stderr. The registry code is imported when a removal happens, not
+    by every ``Client()``: ``pbstk logs`` never touches a registry and must start fast."""
+    from pbs_toolkit.endpoints.retire import print_removal
+
+    print_removal(removal)
+
+
 class Client(ServiceMethods, PerfMethods):
     """The job store plus one runner per transport, and every operation on jobs (services: services/api.py,
     performance: perf/api.py, methods this class inherits).
@@ -67,14 +75,13 @@ class Client(ServiceMethods, PerfMethods):
     def __init__(self, store: JobStore | None = None, profile: str | None = None, *,
                  accept_new_host_key: bool = False, runner_factory: RunnerFactory | None = None,
                  on_removal: Callable[[Removal], None] | None = None) -> None:
-        from pbs_toolkit.endpoints.retire import print_removal
         from pbs_toolkit.jobs.store import JobStore
 
         self.store = store or JobStore()
         self.profile = profile
         self.accept_new_host_key = accept_new_host_key
         self._factory = runner_factory or self._open_runner
-        self.on_removal = on_removal or print_removal
+        self.on_removal = on_removal or _print_removal
         self._runners: dict[str, Runner] = {}
         #: tunnels this client opened (``tunnel``, ``update_endpoint(via_tunnel=True)``); closed by ``close()``
         self.tunnels: list[Tunnel] = []

@@ -12,7 +12,7 @@ import pytest
 from helpers import MODEL, pbstk
 
 from pbs_toolkit.errors import ConfigError, SchedulerError, SchedulerUnavailable, UsageError
-from pbs_toolkit.jobs.logs import STREAMS, stream_path
+from pbs_toolkit.jobs.logs import stream_path, streams
 from pbs_toolkit.schedulers import BACKENDS, JobRef, Scheduler, SchedulerJob, get_scheduler
 from pbs_toolkit.schedulers.base import status_failed
 from pbs_toolkit.settings.profiles import SCHEDULERS, load_profile
@@ -92,7 +92,7 @@ def test_backend_keys_are_checked_by_the_backend(tmp_path: Path) -> None:
 
 
 def test_stream_names_are_generic_and_the_old_ones_still_work() -> None:
-    assert {"vllm", "sched-out", "sched-err", "pbs-out", "pbs-err"} <= set(STREAMS)
+    assert {"vllm", "sched-out", "sched-err", "pbs-out", "pbs-err"} <= set(streams())
     assert stream_path("/r", "pbs", "sched-out") == stream_path("/r", "pbs", "pbs-out") == "/r/pbs.out"
     assert stream_path("/r", "pbs", "pbs-err") == "/r/pbs.err"
     # the local backend's output is what its supervisor captured, not a file PBS would have written

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -76,14 +77,51 @@ print(lazy == CliRunner().invoke(eager, ["--help"], prog_name="pbstk").output an
 
 
 def test_lazy_choices_still_list_and_check_the_backends_and_streams() -> None:
-    from pbs_toolkit.jobs.logs import STREAMS
+    from pbs_toolkit.jobs.logs import streams
     from pbs_toolkit.schedulers import BACKENDS, stream_aliases
 
     shown = CliRunner().invoke(cli, ["logs", "--help"]).stdout
-    for name in STREAMS:
+    for name in streams():
         assert name in shown, name
-    assert set(stream_aliases()) <= set(STREAMS)
+    assert set(stream_aliases()) <= set(streams())
     refused = CliRunner().invoke(cli, ["logs", "--stream", "nosuch"])
     assert refused.exit_code == 2 and "nosuch" in refused.output
     for name in BACKENDS:
         assert name in CliRunner().invoke(cli, ["launch", "--help"]).stdout
+
+
+#: what ``pbstk logs JOB -n N`` may import from the package, beyond what ``--help`` does: the job store, the
+#: client, the local transport and the log reader. Its budget is 100 ms with the interpreter's start
+#: (scripts/bench_logs.py); the scheduler backends, the registries, status and HTTP are not needed to read a file.
+LOGS_ALLOWED = ALLOWED | {
+    "pbs_toolkit.client", "pbs_toolkit.results", "pbs_toolkit.paths", "pbs_toolkit.envvars",
+    "pbs_toolkit.perf", "pbs_toolkit.perf.api", "pbs_toolkit.perf.observe",
+    "pbs_toolkit.services", "pbs_toolkit.services.api", "pbs_toolkit.services.record",
+    "pbs_toolkit.jobs", "pbs_toolkit.jobs.store", "pbs_toolkit.jobs.store_sql", "pbs_toolkit.jobs.records",
+    "pbs_toolkit.jobs.spec", "pbs_toolkit.jobs.launcher", "pbs_toolkit.jobs.run_markers", "pbs_toolkit.jobs.logs",
+    "pbs_toolkit.jobs.nodes",
+    "pbs_toolkit.transports", "pbs_toolkit.transports.base", "pbs_toolkit.transports.local",
+    "pbs_toolkit.transports.trace",
+}
+#: never needed to print the end of a local file
+LOGS_FORBIDDEN = {"ssl", "http.client", "hashlib", "secrets", "jinja2", "yaml", "paramiko", "httpx", "requests",
+                  "rich", "filelock", "prometheus_client"}
+
+
+def test_logs_imports_only_what_reading_a_log_needs(tmp_path: Path) -> None:
+    from pbs_toolkit.jobs.store import JobRecord, JobStore
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "vllm.log").write_text("".join(f"line {i}\n" for i in range(1000)))
+    JobStore().add(JobRecord(job_id="7.local", scheduler="local", profile="local", model="m",
+                             served_model_name="m", preset="cpu", name="tail", run_dir=str(run_dir)))
+    probe = PROBE.replace('["pbstk", "--help"]', '["pbstk", "logs", "7.local", "-n", "3"]')
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)  # noqa: S603
+    assert result.stdout == "line 997\nline 998\nline 999\n"
+    loaded = set(result.stderr.split())
+    ours = {m for m in loaded if m.startswith("pbs_toolkit") and not m.startswith("pbs_toolkit.cli")}
+    assert ours - LOGS_ALLOWED == set(), f"pbstk logs imported {sorted(ours - LOGS_ALLOWED)}: only what it reads with"
+    assert loaded & LOGS_FORBIDDEN == set()
+    commands = sorted(m for m in loaded if m.endswith("_cmds"))
+    assert commands == ["pbs_toolkit.cli.logs_cmds", "pbs_toolkit.cli.service_cmds"], commands

@@ -49,7 +49,7 @@ INDEX: dict[str, Entry] = {
     "cancel": Entry("job_cmds", (
         "Stop jobs (or services) through their scheduler. Already-ended jobs are not an error."
     )),
-    "logs": Entry("job_cmds", (
+    "logs": Entry("logs_cmds", (
         "The realtime vLLM log of JOB (default: the newest job), locally or over SSH."
     )),
     "wait": Entry("job_cmds", (

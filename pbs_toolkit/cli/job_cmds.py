@@ -1,4 +1,4 @@
-"""``pbstk launch``, ``status``, ``jobs``, ``cancel``, ``logs``, ``wait``."""
+"""``pbstk launch``, ``status``, ``jobs``, ``cancel``, ``wait`` (``logs``: cli/logs_cmds.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from pbs_toolkit.cli.complete import complete_job
-from pbs_toolkit.cli.lazy import LazyChoice, backend_names, log_streams
+from pbs_toolkit.cli.lazy import LazyChoice, backend_names
 from pbs_toolkit.cli.options import SECONDS, STAGE_OPTION, build_request, echo_json, read_key_env, render_options, table
 from pbs_toolkit.cli.output import time_cells
 from pbs_toolkit.cli.progress import interrupt_hint, progress_printer
@@ -227,41 +227,6 @@ def _cancel_all(keep_endpoint: bool, as_json: bool) -> None:
 
 @click.command()
 @click.argument("job", required=False, shell_complete=complete_job)
-@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
-@click.option("-n", "--lines", default=50, show_default=True, help="Lines from the end to show first.")
-@click.option("--stream", type=LazyChoice(log_streams), default="vllm", show_default=True,
-              help="vllm, or the scheduler's job output (sched-out, sched-err; a scheduler's older names in the list, "
-              "such as pbs-out, still work).")
-@click.option("--node", type=int, default=None, metavar="K",
-              help="On a job over several nodes: node K's vLLM log (0, the head's, is the default).")
-@click.option("--replica", type=int, default=None, metavar="K",
-              help="JOB names a service: replica K's job log instead of the router's.")
-def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | None, replica: int | None) -> None:
-    """The realtime vLLM log of JOB (default: the newest job), locally or over SSH.
-
-    JOB may name a service (`pbstk serve`): its router's log, or with --replica K that replica's."""
-    from pbs_toolkit.cli import service_cmds
-    from pbs_toolkit.client import Client
-    from pbs_toolkit.errors import UsageError
-
-    if lines < 0:
-        raise UsageError("-n must not be negative")
-    notice = lambda m: click.echo(f"pbstk: {m}", err=True)  # noqa: E731
-    with Client() as c:
-        svc = service_cmds.named_service(c, job, replica)  # docs/services.md
-        if not follow:
-            # -n 1000000: no second full copy of the text
-            for piece in (c.service_log(svc, lines, replica=replica, pieces=True, stream=stream, node=node) if svc
-                          else c.log_text(job, lines, stream=stream, node=node)):
-                click.echo(piece, nl=False)
-            return
-        for line in (c.service_log(svc, lines, True, replica=replica, stream=stream, node=node, notice=notice)
-                     if svc else c.logs(job, lines, follow=True, stream=stream, node=node, notice=notice)):
-            click.echo(line)
-
-
-@click.command()
-@click.argument("job", required=False, shell_complete=complete_job)
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the final status as JSON; no progress lines.")
 def wait(job: str | None, timeout: float, as_json: bool) -> None:
@@ -289,4 +254,4 @@ def wait(job: str | None, timeout: float, as_json: bool) -> None:
         click.echo(f"{st.record.job_id} ready: {st.url} (model {st.record.served_model_name})")
 
 
-COMMANDS = [launch, status, jobs, cancel, logs, wait]
+COMMANDS = [launch, status, jobs, cancel, wait]

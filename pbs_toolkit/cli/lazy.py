@@ -16,9 +16,17 @@ class LazyChoice(click.Choice):  # type: ignore[type-arg]
     """A ``click.Choice`` whose choices come from ``source()`` whenever they are needed (parsing, a command's
     ``--help``, shell completion), not when the option is declared: they follow the registry they name."""
 
-    def __init__(self, source: Callable[[], Iterable[str]], case_sensitive: bool = True) -> None:
+    def __init__(self, source: Callable[[], Iterable[str]], case_sensitive: bool = True,
+                 known: Iterable[str] = ()) -> None:
         self._source = source
         self.case_sensitive = case_sensitive
+        #: values ``source()`` always lists: taken without asking it (``logs --stream vllm`` loads no backend)
+        self.known = frozenset(known)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value in self.known:
+            return value
+        return super().convert(value, param, ctx)
 
     @property  # type: ignore[override]
     def choices(self) -> tuple[str, ...]:
@@ -39,9 +47,9 @@ def backend_names() -> list[str]:
 
 def log_streams() -> tuple[str, ...]:
     """Every stream name ``pbstk logs --stream`` accepts."""
-    from pbs_toolkit.jobs.logs import STREAMS
+    from pbs_toolkit.jobs.logs import streams
 
-    return STREAMS
+    return streams()
 
 
 def registry_formats() -> list[str]:

@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.schedulers import backend_class, stream_aliases, stream_names
 from pbs_toolkit.transports.base import OpenFile, Runner
 
 _CHUNK = 64 * 1024
@@ -16,16 +15,27 @@ _MAX_CHUNK = 4 * 1024 * 1024
 
 #: the server's own stream; the scheduler's (``sched-out``, ``sched-err``) are files its backend names
 SERVER_STREAMS = {"vllm": "vllm.log"}
-#: every stream name ``logs`` accepts, older aliases (a backend's ``stream_aliases``) included
-STREAMS = (*SERVER_STREAMS, *stream_names(), *stream_aliases())
+
+
+def streams() -> tuple[str, ...]:
+    """Every stream name ``logs`` accepts: the server's, each backend's, older aliases (``stream_aliases``)."""
+    # imported here, not at the top: the scheduler backends are a third of `pbstk logs -n 100`'s start, and the
+    # server's own stream (the default) needs none of them (tests/test_cli_startup.py holds logs to its imports)
+    from pbs_toolkit.schedulers import stream_aliases, stream_names
+
+    return (*SERVER_STREAMS, *stream_names(), *stream_aliases())
 
 
 def stream_path(run_dir: str, scheduler: str, stream: str) -> str:
     """The file of ``stream`` for a job of backend ``scheduler`` (an alias maps to its generic name)."""
+    if stream in SERVER_STREAMS:
+        return f"{run_dir}/{SERVER_STREAMS[stream]}"
+    from pbs_toolkit.schedulers import backend_class, stream_aliases  # a scheduler's stream: see streams()
+
     stream = stream_aliases().get(stream, stream)
     name = SERVER_STREAMS.get(stream) or backend_class(scheduler).streams.get(stream)
     if name is None:
-        raise UsageError(f"unknown log stream {stream!r} (known: {', '.join(STREAMS)})")
+        raise UsageError(f"unknown log stream {stream!r} (known: {', '.join(streams())})")
     return f"{run_dir}/{name}"
 
 

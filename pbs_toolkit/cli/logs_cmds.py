@@ -1,0 +1,48 @@
+"""`pbstk logs`: the last lines of a job's (or a service's) log, and follow mode; a module of its own so that
+`pbstk logs -n 100` imports only what it reads with (tests/test_cli_startup.py keeps the list short)."""
+
+from __future__ import annotations
+
+import click
+
+from pbs_toolkit.cli.complete import complete_job
+from pbs_toolkit.cli.lazy import LazyChoice, log_streams
+from pbs_toolkit.jobs.logs import SERVER_STREAMS
+
+
+@click.command()
+@click.argument("job", required=False, shell_complete=complete_job)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
+@click.option("-n", "--lines", default=50, show_default=True, help="Lines from the end to show first.")
+@click.option("--stream", type=LazyChoice(log_streams, known=SERVER_STREAMS), default="vllm", show_default=True,
+              help="vllm, or the scheduler's job output (sched-out, sched-err; a scheduler's older names in the list, "
+              "such as pbs-out, still work).")
+@click.option("--node", type=int, default=None, metavar="K",
+              help="On a job over several nodes: node K's vLLM log (0, the head's, is the default).")
+@click.option("--replica", type=int, default=None, metavar="K",
+              help="JOB names a service: replica K's job log instead of the router's.")
+def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | None, replica: int | None) -> None:
+    """The realtime vLLM log of JOB (default: the newest job), locally or over SSH.
+
+    JOB may name a service (`pbstk serve`): its router's log, or with --replica K that replica's."""
+    from pbs_toolkit.cli import service_cmds
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.errors import UsageError
+
+    if lines < 0:
+        raise UsageError("-n must not be negative")
+    notice = lambda m: click.echo(f"pbstk: {m}", err=True)  # noqa: E731
+    with Client() as c:
+        svc = service_cmds.named_service(c, job, replica)  # docs/services.md
+        if not follow:
+            # -n 1000000: no second full copy of the text
+            for piece in (c.service_log(svc, lines, replica=replica, pieces=True, stream=stream, node=node) if svc
+                          else c.log_text(job, lines, stream=stream, node=node)):
+                click.echo(piece, nl=False)
+            return
+        for line in (c.service_log(svc, lines, True, replica=replica, stream=stream, node=node, notice=notice)
+                     if svc else c.logs(job, lines, follow=True, stream=stream, node=node, notice=notice)):
+            click.echo(line)
+
+
+COMMANDS = [logs]
