@@ -4,6 +4,7 @@ over the real sshd, and launch/serve refusing an unstaged model before anything 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import pbstk, until
 from sshd import SshdInfo
-from standins.hub import FakeHub
+from standins.hub import FakeHub, git_blob_sha1
 
 from pbs_toolkit.jobs.store import JobStore
 
@@ -104,7 +105,9 @@ def test_stage_downloads_verifies_and_writes_a_manifest(hub: FakeHub, tmp_path: 
     assert rc == 0, err
     doc = json.loads(out)
     assert doc["kind"] == "stage" and doc["ok"] is True
-    assert doc["counts"] == {"files": 4, "ok": 4, "missing": 0, "truncated": 0, "size": 0, "corrupt": 0}
+    assert doc["counts"] == {"files": 4, "ok": 4, "missing": 0, "truncated": 0, "size": 0, "corrupt": 0,
+                             "unchecked": 0}
+    assert doc["unchecked"] == []  # the Hub listed every file
     algos = {row["file"]: row["algo"] for row in doc["files"]}
     assert algos["model.safetensors"] == "sha256" and algos["config.json"] == "git-sha1"
     manifest = json.loads(Path(doc["manifest"]).read_text())
@@ -333,3 +336,96 @@ def test_a_job_python_without_huggingface_hub_is_one_line(hub: FakeHub, tmp_path
     rc, out, err = stage(profile)
     assert rc == 11 and out == ""
     assert "has no huggingface_hub (the profile's venv/setup give the job's Python)" in err
+
+
+# -- a model the Hugging Face tools downloaded: no manifest, no cached listing, no network ----------------------
+
+SHARDED = "acme/tiny-sharded"
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def sharded_model() -> dict[str, bytes]:
+    """Config, tokenizer (git-sha1 blobs), two weight shards (sha256 blobs) and the index that names them."""
+    index = {"metadata": {"total_size": 0}, "weight_map": {"a.weight": SHARDS[0], "b.weight": SHARDS[1]}}
+    return {**{k: v for k, v in tiny_model().items() if k != "model.safetensors"},
+            "model.safetensors.index.json": json.dumps(index).encode(),
+            SHARDS[0]: safetensors(40_000), SHARDS[1]: safetensors(40_000)}
+
+
+@pytest.fixture
+def hf_snapshot(hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The sharded model as transformers leaves it: ``hf_hub_download`` file by file, by the job environment's
+    huggingface_hub, into the profile's cache; then offline (``HF_HUB_OFFLINE=1``). Its snapshot directory."""
+    files = hub.add(SHARDED, sharded_model()).files
+    cache = tmp_path / "shared-hf" / "hub"
+    code = ("import sys, huggingface_hub as h\n"
+            "for f in sys.argv[3:]: h.hf_hub_download(sys.argv[1], f, cache_dir=sys.argv[2])")
+    subprocess.run([f"{_VENV}/bin/python", "-c", code, SHARDED, str(cache), *sorted(files)],  # noqa: S603
+                   check=True, capture_output=True)
+    folder = cache / ("models--" + SHARDED.replace("/", "--"))
+    assert not (folder / "trees").exists() and not (folder / "pbstk-manifests").exists()  # nothing lists the files
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return folder / "snapshots" / hub.repos[SHARDED].commit
+
+
+def verify_offline(tmp_path: Path, *args: str) -> tuple[int, str, str]:
+    result = pbstk("stage", SHARDED, "--profile", str(offline_profile(tmp_path)), "--verify-only", *args)
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, result.stdout, result.stderr
+
+
+def flip_first_byte(link: Path) -> bytes:
+    """Flip the first byte of the blob ``link`` points at; the new content."""
+    blob = Path(os.path.realpath(link))
+    blob.chmod(0o644)
+    data = bytearray(blob.read_bytes())
+    data[0] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    return bytes(data)
+
+
+def test_verify_only_checks_a_snapshot_the_hf_tools_downloaded_without_the_hub(
+        hub: FakeHub, hf_snapshot: Path, tmp_path: Path) -> None:
+    before = len(hub.requests)
+    rc, out, err = verify_offline(tmp_path, "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["ok"] is True and doc["counts"]["ok"] == doc["counts"]["files"] == 6
+    algos = {row["file"]: row["algo"] for row in doc["files"]}
+    assert algos[SHARDS[1]] == "sha256" and algos["config.json"] == "git-sha1"
+    assert doc["unchecked"] and doc["unchecked"][0].startswith(
+        "completeness of the file list not checked without the Hub")
+    # the list is not known whole: nothing is marked staged, so an offline launch still asks for `pbstk stage`
+    assert doc["manifest"] is None and not (hf_snapshot.parent.parent / "pbstk-manifests").exists()
+    rc, out, err = verify_offline(tmp_path)
+    assert rc == 0 and "6/6 files" in out, err
+    assert "pbstk: note: completeness of the file list not checked without the Hub" in err
+    assert len(hub.requests) == before  # offline: not one request
+
+
+def test_verify_only_names_a_flipped_byte_with_both_hashes(hf_snapshot: Path, tmp_path: Path) -> None:
+    shard = flip_first_byte(hf_snapshot / SHARDS[1])  # a large-file-storage blob: named by its sha256
+    config = flip_first_byte(hf_snapshot / "config.json")  # a small file: named by its git blob sha1
+    rc, out, err = verify_offline(tmp_path, "--json")
+    assert rc == 11
+    rows = {row["file"]: row for row in json.loads(out)["files"]}
+    assert rows[SHARDS[1]]["actual"] == hashlib.sha256(shard).hexdigest()
+    assert rows[SHARDS[1]]["hash"] == Path(os.path.realpath(hf_snapshot / SHARDS[1])).name
+    assert rows["config.json"]["actual"] == git_blob_sha1(config)
+    assert rows[SHARDS[0]]["status"] == rows["tokenizer.json"]["status"] == "ok"
+    rc, _out, err = verify_offline(tmp_path)
+    assert rc == 11 and "2 of 6 files failed verification" in err
+    assert (f"{SHARDS[1]}: corrupt (content hashes to {hashlib.sha256(shard).hexdigest()[:12]}, expected "
+            f"{rows[SHARDS[1]]['hash'][:12]})") in err
+    assert f"config.json: corrupt (content hashes to {git_blob_sha1(config)[:12]}, expected" in err
+
+
+def test_verify_only_finds_a_shard_the_index_names_missing_and_a_link_without_its_blob(
+        hf_snapshot: Path, tmp_path: Path) -> None:
+    (hf_snapshot / SHARDS[0]).unlink()
+    Path(os.path.realpath(hf_snapshot / "tokenizer.json")).unlink()
+    rc, _out, err = verify_offline(tmp_path)
+    assert rc == 11
+    assert f"{SHARDS[0]}: missing (model.safetensors.index.json names it; not in the snapshot)" in err
+    assert "tokenizer.json: missing (links to a blob that is not in the cache)" in err
+    assert SHARDS[1] + ":" not in err  # the intact shard is not named

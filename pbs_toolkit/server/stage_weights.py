@@ -10,6 +10,11 @@ the file's ETag: the sha256 of a large-file-storage file (64 hex digits), the gi
 With the Hub reachable, the file list, sizes and hashes are also compared with the Hub's own listing. A snapshot
 that passes gets a manifest ``<repo folder>/pbstk-manifests/<commit>.json``; one that fails loses its manifest, so
 nothing incomplete is left looking staged.
+
+``--verify-only`` of a snapshot that has neither a manifest nor huggingface_hub's cached listing (one the Hugging
+Face tools downloaded file by file, or an older huggingface_hub) checks what it can offline: each file present
+against its blob's name and every shard a ``*.index.json`` names; the file list itself is not checked (only the Hub
+knows it), the answer says so, and no manifest is written.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ MANIFEST_SCHEMA = 1
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SHA1 = re.compile(r"^[0-9a-f]{40}$")
 _CHUNK = 8 << 20
+#: statuses that fail a check; ``unchecked`` (a file with no hash to compare) fails only a listed snapshot
+BAD = ("missing", "truncated", "size", "corrupt")
+#: what an offline check of a snapshot without a listing cannot tell
+NO_LISTING = "completeness of the file list not checked without the Hub"
 
 
 def repo_folder(cache: str, repo: str) -> str:
@@ -56,20 +65,22 @@ def file_hash(path: str, algo: str, size: int) -> str:
 
 
 def check_file(snapshot: str, name: str, want: dict[str, object] | None) -> dict[str, object]:
-    """One file's result: status ``ok``, ``missing``, ``truncated``, ``size`` (larger than expected) or
-    ``corrupt`` (content does not hash to its blob's name or to the Hub's hash), with size, hash and algo."""
+    """One file's result: status ``ok``, ``missing``, ``truncated``, ``size`` (larger than expected), ``corrupt``
+    (content does not hash to its blob's name or to the Hub's hash: ``actual`` is what it hashes to) or
+    ``unchecked`` (no hash to compare with), with size, hash and algo."""
     path = os.path.join(snapshot, name)
     row: dict[str, object] = {"file": name, "status": "ok"}
     try:
         size = os.stat(path).st_size
     except OSError:
-        return {**row, "status": "missing", "detail": "not in the snapshot"}
+        where = "links to a blob that is not in the cache" if os.path.islink(path) else "not in the snapshot"
+        return {**row, "status": "missing", "detail": where}
     row["size"] = size
     blob = os.path.basename(os.path.realpath(path)) if os.path.islink(path) else ""
     expected = str(want["hash"]) if want and want.get("hash") else (blob if algo_of(blob) else "")
     algo = algo_of(expected)
     if algo is None:
-        return {**row, "status": "corrupt", "detail": "no hash to check it against (not a Hub cache link)"}
+        return {**row, "status": "unchecked", "detail": "no hash to check it against (not a Hub cache link)"}
     if blob and algo_of(blob) and blob != expected:
         return {**row, "status": "corrupt", "hash": blob, "algo": algo_of(blob),
                 "detail": f"links to blob {blob[:12]}, the Hub says {expected[:12]}"}
@@ -80,7 +91,8 @@ def check_file(snapshot: str, name: str, want: dict[str, object] | None) -> dict
     got = file_hash(path, algo, size)
     row.update(hash=expected, algo=algo)
     if got != expected:
-        return {**row, "status": "corrupt", "detail": f"content hashes to {got[:12]}, expected {expected[:12]}"}
+        return {**row, "status": "corrupt", "actual": got,
+                "detail": f"content hashes to {got[:12]}, expected {expected[:12]}"}
     return row
 
 
@@ -170,6 +182,30 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def download(args: argparse.Namespace, token: str | None,
+             result: dict[str, object]) -> tuple[str, dict[str, dict[str, object]] | None] | None:
+    """Download what is missing: (the commit, the Hub's listing of it or ``None`` when the Hub went away after the
+    download); ``None`` once ``result`` holds the error."""
+    try:
+        import huggingface_hub as hub
+    except ImportError:
+        result["error"] = {"kind": "no_hub", "message": f"{sys.executable} has no huggingface_hub "
+                           "(the profile's venv/setup give the job's Python)"}
+        return None
+    has_token = bool(token or getattr(hub, "get_token", lambda: None)())
+    try:
+        path = hub.snapshot_download(args.repo, revision=args.revision, cache_dir=args.cache, token=token)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one classified line
+        kind, message = classify(exc, has_token)
+        result["error"] = {"kind": kind, "message": message}
+        return None
+    commit = os.path.basename(path)
+    try:
+        return commit, hub_listing(hub.HfApi(token=token), args.repo, commit)
+    except Exception:  # noqa: BLE001 - the Hub went away after the download: check against the cached list
+        return commit, None
+
+
 def stage(args: argparse.Namespace, token: str | None) -> dict[str, object]:
     os.environ["HF_HUB_OFFLINE"] = "1" if args.verify_only else "0"
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -179,37 +215,21 @@ def stage(args: argparse.Namespace, token: str | None) -> dict[str, object]:
     listing: dict[str, dict[str, object]] | None = None
     commit = resolve_commit(folder, args.revision)
     if not args.verify_only:
-        try:
-            import huggingface_hub as hub
-        except ImportError:
-            result["error"] = {"kind": "no_hub", "message": f"{sys.executable} has no huggingface_hub "
-                               "(the profile's venv/setup give the job's Python)"}
+        fetched = download(args, token, result)
+        if fetched is None:
             return result
-        has_token = bool(token or getattr(hub, "get_token", lambda: None)())
-        try:
-            path = hub.snapshot_download(args.repo, revision=args.revision, cache_dir=args.cache, token=token)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes one classified line
-            kind, message = classify(exc, has_token)
-            result["error"] = {"kind": kind, "message": message}
-            return result
-        commit = os.path.basename(path)
-        try:
-            listing = hub_listing(hub.HfApi(token=token), args.repo, commit)
-        except Exception:  # noqa: BLE001 - the Hub went away after the download: check against the cached list
-            listing = None
+        commit, listing = fetched
     result["commit"] = commit
     if commit is None:
         result["error"] = {"kind": "not_staged", "message": f"not in the cache {args.cache} (no refs/{args.revision})"}
         return result
     snapshot = os.path.join(folder, "snapshots", commit)
     manifest_path = os.path.join(folder, MANIFEST_DIR, commit + ".json")
-    result.update(snapshot=snapshot, manifest=manifest_path)
+    result.update(snapshot=snapshot, manifest=None, unchecked=[])
     if listing is None:  # verify-only: the manifest's list, else the listing huggingface_hub cached
         listing = offline_listing(manifest_path, os.path.join(folder, "trees", commit + ".json"))
-        if listing is None:
-            result["error"] = {"kind": "unlisted", "message": f"no manifest and no cached listing of commit "
-                               f"{commit[:12]}: cannot tell whether the snapshot is complete without the Hub"}
-            return result
+    if listing is None:  # nothing lists the files: check what is there, say what is not known
+        return check_unlisted(result, args, snapshot, commit)
     files = verify(snapshot, listing, args.jobs)
     if not args.verify_only and any(r["status"] != "ok" for r in files):
         repaired = repair(args, token, snapshot, listing, files)  # a bad blob is never downloaded over by itself
@@ -218,17 +238,41 @@ def stage(args: argparse.Namespace, token: str | None) -> dict[str, object]:
     result["ok"] = all(r["status"] == "ok" for r in files)
     if result["ok"] and not args.verify_only:
         result["removed_partials"] = remove_stale_partials(os.path.join(folder, "blobs"))
-    if result["ok"]:
-        stamp = now()
-        write_atomic(manifest_path, {"schema": MANIFEST_SCHEMA, "repo": args.repo, "revision": args.revision,
-                                     "commit": commit, "verified_at": stamp,
-                                     "files": [{"file": r["file"], "size": r["size"], "hash": r["hash"],
-                                                "algo": r["algo"], "verified_at": stamp} for r in files]})
-    else:
+    result["manifest"] = mark(manifest_path, args, commit, files if result["ok"] else None)
+    return result
+
+
+def mark(manifest_path: str, args: argparse.Namespace, commit: str, files: list[dict[str, object]] | None
+         ) -> str | None:
+    """Write the manifest of a snapshot whose ``files`` all passed (its path), or remove it (``None``): nothing
+    incomplete stays marked staged."""
+    if files is None:
         try:
             os.unlink(manifest_path)
         except FileNotFoundError:
             pass
+        return None
+    stamp = now()
+    write_atomic(manifest_path, {"schema": MANIFEST_SCHEMA, "repo": args.repo, "revision": args.revision,
+                                 "commit": commit, "verified_at": stamp,
+                                 "files": [{"file": r["file"], "size": r["size"], "hash": r["hash"],
+                                            "algo": r["algo"], "verified_at": stamp} for r in files]})
+    return manifest_path
+
+
+def check_unlisted(result: dict[str, object], args: argparse.Namespace, snapshot: str,
+                   commit: str) -> dict[str, object]:
+    """``--verify-only`` with no manifest and no cached listing: the files present and the shards the indexes
+    name, checked; what only the Hub could tell, in ``unchecked``; no manifest (the list is not known whole)."""
+    if not os.path.isdir(snapshot):
+        result["error"] = {"kind": "not_staged", "message": f"not in the cache {args.cache} (no snapshot "
+                           f"{commit[:12]} of {args.revision})"}
+        return result
+    files = verify_unlisted(snapshot, args.jobs)
+    result["files"] = files
+    result["unchecked"] = [f"{NO_LISTING} (no manifest and no cached listing of commit {commit[:12]}): a file "
+                           f"the Hub lists and the snapshot lacks is not found; nothing was marked staged"]
+    result["ok"] = not any(r["status"] in BAD for r in files)
     return result
 
 
@@ -252,6 +296,42 @@ def verify(snapshot: str, listing: dict[str, dict[str, object]], jobs: int) -> l
     names = sorted(listing)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # hashlib frees the GIL
         return list(pool.map(lambda n: check_file(snapshot, n, listing[n] or None), names))
+
+
+def present_files(snapshot: str) -> list[str]:
+    """Every file of the snapshot (``/``-separated, links into blobs/ included, broken ones too), sorted."""
+    names = []
+    for top, dirs, files in os.walk(snapshot):
+        dirs.sort()
+        rel = os.path.relpath(top, snapshot)
+        names += [name if rel == "." else f"{rel}/{name}".replace(os.sep, "/") for name in files]
+    return sorted(names)
+
+
+def shards_named(snapshot: str, names: list[str]) -> dict[str, str]:
+    """``{shard: index file}`` for every shard the ``*.index.json`` files (``model.safetensors.index.json``,
+    ``pytorch_model.bin.index.json``) name in their ``weight_map``, relative to the snapshot."""
+    shards: dict[str, str] = {}
+    for index in (n for n in names if n.endswith(".index.json")):
+        doc = read_json(os.path.join(snapshot, index))
+        weight_map = doc.get("weight_map") if doc else None
+        folder = os.path.dirname(index)
+        for shard in weight_map.values() if isinstance(weight_map, dict) else []:
+            if isinstance(shard, str):
+                shards.setdefault(f"{folder}/{shard}" if folder else shard, index)
+    return shards
+
+
+def verify_unlisted(snapshot: str, jobs: int) -> list[dict[str, object]]:
+    """A snapshot nothing lists (no manifest, no cached tree, no Hub): each file present against the hash its
+    blob is named by, and each shard an index names (a missing one is ``missing``). Not scan_cache_dir: it scans
+    every model of a shared cache and drops a whole repo into its warnings over one broken link."""
+    names = present_files(snapshot)
+    rows = {str(r["file"]): r for r in verify(snapshot, {n: {} for n in names}, jobs)}
+    for shard, index in shards_named(snapshot, names).items():
+        if shard not in rows:
+            rows[shard] = {"file": shard, "status": "missing", "detail": f"{index} names it; not in the snapshot"}
+    return [rows[name] for name in sorted(rows)]
 
 
 def repair(args: argparse.Namespace, token: str | None, snapshot: str, listing: dict[str, dict[str, object]],

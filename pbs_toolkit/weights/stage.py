@@ -49,7 +49,8 @@ TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 @dataclass
 class StageReport:
-    """What ``pbstk stage`` found: per file ``status`` ok / missing / truncated / size / corrupt."""
+    """What ``pbstk stage`` found: per file ``status`` ok / missing / truncated / size / corrupt / unchecked;
+    ``unchecked`` also says what could not be checked at all (the file list, offline with nothing listing it)."""
 
     model: str
     revision: str
@@ -63,10 +64,14 @@ class StageReport:
     files: list[dict[str, Any]] = field(default_factory=list)
     #: partial downloads (``blobs/*.incomplete`` untouched for an hour) removed after a successful stage
     removed_partials: int = 0
+    #: what was not checked: ``["completeness of the file list not checked without the Hub (...)"]`` for a
+    #: ``--verify-only`` of a snapshot with no manifest and no cached listing
+    unchecked: list[str] = field(default_factory=list)
 
     @property
     def counts(self) -> dict[str, int]:
-        counts = {"files": len(self.files), "ok": 0, "missing": 0, "truncated": 0, "size": 0, "corrupt": 0}
+        counts = {"files": len(self.files), "ok": 0, "missing": 0, "truncated": 0, "size": 0, "corrupt": 0,
+                  "unchecked": 0}
         for row in self.files:
             counts[row["status"]] = counts.get(row["status"], 0) + 1
         return counts
@@ -87,7 +92,8 @@ class StageReport:
                                "hf_home": self.hf_home, "verify_only": self.verify_only, "ok": self.ok,
                                "commit": self.commit, "snapshot": self.snapshot, "manifest": self.manifest,
                                "bytes": self.bytes, "counts": self.counts,
-                               "removed_partials": self.removed_partials, "files": self.files})
+                               "removed_partials": self.removed_partials, "unchecked": self.unchecked,
+                               "files": self.files})
 
 
 def staging_home(runner: Runner, profile: Profile) -> str:
@@ -125,7 +131,8 @@ def stage_model(runner: Runner, profile: Profile, model: str, *, revision: str =
     return StageReport(model=model, revision=revision, where=where, hf_home=hf_home, verify_only=verify_only,
                        ok=bool(doc.get("ok")), commit=doc.get("commit"), snapshot=doc.get("snapshot"),
                        manifest=doc.get("manifest") if doc.get("ok") else None, files=list(doc.get("files") or []),
-                       removed_partials=int(doc.get("removed_partials") or 0))
+                       removed_partials=int(doc.get("removed_partials") or 0),
+                       unchecked=[str(u) for u in doc.get("unchecked") or []])
 
 
 def _fix_hint(model: str, profile: Profile) -> str:
