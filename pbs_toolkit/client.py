@@ -187,7 +187,7 @@ class Client(ServiceMethods, PerfMethods):
                vllm_cache_root: str | None = None, scheduler: str | None = None, ssh_host: str | None = None,
                eager: bool | None = None, vllm_args: list[str] | None = None, env: dict[str, str] | None = None,
                run_dir: str | None = None, idle_cancel: str | None = None, lease_s: int | None = None,
-               api_key: str | None = None, use_api_key: bool = True) -> Job:
+               text_only: bool | None = None, api_key: str | None = None, use_api_key: bool = True) -> Job:
         """Render, submit and record a server job for ``model``; returns at once (``wait`` waits). The keywords
         before ``api_key`` are ``RenderRequest``'s fields (``None``: from the profile, preset or user config);
         a misspelt one is a ``TypeError``. ``lease_s``: the job ends itself once ``RUN_DIR/lease`` has not been

@@ -125,6 +125,9 @@ def render_options(f: F) -> F:
         click.option("--hf-home", help="HF_HOME on the compute node (model cache); overrides the profile."),
         click.option("--vllm-cache-root", help="VLLM_CACHE_ROOT on the compute node (compile cache)."),
         click.option("--eager/--no-eager", default=None, help="Override the preset's eager mode."),
+        click.option("--text-only/--no-text-only", default=None,
+                     help="A vision-language model serves text only: vLLM gets no image or video budget (more KV "
+                          "cache, no vision profiling at start). Refused for a text-only model (docs/settings.md)."),
         click.option("--vllm-arg", "vllm_args", multiple=True,
                      help="Extra vLLM argument (repeat; use --vllm-arg=--flag=value); it replaces the "
                           "preset's value of that flag."),

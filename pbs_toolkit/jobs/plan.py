@@ -31,6 +31,7 @@ from pbs_toolkit.settings.layout import (
     nodes_needed,
 )
 from pbs_toolkit.settings.model_size import UNKNOWN_SIZE_NOTE, hf_cache_config, hub_lookup, json_file, model_weights
+from pbs_toolkit.settings.multimodal import multimodal_preset, text_only_setting
 from pbs_toolkit.settings.presets import Preset, load_preset, params_from_config, params_from_name, resolve_auto
 from pbs_toolkit.settings.profiles import Profile, walltime_seconds
 from pbs_toolkit.settings.vllm_flags import check_env, check_flag, flag_name, is_automatic, version_tuple
@@ -98,9 +99,12 @@ def plan_launch(settings: LaunchSettings, runner: Runner | None = None) -> Launc
     nodes = node_plan(preset.name, preset.tensor_parallel, preset.pipeline_parallel, preset.data_parallel,
                       profile.nodes, profile)
     version = version_tuple(profile.vllm_version)
+    text_only = text_only_setting(profile.text_only, settings.sources["text_only"], preset)
+    preset, mm_notes = multimodal_preset(preset, req.model, config, version, text_only)  # settings/multimodal.py
     job_name = _job_name(req)
     served = served_model_name(req.model, req.served_model_name, job_name)
     args, notes = _vllm_args(req, preset, profile, served, version, nodes)
+    notes = mm_notes + notes
     if params is None and preset.name.startswith("auto ("):
         notes.insert(0, UNKNOWN_SIZE_NOTE)
     env = _job_env(req, profile, preset, version)

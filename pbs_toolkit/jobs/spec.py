@@ -106,6 +106,9 @@ def launch_options(req: Any, account: str | None) -> list[str]:
             out += [flag, str(value)]
     if getattr(req, "eager", None) is False:
         out.append("--no-eager")
+    text_only = getattr(req, "text_only", None)
+    if text_only is not None:
+        out.append("--text-only" if text_only else "--no-text-only")
     for arg in getattr(req, "vllm_args", None) or []:
         out.append(f"--vllm-arg={arg}")
     for key, value in (getattr(req, "env", None) or {}).items():

@@ -415,7 +415,7 @@ def rule_fatal(ctx: DoctorContext) -> list[Finding]:
 def rule_slow_start(ctx: DoctorContext) -> list[Finding]:
     from pbs_toolkit.perf.startup_advice import slow_start
 
-    said = slow_start(ctx.startup)
+    said = slow_start(ctx.startup, ctx.log_lines)
     return [Finding("slow-start", "low", *said)] if said else []
 
 

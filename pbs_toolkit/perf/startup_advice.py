@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pbs_toolkit.vllm.startup import encoder_profiling
+
 #: a start (without the queue) above this many seconds is worth a finding; 60-130 s cold and 30-70 s warm measured
 SLOW_START_S = 90.0
 #: the marker the start script logs before it starts vLLM in a container (server/start/coldstart.sh)
@@ -35,8 +37,25 @@ _FIXES = {
 }
 
 
-def slow_start(startup: dict[str, Any] | None) -> tuple[str, str, str] | None:
-    """(title, evidence, fix) when a finished start took over :data:`SLOW_START_S` without its queue."""
+def _encoder_note(log_lines: Sequence[str]) -> tuple[str, str] | None:
+    """(evidence, fix) when vLLM profiled a vision-language model's encoder during this start (its ``graphs``
+    phase), else ``None``."""
+    profiled = encoder_profiling(log_lines)
+    if profiled is None:
+        return None
+    budget, items, modality = profiled
+    evidence = (f"log: the graphs phase includes profiling the {modality} encoder with {items} {modality}(s) of the "
+                f"largest size (encoder cache budget {budget} tokens): a vision-language model")
+    fix = ("Part of it is the vision encoder's profiling, which every start of a vision-language model pays. A "
+           "workload without images: --text-only (profile or preset key text_only) skips it and gives its memory "
+           "to the KV cache.")
+    return evidence, fix
+
+
+def slow_start(startup: dict[str, Any] | None, log_lines: Sequence[str] = ()) -> tuple[str, str, str] | None:
+    """(title, evidence, fix) when a finished start took over :data:`SLOW_START_S` without its queue. A
+    vision-language model's encoder profiling (seen in ``log_lines``, vLLM's log) is named in the evidence, and
+    in the fix when the ``graphs`` phase that holds it was the longest."""
     if not startup or startup.get("current") is not None:
         return None
     phases = {k: v for k, v in (startup.get("phases") or {}).items() if isinstance(v, (int, float))}
@@ -49,7 +68,13 @@ def slow_start(startup: dict[str, Any] | None) -> tuple[str, str, str] | None:
     shown = ", ".join(f"{k.replace('_', ' ')} {v:.0f} s" for k, v in phases.items())
     name = longest.replace("_", " ")
     title = f"Start-up took {started:.0f} s; the longest phase was {name} ({phases[longest]:.0f} s)"
-    return title, f"status --json startup: {shown}", _FIXES.get(longest, "See docs/coldstart.md.")
+    evidence, fix = f"status --json startup: {shown}", _FIXES.get(longest, "See docs/coldstart.md.")
+    encoder = _encoder_note(log_lines)
+    if encoder is not None:
+        evidence += "; " + encoder[0]
+        if longest == "graphs":
+            fix = f"{encoder[1]} {fix}"
+    return title, evidence, fix
 
 
 def container_command(lines: Sequence[str]) -> str | None:

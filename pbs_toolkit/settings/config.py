@@ -46,6 +46,7 @@ ENV_VARS: dict[str, str] = {
     "hf_home": "PBSTK_HF_HOME",
     "vllm_cache_root": "PBSTK_VLLM_CACHE_ROOT",
     "idle_cancel": "PBSTK_IDLE_CANCEL",
+    "text_only": "PBSTK_TEXT_ONLY",
 }
 #: the command-line flag of a setting, where it is not ``--`` + the key with dashes
 FLAG_NAMES = {"ssh_host": "--ssh"}
@@ -72,7 +73,7 @@ def profile_kinds() -> dict[str, str]:
 
 #: settings that also have a command-line flag (render, launch, tune; ``--ssh``/``--scheduler``: launch)
 FLAGGED = {"queue", "account", "walltime", "nodes", "gpus_per_node", "port", "venv", "runs_root", "vllm_version",
-           "hf_home", "vllm_cache_root", "scheduler", "ssh_host", "idle_cancel"}
+           "hf_home", "vllm_cache_root", "scheduler", "ssh_host", "idle_cancel", "text_only"}
 
 
 def flag_name(key: str) -> str:
@@ -168,12 +169,20 @@ def _checked_env(source: str, where: str, value: Any) -> dict[str, str | None]:
     return out
 
 
+#: what a boolean ``PBSTK_*`` variable may say
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def _env_value(key: str) -> Any:
     raw = os.environ.get(ENV_VARS[key])
     if key == "ssh_host" and raw is not None and not raw.strip():
         return ""  # PBSTK_SSH_HOST= (set, empty): no SSH, whatever the profile says
     if raw is None or raw == "":
         return None
+    if profile_kinds().get(key) == "bool":
+        if raw.lower() not in _BOOL_WORDS:
+            raise ConfigError(f"{ENV_VARS[key]}={raw!r} is not one of {', '.join(_BOOL_WORDS)}")
+        return _BOOL_WORDS[raw.lower()]
     if profile_kinds().get(key) == "int":
         try:
             return int(raw)

@@ -58,6 +58,8 @@ class RenderRequest:
     #: the lease of ``pbstk run`` in whole seconds (campaigns/lease.py): the job ends itself once the run has not
     #: renewed it for this long; 0: no lease (``launch``, ``serve``, ``run --keep``)
     lease_s: int = 0
+    #: ``--text-only``/``--no-text-only``: a vision-language model takes no image or video; None: profile's/preset's
+    text_only: bool | None = None
 
 
 def request_flags(req: RenderRequest) -> dict[str, Any]:
@@ -69,6 +71,7 @@ def request_flags(req: RenderRequest) -> dict[str, Any]:
         "hf_home": req.hf_home, "vllm_cache_root": req.vllm_cache_root,
         "scheduler": req.scheduler, "ssh_host": req.ssh_host,
         "port": req.port if isinstance(req.port, int) else None, "idle_cancel": req.idle_cancel,
+        "text_only": req.text_only,
     }
 
 

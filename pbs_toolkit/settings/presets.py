@@ -17,7 +17,7 @@ from pbs_toolkit.settings.yamlio import Fields, load_yaml_mapping, require_file
 
 _KEYS = {
     "name", "summary", "rationale", "tensor_parallel", "data_parallel", "pipeline_parallel",
-    "eager", "device", "vllm_args", "env", "auto",
+    "eager", "device", "vllm_args", "env", "auto", "text_only",
 }
 
 
@@ -35,6 +35,8 @@ class Preset:
     vllm_args: dict[str, object] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     auto: bool = False
+    #: a vision-language model serves text only (settings/multimodal.py); a profile's or the flag's value wins
+    text_only: bool = False
     source: str = "builtin"
 
     @property
@@ -77,7 +79,8 @@ class Preset:
             "gpus": None if self.auto else self.gpus, "auto": self.auto, "device": self.device,
             "tensor_parallel": self.tensor_parallel, "data_parallel": self.data_parallel,
             "pipeline_parallel": self.pipeline_parallel, "eager": self.eager, "flags": self.flag_args(),
-            "vllm_args": dict(self.vllm_args), "env": dict(self.env), "rationale": self.rationale,
+            "vllm_args": dict(self.vllm_args), "env": dict(self.env), "text_only": self.text_only,
+            "rationale": self.rationale,
             "source": self.source,
         })
 
@@ -122,6 +125,7 @@ def _parse(data: dict[str, object], source: Path) -> Preset:
         vllm_args=dict(args),
         env=f.get_str_map("env"),
         auto=f.get_bool("auto", False),
+        text_only=f.get_bool("text_only", False),
         source=str(source),
     )
 

@@ -113,6 +113,8 @@ class Profile:
     max_running_jobs: int = 0
     #: idle reclaim (docs/idle.md): a server with no request for this long (``30m``) is stopped; "" = off
     idle_cancel: str = ""
+    #: a vision-language model serves text only: no image or video per prompt (settings/multimodal.py)
+    text_only: bool = False
     #: a service's restart policy (services/restarts.py; docs/services.md "Self-healing"): a failed replica is
     #: replaced at most max_restarts times in restart_window, waiting restart_backoff (doubling) before each
     max_restarts: int = 3

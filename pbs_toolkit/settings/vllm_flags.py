@@ -24,6 +24,9 @@ ADDED_IN: dict[str, tuple[int, ...]] = {
     "--enable-log-requests": (0, 10),
     "--api-server-count": (0, 10),
     "--config": (0, 6),  # vllm-project/vllm#7737: ``vllm serve --config FILE.yaml`` (YAML keys are flag names)
+    # vllm-project/vllm#23190 (merged 2025-08-19, after 0.10.1 was tagged) renamed
+    # --enable-multimodal-encoder-data-parallel to this
+    "--mm-encoder-tp-mode": (0, 10, 2),
 }
 
 
@@ -54,7 +57,8 @@ def flag_name(arg: str) -> str:
 
 
 def _fmt(v: tuple[int, ...]) -> str:
-    return f"{v[0]}.{v[1]}"
+    """``(0, 17)`` -> ``0.17``; a patch release only where it matters: ``(0, 10, 2)`` -> ``0.10.2``."""
+    return ".".join(str(part) for part in (v if len(v) > 2 and any(v[2:]) else v[:2]))
 
 
 def check_flag(flag: str, version: tuple[int, ...]) -> str | None:

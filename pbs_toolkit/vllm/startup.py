@@ -236,3 +236,19 @@ def startup_timings(lines: Iterable[str]) -> dict[str, Any]:
     result["fatal"] = fatal[0] if fatal else None
     result["phase"] = current_phase(raw)
     return result
+
+
+#: vLLM profiles a multimodal model's encoder at start, with the most items of the largest size a batch may hold
+#: (v1 gpu_model_runner ``profile_run``; the time counts in the ``graphs`` start-up phase, before the KV cache)
+_ENCODER_PROFILED = re.compile(r"Encoder cache will be initialized with a budget of ([\d,]+) tokens, and profiled "
+                               r"with (\d+) (\w+) items")
+
+
+def encoder_profiling(lines: Iterable[str]) -> tuple[int, int, str] | None:
+    """(encoder budget in tokens, items, modality) of the newest encoder profiling line in ``lines``: vLLM ran the
+    vision (or audio) encoder on dummy inputs during its start; ``None`` for a text-only start."""
+    for message in reversed(_messages(lines)):
+        match = _ENCODER_PROFILED.search(message)
+        if match:
+            return int(match.group(1).replace(",", "")), int(match.group(2)), match.group(3)
+    return None
