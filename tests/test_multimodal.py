@@ -196,3 +196,11 @@ def test_doctor_names_the_vision_encoders_profiling_in_a_slow_start() -> None:
     assert "--text-only" in finding["fix"]
     text_model = _slow_start(["INFO 11-27 10:00:10 [loader.py:1] Loading weights took 9.80 seconds"])
     assert "encoder" not in text_model["evidence"] + text_model["fix"]
+
+
+def test_config_show_names_the_switchs_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    shown = json.loads(pbstk("config", "show", "--text-only", "--json").stdout)["settings"]["text_only"]
+    assert shown == {"value": True, "source": "flag --text-only"}
+    monkeypatch.setenv("PBSTK_TEXT_ONLY", "off")
+    shown = json.loads(pbstk("config", "show", "--json").stdout)["settings"]["text_only"]
+    assert shown == {"value": False, "source": "PBSTK_TEXT_ONLY"}

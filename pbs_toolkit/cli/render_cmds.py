@@ -110,6 +110,7 @@ def setting_options(f: Any) -> Any:
         click.option("--venv"), click.option("--runs-root"), click.option("--vllm-version"),
         click.option("--hf-home"), click.option("--vllm-cache-root"),
         click.option("--scheduler"), click.option("--ssh", "ssh_host"),
+        click.option("--text-only/--no-text-only", default=None),
     ]
     for option in reversed(options):
         f = option(f)
