@@ -118,7 +118,14 @@ VARIATIONS = [
     ("auto-405b-gpn8", "meta-llama/Llama-3.1-405B-Instruct", "auto", "generic-pbspro", 8),
     ("auto-8x7b-gpn4", "mistralai/Mixtral-8x7B-Instruct-v0.1", "auto", "generic-pbspro", 4),
     ("auto-2b-local-gpu", MODEL, "auto", "local-gpu", None),
+    ("tp4-text-only", MODEL, "tp4", "generic-pbspro", None),
+    ("dp4-text-only-0.9", MODEL, "dp4", "generic-pbspro", None),
 ]
+#: render options of a variation besides those of the tuple (the text-only switch's two value forms: JSON, key=value)
+VARIATION_OPTIONS: dict[str, dict[str, Any]] = {
+    "var:tp4-text-only": {"text_only": True},
+    "var:dp4-text-only-0.9": {"text_only": True, "vllm_version": "0.9.2"},
+}
 
 
 #: the start script's static body (pbs_toolkit/server/start/, its parts in order): every start script ends with it
@@ -153,7 +160,8 @@ def rendered_matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         cases += [(f"var:{cid}", m, pr, pf, g) for cid, m, pr, pf, g in VARIATIONS]
         for case_id, model, preset, profile, gpus in cases:
             try:
-                job = _render(model, preset=preset, profile=profile, gpus_per_node=gpus, **_matrix_kwargs(profile))
+                job = _render(model, preset=preset, profile=profile, gpus_per_node=gpus, **_matrix_kwargs(profile),
+                              **VARIATION_OPTIONS.get(case_id, {}))
             except UsageError as exc:
                 results[case_id] = exc
                 continue
@@ -229,6 +237,12 @@ def test_matrix_variations_render_clean(rendered_matrix: dict[str, Any], case_id
     case = rendered_matrix[f"var:{case_id}"]
     assert isinstance(case, dict), f"{case_id} was refused: {case}"
     _assert_clean(case)
+
+
+def test_text_only_variations_render_their_limits(rendered_matrix: dict[str, Any]) -> None:
+    limits = {cid: rendered_matrix[f"var:{cid}"]["job"].vllm_args for cid in ("tp4-text-only", "dp4-text-only-0.9")}
+    assert limits["tp4-text-only"][-2:] == ["--limit-mm-per-prompt", '{"image":0,"video":0}']
+    assert limits["dp4-text-only-0.9"][-2:] == ["--limit-mm-per-prompt", "image=0,video=0"]
 
 
 def test_variation_layouts(rendered_matrix: dict[str, Any]) -> None:

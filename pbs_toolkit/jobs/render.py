@@ -147,9 +147,17 @@ def template_environment(backend_dir: Path) -> Any:
         lstrip_blocks=True,
         autoescape=False,
     )
-    env.filters["sh"] = lambda value: shlex.quote(str(value))
+    env.filters["sh"] = sh_word
     env.filters["shpath"] = sh_path
     return env
+
+
+def sh_word(value: Any) -> str:
+    """``shlex.quote``, with a comma quoted as well: in a bash array ``image=0,video=0`` is one element, but it reads
+    like a mistaken separator (shellcheck SC2054), so it is written ``'image=0,video=0'``."""
+    text = str(value)
+    quoted = shlex.quote(text)
+    return f"'{text}'" if quoted == text and "," in text else quoted
 
 
 def sh_path(value: Any) -> str:
