@@ -127,7 +127,9 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
         uptime, left = time_cells(s)
         if s.walltime_ending:
             detail = f"ending in {short(s.walltime_left_s or 0)} (walltime); {detail or ''}".rstrip("; ")
-        rows.append([s.record.job_id, s.record.name, s.state.value, s.scheduler_state or "-",
+        state = f"READY (busy: {s.busy.split(';')[0]})" if s.busy else s.state.value  # READY (busy: probe slow)
+        detail = f"{s.busy}; {detail}" if s.busy and detail else (s.busy or detail)
+        rows.append([s.record.job_id, s.record.name, state, s.scheduler_state or "-",
                      uptime, left, s.url or "-", detail or ""])
     click.echo(table(rows, ["JOB", "NAME", "STATE", "SCHED", "UPTIME", "WALLTIME-LEFT", "URL", "DETAIL"]))
     for s in results:
