@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
-from pbs_toolkit.services.state import serving_job
+from pbs_toolkit.services import health
 from pbs_toolkit.vllm.prom import Histogram, MetricsSnapshot, combine, delta, rates, summarize
 
 if TYPE_CHECKING:
@@ -40,14 +40,19 @@ _CIRCUIT = {0: "closed", 1: "open", 2: "half_open"}
 
 
 def serving(st: ServiceStatus) -> list[tuple[int, JobStatus]]:
-    """(replica index, READY status) of each slot's serving job: the replicas the router routes to."""
+    """(replica index, status) of each slot's routable job (services/health.py): the replicas the router routes
+    to; while the router's workers are not known, each slot's READY job."""
     by_id = {s.record.job_id: s for s in st.replicas}
-    states = {job: s.state.value for job, s in by_id.items()}
+    workers = st.route.workers if st.route is not None else None
     out = []
     for slot in st.record.slots:
-        job = serving_job(slot, states)
-        if job is not None:
-            out.append((slot.index, by_id[job]))
+        if workers is not None:
+            js = health.serving_job(slot, by_id, workers)
+        else:
+            js = next((j for j in (by_id.get(k or "") for k in (slot.current, slot.successor)) if health.ready(j)),
+                      None)
+        if js is not None:
+            out.append((slot.index, js))
     return out
 
 
@@ -358,8 +363,6 @@ def doctor(session: ServiceSession, st: ServiceStatus, job_doctor: Callable[[Job
 
 def _router_findings(session: ServiceSession, st: ServiceStatus) -> tuple[dict[str, Any], list[Finding]]:
     from pbs_toolkit.perf.doctor import Finding
-    from pbs_toolkit.services.ready import worker_url
-
     rec = st.record
     router: dict[str, Any] = {"running": st.router_running, "url": rec.url, "keeper_running": st.keeper_running,
                               "workers": None}
@@ -382,7 +385,7 @@ def _router_findings(session: ServiceSession, st: ServiceStatus) -> tuple[dict[s
             router["error"] = exc.message
         else:
             router["workers"] = [{"url": url, **w} for url, w in sorted(snap.workers.items())]
-            expected = {u for _, js in serving(st) if (u := worker_url(js))}
+            expected = {u for _, js in serving(st) if (u := health.worker_url(js))}
             findings += worker_findings(rec.name, snap, expected)
     return router, findings
 

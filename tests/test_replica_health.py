@@ -1,0 +1,151 @@
+"""One replica-health judgement (services/health.py) and the busy look it rests on (jobs/rundir.py ``busy``,
+jobs/judge.py): pure rules, and one look at a real loopback server whose ``/health`` answers late."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pbs_toolkit.jobs.rundir import VERIFIED_KEY, look
+from pbs_toolkit.jobs.status import JobStatus, ServerState, combine
+from pbs_toolkit.jobs.store import JobRecord
+from pbs_toolkit.services import health
+from pbs_toolkit.services.record import ServiceRecord, Slot
+from pbs_toolkit.transports.local import LocalRunner
+
+URL = "http://127.0.0.1:9001"
+
+
+def _record(job: str = "1.x", run_dir: str = "/nonexistent") -> JobRecord:
+    return JobRecord(job_id=job, scheduler="local", profile="p", model="m", served_model_name="m", preset="x",
+                     name=job, run_dir=run_dir)
+
+
+def _st(state: str, job: str = "1.x", busy: str | None = None) -> JobStatus:
+    return JobStatus(record=_record(job), state=ServerState(state), address="127.0.0.1", port=9001, busy=busy)
+
+
+def _rec() -> ServiceRecord:
+    return ServiceRecord(name="s", model="m", served_model_name="m", profile="p", replicas=1, request={},
+                         slots=[Slot(0, current="1.x")])
+
+
+def test_a_routable_replica_leaves_the_router_after_patience_or_at_once_when_it_ended(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PBSTK_SERVICE_UNHEALTHY_LOOKS", raising=False)
+    monkeypatch.delenv("PBSTK_SERVICE_UNHEALTHY_S", raising=False)
+    rec = _rec()
+    # failed looks: kept until 3 of them span 15 s (vllm-router's own 3 checks x 5 s)
+    assert health.leave_router(rec, _st("STARTING"), 100.0) is None
+    assert health.leave_router(rec, _st("UNKNOWN"), 105.0) is None
+    assert health.leave_router(rec, _st("STARTING"), 110.0) is None  # 3 looks, only 10 s
+    assert health.leave_router(rec, _st("READY"), 111.0) is None and rec.health == {}  # a good look: count again
+    for t in (120.0, 121.0, 122.0, 130.0):
+        assert health.leave_router(rec, _st("STARTING"), t) is None
+    why = health.leave_router(rec, _st("STARTING"), 135.0)
+    assert why == "STARTING on 5 looks in a row over 15 s" and rec.health == {}
+    # an ended job leaves at once
+    st = _st("FAILED")
+    st.reason = "vLLM exited with code 137"
+    assert health.leave_router(rec, st, 200.0) == "FAILED: vLLM exited with code 137"
+    # the bounds come from the environment
+    monkeypatch.setenv("PBSTK_SERVICE_UNHEALTHY_LOOKS", "1")
+    monkeypatch.setenv("PBSTK_SERVICE_UNHEALTHY_S", "0")
+    assert health.leave_router(_rec(), _st("STARTING"), 0.0) == "STARTING on 1 looks in a row over 0 s"
+
+
+def test_routable_is_in_the_router_and_not_ended_and_scale_down_takes_a_slow_one_last() -> None:
+    routed = {URL}
+    assert health.routable(_st("READY"), routed) and health.routable(_st("STARTING"), routed)
+    assert not health.routable(_st("FAILED"), routed) and not health.routable(_st("READY"), set())
+    slot = Slot(0, current="1.x")
+    assert health.routable_count([slot], {"1.x": _st("STARTING")}, routed) == 1
+    assert not health.still_starting([slot], {"1.x": _st("STARTING")}, routed)  # it serves: not on its way
+    assert health.still_starting([slot], {"1.x": _st("STARTING")}, set())
+    assert health.slow(_st("READY", busy="probe slow; 2 running, 6 waiting"), routed)
+    assert health.slow(_st("STARTING"), routed) and not health.slow(_st("READY"), routed)
+
+
+def test_scale_down_drains_a_slow_serving_replica_and_picks_a_brisk_one_first() -> None:
+    from pbs_toolkit.services.autoscale import Decision
+    from pbs_toolkit.services.scaler import shrink, to_cancel
+
+    one = JobStatus(record=_record("1.x"), state=ServerState.READY, address="127.0.0.1", port=9001)
+    two = JobStatus(record=_record("2.x"), state=ServerState.STARTING, address="127.0.0.1", port=9002)
+    statuses = {"1.x": one, "2.x": two}
+    routed = {URL, "http://127.0.0.1:9002"}
+    rec = ServiceRecord(name="s", model="m", served_model_name="m", profile="p", replicas=2, request={},
+                        slots=[Slot(0, current="1.x"), Slot(1, current="2.x")], scale={"spec": {}})
+    shrink(rec, statuses, routed, Decision("down", "calm"))
+    assert [s.retiring for s in rec.slots] == [True, False]  # the newest is slow (its look failed): kept
+    slow = Slot(1, current="2.x", retiring=True)
+    assert to_cancel(slow, statuses, routed) == [] and slow.draining == "2.x"  # routable: drained, not cut off
+
+
+def test_a_probe_that_timed_out_while_metrics_show_requests_is_busy_not_starting() -> None:
+    marker = {"phase": "ready", "port": 9001, "address": "127.0.0.1"}
+    busy = "probe slow; 2 running, 6 waiting"
+    st = combine(_record(), None, marker, [], None, answered=False, busy=busy)  # the scheduler silent: not READY
+    assert st.state is ServerState.UNKNOWN
+    from pbs_toolkit.schedulers import SchedState, SchedulerJob
+
+    running = SchedulerJob("1.x", SchedState.RUNNING, "R")
+    st = combine(_record(), running, marker, [], None, busy=busy)
+    assert (st.state, st.busy) == (ServerState.READY, busy)
+    assert combine(_record(), running, marker, [], None).state is ServerState.STARTING
+    assert combine(_record(), running, marker, ["torch.OutOfMemoryError: CUDA out of memory."], None,
+                   busy=busy).state is ServerState.FAILED
+
+
+class _Slow(http.server.BaseHTTPRequestHandler):
+    """``/health`` late (overloaded), ``/metrics`` at once with requests running."""
+
+    running = 2
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/health":
+            time.sleep(1.5)
+        body = (f"vllm:num_requests_running {self.running}\nvllm:num_requests_waiting 6\n".encode()
+                if self.path == "/metrics" else b"")
+        try:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except ConnectionError:  # the probe gave up before the late answer: as pbstk does
+            pass
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def slow_server() -> Iterator[http.server.ThreadingHTTPServer]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_look_asks_metrics_when_health_times_out_only_for_a_server_proved_ours(
+        slow_server: http.server.ThreadingHTTPServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBSTK_PROBE_TIMEOUT_S", "0.3")
+    port = slow_server.server_address[1]
+    (tmp_path / "server.json").write_text(f'{{"phase": "ready", "port": {port}, "address": "127.0.0.1"}}')
+    record = _record(run_dir=str(tmp_path))
+    assert look(LocalRunner(), record, None).busy is None  # never verified at this address: no claim
+    record.extra[VERIFIED_KEY] = f"127.0.0.1:{port}"
+    view = look(LocalRunner(), record, None)
+    assert view.health is None and view.busy == "probe slow; 2 running, 6 waiting"
+    monkeypatch.setattr(_Slow, "running", 0)
+    assert look(LocalRunner(), record, None).busy == "probe slow; 0 running, 6 waiting"
+    slow_server.shutdown()
+    slow_server.server_close()  # gone: connections refused, nothing busy about it
+    assert look(LocalRunner(), record, None).busy is None
