@@ -149,3 +149,32 @@ def test_look_asks_metrics_when_health_times_out_only_for_a_server_proved_ours(
     slow_server.shutdown()
     slow_server.server_close()  # gone: connections refused, nothing busy about it
     assert look(LocalRunner(), record, None).busy is None
+
+
+def test_the_patience_comes_from_the_profile_as_serve_recorded_it_and_the_environment_wins(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PBSTK_SERVICE_UNHEALTHY_LOOKS", raising=False)
+    monkeypatch.delenv("PBSTK_SERVICE_UNHEALTHY_S", raising=False)
+    rec = _rec()
+    rec.health_rule = {"looks": 2, "seconds": 4.0}  # replica_unhealthy_looks: 2, replica_unhealthy_after: 4s
+    assert (health.unhealthy_looks(rec), health.unhealthy_seconds(rec)) == (2, 4.0)
+    assert health.leave_router(rec, _st("STARTING"), 0.0) is None
+    assert health.leave_router(rec, _st("STARTING"), 4.0) == "STARTING on 2 looks in a row over 4 s"
+    monkeypatch.setenv("PBSTK_SERVICE_UNHEALTHY_LOOKS", "5")
+    assert health.unhealthy_looks(rec) == 5 and health.unhealthy_looks() == 5
+
+
+@pytest.mark.parametrize(("line", "words"), [
+    ("replica_unhealthy_looks: 0\n", "'replica_unhealthy_looks' must be a whole number from 1 to 1000"),
+    ("replica_unhealthy_after: soon\n", "replica_unhealthy_after 'soon': expected a duration"),
+])
+def test_a_bad_patience_in_the_profile_is_one_error_line(isolated_user: Any, standins: Any, line: str,
+                                                         words: str) -> None:
+    from helpers import MODEL, pbstk
+
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "svc.yaml").write_text("name: svc\nscheduler: local\nnodes: 1\ngpus_per_node: 1\n" + line)
+    result = pbstk("serve", MODEL, "--profile", "svc", "--replicas", "1")
+    assert result.exit_code != 0 and result.output.count("pbstk: error:") == 1, result.output
+    assert words in result.output, result.output

@@ -52,8 +52,9 @@ def test_a_busy_replica_stays_in_the_router_and_a_dead_one_leaves_it() -> None:
     result = serve("--name", "hot", "--replicas", "1", "--vllm-arg=--max-num-seqs=2", "--wait", "--timeout", "60")
     assert result.exit_code == 0, result.output
     doc = service_json("hot")
-    key = records.find(JobStore(), "hot").api_key
-    assert key
+    rec = records.find(JobStore(), "hot")
+    key = rec.api_key
+    assert key and rec.health_rule == {"looks": 3, "seconds": 15.0}  # the profile's replica_unhealthy_* defaults
     load = Load(doc["url"], key, workers=8, delay=0.5)  # 8 at once on a capacity of 2: 6 wait, probes are slow
     try:
         wait_for(lambda: load.ok >= 2, 60, "the load under way")

@@ -7,8 +7,9 @@
 * **Patience**: a routable replica leaves the router at once only on a final state (the scheduler says its job
   ended, its vLLM exited, the node is gone: FAILED, CANCELLED, FINISHED, LOST). A look that merely fails
   (STARTING because ``/health`` did not answer in time, UNKNOWN because the scheduler did not) keeps it in the
-  router until ``PBSTK_SERVICE_UNHEALTHY_LOOKS`` consecutive looks (default 3) spanning at least
-  ``PBSTK_SERVICE_UNHEALTHY_S`` seconds (default 15) have failed: vllm-router's own rule (3 failed checks, one
+  router until ``PBSTK_SERVICE_UNHEALTHY_LOOKS`` consecutive looks (default 3; profile key
+  ``replica_unhealthy_looks``) spanning at least ``PBSTK_SERVICE_UNHEALTHY_S`` seconds (default 15; profile key
+  ``replica_unhealthy_after``, ``15s``) have failed: vllm-router's own rule (3 failed checks, one
   every 5 s as pbstk starts it). A READY look starts the count again. Measured on GPUs: one 3 s probe timeout
   under a c=512 burst used to take the only replica out of the router 9 times in 2 minutes (4,691 of 12,000
   requests got 503).
@@ -37,15 +38,18 @@ DEFAULT_UNHEALTHY_LOOKS = 3
 DEFAULT_UNHEALTHY_S = 15.0
 
 
-def unhealthy_looks() -> int:
-    """``PBSTK_SERVICE_UNHEALTHY_LOOKS``: failed looks in a row before a routable replica leaves the router."""
-    return int(env_float("PBSTK_SERVICE_UNHEALTHY_LOOKS", DEFAULT_UNHEALTHY_LOOKS, lambda v: 1 <= v <= 1000
-                         and v == int(v)))
+def unhealthy_looks(rec: ServiceRecord | None = None) -> int:
+    """Failed looks in a row before a routable replica leaves the router: ``PBSTK_SERVICE_UNHEALTHY_LOOKS``, else
+    the profile's ``replica_unhealthy_looks`` as ``serve`` recorded it, else 3."""
+    recorded = int((rec.health_rule if rec is not None else {}).get("looks") or DEFAULT_UNHEALTHY_LOOKS)
+    return int(env_float("PBSTK_SERVICE_UNHEALTHY_LOOKS", recorded, lambda v: 1 <= v <= 1000 and v == int(v)))
 
 
-def unhealthy_seconds() -> float:
-    """``PBSTK_SERVICE_UNHEALTHY_S``: the least time those failed looks must span."""
-    return env_float("PBSTK_SERVICE_UNHEALTHY_S", DEFAULT_UNHEALTHY_S, lambda v: 0 <= v <= 86400)
+def unhealthy_seconds(rec: ServiceRecord | None = None) -> float:
+    """The least time those failed looks must span: ``PBSTK_SERVICE_UNHEALTHY_S``, else the profile's
+    ``replica_unhealthy_after``, else 15 s."""
+    recorded = float((rec.health_rule if rec is not None else {}).get("seconds") or DEFAULT_UNHEALTHY_S)
+    return env_float("PBSTK_SERVICE_UNHEALTHY_S", recorded, lambda v: 0 <= v <= 86400)
 
 
 def worker_url(st: JobStatus) -> str | None:
@@ -114,7 +118,7 @@ def leave_router(rec: ServiceRecord, st: JobStatus, now: float) -> str | None:
     seen = rec.health.get(job) or {"since": now, "looks": 0}
     seen = {"since": float(seen["since"]), "looks": int(seen["looks"]) + 1}
     rec.health[job] = seen
-    looks, span, need_looks, need_s = seen["looks"], now - seen["since"], unhealthy_looks(), unhealthy_seconds()
+    looks, span, need_looks, need_s = seen["looks"], now - seen["since"], unhealthy_looks(rec), unhealthy_seconds(rec)
     if looks >= need_looks and span >= need_s:
         rec.health.pop(job, None)
         return f"{st.state.value} on {looks} looks in a row over {span:.0f} s"

@@ -340,7 +340,7 @@ def _sync_router(rec: ServiceRecord, st: JobStatus | None, admin: RouterAdmin, i
         elif st.record.job_id in rec.health:
             looks = rec.health[st.record.job_id]["looks"]
             keeper_log(f"kept {st.record.job_id} ({url}) in the router: {st.state.value} ({st.phase or st.reason}), "
-                       f"failed look {looks} of {health.unhealthy_looks()} over {health.unhealthy_seconds():g} s")
+                       f"failed look {looks} of {health.unhealthy_looks(rec)} over {health.unhealthy_seconds(rec):g} s")
 
 
 def _remove_foreign(jobs: list[str], statuses: dict[str, JobStatus], admin: RouterAdmin,

@@ -104,6 +104,8 @@ class ServiceRecord:
     end_reason: str = ""
     #: routable replicas whose last looks failed (services/health.py): job id -> ``since``, ``looks``
     health: dict[str, Any] = field(default_factory=dict)
+    #: the profile's ``replica_unhealthy_looks`` and ``replica_unhealthy_after`` at ``serve``: ``looks``, ``seconds``
+    health_rule: dict[str, Any] = field(default_factory=dict)
     #: secret: never in ``to_dict``
     api_key: str | None = field(default=None, repr=False)
 
