@@ -59,6 +59,19 @@ def test_replicas_full_at_their_capacity_with_a_queue_are_overloaded() -> None:
     assert run([obs(0, target=2, running=8), obs(10, target=2, running=8)], spec) == ["hold"] * 2  # full, no queue
 
 
+def test_requests_the_router_failed_for_want_of_a_worker_are_overload() -> None:
+    """The router's 503s and exhausted retries since the last tick count as overload even while no request
+    waits at a replica (or none answered /metrics); not while every replica is still starting."""
+    ticks = [obs(0, waiting=None, running=None), obs(5, waiting=0)]
+    ticks = [Observation(**{**vars(o), "refused": 12.0}) for o in ticks]
+    assert run(ticks) == ["hold", "up"]
+    d, _ = decide(SPEC, Memory(above=1), ticks[1])
+    assert "12 request(s) failed at the router" in d.reason, d.reason
+    starting = Observation(**{**vars(obs(0, target=1, starting=1, waiting=None, running=None)), "refused": 5.0})
+    assert decide(SPEC, Memory(), starting)[1].above == 0
+    assert run([obs(0, waiting=0), obs(5, waiting=0)]) == ["hold", "hold"]  # refused None or 0: nothing
+
+
 def test_a_queued_replica_counts_toward_the_target_no_storm() -> None:
     # a replica added is queued for many ticks while the queue stays long: nothing more is added meanwhile
     ticks = [obs(t, target=2, starting=1, waiting=20) for t in range(0, 100, 10)]

@@ -178,3 +178,60 @@ def test_a_bad_patience_in_the_profile_is_one_error_line(isolated_user: Any, sta
     result = pbstk("serve", MODEL, "--profile", "svc", "--replicas", "1")
     assert result.exit_code != 0 and result.output.count("pbstk: error:") == 1, result.output
     assert words in result.output, result.output
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """A worker whose ``/health`` is fine and that answers every request 503 (overloaded)."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_the_autoscaler_reads_the_requests_the_real_router_failed(isolated_user: Any, tmp_path: Any) -> None:
+    """The real vllm-router (behind pbstk's front) in front of a worker that answers 503: the requests it gave up
+    on reach the policy as ``refused``, counted from the previous tick."""
+    import sys
+    from pathlib import Path
+
+    import requests
+
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.services import router, scaler
+
+    binary = Path(sys.executable).parent / "vllm-router"
+    if not binary.exists():
+        pytest.skip("vllm-router is not installed next to this Python")
+    worker = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    worker.daemon_threads = True
+    threading.Thread(target=worker.serve_forever, daemon=True).start()
+    runner = LocalRunner()
+    info = router.start_router(runner, str(tmp_path / "r"), command=[str(binary)])
+    try:
+        with router.open_admin(runner, info) as admin:
+            admin.add_worker(f"http://127.0.0.1:{worker.server_address[1]}")
+        rec = ServiceRecord(name="f", model="m", served_model_name="m", profile="p", replicas=1, request={},
+                            router=info.to_dict(), scale={"spec": {}})
+        with Client(on_removal=lambda r: None) as client:
+            session = client.service_session()
+            assert scaler.router_refused(session, rec) is None  # the first look only sets the mark
+            for _ in range(2):
+                answer = requests.post(f"{info.url}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
+                assert answer.status_code == 503
+            refused = scaler.router_refused(session, rec)
+            assert refused is not None and refused >= 2, (refused, rec.scale)
+            assert scaler.router_refused(session, rec) == 0  # nothing failed since
+    finally:
+        router.stop_router(runner, info, timeout=3)
+        worker.shutdown()
+        worker.server_close()

@@ -5,12 +5,13 @@ The keeper (services/keeper.py, through services/scaler.py) observes once per ti
 
 * **up** when the service is overloaded for ``UP_TICKS`` ticks in a row: the replicas' ``vllm:num_requests_waiting``
   (summed) above ``W`` (``--scale-up-waiting``, default 1), or every replica that answered running at its capacity
-  (``--max-num-seqs``, when known) with some request waiting. A tick in which no replica's ``/metrics`` answered
-  (a replica too busy to answer in time) neither counts nor resets the count; a replica in the router whose last
-  look failed still serves (services/health.py) and is not "starting". Never above ``--max-replicas``, nor above
-  what the profile's ``max_running_jobs`` lets run at once (halved with keep-alive: every replica needs room for
-  its successor); while a replica added earlier is still queued or starting, nothing more is added: it counts
-  toward the target already, so a slow queue does not turn a burst into a storm of jobs;
+  (``--max-num-seqs``, when known) with some request waiting, or the router failing requests for want of a worker
+  (its 503s and exhausted retries since the last tick, from its Prometheus port). A tick in which no replica's
+  ``/metrics`` answered (a replica too busy to answer in time) neither counts nor resets the count; a replica in the
+  router whose last look failed still serves (services/health.py) and is not "starting". Never above
+  ``--max-replicas``, nor above what the profile's ``max_running_jobs`` lets run at once (halved with keep-alive:
+  every replica needs room for its successor); while a replica added earlier is still queued or starting, nothing
+  more is added: it counts toward the target already, so a slow queue does not turn a burst into a storm of jobs;
 * **down** (one replica, drained first) after ``D`` (``--scale-down-idle``, default 5m) in which no request
   waited and the requests running would fit on one replica fewer (spare capacity: ``--max-num-seqs`` of each
   replica, when known; otherwise only when nothing runs); never below ``--min-replicas``; and not within ``D``
@@ -80,6 +81,9 @@ class Observation:
     job_cap: int = 0
     #: how many replicas' ``/metrics`` answered this tick (what ``waiting`` and ``running`` sum over)
     answered: int = 0
+    #: requests the router failed since the last tick for want of a worker (503s, exhausted retries); ``None``:
+    #: not known
+    refused: float | None = None
 
 
 @dataclass
@@ -132,8 +136,10 @@ def _spare(obs: Observation) -> bool:
 
 
 def overloaded(spec: ScaleSpec, obs: Observation) -> str | None:
-    """Why the replicas that answered are overloaded, in words, or ``None``: more than ``W`` waiting, or all of
-    them running at their capacity with requests waiting."""
+    """Why the service is overloaded, in words, or ``None``: the router failed requests for want of a worker,
+    more than ``W`` waiting, or all the replicas that answered running at their capacity with requests waiting."""
+    if obs.refused and obs.starting < obs.target:  # with every replica still starting, a 503 says nothing of load
+        return f"{obs.refused:g} request(s) failed at the router (no worker free, retries exhausted)"
     if obs.waiting is None:
         return None
     if obs.waiting > spec.up_waiting:

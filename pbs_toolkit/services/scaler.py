@@ -78,6 +78,23 @@ def capacity(statuses: Mapping[str, JobStatus]) -> int | None:
     return None
 
 
+def router_refused(session: ServiceSession, rec: ServiceRecord) -> float | None:
+    """Requests the router failed since the last tick for want of a worker (its 503s and exhausted retries), from
+    one request to its Prometheus port; ``None`` on the first look, for a router that does not answer, or one
+    that restarted (its counters went down). The running total is kept in ``rec.scale["router_refused"]``."""
+    from pbs_toolkit.services.router_metrics import router_counters
+
+    try:
+        total = router_counters(session.runner(rec.transport), rec, timeout=3.0).refused
+    except PbstkError:
+        return None
+    before = rec.scale.get("router_refused")
+    rec.scale["router_refused"] = total
+    if before is None or total < float(before):
+        return None
+    return total - float(before)
+
+
 def idle_end(rec: ServiceRecord, snaps: Mapping[str, MetricsSnapshot], routable: int, now: float) -> str | None:
     """``--idle-cancel`` of a service: the reason to end it now, or ``None``. Idle means: every replica in the
     router answered, none runs or has waiting requests, and no replica's success counter moved since the last
@@ -96,7 +113,8 @@ def idle_end(rec: ServiceRecord, snaps: Mapping[str, MetricsSnapshot], routable:
 
 
 def observation(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router: set[str],
-                snaps: Mapping[str, MetricsSnapshot], now: float) -> autoscale.Observation:
+                snaps: Mapping[str, MetricsSnapshot], now: float, refused: float | None = None
+                ) -> autoscale.Observation:
     """This tick's look for the policy. A routable replica counts as serving even when its last look failed or
     its probe answered late (it is not "starting"); the queue is summed over the replicas whose ``/metrics``
     answered (``answered``), so one that did not answer this time neither hides the others' queue nor resets
@@ -109,7 +127,7 @@ def observation(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router
         waiting=sum(s.waiting or 0 for s in answered) if answered else None,
         running=sum(s.running or 0 for s in answered) if answered else None,
         capacity=capacity(statuses) or rec.scale.get("capacity"), job_cap=int(rec.scale.get("job_cap") or 0),
-        answered=len(answered))
+        answered=len(answered), refused=refused)
 
 
 def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
@@ -125,7 +143,7 @@ def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, Job
     if why or not rec.scale:
         return why
     spec = autoscale.ScaleSpec.from_dict(rec.scale["spec"])
-    obs = observation(rec, statuses, in_router, snaps, now)
+    obs = observation(rec, statuses, in_router, snaps, now, router_refused(session, rec))
     decision, memory = autoscale.decide(spec, autoscale.Memory.from_dict(rec.scale.get("memory")), obs)
     rec.scale["memory"] = memory.to_dict()
     rec.scale["now"] = decision.to_dict()
