@@ -52,9 +52,8 @@ def test_a_busy_replica_stays_in_the_router_and_a_dead_one_leaves_it() -> None:
     result = serve("--name", "hot", "--replicas", "1", "--vllm-arg=--max-num-seqs=2", "--wait", "--timeout", "60")
     assert result.exit_code == 0, result.output
     doc = service_json("hot")
-    rec = records.find(JobStore(), "hot")
-    key = rec.api_key
-    assert key and rec.health_rule == {"looks": 3, "seconds": 15.0}  # the profile's replica_unhealthy_* defaults
+    key = records.find(JobStore(), "hot").api_key
+    assert key
     load = Load(doc["url"], key, workers=8, delay=0.5)  # 8 at once on a capacity of 2: 6 wait, probes are slow
     try:
         wait_for(lambda: load.ok >= 2, 60, "the load under way")
@@ -71,6 +70,8 @@ def test_a_busy_replica_stays_in_the_router_and_a_dead_one_leaves_it() -> None:
         load.finish()
     assert load.failed == 0 and load.ok > 8, load.errors[:3]
     assert service_json("hot")["state"] == "READY"
+    rule = records.find(JobStore(), "hot").health_rule
+    assert rule == {"looks": 3, "seconds": 15.0}  # the profile's replica_unhealthy_* defaults, recorded by serve
 
     # the same knob, the replica's vLLM really dead (connections refused): it leaves the router
     run_dir = JobStore().find(job["job_id"]).run_dir
