@@ -66,6 +66,8 @@ def test_a_busy_replica_stays_in_the_router_and_a_dead_one_leaves_it() -> None:
         assert job["state"] == "READY" and "running" in job["busy"], job
         shown = pbstk("status", job["job_id"]).stdout
         assert "READY (busy: probe slow)" in shown, shown
+        wait_for(lambda: "READY (busy: probe slow)" in pbstk("status", "hot").stdout, 30,
+                 "the service's own table naming the busy replica")
     finally:
         load.finish()
     assert load.failed == 0 and load.ok > 8, load.errors[:3]
