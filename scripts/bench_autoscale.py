@@ -9,9 +9,15 @@ to this Python, the keeper the real detached process (ticking every ``--tick`` s
 ``--burst`` closed-loop clients with quiet spells of one client, ``--cycles`` times. It prints, per mode: the
 requests answered and failed, p50/p99 latency, the replica jobs over time (one character per second), and the
 node-hours the replica jobs held (each job one node, from submission until it is gone: queued and draining time
-included), then the autoscaled run's node-hours and failures relative to the fixed one.
+included), then the autoscaled run's node-hours and failures relative to the fixed one, and how often the keeper took a
+serving replica out of the router (its log's ``removed ... from the router`` lines, scaling down left out).
+
+``--slow-probes S`` makes each replica answer ``/health`` and ``/v1/models`` only after S seconds while its slots
+are full (``PBSTK_TEST_STANDIN_SLOW_PROBES``, as vLLM's API server under overload), with pbstk's probe timeout
+``--probe-timeout`` (issue 28: one slow probe used to take the only replica out of the router).
 
     python scripts/bench_autoscale.py [--max-replicas 3] [--capacity 4] [--burst 16] [--cycles 2]
+    python scripts/bench_autoscale.py --max-replicas 2 --slow-probes 2 --probe-timeout 0.5
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ ROUTER = Path(sys.executable).parent / "vllm-router"
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 
 
-def environment(home: Path, tick: float) -> dict[str, str]:
+def environment(home: Path, tick: float, slow_probes: float = 0.0, probe_timeout: float = 0.0) -> dict[str, str]:
     """A private pbstk home (config, state, runs) with the stand-ins first on PATH."""
     for sub in ("config/pbstk/profiles", "state", "data", "runs"):
         (home / sub).mkdir(parents=True, exist_ok=True)
@@ -47,7 +53,21 @@ def environment(home: Path, tick: float) -> dict[str, str]:
                PATH=f"{ROOT / 'tests' / 'standins'}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(ROOT),
                PBSTK_SERVICE_POLL_S=str(tick), PBSTK_SERVICE_DRAIN_S="30", PBSTK_TEST_STANDIN_DELAY="0",
                PBSTK_HUB_LOOKUP="0", PBSTK_SSH_PERSIST="0")
+    if slow_probes:
+        env["PBSTK_TEST_STANDIN_SLOW_PROBES"] = str(slow_probes)
+    if probe_timeout:
+        env["PBSTK_PROBE_TIMEOUT_S"] = str(probe_timeout)
     return env
+
+
+def removals(home: Path, name: str) -> int:
+    """How often the keeper took a serving replica out of the router (scaling down left out)."""
+    try:
+        text = (home / "state" / "pbstk" / "services" / name / "keeper.log").read_text()
+    except OSError:
+        return -1
+    return sum(1 for line in text.splitlines() if "from the router" in line and " removed " in line
+               and "scaling down" not in line)
 
 
 def pbstk(env: dict[str, str], *args: str, timeout: float = 300) -> str:
@@ -146,6 +166,7 @@ def run_mode(label: str, env: dict[str, str], serve_args: list[str], args: argpa
         return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")
 
     return {"label": label, "ok": load.ok, "failed": load.failed, "p50": pick(0.5), "p99": pick(0.99),
+            "removals": removals(Path(env["XDG_STATE_HOME"]).parent, name),
             "timeline": timeline, "node_h": node_s / 3600, "max": max(timeline or [0]),
             "last": rec and records.load(JobStore(), name)}
 
@@ -161,25 +182,32 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=2)
     parser.add_argument("--tick", type=float, default=1.0, help="the keeper's tick (PBSTK_SERVICE_POLL_S)")
     parser.add_argument("--scale-down-idle", default="5s")
+    parser.add_argument("--slow-probes", type=float, default=0.0,
+                        help="seconds a replica's /health takes while its slots are full (0: answers at once)")
+    parser.add_argument("--probe-timeout", type=float, default=0.0, help="PBSTK_PROBE_TIMEOUT_S (0: pbstk's default)")
     args = parser.parse_args()
     if not ROUTER.exists():
         raise SystemExit(f"no vllm-router next to {sys.executable}")
     print(f"load: {args.cycles} x ({args.burst} clients for {args.burst_s:g} s, then 1 client for {args.quiet_s:g} s); "
           f"each request {args.request_s:g} s on a replica of capacity {args.capacity} (--max-num-seqs); "
-          f"keeper tick {args.tick:g} s")
+          f"keeper tick {args.tick:g} s" + (f"; probes answer after {args.slow_probes:g} s while a replica is "
+                                             f"full (probe timeout {args.probe_timeout or 3:g} s)"
+                                             if args.slow_probes else ""))
     results = []
     with tempfile.TemporaryDirectory(prefix="pbstk-bench-autoscale-") as tmp:
-        env = environment(Path(tmp), args.tick)
+        env = environment(Path(tmp), args.tick, args.slow_probes, args.probe_timeout)
         m = str(args.max_replicas)
         modes = [("auto", ["--min-replicas", "1", "--max-replicas", m, "--scale-down-idle", args.scale_down_idle]),
                  ("fixed", ["--replicas", m])]
         for label, serve_args in modes:
             results.append(run_mode(label, env, serve_args, args))
-    print(f"\n{'mode':<28}{'requests':>9}{'failed':>8}{'p50 s':>8}{'p99 s':>8}{'max jobs':>9}{'node-hours':>12}")
+    print(f"\n{'mode':<28}{'requests':>9}{'failed':>8}{'p50 s':>8}{'p99 s':>8}{'max jobs':>9}{'node-hours':>12}"
+          f"{'removals':>9}")
     for r in results:
         m = args.max_replicas
         label = f"autoscale 1..{m}" if r["label"] == "auto" else f"fixed --replicas {m}"
-        print(f"{label:<28}{r['ok']:>9}{r['failed']:>8}{r['p50']:>8.2f}{r['p99']:>8.2f}{r['max']:>9}{r['node_h']:>12.4f}")
+        print(f"{label:<28}{r['ok']:>9}{r['failed']:>8}{r['p50']:>8.2f}{r['p99']:>8.2f}{r['max']:>9}{r['node_h']:>12.4f}"
+              f"{r['removals']:>9}")
     print("\nreplica jobs over time (one digit per second; bursts start at 0 s and every "
           f"{args.burst_s + args.quiet_s:g} s):")
     for r in results:

@@ -13,9 +13,11 @@ SPEC = ScaleSpec(min_replicas=1, max_replicas=3, up_waiting=1, down_idle_s=60)
 
 
 def obs(now: float, target: int = 1, waiting: float | None = 0, running: float | None = 0, starting: int = 0,
-        capacity: int | None = 4, job_cap: int = 0) -> Observation:
+        capacity: int | None = 4, job_cap: int = 0, answered: int | None = None) -> Observation:
+    if answered is None:
+        answered = 0 if waiting is None else target - starting
     return Observation(now=now, target=target, starting=starting, waiting=waiting, running=running,
-                       capacity=capacity, job_cap=job_cap)
+                       capacity=capacity, job_cap=job_cap, answered=answered)
 
 
 def run(ticks: list[Observation], spec: ScaleSpec = SPEC, memory: Memory | None = None) -> list[str]:
@@ -34,6 +36,40 @@ def test_two_ticks_above_w_add_one_replica_and_one_tick_does_not() -> None:
     assert run([obs(0, waiting=1), obs(10, waiting=1)]) == ["hold", "hold"]  # not *above* W
     d, mem = decide(SPEC, Memory(above=1), obs(10, waiting=7))
     assert d.action == "up" and d.target == 2 and "7 request(s) waiting" in d.reason and mem.above == 0
+
+
+def test_a_tick_without_an_answer_neither_counts_nor_resets_the_overload() -> None:
+    """A replica too busy to answer its /metrics in time (no answer this tick) is no news: under a long queue the
+    count goes on after it, where it used to start again (the service never scaled up, measured on GPUs)."""
+    assert run([obs(0, waiting=5), obs(5, waiting=None, running=None), obs(10, waiting=5)]) == ["hold", "hold", "up"]
+    d, mem = decide(SPEC, Memory(above=1), obs(5, waiting=None, running=None))
+    assert d.action == "hold" and mem.above == 1
+    assert run([obs(0, waiting=5), obs(5, waiting=0), obs(10, waiting=5)]) == ["hold"] * 3  # an answer of 0 resets
+
+
+def test_replicas_full_at_their_capacity_with_a_queue_are_overloaded() -> None:
+    """In flight against capacity: every replica that answered runs --max-num-seqs requests and some wait, even
+    when fewer than W wait (here W = 5)."""
+    spec = ScaleSpec(min_replicas=1, max_replicas=3, up_waiting=5, down_idle_s=60)
+    full = [obs(0, target=2, running=8, waiting=1), obs(10, target=2, running=8, waiting=1)]
+    assert run(full, spec) == ["hold", "up"]
+    d, _ = decide(spec, Memory(above=1), full[1])
+    assert "8 running at capacity (2 x --max-num-seqs 4), 1 waiting" in d.reason, d.reason
+    assert run([obs(0, target=2, running=7, waiting=1), obs(10, target=2, running=7, waiting=1)], spec) == ["hold"] * 2
+    assert run([obs(0, target=2, running=8), obs(10, target=2, running=8)], spec) == ["hold"] * 2  # full, no queue
+
+
+def test_requests_the_router_failed_for_want_of_a_worker_are_overload() -> None:
+    """The router's 503s and exhausted retries since the last tick count as overload even while no request
+    waits at a replica (or none answered /metrics); not while every replica is still starting."""
+    ticks = [obs(0, waiting=None, running=None), obs(5, waiting=0)]
+    ticks = [Observation(**{**vars(o), "refused": 12.0}) for o in ticks]
+    assert run(ticks) == ["hold", "up"]
+    d, _ = decide(SPEC, Memory(above=1), ticks[1])
+    assert "12 request(s) failed at the router" in d.reason, d.reason
+    starting = Observation(**{**vars(obs(0, target=1, starting=1, waiting=None, running=None)), "refused": 5.0})
+    assert decide(SPEC, Memory(), starting)[1].above == 0
+    assert run([obs(0, waiting=0), obs(5, waiting=0)]) == ["hold", "hold"]  # refused None or 0: nothing
 
 
 def test_a_queued_replica_counts_toward_the_target_no_storm() -> None:
@@ -159,14 +195,15 @@ def test_retiring_a_slot_drains_what_serves_and_cancels_the_rest() -> None:
 
     statuses = {"j1": _st("j1", port=9001, args=("--max-num-seqs", "6")), "j2": _st("j2", "PENDING", 9002)}
     slot = Slot(3, current="j1", successor="j2", retiring=True)
-    assert retire_jobs(slot, statuses, {"http://127.0.0.1:9001", "http://127.0.0.1:9009"}) == ["http://127.0.0.1:9001"]
-    assert to_cancel(slot, statuses) == ["j2"]
+    routed = {"http://127.0.0.1:9001", "http://127.0.0.1:9009"}
+    assert retire_jobs(slot, statuses, routed) == ["http://127.0.0.1:9001"]
+    assert to_cancel(slot, statuses, routed) == ["j2"]
     assert (slot.current, slot.successor, slot.draining) == (None, None, "j1")
     queued = Slot(4, current="j2", retiring=True)
-    assert to_cancel(queued, statuses) == ["j2"] and queued.draining is None and not queued.jobs()
+    assert to_cancel(queued, statuses, routed) == ["j2"] and queued.draining is None and not queued.jobs()
     # a keep-alive predecessor still drains: the serving job waits its turn (out of the router already)
     busy = Slot(5, current="j1", draining="j0", retiring=True)
-    assert to_cancel(busy, statuses) == [] and (busy.current, busy.draining) == ("j1", "j0")
+    assert to_cancel(busy, statuses, routed) == [] and (busy.current, busy.draining) == ("j1", "j0")
     assert capacity(statuses) == 6 and capacity({"j2": statuses["j2"]}) is None
 
 

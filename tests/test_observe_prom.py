@@ -148,7 +148,8 @@ def test_combine_sums_servers_and_merges_their_histograms():
 def test_router_figures_and_the_workers_doctor_names():
     """vllm-router 0.1.17's /metrics (its own exposition: blank lines between families; lines as it prints them,
     one worker's circuit opened by a killed backend): the figures ``metrics NAME`` shows and doctor's findings."""
-    from pbs_toolkit.services.observe import parse_router_metrics, router_summary, worker_findings
+    from pbs_toolkit.services.observe import router_summary, worker_findings
+    from pbs_toolkit.services.router_metrics import parse_router_metrics
 
     text = (DATA / "vllm-router-0.1.17-metrics.txt").read_text()
     first = parse_router_metrics(text, 10.0)
@@ -166,3 +167,7 @@ def test_router_figures_and_the_workers_doctor_names():
     assert "http://127.0.0.1:18999" in found[0].evidence and "circuit open" in found[1].evidence
     with pytest.raises(ServerFailed, match="not in Prometheus text format"):
         parse_router_metrics("vllm_router_requests_total{route=} x\n", 0.0)
+    assert first.refused == 2  # its exhausted retries; and its 503s for want of a worker (0.1.17's own lines):
+    errors = ('vllm_router_request_errors_total{route="/v1/completions",error_type="no_available_workers"} 5\n'
+              'vllm_router_request_errors_total{route="/v1/completions",error_type="bad_request"} 7\n')
+    assert parse_router_metrics(text + "\n" + errors, 13.0).refused == 7

@@ -11,7 +11,7 @@ import click
 from pbs_toolkit.cli.complete import complete_job
 from pbs_toolkit.cli.lazy import LazyChoice, backend_names
 from pbs_toolkit.cli.options import SECONDS, STAGE_OPTION, build_request, echo_json, read_key_env, render_options, table
-from pbs_toolkit.cli.output import time_cells
+from pbs_toolkit.cli.output import state_cell, time_cells
 from pbs_toolkit.cli.progress import interrupt_hint, progress_printer
 from pbs_toolkit.cli.render_cmds import layout_text
 from pbs_toolkit.durations import short
@@ -127,7 +127,8 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
         uptime, left = time_cells(s)
         if s.walltime_ending:
             detail = f"ending in {short(s.walltime_left_s or 0)} (walltime); {detail or ''}".rstrip("; ")
-        rows.append([s.record.job_id, s.record.name, s.state.value, s.scheduler_state or "-",
+        detail = f"{s.busy}; {detail}" if s.busy and detail else (s.busy or detail)
+        rows.append([s.record.job_id, s.record.name, state_cell(s), s.scheduler_state or "-",
                      uptime, left, s.url or "-", detail or ""])
     click.echo(table(rows, ["JOB", "NAME", "STATE", "SCHED", "UPTIME", "WALLTIME-LEFT", "URL", "DETAIL"]))
     for s in results:

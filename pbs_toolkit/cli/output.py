@@ -18,7 +18,7 @@ from typing import Any
 from pbs_toolkit.durations import short
 from pbs_toolkit.textutil import table as plain_table
 
-__all__ = ["STATE_STYLES", "color_enabled", "state_style", "table", "wants_rich"]
+__all__ = ["STATE_STYLES", "color_enabled", "state_cell", "state_style", "table", "wants_rich"]
 
 #: rich style per job state (``ServerState`` values); anything else is left as it is
 STATE_STYLES = {
@@ -30,8 +30,14 @@ STATE_HEADERS = frozenset({"STATE", "RECORDED"})
 
 
 def state_style(value: str) -> str | None:
-    """The style for a state word (``None``: not a state, shown plain)."""
-    return STATE_STYLES.get(value.strip().upper())
+    """The style for a state word (``None``: not a state, shown plain); ``READY (busy: probe slow)`` is READY's."""
+    return STATE_STYLES.get(value.strip().split(" (", 1)[0].upper())
+
+
+def state_cell(s: Any) -> str:
+    """A status row's STATE: the state, or ``READY (busy: probe slow)`` for a server too busy to answer its
+    probe in time (docs/status.md "Busy is still READY")."""
+    return f"{s.state.value} (busy: {s.busy.split(';')[0]})" if s.busy else s.state.value
 
 
 def wants_rich(stream: Any = None) -> bool:

@@ -187,7 +187,7 @@ def _router_job(rec: Any, st: Any) -> str:
 
 def show_service(st: Any) -> None:
     """``status NAME`` of a service: its line, then each replica."""
-    from pbs_toolkit.cli.output import time_cells
+    from pbs_toolkit.cli.output import state_cell, time_cells
     from pbs_toolkit.jobs.startup_phases import startup_text
 
     rec = st.record
@@ -210,7 +210,8 @@ def show_service(st: Any) -> None:
             detail = s.comment if s.state.value == "PENDING" else (s.phase if s.state.value == "STARTING" else s.reason)
             if s.state.value == "STARTING" and (took := startup_text(s.startup)):  # docs/coldstart.md
                 detail = f"{detail} ({took})" if detail else took
-            rows.append([f"r{slot.index}", role, s.record.job_id, s.record.name, s.state.value, uptime, left,
+            detail = f"{s.busy}; {detail}" if s.busy and detail else (s.busy or detail)
+            rows.append([f"r{slot.index}", role, s.record.job_id, s.record.name, state_cell(s), uptime, left,
                          s.url or "-", detail or ""])
     if rows:
         click.echo(table(rows, ["REPLICA", "ROLE", "JOB", "NAME", "STATE", "UPTIME", "WALLTIME-LEFT", "URL",

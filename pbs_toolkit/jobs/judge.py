@@ -68,12 +68,15 @@ def combine(
     identity: Identity | None = None,
     absence: Absence | None = None,
     answered: bool = True,
+    busy: str | None = None,
 ) -> JobStatus:
     """The truth about one job from everything we could observe. Pure: tested without any I/O.
 
     ``identity``: what ``/v1/models`` said when ``/health`` answered 200 (READY needs it to be ours).
     ``absence``: how long the scheduler has not known the job, when ``sched`` is ``None`` because it answered
     without it; ``answered=False`` means it did not answer at all (that tells nothing about the job).
+    ``busy``: ``/health`` did not answer in time, but the server proved it is ours at this address before and
+    its ``/metrics`` shows requests (rundir.py ``busy``): READY, busy, not STARTING.
     """
     from pbs_toolkit.vllm.startup import find_fatal
 
@@ -94,8 +97,8 @@ def combine(
     if sched is None and not (ours and not answered):
         return _unlisted(st, ours, answered, absence)
     # running (or exiting, or the scheduler did not answer but the server proves it is ours)
-    if ours:
-        st.state, st.phase = ServerState.READY, Phase.READY.value
+    if ours or (busy and not fatal):
+        st.state, st.phase, st.busy = ServerState.READY, Phase.READY.value, None if ours else busy
         return st
     return _not_ready(st, phase, fatal, attempt, health_status, identity)
 
@@ -290,7 +293,7 @@ def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, st
     elif answered and record.extra.get(ABSENCE_KEY):
         _save(store, record, **{ABSENCE_KEY: None})
     st = combine(record, sched, view.marker, view.lines, view.health, identity=view.identity, absence=absence,
-                 answered=answered)
+                 answered=answered, busy=view.busy)
     # stopped by --idle-cancel, or by the lease of a lost pbstk run: says so
     st.reason = idle.idle_reason(st.state.value, view.lines) or lease.lease_reason(st.state.value, view.lines) \
         or st.reason

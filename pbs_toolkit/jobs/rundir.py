@@ -8,6 +8,7 @@ accept but never answer cost one probe timeout per ``status`` call, not one per 
 from __future__ import annotations
 
 import json
+import time
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ from pbs_toolkit.server.phases import LISTENING_PHASES, Phase
 from pbs_toolkit.transports import Runner
 from pbs_toolkit.transports import http as probe
 from pbs_toolkit.transports.http import Identity
+from pbs_toolkit.vllm.prom import parse_metrics
 
 LOG_TAIL_LINES = 400
 #: run directories and servers looked at in parallel by one ``status`` call
@@ -48,6 +50,9 @@ class RunDirView:
     unreachable: str | None = None
     #: ``startup.log``, the start script's start-up timeline (jobs/startup_phases.py); ``None`` before it exists
     startup_log: str | None = None
+    #: the server proved it is ours at this address before, ``/health`` did not answer in time, and its
+    #: ``/metrics`` shows requests running or waiting: busy, not down (``probe slow; 8 running, 30 waiting``)
+    busy: str | None = None
 
 
 def _port(value: Any) -> int | None:
@@ -123,12 +128,31 @@ def look(runner: Runner, record: JobRecord, sched: SchedulerJob | None) -> RunDi
         if error is not None and marker.get("phase") == Phase.READY:
             where = "from here" if runner.name == "local" else f"from {runner.name.split(':', 1)[-1]}"
             view.unreachable = f"server reports ready, but http://{host}:{port} cannot be reached {where}: {error}"
+        verified = record.extra.get(VERIFIED_KEY) == f"{host}:{port}"
+        if view.health is None and verified and marker.get("phase") == Phase.READY:
+            view.busy = busy(runner, host, port)
         if view.health == 200:
-            if record.extra.get(VERIFIED_KEY) == f"{host}:{port}":
+            if verified:
                 view.identity = Identity(True)
             else:
                 view.identity = probe.identify(runner, host, port, record.api_key, record.served_model_name)
     return view
+
+
+def busy(runner: Runner, host: str, port: int) -> str | None:
+    """Why a server whose ``/health`` did not answer in time is busy rather than down: its ``/metrics`` answers
+    and shows requests running or waiting (vLLM's API server answers its probes late under overload, FACTS
+    "vLLM"); ``None`` when ``/metrics`` does not answer (refused: the server is gone) or shows no request."""
+    try:
+        answer = probe.http_request(runner, host, port, "/metrics", timeout=probe.probe_timeout())
+    except OSError:
+        return None
+    if answer.status != 200:
+        return None
+    snap = parse_metrics(answer.body.decode("utf-8", "replace"), time.time())
+    if not (snap.running or snap.waiting):
+        return None
+    return f"probe slow; {snap.running or 0:g} running, {snap.waiting or 0:g} waiting"
 
 
 def read_startup_log(runner: Runner, record: JobRecord) -> str | None:

@@ -80,6 +80,9 @@ class JobStatus:
     failed_node: int | None = None
     #: seconds per start-up phase (jobs/startup_phases.py; docs/coldstart.md); ``None`` when nothing tells
     startup: dict[str, Any] | None = None
+    #: READY but too busy to answer its ``/health`` probe in time, its ``/metrics`` showing the load, in words
+    #: (``probe slow; 8 running, 30 waiting``); ``None`` for a server that answered
+    busy: str | None = None
 
     @property
     def nodes_text(self) -> str | None:
@@ -127,7 +130,7 @@ class JobStatus:
             "walltime_left_s": _rounded(self.walltime_left_s), "walltime_ending": self.walltime_ending,
             "estimated_start": self.estimated_start,
             "nnodes": self.nnodes, "nodes_ready": self.nodes_ready, "nodes": self.nodes,
-            "failed_node": self.failed_node, "startup": self.startup,
+            "failed_node": self.failed_node, "startup": self.startup, "busy": self.busy,
             "ended": idle.ended_how(self.state.value, self.reason) or lease.ended_how(self.state.value, self.reason),
         }
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pbs_toolkit.settings.vllm_flags import REMOVED_ENV, REMOVED_FLAGS, version_tuple
+from pbs_toolkit.settings.vllm_overrides import int_flag
 from pbs_toolkit.vllm.engine_log import EngineStats
 from pbs_toolkit.vllm.prom import MetricsSnapshot
 from pbs_toolkit.vllm.startup import find_fatal, startup_timings
@@ -62,25 +63,6 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _flag_value(args: Sequence[str], name: str) -> str | None:
-    """Value of ``name`` in argv, accepting ``--flag value`` and ``--flag=value``; the last one wins."""
-    value = None
-    for index, arg in enumerate(args):
-        if arg == name and index + 1 < len(args):
-            value = args[index + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
-def _int_flag(args: Sequence[str], name: str) -> int | None:
-    value = _flag_value(args, name)
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
 
 
 def _has_flag(args: Sequence[str], name: str) -> bool:
@@ -222,7 +204,7 @@ def rule_kv_underused(ctx: DoctorContext) -> list[Finding]:
     peak_kv, running, waiting, source = _kv_observations(ctx)
     if peak_kv is None or peak_kv >= LOW_KV_USAGE_PCT or running == 0:
         return []
-    max_num_seqs = _int_flag(ctx.vllm_args, "--max-num-seqs")
+    max_num_seqs = int_flag(ctx.vllm_args, "--max-num-seqs")
     evidence = f"peak KV cache usage {peak_kv:.1f}% with up to {running} running and {waiting} waiting " + (
         f"requests per engine ({source})"
     )
@@ -254,7 +236,7 @@ def rule_kv_underused(ctx: DoctorContext) -> list[Finding]:
 
 
 def rule_small_batched_tokens(ctx: DoctorContext) -> list[Finding]:
-    value = _int_flag(ctx.vllm_args, "--max-num-batched-tokens")
+    value = int_flag(ctx.vllm_args, "--max-num-batched-tokens")
     if value is None or value >= SMALL_BATCHED_TOKENS:
         return []
     prefill_heavy = [

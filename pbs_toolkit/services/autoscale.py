@@ -3,11 +3,15 @@ tick's observations to a decision, so every rule is tested without a process (te
 
 The keeper (services/keeper.py, through services/scaler.py) observes once per tick and applies the decision:
 
-* **up** when the replicas' ``vllm:num_requests_waiting`` (summed) stays above ``W`` (``--scale-up-waiting``,
-  default 1) for ``UP_TICKS`` ticks in a row; never above ``--max-replicas``, nor above what the profile's
-  ``max_running_jobs`` lets run at once (halved with keep-alive: every replica needs room for its successor);
-  while a replica added earlier is still queued or starting, nothing more is added: it counts toward the target
-  already, so a slow queue does not turn a burst into a storm of jobs;
+* **up** when the service is overloaded for ``UP_TICKS`` ticks in a row: the replicas' ``vllm:num_requests_waiting``
+  (summed) above ``W`` (``--scale-up-waiting``, default 1), or every replica that answered running at its capacity
+  (``--max-num-seqs``, when known) with some request waiting, or the router failing requests for want of a worker
+  (its 503s and exhausted retries since the last tick, from its Prometheus port). A tick in which no replica's
+  ``/metrics`` answered (a replica too busy to answer in time) neither counts nor resets the count; a replica in the
+  router whose last look failed still serves (services/health.py) and is not "starting". Never above
+  ``--max-replicas``, nor above what the profile's ``max_running_jobs`` lets run at once (halved with keep-alive:
+  every replica needs room for its successor); while a replica added earlier is still queued or starting, nothing
+  more is added: it counts toward the target already, so a slow queue does not turn a burst into a storm of jobs;
 * **down** (one replica, drained first) after ``D`` (``--scale-down-idle``, default 5m) in which no request
   waited and the requests running would fit on one replica fewer (spare capacity: ``--max-num-seqs`` of each
   replica, when known; otherwise only when nothing runs); never below ``--min-replicas``; and not within ``D``
@@ -75,6 +79,11 @@ class Observation:
     capacity: int | None = None
     #: the most replicas the profile's ``max_running_jobs`` lets run at once (0: no limit known)
     job_cap: int = 0
+    #: how many replicas' ``/metrics`` answered this tick (what ``waiting`` and ``running`` sum over)
+    answered: int = 0
+    #: requests the router failed since the last tick for want of a worker (503s, exhausted retries); ``None``:
+    #: not known
+    refused: float | None = None
 
 
 @dataclass
@@ -126,9 +135,26 @@ def _spare(obs: Observation) -> bool:
     return obs.running == 0
 
 
+def overloaded(spec: ScaleSpec, obs: Observation) -> str | None:
+    """Why the service is overloaded, in words, or ``None``: the router failed requests for want of a worker,
+    more than ``W`` waiting, or all the replicas that answered running at their capacity with requests waiting."""
+    if obs.refused and obs.starting < obs.target:  # with every replica still starting, a 503 says nothing of load
+        return f"{obs.refused:g} request(s) failed at the router (no worker free, retries exhausted)"
+    if obs.waiting is None:
+        return None
+    if obs.waiting > spec.up_waiting:
+        return f"{obs.waiting:g} request(s) waiting (> {spec.up_waiting:g})"
+    full = obs.capacity and obs.answered and (obs.running or 0) >= obs.answered * obs.capacity
+    if full and obs.waiting > 0:
+        return f"{obs.running or 0:g} running at capacity ({obs.answered} x --max-num-seqs {obs.capacity}), " \
+               f"{obs.waiting:g} waiting"
+    return None
+
+
 def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision, Memory]:
     """The decision for this tick and the memory for the next one. Pure."""
-    above = memory.above + 1 if obs.waiting is not None and obs.waiting > spec.up_waiting else 0
+    over = overloaded(spec, obs)
+    above = memory.above + 1 if over else (memory.above if obs.waiting is None else 0)  # no answer: no news
     calm = obs.now if memory.calm_since is None else memory.calm_since
     mem = Memory(above, calm if _spare(obs) else None, memory.last_change)
     top, why_top = limit(spec, obs)
@@ -141,7 +167,7 @@ def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision,
         return act("up", f"{obs.target} replica(s), below --min-replicas {spec.min_replicas}", obs.target + 1)
     if obs.target > top:
         return act("down", f"{obs.target} replicas, above {why_top} ({top})", obs.target - 1)
-    waiting = f"{obs.waiting or 0:g} request(s) waiting (> {spec.up_waiting:g}) for {above} tick(s)"
+    waiting = f"{over or 'no answer from the replicas this tick'}; overloaded for {above} tick(s)"
     if above >= UP_TICKS:
         if obs.starting:
             return Decision("hold", f"{waiting}, but {obs.starting} replica(s) still queued or starting count "

@@ -6,8 +6,9 @@ per service ever runs and ``status`` can tell whether it does. Each tick (``PBST
 while some replica is still on its way to the router, on the scheduler ramp 2, 4, 8 s up to that):
 one ``session.status`` over the service's jobs (one scheduler query), then for each replica slot:
 
-* a READY job that is not in the router is added; one that is not READY (ended, failed, restarting) is removed
-  at once;
+* a READY job that is not in the router is added; one in the router leaves it at once when its job ended (failed,
+  cancelled, lost), and after a few failed looks in a row otherwise (services/health.py: a replica too busy to
+  answer one probe in time is not taken out of the router);
 * keep-alive: a running job with a known walltime gets its successor, eligible ``handover`` seconds before the
   walltime ends (``begin_at``); when the successor is READY it is added, and on the next tick (the router has
   routed to it by then) the predecessor is removed, drained (its ``/metrics`` shows no running request, at most
@@ -45,11 +46,11 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.readiness import scheduler_intervals
+from pbs_toolkit.services import health, restarts, scaler
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services import restarts, scaler
+from pbs_toolkit.services.health import routable_count, still_starting, worker_url
 from pbs_toolkit.services.keeper_process import TICK_FILE, heartbeat, keeper_log, poll_seconds, service_dir
 from pbs_toolkit.services.manage import launch_replica
-from pbs_toolkit.services.ready import routable_count, still_starting, worker_url
 from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.services.state import service_state
 
@@ -157,7 +158,7 @@ def watch(session: ServiceSession, seen: Look, seconds: float, wakes: dict[str, 
 
     deadline = time.monotonic() + seconds
     candidates = [st for job, st in seen.statuses.items()
-                  if not st.state.final and st.state.value != "READY" and wakes.get(job, 0) < WAKES_PER_JOB
+                  if not st.state.final and not health.ready(st) and wakes.get(job, 0) < WAKES_PER_JOB
                   and (url := worker_url(st)) is not None and url not in seen.in_router]
     while True:
         for st in candidates:
@@ -258,6 +259,7 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
             link.drop()  # a router or tunnel that failed is opened afresh next tick
             raise
     rec.slots = [s for s in rec.slots if not (s.retiring and not s.jobs() and not s.launching)]  # retired
+    health.forget(rec, {j for s in rec.slots for j in s.jobs()})
     rec.ready = routable_count(rec.slots, statuses, in_router)
     rec.ever_ready = rec.ever_ready or rec.ready >= rec.replicas
     rec.state = service_state(rec, rec.ready, still_starting(rec.slots, statuses, in_router))
@@ -295,11 +297,12 @@ def _retire(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses: d
             admin: RouterAdmin, in_router: set[str]) -> None:
     """A slot the autoscaler removes: its jobs leave the router; the one serving drains like a handed-over
     predecessor (``_drain``), the others are cancelled now; the tick drops the slot once it holds no job."""
+    routed = set(in_router)  # before its jobs leave: which of them served (and is drained, not cut off)
     for url in scaler.retire_jobs(slot, statuses, in_router):
         admin.remove_worker(url)
         in_router.discard(url)
         keeper_log(f"slot {slot.index}: removed {url} from the router (scaling down)")
-    for job in scaler.to_cancel(slot, statuses):
+    for job in scaler.to_cancel(slot, statuses, routed):
         st = statuses.get(job)
         if st is None or not st.state.final:
             session.cancel(st.record if st is not None else job)
@@ -318,19 +321,26 @@ def _statuses(session: ServiceSession, jobs: list[str]) -> tuple[dict[str, JobSt
     return {st.record.job_id: st for st in session.status(known)} if known else {}, unknown
 
 
-def _sync_router(st: JobStatus | None, admin: RouterAdmin, in_router: set[str]) -> None:
-    """READY and not in the router: add; in the router and not READY: remove."""
+def _sync_router(rec: ServiceRecord, st: JobStatus | None, admin: RouterAdmin, in_router: set[str]) -> None:
+    """READY and not in the router: add; in the router: removed when services/health.py says it must leave (its
+    job ended, or several failed looks in a row), kept otherwise."""
     url = worker_url(st) if st is not None else None
     if st is None or url is None:
         return
-    if st.state.value == "READY" and url not in in_router:
+    if health.ready(st) and url not in in_router:
         admin.add_worker(url)
         in_router.add(url)
         keeper_log(f"added {st.record.job_id} ({url}) to the router")
-    elif st.state.value != "READY" and url in in_router:
-        admin.remove_worker(url)
-        in_router.discard(url)
-        keeper_log(f"removed {st.record.job_id} ({url}) from the router: {st.state.value}")
+    elif url in in_router:
+        why = health.leave_router(rec, st, time.time())
+        if why is not None:
+            admin.remove_worker(url)
+            in_router.discard(url)
+            keeper_log(f"removed {st.record.job_id} ({url}) from the router: {why}")
+        elif st.record.job_id in rec.health:
+            looks = rec.health[st.record.job_id]["looks"]
+            keeper_log(f"kept {st.record.job_id} ({url}) in the router: {st.state.value} ({st.phase or st.reason}), "
+                       f"failed look {looks} of {health.unhealthy_looks(rec)} over {health.unhealthy_seconds(rec):g} s")
 
 
 def _remove_foreign(jobs: list[str], statuses: dict[str, JobStatus], admin: RouterAdmin,
@@ -361,9 +371,9 @@ def _reconcile(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses
     suc_url = worker_url(suc) if suc is not None else None
     joined = suc_url is not None and suc_url in in_router
     _remember_urls(slot, cur, suc)
-    _sync_router(cur, admin, in_router)
-    _sync_router(suc, admin, in_router)
-    if suc is not None and suc.state.value == "READY" and joined:
+    _sync_router(rec, cur, admin, in_router)
+    _sync_router(rec, suc, admin, in_router)
+    if suc is not None and health.ready(suc) and joined:
         _hand_over(slot, cur, suc, admin, in_router)
         cur, suc = suc, None
     _drain(session, slot, statuses)

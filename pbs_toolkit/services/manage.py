@@ -194,15 +194,19 @@ def configure_scaling(settings: LaunchSettings, req: RenderRequest, opts: ServeO
     service starts at ``--min-replicas``; its ``--idle-cancel`` (or the profile's ``idle_cancel``) belongs to the
     whole service, so its replicas get none of their own (one ending idle would only be replaced): the settings
     and the request the replicas are launched from (the keeper's too) say ``off``. Returns them, the options,
-    and the record's ``idle_cancel_s``, ``scale`` and ``restart`` (the restart policy of its replicas)."""
+    and the record's ``idle_cancel_s``, ``scale``, ``restart`` (the restart policy of its replicas) and
+    ``health_rule`` (the profile's ``replica_unhealthy_*``)."""
     from dataclasses import replace
     from types import MappingProxyType
 
+    from pbs_toolkit.durations import parse
     from pbs_toolkit.jobs.idle import watch_seconds
 
     profile = settings.launchable()
+    patience = parse(profile.replica_unhealthy_after, "replica_unhealthy_after")
     extra: dict[str, Any] = {"idle_cancel_s": float(watch_seconds(profile.idle_cancel)),
-                             "restart": _restarts(profile, opts)}  # checked before anything starts
+                             "restart": _restarts(profile, opts),  # checked before anything starts
+                             "health_rule": {"looks": profile.replica_unhealthy_looks, "seconds": patience}}
     req = replace(req, idle_cancel="off")
     settings = replace(settings, request=replace(settings.request, idle_cancel="off"),
                        written=replace(settings.written, idle_cancel="off"),

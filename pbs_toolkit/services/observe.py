@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
-from pbs_toolkit.services.state import serving_job
-from pbs_toolkit.vllm.prom import Histogram, MetricsSnapshot, combine, delta, rates, summarize
+from pbs_toolkit.services import health
+from pbs_toolkit.services.router_metrics import (
+    ROUTER_COUNTERS,
+    RouterSnapshot,
+    router_counters,
+)
+from pbs_toolkit.vllm.prom import MetricsSnapshot, combine, delta, rates, summarize
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.status import JobStatus
@@ -32,22 +37,22 @@ if TYPE_CHECKING:
     from pbs_toolkit.services.status import ServiceStatus
     from pbs_toolkit.transports import Runner
 
-#: vllm-router's Prometheus samples pbstk reads (0.1.17; each ``worker``-labelled one per worker URL)
-_ROUTER_COUNTERS = {"requests": "vllm_router_requests_total", "retries": "vllm_router_retries_total",
-                    "retries_exhausted": "vllm_router_retries_exhausted_total"}
-_ROUTER_DURATION = "vllm_router_generate_duration_seconds"
-_CIRCUIT = {0: "closed", 1: "open", 2: "half_open"}
 
 
 def serving(st: ServiceStatus) -> list[tuple[int, JobStatus]]:
-    """(replica index, READY status) of each slot's serving job: the replicas the router routes to."""
+    """(replica index, status) of each slot's routable job (services/health.py): the replicas the router routes
+    to; while the router's workers are not known, each slot's READY job."""
     by_id = {s.record.job_id: s for s in st.replicas}
-    states = {job: s.state.value for job, s in by_id.items()}
+    workers = st.route.workers if st.route is not None else None
     out = []
     for slot in st.record.slots:
-        job = serving_job(slot, states)
-        if job is not None:
-            out.append((slot.index, by_id[job]))
+        if workers is not None:
+            js = health.serving_job(slot, by_id, workers)
+        else:
+            js = next((j for j in (by_id.get(k or "") for k in (slot.current, slot.successor)) if health.ready(j)),
+                      None)
+        if js is not None:
+            out.append((slot.index, js))
     return out
 
 
@@ -114,77 +119,13 @@ def serving_status(session: ServiceSession, name: str | ServiceRecord | ServiceS
 # -- metrics -----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class RouterSnapshot:
-    """One scrape of the router's Prometheus port."""
-
-    timestamp: float
-    counters: dict[str, float] = field(default_factory=dict)
-    active_workers: float | None = None
-    #: worker URL -> {processed, healthy, circuit}
-    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
-    duration: Histogram | None = None
-
-
-def parse_router_metrics(text: str, timestamp: float) -> RouterSnapshot:
-    """The figures pbstk shows from vllm-router's ``/metrics`` text (``ServerFailed`` when it is not one)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    snap = RouterSnapshot(timestamp)
-    duration: dict[str, Any] = {"buckets": {}, "sum": 0.0, "count": 0.0}
-    try:
-        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
-    except ValueError as exc:
-        raise ServerFailed(f"the router's /metrics is not in Prometheus text format: {exc}") from exc
-    for s in samples:
-        for key, name in _ROUTER_COUNTERS.items():
-            if s.name == name:
-                snap.counters[key] = snap.counters.get(key, 0.0) + s.value
-        if s.name == "vllm_router_active_workers":
-            snap.active_workers = s.value
-        elif s.labels.get("worker"):
-            _worker_sample(snap.workers.setdefault(s.labels["worker"], {}), s.name, s.value)
-        elif s.name.startswith(_ROUTER_DURATION):
-            _duration_sample(duration, s.name[len(_ROUTER_DURATION):], s.labels, s.value)
-    if duration["buckets"]:
-        snap.duration = Histogram(sorted(duration["buckets"].items()), duration["sum"], duration["count"])
-    return snap
-
-
-def _worker_sample(worker: dict[str, Any], name: str, value: float) -> None:
-    if name == "vllm_router_processed_requests_total":
-        worker["processed"] = value
-    elif name == "vllm_router_worker_health":
-        worker["healthy"] = value >= 1
-    elif name == "vllm_router_cb_state":
-        worker["circuit"] = _CIRCUIT.get(int(value), str(value))
-
-
-def _duration_sample(hist: dict[str, Any], suffix: str, labels: dict[str, str], value: float) -> None:
-    if suffix == "_bucket":
-        le = labels.get("le", "+Inf")
-        bound = float("inf") if le in ("+Inf", "Inf") else float(le)
-        hist["buckets"][bound] = hist["buckets"].get(bound, 0.0) + value
-    elif suffix in ("_sum", "_count"):
-        hist[suffix[1:]] += value
-
-
 def scrape_router(runner: Runner, rec: ServiceRecord, timeout: float = 5.0) -> RouterSnapshot:
-    """One scrape of the router's Prometheus port, as the router's host reaches it."""
+    """One scrape of the router's Prometheus port, as the router's host reaches it, its workers those it routes
+    to now."""
     from pbs_toolkit.services.router import list_workers
-    from pbs_toolkit.transports import http as probe
 
     info = rec.router or {}
-    if not info.get("prometheus_port"):
-        raise ServerFailed(f"service {rec.name}: the router's Prometheus port is not recorded")
-    try:
-        answer = probe.http_request(runner, info["host"], int(info["prometheus_port"]), "/metrics", timeout=timeout)
-    except OSError as exc:
-        raise ServerFailed(f"cannot reach the router's metrics at {info['host']}:{info['prometheus_port']}: "
-                           f"{exc}") from exc
-    if answer.status != 200:
-        raise ServerFailed(f"the router's metrics answered HTTP {answer.status}")
-    snap = parse_router_metrics(answer.body.decode("utf-8", "replace"), time.time())
+    snap = router_counters(runner, rec, timeout)
     # the router keeps a removed worker's series (a predecessor after a handover, the start-up seed of
     # power_of_two): only the workers it routes to now are its workers
     current = list_workers(runner, info["host"], int(info["port"])) if info.get("port") else None
@@ -196,7 +137,7 @@ def scrape_router(runner: Runner, rec: ServiceRecord, timeout: float = 5.0) -> R
 def router_summary(prev: RouterSnapshot | None, cur: RouterSnapshot, window: bool) -> dict[str, Any]:
     """The ``router`` part of a ``service_metrics`` object (``window``: latencies since ``prev`` only)."""
     interval = cur.timestamp - prev.timestamp if prev is not None else 0.0
-    out: dict[str, Any] = {f"{k}_total": cur.counters.get(k, 0.0) for k in _ROUTER_COUNTERS}
+    out: dict[str, Any] = {f"{k}_total": cur.counters.get(k, 0.0) for k in ROUTER_COUNTERS}
     out["requests_per_s"] = None
     if prev is not None and interval > 0:
         gained = cur.counters.get("requests", 0.0) - prev.counters.get("requests", 0.0)
@@ -358,8 +299,6 @@ def doctor(session: ServiceSession, st: ServiceStatus, job_doctor: Callable[[Job
 
 def _router_findings(session: ServiceSession, st: ServiceStatus) -> tuple[dict[str, Any], list[Finding]]:
     from pbs_toolkit.perf.doctor import Finding
-    from pbs_toolkit.services.ready import worker_url
-
     rec = st.record
     router: dict[str, Any] = {"running": st.router_running, "url": rec.url, "keeper_running": st.keeper_running,
                               "workers": None}
@@ -382,7 +321,7 @@ def _router_findings(session: ServiceSession, st: ServiceStatus) -> tuple[dict[s
             router["error"] = exc.message
         else:
             router["workers"] = [{"url": url, **w} for url, w in sorted(snap.workers.items())]
-            expected = {u for _, js in serving(st) if (u := worker_url(js))}
+            expected = {u for _, js in serving(st) if (u := health.worker_url(js))}
             findings += worker_findings(rec.name, snap, expected)
     return router, findings
 

@@ -1,8 +1,9 @@
 """READY means routable: what ``status NAME`` counts and what ``serve --wait`` waits for.
 
-A replica counts as ready only when its job is READY **and** its server is in the router's worker list, and then
-only while a request with the service's key through the service URL succeeds (``GET /v1/models`` through the
-router: it proves the router routes and the key is accepted, and costs no generation). So ``serve --wait``
+A replica counts as ready only when it is routable (services/health.py, the one place that decides: its server is
+in the router's worker list, where the keeper puts only READY ones, and its job has not ended), and then only
+while a request with the service's key through the service URL succeeds (``GET /v1/models`` through the router:
+it proves the router routes and the key is accepted, and costs no generation). So ``serve --wait``
 returns, and ``status`` says READY n/N, only when a client's first request will be served, never while the router
 still has no worker (its ``503 No available workers``). A dead router: DOWN 0/N.
 
@@ -13,15 +14,18 @@ scheduler query; ``wait`` asks the scheduler on the usual ramp (2, 4, 8, 30 s) a
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pbs_toolkit.services.record import ServiceRecord, Slot
+from pbs_toolkit.services.health import routable_count, still_starting, worker_url
+from pbs_toolkit.services.record import ServiceRecord
 
 if TYPE_CHECKING:
-    from pbs_toolkit.jobs.status import JobStatus
     from pbs_toolkit.services.session import ServiceSession
+
+#: decided in services/health.py; importable from here as before
+__all__ = ["RouteCheck", "check_route", "looks_routable", "routable_count", "still_starting", "worker_url"]
+
 
 @dataclass
 class RouteCheck:
@@ -45,15 +49,6 @@ class RouteCheck:
         return f"{len(self.workers)} worker(s), a request with the key: {answer}"
 
 
-def worker_url(st: JobStatus) -> str | None:
-    """``http://host:port`` of a job's server, as the router lists it (the router adds ``/v1/...`` itself)."""
-    from pbs_toolkit.endpoints import endpoint_url
-
-    if not st.address or not st.port:
-        return None
-    return endpoint_url(st)[: -len("/v1")]
-
-
 def check_route(session: ServiceSession, rec: ServiceRecord) -> RouteCheck:
     """The router's workers and one authenticated ``GET /v1/models`` through it (two requests, no scheduler)."""
     from pbs_toolkit.services.router import RouterInfo, http_request, list_workers
@@ -67,29 +62,6 @@ def check_route(session: ServiceSession, rec: ServiceRecord) -> RouteCheck:
     status, body = http_request(runner, info.host, info.port, "/v1/models", headers=headers, body_limit=200)
     detail = "" if status == 200 else body.decode(errors="replace").strip()[:120]
     return RouteCheck(workers, status, detail)
-
-
-def routable_count(slots: Sequence[Slot], statuses: Mapping[str, JobStatus], workers: Collection[str]) -> int:
-    """Slots whose serving job (the current one, else its successor) is READY and in the router's ``workers``."""
-    count = 0
-    for slot in slots:
-        for job in (slot.current, slot.successor):
-            st = statuses.get(job or "")
-            if st is not None and st.state.value == "READY" and worker_url(st) in workers:
-                count += 1
-                break
-    return count
-
-
-def still_starting(slots: Sequence[Slot], statuses: Mapping[str, JobStatus], workers: Collection[str]) -> bool:
-    """Whether some slot is not routable yet but has a job on its way (queued or starting, not ended)."""
-    for slot in slots:
-        jobs = [statuses.get(j or "") for j in (slot.current, slot.successor)]
-        if any(st is not None and st.state.value == "READY" and worker_url(st) in workers for st in jobs):
-            continue
-        if any(st is not None and not st.state.final for st in jobs):
-            return True
-    return False
 
 
 def looks_routable(session: ServiceSession, rec: ServiceRecord) -> bool:

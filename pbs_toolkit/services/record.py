@@ -102,6 +102,10 @@ class ServiceRecord:
     idle: dict[str, Any] = field(default_factory=dict)
     #: why the keeper ended the service itself (``idle: no request for 30m00s ...``); "" otherwise
     end_reason: str = ""
+    #: routable replicas whose last looks failed (services/health.py): job id -> ``since``, ``looks``
+    health: dict[str, Any] = field(default_factory=dict)
+    #: the profile's ``replica_unhealthy_looks`` and ``replica_unhealthy_after`` at ``serve``: ``looks``, ``seconds``
+    health_rule: dict[str, Any] = field(default_factory=dict)
     #: secret: never in ``to_dict``
     api_key: str | None = field(default=None, repr=False)
 

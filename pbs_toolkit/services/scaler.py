@@ -3,8 +3,9 @@
 
 * **up**: a new replica slot (its index never reused, so job names stay unique) is launched through the same
   path as every replica (services/manage.py ``launch_replica``: the intent saved first, the service's key);
-* **down**: one slot is marked ``retiring`` (a queued or starting one first, else the newest): the keeper takes
-  its job out of the router, lets it finish what it runs (the same drain as a keep-alive predecessor, at most
+* **down**: one slot is marked ``retiring`` (a queued or starting one first, else the newest of those that answer
+  their probes, a busy or slow one last): the keeper takes its job out of the router, lets a routable one finish
+  what it runs (the same drain as a keep-alive predecessor, at most
   ``PBSTK_SERVICE_DRAIN_S``), cancels it and drops the slot;
 * **idle** (``--idle-cancel`` on a service): no request running, waiting or finished on any replica for the
   duration ends the whole service (replicas, router, registry entries), recorded ENDED with the reason ``idle``.
@@ -22,10 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.durations import short
 from pbs_toolkit.errors import PbstkError
-from pbs_toolkit.services import autoscale
+from pbs_toolkit.services import autoscale, health
+from pbs_toolkit.services.health import worker_url
 from pbs_toolkit.services.keeper_process import keeper_log
-from pbs_toolkit.services.ready import worker_url
 from pbs_toolkit.services.record import ServiceRecord, Slot
+from pbs_toolkit.settings.vllm_overrides import int_flag
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.status import JobStatus
@@ -45,12 +47,8 @@ def active(rec: ServiceRecord) -> list[Slot]:
 
 
 def serving(slot: Slot, statuses: Mapping[str, JobStatus], in_router: set[str]) -> JobStatus | None:
-    """The slot's job that is READY and in the router (the current one, else its successor)."""
-    for job in (slot.current, slot.successor):
-        st = statuses.get(job or "")
-        if st is not None and st.state.value == "READY" and worker_url(st) in in_router:
-            return st
-    return None
+    """The slot's routable job (services/health.py: in the router, not ended; a busy one too)."""
+    return health.serving_job(slot, statuses, in_router)
 
 
 def snapshots(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
@@ -74,13 +72,27 @@ def snapshots(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str
 def capacity(statuses: Mapping[str, JobStatus]) -> int | None:
     """One replica's ``--max-num-seqs`` from its rendered vLLM arguments, when it has one."""
     for st in statuses.values():
-        args = list(st.record.spec.vllm_args)
-        for i, arg in enumerate(args):
-            value = arg.split("=", 1)[1] if arg.startswith("--max-num-seqs=") else (
-                args[i + 1] if arg == "--max-num-seqs" and i + 1 < len(args) else None)
-            if value is not None and value.isdigit():
-                return int(value)
+        value = int_flag(list(st.record.spec.vllm_args), "--max-num-seqs")
+        if value is not None and value > 0:
+            return value
     return None
+
+
+def router_refused(session: ServiceSession, rec: ServiceRecord) -> float | None:
+    """Requests the router failed since the last tick for want of a worker (its 503s and exhausted retries), from
+    one request to its Prometheus port; ``None`` on the first look, for a router that does not answer, or one
+    that restarted (its counters went down). The running total is kept in ``rec.scale["router_refused"]``."""
+    from pbs_toolkit.services.router_metrics import router_counters
+
+    try:
+        total = router_counters(session.runner(rec.transport), rec, timeout=3.0).refused
+    except PbstkError:
+        return None
+    before = rec.scale.get("router_refused")
+    rec.scale["router_refused"] = total
+    if before is None or total < float(before):
+        return None
+    return total - float(before)
 
 
 def idle_end(rec: ServiceRecord, snaps: Mapping[str, MetricsSnapshot], routable: int, now: float) -> str | None:
@@ -101,7 +113,12 @@ def idle_end(rec: ServiceRecord, snaps: Mapping[str, MetricsSnapshot], routable:
 
 
 def observation(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router: set[str],
-                snaps: Mapping[str, MetricsSnapshot], now: float) -> autoscale.Observation:
+                snaps: Mapping[str, MetricsSnapshot], now: float, refused: float | None = None
+                ) -> autoscale.Observation:
+    """This tick's look for the policy. A routable replica counts as serving even when its last look failed or
+    its probe answered late (it is not "starting"); the queue is summed over the replicas whose ``/metrics``
+    answered (``answered``), so one that did not answer this time neither hides the others' queue nor resets
+    the policy's count."""
     slots = active(rec)
     starting = sum(1 for s in slots if serving(s, statuses, in_router) is None)
     answered = [s for s in snaps.values() if s.waiting is not None or s.running is not None]
@@ -109,7 +126,8 @@ def observation(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router
         now=now, target=len(slots), starting=starting,
         waiting=sum(s.waiting or 0 for s in answered) if answered else None,
         running=sum(s.running or 0 for s in answered) if answered else None,
-        capacity=capacity(statuses) or rec.scale.get("capacity"), job_cap=int(rec.scale.get("job_cap") or 0))
+        capacity=capacity(statuses) or rec.scale.get("capacity"), job_cap=int(rec.scale.get("job_cap") or 0),
+        answered=len(answered), refused=refused)
 
 
 def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
@@ -125,7 +143,7 @@ def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, Job
     if why or not rec.scale:
         return why
     spec = autoscale.ScaleSpec.from_dict(rec.scale["spec"])
-    obs = observation(rec, statuses, in_router, snaps, now)
+    obs = observation(rec, statuses, in_router, snaps, now, router_refused(session, rec))
     decision, memory = autoscale.decide(spec, autoscale.Memory.from_dict(rec.scale.get("memory")), obs)
     rec.scale["memory"] = memory.to_dict()
     rec.scale["now"] = decision.to_dict()
@@ -154,10 +172,13 @@ def grow(session: ServiceSession, rec: ServiceRecord, decision: autoscale.Decisi
 
 def shrink(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router: set[str],
            decision: autoscale.Decision) -> None:
-    """Mark one slot ``retiring``: a queued or starting one first (nothing to drain), else the newest."""
+    """Mark one slot ``retiring``: a queued or starting one first (nothing to drain), else the newest routable
+    one that answers its probes; one that is merely busy or slow (services/health.py ``slow``) only when every
+    routable one is."""
     slots = active(rec)
     waiting = [s for s in slots if serving(s, statuses, in_router) is None]
-    slot = max(waiting or slots, key=lambda s: s.index)
+    brisk = [s for s in slots if not health.slow(serving(s, statuses, in_router), in_router)]
+    slot = max(waiting or brisk or slots, key=lambda s: s.index)
     slot.retiring = True
     rec.replicas = len(active(rec))
     rec.scale["last"] = decision.to_dict()
@@ -165,17 +186,18 @@ def shrink(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router: set
 
 
 def retire_jobs(slot: Slot, statuses: Mapping[str, JobStatus], in_router: set[str]) -> list[str]:
-    """A retiring slot's first step: the urls of its jobs to take out of the router now (then ``to_cancel``)."""
+    """A retiring slot's first step: the urls of its jobs to take out of the router now (then ``to_cancel``,
+    given the router's workers as they were before this step)."""
     return [u for j in (slot.current, slot.successor) if j and (st := statuses.get(j)) is not None
             and (u := worker_url(st)) is not None and u in in_router]
 
 
-def to_cancel(slot: Slot, statuses: Mapping[str, JobStatus]) -> list[str]:
-    """The retiring slot's jobs to cancel at once (not serving: nothing to drain); its serving job is moved to
-    ``draining``."""
+def to_cancel(slot: Slot, statuses: Mapping[str, JobStatus], in_router: set[str]) -> list[str]:
+    """The retiring slot's jobs to cancel at once (not serving: nothing to drain); its serving job (routable in
+    ``in_router``, the workers before the slot's jobs left: a busy or slow one too) is moved to ``draining``."""
     cancel = []
     cur = statuses.get(slot.current or "")
-    serves = slot.current and cur is not None and cur.state.value == "READY"
+    serves = slot.current and (health.routable(cur, in_router) or health.ready(cur))
     if serves and slot.draining:  # a keep-alive predecessor still drains: this one (out of the router) waits
         gone, slot.successor = slot.successor, None
         return [gone] if gone else []

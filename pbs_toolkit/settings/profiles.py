@@ -120,6 +120,10 @@ class Profile:
     max_restarts: int = 3
     restart_window: str = "30m"
     restart_backoff: str = "10s"
+    #: a service's replica in the router leaves it after this many failed looks in a row (services/health.py) ...
+    replica_unhealthy_looks: int = 3
+    #: ... spanning at least this long (vllm-router's own 3 checks x 5 s)
+    replica_unhealthy_after: str = "15s"
     source: str = "builtin"
 
     def __post_init__(self) -> None:
@@ -385,6 +389,10 @@ def _validate_router(p: Profile, where: str) -> None:
     jobs = p.max_running_jobs
     if isinstance(jobs, bool) or not isinstance(jobs, int) or not 0 <= jobs <= 100000:
         raise ConfigError(f"{where}: key 'max_running_jobs' must be a whole number >= 0 (0: unknown), got {jobs!r}")
+    looks = p.replica_unhealthy_looks
+    if isinstance(looks, bool) or not isinstance(looks, int) or not 1 <= looks <= 1000:
+        raise ConfigError(f"{where}: key 'replica_unhealthy_looks' must be a whole number from 1 to 1000, "
+                          f"got {looks!r}")
     _validate_idle(p, where)
 
 
@@ -396,6 +404,7 @@ def _validate_idle(p: Profile, where: str) -> None:
         parse(p.idle_cancel, "idle_cancel", off=True)
         parse(p.restart_window, "restart_window")
         parse(p.restart_backoff, "restart_backoff")
+        parse(p.replica_unhealthy_after, "replica_unhealthy_after")
     except UsageError as exc:
         raise ConfigError(f"{where}: key {exc.message}") from None
     count = p.max_restarts

@@ -33,6 +33,27 @@ def chunks(args: list[str]) -> list[list[str]]:
     return out
 
 
+def flag_value(args: Sequence[str], name: str) -> str | None:
+    """Value of ``name`` in argv, accepting ``--flag value`` and ``--flag=value``; the last one wins (as in vLLM's
+    parser). The one reader of a flag's value: ``doctor`` and the autoscaler (a replica's ``--max-num-seqs``)."""
+    value = None
+    for index, arg in enumerate(args):
+        if arg == name and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def int_flag(args: Sequence[str], name: str) -> int | None:
+    """:func:`flag_value` as an integer; ``None`` when absent or not a number."""
+    value = flag_value(args, name)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
 def base_name(flag: str) -> str:
     """``--no-enforce-eager`` and ``--enforce-eager=true`` -> ``--enforce-eager``; ``-tp`` ->
     ``--tensor-parallel-size``."""

@@ -1,0 +1,108 @@
+"""A replica under overload stays in the router; a dead one leaves it; an autoscaled service under a burst grows
+(issue 28 items 1 and 2). Real parts: replica jobs on the local scheduler running the stand-in vLLM whose
+``/health`` and ``/v1/models`` answer late while its sequence slots are full (``PBSTK_TEST_STANDIN_SLOW_PROBES``,
+as vLLM's API server under overload), the real vllm-router, the real detached keeper. Loopback only, bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from helpers import pbstk, wait_for
+from test_service import ROUTER, service_json, svc_profile  # noqa: F401 - the fixture
+from test_service_autoscale import Load, serve
+
+from pbs_toolkit.jobs.store import JobStore
+from pbs_toolkit.services import record as records
+from pbs_toolkit.services.keeper_process import last_tick, service_dir
+
+pytestmark = [pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python"),
+              pytest.mark.usefixtures("svc_profile")]
+
+
+@pytest.fixture(autouse=True)
+def slow_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pbstk's probes give up after 0.5 s; the stand-in answers them after 2 s while its slots are full (the
+    router's own checks wait 5 s: they pass, as with vLLM under load)."""
+    monkeypatch.setenv("PBSTK_PROBE_TIMEOUT_S", "0.5")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_SLOW_PROBES", "2")
+
+
+def keeper_log(name: str) -> str:
+    return (service_dir(name) / "keeper.log").read_text()
+
+
+def ticks_pass(name: str, count: int) -> None:
+    """Wait until the keeper has finished ``count`` more successful ticks."""
+    seen: list[float] = []
+
+    def moved() -> bool:
+        at = last_tick(name).get("ok_at")
+        if at is not None and (not seen or at != seen[-1]):
+            seen.append(at)
+        return len(seen) > count
+
+    wait_for(moved, 120, f"{count} keeper ticks of {name}", interval=0.05)
+
+
+def test_a_busy_replica_stays_in_the_router_and_a_dead_one_leaves_it() -> None:
+    result = serve("--name", "hot", "--replicas", "1", "--vllm-arg=--max-num-seqs=2", "--wait", "--timeout", "60")
+    assert result.exit_code == 0, result.output
+    doc = service_json("hot")
+    key = records.find(JobStore(), "hot").api_key
+    assert key
+    load = Load(doc["url"], key, workers=8, delay=0.5)  # 8 at once on a capacity of 2: 6 wait, probes are slow
+    try:
+        wait_for(lambda: load.ok >= 2, 60, "the load under way")
+        ticks_pass("hot", 8)  # eight looks under overload
+        log = keeper_log("hot")
+        assert "removed" not in log, log
+        assert load.failed == 0, load.errors[:3]
+        job = wait_for(lambda: next((j for j in service_json("hot")["jobs"] if j.get("busy")), None), 60,
+                       "a look that found the replica busy")
+        assert job["state"] == "READY" and "running" in job["busy"], job
+        shown = pbstk("status", job["job_id"]).stdout
+        assert "READY (busy: probe slow)" in shown, shown
+        wait_for(lambda: "READY (busy: probe slow)" in pbstk("status", "hot").stdout, 30,
+                 "the service's own table naming the busy replica")
+    finally:
+        load.finish()
+    assert load.failed == 0 and load.ok > 8, load.errors[:3]
+    assert service_json("hot")["state"] == "READY"
+    rule = records.find(JobStore(), "hot").health_rule
+    assert rule == {"looks": 3, "seconds": 15.0}  # the profile's replica_unhealthy_* defaults, recorded by serve
+
+    # the same knob, the replica's vLLM really dead (connections refused): it leaves the router
+    run_dir = JobStore().find(job["job_id"]).run_dir
+    os.kill(int(json.loads(Path(run_dir, "server.json").read_text())["pid"]), signal.SIGKILL)
+    wait_for(lambda: f"removed {job['job_id']}" in keeper_log("hot"), 60, "the dead replica out of the router")
+    line = next(x for x in keeper_log("hot").splitlines() if f"removed {job['job_id']}" in x)
+    assert "from the router: FAILED" in line or "from the router: CANCELLED" in line, line  # its job ended
+    assert pbstk("cancel", "hot").exit_code == 0
+
+
+def test_an_autoscaled_service_under_a_burst_grows_with_no_failed_request() -> None:
+    result = serve("--name", "burst", "--min-replicas", "1", "--max-replicas", "2", "--scale-up-waiting", "1",
+                   "--scale-down-idle", "10m", "--vllm-arg=--max-num-seqs=2", "--wait", "--timeout", "60")
+    assert result.exit_code == 0, result.output
+    doc = service_json("burst")
+    key = records.find(JobStore(), "burst").api_key
+    assert key
+    load = Load(doc["url"], key, workers=16, delay=0.5)  # 16 at once on a capacity of 2: 14 wait
+    try:
+        grown = wait_for(lambda: (d := service_json("burst"))["ready"] == 2 and d, 120, "a second replica in use")
+        ticks_pass("burst", 3)  # the burst goes on over both replicas
+    finally:
+        load.finish()
+    last = grown["autoscale"]["last"]
+    # up at the first tick the policy allows (services/autoscale.py UP_TICKS = 2), never held back by its one
+    # busy replica: its slow probes neither reset the count nor made it "starting"
+    assert last["action"] == "up" and "overloaded for 2 tick(s)" in last["reason"], grown["autoscale"]
+    assert "request(s) waiting" in last["reason"], last
+    log = keeper_log("burst")
+    assert "removed" not in log, log
+    assert load.failed == 0 and load.ok > 16, load.errors[:3]
+    assert pbstk("cancel", "burst").exit_code == 0
