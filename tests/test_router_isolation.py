@@ -66,9 +66,8 @@ class Rogue:
         self.server.server_close()
 
 
-@pytest.fixture
-def replica() -> Iterator[str]:
-    """A stand-in vLLM server that wants the service's key."""
+def _start_replica() -> tuple[subprocess.Popen[bytes], str]:
+    """A stand-in vLLM server that wants the service's key, answering."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -77,8 +76,14 @@ def replica() -> Iterator[str]:
         [sys.executable, str(STANDINS / "vllm"), "serve", "m", "--host", "127.0.0.1", "--port", str(port)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    until(lambda: _status(f"{url}/health") == 200, 15, "the stand-in replica")
+    return proc, url
+
+
+@pytest.fixture
+def replica() -> Iterator[str]:
+    proc, url = _start_replica()
     try:
-        until(lambda: _status(f"{url}/health") == 200, 15, "the stand-in replica")
         yield url
     finally:
         proc.kill()
@@ -263,3 +268,44 @@ def test_where_user_namespaces_are_off_the_front_refuses_in_one_line(tmp_path: P
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(
         "pbstk-router-front: error: cannot give the router a private network namespace ("), result.stderr
     assert "set router_isolation: none in the profile to run it unprotected" in result.stderr
+
+
+@pytest.mark.parametrize("isolate", [True, False], ids=["netns", "none"])
+def test_a_replica_killed_under_a_request_loop_costs_no_request(tmp_path: Path, isolate: bool) -> None:
+    """Two replicas, 3 clients in a loop that retry nothing; one replica SIGTERMed: the router retries what its
+    dead worker refused on the other one, through the front as without it (issue 28, item 4)."""
+    started = [_start_replica(), _start_replica()]
+    info = start_router(LocalRunner(), str(tmp_path / "router"), command=[str(ROUTER)],
+                        worker_urls=[url for _, url in started], isolate=isolate, policy="power_of_two")
+    answers: Counter[Any] = Counter()
+    stop = threading.Event()
+    deadline = time.monotonic() + 120  # bounded whatever happens
+
+    def client() -> None:
+        with requests.Session() as session:
+            while not stop.is_set() and time.monotonic() < deadline:
+                try:
+                    answers[session.post(f"{info.url}/v1/chat/completions", json=CHAT, timeout=30,
+                                         headers={"Authorization": f"Bearer {KEY}"}).status_code] += 1
+                except requests.RequestException as exc:
+                    answers[type(exc).__name__] += 1
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+        until(lambda: answers[200] >= 30, 30, "steady traffic through both replicas")
+        victim = started[0][0]
+        victim.terminate()
+        victim.wait(10)
+        after = sum(answers.values())
+        until(lambda: sum(answers.values()) >= after + 60, 60, "60 more requests after the kill")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+        stop_router(LocalRunner(), info, timeout=3)
+        for proc, _ in started:
+            proc.kill()
+            proc.wait(5)
+    assert set(answers) == {200}, answers

@@ -7,6 +7,8 @@ import hashlib
 import socket
 import threading
 
+import pytest
+
 from pbs_toolkit.server.router_relay import Pump
 
 
@@ -45,3 +47,34 @@ def test_a_slow_reader_gets_every_stream_whole_and_in_order() -> None:
     assert sorted(results) == [0, 1, 2]
     assert all(got == payload for got in results.values())
     assert pump.flows == {}  # nothing left registered
+
+
+def test_a_worker_that_refuses_is_refused_to_the_router_not_answered() -> None:
+    """The router's proxy (``Front.egress``) asked for a worker whose port refuses: the router's connection ends
+    with a reset, as its own connection to that worker would have without the front (vllm-router retries a
+    refused connection on another worker); not an answer of the front's own (502), and never a hang."""
+    from pbs_toolkit.server.router_front import Front
+    from pbs_toolkit.server.router_relay import accept_loop
+
+    with socket.socket() as dead:  # a port nothing listens on
+        dead.bind(("127.0.0.1", 0))
+        dead_port = dead.getsockname()[1]
+    front = Front("token")
+    front.pump = Pump()
+    proxy = socket.socket()
+    proxy.bind(("127.0.0.1", 0))
+    proxy.listen(8)
+    threading.Thread(target=accept_loop, args=(proxy, front.egress), daemon=True).start()
+    try:
+        for _ in range(3):  # each time, and the proxy goes on serving
+            with socket.create_connection(proxy.getsockname(), timeout=10) as router:
+                router.sendall(b"POST http://127.0.0.1:%d/v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+                               b"content-length: 2\r\n\r\n{}" % (dead_port, dead_port))
+                got = b""
+                with pytest.raises(ConnectionResetError):
+                    while data := router.recv(4096):
+                        got += data
+                assert got == b""
+    finally:
+        proxy.shutdown(socket.SHUT_RDWR)
+        proxy.close()

@@ -36,9 +36,35 @@ from typing import Any
 from urllib.parse import urlsplit
 
 try:  # the package's copy (tests, mypy); on the router's host both files lie side by side in the run directory
-    from .router_relay import BadRequest, Conn, Pump, accept_loop, answer, both_ways, dial, exchange, ready, shut
+    from .router_relay import (
+        BadRequest,
+        Conn,
+        Pump,
+        Unreachable,
+        accept_loop,
+        answer,
+        both_ways,
+        dial,
+        exchange,
+        ready,
+        refuse,
+        shut,
+    )
 except ImportError:
-    from router_relay import BadRequest, Conn, Pump, accept_loop, answer, both_ways, dial, exchange, ready, shut  # type: ignore[no-redef]
+    from router_relay import (  # type: ignore[no-redef]
+        BadRequest,
+        Conn,
+        Pump,
+        Unreachable,
+        accept_loop,
+        answer,
+        both_ways,
+        dial,
+        exchange,
+        ready,
+        refuse,
+        shut,
+    )
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
@@ -206,6 +232,8 @@ class Front:
             upstream = dial(url.hostname, url.port or 80)
             exchange(client, rebuild(method, origin.encode(), version, headers, url.netloc.encode()), length,
                      upstream, self.pump)
+        except Unreachable:  # as a dead worker's refusal would reach the router without the front: it retries
+            refuse(sock)
         except BadRequest as exc:  # nothing was sent back yet: an answer of our own
             answer(sock, exc.status, exc.reason, exc.text)
         except (ConnectionError, OSError, ValueError):

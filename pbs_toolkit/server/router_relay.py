@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Callable  # noqa: UP035 - Python 3.7 on the router host
@@ -226,13 +227,26 @@ def exchange(client: Conn, head: bytes, length: int | None, up: socket.socket, p
         up.close()
 
 
+class Unreachable(Exception):
+    """The worker the router asked for refused the connection (or did not answer it)."""
+
+
 def dial(host: str, port: int) -> socket.socket:
-    """A connection from the host's network (a worker the router asked for); 502 when there is none."""
+    """A connection from the host's network (a worker the router asked for); :class:`Unreachable` when none."""
     try:
         sock = socket.create_connection((host, port), CONNECT_WAIT_S)
     except OSError as exc:
-        raise BadRequest(502, "Bad Gateway", f"pbstk router front: {host}:{port}: {type(exc).__name__}") from None
+        raise Unreachable(f"{host}:{port}: {type(exc).__name__}") from None
     return ready(sock)
+
+
+def refuse(sock: socket.socket) -> None:
+    """Makes the close of ``sock`` (its handler's end) a reset, not an answer: what the router's connection to a
+    dead worker meets without the front (a refused connection), which it retries on another worker."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
 
 
 def ready(sock: socket.socket) -> socket.socket:
