@@ -9,7 +9,9 @@ defaults pbstk adds, ``--router-arg`` appended). A closed-loop client of ``--pro
 connection per request, as ``vllm bench serve`` opens them) keeps ``--concurrency`` streaming chat requests open
 for ``--seconds`` per target; TTFT is the time from connect to the first body byte (the stand-in sends its first
 token with its head). Printed: requests, failed, requests/s, tokens/s, TTFT p50/p99, end-to-end p50/p99, the
-ratio of tokens/s and p99 TTFT to the direct run, and the CPU the router and the front spent per request (/proc).
+ratio of tokens/s and p99 TTFT to the direct run, and the CPU per request that the router and the front spent and
+that the replicas spent (/proc). ``--uvicorn PYTHON``: replicas on vLLM's API-server stack (FastAPI on uvicorn,
+``bench_upstream_connections.py --serve``), which keeps connections open as vLLM does.
 Everything shares this machine's cores: run it where the cores are not shared with other work.
 
     python scripts/bench_service_latency.py [--concurrency 256] [--seconds 20] [--targets direct,router,front]
@@ -117,14 +119,20 @@ def drive(urls: list[str], concurrency: int, seconds: float, tokens: int, procs:
             "e2e_p50": pct([d[2] for d in steady], 0.5), "e2e_p99": pct([d[2] for d in steady], 0.99)}
 
 
-def start_replicas(n: int, token_ms: float, seqs: int) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+def start_replicas(n: int, tokens: int, token_ms: float, seqs: int,
+                   uvicorn: str | None) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+    """The stand-in vLLM (HTTP/1.0: a connection per request), or with ``uvicorn`` (a Python with FastAPI and
+    uvicorn) vLLM's API-server stack, which keeps connections open, streaming the same tokens."""
     env = {**os.environ, "PBSTK_TEST_STANDIN_DELAY": "0", "PBSTK_TEST_STANDIN_TOKEN_S": str(token_ms / 1000)}
     procs, urls = [], []
     for _ in range(n):
         port = free_port()
-        procs.append(subprocess.Popen(  # noqa: S603 - an argument list
-            [sys.executable, str(STANDIN), "serve", "m", "--host", "127.0.0.1", "--port", str(port),
-             "--max-num-seqs", str(seqs)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        argv = [uvicorn, str(ROOT / "scripts" / "bench_upstream_connections.py"), "--serve", str(port), "--tokens",
+                str(tokens), "--token-ms", str(token_ms)] if uvicorn else [
+            sys.executable, str(STANDIN), "serve", "m", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs",
+            str(seqs)]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,  # noqa: S603 - an argument list
+                                      stderr=subprocess.DEVNULL))
         urls.append(f"http://127.0.0.1:{port}")
     return procs, urls
 
@@ -153,6 +161,7 @@ def main() -> int:
     parser.add_argument("--procs", type=int, default=4, help="client processes (default 4)")
     parser.add_argument("--policy", default="power_of_two", help="the router's policy (default: the profile's)")
     parser.add_argument("--targets", default="direct,router,front")
+    parser.add_argument("--uvicorn", metavar="PYTHON", help="replicas on FastAPI/uvicorn run by PYTHON (keep-alive)")
     parser.add_argument("--router", type=Path, default=ROUTER, help="the vllm-router command (default: beside python)")
     parser.add_argument("--router-arg", action="append", default=[], help="appended to the router's arguments")
     args = parser.parse_args()
@@ -160,7 +169,8 @@ def main() -> int:
     if not args.router.exists():
         print(f"{args.router} is missing: pip install vllm-router", file=sys.stderr)
         return 2
-    replicas, urls = start_replicas(args.replicas, args.token_ms, max(256, 2 * args.concurrency))
+    replicas, urls = start_replicas(args.replicas, args.tokens, args.token_ms, max(256, 2 * args.concurrency),
+                                    args.uvicorn)
     runner, rows = LocalRunner(), []
     try:
         time.sleep(2)
@@ -174,10 +184,11 @@ def main() -> int:
             try:
                 if info:
                     drive([info.url], 8, 1.0, args.tokens, 1)
-                pids = descendants(info.pid) if info else []
-                cpu0 = cpu_seconds(pids)
+                pids, served = descendants(info.pid) if info else [], [p.pid for p in replicas]
+                cpu0, served0 = cpu_seconds(pids), cpu_seconds(served)
                 row = drive([info.url] if info else urls, args.concurrency, args.seconds, args.tokens, args.procs)
                 row["cpu_us"] = (cpu_seconds(pids) - cpu0) / max(1, row["requests"]) * 1e6
+                row["replica_us"] = (cpu_seconds(served) - served0) / max(1, row["requests"]) * 1e6
                 rows.append((target, row))
             finally:
                 if info:
@@ -189,14 +200,14 @@ def main() -> int:
     print(f"{args.replicas} stand-in replicas, {args.tokens} tokens {args.token_ms:g} ms apart, c={args.concurrency}, "
           f"{args.seconds:g} s per target, policy {args.policy} {' '.join(args.router_arg)}, {os.cpu_count()} CPUs")
     print(f"{'target':<7} {'requests':>8} {'failed':>6} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'e2e p50':>8} {'e2e p99':>8} {'tok/s x':>8} {'p99 x':>6} {'CPU us/req':>10}")
+          f"{'e2e p50':>8} {'e2e p99':>8} {'tok/s x':>8} {'p99 x':>6} {'CPU us/req':>10} {'replicas us/req':>15}")
     base = dict(rows).get("direct")
     for target, r in rows:
         ratio = r["tok_s"] / base["tok_s"] if base else float("nan")
         p99x = r["ttft_p99"] / base["ttft_p99"] if base else float("nan")
         print(f"{target:<7} {r['requests']:>8.0f} {r['failed']:>6.0f} {r['rps']:>7.0f} {r['tok_s']:>8.0f} "
               f"{r['ttft_p50']:>9.1f} {r['ttft_p99']:>9.1f} {r['e2e_p50']:>8.0f} {r['e2e_p99']:>8.0f} "
-              f"{ratio:>8.3f} {p99x:>6.2f} {r['cpu_us']:>10.0f}")
+              f"{ratio:>8.3f} {p99x:>6.2f} {r['cpu_us']:>10.0f} {r['replica_us']:>15.0f}")
     return 1 if any(r["failed"] for _, r in rows) else 0
 
 

@@ -6,7 +6,8 @@ router alone and ``vllm bench serve`` keep connections open.
 A FastAPI app streams ``--tokens`` server-sent events ``--token-ms`` apart (a completion's shape) from one uvicorn
 process; an aiohttp client keeps ``--concurrency`` requests open for ``--seconds``, first on kept-alive
 connections, then on a new connection per request. Printed for each: requests/s and the server process's CPU per
-request (/proc: independent of how busy the machine is). Needs fastapi, uvicorn and aiohttp (a vLLM environment):
+request (/proc: independent of how busy the machine is). Needs fastapi, uvicorn and aiohttp (a vLLM environment).
+``--serve PORT`` only serves (the replicas of ``bench_service_latency.py --uvicorn PYTHON``):
 
     /path/to/vllm-venv/bin/python scripts/bench_upstream_connections.py [--concurrency 64] [--seconds 10]
 """
@@ -31,6 +32,7 @@ def serve(port: int, tokens: int, token_s: float) -> None:
     app = FastAPI()
 
     @app.post("/v1/completions")
+    @app.post("/v1/chat/completions")
     async def completions() -> StreamingResponse:
         async def events():  # type: ignore[no-untyped-def]
             for _ in range(tokens):
@@ -38,6 +40,10 @@ def serve(port: int, tokens: int, token_s: float) -> None:
                 await asyncio.sleep(token_s)
             yield b"data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {}
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", backlog=2048)
 
@@ -72,7 +78,11 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--token-ms", type=float, default=5.0)
+    parser.add_argument("--serve", type=int, metavar="PORT", help="only serve on PORT (bench_service_latency.py)")
     args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.tokens, args.token_ms / 1e3)
+        return 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -8,6 +8,7 @@ test), so 3 s of round-robin traffic at tens of requests a second cannot miss it
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -309,3 +310,70 @@ def test_a_replica_killed_under_a_request_loop_costs_no_request(tmp_path: Path, 
             proc.kill()
             proc.wait(5)
     assert set(answers) == {200}, answers
+
+
+class KeepAliveWorker:
+    """A worker that keeps connections open (HTTP/1.1, as vLLM's server does) and counts those it was given:
+    chat answers with a Content-Length, streams chunked."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        worker = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def setup(self) -> None:
+                super().setup()
+                worker.connections += 1
+
+            def do_GET(self) -> None:  # /health
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(200)
+                if json.loads(body or b"{}").get("stream"):
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for part in (b"data: {}\n\n", b"data: {}\n\n", b"data: [DONE]\n\n"):
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                        self.wfile.flush()
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+                answer = b'{"choices": [{"message": {"content": "kept"}}]}'
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_the_front_keeps_its_connections_to_a_worker_open_between_requests(tmp_path: Path) -> None:
+    """Behind the front, the router's requests reach a worker that keeps connections open on connections the
+    front kept (as the router alone does), not on a new one each: vLLM's API server then spends no CPU on a new
+    connection per request (docs/services.md, "Where a service's time to first token goes"). Answers and streams
+    pass whole."""
+    worker = KeepAliveWorker()
+    info = start_router(LocalRunner(), str(tmp_path / "router"), command=[str(ROUTER)], worker_urls=[worker.url])
+    try:
+        first = worker.connections
+        for i in range(30):
+            stream = i % 3 == 0
+            answer = requests.post(f"{info.url}/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=10)
+            assert answer.status_code == 200, answer.text
+            assert answer.text.endswith("data: [DONE]\n\n") if stream else answer.json()["choices"], answer.text
+        used = worker.connections - first
+    finally:
+        stop_router(LocalRunner(), info, timeout=3)
+        worker.server.shutdown()
+        worker.server.server_close()
+    assert used <= 10, f"{used} connections for 30 requests"  # one per request without kept connections
