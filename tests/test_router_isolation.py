@@ -316,12 +316,13 @@ class KeepAliveWorker:
     """A worker that keeps connections open (HTTP/1.1, as vLLM's server does) and counts those it was given:
     chat answers with a Content-Length, streams chunked."""
 
-    def __init__(self) -> None:
-        self.connections = 0
+    def __init__(self, idle_close_s: float | None = None) -> None:
+        self.connections = self.closed = 0
         worker = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = idle_close_s  # an idle connection is closed by the worker after so long
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -329,6 +330,10 @@ class KeepAliveWorker:
             def setup(self) -> None:
                 super().setup()
                 worker.connections += 1
+
+            def finish(self) -> None:
+                super().finish()
+                worker.closed += 1
 
             def do_GET(self) -> None:  # /health
                 self.send_response(200)
@@ -377,3 +382,28 @@ def test_the_front_keeps_its_connections_to_a_worker_open_between_requests(tmp_p
         worker.server.shutdown()
         worker.server.server_close()
     assert used <= 10, f"{used} connections for 30 requests"  # one per request without kept connections
+
+
+def test_a_kept_connection_the_worker_closed_is_not_used(tmp_path: Path) -> None:
+    """A worker that closes its idle connections (as vLLM's uvicorn does after 5 s): each request after such a close
+    goes on a new connection and is answered at the first try; none meets the closed one (which the router would
+    retry: its retry counter must not move)."""
+    worker = KeepAliveWorker(idle_close_s=0.2)
+    info = start_router(LocalRunner(), str(tmp_path / "router"), command=[str(ROUTER)], worker_urls=[worker.url])
+
+    def retries() -> float:
+        text = requests.get(f"http://127.0.0.1:{info.prometheus_port}/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm_router_retries_total"))
+
+    try:
+        before = retries()
+        for _ in range(8):
+            until(lambda: worker.closed == worker.connections, 10, "the worker to close its idle connections")
+            answer = requests.post(f"{info.url}/v1/chat/completions", json=CHAT, timeout=10)
+            assert answer.status_code == 200 and answer.json()["choices"], answer.text
+        assert retries() == before
+    finally:
+        stop_router(LocalRunner(), info, timeout=3)
+        worker.server.shutdown()
+        worker.server.server_close()
