@@ -8,6 +8,7 @@ test), so 3 s of round-robin traffic at tens of requests a second cannot miss it
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -66,9 +67,8 @@ class Rogue:
         self.server.server_close()
 
 
-@pytest.fixture
-def replica() -> Iterator[str]:
-    """A stand-in vLLM server that wants the service's key."""
+def _start_replica() -> tuple[subprocess.Popen[bytes], str]:
+    """A stand-in vLLM server that wants the service's key, answering."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -77,8 +77,14 @@ def replica() -> Iterator[str]:
         [sys.executable, str(STANDINS / "vllm"), "serve", "m", "--host", "127.0.0.1", "--port", str(port)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    until(lambda: _status(f"{url}/health") == 200, 15, "the stand-in replica")
+    return proc, url
+
+
+@pytest.fixture
+def replica() -> Iterator[str]:
+    proc, url = _start_replica()
     try:
-        until(lambda: _status(f"{url}/health") == 200, 15, "the stand-in replica")
         yield url
     finally:
         proc.kill()
@@ -263,3 +269,141 @@ def test_where_user_namespaces_are_off_the_front_refuses_in_one_line(tmp_path: P
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(
         "pbstk-router-front: error: cannot give the router a private network namespace ("), result.stderr
     assert "set router_isolation: none in the profile to run it unprotected" in result.stderr
+
+
+@pytest.mark.parametrize("isolate", [True, False], ids=["netns", "none"])
+def test_a_replica_killed_under_a_request_loop_costs_no_request(tmp_path: Path, isolate: bool) -> None:
+    """Two replicas, 3 clients in a loop that retry nothing; one replica SIGTERMed: the router retries what its
+    dead worker refused on the other one, through the front as without it (issue 28, item 4)."""
+    started = [_start_replica(), _start_replica()]
+    info = start_router(LocalRunner(), str(tmp_path / "router"), command=[str(ROUTER)],
+                        worker_urls=[url for _, url in started], isolate=isolate, policy="power_of_two")
+    answers: Counter[Any] = Counter()
+    stop = threading.Event()
+    deadline = time.monotonic() + 120  # bounded whatever happens
+
+    def client() -> None:
+        with requests.Session() as session:
+            while not stop.is_set() and time.monotonic() < deadline:
+                try:
+                    answers[session.post(f"{info.url}/v1/chat/completions", json=CHAT, timeout=30,
+                                         headers={"Authorization": f"Bearer {KEY}"}).status_code] += 1
+                except requests.RequestException as exc:
+                    answers[type(exc).__name__] += 1
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+        until(lambda: answers[200] >= 30, 30, "steady traffic through both replicas")
+        victim = started[0][0]
+        victim.terminate()
+        victim.wait(10)
+        after = sum(answers.values())
+        until(lambda: sum(answers.values()) >= after + 60, 60, "60 more requests after the kill")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+        stop_router(LocalRunner(), info, timeout=3)
+        for proc, _ in started:
+            proc.kill()
+            proc.wait(5)
+    assert set(answers) == {200}, answers
+
+
+class KeepAliveWorker:
+    """A worker that keeps connections open (HTTP/1.1, as vLLM's server does) and counts those it was given:
+    chat answers with a Content-Length, streams chunked."""
+
+    def __init__(self, idle_close_s: float | None = None) -> None:
+        self.connections = self.closed = 0
+        worker = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            timeout = idle_close_s  # an idle connection is closed by the worker after so long
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def setup(self) -> None:
+                super().setup()
+                worker.connections += 1
+
+            def finish(self) -> None:
+                super().finish()
+                worker.closed += 1
+
+            def do_GET(self) -> None:  # /health
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(200)
+                if json.loads(body or b"{}").get("stream"):
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for part in (b"data: {}\n\n", b"data: {}\n\n", b"data: [DONE]\n\n"):
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                        self.wfile.flush()
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+                answer = b'{"choices": [{"message": {"content": "kept"}}]}'
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_the_front_keeps_its_connections_to_a_worker_open_between_requests(tmp_path: Path) -> None:
+    """Behind the front, the router's requests reach a worker that keeps connections open on connections the
+    front kept (as the router alone does), not on a new one each: vLLM's API server then spends no CPU on a new
+    connection per request (docs/services.md, "Where a service's time to first token goes"). Answers and streams
+    pass whole."""
+    worker = KeepAliveWorker()
+    info = start_router(LocalRunner(), str(tmp_path / "router"), command=[str(ROUTER)], worker_urls=[worker.url])
+    try:
+        first = worker.connections
+        for i in range(30):
+            stream = i % 3 == 0
+            answer = requests.post(f"{info.url}/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=10)
+            assert answer.status_code == 200, answer.text
+            assert answer.text.endswith("data: [DONE]\n\n") if stream else answer.json()["choices"], answer.text
+        used = worker.connections - first
+    finally:
+        stop_router(LocalRunner(), info, timeout=3)
+        worker.server.shutdown()
+        worker.server.server_close()
+    assert used <= 10, f"{used} connections for 30 requests"  # one per request without kept connections
+
+
+def test_a_kept_connection_the_worker_closed_is_not_used(tmp_path: Path) -> None:
+    """A worker that closes its idle connections (as vLLM's uvicorn does after 5 s): each request after such a close
+    goes on a new connection and is answered at the first try; none meets the closed one (which the router would
+    retry: its retry counter must not move)."""
+    worker = KeepAliveWorker(idle_close_s=0.2)
+    info = start_router(LocalRunner(), str(tmp_path / "router"), command=[str(ROUTER)], worker_urls=[worker.url])
+
+    def retries() -> float:
+        text = requests.get(f"http://127.0.0.1:{info.prometheus_port}/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm_router_retries_total"))
+
+    try:
+        before = retries()
+        for _ in range(8):
+            until(lambda: worker.closed == worker.connections, 10, "the worker to close its idle connections")
+            answer = requests.post(f"{info.url}/v1/chat/completions", json=CHAT, timeout=10)
+            assert answer.status_code == 200 and answer.json()["choices"], answer.text
+        assert retries() == before
+    finally:
+        stop_router(LocalRunner(), info, timeout=3)
+        worker.server.shutdown()
+        worker.server.server_close()

@@ -7,6 +7,8 @@ import hashlib
 import socket
 import threading
 
+import pytest
+
 from pbs_toolkit.server.router_relay import Pump
 
 
@@ -45,3 +47,58 @@ def test_a_slow_reader_gets_every_stream_whole_and_in_order() -> None:
     assert sorted(results) == [0, 1, 2]
     assert all(got == payload for got in results.values())
     assert pump.flows == {}  # nothing left registered
+
+
+def test_a_worker_that_refuses_is_refused_to_the_router_not_answered() -> None:
+    """The router's proxy (``Front.egress``) asked for a worker whose port refuses: the router's connection ends
+    with a reset, as its own connection to that worker would have without the front (vllm-router retries a
+    refused connection on another worker); not an answer of the front's own (502), and never a hang."""
+    from pbs_toolkit.server.router_front import Front
+    from pbs_toolkit.server.router_relay import accept_loop
+
+    with socket.socket() as dead:  # a port nothing listens on
+        dead.bind(("127.0.0.1", 0))
+        dead_port = dead.getsockname()[1]
+    front = Front("token")
+    front.pump = Pump()
+    proxy = socket.socket()
+    proxy.bind(("127.0.0.1", 0))
+    proxy.listen(8)
+    threading.Thread(target=accept_loop, args=(proxy, front.egress), daemon=True).start()
+    try:
+        for _ in range(3):  # each time, and the proxy goes on serving
+            with socket.create_connection(proxy.getsockname(), timeout=10) as router:
+                router.sendall(b"POST http://127.0.0.1:%d/v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+                               b"content-length: 2\r\n\r\n{}" % (dead_port, dead_port))
+                got = b""
+                with pytest.raises(ConnectionResetError):
+                    while data := router.recv(4096):
+                        got += data
+                assert got == b""
+    finally:
+        proxy.shutdown(socket.SHUT_RDWR)
+        proxy.close()
+
+
+def test_framing_finds_where_an_answer_ends_however_it_is_cut() -> None:
+    """The relay keeps a worker's connection only when the answer ended exactly where its framing says: a chunked
+    stream cut at every byte, a Content-Length body, and bytes past the end (counted out, never passed on)."""
+    from pbs_toolkit.server.router_relay import Framing, answer_framing
+
+    stream = b"5\r\ndata:\r\n1a;ext=1\r\n" + b"x" * 26 + b"\r\n0\r\nTrailer: t\r\n\r\n"
+    for cut in range(1, len(stream)):
+        framing = answer_framing(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"POST")
+        assert framing is not None
+        used = framing.feed(stream[:cut])
+        assert used == cut and not framing.done
+        assert framing.feed(stream[cut:] + b"NEXT") == len(stream) - cut and framing.done
+    framing = answer_framing(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n", b"POST")
+    assert framing is not None and framing.feed(b"abcdef") == 4 and framing.done
+    assert answer_framing(b"HTTP/1.1 204 No Content\r\n\r\n", b"POST").done  # type: ignore[union-attr]
+    # what ends with its connection is never framed: HTTP/1.0, "close", no length, two lengths
+    for head in (b"HTTP/1.0 200 OK\r\nContent-Length: 4\r\n\r\n", b"HTTP/1.1 200 OK\r\nConnection: close\r\n"
+                 b"Content-Length: 4\r\n\r\n", b"HTTP/1.1 200 OK\r\n\r\n",
+                 b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nContent-Length: 5\r\n\r\n"):
+        assert answer_framing(head, b"POST") is None, head
+    with pytest.raises(ValueError):
+        Framing(None).feed(b"zz\r\n")

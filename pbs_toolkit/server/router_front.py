@@ -36,9 +36,37 @@ from typing import Any
 from urllib.parse import urlsplit
 
 try:  # the package's copy (tests, mypy); on the router's host both files lie side by side in the run directory
-    from .router_relay import BadRequest, Conn, Pump, accept_loop, answer, both_ways, dial, exchange, ready, shut
+    from .router_relay import (
+        BadRequest,
+        Conn,
+        Pump,
+        Unreachable,
+        Upstreams,
+        accept_loop,
+        answer,
+        both_ways,
+        dial,
+        exchange,
+        ready,
+        refuse,
+        shut,
+    )
 except ImportError:
-    from router_relay import BadRequest, Conn, Pump, accept_loop, answer, both_ways, dial, exchange, ready, shut  # type: ignore[no-redef]
+    from router_relay import (  # type: ignore[no-redef]
+        BadRequest,
+        Conn,
+        Pump,
+        Unreachable,
+        Upstreams,
+        accept_loop,
+        answer,
+        both_ways,
+        dial,
+        exchange,
+        ready,
+        refuse,
+        shut,
+    )
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
@@ -134,11 +162,12 @@ def body_framing(headers: list[tuple[bytes, bytes]]) -> int | None:
     return int(lengths[0]) if lengths else 0
 
 
-def rebuild(method: bytes, target: bytes, version: bytes, headers: list[tuple[bytes, bytes]], host: bytes) -> bytes:
+def rebuild(method: bytes, target: bytes, version: bytes, headers: list[tuple[bytes, bytes]], host: bytes,
+            close: bool = True) -> bytes:
     kept = [(n, v) for n, v in headers if n not in HOP_BY_HOP and n != TOKEN_HEADER and n != b"host"]
     lines = [b" ".join((method, target, version)), b"host: " + host]
     lines += [n + b": " + v for n, v in kept]
-    lines.append(b"connection: close")
+    lines.append(b"connection: close" if close else b"connection: keep-alive")
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
@@ -154,6 +183,7 @@ class Front:
         self.router_port = 0
         self.router_prom_port = 0
         self.pump: Pump
+        self.upstreams = Upstreams()
 
     def inside(self, port: int) -> socket.socket:
         """A connection to ``port`` on the namespace's loopback (made by a thread that lives there)."""
@@ -203,9 +233,14 @@ class Front:
                 raise BadRequest(400, "Bad Request", "pbstk router front: only http:// targets")
             origin = (url.path or "/") + (f"?{url.query}" if url.query else "")
             length = body_framing(headers)
-            upstream = dial(url.hostname, url.port or 80)
-            exchange(client, rebuild(method, origin.encode(), version, headers, url.netloc.encode()), length,
-                     upstream, self.pump)
+            key = (url.hostname, url.port or 80)
+            # a body all at hand (the usual case): the worker's connection is kept for the next request
+            keep = version == b"HTTP/1.1" and length is not None and len(client.buf) >= length
+            upstream = (self.upstreams.get(*key) if keep else None) or dial(*key)
+            exchange(client, rebuild(method, origin.encode(), version, headers, url.netloc.encode(), not keep),
+                     length, upstream, self.pump, (lambda up: self.upstreams.put(*key, up)) if keep else None, method)
+        except Unreachable:  # as a dead worker's refusal would reach the router without the front: it retries
+            refuse(sock)
         except BadRequest as exc:  # nothing was sent back yet: an answer of our own
             answer(sock, exc.status, exc.reason, exc.text)
         except (ConnectionError, OSError, ValueError):

@@ -2,8 +2,10 @@
 
 A request's head and body are handled by a thread of its own, on blocking sockets; once its body is upstream,
 its answer is relayed by the process's one epoll thread (``Pump``): a chunk costs a wake-up shared with every other
-stream ready at that moment, a ``recv_into`` and a ``send``; no parsing, no per-chunk objects. Standard library only
-(Python 3.7+, Linux), copied next to ``router_front.py``.
+stream ready at that moment, a ``recv_into`` and a ``send``. An answer from a worker is also read for where it ends
+(``Framing``: its Content-Length or its chunks), so that the connection to the worker is kept for the next request
+(``Upstreams``), as the router keeps its own without the front. Standard library only (Python 3.7+, Linux), copied
+next to ``router_front.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import errno
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Callable  # noqa: UP035 - Python 3.7 on the router host
@@ -18,6 +21,8 @@ from typing import Callable  # noqa: UP035 - Python 3.7 on the router host
 HEAD_LIMIT = 64 * 1024
 CHUNK = 64 * 1024
 CONNECT_WAIT_S = 30.0
+LINE_LIMIT = 4096
+KEEP_IDLE_S = 2.0
 
 
 class BadRequest(Exception):
@@ -92,6 +97,9 @@ def pump(src: socket.socket, dst: socket.socket) -> None:
 class Flow:
     def __init__(self, src: socket.socket, dst: socket.socket) -> None:
         self.src, self.dst, self.pending, self.done = src, dst, b"", threading.Event()
+        self.framing: Framing | None = None
+        self.last = False  # nothing more to read for this answer (its framing says it is whole, or it overran)
+        self.whole = False  # it ended exactly where its framing said: the connection to the worker may be kept
 
 
 class Pump:
@@ -103,14 +111,17 @@ class Pump:
         self.flows: dict[int, Flow] = {}
         threading.Thread(target=self.run, daemon=True).start()
 
-    def relay(self, src: socket.socket, dst: socket.socket) -> None:
-        """Everything from ``src`` to ``dst`` until its end (this thread sleeps meanwhile)."""
+    def relay(self, src: socket.socket, dst: socket.socket, framing: Framing | None = None) -> bool:
+        """Everything from ``src`` to ``dst`` until its end, or until the end ``framing`` reads (this thread sleeps
+        meanwhile). True when the answer ended exactly where its framing said (``src`` may carry another)."""
         src.setblocking(False)
         dst.setblocking(False)
         flow = Flow(src, dst)
+        flow.framing = framing
         self.flows[src.fileno()] = flow
         self.epoll.register(src.fileno(), select.EPOLLIN)
         flow.done.wait()
+        return flow.whole
 
     def end(self, fd: int, flow: Flow) -> None:
         self.epoll.unregister(fd)
@@ -134,26 +145,46 @@ class Pump:
                     continue
                 try:
                     if flow.pending:  # dst could take no more: now it can
-                        sent = flow.dst.send(flow.pending)
-                        flow.pending = flow.pending[sent:]
-                        if not flow.pending:  # back to reading
-                            self.move(fd, flow.src.fileno(), select.EPOLLIN, flow)
-                        continue
-                    n = flow.src.recv_into(buf)
-                    if not n:
-                        self.end(fd, flow)
-                        continue
-                    try:
-                        sent = flow.dst.send(view[:n])
-                    except BlockingIOError:
-                        sent = 0
-                    if sent < n:  # a slow reader: wait until dst can take the rest
-                        flow.pending = bytes(view[sent:n])
-                        self.move(fd, flow.dst.fileno(), select.EPOLLOUT, flow)
+                        self.flush(fd, flow)
+                    else:
+                        self.forward(fd, flow, buf, view)
                 except BlockingIOError:
                     continue
-                except OSError:
+                except (OSError, ValueError):  # ValueError: a chunked answer that does not parse
                     self.end(fd, flow)
+
+    def flush(self, fd: int, flow: Flow) -> None:
+        sent = flow.dst.send(flow.pending)
+        flow.pending = flow.pending[sent:]
+        if not flow.pending and flow.last:
+            self.end(fd, flow)
+        elif not flow.pending:  # back to reading
+            self.move(fd, flow.src.fileno(), select.EPOLLIN, flow)
+
+    def forward(self, fd: int, flow: Flow, buf: bytearray, view: memoryview) -> None:
+        n = flow.src.recv_into(buf)
+        if not n:
+            self.end(fd, flow)
+            return
+        if flow.framing is not None:  # where the answer ends (a kept connection to a worker)
+            n = self.framed(flow, flow.framing, bytes(view[:n]))
+        try:
+            sent = flow.dst.send(view[:n])
+        except BlockingIOError:
+            sent = 0
+        if sent < n:  # a slow reader: wait until dst can take the rest
+            flow.pending = bytes(view[sent:n])
+            self.move(fd, flow.dst.fileno(), select.EPOLLOUT, flow)
+        elif flow.last:
+            self.end(fd, flow)
+
+    @staticmethod
+    def framed(flow: Flow, framing: Framing, data: bytes) -> int:
+        """How much of ``data`` (just read) belongs to the answer; marks the flow's last read."""
+        used = framing.feed(data)
+        if framing.done:
+            flow.last, flow.whole = True, used == len(data)  # bytes past the answer's end: the connection goes
+        return used
 
 
 def quietly(target: Callable[..., None], *args: object) -> threading.Thread:
@@ -196,8 +227,11 @@ def both_ways(client: socket.socket, up: socket.socket) -> None:
         up.close()
 
 
-def exchange(client: Conn, head: bytes, length: int | None, up: socket.socket, pumps: Pump) -> None:
-    """One request: its head and exactly its body upstream (never a byte more), the whole answer back."""
+def exchange(client: Conn, head: bytes, length: int | None, up: socket.socket, pumps: Pump,
+             keep: Callable[[socket.socket], None] | None = None, method: bytes = b"") -> None:
+    """One request: its head and exactly its body upstream (never a byte more), the whole answer back. ``keep``:
+    the request asked ``up`` to stay open (its body was all at hand); once the answer has ended where its framing
+    says, ``up`` goes to ``keep`` instead of being closed."""
     up.sendall(head)
     sender = None
     if length is not None and len(client.buf) >= length:
@@ -207,32 +241,147 @@ def exchange(client: Conn, head: bytes, length: int | None, up: socket.socket, p
     else:
         sender = quietly(client.copy_exact, up, length)
     answer_ = Conn(up)
+    kept = False
     try:
         while True:  # interim answers (100 Continue) as they are, then the final one's head says "close"
             head = answer_.read_until(b"\r\n\r\n")
             if not head.startswith(b"HTTP/1.1 1") or head.startswith(b"HTTP/1.1 101"):
                 break
             client.sock.sendall(head)
-        client.sock.sendall(closing(head) + answer_.buf)
-        if sender is None:
-            pumps.relay(up, client.sock)
+        framing = answer_framing(head, method) if keep is not None and sender is None else None
+        rest = answer_.buf
+        if framing is not None:
+            rest = rest[:framing.feed(rest)]
+        client.sock.sendall(closing(head) + rest)
+        if framing is not None and framing.done:
+            kept = len(rest) == len(answer_.buf)  # the answer came whole with its head
+        elif sender is None:
+            kept = pumps.relay(up, client.sock, framing) and framing is not None
         else:  # the body is still on its way, on blocking sockets: this thread relays the answer
             pump(up, client.sock)
     finally:
-        shut(up)
-        if sender is not None:
-            shut(client.sock, socket.SHUT_RD)
-            sender.join()
-        up.close()
+        if kept and keep is not None:  # (a kept request had its whole body at hand: no sender)
+            keep(up)
+        else:
+            shut(up)
+            if sender is not None:
+                shut(client.sock, socket.SHUT_RD)
+                sender.join()
+            up.close()
+
+
+class Framing:
+    """Where a worker's answer ends, read as it passes: its ``Content-Length``, or its chunks (``length`` None)."""
+
+    def __init__(self, length: int | None) -> None:
+        self.chunked, self.left, self.line, self.trailer = length is None, length or 0, b"", False
+        self.done = length == 0
+
+    def feed(self, data: bytes) -> int:
+        """How many bytes of ``data`` belong to the answer (``done`` once it is whole); ValueError if unreadable."""
+        i, n = 0, len(data)
+        while i < n and not self.done:
+            if self.left:
+                take = min(self.left, n - i)
+                i, self.left = i + take, self.left - take
+                self.done = not self.chunked and not self.left
+                continue
+            end = data.find(b"\n", i)
+            if end < 0:
+                self.line += data[i:]
+                if len(self.line) > LINE_LIMIT:
+                    raise ValueError("chunk line too long")
+                return n
+            line, self.line, i = self.line + data[i:end + 1], b"", end + 1
+            if self.trailer:
+                self.done = not line.strip()
+                continue
+            size = int(line.split(b";", 1)[0].strip(), 16)
+            self.left, self.trailer = (size + 2, False) if size else (0, True)
+        return i
+
+
+def answer_framing(head: bytes, method: bytes) -> Framing | None:
+    """How a worker's HTTP/1.1 answer is framed, or None when it ends with its connection (or cannot be told)."""
+    lines = head[:-4].split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or parts[0] != b"HTTP/1.1" or not parts[1].isdigit():
+        return None
+    fields: dict[bytes, list[bytes]] = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        fields.setdefault(name.strip().lower(), []).append(value.strip().lower())
+    if b"close" in b",".join(fields.get(b"connection", [])):
+        return None
+    if method == b"HEAD" or parts[1] in (b"204", b"304"):
+        return Framing(0)
+    codings, lengths = fields.get(b"transfer-encoding", []), fields.get(b"content-length", [])
+    if codings:
+        return Framing(None) if codings == [b"chunked"] and not lengths else None
+    return Framing(int(lengths[0])) if len(lengths) == 1 and lengths[0].isdigit() else None
+
+
+class Upstreams:
+    """Connections to workers kept open between requests (vLLM's server, like the router alone, keeps them): a
+    request on a kept one costs the worker no new connection. Each is used by one request at a time, for at
+    most ``KEEP_IDLE_S`` after the last (uvicorn closes idle ones after 5 s), and only if it is still open and
+    quiet."""
+
+    def __init__(self) -> None:
+        self.idle: dict[tuple[str, int], list[tuple[float, socket.socket]]] = {}
+        self.lock = threading.Lock()
+
+    def get(self, host: str, port: int) -> socket.socket | None:
+        while True:
+            with self.lock:
+                kept = self.idle.get((host, port))
+                if not kept:
+                    return None
+                since, sock = kept.pop()
+            if time.monotonic() - since < KEEP_IDLE_S and quiet(sock):
+                return ready(sock)
+            sock.close()
+
+    def put(self, host: str, port: int, sock: socket.socket) -> None:
+        now = time.monotonic()
+        with self.lock:
+            kept = self.idle.setdefault((host, port), [])
+            while kept and now - kept[0][0] >= KEEP_IDLE_S:  # the oldest first: stale ones do not pile up
+                kept.pop(0)[1].close()
+            kept.append((now, sock))
+
+
+def quiet(sock: socket.socket) -> bool:
+    """Still open, and nothing unasked for waiting on it."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"": closed by the worker; bytes: unasked for
+    except BlockingIOError:
+        return True
+    except OSError:
+        pass
+    return False
+
+
+class Unreachable(Exception):
+    """The worker the router asked for refused the connection (or did not answer it)."""
 
 
 def dial(host: str, port: int) -> socket.socket:
-    """A connection from the host's network (a worker the router asked for); 502 when there is none."""
+    """A connection from the host's network (a worker the router asked for); :class:`Unreachable` when none."""
     try:
         sock = socket.create_connection((host, port), CONNECT_WAIT_S)
     except OSError as exc:
-        raise BadRequest(502, "Bad Gateway", f"pbstk router front: {host}:{port}: {type(exc).__name__}") from None
+        raise Unreachable(f"{host}:{port}: {type(exc).__name__}") from None
     return ready(sock)
+
+
+def refuse(sock: socket.socket) -> None:
+    """Makes the close of ``sock`` (its handler's end) a reset, not an answer: what the router's connection to a
+    dead worker meets without the front (a refused connection), which it retries on another worker."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
 
 
 def ready(sock: socket.socket) -> socket.socket:
