@@ -1,7 +1,9 @@
-"""HTTP requests to a server *as seen from the runner's machine*.
+"""HTTP requests to a server *as seen from the runner's machine*: the package's one HTTP client.
 
 Over SSH the connection is a ``direct-tcpip`` channel opened by the login node, so compute nodes that are
-not routable from a laptop still answer. ``http.client`` works on any socket-like object.
+not routable from a laptop still answer. ``http.client`` works on any socket-like object. Everything that talks
+HTTP to a server, a replica or a router goes through :func:`http_request` (``tests/test_one_of_each.py`` checks that
+no other module speaks HTTP on a raw socket).
 """
 
 from __future__ import annotations
@@ -72,18 +74,25 @@ def http_request(
     timeout: float = 5.0,
     method: str = "GET",
     body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    body_limit: int | None = None,
 ) -> HttpAnswer:
-    """One request; raises ``OSError`` (connection refused, timeout) when nothing answers."""
+    """One request; raises ``OSError`` (connection refused, timeout) when nothing answers.
+
+    ``headers`` travel only in the request (a token in them never reaches an argv or a log); at most
+    ``body_limit`` bytes of the answer's body are read (``0``: the status alone), all of it when ``None``.
+    """
     conn = _RunnerConnection(runner, host, port, timeout)
-    headers = {"Accept": "application/json"}
+    sent = {"Accept": "application/json"}
     if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+        sent["Authorization"] = f"Bearer {api_key}"
     if body is not None:
-        headers["Content-Type"] = "application/json"
+        sent["Content-Type"] = "application/json"
+    sent.update(headers or {})
     try:
-        conn.request(method, path, body=body, headers=headers)
+        conn.request(method, path, body=body, headers=sent)
         resp = conn.getresponse()
-        return HttpAnswer(resp.status, resp.read())
+        return HttpAnswer(resp.status, resp.read() if body_limit is None else resp.read(body_limit))
     except (TimeoutError, http.client.HTTPException) as exc:
         raise OSError(f"bad HTTP answer from {host}:{port}{path}: {exc}") from exc
     finally:
