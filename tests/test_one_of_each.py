@@ -60,3 +60,14 @@ def test_one_http_client_speaks_http() -> None:
                 offenders.append(f"{rel}:{node.lineno} writes an HTTP request line")
     assert offenders == []
 
+
+def test_one_metrics_scraper_fetches_metrics() -> None:
+    """``/metrics`` is requested in one place, ``transports/http.py``'s ``metrics_text`` (``perf/scrape.py``'s
+    snapshots, the usage counters, the router's own figures and status's busy check come through it)."""
+    requests_of_metrics = []
+    for rel, tree in library_modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and called(node) in ("http_request", "http_status") and any(
+                    isinstance(a, ast.Constant) and a.value == "/metrics" for a in node.args):
+                requests_of_metrics.append(rel)
+    assert requests_of_metrics == ["transports/http.py"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pbs_toolkit.envvars import env_float
+from pbs_toolkit.errors import ServerFailed
 from pbs_toolkit.transports.base import Runner
 
 #: a server that accepts but does not answer costs at most this long per request (``PBSTK_PROBE_TIMEOUT_S``)
@@ -99,6 +100,22 @@ def http_request(
         conn.close()
         if conn.stream is not None:
             conn.stream.close()
+
+
+def metrics_text(runner: Runner, host: str, port: int, *, api_key: str | None = None, timeout: float = 5.0,
+                 what: str = "") -> str:
+    """The ``/metrics`` text of the server at ``host:port``: the one fetch of every Prometheus scrape (a vLLM
+    server's, ``perf/scrape.py``; the router's, ``services/router_metrics.py``; status's busy check). Raises
+    ``ServerFailed`` when nothing answered or the answer was not 200 (``what`` names the server in the message);
+    a ``PbstkError`` of the transport (an SSH connection that did not open) passes through."""
+    where = what or f"{host}:{port}/metrics"
+    try:
+        answer = http_request(runner, host, port, "/metrics", api_key=api_key, timeout=timeout)
+    except OSError as exc:
+        raise ServerFailed(f"cannot reach {where}: {exc}") from exc
+    if answer.status != 200:
+        raise ServerFailed(f"{where} answered HTTP {answer.status}")
+    return answer.body.decode("utf-8", "replace")
 
 
 def health(runner: Runner, host: str, port: int, timeout: float | None = None) -> int | None:
