@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from pbs_toolkit.services import router as router_mod
 from pbs_toolkit.services.router import (
     RouterError,
     RouterInfo,
+    http_status,
     load_info,
     open_admin,
     router_alive,
@@ -102,7 +104,7 @@ def local_router(tmp_path: Path, routers: list[tuple[Any, RouterInfo]]) -> Any:
 
     def start(name: str = "router", **kwargs: Any) -> RouterInfo:
         runner = LocalRunner()
-        info = start_router(runner, str(tmp_path / name), command=[str(ROUTER)], **kwargs)
+        info = start_router(runner, str(tmp_path / name), **{"command": [str(ROUTER)], **kwargs})
         routers.append((runner, info))
         return info
 
@@ -238,26 +240,27 @@ def test_router_command_missing_or_failing_is_one_clear_error(tmp_path: Path) ->
     assert any("unrecognized arguments: --no-such-flag" in line for line in failed.value.details)
 
 
-def test_a_lost_bind_race_is_retried_with_other_ports(local_router: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    busy = socket.socket()
-    busy.bind(("127.0.0.1", 0))
-    busy.listen(1)
-    taken = busy.getsockname()[1]
-    real = router_mod._free_ports
-    calls: list[tuple[int, int]] = []
-
-    def racy(runner: Any, bind: str) -> tuple[int, int]:
-        ports = (taken, free_port()) if not calls else real(runner, bind)
-        calls.append(ports)
-        return ports
-
-    monkeypatch.setattr(router_mod, "_free_ports", racy)
-    try:
-        info = local_router()
-    finally:
-        busy.close()
-    assert len(calls) == 2 and info.port == calls[1][0] != taken
-    assert "Address already in use" in (Path(info.run_dir) / "router.log").read_text()
+def test_a_lost_bind_race_is_retried_with_other_ports(local_router: Any, tmp_path: Path) -> None:
+    """A router that cannot bind the ports the start script found free (another process took them in between) is
+    started again on new ones: a stand-in command loses the race once, as vllm-router words it, then runs the real
+    router."""
+    lost = tmp_path / "lost-once"
+    racy = tmp_path / "racy-router"
+    racy.write_text(f"""#!/bin/bash
+if [ ! -e {shlex.quote(str(lost))} ]; then
+  : >{shlex.quote(str(lost))}
+  echo "Error: Failed to bind: Address already in use (os error 98)" >&2
+  exit 1
+fi
+exec {shlex.quote(str(ROUTER))} "$@"
+""")
+    racy.chmod(0o755)
+    info = local_router(command=[str(racy)], isolate=False)
+    log = (Path(info.run_dir) / "router.log").read_text()
+    assert lost.exists() and "Address already in use" in log, log
+    assert re.search(r"on 127\.0\.0\.1:\d+ .*attempt 2", log), log
+    runner = LocalRunner()
+    assert router_alive(runner, info) and http_status(runner, info.host, info.port, "/list_workers") == 200
 
 
 def test_one_of_three_workers_killed_under_steady_load(local_router: Any, workers: list[Worker]) -> None:
@@ -293,7 +296,7 @@ def test_one_of_three_workers_killed_under_steady_load(local_router: Any, worker
 
 
 @pytest.mark.ssh
-def test_a_router_on_a_login_node_outlives_the_connection_and_is_reached_through_a_tunnel(
+def test_a_router_on_a_login_node_outlives_the_connection_and_is_reached_over_ssh(
     login_node: Any, workers: list[Worker], tmp_path: Path
 ) -> None:
     from pbs_toolkit.transports.ssh import SSHRunner
@@ -310,7 +313,7 @@ def test_a_router_on_a_login_node_outlives_the_connection_and_is_reached_through
         with ssh() as runner:  # a new connection: the router survived the first one closing
             assert router_alive(runner, info)
             with open_admin(runner, info) as admin:
-                assert admin.base_url != info.url  # through the tunnel's local port
+                assert admin.runner is runner and admin.base_url == info.url  # SSH channels, no tunnel
                 admin.add_worker(workers[0].url)
                 assert admin.workers() == [workers[0].url]
     finally:

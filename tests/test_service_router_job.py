@@ -357,11 +357,14 @@ def test_router_body_declares_the_header_settings(tmp_path: Path) -> None:
 
     body_path = Path(router_job.__file__).parent.parent / "server" / "start_router.sh"
     body = body_path.read_text()
+    free_port = (body_path.parent / "start" / "free_port.sh").read_text()  # the free-port rule, before the body
     start = router_job.render_start_script(_profile("local"), "/runs/r1", "svc", ["vllm-router"], "round_robin")
-    header = start[: -len(body)]
+    assert start.endswith(free_port + body)
+    header = start[: -len(free_port + body)]
     declared = {w for line in body.splitlines() if line.startswith("declare ") for w in line.split()[1:]
                 if not w.startswith("-")}
-    assert declared == set(re.findall(r"^([A-Z_]+)=", header, re.MULTILINE))
+    assigned = re.findall(r"^([A-Z_]+)=", header + free_port, re.MULTILINE)
+    assert declared == set(assigned)
     clean = subprocess.run(["shellcheck", "-s", "bash", str(body_path)], capture_output=True, text=True,  # noqa: S603,S607
                            check=False)
     assert clean.returncode == 0, clean.stdout

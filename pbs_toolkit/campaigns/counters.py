@@ -10,13 +10,13 @@ verified as its own (``extra["verified_endpoint"]``): a job never READY has none
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.records import COUNTERS_KEY
 from pbs_toolkit.jobs.rundir import VERIFIED_KEY
 from pbs_toolkit.jobs.store import JobRecord, JobStore
+from pbs_toolkit.perf.scrape import scrape_at
 from pbs_toolkit.transports.base import Runner
 
 #: the counters' names in ``usage`` (and its JSON), from the snapshot's fields
@@ -37,18 +37,12 @@ def server_address(record: JobRecord) -> tuple[str, int] | None:
 def scrape(runner: Runner, record: JobRecord, timeout: float = SCRAPE_TIMEOUT_S) -> dict[str, Any] | None:
     """The counters from the job's ``/metrics`` now (``None``: nothing answered, or no counters there), with
     ``running``/``waiting`` (requests in flight) and when (``at``)."""
-    from pbs_toolkit.transports.http import http_request
-    from pbs_toolkit.vllm.prom import parse_metrics
-
     where = server_address(record)
     if where is None or record.final_state:
         return None
     try:
-        answer = http_request(runner, where[0], where[1], "/metrics", timeout=timeout)
-        if answer.status != 200:
-            return None
-        snap = parse_metrics(answer.body.decode("utf-8", "replace"), time.time())
-    except (OSError, PbstkError):  # refused, timed out, an SSH channel that did not open, not Prometheus text
+        snap = scrape_at(runner, where[0], where[1], timeout=timeout)
+    except PbstkError:  # refused, timed out, not 200, an SSH channel that did not open, not Prometheus text
         return None
     values: dict[str, Any] = {name: _whole(getattr(snap, attr)) for name, attr in FIELDS.items()}
     if all(v is None for v in values.values()):

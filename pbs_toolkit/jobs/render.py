@@ -92,6 +92,7 @@ START_PARTS = (
     "amx.sh",  # AMX CPUs: every Python process asks for the AMX tile permission first
     "launcher.sh",  # several nodes: the launcher starts one copy per node
     "address.sh",  # the address this node is reached at
+    "free_port.sh",  # the free-port rule (functions), shared with the router's start_router.sh
     "port.sh",  # the port: the requested one or a free one in its window
     "server.sh",  # what runs vLLM; the stop trap
     "peers.sh",  # several nodes: per-rank engine flags, head.json, the nodes watching each other

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from pbs_toolkit.errors import ServerFailed
 from pbs_toolkit.jobs.logs import tail_lines
 from pbs_toolkit.jobs.nodes import NodesView, read_nodes
 from pbs_toolkit.jobs.store import JobRecord
@@ -144,12 +145,10 @@ def busy(runner: Runner, host: str, port: int) -> str | None:
     and shows requests running or waiting (vLLM's API server answers its probes late under overload, FACTS
     "vLLM"); ``None`` when ``/metrics`` does not answer (refused: the server is gone) or shows no request."""
     try:
-        answer = probe.http_request(runner, host, port, "/metrics", timeout=probe.probe_timeout())
-    except OSError:
+        text = probe.metrics_text(runner, host, port, timeout=probe.probe_timeout())
+    except ServerFailed:  # no answer, or not 200
         return None
-    if answer.status != 200:
-        return None
-    snap = parse_metrics(answer.body.decode("utf-8", "replace"), time.time())
+    snap = parse_metrics(text, time.time())
     if not (snap.running or snap.waiting):
         return None
     return f"probe slow; {snap.running or 0:g} running, {snap.waiting or 0:g} waiting"

@@ -1,4 +1,10 @@
-"""Observing one job through its transport: ``/metrics`` snapshots, ``Engine NNN:`` history, doctor inputs."""
+"""Observing one job through its transport: ``/metrics`` snapshots, ``Engine NNN:`` history, doctor inputs.
+
+:func:`scrape_at` is the package's one scraper of a vLLM server's ``/metrics`` (``transports/http.py``
+``metrics_text`` fetches, for the router's figures too; ``vllm/prom.py`` parses with ``prometheus_client``): a READY
+job's (:func:`scrape`), the counters ``pbstk usage`` keeps (``campaigns/counters.py``), the keeper's and the
+autoscaler's looks all come through it.
+"""
 
 from __future__ import annotations
 
@@ -17,14 +23,15 @@ def scrape(runner: Runner, st: JobStatus, timeout: float = 5.0) -> MetricsSnapsh
     """One ``/metrics`` snapshot of a READY job (``/metrics`` needs no key, but sending it does no harm)."""
     if not st.address or not st.port:
         raise ServerFailed(f"job {st.record.job_id} is {st.state.value}: no server address to scrape yet")
-    try:
-        answer = probe.http_request(runner, st.address, st.port, "/metrics", api_key=st.record.api_key,
-                                    timeout=timeout)
-    except OSError as exc:
-        raise ServerFailed(f"cannot reach {st.address}:{st.port}/metrics: {exc}") from exc
-    if answer.status != 200:
-        raise ServerFailed(f"{st.address}:{st.port}/metrics answered HTTP {answer.status}")
-    return parse_metrics(answer.body.decode("utf-8", "replace"), time.time())
+    return scrape_at(runner, st.address, st.port, api_key=st.record.api_key, timeout=timeout)
+
+
+def scrape_at(runner: Runner, host: str, port: int, *, api_key: str | None = None,
+              timeout: float = 5.0) -> MetricsSnapshot:
+    """One vLLM ``/metrics`` snapshot of the server at ``host:port`` (``transports/http.py`` ``metrics_text``;
+    ``ServerFailed`` when nothing answered, the answer was not 200 or not Prometheus text)."""
+    text = probe.metrics_text(runner, host, port, api_key=api_key, timeout=timeout)
+    return parse_metrics(text, time.time())
 
 
 def engine_history(runner: Runner, st: JobStatus, lines: int = 5000) -> list[EngineStats]:

@@ -1,14 +1,17 @@
 
 # --- the body of start_router.sh: static; every setting is a variable of the header above -------------------
 # shellcheck shell=bash
-# The settings the header assigns (services/router_job.py render_start_script), declared so that shellcheck of
-# this body alone flags a misspelt one; `declare NAME` without a value keeps the header's.
-declare RUN_DIR BIND_HOST ADDRESS_MODE ADDRESS_SUFFIX POLICY SEED_URL VENV START_WAIT_S STOP_WAIT_S ISOLATE
+# The settings the header assigns (services/router_script.py render_start_script), declared so that shellcheck
+# of this body alone flags a misspelt one; `declare NAME` without a value keeps the header's. SPARE_PORT_LO and
+# SPARE_PORT_HI come with the free-port rule (server/start/free_port.sh), between the header and this body.
+declare RUN_DIR BIND_HOST ADVERTISE ADDRESS_MODE ADDRESS_SUFFIX POLICY SEED_URL VENV START_WAIT_S STOP_WAIT_S ISOLATE
 declare -a ROUTER_CMD ROUTER_ARGV
-# A service's vllm-router inside a small CPU job (profile `router: job`). It chooses free ports on this node,
-# starts the router bound to BIND_HOST, and once the router answers /list_workers writes RUN_DIR/router.json
-# (host = this node's address as ADDRESS_MODE names it, port, prometheus_port, pid; 0644, no secret in it) for
-# pbstk to read. With ISOLATE=1 the router runs behind pbstk's front (router_front.py: the router in a private
+declare SPARE_PORT_LO SPARE_PORT_HI
+# A service's vllm-router, the one start procedure for all of them: run detached by pbstk on this machine or a
+# login node (profile `router: local`/`login`), or as a small CPU job's entry script (`router: job`). It chooses
+# free ports on this host, starts the router bound to BIND_HOST, and once the router answers /list_workers writes
+# RUN_DIR/router.json (host = ADVERTISE, else this node's address as ADDRESS_MODE names it, port,
+# prometheus_port, pid; 0644, no secret in it) for pbstk to read. With ISOLATE=1 the router runs behind pbstk's front (router_front.py: the router in a private
 # network namespace, only service traffic passed on, its admin API wanting the token in router.token). SIGTERM (a cancel, the walltime) is passed on to the router, which then drains; KILL after
 # STOP_WAIT_S. The job ends when the router does.
 set -uo pipefail
@@ -47,6 +50,7 @@ esac
 ADDRESS="$ADDRESS$ADDRESS_SUFFIX"
 # a loopback bind is only reachable as itself
 case "$BIND_HOST" in 127.*) ADDRESS=$BIND_HOST ;; esac
+[ -n "$ADVERTISE" ] && ADDRESS=$ADVERTISE
 # what router.json may carry without escaping: a host name or an address
 [[ $ADDRESS =~ ^[A-Za-z0-9.:_-]+$ ]] || pbstk_fail "this node's address ${ADDRESS@Q} is not a plain host name"
 case "$BIND_HOST" in
@@ -54,17 +58,6 @@ case "$BIND_HOST" in
   ::) REACH=::1 ;;
   *) REACH=$BIND_HOST ;;
 esac
-
-# two free TCP ports on this node (bound together, so they differ); random high ones without python3
-pbstk_free_ports() {
-  python3 -c 'import socket, sys
-socks = [socket.socket() for _ in range(2)]
-for s in socks:
-    s.bind((sys.argv[1], 0))
-print(" ".join(str(s.getsockname()[1]) for s in socks))' "$REACH" 2>/dev/null && return 0
-  local port=$((20000 + RANDOM % 40000))
-  echo "$port $((port + 1))"
-}
 
 # does the router answer GET /list_workers with 200? (bash's /dev/tcp: no curl needed on the node)
 pbstk_answers() {
@@ -102,8 +95,16 @@ pbstk_stop() {
 }
 trap pbstk_stop TERM INT HUP
 
+# what router.json may carry without escaping: RUN_DIR with its backslashes and quotes escaped
+JSON_RUN_DIR=${RUN_DIR//\\/\\\\}
+JSON_RUN_DIR=${JSON_RUN_DIR//\"/\\\"}
+PORT=0 PROM_PORT=0
 for attempt in 1 2 3 4; do
-  read -r PORT PROM_PORT < <(pbstk_free_ports)
+  # two free ports on this host by the free-port rule (free_port.sh), the second not the first
+  if ! pbstk_free_port PORT "$REACH" "$SPARE_PORT_LO" "$SPARE_PORT_HI" \
+      || ! pbstk_free_port PROM_PORT "$REACH" "$SPARE_PORT_LO" "$SPARE_PORT_HI" "$PORT"; then
+    pbstk_fail "no free port in $SPARE_PORT_LO..$SPARE_PORT_HI on $NODE"
+  fi
   pbstk_log "starting ${ROUTER_CMD[0]} on $BIND_HOST:$PORT (prometheus $PROM_PORT), attempt $attempt"
   log_from=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
   # the command line pbstk built (services/router.py router_argv), with this node's ports and Python put in; a
@@ -133,7 +134,7 @@ for attempt in 1 2 3 4; do
     pbstk_fail "the router did not remove its start-up worker $SEED; see $LOG"
   fi
   printf '{"host": "%s", "port": %s, "prometheus_port": %s, "pid": %s, "policy": "%s", "run_dir": "%s"}\n' \
-    "$ADDRESS" "$PORT" "$PROM_PORT" "$CHILD" "$POLICY" "$RUN_DIR" >"$RUN_DIR/router.json.tmp"
+    "$ADDRESS" "$PORT" "$PROM_PORT" "$CHILD" "$POLICY" "$JSON_RUN_DIR" >"$RUN_DIR/router.json.tmp"
   chmod 0644 "$RUN_DIR/router.json.tmp" && mv -f "$RUN_DIR/router.json.tmp" "$RUN_DIR/router.json"
   pbstk_log "ready at http://$ADDRESS:$PORT"
   while :; do

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
+import math
 import re
 import secrets
 import time
@@ -61,7 +61,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 from pbs_toolkit.services.router_admin import (
     ADD_WAIT_S,
@@ -73,35 +72,35 @@ from pbs_toolkit.services.router_admin import (
     list_workers,
     open_admin,
 )
+from pbs_toolkit.services.router_script import (
+    DEFAULT_ARGS,
+    ENTRY_SCRIPT,
+    FRONT_FILE,
+    INFO_FILE,
+    SEEDED_POLICIES,
+    TOKEN_FILE,
+    ScriptSettings,
+    reach_address,
+    read_started,
+    render_start_script,
+    router_argv,
+    seed_url,
+)
 from pbs_toolkit.transports.base import Runner
 
-#: the admin client lives in ``router_admin.py``; callers may import it from here with the rest of the router
+#: the admin client lives in ``router_admin.py``, the start script in ``router_script.py``; callers may import
+#: them from here with the rest of the router
 __all__ = [
     "ADD_WAIT_S", "ADMIN_HEADER", "DEFAULT_ARGS", "SEEDED_POLICIES", "RouterAdmin", "RouterError", "RouterInfo",
-    "http_request", "http_status", "list_workers", "load_info", "open_admin", "router_alive", "router_argv",
-    "seed_url", "start_router", "stop_router",
+    "http_request", "http_status", "list_workers", "load_info", "open_admin", "reach_address", "router_alive",
+    "router_argv", "seed_url", "start_router", "stop_router",
 ]
 
 TOKEN_ENV = "PBSTK_ROUTER_TOKEN"
-INFO_FILE = "router.json"
 LOG_FILE = "router.log"
-#: the front that keeps the router off the host's network (``server/router_front.py``), copied into the run dir
-FRONT_FILE = "router_front.py"
 FRONT_SOURCE = Path(__file__).resolve().parent.parent / "server" / FRONT_FILE
 #: every file the front needs on the router's host (its data path is a module of its own), copied side by side
 FRONT_SOURCES = (FRONT_SOURCE, FRONT_SOURCE.with_name("router_relay.py"))
-#: added before ``extra_args`` (argparse: a later repeat of an option wins, so callers can override each)
-DEFAULT_ARGS: tuple[str, ...] = (
-    "--health-check-interval-secs", "5",
-    "--worker-startup-timeout-secs", "20",
-    "--worker-startup-check-interval", "1",
-)
-#: policies vllm-router 0.1.17 refuses to start with fewer than 2 workers ("Power-of-two policy requires at least 2
-#: workers"), although they route any number once started (measured: 2, 1, 0, then 1 again after an add). Such a
-#: router starts with its own Prometheus port (bound before the router waits for its workers; ``/health`` answers
-#: 200) given twice as its workers, and that seed is removed before the router's URL is handed to anyone.
-SEEDED_POLICIES = ("power_of_two",)
-_BIND_ATTEMPTS = 4
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 # Constant scripts; every value arrives as a positional parameter, never spliced into the text.
@@ -157,18 +156,11 @@ for _ in 1 2 3 4 5 6 7 8 9 10; do
   sleep 0.1
 done
 """
-# the Python for the front: the router's own (next to its command: a venv's, new enough), else python3 on PATH
+# the Python for the front, as start_router.sh finds it: the router's own (next to its command: a venv's, new
+# enough), else python3 on PATH; asked before anything starts, for one clear error
 _FRONT_PYTHON = r"""
 r=$(command -v -- "$1") && [ -x "${r%/*}/python3" ] && [ "${r%/*}" != "$r" ] && { echo "${r%/*}/python3"; exit 0; }
 command -v python3
-"""
-# two free TCP ports on the router's host (bound together, so they differ), or nothing when python3 is missing
-_FREE_PORTS = r"""
-import socket, sys
-socks = [socket.socket() for _ in range(2)]
-for s in socks:
-    s.bind((sys.argv[1], 0))
-print(" ".join(str(s.getsockname()[1]) for s in socks))
 """
 
 
@@ -218,22 +210,6 @@ def _transport(runner: Runner) -> str:
     return "" if runner.name == "local" else runner.name.split(":", 1)[-1]
 
 
-def reach_address(bind: str) -> str:
-    """The address to connect to on the router's own host for a router bound to ``bind`` (``start_router.sh``
-    has the same rule)."""
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bind, bind)
-
-
-def _free_ports(runner: Runner, bind: str) -> tuple[int, int]:
-    result = runner.run(["python3", "-c", _FREE_PORTS, reach_address(bind)], timeout=30)
-    fields = result.stdout.split()
-    if result.ok and len(fields) == 2 and all(f.isdigit() for f in fields):
-        return int(fields[0]), int(fields[1])
-    # no python3 on that host: random high ports; a lost race shows as "Address already in use" and is retried
-    port = random.randrange(20000, 60000)
-    return port, port + 1
-
-
 def _check_command(runner: Runner, command: Sequence[str]) -> None:
     if not command:
         raise RouterError("the router command is empty (profile key router_command)")
@@ -272,35 +248,6 @@ def _read_pid(runner: Runner, run_dir: str, deadline: float) -> int:
                       details=_log_tail(runner, run_dir))
 
 
-def _launch_once(runner: Runner, run_dir: str, argv: Sequence[str], token: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        runner.run(["rm", "-f", "--", f"{run_dir}/router.pid"], timeout=30)
-    result = runner.run(["setsid", "-f", "bash", "-c", _LAUNCH, "pbstk-router", run_dir, *argv],
-                        env={TOKEN_ENV: token}, timeout=30)
-    if not result.ok:
-        raise RouterError(f"could not start the router on {_where(runner)}: {result.stderr.strip() or result.rc}")
-
-
-def _wait_ready(runner: Runner, info: RouterInfo, reach: str, log_from: int, deadline: float) -> str:
-    """"ready", or "port" when the router died on a lost bind race; raises when it exited otherwise or hung."""
-    delay = 0.05
-    while True:
-        if http_status(runner, reach, info.port, "/list_workers") == 200:
-            return "ready"
-        if not router_alive(runner, info):
-            new_log = runner.read_bytes(f"{info.run_dir}/{LOG_FILE}", log_from).decode(errors="replace")
-            if "Address already in use" in new_log or "address already in use" in new_log.lower():
-                return "port"
-            raise RouterError(f"the router exited on {_where(runner)} before it answered (log: "
-                              f"{info.run_dir}/{LOG_FILE})", details=_log_tail(runner, info.run_dir))
-        if time.monotonic() > deadline:
-            stop_router(runner, info, timeout=2)
-            raise RouterError(f"the router on {_where(runner)} did not answer within the time allowed "
-                              f"(log: {info.run_dir}/{LOG_FILE})", details=_log_tail(runner, info.run_dir))
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.5)
-
-
 def start_router(
     runner: Runner,
     run_dir: str,
@@ -317,22 +264,22 @@ def start_router(
 ) -> RouterInfo:
     """Start a router detached on the runner's host and return once it answers ``GET /list_workers``.
 
+    It runs the router job's own start procedure, ``start_router.sh`` (``router_script.py``), under a small
+    wrapper that leads its process group and carries the identity token: the script picks the ports, starts the
+    router, retries a lost bind race, removes a seeded policy's start-up worker and writes ``router.json``.
     ``bind``: the address it listens on (its Prometheus endpoint too); ``advertise``: the address clients use
-    (default: ``bind``, or for a wildcard bind 127.0.0.1 here / the host's name over SSH). Writes
-    ``run_dir/router.json`` (0600) and appends the router's output to ``run_dir/router.log``.
+    (default: ``bind``, or for a wildcard bind 127.0.0.1 here / the host's name over SSH). ``run_dir/router.json``
+    ends up with the token (0600); the router's output goes to ``run_dir/router.log``.
     ``isolate`` (the default): the router runs in a private network namespace behind ``router_front.py``, which
     holds ``bind``'s ports and passes on service traffic only; its admin API needs ``RouterInfo.admin_token``.
     False: the router itself binds ``bind``, and its admin API is open to whoever reaches that port.
-    ``record`` hears the router before it is started (pid 0: :func:`stop_router` finds it by its token) and again
-    once its pid is known, both before the wait: a caller interrupted meanwhile can stop what it recorded.
+    ``record`` hears the router before it is started (pid 0: :func:`stop_router` finds it by its token), once its
+    pid is known (both before the wait: a caller interrupted meanwhile can stop what it recorded) and once it
+    answers, with its ports.
     """
     _check_command(runner, command)
     runner.makedirs(run_dir, 0o700)
     _refuse_running(runner, run_dir)
-    transport = _transport(runner)
-    host = advertise or (bind if bind not in _WILDCARDS else _default_advertise(runner))
-    deadline = time.monotonic() + timeout
-    python = ""
     if isolate:
         python = runner.run(["bash", "-c", _FRONT_PYTHON, "pbstk-python", command[0]], timeout=30).stdout.strip()
         if not python:
@@ -340,66 +287,66 @@ def start_router(
                               "(or set router_isolation: none in the profile: the router's admin API is then open)")
         for source in FRONT_SOURCES:
             runner.write_bytes(f"{run_dir}/{source.name}", source.read_bytes(), 0o600)
-    for _attempt in range(_BIND_ATTEMPTS):
-        port, prom_port = _free_ports(runner, bind)
-        token = secrets.token_hex(16)
-        front = (python, f"{run_dir}/{FRONT_FILE}") if isolate else None
-        argv, seed = router_argv(command, policy=policy, bind=bind, port=port, prometheus_port=prom_port,
-                                 worker_urls=worker_urls, extra_args=extra_args, front=front)
-        log_from = runner.size(f"{run_dir}/{LOG_FILE}") or 0
-        info = RouterInfo(host=host, port=port, prometheus_port=prom_port, pid=0, policy=policy,
-                          run_dir=run_dir, transport=transport, token=token, admin_token=token if isolate else "")
-        if record is not None:
-            record(info)
-        _launch_once(runner, run_dir, argv, token)
-        info.pid = _read_pid(runner, run_dir, deadline)
-        if record is not None:
-            record(info)
-        if _wait_ready(runner, info, reach_address(bind), log_from, deadline) == "ready":
-            if seed:
-                _unseed(runner, info, reach_address(bind), seed)
-            runner.write_bytes(f"{run_dir}/{INFO_FILE}", json.dumps(info.to_dict(), indent=2).encode(), 0o600)
-            return info
-    raise RouterError(f"the router on {_where(runner)} could not bind a free port in {_BIND_ATTEMPTS} attempts",
-                      details=_log_tail(runner, run_dir))
+    token = secrets.token_hex(16)
+    host = advertise or (bind if bind not in _WILDCARDS else _default_advertise(runner))
+    script = render_start_script(ScriptSettings(
+        run_dir=run_dir, command=command, policy=policy, bind=bind, isolate=isolate, advertise=host,
+        worker_urls=worker_urls, extra_args=extra_args, start_wait_s=max(1, math.ceil(timeout)),
+        about=f"a router started by pbstk on {_where(runner)}"))
+    runner.write_bytes(f"{run_dir}/{ENTRY_SCRIPT}", script.encode(), 0o700)
+    runner.write_bytes(f"{run_dir}/{TOKEN_FILE}", token.encode(), 0o600)
+    info = RouterInfo(host=host, port=0, prometheus_port=0, pid=0, policy=policy, run_dir=run_dir,
+                      transport=_transport(runner), token=token, admin_token=token if isolate else "")
+    if record is not None:
+        record(info)
+    _launch(runner, run_dir, token)
+    deadline = time.monotonic() + timeout + 10  # the script's own limit comes first: its words say more
+    info.pid = _read_pid(runner, run_dir, deadline)
+    if record is not None:
+        record(info)
+    started = _wait_started(runner, info, deadline)
+    info.port, info.prometheus_port = int(started["port"]), int(started["prometheus_port"])
+    runner.write_bytes(f"{run_dir}/{INFO_FILE}", json.dumps(info.to_dict(), indent=2).encode(), 0o600)
+    if record is not None:
+        record(info)
+    return info
 
 
-def router_argv(command: Sequence[str], *, policy: str, bind: str, port: int | str, prometheus_port: int | str,
-                worker_urls: Sequence[str] = (), extra_args: Sequence[str] = (),
-                front: tuple[str, str] | None = None) -> tuple[list[str], str | None]:
-    """The command line that starts a router: the one place it is built, for ``router: login``
-    (:func:`start_router`) and ``router: job`` (``router_job.render_start_script`` renders it into
-    ``start_router.sh`` with placeholders for the ports, which that script chooses on its node).
-
-    ``front``: (its Python, the path of ``router_front.py``) to run the router behind the front, which binds
-    ``bind``'s ports and gives the router its own inside a private network namespace; ``None``: the router binds
-    them itself. Returns (argv, seed): ``seed`` is the worker URL a ``SEEDED_POLICIES`` router with fewer than 2
-    workers starts with (twice) and that must be removed once it answers, else ``None``."""
-    router = [*command, "--policy", policy, *DEFAULT_ARGS, *extra_args]
-    seed = seed_url(bind, prometheus_port) if policy in SEEDED_POLICIES and len(worker_urls) < 2 else None
-    if worker_urls or seed:
-        router += ["--worker-urls", *worker_urls, *([seed, seed] if seed else [])]
-    if front is not None:
-        return [front[0], front[1], bind, str(port), str(prometheus_port), "--", *router], seed
-    return [*router, "--host", bind, "--port", str(port), "--prometheus-port", str(prometheus_port),
-            "--prometheus-host", bind], seed
+def _launch(runner: Runner, run_dir: str, token: str) -> None:
+    runner.run(["rm", "-f", "--", f"{run_dir}/router.pid", f"{run_dir}/{INFO_FILE}"], timeout=30)
+    result = runner.run(["setsid", "-f", "bash", "-c", _LAUNCH, "pbstk-router", run_dir,
+                         "bash", f"{run_dir}/{ENTRY_SCRIPT}"], env={TOKEN_ENV: token}, timeout=30)
+    if not result.ok:
+        raise RouterError(f"could not start the router on {_where(runner)}: {result.stderr.strip() or result.rc}")
 
 
-def seed_url(bind: str, prometheus_port: int | str) -> str:
-    """The router's own Prometheus endpoint as a worker URL: the seed of a ``SEEDED_POLICIES`` router."""
-    host = reach_address(bind)
-    return f"http://[{host}]:{prometheus_port}" if ":" in host else f"http://{host}:{prometheus_port}"
+def _wait_started(runner: Runner, info: RouterInfo, deadline: float) -> dict[str, Any]:
+    """What the script wrote into ``router.json`` once its router answered; raises with the script's own words
+    when it gave up (no command, no port, the router exited or hung), or when it did not get there in time."""
+    delay = 0.05
+    while True:
+        started = read_started(runner, info.run_dir)
+        if started is not None and str(started.get("port", "")).isdigit():
+            return started
+        if not router_alive(runner, info):
+            words = _script_error(runner, info.run_dir) or "the router's start script ended"
+            raise RouterError(f"the router did not start on {_where(runner)}: {words}",
+                              details=_log_tail(runner, info.run_dir))
+        if time.monotonic() > deadline:
+            stop_router(runner, info, timeout=2)
+            raise RouterError(f"the router on {_where(runner)} did not answer within the time allowed "
+                              f"(log: {info.run_dir}/{LOG_FILE})", details=_log_tail(runner, info.run_dir))
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
 
 
-def _unseed(runner: Runner, info: RouterInfo, reach: str, seed: str) -> None:
-    """Take the seed worker out again (the router answers; nobody has its URL yet): no request ever goes there."""
-    admin = {ADMIN_HEADER: info.admin_token} if info.admin_token else None  # the front's admin API: the owner's
-    status, body = http_request(runner, reach, info.port, f"/remove_worker?url={quote(seed, safe=':/')}",
-                                method="POST", headers=admin)
-    if status != 200:
-        stop_router(runner, info, timeout=2)
-        raise RouterError(f"the router on {_where(runner)} did not remove its start-up worker {seed}: "
-                          f"{status} {body.decode(errors='replace').strip()[:200]}")
+def _script_error(runner: Runner, run_dir: str) -> str:
+    """The last ``pbstk-router: error: ...`` line the start script logged, without its prefix ("": none)."""
+    for line in reversed(_log_tail(runner, run_dir, lines=40)):
+        _, found, words = line.partition(" pbstk-router: error: ")
+        if found:
+            return words
+    return ""
 
 
 def load_info(runner: Runner, run_dir: str) -> RouterInfo | None:

@@ -93,11 +93,6 @@ def router_counters(runner: Runner, rec: ServiceRecord, timeout: float = 5.0) ->
     info = rec.router or {}
     if not info.get("prometheus_port"):
         raise ServerFailed(f"service {rec.name}: the router's Prometheus port is not recorded")
-    try:
-        answer = probe.http_request(runner, info["host"], int(info["prometheus_port"]), "/metrics", timeout=timeout)
-    except OSError as exc:
-        raise ServerFailed(f"cannot reach the router's metrics at {info['host']}:{info['prometheus_port']}: "
-                           f"{exc}") from exc
-    if answer.status != 200:
-        raise ServerFailed(f"the router's metrics answered HTTP {answer.status}")
-    return parse_router_metrics(answer.body.decode("utf-8", "replace"), time.time())
+    text = probe.metrics_text(runner, info["host"], int(info["prometheus_port"]), timeout=timeout,
+                              what=f"the router's metrics at {info['host']}:{info['prometheus_port']}")
+    return parse_router_metrics(text, time.time())

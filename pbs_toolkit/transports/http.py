@@ -1,7 +1,9 @@
-"""HTTP requests to a server *as seen from the runner's machine*.
+"""HTTP requests to a server *as seen from the runner's machine*: the package's one HTTP client.
 
 Over SSH the connection is a ``direct-tcpip`` channel opened by the login node, so compute nodes that are
-not routable from a laptop still answer. ``http.client`` works on any socket-like object.
+not routable from a laptop still answer. ``http.client`` works on any socket-like object. Everything that talks
+HTTP to a server, a replica or a router goes through :func:`http_request` (``tests/test_one_of_each.py`` checks that
+no other module speaks HTTP on a raw socket).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pbs_toolkit.envvars import env_float
+from pbs_toolkit.errors import ServerFailed
 from pbs_toolkit.transports.base import Runner
 
 #: a server that accepts but does not answer costs at most this long per request (``PBSTK_PROBE_TIMEOUT_S``)
@@ -72,24 +75,47 @@ def http_request(
     timeout: float = 5.0,
     method: str = "GET",
     body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    body_limit: int | None = None,
 ) -> HttpAnswer:
-    """One request; raises ``OSError`` (connection refused, timeout) when nothing answers."""
+    """One request; raises ``OSError`` (connection refused, timeout) when nothing answers.
+
+    ``headers`` travel only in the request (a token in them never reaches an argv or a log); at most
+    ``body_limit`` bytes of the answer's body are read (``0``: the status alone), all of it when ``None``.
+    """
     conn = _RunnerConnection(runner, host, port, timeout)
-    headers = {"Accept": "application/json"}
+    sent = {"Accept": "application/json"}
     if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+        sent["Authorization"] = f"Bearer {api_key}"
     if body is not None:
-        headers["Content-Type"] = "application/json"
+        sent["Content-Type"] = "application/json"
+    sent.update(headers or {})
     try:
-        conn.request(method, path, body=body, headers=headers)
+        conn.request(method, path, body=body, headers=sent)
         resp = conn.getresponse()
-        return HttpAnswer(resp.status, resp.read())
+        return HttpAnswer(resp.status, resp.read() if body_limit is None else resp.read(body_limit))
     except (TimeoutError, http.client.HTTPException) as exc:
         raise OSError(f"bad HTTP answer from {host}:{port}{path}: {exc}") from exc
     finally:
         conn.close()
         if conn.stream is not None:
             conn.stream.close()
+
+
+def metrics_text(runner: Runner, host: str, port: int, *, api_key: str | None = None, timeout: float = 5.0,
+                 what: str = "") -> str:
+    """The ``/metrics`` text of the server at ``host:port``: the one fetch of every Prometheus scrape (a vLLM
+    server's, ``perf/scrape.py``; the router's, ``services/router_metrics.py``; status's busy check). Raises
+    ``ServerFailed`` when nothing answered or the answer was not 200 (``what`` names the server in the message);
+    a ``PbstkError`` of the transport (an SSH connection that did not open) passes through."""
+    where = what or f"{host}:{port}/metrics"
+    try:
+        answer = http_request(runner, host, port, "/metrics", api_key=api_key, timeout=timeout)
+    except OSError as exc:
+        raise ServerFailed(f"cannot reach {where}: {exc}") from exc
+    if answer.status != 200:
+        raise ServerFailed(f"{where} answered HTTP {answer.status}")
+    return answer.body.decode("utf-8", "replace")
 
 
 def health(runner: Runner, host: str, port: int, timeout: float | None = None) -> int | None:

@@ -639,13 +639,39 @@ fi
 [ -n "$NCCL_IFNAME" ] && export NCCL_SOCKET_IFNAME=$NCCL_IFNAME
 [ -n "$GLOO_IFNAME" ] && export GLOO_SOCKET_IFNAME=$GLOO_IFNAME
 
+# --- free ports: the one rule for every port a start script picks (vLLM's, the engine's RPC, the router's) ---
+# A port is free when nothing accepts a connection to it on the host it will be reached at (bash's /dev/tcp: no
+# python3 or ss needed on the node). The search starts at a random place in its window and goes round it, so
+# scripts started together on one node rarely pick the same port; one that loses the race anyway (its bind
+# fails) picks again. The router's script (server/start_router.sh) includes this part too.
+# The window of the ports pbstk picks that nobody asks for by number (the engine's RPC, a router's two ports).
+SPARE_PORT_LO=20000
+SPARE_PORT_HI=28999
+# pbstk_port_in_use HOST PORT: does anything accept a connection there?
+pbstk_port_in_use() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
+# pbstk_free_port VAR HOST LO HI [AVOID...]: set VAR to a free port of LO..HI on HOST, none of AVOID; fails (VAR
+# unchanged) when there is none. It assigns rather than prints: $RANDOM in a $(...) subshell may repeat the
+# parent's sequence.
+pbstk_free_port() {
+  local var=$1 host=$2 lo=$3 hi=$4 count start i port
+  shift 4
+  count=$((hi - lo + 1))
+  start=$((RANDOM % count))
+  for ((i = 0; i < count; i++)); do
+    port=$((lo + (start + i) % count))
+    [[ " $* " == *" $port "* ]] && continue
+    pbstk_port_in_use "$host" "$port" && continue
+    printf -v "$var" '%s' "$port"
+    return 0
+  done
+  return 1
+}
+
 # --- port: with FIXED_PORT exactly the requested one (--port N), refused when it is taken. Otherwise a free one
-# in the window of PORT_SPAN ports from the requested one. Each try starts at a random place in the window and
-# goes round it, so servers started together on one node rarely pick the same port; one that loses the race
-# anyway (vLLM could not bind) tries again from another random place, up to PORT_SPAN times ---
+# in the window of PORT_SPAN ports from the requested one, by the free-port rule (free_port.sh); one that loses
+# the race (vLLM could not bind) picks again, up to PORT_SPAN times ---
 PROBE_HOST=$BIND_HOST
 [ "$PROBE_HOST" = "0.0.0.0" ] && PROBE_HOST=127.0.0.1
-pbstk_port_in_use() { (exec 3<>"/dev/tcp/$PROBE_HOST/$1") 2>/dev/null; }
 if [ "$FIXED_PORT" = true ]; then
   PORT_HI=$PORT_LO
 else
@@ -653,16 +679,6 @@ else
   [ "$PORT_HI" -gt 65535 ] && PORT_HI=65535
 fi
 PORT_RACES=0
-# The first free port going round the window from $1.
-pbstk_pick_port() {
-  local count=$((PORT_HI - PORT_LO + 1)) i port
-  for ((i = 0; i < count; i++)); do
-    port=$((PORT_LO + ($1 - PORT_LO + i) % count))
-    pbstk_port_in_use "$port" || { echo "$port"; return 0; }
-  done
-  return 1
-}
-
 # --- the server ---
 if [ "$VLLM_ENTRYPOINT" = api_server ]; then
   VLLM_CMD=(python -m vllm.entrypoints.openai.api_server --model "$MODEL")
@@ -752,17 +768,6 @@ pbstk_engine_flags() {
   esac
 }
 
-# A free port for the engine's RPC (DP coordinator, torch master, Ray GCS) on this node's address, not PORT.
-pbstk_pick_rpc_port() {
-  local i port start=$((20000 + RANDOM % 9000))
-  for ((i = 0; i < 200; i++)); do
-    port=$((start + i))
-    [ "$port" = "$PORT" ] && continue
-    (exec 3<>"/dev/tcp/$ADDRESS/$port") 2>/dev/null || { echo "$port"; return 0; }
-  done
-  return 1
-}
-
 # head.json: what the workers start with; a new attempt number makes every worker restart (eager fallback).
 pbstk_write_head() {
   pbstk_marker "$RUN_DIR/head.json" "address=$ADDRESS" "port=$PORT" "rpc_port=$RPC_PORT" "attempt=$ATTEMPT" \
@@ -819,7 +824,8 @@ pbstk_head_fail() {
 # Ray: the head's `ray start --head` and a bounded wait until `ray status` counts every node.
 pbstk_ray_head() {
   local i count
-  RPC_PORT=$(pbstk_pick_rpc_port) || pbstk_fail "no free port for Ray on $ADDRESS"
+  pbstk_free_port RPC_PORT "$ADDRESS" "$SPARE_PORT_LO" "$SPARE_PORT_HI" "$PORT" \
+    || pbstk_fail "no free port for Ray on $ADDRESS"
   ATTEMPT=1
   pbstk_write_head
   ATTEMPT=0
@@ -1069,18 +1075,16 @@ pbstk_attempt() {
   local -a extra=("$@")
   ATTEMPT=$((ATTEMPT + 1))
   READY=false
-  # PORT stays a number for server.json when no port is free (an assignment from a failed $(...) empties it);
-  # $RANDOM here, not inside $(...): a subshell may repeat the parent's sequence
-  local picked start=$((PORT_LO + RANDOM % (PORT_HI - PORT_LO + 1)))
-  if ! picked=$(pbstk_pick_port "$start"); then
+  # PORT stays a number for server.json when no port is free (pbstk_free_port assigns only what it found)
+  if ! pbstk_free_port PORT "$PROBE_HOST" "$PORT_LO" "$PORT_HI"; then
     [ "$FIXED_PORT" = true ] && pbstk_fail "port $PORT_LO is already in use on $NODE (another server?); launch with --port auto"
     pbstk_fail "no free port in $PORT_LO..$PORT_HI on $NODE"
   fi
-  PORT=$picked
   if [ "$NODE_ROLE" = true ]; then
     # the head: its engine port, then head.json, before its vLLM starts (the workers start from it)
     if [ "$NODE_ENGINE" != ray ]; then
-      RPC_PORT=$(pbstk_pick_rpc_port) || pbstk_fail "no free port for the engine's RPC on $ADDRESS"
+      pbstk_free_port RPC_PORT "$ADDRESS" "$SPARE_PORT_LO" "$SPARE_PORT_HI" "$PORT" \
+        || pbstk_fail "no free port for the engine's RPC on $ADDRESS"
     fi
     pbstk_engine_flags "$ADDRESS" "$RPC_PORT"
     extra+=("${ENGINE_FLAGS[@]}")
@@ -1094,7 +1098,7 @@ pbstk_attempt() {
   pbstk_startup_mark vllm
   pbstk_state "$PHASE_STARTING"
   while kill -0 "$SERVER_PID" 2>/dev/null; do
-    if [ "$READY" = false ] && pbstk_port_in_use "$PORT"; then
+    if [ "$READY" = false ] && pbstk_port_in_use "$PROBE_HOST" "$PORT"; then
       READY=true
       pbstk_state "$PHASE_READY"
       pbstk_coldstart_ready

@@ -42,17 +42,6 @@ pbstk_engine_flags() {
   esac
 }
 
-# A free port for the engine's RPC (DP coordinator, torch master, Ray GCS) on this node's address, not PORT.
-pbstk_pick_rpc_port() {
-  local i port start=$((20000 + RANDOM % 9000))
-  for ((i = 0; i < 200; i++)); do
-    port=$((start + i))
-    [ "$port" = "$PORT" ] && continue
-    (exec 3<>"/dev/tcp/$ADDRESS/$port") 2>/dev/null || { echo "$port"; return 0; }
-  done
-  return 1
-}
-
 # head.json: what the workers start with; a new attempt number makes every worker restart (eager fallback).
 pbstk_write_head() {
   pbstk_marker "$RUN_DIR/head.json" "address=$ADDRESS" "port=$PORT" "rpc_port=$RPC_PORT" "attempt=$ATTEMPT" \
@@ -109,7 +98,8 @@ pbstk_head_fail() {
 # Ray: the head's `ray start --head` and a bounded wait until `ray status` counts every node.
 pbstk_ray_head() {
   local i count
-  RPC_PORT=$(pbstk_pick_rpc_port) || pbstk_fail "no free port for Ray on $ADDRESS"
+  pbstk_free_port RPC_PORT "$ADDRESS" "$SPARE_PORT_LO" "$SPARE_PORT_HI" "$PORT" \
+    || pbstk_fail "no free port for Ray on $ADDRESS"
   ATTEMPT=1
   pbstk_write_head
   ATTEMPT=0

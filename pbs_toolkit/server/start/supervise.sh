@@ -7,18 +7,16 @@ pbstk_attempt() {
   local -a extra=("$@")
   ATTEMPT=$((ATTEMPT + 1))
   READY=false
-  # PORT stays a number for server.json when no port is free (an assignment from a failed $(...) empties it);
-  # $RANDOM here, not inside $(...): a subshell may repeat the parent's sequence
-  local picked start=$((PORT_LO + RANDOM % (PORT_HI - PORT_LO + 1)))
-  if ! picked=$(pbstk_pick_port "$start"); then
+  # PORT stays a number for server.json when no port is free (pbstk_free_port assigns only what it found)
+  if ! pbstk_free_port PORT "$PROBE_HOST" "$PORT_LO" "$PORT_HI"; then
     [ "$FIXED_PORT" = true ] && pbstk_fail "port $PORT_LO is already in use on $NODE (another server?); launch with --port auto"
     pbstk_fail "no free port in $PORT_LO..$PORT_HI on $NODE"
   fi
-  PORT=$picked
   if [ "$NODE_ROLE" = true ]; then
     # the head: its engine port, then head.json, before its vLLM starts (the workers start from it)
     if [ "$NODE_ENGINE" != ray ]; then
-      RPC_PORT=$(pbstk_pick_rpc_port) || pbstk_fail "no free port for the engine's RPC on $ADDRESS"
+      pbstk_free_port RPC_PORT "$ADDRESS" "$SPARE_PORT_LO" "$SPARE_PORT_HI" "$PORT" \
+        || pbstk_fail "no free port for the engine's RPC on $ADDRESS"
     fi
     pbstk_engine_flags "$ADDRESS" "$RPC_PORT"
     extra+=("${ENGINE_FLAGS[@]}")
@@ -32,7 +30,7 @@ pbstk_attempt() {
   pbstk_startup_mark vllm
   pbstk_state "$PHASE_STARTING"
   while kill -0 "$SERVER_PID" 2>/dev/null; do
-    if [ "$READY" = false ] && pbstk_port_in_use "$PORT"; then
+    if [ "$READY" = false ] && pbstk_port_in_use "$PROBE_HOST" "$PORT"; then
       READY=true
       pbstk_state "$PHASE_READY"
       pbstk_coldstart_ready
