@@ -7,7 +7,11 @@ Prints, and exits 1 when there is any:
 * every import cycle between ``pbs_toolkit`` modules, counting EVERY import: top-level, inside a function,
   under ``if TYPE_CHECKING:``. A function-level import only hides a circle, it does not remove it.
   One line per strongly connected group of modules, with one concrete circle through it;
-* every ``from X import _name`` (or ``import X._mod``) that takes a private name from another module.
+* every ``from X import _name`` (or ``import X._mod``) that takes a private name from another module;
+* every import that goes UP a floor of ``LAYERS`` (below), at module level or inside a function, and every
+  top-level module or package that ``LAYERS`` does not place (a new one is given its floor here).
+  An import under ``if TYPE_CHECKING:`` is exempt from the floors (never from the cycles): it names the type of a
+  value that a caller above passes in, which is what the rule asks for, and it runs only under mypy.
 
 An edge goes to the module an import names: ``from pbs_toolkit.jobs import store`` is an edge to
 ``pbs_toolkit.jobs.store``, ``from pbs_toolkit.jobs.store import JobStore`` too. The package ``__init__`` a
@@ -25,6 +29,28 @@ from collections.abc import Iterator
 from pathlib import Path
 
 MAX_LINES = 500
+
+#: The floors, CONTRIBUTING.md "Layout: read this first" in one table: the first name under the package -> its
+#: floor. A module imports its own package and packages on LOWER floors only; packages sharing a floor are peers
+#: that do not import each other. Floor 0 is the neutral modules: they import only one another, all may use them.
+LAYERS: dict[str, int] = {
+    "__init__": 14, "__main__": 14,  # the package's lazy facade (`pbs_toolkit.Client`...), `python -m pbs_toolkit`
+    "cli": 13,
+    "scoped": 12,  # `launched`: a `with` block over a Client
+    "client": 11,
+    "campaigns": 10,  # `pbstk run` and `usage`: run.py gets its Client passed in
+    "services": 9,
+    "endpoints": 8, "perf": 8,
+    "results": 7,  # what the Python API hands back about jobs
+    "jobs": 6,
+    "weights": 5,  # staging and the launch-time preflight: profiles and runners
+    "settings": 4,  # profiles validate their scheduler section through the backend registry below
+    "schedulers": 3,  # backends: argv builders and parsers over a Runner; they read no settings
+    "transports": 2, "vllm": 2,  # how commands run; what vLLM's logs and /metrics say
+    "server": 1,  # what runs inside the job: imports only the neutral modules
+    "errors": 0, "paths": 0, "envvars": 0, "durations": 0, "schema": 0, "signal_scope": 0, "textutil": 0,
+    "version": 0,
+}
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -47,22 +73,55 @@ def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def imports(module: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str, str, int]]:
-    """(imported module, name taken from it or "", line) for every import anywhere in ``path``."""
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """``id`` of every import node under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``), not its ``else``."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if test is not None and (getattr(test, "id", None) or getattr(test, "attr", None)) == "TYPE_CHECKING":
+            found.update(id(sub) for part in node.body for sub in ast.walk(part))
+    return found
+
+
+def imports(module: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str, str, int, bool]]:
+    """(imported module, name taken from it or "", line, under ``if TYPE_CHECKING:``) for every import anywhere
+    in ``path``."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     is_package = path.name == "__init__.py"
+    typing_only = _type_checking_only(tree)
     for node in ast.walk(tree):
+        hint = id(node) in typing_only
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield alias.name, "", node.lineno
+                yield alias.name, "", node.lineno, hint
         elif isinstance(node, ast.ImportFrom):
             source = _absolute(module, is_package, node)
             for alias in node.names:
                 sub = f"{source}.{alias.name}"
                 if sub in known:  # ``from pkg import submodule``
-                    yield sub, "", node.lineno
+                    yield sub, "", node.lineno, hint
                 else:
-                    yield source, alias.name, node.lineno
+                    yield source, alias.name, node.lineno, hint
+
+
+def _floor_name(module: str) -> str:
+    """The name ``LAYERS`` knows a module by: the first name under the package (``__init__`` for the package)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _upward(module: str, target: str) -> bool:
+    """Whether ``module`` importing ``target`` (both inside the package) leaves its floor for one not below it."""
+    mine, theirs = _floor_name(module), _floor_name(target)
+    if mine == theirs or theirs not in LAYERS or mine not in LAYERS:
+        return False
+    return LAYERS[theirs] >= LAYERS[mine] and not LAYERS[mine] == LAYERS[theirs] == 0
+
+
+def _unplaced(known: dict[str, Path]) -> list[str]:
+    """Top-level names the floors do not place, when the package is one ``LAYERS`` describes at all."""
+    names = {_floor_name(m) for m in known} - {"__init__"}
+    return [] if not names & LAYERS.keys() else sorted(names - LAYERS.keys())
 
 
 def _private(name: str) -> bool:
@@ -70,26 +129,32 @@ def _private(name: str) -> bool:
 
 
 def check(root: Path) -> list[str]:
-    """Every problem, one line each (sizes, then cycles, then private imports)."""
+    """Every problem, one line each (sizes, then cycles, then private imports, then floors)."""
     known = modules(root)
     problems: list[str] = []
     graph: dict[str, set[str]] = {m: set() for m in known}
     private: list[str] = []
+    layers = [f"layer: {root.name}.{name} is on no floor: give it one in LAYERS (scripts/check_imports.py)"
+              for name in _unplaced(known)]
     for module, path in known.items():
         lines = len(path.read_text(encoding="utf-8").splitlines())
         if lines > MAX_LINES:
             problems.append(f"size: {path.relative_to(root.parent)} has {lines} lines (over {MAX_LINES})")
-        for target, name, line in imports(module, path, known):
+        for target, name, line, hint in imports(module, path, known):
             if target in known and target != module:
                 graph[module].add(target)
             where = f"{path.relative_to(root.parent)}:{line}"
+            if target in known and not hint and _upward(module, target) and f"{where} imports {target} " not in (
+                    layers[-1] if layers else ""):
+                layers.append(f"layer: {where} imports {target} from floor {LAYERS[_floor_name(target)]} "
+                              f"above its own {_floor_name(module)} (floor {LAYERS[_floor_name(module)]})")
             if target != module and name and _private(name):
                 private.append(f"private: {where} imports {name} from {target}")
             elif not name and any(_private(part) for part in target.split(".")):
                 private.append(f"private: {where} imports the private module {target}")
     for group in _cycles(graph):
         problems.append(f"cycle: {' -> '.join(_circle(graph, group))}  (group: {', '.join(sorted(group))})")
-    return problems + private
+    return problems + private + layers
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
@@ -164,7 +229,8 @@ def main(argv: list[str]) -> int:
     for line in problems:
         print(line)
     if not problems:
-        print(f"{root.name}: no module over {MAX_LINES} lines, no import cycle, no private cross-module import")
+        print(f"{root.name}: no module over {MAX_LINES} lines, no import cycle, no private cross-module import, "
+              "no import up a floor")
     return 1 if problems else 0
 
 
