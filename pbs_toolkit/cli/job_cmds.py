@@ -209,7 +209,7 @@ def _cancel_all(keep_endpoint: bool, as_json: bool) -> None:
     """``cancel --all``: one line per service and job stopped (or a list of cancellation objects); a job that
     could not be stopped gets a warning line, and the first such error decides the exit code at the end."""
     from pbs_toolkit.client import Client
-    from pbs_toolkit.jobs.cancel_all import cancel_all
+    from pbs_toolkit.services.cancel_all import cancel_all
 
     with Client() as c:
         result = cancel_all(c, keep_endpoint=keep_endpoint, on_done=None if as_json else click.echo)

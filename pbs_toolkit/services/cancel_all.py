@@ -10,12 +10,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.jobs.store import JobRecord
+from pbs_toolkit.results import Cancellation
+from pbs_toolkit.services.record import ServiceRecord
 
-if TYPE_CHECKING:
-    from pbs_toolkit.client import Cancellation, Client
+
+class Stopper(Protocol):
+    """What ``cancel_all`` asks of its caller (``Client`` is one): the active services and jobs, and how to stop
+    each. Passed in, so this floor never imports the client above it."""
+
+    def services(self) -> list[ServiceRecord]: ...
+
+    def cancel_service(self, name: ServiceRecord, *, keep_endpoint: bool = False) -> list[Cancellation]: ...
+
+    def records(self) -> list[JobRecord]: ...
+
+    def cancel(self, job: JobRecord, *, keep_endpoint: bool = False) -> bool: ...
 
 
 @dataclass
@@ -28,12 +41,10 @@ class CancelAll:
     failures: list[tuple[str, PbstkError]] = field(default_factory=list)
 
 
-def cancel_all(client: Client, *, keep_endpoint: bool = False,
+def cancel_all(client: Stopper, *, keep_endpoint: bool = False,
                on_done: Callable[[str], None] | None = None) -> CancelAll:
     """Cancel every active service, then every active job that was not one of theirs. One that cannot be
     stopped does not stop the others; its error is in ``failures``. ``on_done`` hears one line per stop."""
-    from pbs_toolkit.client import Cancellation
-
     result = CancelAll()
     said = on_done or (lambda line: None)
     handled: set[str] = set()
