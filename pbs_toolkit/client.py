@@ -23,7 +23,7 @@ from pbs_toolkit.errors import ServerFailed, UsageError
 from pbs_toolkit.perf.api import PerfMethods
 from pbs_toolkit.perf.observe import BenchResult, Diagnosis, Metrics
 from pbs_toolkit.results import Cancellation, Endpoint, Job
-from pbs_toolkit.services.api import ServiceMethods
+from pbs_toolkit.services.api import ServiceMethods, held_replicas
 
 if TYPE_CHECKING:
     from pbs_toolkit.campaigns.usage import UsageReport
@@ -268,7 +268,8 @@ class Client(ServiceMethods, PerfMethods):
         from pbs_toolkit.jobs.clean import clean
 
         return clean(self.store, self.runner, self._status_of, older_than, dry_run,
-                     keep_usage=lambda records: keep_final_accounting(self, records))
+                     keep_usage=lambda records: keep_final_accounting(self, records),
+                     held=lambda: held_replicas(self.store))
 
     def _records(self, show_all: bool) -> list[JobRecord]:
         return [r for r in self.store.all() if show_all or not r.final_state]

@@ -20,7 +20,7 @@ keeps the job's figures in its ledger when it forgets the record (``JobStore.rem
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -150,14 +150,12 @@ def clean_one(runner: Runner, record: JobRecord, dry_run: bool, now: float,
     return item
 
 
-def held_by_services(store: JobStore, records: Sequence[JobRecord], now: float) -> tuple[list[JobRecord],
-                                                                                         list[CleanItem]]:
-    """(the records no active service references, a ``skipped`` item for each one that one does). A service's
-    keeper reads every job its slots name on each tick: an ended replica still named there (a failed one not
-    replaced yet, a drained predecessor) keeps its record until the service lets go of it or ends."""
-    from pbs_toolkit.services.record import all_services
-
-    held = {job: svc.name for svc in all_services(store) for slot in svc.slots for job in slot.jobs()}
+def held_by_services(held: Mapping[str, str], records: Sequence[JobRecord], now: float
+                     ) -> tuple[list[JobRecord], list[CleanItem]]:
+    """(the records no active service references, a ``skipped`` item for each one that one does). ``held``: job
+    id -> the name of the active service whose slots name it. A service's keeper reads every job its slots name
+    on each tick: an ended replica still named there (a failed one not replaced yet, a drained predecessor)
+    keeps its record until the service lets go of it or ends."""
     free, items = [], []
     for record in records:
         if record.job_id in held:
@@ -170,13 +168,14 @@ def held_by_services(store: JobStore, records: Sequence[JobRecord], now: float) 
 
 
 def clean(store: JobStore, runner: Callable[[str], Runner], ask: Callable[[list[JobRecord]], object],
-          older_than: float, dry_run: bool, keep_usage: Callable[[list[JobRecord]], object] | None = None
-          ) -> CleanReport:
+          older_than: float, dry_run: bool, keep_usage: Callable[[list[JobRecord]], object] | None = None, *,
+          held: Callable[[], Mapping[str, str]]) -> CleanReport:
     """Remove the run directories and records of jobs that ended at least ``older_than`` seconds ago
     (``Client.clean``). Jobs not recorded as ended are first ``ask``ed about (a status query per transport); one
     whose scheduler or login node does not answer is left alone. ``runner``: the transport's open runner.
     ``keep_usage`` gets the jobs about to be removed while their run directories still exist (their final
-    accounting is read then); each removed record's usage figures stay in the store's ledger."""
+    accounting is read then); each removed record's usage figures stay in the store's ledger. ``held``: the
+    jobs active services still name (job id -> service name; services/api.py ``held_replicas``), left alone."""
     from pbs_toolkit import paths
     from pbs_toolkit.jobs.store import forget_run_dirs
 
@@ -191,7 +190,7 @@ def clean(store: JobStore, runner: Callable[[str], Runner], ask: Callable[[list[
                                    f" ({exc.message}); they are left alone")
     now = time.time()
     old, report.active, report.recent = select(store.all(), older_than, now)
-    old, report.items = held_by_services(store, old, now)
+    old, report.items = held_by_services(held(), old, now)
     if old and keep_usage is not None and not dry_run:
         keep_usage(old)
     removed_here: set[str] = set()

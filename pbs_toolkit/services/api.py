@@ -29,6 +29,14 @@ if TYPE_CHECKING:
     from pbs_toolkit.transports.tunnel import Tunnel
 
 
+def held_replicas(store: JobStore) -> dict[str, str]:
+    """Job id -> service name, for every job a service not ended still names in its slots: its keeper reads each
+    on every tick, so ``pbstk clean`` leaves their records alone (handed to ``jobs.clean.clean`` by ``Client``)."""
+    from pbs_toolkit.services.record import all_services
+
+    return {job: svc.name for svc in all_services(store) for slot in svc.slots for job in slot.jobs()}
+
+
 class ServiceMethods:
     """Services: several replicas behind one router (services/, docs/services.md); ``Client`` provides the
     members declared here."""
