@@ -212,7 +212,7 @@ def test_cancel_never_signals_a_reused_process_group(tmp_path: Path, monkeypatch
     run_dir.mkdir()
     script = run_dir / "job.pbs"
     script.write_text("#!/bin/bash\n#PBS -l walltime=00:10:00\nsleep 300\n")
-    job_id = LocalScheduler().submit(LocalRunner(), str(script), str(run_dir), "t")
+    job_id = LocalScheduler(id_source=lambda: 1).submit(LocalRunner(), str(script), str(run_dir), "t")
     pid_file = run_dir / ".local-job" / "pid"
     os.killpg(int(pid_file.read_text()), signal.SIGKILL)  # died uncleanly: no exit status
     stranger = subprocess.Popen(["setsid", "sleep", "300"])  # noqa: S603,S607

@@ -6,6 +6,7 @@ whole process group), then ``pbstk launch/status/cancel`` end to end with the st
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -72,9 +73,13 @@ def write_script(run_dir: Path, body: str) -> str:
     return str(script)
 
 
+#: the job store numbers local jobs in a launch; these tests use the backend alone
+_IDS = itertools.count(1)
+
+
 def submit(run_dir: Path, body: str, walltime_s: int = 600) -> tuple[str, JobRef]:
-    job_id = LocalScheduler().submit(LocalRunner(), write_script(run_dir, body), str(run_dir), "t",
-                                     walltime_s=walltime_s)
+    job_id = LocalScheduler(id_source=_IDS.__next__).submit(LocalRunner(), write_script(run_dir, body),
+                                                             str(run_dir), "t", walltime_s=walltime_s)
     return job_id, JobRef(job_id, str(run_dir))
 
 
@@ -123,7 +128,7 @@ def test_job_outlives_the_process_that_submitted_it(job_dir: Path) -> None:
     script = write_script(job_dir, "sleep 300")
     code = ("import sys; from pbs_toolkit.schedulers.local import LocalScheduler; "
             "from pbs_toolkit.transports import LocalRunner; "
-            "print(LocalScheduler().submit(LocalRunner(), sys.argv[1], sys.argv[2], 't'))")
+            "print(LocalScheduler(id_source=lambda: 1).submit(LocalRunner(), sys.argv[1], sys.argv[2], 't'))")
     out = subprocess.run([sys.executable, "-c", code, script, str(job_dir)],  # noqa: S603
                          capture_output=True, text=True, timeout=30, check=True)
     ref = JobRef(out.stdout.strip(), str(job_dir))
@@ -223,3 +228,15 @@ def test_local_fatal_finished_and_walltime(standins: Path, monkeypatch: pytest.M
     assert st["exit_status"] == 0
     st = wait_recorded(slow, "FAILED", timeout=20)
     assert "walltime exceeded" in st["reason"]
+
+
+def test_the_backend_reads_the_job_store_only_through_what_launch_hands_it(job_dir: Path) -> None:
+    """schedulers/ sits below jobs/ (CONTRIBUTING.md "Layout"): a bare backend opens no job store of its own."""
+    from pbs_toolkit.errors import SchedulerError, UsageError
+
+    script = write_script(job_dir, "sleep 300")
+    with pytest.raises(SchedulerError, match="id_source"):
+        LocalScheduler().submit(LocalRunner(), script, str(job_dir), "t")
+    with pytest.raises(UsageError, match="find_job"):
+        LocalScheduler(id_source=lambda: 1).submit(LocalRunner(), script, str(job_dir), "t", after="7.host.local")
+    assert not (job_dir / "job_id").exists()  # refused before anything was written

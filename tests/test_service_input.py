@@ -132,7 +132,7 @@ def _submit(run_dir: Path, **kw: object) -> tuple[str, JobRef]:
     run_dir.mkdir()
     script = run_dir / "job.pbs"
     script.write_text("#!/bin/bash\necho started >\"$PBS_O_WORKDIR/started\"\nsleep 300\n")
-    job_id = LocalScheduler(id_source=_IDS.__next__).submit(
+    job_id = LocalScheduler(id_source=_IDS.__next__, find_job=JobStore().find).submit(
         LocalRunner(), str(script), str(run_dir), "t", walltime_s=600, **kw)  # type: ignore[arg-type]
     return job_id, JobRef(job_id, str(run_dir))
 

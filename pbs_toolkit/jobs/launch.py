@@ -116,6 +116,7 @@ def launch(
                           note=stderr_note)  # an offline profile's nodes must find the weights: refused before queuing
         scheduler = get_scheduler(rendered.profile.scheduler)
         scheduler.id_source = functools.partial(store.next_id, scheduler.name)  # backends that number their jobs
+        scheduler.find_job = store.find  # and those that read the store's record of ``after``
         with file_lock(store.path.parent / ".launch.lock", store.timeout, store.path):
             _refuse_active_name(store, runner, rendered.job_name, transport)
             intent = store.add_intent(record)  # the plan is on disk before anything is submitted

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import SchedulerError, SchedulerUnavailable, TransportError
@@ -99,6 +99,16 @@ class Accounting:
     final: bool = False
 
 
+class RecordedJob(Protocol):
+    """What a backend may read of a job the store recorded (``jobs.store.JobRecord`` is one)."""
+
+    @property
+    def scheduler(self) -> str: ...
+
+    @property
+    def run_dir(self) -> str: ...
+
+
 class Scheduler:
     """One backend. Everything scheduler-specific lives in its module; CONTRIBUTING.md lists what to provide."""
 
@@ -135,8 +145,12 @@ class Scheduler:
     #: jobs run on the host that submits them, no compute nodes (``local``): replicas of a service share its ports
     #: and GPUs, several "nodes" are stand-ins on it, and a cluster's login node is no place for one by default
     runs_on_submit_host: bool = False
-    #: hands out numbers never used before, for backends that make their own job ids (launch sets it)
+    #: hands out numbers never used before, for backends that make their own job ids (launch sets it from the
+    #: job store: a backend never opens the store, a floor above it)
     id_source: Callable[[], int] | None = None
+    #: the job store's record of a job id, ``JobNotFound`` if none (launch sets it): what a backend whose job ids
+    #: say nothing about where a job runs (``local``) knows of ``after``
+    find_job: Callable[[str], RecordedJob] | None = None
 
     def validate_profile(self, profile: Any, where: str) -> None:
         """Refuse profile values this backend cannot use safely (``ConfigError``/``UsageError``)."""

@@ -17,7 +17,6 @@ profile (``submit(walltime_s=...)``), not from the script's text.
 
 from __future__ import annotations
 
-import functools
 import re
 import secrets
 import socket
@@ -25,8 +24,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pbs_toolkit.errors import SchedulerError, UsageError
-from pbs_toolkit.schedulers.base import Accounting, JobRef, Outcome, SchedState, Scheduler, SchedulerJob, first_line
+from pbs_toolkit.errors import JobNotFound, SchedulerError, UsageError
+from pbs_toolkit.schedulers.base import (
+    Accounting,
+    JobRef,
+    Outcome,
+    RecordedJob,
+    SchedState,
+    Scheduler,
+    SchedulerJob,
+    first_line,
+)
 from pbs_toolkit.schedulers.pbs import PBSKeys, PBSScheduler, validate_directives
 from pbs_toolkit.transports.base import Runner
 
@@ -166,17 +174,18 @@ class LocalScheduler(Scheduler):
     def stop_hint(self, job_id: str, run_dir: str) -> str:
         return f"kill -TERM -- -$(cat {run_dir}/{SPOOL}/pid)"
 
-    def __init__(self, walltime_seconds: int = 4 * 3600, id_source: Callable[[], int] | None = None) -> None:
+    def __init__(self, walltime_seconds: int = 4 * 3600, id_source: Callable[[], int] | None = None,
+                 find_job: Callable[[str], RecordedJob] | None = None) -> None:
         self.walltime_seconds = walltime_seconds
-        #: hands out numbers never used before (``JobStore.next_id``; launch passes its own store)
+        #: hands out numbers never used before (``JobStore.next_id``; launch passes its own store's)
         self.id_source = id_source
+        self.find_job = find_job
 
     def new_job_id(self, runner: Runner) -> str:
         """``<counter>.<host>.local``: unique per job store, and says where the job runs."""
         if self.id_source is None:
-            from pbs_toolkit.jobs.store import JobStore
-
-            self.id_source = functools.partial(JobStore().next_id, self.name)
+            raise SchedulerError("a local job is numbered by the job store: set the scheduler's id_source "
+                                 "(jobs/launch.py passes the store's next_id)")
         host = socket.gethostname() if runner.name == "local" else runner.name.split(":", 1)[-1]
         host = re.sub(r"[^A-Za-z0-9-]+", "-", host.split(".", 1)[0]).strip("-") or "host"
         return f"{self.id_source()}.{host}.local"
@@ -210,11 +219,11 @@ class LocalScheduler(Scheduler):
     def _after_spool(self, after: str) -> str:
         """The spool of local job ``after`` (from the job store: a local job id says nothing about its run
         directory), whose start the new job waits for."""
-        from pbs_toolkit.errors import JobNotFound
-        from pbs_toolkit.jobs.store import JobStore
-
+        if self.find_job is None:
+            raise UsageError("after: a local job finds the job it waits for in the job store: set the "
+                             "scheduler's find_job (jobs/launch.py passes the store's find)")
         try:
-            record = JobStore().find(after)
+            record = self.find_job(after)
         except JobNotFound:
             raise UsageError(f"after: no local job {after!r} in the job store") from None
         if record.scheduler != self.name:
