@@ -16,7 +16,6 @@ SCRIPT = ROOT / "scripts" / "check_imports.py"
 #: problems known and not yet fixed, as patterns: each must still match a problem (a fixed one is taken off), and
 #: nothing else may be a problem.
 PENDING: set[str] = {
-    r"layer: pbs_toolkit/server/coldstart.py:\d+ imports pbs_toolkit.settings.vllm_flags ",
     r"layer: pbs_toolkit/transports/ssh_mux.py:\d+ imports pbs_toolkit.settings.config ",
 }
 

@@ -25,6 +25,7 @@ from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, 
 from pbs_toolkit.settings.layout import NodePlan
 from pbs_toolkit.settings.presets import Preset
 from pbs_toolkit.settings.profiles import Profile
+from pbs_toolkit.settings.vllm_flags import api_key_channel
 from pbs_toolkit.transports.base import Runner
 from pbs_toolkit.version import __version__
 from pbs_toolkit.vllm.startup import COMPILE_ERROR_RE, PORT_IN_USE_RE
@@ -131,6 +132,8 @@ def script_context(plan: LaunchPlan) -> dict[str, Any]:
         "proxy": any(k.lower() in ("http_proxy", "https_proxy") for k in plan.env),
         "phase_lines": bash_assignments(), "plan": plan.nodes,
         **coldstart_context(plan.model, plan.preset.layout(), plan.nodes.nnodes, plan.profile),
+        # where vLLM gets the API key: not VLLM_API_KEY, which vLLM <= 0.22 puts into the compile cache's key
+        "api_key_via": api_key_channel(plan.profile.vllm_version),
         "idle_cancel_s": watch_seconds(plan.profile.idle_cancel), "lease_s": plan.lease_s,
     }
 

@@ -12,8 +12,6 @@ import re
 import shlex
 from typing import Any
 
-from pbs_toolkit.settings.vllm_flags import DEFAULT_VLLM_VERSION, api_key_channel
-
 #: container runtimes pbstk knows (the same ``exec --nv --bind`` syntax)
 CONTAINER_RUNTIMES = ("apptainer", "singularity")
 
@@ -42,8 +40,6 @@ def coldstart_context(model: str, layout: str, nnodes: int, profile: Any) -> dic
     return {
         "cache_key_model": model_key(model), "cache_key_layout": layout_key(layout, nnodes),
         "container_image": profile.container or "", "container_runtime": profile.container_runtime,
-        # where vLLM gets the API key: not VLLM_API_KEY, which vLLM <= 0.22 puts into the compile cache's key
-        "api_key_via": api_key_channel(getattr(profile, "vllm_version", "") or DEFAULT_VLLM_VERSION),
     }
 
 
