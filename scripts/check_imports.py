@@ -33,6 +33,7 @@ MAX_LINES = 500
 #: The floors, CONTRIBUTING.md "Layout: read this first" in one table: the first name under the package -> its
 #: floor. A module imports its own package and packages on LOWER floors only; packages sharing a floor are peers
 #: that do not import each other. Floor 0 is the neutral modules: they import only one another, all may use them.
+#: A dotted name places one module apart from its package (it then obeys its own floor, not its package's).
 LAYERS: dict[str, int] = {
     "__init__": 14, "__main__": 14,  # the package's lazy facade (`pbs_toolkit.Client`...), `python -m pbs_toolkit`
     "cli": 13,
@@ -50,6 +51,7 @@ LAYERS: dict[str, int] = {
     "server": 1,  # what runs inside the job: imports only the neutral modules
     "errors": 0, "paths": 0, "envvars": 0, "durations": 0, "schema": 0, "signal_scope": 0, "textutil": 0,
     "version": 0,
+    "settings.yamlio": 0,  # the YAML loader and the user's config.yaml: neutral, kept beside its main users
 }
 
 
@@ -105,8 +107,11 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[s
 
 
 def _floor_name(module: str) -> str:
-    """The name ``LAYERS`` knows a module by: the first name under the package (``__init__`` for the package)."""
+    """The name ``LAYERS`` knows a module by: the first name under the package (``__init__`` for the package), or
+    a longer dotted name that ``LAYERS`` places apart from its package (``settings.yamlio``)."""
     parts = module.split(".")
+    if ".".join(parts[1:3]) in LAYERS:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else "__init__"
 
 

@@ -16,7 +16,6 @@ SCRIPT = ROOT / "scripts" / "check_imports.py"
 #: problems known and not yet fixed, as patterns: each must still match a problem (a fixed one is taken off), and
 #: nothing else may be a problem.
 PENDING: set[str] = {
-    r"layer: pbs_toolkit/transports/ssh_mux.py:\d+ imports pbs_toolkit.settings.config ",
 }
 
 
@@ -105,3 +104,16 @@ def test_a_type_hint_from_above_is_allowed_and_an_unplaced_package_is_named(tmp_
     rc, problems = check(pkg)
     assert rc == 1
     assert problems == ["layer: pkg.gadgets is on no floor: give it one in LAYERS (scripts/check_imports.py)"]
+
+
+def test_a_module_placed_apart_from_its_package_obeys_its_own_floor(tmp_path: Path) -> None:
+    """``settings.yamlio`` is on floor 0 though ``settings`` is on 4: transports may read the user's config
+    through it, and it may not import the rest of settings."""
+    pkg = write(tmp_path / "pkg", {**FLOORS, "settings/__init__.py": "", "settings/config.py": "",
+                                   "settings/yamlio.py": "from pkg import paths\n",
+                                   "transports/__init__.py": "",
+                                   "transports/ssh.py": "from pkg.settings import yamlio\n"})
+    assert check(pkg) == (0, [])
+    write(pkg, {"settings/yamlio.py": "def f():\n    from pkg.settings import config\n"})
+    assert check(pkg) == (1, ["layer: pkg/settings/yamlio.py:2 imports pkg.settings.config from floor 4 above its "
+                              "own settings.yamlio (floor 0)"])

@@ -26,7 +26,7 @@ from typing import Any
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError
 from pbs_toolkit.schedulers import BACKENDS
-from pbs_toolkit.settings.yamlio import load_yaml_mapping
+from pbs_toolkit.settings.yamlio import user_config
 
 #: setting -> environment variable; integers are converted
 ENV_VARS: dict[str, str] = {
@@ -112,13 +112,6 @@ class Settings:
                 else:
                     env[key] = value
         return env
-
-
-def user_config() -> dict[str, Any]:
-    path = paths.user_config_dir() / "config.yaml"
-    if not path.is_file():
-        return {}
-    return load_yaml_mapping(path)
 
 
 def _checked(source: str, where: str, key: str, value: Any) -> Any:

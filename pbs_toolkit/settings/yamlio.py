@@ -1,11 +1,23 @@
-"""Loading YAML data files (presets, profiles, user config) with errors that name the file and key."""
+"""Loading YAML data files (presets, profiles, user config) with errors that name the file and key.
+
+A neutral module that lives beside its main users: it imports only the neutral modules, so every floor may
+read the user's config through it (scripts/check_imports.py LAYERS places it on floor 0)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError
+
+
+def user_config() -> dict[str, Any]:
+    """The user's ``config.yaml`` (XDG config directory) as a mapping; ``{}`` when there is none."""
+    path = paths.user_config_dir() / "config.yaml"
+    if not path.is_file():
+        return {}
+    return load_yaml_mapping(path)
 
 
 def require_file(path: Path, what: str) -> None:

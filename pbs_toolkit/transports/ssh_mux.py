@@ -33,7 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError, TransportError
+from pbs_toolkit.settings.yamlio import user_config
 
 if TYPE_CHECKING:
     from pbs_toolkit.transports.ssh_destination import SSHDestination
@@ -72,9 +74,6 @@ def persist_seconds() -> float:
     raw: Any = os.environ.get(PERSIST_ENV)
     source = PERSIST_ENV
     if raw is None or raw == "":
-        from pbs_toolkit import paths
-        from pbs_toolkit.settings.config import user_config
-
         raw = user_config().get("ssh_persist")
         source = f"{paths.user_config_dir() / 'config.yaml'}: key 'ssh_persist'"
         if raw is None:
