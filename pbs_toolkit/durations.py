@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from pbs_toolkit.errors import UsageError
+
 
 def short(seconds: float) -> str:
     """``seconds`` as at most two units, rounded down: a countdown never shows more time than is left."""
@@ -50,8 +52,6 @@ def parse(text: object, what: str, *, off: bool = False, zero: bool = False, bar
     empty, as a profile key says it) and any zero (``0``, ``0s``) give ``0``, switched off; ``zero``: a zero is a
     value (``clean --older-than 0``). ``bare=False``: a plain number needs a unit (where ``7`` could mean days).
     Anything else is one ``UsageError`` naming ``what``."""
-    from pbs_toolkit.errors import UsageError
-
     raw = str(text).strip().lower()
     if off and raw in ("", "off", "none"):
         return 0.0

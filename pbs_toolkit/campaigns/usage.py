@@ -16,11 +16,13 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pbs_toolkit.campaigns import counters
 from pbs_toolkit.errors import JobNotFound, PbstkError, UsageError
 from pbs_toolkit.jobs.records import ACCOUNTING_KEY, find_in
+from pbs_toolkit.schema import stamp
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.store import JobRecord, JobStore
@@ -113,8 +115,6 @@ class UsageReport:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        from pbs_toolkit.schema import stamp
-
         return stamp("usage", {
             "jobs": [r.to_dict() for r in self.jobs],
             "services": [{"service": s.label, **s.to_dict()} for s in self.services],
@@ -141,8 +141,6 @@ def per_gpu_hour(tokens: float | None, gpu_hours: float | None) -> float | None:
 def parse_since(text: str, now: float | None = None) -> float:
     """``--since``: a date (``2026-11-25``), a date and time (``2026-11-25T10:00``, ``2026-11-25 10:00:00``,
     local time) or an age (``90m``, ``12h``, ``7d``, ``2w``) -> epoch seconds."""
-    from datetime import datetime
-
     from pbs_toolkit.durations import parse, seconds_of
 
     value = text.strip()

@@ -6,9 +6,11 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from pbs_toolkit.endpoints.no_proxy import no_proxy_value
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.status import JobStatus
 from pbs_toolkit.jobs.store import JobRecord
+from pbs_toolkit.schema import stamp
 
 
 @dataclass
@@ -22,8 +24,6 @@ class EndpointUpdate:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``registry_entry`` object of ``update-endpoint --json`` (docs/json.md)."""
-        from pbs_toolkit.schema import stamp
-
         return stamp("registry_entry", self.__dict__)
 
 
@@ -138,7 +138,6 @@ def env_values(st: JobStatus, local_url: str | None = None) -> dict[str, str]:
     else:  # registries name NO_KEY_ENV for such servers; vLLM accepts any key when it has none
         values["OPENAI_API_KEY"] = "EMPTY"
         values[NO_KEY_ENV] = "EMPTY"
-    from pbs_toolkit.endpoints.no_proxy import no_proxy_value
 
     values["NO_PROXY"] = values["no_proxy"] = no_proxy_value(base)  # a site's http_proxy cannot reach the node
     return values

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from pbs_toolkit import paths
 from pbs_toolkit.errors import RegistryError
 
 LOCK_TIMEOUT_S = 60.0
@@ -24,8 +25,6 @@ MODE_SECRET = 0o600
 
 def lock_path(path: Path) -> Path:
     """``<state dir>/locks/<sha256 of realpath(path)>.lock``: one lock per real file, whatever name reached it."""
-    from pbs_toolkit import paths
-
     digest = hashlib.sha256(os.fsencode(os.path.realpath(path))).hexdigest()
     return paths.user_state_dir() / "locks" / f"{digest}.lock"
 

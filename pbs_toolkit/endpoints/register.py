@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pbs_toolkit.errors import JobNotFound
+
 if TYPE_CHECKING:
     from pbs_toolkit.endpoints import EndpointUpdate
     from pbs_toolkit.endpoints.retire import Removal
@@ -58,7 +60,6 @@ def remove_ref(store: JobStore, ref: str, registry: str | None, *, fmt: str = "a
     ones too. Nothing to remove is one ``absent`` outcome, not an error."""
     from pbs_toolkit.endpoints.registry import check_target, read_endpoints, remove_endpoint
     from pbs_toolkit.endpoints.retire import ABSENT, REMOVED, Removal, retire
-    from pbs_toolkit.errors import JobNotFound
 
     target, kind = check_target(registry, fmt, follow_symlink=follow_symlink, force_format=force_format)
     current = read_endpoints(target, kind).get(ref)

@@ -10,6 +10,7 @@ gone is nothing to do; one that cannot be written is one warning line, never a f
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -66,8 +67,6 @@ def retire_entry(entry: RegistryEntry) -> Removal:
 
     One locked read-check-remove: the file is parsed once for the check (a 4 MB ``endpoints.py`` in about as
     long as a write takes), never read beforehand without the lock."""
-    import os
-
     from pbs_toolkit.endpoints.registry import remove_entry
 
     def outcome(kind: str, detail: str | None = None) -> Removal:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pbs_toolkit import paths
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.store import FINAL_AT_KEY, JOB_ID_MARKER, RECORD_MARKER, JobRecord, JobStore
 from pbs_toolkit.schema import stamp
@@ -176,7 +177,6 @@ def clean(store: JobStore, runner: Callable[[str], Runner], ask: Callable[[list[
     ``keep_usage`` gets the jobs about to be removed while their run directories still exist (their final
     accounting is read then); each removed record's usage figures stay in the store's ledger. ``held``: the
     jobs active services still name (job id -> service name; services/api.py ``held_replicas``), left alone."""
-    from pbs_toolkit import paths
     from pbs_toolkit.jobs.store import forget_run_dirs
 
     report = CleanReport(older_than, dry_run)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import secrets
 import signal
 import sys
@@ -50,8 +51,6 @@ class LaunchResult:
 
 def key_env_name(alias: str) -> str:
     """The environment variable registries name for this job's key: ``PBSTK_KEY_<ALIAS>``."""
-    import re
-
     return "PBSTK_KEY_" + re.sub(r"[^A-Z0-9]+", "_", alias.upper()).strip("_")
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.logs import tail_lines
 from pbs_toolkit.transports import Runner
 
@@ -229,8 +230,6 @@ def node_log_path(runner: Runner, run_dir: str, job_id: str, rank: int) -> str:
     """The log of node ``rank`` (``logs --node K``); a rank the job does not have is a ``UsageError`` naming
     how many nodes it has. Before the job started its node count is not known: any rank is taken then (``-f``
     waits for the file to appear)."""
-    from pbs_toolkit.errors import UsageError
-
     if rank < 0:
         raise UsageError(f"--node must be 0 (the head) or more, not {rank}")
     if rank == 0:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -90,8 +91,6 @@ def forget_run_dirs(state_dir: Path, removed: set[str]) -> None:
 
     Rewritten to a temp file and renamed over the log; a launch appending meanwhile may lose its line, which
     only matters if the store is lost too (its job is then not re-adopted). Best effort: errors are ignored."""
-    import contextlib
-
     log = state_dir / "run_dirs.log"
     with contextlib.suppress(OSError):
         lines = log.read_bytes().decode("utf-8", "replace").splitlines()

@@ -7,8 +7,10 @@ One job per preset, one after another (each frees its GPUs before the next start
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,8 +21,9 @@ from pbs_toolkit.jobs.plan import slug
 from pbs_toolkit.jobs.render import render
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.perf.benchjob import LevelResult
-from pbs_toolkit.schema import STAMP_KEYS
+from pbs_toolkit.schema import STAMP_KEYS, stamp
 from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, settings_of
+from pbs_toolkit.textutil import table
 from pbs_toolkit.transports import Runner
 from pbs_toolkit.version import __version__
 
@@ -102,8 +105,6 @@ class TuneReport:
 
     def to_dict(self) -> dict[str, Any]:
         """The saved document, also ``tune --json``: a ``tune_report`` object (docs/json.md)."""
-        from pbs_toolkit.schema import stamp
-
         data = {key: getattr(self, key) for key in self._KEYS}
         data["runs"] = [run.to_dict() for run in self.runs]
         return stamp("tune_report", {**data, **self.other})
@@ -163,8 +164,6 @@ def run_tune(
     Everything goes through one transport: over SSH one connection (one MFA prompt) serves the whole run.
     ``base`` (a ``RenderRequest`` is resolved first) is resolved once for every preset.
     """
-    from contextlib import nullcontext
-
     from pbs_toolkit.transports import open_runner
 
     base = settings_of(base)
@@ -300,7 +299,6 @@ def render_table(doc: TuneReport) -> str:
         headers += [f"c={c} tok/s", f"c={c} x"]
     headers += ["TTFT p50 ms (c=1)"]
     rows = [_row(run, baseline, concurrencies) for run in doc.runs]
-    from pbs_toolkit.textutil import table
 
     lines = [f"model {doc.model}, {doc.input_len} in / {doc.output_len} out tokens, "
              f"output tokens/s (single runs); x = ratio to {doc.baseline or '-'}", "",
@@ -393,8 +391,6 @@ def tune(req: LaunchSettings | RenderRequest, presets: Sequence[str], *, store: 
     """``run_tune`` saved as ``Client.tune`` promises: ``save`` under pbstk's data dir; ``output`` there instead,
     after each preset too (an interrupted tune keeps what it measured); ``append`` merges into the runs already
     in ``output``. ``progress`` hears each step, and ``saved PATH`` at the end. ``options``: ``run_tune``'s."""
-    import os
-
     earlier = load_result(output) if append and output and os.path.exists(output) else None
 
     def checkpoint(partial: TuneReport) -> None:

@@ -3,8 +3,10 @@ the heartbeat it leaves for ``status`` (the keeper's ticks themselves: services/
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,7 +35,6 @@ def spawn_keeper(name: str, wait_s: float = 10.0) -> int:
     """``python -m pbs_toolkit _keeper NAME`` in its own session, logging to the service dir; its pid once it
     holds its lock (so ``status`` right after never says it is not running)."""
     import subprocess
-    import sys
 
     directory = service_dir(name)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -56,8 +57,6 @@ def spawn_keeper(name: str, wait_s: float = 10.0) -> int:
 
 def keeper_alive(name: str) -> bool:
     """Whether a keeper holds the service's lock (a lock, not a pid: a reused pid can never look alive)."""
-    import fcntl
-
     path = service_dir(name) / "keeper.lock"
     if not path.exists():
         return False
@@ -74,7 +73,6 @@ def keeper_alive(name: str) -> bool:
 def stop_keeper(name: str, timeout: float) -> None:
     """Wait for the keeper to see the service ended; then SIGTERM it (only the process holding our token)."""
     import json
-    import signal
 
     from pbs_toolkit.jobs.store import launcher_alive
 

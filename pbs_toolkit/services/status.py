@@ -9,7 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pbs_toolkit.errors import JobNotFound, PbstkError
+from pbs_toolkit.errors import JobNotFound, PbstkError, ServerFailed, WaitTimeout
+from pbs_toolkit.schema import stamp
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services import restarts
 from pbs_toolkit.services.keeper_process import keeper_alive, last_tick, poll_seconds
@@ -69,8 +70,6 @@ class ServiceStatus:
 
     def to_dict(self) -> dict[str, Any]:
         """A ``service`` object (docs/json.md): no key in it."""
-        from pbs_toolkit.schema import stamp
-
         rec = self.record
         return stamp("service", {
             "name": rec.name, "model": rec.model, "served_model_name": rec.served_model_name,
@@ -177,7 +176,6 @@ def wait(session: ServiceSession, rec: ServiceRecord, timeout: float,
     """Block until the service is READY N/N, routable (``WaitTimeout``; ``ServerFailed`` when the service
     ended or every replica failed). The scheduler is asked on the usual ramp; the router every ``ROUTE_POLL_S``
     in between, and a router with enough workers answering the key is confirmed by one full look at once."""
-    from pbs_toolkit.errors import ServerFailed, WaitTimeout
     from pbs_toolkit.jobs.readiness import scheduler_intervals
 
     start = time.monotonic()

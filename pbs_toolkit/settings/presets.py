@@ -7,12 +7,14 @@ shipped name replaces it). ``auto`` is resolved at render time from the model si
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError, UsageError
+from pbs_toolkit.schema import stamp
 from pbs_toolkit.settings.yamlio import Fields, load_yaml_mapping, require_file
 
 _KEYS = {
@@ -72,8 +74,6 @@ class Preset:
 
     def to_dict(self) -> dict[str, Any]:
         """A ``preset`` object (``presets --json``, ``presets show --json``; docs/json.md)."""
-        from pbs_toolkit.schema import stamp
-
         return stamp("preset", {
             "name": self.name, "summary": self.summary, "layout": "auto" if self.auto else self.layout(),
             "gpus": None if self.auto else self.gpus, "auto": self.auto, "device": self.device,
@@ -211,8 +211,6 @@ def preset_for_layout(tensor_parallel: int, data_parallel: int) -> str:
 
 def params_from_name(model: str) -> float | None:
     """Parameter count in billions from names like ``Qwen3-VL-2B-Instruct``, ``Llama-3.1-70B``, ``0.5B``."""
-    import re
-
     found = re.findall(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)\s*([BbMm])(?![A-Za-z])", model.split("/")[-1])
     for number, unit in reversed(found):
         value = float(number)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import fnmatch
 import shutil
 import socket
+from dataclasses import replace
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from pbs_toolkit.schedulers import BACKENDS
@@ -58,8 +59,6 @@ def on_login_host(profile: Placed) -> bool:
 
 def without_ssh_here(profile: P, explicit: set[str]) -> P:
     """``profile`` without its ``ssh_host`` on one of its own login hosts, unless ``ssh_host`` was set explicitly."""
-    from dataclasses import replace
-
     if profile.ssh_host and "ssh_host" not in explicit and on_login_host(profile):
         return replace(profile, ssh_host=None)
     return profile

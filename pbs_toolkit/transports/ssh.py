@@ -38,6 +38,7 @@ from pbs_toolkit.transports.ssh_destination import (
 )
 from pbs_toolkit.transports.ssh_mux import MuxClient, persist_seconds
 from pbs_toolkit.transports.ssh_sftp import SftpFile
+from pbs_toolkit.transports.trace import log_command
 
 __all__ = [
     "AUTH_TIMEOUT_S",
@@ -231,8 +232,6 @@ class SSHRunner(SSHDestination, Runner):
         timeout: float | None = 60.0,
         cwd: str | None = None,
     ) -> Result:
-        from pbs_toolkit.transports.trace import log_command  # ``pbstk -v``; here so the hook is one hunk
-
         log_command(f"ssh {self.host}", argv, env=env, cwd=cwd, stdin=stdin)
         command = build_remote_command(argv, env, cwd)
         mux = self._holder()

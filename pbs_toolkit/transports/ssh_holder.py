@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.transports.ssh_channel import feed_stdin
 from pbs_toolkit.transports.ssh_mux import SESSION_QUEUE_S, dropped_marker, peer_uid, read_line, send_frame, send_line
 
 _CHUNK = 65536
@@ -291,8 +293,6 @@ class Holder:
                     return None
 
     def _exec(self, conn: socket.socket, transport: Any, command: str, stdin: Any) -> None:
-        from pbs_toolkit.transports.ssh_channel import feed_stdin
-
         def start() -> Any:
             channel = transport.open_session(timeout=self.runner.connect_timeout)
             channel.exec_command(command)
@@ -403,7 +403,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.fork() > 0:  # the starter waits for this process only; the holder lives on, adopted by init
         os._exit(0)
     ready = os.fdopen(args.ready_fd, "w", encoding="utf-8")
-    from pbs_toolkit.errors import PbstkError
     from pbs_toolkit.transports.ssh import SSHRunner
 
     try:

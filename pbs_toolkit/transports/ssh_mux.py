@@ -16,6 +16,7 @@ one JSON line (``{"ok": true, ...}`` or ``{"ok": false, "code": ..., "error": ..
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError, TransportError
+from pbs_toolkit.schema import stamp
 from pbs_toolkit.settings.yamlio import user_config
 
 if TYPE_CHECKING:
@@ -107,7 +109,6 @@ def socket_dir() -> Path:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
         return _private_dir(Path(runtime) / "pbstk")
-    from pbs_toolkit import paths
 
     return _private_dir(paths.user_state_dir() / "ssh")
 
@@ -321,8 +322,6 @@ class MuxClient:
 @contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
     """An exclusive ``flock`` on ``path`` (0600, in the private socket dir) for the duration of the block."""
-    import fcntl
-
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -403,8 +402,6 @@ class HolderInfo:
     active: int
 
     def public(self) -> dict[str, Any]:
-        from pbs_toolkit.schema import stamp
-
         return stamp("ssh_connection", self.__dict__)
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pbs_toolkit.errors import TransportError, UsageError
+from pbs_toolkit.schema import stamp
 from pbs_toolkit.signal_scope import handled_by
 from pbs_toolkit.transports.base import Runner
 
@@ -78,8 +79,6 @@ class Tunnel:
 
     def to_dict(self, status: Any = None) -> dict[str, Any]:
         """A ``tunnel`` object (``tunnel --json``; docs/json.md); ``status``: the job's READY ``JobStatus``."""
-        from pbs_toolkit.schema import stamp
-
         record = getattr(status, "record", None)
         return stamp("tunnel", {
             "job_id": record.job_id if record else None, "model": record.served_model_name if record else None,

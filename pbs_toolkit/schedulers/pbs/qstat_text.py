@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pbs_toolkit import paths
+
 #: a remembered "batched JSON lists only the first job" is tried again after this long (servers get upgraded)
 REMEMBER_S = 24 * 3600.0
 _ATTR = re.compile(r"^    ([A-Za-z_][\w-]*)(?:\.([\w.-]+))? = (.*)$")
@@ -66,8 +68,6 @@ def unknown_ids(stderr: str) -> set[str]:
 
 
 def _memory_path() -> Path:
-    from pbs_toolkit import paths
-
     return paths.user_state_dir() / "pbs-json-batching.json"
 
 
