@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from pbs_toolkit.errors import PbstkError
-from pbs_toolkit.transports.ssh_channel import feed_stdin
 from pbs_toolkit.transports.ssh_mux import SESSION_QUEUE_S, dropped_marker, peer_uid, read_line, send_frame, send_line
 
 _CHUNK = 65536
@@ -293,6 +292,8 @@ class Holder:
                     return None
 
     def _exec(self, conn: socket.socket, transport: Any, command: str, stdin: Any) -> None:
+        from pbs_toolkit.transports.ssh_channel import feed_stdin  # paramiko: loaded once the holder has a login
+
         def start() -> Any:
             channel = transport.open_session(timeout=self.runner.connect_timeout)
             channel.exec_command(command)
