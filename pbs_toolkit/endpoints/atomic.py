@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pbs_toolkit import paths
+from pbs_toolkit.endpoints.target import describe
 from pbs_toolkit.errors import RegistryError
 
 LOCK_TIMEOUT_S = 60.0
@@ -63,8 +64,6 @@ def read_text(path: Path, *, follow: bool = True) -> str | None:
     ``O_NONBLOCK`` and ``fstat`` on the descriptor in case the path changed in between. ``follow=False`` adds
     ``O_NOFOLLOW`` for writers, which have resolved the path already.
     """
-    from pbs_toolkit.endpoints.target import describe
-
     try:
         kind = describe((os.stat if follow else os.lstat)(path).st_mode)
         if kind is not None:

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pbs_toolkit.endpoints import atomic, check_registry, update_endpoint
+from pbs_toolkit.endpoints.registry import check_target, parse_text, put_back, read_endpoints, remove_endpoint
+from pbs_toolkit.endpoints.retire import refuse_kept_tunnel, remember
 from pbs_toolkit.errors import JobNotFound
 
 if TYPE_CHECKING:
@@ -28,9 +31,6 @@ def register(store: JobStore, record: Callable[[], JobRecord], ready: Callable[[
              notice: Callable[[Removal], Any] | None = None) -> EndpointUpdate:
     """Check ``registry`` for ``record()``, wait until ``ready``, then write its endpoint (``tunnel``: through a
     tunnel it opens, its local URL) and remember the entry with the job (``keep_after_end``: kept for good)."""
-    from pbs_toolkit.endpoints import check_registry, update_endpoint
-    from pbs_toolkit.endpoints.retire import refuse_kept_tunnel, remember
-
     refuse_kept_tunnel(tunnel is not None, keep_after_end)
     rec = record()
     fmt = check_registry(rec, registry, fmt, alias, follow_symlink=follow_symlink, force_format=force_format)
@@ -45,8 +45,6 @@ def register(store: JobStore, record: Callable[[], JobRecord], ready: Callable[[
 def remove_alias(store: JobStore, alias: str, registry: str | None, *, fmt: str = "auto",
                  follow_symlink: bool = False, force_format: bool = False) -> bool:
     """Remove ``alias`` from ``registry`` (default: pbstk's own) and forget it; ``True`` if it was there."""
-    from pbs_toolkit.endpoints.registry import check_target, remove_endpoint
-
     target, kind = check_target(registry, fmt, follow_symlink=follow_symlink, force_format=force_format)
     removed = remove_endpoint(registry, alias, kind, follow_symlink=follow_symlink, force_format=force_format)
     store.forget_alias(str(target), alias)
@@ -58,7 +56,6 @@ def remove_ref(store: JobStore, ref: str, registry: str | None, *, fmt: str = "a
     """``update-endpoint --remove REF``: the entry ``REF`` in ``registry`` (default: pbstk's own) if there is one,
     else every entry job ``REF`` wrote (only into ``registry`` when it is given) that still holds its URL, kept
     ones too. Nothing to remove is one ``absent`` outcome, not an error."""
-    from pbs_toolkit.endpoints.registry import check_target, read_endpoints, remove_endpoint
     from pbs_toolkit.endpoints.retire import ABSENT, REMOVED, Removal, retire
 
     target, kind = check_target(registry, fmt, follow_symlink=follow_symlink, force_format=force_format)
@@ -87,16 +84,11 @@ class Prior:
 
     def aliases(self) -> set[str]:
         """The aliases the registry held."""
-        from pbs_toolkit.endpoints.registry import parse_text
-
         return set(parse_text(self.text, self.kind, self.target)) if self.text is not None else set()
 
 
 def note_prior(store: JobStore, registry: str | None, fmt: str = "auto") -> Prior:
     """The registry ``registry`` (checked as for a write) and the store's entries for it, now."""
-    from pbs_toolkit.endpoints import atomic
-    from pbs_toolkit.endpoints.registry import check_target
-
     target, kind = check_target(registry, fmt)
     rows = [e for e in store.registry_entries() if e.registry == str(target)]
     return Prior(target, kind, atomic.read_text(target, follow=False), rows)
@@ -106,7 +98,6 @@ def give_back(store: JobStore, prior: Prior, update: EndpointUpdate) -> Removal 
     """End the borrowed write ``update``: an alias the registry held before (``prior``) gets its entry back, in
     the file (byte for byte while nothing else changed there) and in the store (whose job wrote it, kept or
     not). ``None``: the alias is new, and is the caller's to remove (``retire``)."""
-    from pbs_toolkit.endpoints.registry import parse_text, put_back
     from pbs_toolkit.endpoints.retire import ABSENT, REPOINTED, RESTORED, Removal
 
     if prior.text is None or str(prior.target) != update.registry:

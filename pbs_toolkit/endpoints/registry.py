@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pbs_toolkit.endpoints import atomic
+from pbs_toolkit.endpoints import target as safety
 from pbs_toolkit.endpoints.entry import EndpointEntry, validate_entry
 from pbs_toolkit.endpoints.formats import FORMATS, RegistryFormat, by_suffix
 from pbs_toolkit.errors import RegistryError
@@ -86,8 +88,6 @@ def _resolve(
     A symlinked registry is edited where it points, so the link survives, but only when the target stays in
     the directory the user named or ``follow_symlink`` allows it (see :mod:`.target`).
     """
-    from pbs_toolkit.endpoints import target as safety
-
     default = default_registry_path()
     named = Path(os.path.abspath(default if path is None else Path(path).expanduser()))
     target = Path(os.path.realpath(named))
@@ -118,9 +118,6 @@ def check_target(
     Returns the file that would be edited and its format. Callers run this before waiting for a server so that
     an unusable registry fails in milliseconds, not after the wait; the write checks it all again under the lock.
     """
-    from pbs_toolkit.endpoints import atomic
-    from pbs_toolkit.endpoints import target as safety
-
     kind = detect_format(default_registry_path() if path is None else path, fmt, force=force_format)
     default_dir_missing = path is None and not default_registry_path().parent.is_dir()
     if default_dir_missing:
@@ -150,9 +147,6 @@ def write_endpoint(
     Only a regular file (or none yet) is written, see :func:`_resolve`; ``force_format`` lets ``fmt`` disagree
     with the file's suffix.
     """
-    from pbs_toolkit.endpoints import atomic
-    from pbs_toolkit.endpoints import target as safety
-
     target = _resolve(path, create_default_dir=True, follow_symlink=follow_symlink)
     kind = detect_format(target if path is None else path, fmt, force=force_format)
     validate_entry(entry, kind, target)
@@ -185,8 +179,6 @@ def read_endpoints(path: str | os.PathLike[str] | None, fmt: str = "auto") -> di
 
     Takes no lock: writers replace the file atomically, so a read sees either the old or the new file.
     """
-    from pbs_toolkit.endpoints import atomic
-
     target = Path(default_registry_path() if path is None else path).expanduser()
     kind = detect_format(target, fmt, force=True)  # reading writes nothing: the caller's format wins
     text = atomic.read_text(target)
@@ -224,9 +216,6 @@ def remove_entry(
 
     ``only_url``: remove it only while it still points there, checked under the lock, so a job's end never
     removes an alias that the user or a newer job has re-pointed meanwhile."""
-    from pbs_toolkit.endpoints import atomic
-    from pbs_toolkit.endpoints import target as safety
-
     target = _resolve(path, create_default_dir=False, follow_symlink=follow_symlink)
     kind = detect_format(target if path is None else path, fmt, force=force_format)
     safety.check_writable(target)
@@ -259,9 +248,6 @@ def put_back(path: Path, kind: str, alias: str, before: str, only_url: str) -> t
     still points to ``only_url`` (the borrowed URL), under the lock. When nothing else in the file changed
     meanwhile, the file becomes ``before`` again, byte for byte; otherwise only the entry is written back.
     Returns whether it was put back, and the entry found (``None``: absent)."""
-    from pbs_toolkit.endpoints import atomic
-    from pbs_toolkit.endpoints import target as safety
-
     fmt_impl = FORMATS[kind]
     old = parse_text(before, kind, path)
     safety.check_writable(path)

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
-from pbs_toolkit.perf.bench import BenchResult
+from pbs_toolkit.perf.bench import BenchResult, parse_vllm_bench_json, run_benchmark_sync, vllm_bench_argv
 from pbs_toolkit.transports import Runner, open_runner
+from pbs_toolkit.transports.tunnel import start_tunnel
 
 CLIENTS = ("auto", "vllm", "builtin")
 #: ``BenchResult`` fields a saved result may lack and that are then 0 (the rest become ``None``)
@@ -113,9 +114,6 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
 
 def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: int, output_len: int,
              num_prompts: int | None, rounds: int, warmup: int) -> list[LevelResult]:
-    from pbs_toolkit.perf.bench import run_benchmark_sync
-    from pbs_toolkit.transports.tunnel import start_tunnel
-
     record = st.record
     tunnel = None
     try:
@@ -140,8 +138,6 @@ def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: i
 
 def _vllm_bench(runner: Runner, st: Any, concurrency: int, n: int, input_len: int,
                 output_len: int) -> LevelResult:
-    from pbs_toolkit.perf.bench import parse_vllm_bench_json, vllm_bench_argv
-
     record = st.record
     filename = f"vllm-bench-c{concurrency}.json"
     result_dir = f"{record.run_dir}/bench"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.store import JobRecord
 from pbs_toolkit.perf.doctor import DoctorContext
+from pbs_toolkit.settings.presets import auto_layout, preset_for_layout
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,6 @@ class Recommendation:
 def recommend(record: JobRecord, ctx: DoctorContext) -> Recommendation | None:
     """The preset for this model on the job's GPUs and the launch line, or ``None``: no GPUs, size unknown (a
     guess could put a large model on one GPU), no layout fits, or the recommended layout is the running one."""
-    from pbs_toolkit.settings.presets import auto_layout, preset_for_layout
-
     if not ctx.gpus or ctx.device == "cpu" or ctx.model_params_b is None:
         return None
     try:

@@ -17,14 +17,18 @@ from typing import Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import PbstkError, UsageError
+from pbs_toolkit.jobs.launch import cancel, launch
 from pbs_toolkit.jobs.plan import slug
+from pbs_toolkit.jobs.readiness import wait_until_ready
 from pbs_toolkit.jobs.render import render
+from pbs_toolkit.jobs.startup_phases import ready_seconds
+from pbs_toolkit.jobs.status import status
 from pbs_toolkit.jobs.store import JobStore
-from pbs_toolkit.perf.benchjob import LevelResult
+from pbs_toolkit.perf.benchjob import LevelResult, benchmark_ready_job
 from pbs_toolkit.schema import STAMP_KEYS, stamp
 from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, settings_of
 from pbs_toolkit.textutil import table
-from pbs_toolkit.transports import Runner
+from pbs_toolkit.transports import Runner, open_runner
 from pbs_toolkit.version import __version__
 
 Progress = Callable[[str], None]
@@ -164,8 +168,6 @@ def run_tune(
     Everything goes through one transport: over SSH one connection (one MFA prompt) serves the whole run.
     ``base`` (a ``RenderRequest`` is resolved first) is resolved once for every preset.
     """
-    from pbs_toolkit.transports import open_runner
-
     base = settings_of(base)
     store = store or JobStore()
     # ``runner``: the caller's open transport (``Client``), kept open; else one of our own for the run
@@ -186,11 +188,6 @@ def _tune_one(base: LaunchSettings, name: str, runner: Runner, store: JobStore, 
               input_len: int, output_len: int, num_prompts: int | None, rounds: int, client: str,
               timeout: float, progress: Progress) -> TuneRun:
     """Launch one preset, wait, benchmark, cancel; the run's entry (with ``error`` when it failed)."""
-    from pbs_toolkit.jobs.launch import cancel, launch
-    from pbs_toolkit.jobs.readiness import wait_until_ready
-    from pbs_toolkit.jobs.startup_phases import ready_seconds
-    from pbs_toolkit.perf.benchjob import benchmark_ready_job
-
     def show_note(message: str) -> None:
         progress(f"[{name}] {message}")
 
@@ -235,8 +232,6 @@ def _document(base: LaunchSettings, started: float, input_len: int, output_len: 
 
 
 def _wait_gone(record: Any, store: JobStore, runner: Runner, timeout: float = 120.0) -> None:
-    from pbs_toolkit.jobs.status import status
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if status([record], store, runners={record.transport: runner})[0].state.final:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import ServerFailed
+from pbs_toolkit.jobs.launch import key_env_name
+from pbs_toolkit.jobs.store import JobRecord
 from pbs_toolkit.services.keeper_process import service_dir
 from pbs_toolkit.services.record import ServiceRecord, find
 
@@ -17,9 +19,6 @@ if TYPE_CHECKING:
 
 def service_job_record(rec: ServiceRecord) -> Any:
     """A ``JobRecord`` standing for the service: id ``service:NAME``, the router's key and the service's name."""
-    from pbs_toolkit.jobs.launch import key_env_name
-    from pbs_toolkit.jobs.store import JobRecord
-
     return JobRecord(job_id=rec.entry_id, scheduler=rec.scheduler, profile=rec.profile, model=rec.model,
                      served_model_name=rec.served_model_name, preset="service", name=rec.name,
                      run_dir=str(service_dir(rec.name)), transport=rec.transport, created=rec.created,

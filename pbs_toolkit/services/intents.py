@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.jobs.launch import resolve_remote_intents
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.store import JobRecord
@@ -53,8 +54,6 @@ def launched_job(session: ServiceSession, rec: ServiceRecord, slot: Slot) -> Job
 
 def in_flight(session: ServiceSession, rec: ServiceRecord, slot: Slot) -> bool:
     """Whether the launch's own intent is still unresolved (being submitted, or its outcome unknown yet)."""
-    from pbs_toolkit.jobs.launch import resolve_remote_intents
-
     intents = [i for i in session.store.intents() if i.name == slot.launching and i.transport == rec.transport]
     if intents and rec.transport:  # on a login node: read its run directory's markers there
         resolve_remote_intents(session.store, session.runner(rec.transport), intents)

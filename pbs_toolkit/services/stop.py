@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pbs_toolkit.errors import JobNotFound, PbstkError
+from pbs_toolkit.services import intents
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.entry import service_job_record
 from pbs_toolkit.services.keeper_process import poll_seconds, stop_keeper
@@ -28,8 +29,6 @@ def teardown(session: ServiceSession, rec: ServiceRecord, final: str, *, keep_en
     replica job (queued successors too), stop the router, take the service's registry entries back; only then
     record it ``final``. Returns (job id, name, stopped now) per job. When something could not be stopped the
     service stays ``STOPPING`` and ``PbstkError`` says what: the next ``pbstk cancel NAME`` finishes it."""
-    from pbs_toolkit.services import intents
-
     marked = records.begin_stop(session.store, rec, final)
     if marked is None and rec.ended is None:  # not recorded at all (a store lost and not re-adopted): as it is
         rec.stop_as, rec.state = final, records.STOPPING

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.schedulers import BACKENDS, runs_on_submit_host
+from pbs_toolkit.settings.profiles import list_profiles
 from pbs_toolkit.settings.this_host import on_login_host, submit_program
 
 if TYPE_CHECKING:
@@ -36,7 +37,6 @@ def refuse_unchosen_local(explicit: Collection[str], profile: Profile) -> None:
     programs = sorted({p for name in BACKENDS if (p := submit_program(name)) and shutil.which(p)})
     if not programs:
         return
-    from pbs_toolkit.settings.profiles import list_profiles
 
     here = [p.name for p in list_profiles() if on_login_host(p)]
     pick = f"--profile {here[0]} for this cluster" if len(here) == 1 else "--profile NAME (`pbstk profiles`)"
