@@ -10,8 +10,8 @@ Prints, and exits 1 when there is any:
 * every ``from X import _name`` (or ``import X._mod``) that takes a private name from another module;
 * every import that goes UP a floor of ``LAYERS`` (below), at module level or inside a function, and every
   top-level module or package that ``LAYERS`` does not place (a new one is given its floor here).
-  An import under ``if TYPE_CHECKING:`` is exempt from the floors (never from the cycles): it names the type of a
-  value that a caller above passes in, which is what the rule asks for, and it runs only under mypy.
+  An import under ``if TYPE_CHECKING:`` counts too: to name the type of a value a caller above passes in,
+  declare a ``Protocol`` of what is used (``services/cancel_all.py``'s ``Stopper``, ``services/api.py``).
 
 An edge goes to the module an import names: ``from pbs_toolkit.jobs import store`` is an edge to
 ``pbs_toolkit.jobs.store``, ``from pbs_toolkit.jobs.store import JobStore`` too. The package ``__init__`` a
@@ -149,10 +149,11 @@ def check(root: Path) -> list[str]:
             if target in known and target != module:
                 graph[module].add(target)
             where = f"{path.relative_to(root.parent)}:{line}"
-            if target in known and not hint and _upward(module, target) and f"{where} imports {target} " not in (
+            if target in known and _upward(module, target) and f"{where} imports {target} " not in (
                     layers[-1] if layers else ""):
                 layers.append(f"layer: {where} imports {target} from floor {LAYERS[_floor_name(target)]} "
-                              f"above its own {_floor_name(module)} (floor {LAYERS[_floor_name(module)]})")
+                              f"above its own {_floor_name(module)} (floor {LAYERS[_floor_name(module)]})"
+                              + (" under TYPE_CHECKING: declare a Protocol instead" if hint else ""))
             if target != module and name and _private(name):
                 private.append(f"private: {where} imports {name} from {target}")
             elif not name and any(_private(part) for part in target.split(".")):

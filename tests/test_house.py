@@ -16,6 +16,9 @@ SCRIPT = ROOT / "scripts" / "check_imports.py"
 #: problems known and not yet fixed, as patterns: each must still match a problem (a fixed one is taken off), and
 #: nothing else may be a problem.
 PENDING: set[str] = {
+    # campaigns/run.py is being edited elsewhere (issue 29); its Client is handed in by Client.run: a Protocol of
+    # what it uses replaces this type-only import
+    r"layer: pbs_toolkit/campaigns/run.py:\d+ imports pbs_toolkit.client .* under TYPE_CHECKING",
 }
 
 
@@ -97,13 +100,15 @@ def test_peers_on_one_floor_do_not_import_each_other(tmp_path: Path) -> None:
                         "transports (floor 2)"]
 
 
-def test_a_type_hint_from_above_is_allowed_and_an_unplaced_package_is_named(tmp_path: Path) -> None:
+def test_a_type_hint_from_above_fails_too_and_an_unplaced_package_is_named(tmp_path: Path) -> None:
     pkg = write(tmp_path / "pkg", {**FLOORS, "jobs/run.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                    "    from pkg.services.keeper import thing\n", "gadgets/__init__.py": "",
                                    "services/__init__.py": "", "services/keeper.py": "thing = 1\n"})
     rc, problems = check(pkg)
     assert rc == 1
-    assert problems == ["layer: pkg.gadgets is on no floor: give it one in LAYERS (scripts/check_imports.py)"]
+    assert problems == ["layer: pkg.gadgets is on no floor: give it one in LAYERS (scripts/check_imports.py)",
+                        "layer: pkg/jobs/run.py:3 imports pkg.services.keeper from floor 9 above its own jobs "
+                        "(floor 6) under TYPE_CHECKING: declare a Protocol instead"]
 
 
 def test_a_module_placed_apart_from_its_package_obeys_its_own_floor(tmp_path: Path) -> None:
