@@ -4,12 +4,9 @@ re-exports them; the performance results (``Metrics``, ``Diagnosis``, ``BenchRes
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-from pbs_toolkit.schema import stamp
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.store import JobRecord
@@ -40,6 +37,10 @@ class Job:
 
     def to_dict(self) -> dict[str, Any]:
         """A ``job`` object (docs/json.md): the record fields ``jobs --json`` prints, same names, plus ``notes``."""
+        from dataclasses import asdict
+
+        from pbs_toolkit.schema import stamp
+
         data = asdict(self)
         data["transport"] = self.transport or "local"
         data["notes"] = list(self.notes)
@@ -60,6 +61,8 @@ class Endpoint:
     def to_dict(self, secrets: bool = False) -> dict[str, Any]:
         """An ``endpoint`` object (docs/json.md). The key and ``env`` only with ``secrets`` (``pbstk env --json``,
         whose whole point is to hand them out); otherwise ``has_api_key`` says whether there is one."""
+        from pbs_toolkit.schema import stamp
+
         data: dict[str, Any] = {"job_id": self.job_id, "base_url": self.base_url, "model": self.model,
                                 "has_api_key": self.api_key is not None}
         if secrets:
@@ -68,6 +71,8 @@ class Endpoint:
 
     def exports(self) -> list[str]:
         """``env`` as shell ``export`` lines, each value quoted (``pbstk env``)."""
+        import shlex
+
         return [f"export {name}={shlex.quote(value)}" for name, value in self.env.items()]
 
 
@@ -85,5 +90,7 @@ class Cancellation:
 
     def to_dict(self) -> dict[str, Any]:
         """A ``cancellation`` object (``cancel --json`` prints a list of them)."""
+        from pbs_toolkit.schema import stamp
+
         return stamp("cancellation", {"job_id": self.job_id, "name": self.name, "cancelled": self.cancelled,
                                       "outcome": self.outcome})

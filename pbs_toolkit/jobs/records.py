@@ -12,7 +12,6 @@ from typing import Any
 
 from pbs_toolkit.errors import JobNotFound, UsageError
 from pbs_toolkit.jobs.spec import LaunchSpec, split_legacy_extra
-from pbs_toolkit.schema import stamp
 
 #: extra key: when the job was first recorded as ended (``pbstk clean --older-than`` counts from it)
 FINAL_AT_KEY = "final_at"
@@ -64,6 +63,8 @@ class JobRecord:
     def to_dict(self) -> dict[str, Any]:
         """The ``job`` object of ``pbstk jobs --json`` (docs/json.md): :meth:`public` with the transport named
         ``local`` for this machine, as ``status --json`` (which adds the state fields) and the tables name it."""
+        from pbs_toolkit.schema import stamp
+
         data = self.public()
         data["transport"] = self.transport or "local"
         return stamp("job", data)

@@ -11,8 +11,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pbs_toolkit.schema import stamp
-
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.status import JobStatus
     from pbs_toolkit.perf.benchjob import LevelResult
@@ -34,6 +32,8 @@ class Metrics:
 
     def to_dict(self) -> dict[str, Any]:
         """A ``metrics`` object: the summary ``metrics --json`` and ``--export`` print, one per look."""
+        from pbs_toolkit.schema import stamp
+
         return stamp("metrics", {"job_id": self.job_id, **self.summary})
 
 
@@ -51,6 +51,8 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         """A ``diagnosis`` object (``doctor --json``)."""
+        from pbs_toolkit.schema import stamp
+
         return stamp("diagnosis", {"job_id": self.job_id, "state": self.state,
                                    "findings": [f.to_dict() for f in self.findings],
                                    "recommended_preset": self.recommended_preset, "why": self.why,
@@ -69,6 +71,8 @@ class BenchResult:
     results: list[LevelResult]
 
     def to_dict(self) -> dict[str, Any]:
+        from pbs_toolkit.schema import stamp
+
         return stamp("bench_result", {"job_id": self.job_id, "preset": self.preset,
                                       "results": [r.to_dict() for r in self.results]})
 
