@@ -18,8 +18,6 @@ from pbs_toolkit.jobs.rundir import VERIFIED_KEY
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.perf.scrape import scrape_at
 from pbs_toolkit.transports.base import Runner
-from pbs_toolkit.transports.http import http_request
-from pbs_toolkit.vllm.prom import parse_metrics
 
 #: the counters' names in ``usage`` (and its JSON), from the snapshot's fields
 FIELDS = {"requests": "requests_success", "prompt_tokens": "prompt_tokens", "output_tokens": "generation_tokens"}

@@ -20,10 +20,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pbs_toolkit.campaigns import counters
-from pbs_toolkit.durations import parse, seconds_of
 from pbs_toolkit.errors import JobNotFound, PbstkError, UsageError
 from pbs_toolkit.jobs.records import ACCOUNTING_KEY, find_in
-from pbs_toolkit.schedulers import JobRef, get_scheduler
 from pbs_toolkit.schema import stamp
 
 if TYPE_CHECKING:
@@ -143,6 +141,8 @@ def per_gpu_hour(tokens: float | None, gpu_hours: float | None) -> float | None:
 def parse_since(text: str, now: float | None = None) -> float:
     """``--since``: a date (``2026-11-25``), a date and time (``2026-11-25T10:00``, ``2026-11-25 10:00:00``,
     local time) or an age (``90m``, ``12h``, ``7d``, ``2w``) -> epoch seconds."""
+    from pbs_toolkit.durations import parse, seconds_of
+
     value = text.strip()
     if seconds_of(value, bare=False) is not None:
         return (time.time() if now is None else now) - parse(value, "--since", zero=True, bare=False)
@@ -269,6 +269,8 @@ def _account(client: UsageSource, plan: list[tuple[UsageRow, JobRecord | None, d
              notes: list[str]) -> None:
     """Fill walltime, nodes and GPUs: kept accounting of ended jobs first, then one accounting call per
     transport and scheduler for the rest (an ended job's answer is kept for next time)."""
+    from pbs_toolkit.schedulers import JobRef, get_scheduler
+
     asked: dict[tuple[str, str], list[tuple[UsageRow, JobRecord | None, JobRef]]] = {}
     for row, record, job in plan:
         kept = record.extra.get(ACCOUNTING_KEY) if record is not None else None

@@ -26,9 +26,8 @@ from typing import Any
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import PbstkError
-from pbs_toolkit.jobs.store import FINAL_AT_KEY, JOB_ID_MARKER, RECORD_MARKER, JobRecord, JobStore, forget_run_dirs
+from pbs_toolkit.jobs.store import FINAL_AT_KEY, JOB_ID_MARKER, RECORD_MARKER, JobRecord, JobStore
 from pbs_toolkit.schema import stamp
-from pbs_toolkit.settings.launch_settings import RenderRequest, resolve_launch_settings
 from pbs_toolkit.transports import Runner
 
 DEFAULT_OLDER_THAN = "7d"
@@ -101,6 +100,8 @@ def select(records: Sequence[JobRecord], older_than_s: float, now: float | None 
 
 def runs_root(record: JobRecord, runner: Runner) -> str:
     """The runs root of the job's profile under the current settings, expanded where the directory lives."""
+    from pbs_toolkit.settings.launch_settings import RenderRequest, resolve_launch_settings
+
     profile = resolve_launch_settings(RenderRequest(model=record.model, profile=record.profile)).written
     return runner.expanduser(profile.runs_root).rstrip("/") or "/"
 
@@ -176,6 +177,8 @@ def clean(store: JobStore, runner: Callable[[str], Runner], ask: Callable[[list[
     ``keep_usage`` gets the jobs about to be removed while their run directories still exist (their final
     accounting is read then); each removed record's usage figures stay in the store's ledger. ``held``: the
     jobs active services still name (job id -> service name; services/api.py ``held_replicas``), left alone."""
+    from pbs_toolkit.jobs.store import forget_run_dirs
+
     report = CleanReport(older_than, dry_run)
     pending = [r for r in store.all() if not r.final_state]
     for transport in sorted({r.transport for r in pending}):

@@ -21,7 +21,6 @@ from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.jobs.nodes import request_stop
 from pbs_toolkit.jobs.render import RenderedJob, render, run_dir_errors
 from pbs_toolkit.jobs.spec import LaunchSpec, launch_options
-from pbs_toolkit.jobs.status import status
 from pbs_toolkit.jobs.store import (
     JOB_ID_MARKER,
     JOB_ID_RE,
@@ -171,6 +170,7 @@ def _refuse_active_name(store: JobStore, runner: Runner, name: str, transport: s
     existing = [r for r in store.all() if r.name == name and not r.final_state and r.transport == transport]
     if not existing:
         return
+    from pbs_toolkit.jobs.status import status
 
     # reuse this connection: a second one would mean a second MFA prompt on most sites
     live = [s for s in status(existing, store, runners={transport: runner}) if not s.state.final]

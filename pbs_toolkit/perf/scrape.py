@@ -11,10 +11,8 @@ from __future__ import annotations
 import time
 
 from pbs_toolkit.errors import ServerFailed
-from pbs_toolkit.jobs.logs import tail_lines
 from pbs_toolkit.jobs.status import JobStatus
 from pbs_toolkit.perf.doctor import DoctorContext
-from pbs_toolkit.settings.presets import params_from_name
 from pbs_toolkit.transports import Runner
 from pbs_toolkit.transports import http as probe
 from pbs_toolkit.vllm.engine_log import EngineStats, iter_engine_stats
@@ -38,11 +36,16 @@ def scrape_at(runner: Runner, host: str, port: int, *, api_key: str | None = Non
 
 def engine_history(runner: Runner, st: JobStatus, lines: int = 5000) -> list[EngineStats]:
     """The periodic ``Engine NNN:`` stats lines from the job's vLLM log (newest last)."""
+    from pbs_toolkit.jobs.logs import tail_lines
+
     return list(iter_engine_stats(tail_lines(runner, f"{st.record.run_dir}/vllm.log", lines)))
 
 
 def doctor_context(runner: Runner, st: JobStatus, snapshot: MetricsSnapshot | None) -> DoctorContext:
     """Everything ``diagnose`` needs for one job: its flags, layout, log and metrics."""
+    from pbs_toolkit.jobs.logs import tail_lines
+    from pbs_toolkit.settings.presets import params_from_name
+
     record = st.record
     spec = record.spec
     log = tail_lines(runner, f"{record.run_dir}/vllm.log", 5000)

@@ -15,7 +15,6 @@ from typing import Any
 from pbs_toolkit import paths
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, UsageError
-from pbs_toolkit.jobs.store import launcher_alive
 from pbs_toolkit.services import record as records
 
 #: the keeper's heartbeat in its service directory (``heartbeat``)
@@ -75,6 +74,7 @@ def stop_keeper(name: str, timeout: float) -> None:
     """Wait for the keeper to see the service ended; then SIGTERM it (only the process holding our token)."""
     import json
 
+    from pbs_toolkit.jobs.store import launcher_alive
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

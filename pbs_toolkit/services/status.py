@@ -10,8 +10,6 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import JobNotFound, PbstkError, ServerFailed, WaitTimeout
-from pbs_toolkit.jobs.readiness import scheduler_intervals
-from pbs_toolkit.schedulers import SchedState
 from pbs_toolkit.schema import stamp
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services import restarts
@@ -136,6 +134,7 @@ def _recorded(session: ServiceSession, jobs: list[str]) -> list[Any]:
 
 def _router_job_alive(session: ServiceSession, rec: ServiceRecord) -> tuple[bool, str | None]:
     """(router running, the router job's state): the job runs and its router answers."""
+    from pbs_toolkit.schedulers import SchedState
     from pbs_toolkit.services import router_job
     from pbs_toolkit.services.router import RouterInfo
 
@@ -177,6 +176,8 @@ def wait(session: ServiceSession, rec: ServiceRecord, timeout: float,
     """Block until the service is READY N/N, routable (``WaitTimeout``; ``ServerFailed`` when the service
     ended or every replica failed). The scheduler is asked on the usual ramp; the router every ``ROUTE_POLL_S``
     in between, and a router with enough workers answering the key is confirmed by one full look at once."""
+    from pbs_toolkit.jobs.readiness import scheduler_intervals
+
     start = time.monotonic()
     intervals = iter(scheduler_intervals())
     step = 1.0

@@ -26,7 +26,6 @@ from typing import Any
 from pbs_toolkit import paths
 from pbs_toolkit.errors import ConfigError
 from pbs_toolkit.schedulers import BACKENDS
-from pbs_toolkit.settings.profiles import profile_defaults
 from pbs_toolkit.settings.yamlio import user_config
 
 #: setting -> environment variable; integers are converted
@@ -63,6 +62,8 @@ def profile_kinds() -> dict[str, str]:
 
     Read from the ``Profile`` dataclass itself (and every backend's section), so a new profile key is settable in
     config.yaml at once."""
+    from pbs_toolkit.settings.profiles import profile_defaults
+
     kinds: dict[str, str] = {}
     for key, value in profile_defaults().items():
         kinds[key] = ("bool" if isinstance(value, bool) else "int" if isinstance(value, int)

@@ -19,7 +19,6 @@ from pbs_toolkit.errors import PbstkError, WeightsError
 from pbs_toolkit.settings.profiles import Profile
 from pbs_toolkit.transports.base import Runner
 from pbs_toolkit.weights.manifest import HF_ID, commit_of, file_sizes, load_manifest
-from pbs_toolkit.weights.stage import require_ok, stage_model
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 #: config.json, the weight files and the index files of a model directory, in one command
@@ -116,6 +115,7 @@ def preflight_weights(runner: Runner, model: str, profile: Profile, *, stage: bo
         rev = "" if revision == "main" else f" --revision {revision}"
         raise WeightsError(f"{model} is not staged for profile {profile.name} ({problem}); its compute nodes are "
                            f"offline: run `pbstk stage {model} --profile {profile.name}{rev}` first, or pass --stage")
+    from pbs_toolkit.weights.stage import require_ok, stage_model
 
     if note is not None:
         note(f"staging {model} into {profile.hf_home} ({problem})")
