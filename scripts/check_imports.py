@@ -38,8 +38,9 @@ LAYERS: dict[str, int] = {
     "__init__": 14, "__main__": 14,  # the package's lazy facade (`pbs_toolkit.Client`...), `python -m pbs_toolkit`
     "cli": 13,
     "scoped": 12,  # `launched`: a `with` block over a Client
+    "campaigns.run": 12,  # `pbstk run`: like scoped, a sequence over the Client the CLI hands it
     "client": 11,
-    "campaigns": 10,  # `pbstk run` and `usage`: run.py gets its Client passed in
+    "campaigns": 10,  # `usage`, counters, the lease: what Client reads (run.py sits above Client, floor 12)
     "services": 9,
     "endpoints": 8, "perf": 8,
     "results": 7,  # what the Python API hands back about jobs

@@ -15,11 +15,7 @@ SCRIPT = ROOT / "scripts" / "check_imports.py"
 
 #: problems known and not yet fixed, as patterns: each must still match a problem (a fixed one is taken off), and
 #: nothing else may be a problem.
-PENDING: set[str] = {
-    # campaigns/run.py is being edited elsewhere (issue 29); its Client is handed in by Client.run: a Protocol of
-    # what it uses replaces this type-only import
-    r"layer: pbs_toolkit/campaigns/run.py:\d+ imports pbs_toolkit.client .* under TYPE_CHECKING",
-}
+PENDING: set[str] = set()
 
 
 def check(package: Path) -> tuple[int, list[str]]:
