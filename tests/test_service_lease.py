@@ -21,6 +21,7 @@ from test_service import ROUTER, service_json, svc_profile  # noqa: F401 - the f
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.keeper_process import service_dir
+from pbs_toolkit.services.lease import LeaseWatch
 
 pytestmark = [pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python"),
               pytest.mark.usefixtures("svc_profile")]
@@ -117,3 +118,30 @@ def test_a_renewed_service_stays_up_and_a_clean_end_cancels_it_at_once(tmp_path:
     done = service_json("sc")
     assert done["state"] == "CANCELLED" and not done["end_reason"], done
     assert "lease of pbstk run lapsed" not in (service_dir("sc") / "keeper.log").read_text()
+
+
+def test_the_keepers_watch_counts_by_its_own_clock_from_its_start() -> None:
+    """No file yet counts from the keeper's start; each new content starts the lease again; no lease never lapses."""
+    now = [100.0]
+    directory = service_dir("w")
+    directory.mkdir(parents=True, exist_ok=True)
+    watch = LeaseWatch("w", clock=lambda: now[0])
+    watch.arm(records.ServiceRecord(name="w", model=MODEL, served_model_name="w", profile="svc", replicas=1,
+                                    request={}, lease_s=3))
+    now[0] += 2.9
+    assert watch.lapsed() is None
+    (directory / "lease").write_text("1 1.0 pid 1\n")  # a renewal: counted from this look
+    now[0] += 2.9
+    assert watch.lapsed() is None
+    now[0] += 2.9
+    assert not watch.lapsed()  # 2.9 s since the renewal was seen
+    now[0] += 0.2
+    assert watch.lapsed() == ("the lease of pbstk run lapsed (no renewal for 3s: the run was killed or lost): "
+                              "the service ended itself") and watch.due()
+    (directory / "lease").write_text("2 2.0 pid 1\n")
+    assert not watch.due()
+    unleased = LeaseWatch("w", clock=lambda: now[0])
+    unleased.arm(records.ServiceRecord(name="w", model=MODEL, served_model_name="w", profile="svc", replicas=1,
+                                       request={}))
+    now[0] += 1e6
+    assert unleased.lapsed() is None
