@@ -111,6 +111,7 @@ def test_a_renewed_service_stays_up_and_a_clean_end_cancels_it_at_once(tmp_path:
         go.touch()
         _, err = proc.communicate(timeout=120)
     finally:
+        go.touch()  # COMMAND ends by itself even when the run was killed: no loop left behind
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
