@@ -214,7 +214,7 @@ def test_a_kept_server_has_no_lease(standins: Path, tmp_path: Path) -> None:
 def test_lease_options_refused_as_one_error_line(standins: Path) -> None:
     for args in (("run", MODEL, *LOCAL, "--lease", "banana", "--", "true"),
                  ("run", MODEL, *LOCAL, "--keep", "--lease", "5m", "--", "true"),
-                 ("run", MODEL, *LOCAL, "--replicas", "2", "--lease", "5m", "--", "true"),
+                 ("run", MODEL, *LOCAL, "--replicas", "2", "--keep", "--lease", "5m", "--", "true"),
                  ("run", "--reuse", "nothing", "--lease", "5m", "--", "true")):
         result = _cli(*args)
         assert result.returncode == 2, (args, result.stderr)

@@ -7,7 +7,9 @@ machine, or the login node over SSH: the shared filesystem carries it to the nod
 (between 0.5 s and 60 s), a new content each time. The job's watcher (server/start/lease.sh) compares that
 content by its own clock, so no two machines' clocks are compared; once it has not changed for the lease's
 length (``kill -9`` of the run, a laptop that sleeps, an SSH connection that dropped) the job drains and ends,
-and ``status`` says so (jobs/lease.py). ``--keep``, ``--reuse`` and services have no lease.
+and ``status`` says so (jobs/lease.py). A service's lease (``--replicas N``) is a ``lease`` file in its
+directory on this machine, which its keeper watches instead (services/lease.py). ``--keep`` and ``--reuse`` have
+no lease.
 """
 
 from __future__ import annotations
@@ -37,14 +39,13 @@ def lease_seconds(text: str | None) -> int:
     return int(math.ceil(parse(raw, what, off=True)))
 
 
-def run_lease(text: str | None, *, keep: bool, service: bool) -> int:
-    """The lease of the job a run launches, in seconds (:func:`lease_seconds`): none for a ``--keep`` server,
-    which is meant to outlive the run, nor for a service's replicas (not leased yet); ``--lease`` with either is
-    one ``UsageError``."""
-    if keep or service:
+def run_lease(text: str | None, *, keep: bool) -> int:
+    """The lease of the job or service a run launches, in seconds (:func:`lease_seconds`): none for a ``--keep``
+    server, which is meant to outlive the run (``--keep --lease D`` is one ``UsageError``). A service's lease is
+    its keeper's to watch (services/lease.py), its replicas get none of their own (services/manage.py)."""
+    if keep:
         if text is not None and lease_seconds(text):
-            raise UsageError("--lease is not for " + ("a --keep server: it stays up" if keep else
-                                                      "a service (--replicas): its replicas have no lease yet"))
+            raise UsageError("--lease is not for a --keep server: it stays up")
         return 0
     return lease_seconds(text)
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.campaigns import counters, lease
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
+from pbs_toolkit.services.keeper_process import service_dir
 from pbs_toolkit.signal_scope import handled_by
 
 if TYPE_CHECKING:
@@ -167,8 +168,13 @@ def run(client: Client, plan: RunPlan, hooks: RunHooks | None = None) -> int:
 
 
 def _leased(client: Client, plan: RunPlan, target: _Target) -> list[tuple[Any, str]]:
-    """The run directory (and its runner) whose lease the run renews: the job it launched, unless kept."""
-    if not target.launched or plan.keep or target.service is not None or target.record is None:
+    """The directory (and its runner) whose lease the run renews, unless kept: the run directory of the job it
+    launched; for a service, the service's directory on this machine, which its keeper watches."""
+    if not target.launched or plan.keep:
+        return []
+    if target.service is not None:
+        return [(client.runner(""), str(service_dir(target.service.name)))]
+    if target.record is None:
         return []
     return [(client.runner(target.record.transport), target.record.run_dir)]
 

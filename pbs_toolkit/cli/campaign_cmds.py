@@ -55,8 +55,9 @@ Exit status: COMMAND's own (128+N when signal N ended it). Before COMMAND runs, 
               show_default=True, help="With --registry: as `update-endpoint --format`.")
 @click.option("--keep", is_flag=True, help="Leave the server up when COMMAND ends (default: drained, cancelled).")
 @click.option("--lease", metavar="DURATION",
-              help="The job ends itself once pbstk run has not renewed its lease for this long (pbstk killed, "
-                   "its machine asleep, its SSH connection gone): 90s, 5m, off (default 5m, PBSTK_RUN_LEASE).")
+              help="The job (a service: its keeper ends it) ends itself once pbstk run has not renewed its lease "
+                   "for this long (pbstk killed, its machine asleep, its SSH connection gone): 90s, 5m, off "
+                   "(default 5m, PBSTK_RUN_LEASE).")
 @click.option("--via-tunnel", is_flag=True,
               help="Reach the server through a tunnel over the SSH connection even when the node answers here "
                    "(default: only when it does not).")
@@ -107,7 +108,7 @@ def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None,
         from pbs_toolkit.campaigns.lease import run_lease
 
         plan.request = replace(build_request(model, scheduler=scheduler, ssh_host=ssh_host, **kw),
-                               lease_s=run_lease(lease, keep=keep, service=replicas > 1 or bool(serve)))
+                               lease_s=run_lease(lease, keep=keep))
     elif lease is not None:
         raise UsageError("--lease is for a server pbstk run launches: a --reuse'd one has no lease")
     with Client(accept_new_host_key=accept_new_host_key) as c:

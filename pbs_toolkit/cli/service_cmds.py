@@ -222,16 +222,19 @@ def show_service(st: Any) -> None:
 
 
 def scaling_line(st: Any) -> None:
-    """Autoscaling (target, routable replicas, the last change and its reason) and an end the keeper chose."""
+    """Autoscaling (target, routable replicas, the last change and its reason), the service's idle cancel and
+    lease, and an end the keeper chose."""
     from pbs_toolkit.services.scaler import summary
 
     rec = st.record
     text = summary(rec.scale, rec.replicas, st.ready)
     if text:
         click.echo(text)
-    if rec.idle_cancel_s:
-        click.echo(f"idle cancel: after {format(rec.idle_cancel_s, 'g')} s without a request"
-                   + (f"; ended: {rec.end_reason}" if rec.end_reason else ""))
+    said = ([f"idle cancel: after {format(rec.idle_cancel_s, 'g')} s without a request"] if rec.idle_cancel_s else []) \
+        + ([f"lease of pbstk run: {format(rec.lease_s, 'g')} s"] if rec.lease_s else []) \
+        + ([f"ended: {rec.end_reason}"] if rec.end_reason else [])
+    if said:
+        click.echo("; ".join(said))
 
 
 def restart_lines(rec: Any) -> None:

@@ -37,7 +37,12 @@ def lease_reason(state: str, lines: Sequence[str]) -> str | None:
     seconds = lapsed_after(lines) if state == "FINISHED" else None
     if seconds is None:
         return None
-    return f"{REASON_PREFIX} (no renewal for {short(seconds)}: the run was killed or lost): the job ended itself"
+    return lapsed_reason(seconds, "the job")
+
+
+def lapsed_reason(seconds: float, who: str) -> str:
+    """The reason a lapsed lease gives (``who``: ``the job``, ``the service``): status shows it as it is."""
+    return f"{REASON_PREFIX} (no renewal for {short(seconds)}: the run was killed or lost): {who} ended itself"
 
 
 def ended_how(state: str, reason: str | None) -> str | None:

@@ -16,6 +16,8 @@ one ``session.status`` over the service's jobs (one scheduler query), then for e
 * a job that ends unexpectedly (crash, OOM, node failure, killed), with or without keep-alive, is replaced under
   the service's restart policy (services/restarts.py): after a backoff, at most K times in a window, then the
   slot is no longer restarted and the service says why;
+* a service that ``pbstk run`` started and whose lease it no longer renews is drained and ended
+  (services/lease.py);
 * a worker in the router that is none of the service's jobs is removed (added by hand, or by anyone at all
   with ``router_isolation: none``: the router's admin API has no authentication of its own).
 
@@ -50,6 +52,8 @@ from pbs_toolkit.services import health, restarts, scaler
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.health import routable_count, still_starting, worker_url
 from pbs_toolkit.services.keeper_process import TICK_FILE, heartbeat, keeper_log, poll_seconds, service_dir
+from pbs_toolkit.services.lease import LeaseWatch
+from pbs_toolkit.services.lease import drain as drain_all
 from pbs_toolkit.services.manage import launch_replica
 from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.services.state import service_state
@@ -86,8 +90,6 @@ def drain_seconds() -> float:
     return env_float("PBSTK_SERVICE_DRAIN_S", 60.0, lambda v: 0 <= v <= 86400)
 
 
-
-
 def run(name: str, session: ServiceSession) -> int:
     """The keeper's life: take the lock (another keeper holds it: exit 0), tick until the service ends.
     ``session``: the caller's (``Client.keep_service``), whose runners the caller closes."""
@@ -107,13 +109,15 @@ def run(name: str, session: ServiceSession) -> int:
     try:
         with AdminLink(session) as link:
             ramp, wakes = 0, {}  # type: int, dict[str, int]
+            lease = LeaseWatch(name)  # pbstk run's lease (services/lease.py), armed by the first record read
             while True:
                 try:  # a store locked for a while, a router or scheduler that fails: logged, tried next tick
                     rec = records.load(session.store, name)
                     if rec is None or rec.ended is not None:
                         keeper_log(f"service {name} {'is gone' if rec is None else 'ended'}; keeper stops")
                         return 0
-                    seen = tick(session, rec, link)
+                    lease.arm(rec)
+                    seen = tick(session, rec, link, lease)
                     heartbeat(name, "; ".join(seen.failed) or None)
                 except PbstkError as exc:
                     keeper_log(f"tick failed: {exc.message}")
@@ -134,7 +138,7 @@ def run(name: str, session: ServiceSession) -> int:
                 due = restarts.next_due(rec)  # a replacement's backoff ends: not a whole poll interval later
                 if due is not None:
                     wait = min(wait, max(PROBE_S, due - time.time()))
-                woken = watch(session, seen, wait, wakes, lambda: _ended(session, name))
+                woken = watch(session, seen, wait, wakes, lambda: _ended(session, name) or lease.due())
                 if woken:
                     keeper_log(f"{woken} answers: looking now")
     finally:
@@ -221,10 +225,12 @@ class AdminLink:
         self.drop()
 
 
-def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = None) -> Look:
+def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = None,
+         lease: LeaseWatch | None = None) -> Look:
     """One look and the reconciliation it calls for; the record is saved unless the service ended meanwhile
     (then whatever this tick launched is cancelled again). ``link``: the router connection kept across ticks
-    (without one, a connection for this tick only). Returns what it saw."""
+    (without one, a connection for this tick only); ``lease``: pbstk run's lease, which ends the service once
+    it lapsed. Returns what it saw."""
     from pbs_toolkit.services import intents
 
     for slot in rec.slots:  # a launch that a killed keeper (or serve) left half done: its job takes its role
@@ -240,7 +246,7 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
         admin = link.get(rec)
         try:
             in_router = set(admin.workers())
-            idle = _scale(session, rec, statuses, in_router, failed)
+            idle = _scale(session, rec, statuses, in_router, failed, lease)
             if idle:
                 return _end_idle(session, rec, idle, Look(statuses, in_router, failed))
             for slot in rec.slots:
@@ -271,9 +277,14 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
 
 
 def _scale(session: ServiceSession, rec: ServiceRecord, statuses: dict[str, JobStatus], in_router: set[str],
-           failed: list[str]) -> str | None:
-    """Autoscaling and ``--idle-cancel`` (services/scaler.py), before the slots, which carry a decision out;
-    why the service must end now (idle), or ``None``. A failure (a launch refused) is this tick's error."""
+           failed: list[str], lease: LeaseWatch | None = None) -> str | None:
+    """The lease of pbstk run, autoscaling and ``--idle-cancel`` (services/scaler.py), before the slots, which
+    carry a decision out; why the service must end now (its lease lapsed: once the replicas drained; idle), or
+    ``None``. A failure (a launch refused) is this tick's error."""
+    lapsed = lease.lapsed() if lease is not None else None
+    if lapsed:  # what runs finishes first (services/lease.py), then the service ends as an idle one does
+        drain_all(session, rec, statuses, in_router, drain_seconds())
+        return lapsed
     try:
         return scaler.step(session, rec, statuses, in_router)
     except PbstkError as exc:
@@ -283,7 +294,8 @@ def _scale(session: ServiceSession, rec: ServiceRecord, statuses: dict[str, JobS
 
 
 def _end_idle(session: ServiceSession, rec: ServiceRecord, why: str, seen: Look) -> Look:
-    """``--idle-cancel`` of the service: the keeper ends the whole service itself (recorded ENDED, ``why`` kept)."""
+    """``--idle-cancel`` of the service, or its lapsed lease: the keeper ends the whole service itself (recorded
+    ENDED, ``why`` kept)."""
     from pbs_toolkit.services.stop import teardown
 
     rec.end_reason = why

@@ -193,9 +193,10 @@ def configure_scaling(settings: LaunchSettings, req: RenderRequest, opts: ServeO
     """``serve``'s scaling and idle options, on the settings ``start`` resolved once: with ``opts.scale`` the
     service starts at ``--min-replicas``; its ``--idle-cancel`` (or the profile's ``idle_cancel``) belongs to the
     whole service, so its replicas get none of their own (one ending idle would only be replaced): the settings
-    and the request the replicas are launched from (the keeper's too) say ``off``. Returns them, the options,
-    and the record's ``idle_cancel_s``, ``scale``, ``restart`` (the restart policy of its replicas) and
-    ``health_rule`` (the profile's ``replica_unhealthy_*``)."""
+    and the request the replicas are launched from (the keeper's too) say ``off``; so does the lease of ``pbstk
+    run`` (the request's ``lease_s``: the keeper watches it for the whole service, the replicas get 0). Returns
+    them, the options, and the record's ``idle_cancel_s``, ``lease_s``, ``scale``, ``restart`` (the restart
+    policy of its replicas) and ``health_rule`` (the profile's ``replica_unhealthy_*``)."""
     from dataclasses import replace
     from types import MappingProxyType
 
@@ -205,10 +206,11 @@ def configure_scaling(settings: LaunchSettings, req: RenderRequest, opts: ServeO
     profile = settings.launchable()
     patience = parse(profile.replica_unhealthy_after, "replica_unhealthy_after")
     extra: dict[str, Any] = {"idle_cancel_s": float(watch_seconds(profile.idle_cancel)),
+                             "lease_s": float(req.lease_s),  # pbstk run's lease (services/lease.py)
                              "restart": _restarts(profile, opts),  # checked before anything starts
                              "health_rule": {"looks": profile.replica_unhealthy_looks, "seconds": patience}}
-    req = replace(req, idle_cancel="off")
-    settings = replace(settings, request=replace(settings.request, idle_cancel="off"),
+    req = replace(req, idle_cancel="off", lease_s=0)  # the service's lease: its keeper watches it, not each replica
+    settings = replace(settings, request=replace(settings.request, idle_cancel="off", lease_s=0),
                        written=replace(settings.written, idle_cancel="off"),
                        profile=replace(settings.profile, idle_cancel="off"),
                        sources=MappingProxyType({**settings.sources, "idle_cancel": "serve (the service's own)"}))

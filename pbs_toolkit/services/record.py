@@ -100,6 +100,8 @@ class ServiceRecord:
     #: ``--idle-cancel`` of the whole service in seconds (0: off), and the idle watch's ``since``/``sig``
     idle_cancel_s: float = 0.0
     idle: dict[str, Any] = field(default_factory=dict)
+    #: the lease of the ``pbstk run`` that started it, in seconds (services/lease.py: its keeper watches it); 0: none
+    lease_s: float = 0.0
     #: why the keeper ended the service itself (``idle: no request for 30m00s ...``); "" otherwise
     end_reason: str = ""
     #: routable replicas whose last looks failed (services/health.py): job id -> ``since``, ``looks``

@@ -83,7 +83,7 @@ class ServiceStatus:
             "router_job": {**rec.router_job, "state": self.router_job_state} if rec.router_job else None,
             "router_workers": self.route.workers if self.route is not None else None,
             "route_status": self.route.status if self.route is not None else None,
-            "slots": [asdict(s) for s in rec.slots], **status_fields(rec),
+            "slots": [asdict(s) for s in rec.slots], **status_fields(rec), "lease_s": rec.lease_s or None,
             "restart_policy": restarts.RestartPolicy.from_dict(rec.restart).to_dict(),
             "restart_stopped": restarts.reason(rec), "jobs": [s.to_dict() for s in self.replicas],
         })
