@@ -235,3 +235,88 @@ def test_the_autoscaler_reads_the_requests_the_real_router_failed(isolated_user:
         router.stop_router(runner, info, timeout=3)
         worker.shutdown()
         worker.server_close()
+
+
+class _Holding(http.server.BaseHTTPRequestHandler):
+    """A worker that holds every request until ``release`` is set (requests open at the router), then answers."""
+
+    release = threading.Event()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.release.wait(60)
+        body = b'{"choices": [{"text": "x"}]}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "power_of_two"])
+def test_the_autoscaler_reads_the_requests_open_at_the_real_router(isolated_user: Any, tmp_path: Any,
+                                                                   policy: str) -> None:
+    """The real vllm-router (behind pbstk's front) with 5 requests held by its workers: the scaler's look at its
+    Prometheus port counts 5 open (``running_requests`` with power_of_two; sent less ended with round_robin, which
+    exports no such gauge), and 0 once they are answered."""
+    import sys
+    from pathlib import Path
+
+    import requests
+
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.services import router, scaler
+
+    binary = Path(sys.executable).parent / "vllm-router"
+    if not binary.exists():
+        pytest.skip("vllm-router is not installed next to this Python")
+    _Holding.release = threading.Event()
+    workers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Holding) for _ in range(2)]
+    for w in workers:
+        w.daemon_threads = True
+        threading.Thread(target=w.serve_forever, daemon=True).start()
+    runner = LocalRunner()
+    urls = [f"http://127.0.0.1:{w.server_address[1]}" for w in workers]
+    info = router.start_router(runner, str(tmp_path / "r"), command=[str(binary)], policy=policy, worker_urls=urls)
+    codes: list[Any] = []
+
+    def ask() -> None:
+        try:
+            codes.append(requests.post(f"{info.url}/v1/completions", json={"model": "m", "prompt": "x"},
+                                       timeout=60).status_code)
+        except requests.RequestException as exc:
+            codes.append(repr(exc))
+
+    clients = [threading.Thread(target=ask, daemon=True) for _ in range(5)]
+    try:
+        rec = ServiceRecord(name="f", model="m", served_model_name="m", profile="p", replicas=1, request={},
+                            router=info.to_dict(), scale={"spec": {}})
+        with Client(on_removal=lambda r: None) as client:
+            session = client.service_session()
+            for t in clients:
+                t.start()
+            seen: list[Any] = []
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (not seen or seen[-1] != 5.0):
+                seen.append(scaler.router_look(session, rec)[1])
+                time.sleep(0.1)
+            assert seen[-1] == 5.0, seen
+            _Holding.release.set()
+            for t in clients:
+                t.join(60)
+            assert codes == [200] * 5, codes
+            assert scaler.router_look(session, rec)[1] == 0.0
+    finally:
+        _Holding.release.set()
+        router.stop_router(runner, info, timeout=3)
+        for w in workers:
+            w.shutdown()
+            w.server_close()

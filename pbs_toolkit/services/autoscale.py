@@ -6,8 +6,14 @@ The keeper (services/keeper.py, through services/scaler.py) observes once per ti
 * **up** when the service is overloaded for ``UP_TICKS`` ticks in a row: the replicas' ``vllm:num_requests_waiting``
   (summed) above ``W`` (``--scale-up-waiting``, default 1), or every replica that answered running at its capacity
   (``--max-num-seqs``, when known) with some request waiting, or the router failing requests for want of a worker
-  (its 503s and exhausted retries since the last tick, from its Prometheus port). A tick in which no replica's
-  ``/metrics`` answered (a replica too busy to answer in time) neither counts nor resets the count; a replica in the
+  (its 503s and exhausted retries since the last tick, from its Prometheus port), or a queue before the engines:
+  the requests open at the router (in flight to the replicas, from its Prometheus port) above what the replicas
+  report holding (running + waiting) by more than ``W`` and a tenth of that (``QUEUE_SLACK``: a request in transit
+  between the two looks is no queue). vLLM's API server can hold requests its engine has not taken in yet: measured
+  on an H100, 512 open, the replicas said ``256 running, 0 waiting``. A tick in which no replica's ``/metrics``
+  answered (vLLM serves it on the same busy event loop as ``/health``) still counts from the router's figure when the
+  capacity is known: more requests open than the routable replicas' ``--max-num-seqs`` plus ``W``; otherwise it
+  neither counts nor resets the count; a replica in the
   router whose last look failed still serves (services/health.py) and is not "starting". Never above
   ``--max-replicas``, nor above what the profile's ``max_running_jobs`` lets run at once (halved with keep-alive:
   every replica needs room for its successor); while a replica added earlier is still queued or starting, nothing
@@ -32,6 +38,8 @@ from pbs_toolkit.errors import UsageError
 UP_TICKS = 2
 DEFAULT_UP_WAITING = 1.0
 DEFAULT_DOWN_IDLE_S = 300.0
+#: the requests open at the router may exceed what the replicas hold by ``W`` plus this share of it (in transit)
+QUEUE_SLACK = 0.1
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,14 @@ class Observation:
     #: requests the router failed since the last tick for want of a worker (503s, exhausted retries); ``None``:
     #: not known
     refused: float | None = None
+    #: requests open at the router now (sent to a replica, no answer yet); ``None``: not known
+    in_flight: float | None = None
+
+    @property
+    def news(self) -> bool:
+        """Whether this tick says anything of the load (a replica answered, or the router's figure and the
+        capacity can stand in for them)."""
+        return self.waiting is not None or (self.in_flight is not None and bool(self.capacity))
 
 
 @dataclass
@@ -141,20 +157,47 @@ def overloaded(spec: ScaleSpec, obs: Observation) -> str | None:
     if obs.refused and obs.starting < obs.target:  # with every replica still starting, a 503 says nothing of load
         return f"{obs.refused:g} request(s) failed at the router (no worker free, retries exhausted)"
     if obs.waiting is None:
-        return None
+        return _over_capacity(spec, obs)
     if obs.waiting > spec.up_waiting:
         return f"{obs.waiting:g} request(s) waiting (> {spec.up_waiting:g})"
     full = obs.capacity and obs.answered and (obs.running or 0) >= obs.answered * obs.capacity
     if full and obs.waiting > 0:
         return f"{obs.running or 0:g} running at capacity ({obs.answered} x --max-num-seqs {obs.capacity}), " \
                f"{obs.waiting:g} waiting"
+    return _queued_before_engines(spec, obs)
+
+
+def _queued_before_engines(spec: ScaleSpec, obs: Observation) -> str | None:
+    """More requests open at the router than every routable replica reports holding (running + waiting), by more
+    than ``W`` and ``QUEUE_SLACK`` of what they hold: requests queued before the engines."""
+    routable = obs.target - obs.starting
+    if obs.in_flight is None or obs.waiting is None or not routable or obs.answered < routable:
+        return None
+    held = obs.waiting + (obs.running or 0)
+    queued = obs.in_flight - held
+    if queued > spec.up_waiting + QUEUE_SLACK * held:
+        return f"{obs.in_flight:g} request(s) open at the router, the replicas hold {held:g} " \
+               f"({obs.running or 0:g} running, {obs.waiting:g} waiting): {queued:g} queued before the engines"
+    return None
+
+
+def _over_capacity(spec: ScaleSpec, obs: Observation) -> str | None:
+    """No replica's ``/metrics`` answered: more requests open at the router than the routable replicas' capacity
+    (``--max-num-seqs`` each) plus ``W``."""
+    routable = obs.target - obs.starting
+    if obs.in_flight is None or not obs.capacity or not routable:
+        return None
+    room = routable * obs.capacity
+    if obs.in_flight > room + spec.up_waiting:
+        return f"{obs.in_flight:g} request(s) open at the router, above the capacity of the replicas " \
+               f"({routable} x --max-num-seqs {obs.capacity}; their /metrics did not answer)"
     return None
 
 
 def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision, Memory]:
     """The decision for this tick and the memory for the next one. Pure."""
     over = overloaded(spec, obs)
-    above = memory.above + 1 if over else (memory.above if obs.waiting is None else 0)  # no answer: no news
+    above = memory.above + 1 if over else (memory.above if not obs.news else 0)  # no answer: no news
     calm = obs.now if memory.calm_since is None else memory.calm_since
     mem = Memory(above, calm if _spare(obs) else None, memory.last_change)
     top, why_top = limit(spec, obs)

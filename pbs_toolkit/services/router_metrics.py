@@ -1,6 +1,6 @@
 """vllm-router's own figures from its Prometheus port: requests, retries, its 503s, per-worker health and circuit
 state, the latency histogram (``metrics NAME``, ``doctor NAME``, and the autoscaler, which reads the router's
-failed requests each tick)."""
+failed requests and the requests it has open each tick)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,27 @@ class RouterSnapshot:
     #: worker URL -> {processed, healthy, circuit}
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
     duration: Histogram | None = None
+    #: its ``running_requests`` gauges summed (``None``: not exported; only the load-aware policies do)
+    running: float | None = None
+    #: its circuit breaker's ``cb_outcomes_total`` summed (every request's end, success or failure)
+    outcomes: float = 0.0
 
     @property
     def refused(self) -> float:
         """Requests the router failed for want of a worker: its 503s and its exhausted retries, so far."""
         return self.counters.get("no_workers", 0.0) + self.counters.get("retries_exhausted", 0.0)
+
+    @property
+    def in_flight(self) -> float | None:
+        """Requests the router has sent to a worker and not had answered yet: its ``running_requests`` gauge (the
+        load-aware policies, e.g. ``power_of_two``, export it), else what it sent minus what came back (its
+        per-worker ``processed_requests_total`` less its circuit breaker's ``cb_outcomes_total``, every request
+        counted once in each; checked on 0.1.17 with round_robin). ``None`` when it lists no worker."""
+        if self.running is not None:
+            return self.running
+        if not self.workers:
+            return None
+        return max(0.0, sum(w.get("processed", 0.0) for w in self.workers.values()) - self.outcomes)
 
 
 def parse_router_metrics(text: str, timestamp: float) -> RouterSnapshot:
@@ -57,6 +73,10 @@ def parse_router_metrics(text: str, timestamp: float) -> RouterSnapshot:
                 snap.counters[key] = snap.counters.get(key, 0.0) + s.value
         if s.name == _ROUTER_ERRORS and s.labels.get("error_type") == "no_available_workers":  # its 503s
             snap.counters["no_workers"] = snap.counters.get("no_workers", 0.0) + s.value
+        if s.name == "vllm_router_running_requests":
+            snap.running = (snap.running or 0.0) + s.value
+        elif s.name == "vllm_router_cb_outcomes_total":
+            snap.outcomes += s.value
         if s.name == "vllm_router_active_workers":
             snap.active_workers = s.value
         elif s.labels.get("worker"):

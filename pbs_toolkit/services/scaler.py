@@ -78,21 +78,28 @@ def capacity(statuses: Mapping[str, JobStatus]) -> int | None:
     return None
 
 
-def router_refused(session: ServiceSession, rec: ServiceRecord) -> float | None:
-    """Requests the router failed since the last tick for want of a worker (its 503s and exhausted retries), from
-    one request to its Prometheus port; ``None`` on the first look, for a router that does not answer, or one
-    that restarted (its counters went down). The running total is kept in ``rec.scale["router_refused"]``."""
+def router_look(session: ServiceSession, rec: ServiceRecord) -> tuple[float | None, float | None]:
+    """One request to the router's Prometheus port: the requests it failed since the last tick for want of a
+    worker (its 503s and exhausted retries; ``None`` on the first look or after a restart of the router, whose
+    counters went down), and the requests it has open now (``None``: not known). Both ``None`` for a router that
+    does not answer. The running total of failures is kept in ``rec.scale["router_refused"]``."""
     from pbs_toolkit.services.router_metrics import router_counters
 
     try:
-        total = router_counters(session.runner(rec.transport), rec, timeout=3.0).refused
+        snap = router_counters(session.runner(rec.transport), rec, timeout=3.0)
     except PbstkError:
-        return None
+        return None, None
+    total = snap.refused
     before = rec.scale.get("router_refused")
     rec.scale["router_refused"] = total
     if before is None or total < float(before):
-        return None
-    return total - float(before)
+        return None, snap.in_flight
+    return total - float(before), snap.in_flight
+
+
+def router_refused(session: ServiceSession, rec: ServiceRecord) -> float | None:
+    """The requests the router failed since the last tick (``router_look``'s first half)."""
+    return router_look(session, rec)[0]
 
 
 def idle_end(rec: ServiceRecord, snaps: Mapping[str, MetricsSnapshot], routable: int, now: float) -> str | None:
@@ -113,12 +120,13 @@ def idle_end(rec: ServiceRecord, snaps: Mapping[str, MetricsSnapshot], routable:
 
 
 def observation(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router: set[str],
-                snaps: Mapping[str, MetricsSnapshot], now: float, refused: float | None = None
-                ) -> autoscale.Observation:
+                snaps: Mapping[str, MetricsSnapshot], now: float, refused: float | None = None,
+                in_flight: float | None = None) -> autoscale.Observation:
     """This tick's look for the policy. A routable replica counts as serving even when its last look failed or
     its probe answered late (it is not "starting"); the queue is summed over the replicas whose ``/metrics``
     answered (``answered``), so one that did not answer this time neither hides the others' queue nor resets
-    the policy's count."""
+    the policy's count. ``in_flight``: the requests open at the router (what clients wait for), set against what
+    the replicas hold."""
     slots = active(rec)
     starting = sum(1 for s in slots if serving(s, statuses, in_router) is None)
     answered = [s for s in snaps.values() if s.waiting is not None or s.running is not None]
@@ -127,7 +135,7 @@ def observation(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router
         waiting=sum(s.waiting or 0 for s in answered) if answered else None,
         running=sum(s.running or 0 for s in answered) if answered else None,
         capacity=capacity(statuses) or rec.scale.get("capacity"), job_cap=int(rec.scale.get("job_cap") or 0),
-        answered=len(answered), refused=refused)
+        answered=len(answered), refused=refused, in_flight=in_flight)
 
 
 def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
@@ -143,7 +151,7 @@ def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, Job
     if why or not rec.scale:
         return why
     spec = autoscale.ScaleSpec.from_dict(rec.scale["spec"])
-    obs = observation(rec, statuses, in_router, snaps, now, router_refused(session, rec))
+    obs = observation(rec, statuses, in_router, snaps, now, *router_look(session, rec))
     decision, memory = autoscale.decide(spec, autoscale.Memory.from_dict(rec.scale.get("memory")), obs)
     rec.scale["memory"] = memory.to_dict()
     rec.scale["now"] = decision.to_dict()
