@@ -306,17 +306,46 @@ def test_the_autoscaler_reads_the_requests_open_at_the_real_router(isolated_user
             seen: list[Any] = []
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and (not seen or seen[-1] != 5.0):
-                seen.append(scaler.router_look(session, rec)[1])
+                seen.append((snap := scaler.router_look(session, rec)) and snap.in_flight)
                 time.sleep(0.1)
             assert seen[-1] == 5.0, seen
             _Holding.release.set()
             for t in clients:
                 t.join(60)
             assert codes == [200] * 5, codes
-            assert scaler.router_look(session, rec)[1] == 0.0
+            assert (snap := scaler.router_look(session, rec)) is not None and snap.in_flight == 0.0
     finally:
         _Holding.release.set()
         router.stop_router(runner, info, timeout=3)
         for w in workers:
             w.shutdown()
             w.server_close()
+
+
+def test_a_failed_look_is_busy_while_the_router_sees_its_requests_end() -> None:
+    """vLLM's /metrics times out with its /health under overload: the router's view decides. Requests open to the
+    replica and some ended since the previous look: READY (busy); none ended (a hung engine): the failed look
+    stands; a replica out of the router or one that ended is never marked."""
+    from pbs_toolkit.services.router_metrics import parse_router_metrics
+
+    def snap(processed: int, ended: int) -> Any:
+        return parse_router_metrics(f'vllm_router_processed_requests_total{{worker="{URL}"}} {processed}\n'
+                                    f'vllm_router_cb_outcomes_total{{worker="{URL}",outcome="success"}} {ended}\n',
+                                    0.0)
+
+    health._ENDED_BEFORE.clear()
+    first = {"1.x": _st("STARTING")}
+    assert health.needs_router_view(first, {URL}) and not health.needs_router_view(first, set())
+    assert health.busy_at_router(first, {URL}, snap(10, 2)) == []  # the first look only sets the mark
+    assert first["1.x"].state is ServerState.STARTING
+    moving = {"1.x": _st("STARTING")}
+    assert health.busy_at_router(moving, {URL}, snap(20, 5)) == ["1.x"]
+    assert moving["1.x"].state is ServerState.READY
+    assert moving["1.x"].busy == "probe slow; 15 open at the router, 3 answered since the last look"
+    hung = {"1.x": _st("STARTING")}
+    assert health.busy_at_router(hung, {URL}, snap(20, 5)) == [] and hung["1.x"].state is ServerState.STARTING
+    idle = {"1.x": _st("UNKNOWN")}  # requests ended, none open: nothing says it is busy
+    assert health.busy_at_router(idle, {URL}, snap(20, 20)) == [] and idle["1.x"].state is ServerState.UNKNOWN
+    ended = {"1.x": _st("FAILED")}
+    assert health.busy_at_router(ended, {URL}, snap(30, 21)) == [] and ended["1.x"].state is ServerState.FAILED
+    assert health.busy_at_router({"1.x": _st("STARTING")}, set(), snap(40, 30)) == []
