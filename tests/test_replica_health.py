@@ -333,7 +333,7 @@ def test_a_failed_look_is_busy_while_the_router_sees_its_requests_end() -> None:
                                     f'vllm_router_cb_outcomes_total{{worker="{URL}",outcome="success"}} {ended}\n',
                                     0.0)
 
-    health._ENDED_BEFORE.clear()
+    health._SUCCEEDED_BEFORE.clear()
     first = {"1.x": _st("STARTING")}
     assert health.needs_router_view(first, {URL}) and not health.needs_router_view(first, set())
     assert health.busy_at_router(first, {URL}, snap(10, 2)) == []  # the first look only sets the mark
@@ -349,3 +349,20 @@ def test_a_failed_look_is_busy_while_the_router_sees_its_requests_end() -> None:
     ended = {"1.x": _st("FAILED")}
     assert health.busy_at_router(ended, {URL}, snap(30, 21)) == [] and ended["1.x"].state is ServerState.FAILED
     assert health.busy_at_router({"1.x": _st("STARTING")}, set(), snap(40, 30)) == []
+
+
+def test_requests_failing_at_the_router_do_not_make_a_replica_busy() -> None:
+    """A dead worker's requests end too, as failures: only successes since the previous look show progress."""
+    from pbs_toolkit.services.router_metrics import parse_router_metrics
+
+    def snap(processed: int, ok: int, failed: int) -> Any:
+        return parse_router_metrics(f'vllm_router_processed_requests_total{{worker="{URL}"}} {processed}\n'
+                                    f'vllm_router_cb_outcomes_total{{worker="{URL}",outcome="success"}} {ok}\n'
+                                    f'vllm_router_cb_outcomes_total{{worker="{URL}",outcome="failure"}} {failed}\n',
+                                    0.0)
+
+    health._SUCCEEDED_BEFORE.clear()
+    assert snap(20, 5, 3).open_to(URL) == 12 and snap(20, 5, 3).in_flight == 12
+    assert health.busy_at_router({"1.x": _st("STARTING")}, {URL}, snap(20, 5, 3)) == []
+    dead = {"1.x": _st("STARTING")}
+    assert health.busy_at_router(dead, {URL}, snap(30, 5, 9)) == [] and dead["1.x"].state is ServerState.STARTING

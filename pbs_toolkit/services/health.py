@@ -16,8 +16,8 @@
 * **Busy** (jobs/rundir.py ``busy``): a replica whose probe timed out while its ``/metrics`` shows requests is
   READY, only slow; scale-down takes such a replica last. vLLM serves ``/metrics`` on the same event loop as
   ``/health``, so under overload it often times out too: the router's own view then decides
-  (``busy_at_router``): requests open to the replica at the router, and some of them answered since the keeper's
-  last look (a hung engine answers none: its failed looks count).
+  (``busy_at_router``): requests open to the replica at the router, and some of them answered well since the
+  keeper's last look (a hung engine answers none, a dead one fails them: their failed looks count).
 
 The count of failed looks is kept in the service's record (``health``: job id -> ``since``, ``looks``), so a
 restarted keeper goes on counting.
@@ -109,8 +109,8 @@ def slow(st: JobStatus | None, in_router: Collection[str]) -> bool:
     return routable(st, in_router) and st is not None and (st.busy is not None or not ready(st))
 
 
-#: worker URL -> the requests to it the router had seen end, at the keeper's previous look (this keeper process)
-_ENDED_BEFORE: dict[str, float] = {}
+#: worker URL -> the requests to it the router had seen succeed, at the keeper's previous look (this keeper process)
+_SUCCEEDED_BEFORE: dict[str, float] = {}
 
 
 def needs_router_view(statuses: Mapping[str, JobStatus], in_router: Collection[str]) -> bool:
@@ -119,22 +119,22 @@ def needs_router_view(statuses: Mapping[str, JobStatus], in_router: Collection[s
 
 
 def busy_at_router(statuses: Mapping[str, JobStatus], in_router: Collection[str], snap: RouterSnapshot) -> list[str]:
-    """A routable replica whose look failed while the router has requests open to it and saw some of them end
-    since the previous look is busy, not unhealthy: its status becomes READY with ``busy`` saying why (what
-    ``leave_router`` then keeps). Returns the job ids so marked."""
+    """A routable replica whose look failed while the router has requests open to it and saw some of them succeed
+    since the previous look (failures, a dead worker's refusals, do not count) is busy, not unhealthy: its status
+    becomes READY with ``busy`` saying why (what ``leave_router`` then keeps). Returns the job ids so marked."""
     marked = []
     for st in statuses.values():
         url = worker_url(st)
         if url is None or url not in in_router:
             continue
-        ended, before = snap.ended(url), _ENDED_BEFORE.get(url)
-        _ENDED_BEFORE[url] = ended
+        done, before = snap.succeeded(url), _SUCCEEDED_BEFORE.get(url)
+        _SUCCEEDED_BEFORE[url] = done
         if st.state not in (ServerState.STARTING, ServerState.UNKNOWN):
             continue
         open_ = snap.open_to(url)
-        if open_ and before is not None and ended > before:
+        if open_ and before is not None and done > before:
             st.state, st.phase, st.unreachable = ServerState.READY, Phase.READY.value, None
-            st.busy = f"probe slow; {open_:g} open at the router, {ended - before:g} answered since the last look"
+            st.busy = f"probe slow; {open_:g} open at the router, {done - before:g} answered since the last look"
             marked.append(st.record.job_id)
     return marked
 

@@ -37,7 +37,7 @@ class RouterSnapshot:
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
     duration: Histogram | None = None
     #: worker URL -> {running (its ``running_requests`` gauge: only the load-aware policies export it), ended (its
-    #: circuit breaker's ``cb_outcomes_total``: every request's end, success or failure)}
+    #: circuit breaker's ``cb_outcomes_total``: every request's end, success or failure), succeeded (its successes)}
     flight: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
@@ -64,9 +64,9 @@ class RouterSnapshot:
             return flight["running"]
         return max(0.0, worker.get("processed", 0.0) - flight.get("ended", 0.0))
 
-    def ended(self, url: str) -> float:
-        """The requests to one worker that have ended so far (its circuit breaker's outcomes)."""
-        return self.flight.get(url, {}).get("ended", 0.0)
+    def succeeded(self, url: str) -> float:
+        """The requests to one worker that have ended well so far (its circuit breaker's ``success`` outcomes)."""
+        return self.flight.get(url, {}).get("succeeded", 0.0)
 
 
 def parse_router_metrics(text: str, timestamp: float) -> RouterSnapshot:
@@ -87,7 +87,9 @@ def parse_router_metrics(text: str, timestamp: float) -> RouterSnapshot:
             snap.counters["no_workers"] = snap.counters.get("no_workers", 0.0) + s.value
         if s.name in _FLIGHT and s.labels.get("worker"):
             flight = snap.flight.setdefault(s.labels["worker"], {})
-            flight[_FLIGHT[s.name]] = flight.get(_FLIGHT[s.name], 0.0) + s.value
+            keys = [_FLIGHT[s.name]] + (["succeeded"] if s.labels.get("outcome") == "success" else [])
+            for key in keys:
+                flight[key] = flight.get(key, 0.0) + s.value
         if s.name == "vllm_router_active_workers":
             snap.active_workers = s.value
         elif s.labels.get("worker"):
