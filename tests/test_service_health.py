@@ -110,5 +110,6 @@ def test_an_autoscaled_service_under_a_burst_grows_with_no_failed_request(monkey
     assert "queued before the engines" in last["reason"] or "above the capacity" in last["reason"], last
     log = keeper_log("burst")
     assert "removed" not in log, log
+    assert "is busy (the router's view): probe slow;" in log, log  # its /metrics timed out too: the router told
     assert load.failed == 0 and load.ok > 16, load.errors[:3]
     assert pbstk("cancel", "burst").exit_code == 0
