@@ -92,6 +92,27 @@ def test_with_no_answer_from_the_replicas_the_router_figure_counts_against_capac
     assert run([busy, unknown, busy]) == ["hold", "hold", "up"]
 
 
+def test_with_no_answer_and_no_known_capacity_what_the_replicas_last_held_stands_in() -> None:
+    """The GPU case with /metrics timing out: no --max-num-seqs given, the replica last said 256 running; then no
+    answer while 512 are open at the router: queued before the engines. Not once the replicas changed in number."""
+    answered = obs(0, running=256, waiting=0, capacity=None, in_flight=256)
+    silent = obs(5, waiting=None, running=None, capacity=None, in_flight=512)
+    assert run([answered, silent, silent]) == ["hold", "hold", "up"]
+    d, mem = decide(SPEC, Memory(above=1, held=256, held_by=1), silent)
+    assert d.action == "up" and "512 request(s) open at the router, the replicas last held 256 (their /metrics did " \
+                                 "not answer): 256 queued before the engines" in d.reason, d.reason
+    assert mem.held is None  # a change: what the replicas held is no longer known
+    _, mem = decide(SPEC, Memory(), answered)
+    assert (mem.held, mem.held_by) == (256, 1)
+    _, mem = decide(SPEC, mem, silent)
+    assert (mem.held, mem.held_by, mem.above) == (256, 1, 1)  # kept through a silent tick
+    assert Memory.from_dict(mem.to_dict()) == mem
+    fits = obs(10, waiting=None, running=None, capacity=None, in_flight=260)  # within W and a tenth: resets
+    assert decide(SPEC, mem, fits)[1].above == 0
+    two = obs(10, target=2, waiting=None, running=None, capacity=None, in_flight=512)  # 2 routable now: no news
+    assert decide(SPEC, mem, two)[1].above == 1
+
+
 def test_requests_the_router_failed_for_want_of_a_worker_are_overload() -> None:
     """The router's 503s and exhausted retries since the last tick count as overload even while no request
     waits at a replica (or none answered /metrics); not while every replica is still starting."""
