@@ -113,6 +113,14 @@ def test_with_no_answer_and_no_known_capacity_what_the_replicas_last_held_stands
     assert decide(SPEC, mem, two)[1].above == 1
 
 
+def test_requests_open_at_the_router_beyond_what_the_replicas_hold_are_no_spare_capacity() -> None:
+    spec = ScaleSpec(min_replicas=1, max_replicas=3, up_waiting=100, down_idle_s=60)  # no scale-up in this test
+    calm = [obs(t, target=2, running=2, waiting=0, in_flight=2) for t in (0, 30, 61)]
+    assert run(calm, spec) == ["hold", "hold", "down"]
+    queued = [obs(t, target=2, running=2, waiting=0, in_flight=50) for t in (0, 30, 61)]
+    assert run(queued, spec) == ["hold", "hold", "hold"]
+
+
 def test_requests_the_router_failed_for_want_of_a_worker_are_overload() -> None:
     """The router's 503s and exhausted retries since the last tick count as overload even while no request
     waits at a replica (or none answered /metrics); not while every replica is still starting."""
