@@ -119,6 +119,8 @@ def test_requests_open_at_the_router_beyond_what_the_replicas_hold_are_no_spare_
     assert run(calm, spec) == ["hold", "hold", "down"]
     queued = [obs(t, target=2, running=2, waiting=0, in_flight=50) for t in (0, 30, 61)]
     assert run(queued, spec) == ["hold", "hold", "hold"]
+    in_transit = [obs(t, target=2, running=2, waiting=0, in_flight=3) for t in (0, 30, 61)]  # one in transit
+    assert run(in_transit, spec) == ["hold", "hold", "down"]
 
 
 def test_requests_the_router_failed_for_want_of_a_worker_are_overload() -> None:

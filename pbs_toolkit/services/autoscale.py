@@ -20,7 +20,7 @@ The keeper (services/keeper.py, through services/scaler.py) observes once per ti
   every replica needs room for its successor); while a replica added earlier is still queued or starting, nothing
   more is added: it counts toward the target already, so a slow queue does not turn a burst into a storm of jobs;
 * **down** (one replica, drained first) after ``D`` (``--scale-down-idle``, default 5m) in which no request
-  waited (at the replicas, or open at the router beyond what they hold) and the requests running would fit on
+  waited (at the replicas, or open at the router beyond what they hold and a tenth) and the running ones fit on
   one replica fewer (spare capacity: ``--max-num-seqs`` of each replica, when known; otherwise only when nothing
   runs); never below ``--min-replicas``; and not within ``D`` of the last change (a cooldown: a replica added for
   a burst is not removed in the lull between two waves);
@@ -160,8 +160,8 @@ def _spare(obs: Observation) -> bool:
     if obs.waiting is None or obs.running is None or obs.waiting > 0:
         return False
     held = obs.held
-    if obs.in_flight is not None and held is not None and obs.in_flight > held:
-        return False
+    if obs.in_flight is not None and held is not None and obs.in_flight - held > QUEUE_SLACK * held + 1:
+        return False  # queued before the engines (a request or two in transit between the two looks is not)
     if obs.capacity:
         return obs.running <= (obs.target - obs.starting - 1) * obs.capacity
     return obs.running == 0
