@@ -123,6 +123,8 @@ def busy_at_router(statuses: Mapping[str, JobStatus], in_router: Collection[str]
     since the previous look (failures, a dead worker's refusals, do not count) is busy, not unhealthy: its status
     becomes READY with ``busy`` saying why (what ``leave_router`` then keeps). Returns the job ids so marked."""
     marked = []
+    for gone in [u for u in _SUCCEEDED_BEFORE if u not in in_router]:  # workers the router no longer has
+        del _SUCCEEDED_BEFORE[gone]
     for st in statuses.values():
         url = worker_url(st)
         if url is None or url not in in_router:
