@@ -13,11 +13,12 @@ SPEC = ScaleSpec(min_replicas=1, max_replicas=3, up_waiting=1, down_idle_s=60)
 
 
 def obs(now: float, target: int = 1, waiting: float | None = 0, running: float | None = 0, starting: int = 0,
-        capacity: int | None = 4, job_cap: int = 0, answered: int | None = None) -> Observation:
+        capacity: int | None = 4, job_cap: int = 0, answered: int | None = None,
+        in_flight: float | None = None) -> Observation:
     if answered is None:
         answered = 0 if waiting is None else target - starting
     return Observation(now=now, target=target, starting=starting, waiting=waiting, running=running,
-                       capacity=capacity, job_cap=job_cap, answered=answered)
+                       capacity=capacity, job_cap=job_cap, answered=answered, in_flight=in_flight)
 
 
 def run(ticks: list[Observation], spec: ScaleSpec = SPEC, memory: Memory | None = None) -> list[str]:
@@ -57,6 +58,69 @@ def test_replicas_full_at_their_capacity_with_a_queue_are_overloaded() -> None:
     assert "8 running at capacity (2 x --max-num-seqs 4), 1 waiting" in d.reason, d.reason
     assert run([obs(0, target=2, running=7, waiting=1), obs(10, target=2, running=7, waiting=1)], spec) == ["hold"] * 2
     assert run([obs(0, target=2, running=8), obs(10, target=2, running=8)], spec) == ["hold"] * 2  # full, no queue
+
+
+def test_requests_open_at_the_router_beyond_what_the_replicas_hold_are_a_queue() -> None:
+    """What a GPU run showed: 512 requests open, the replica said 256 running and 0 waiting (its API server held
+    the rest before the engine) and the capacity was not known: no earlier rule fired, the service never grew."""
+    gpu = obs(0, running=256, waiting=0, capacity=None, in_flight=512)
+    assert run([gpu, gpu]) == ["hold", "up"]
+    d, _ = decide(SPEC, Memory(above=1), gpu)
+    assert "512 request(s) open at the router, the replicas hold 256 (256 running, 0 waiting): 256 queued before " \
+           "the engines" in d.reason, d.reason
+    # requests in transit between the two looks are no queue: W plus a tenth of what the replicas hold
+    assert run([obs(t, running=100, waiting=0, capacity=None, in_flight=111) for t in (0, 5, 10)]) == ["hold"] * 3
+    assert run([obs(t, running=100, waiting=0, capacity=None, in_flight=112) for t in (0, 5)]) == ["hold", "up"]
+    # a replica that did not answer would make the replicas' sum too small: no verdict from the difference
+    part = obs(0, target=2, running=4, waiting=0, answered=1, in_flight=50)
+    assert run([part, part], ScaleSpec(1, 3, 1, 60)) == ["hold", "hold"]
+    # a tick that resets: the router's figure matches what the replicas hold
+    calm = obs(5, running=256, waiting=0, capacity=None, in_flight=256)
+    assert run([gpu, calm, gpu]) == ["hold"] * 3
+
+
+def test_with_no_answer_from_the_replicas_the_router_figure_counts_against_capacity() -> None:
+    """vLLM serves /metrics on the same busy event loop as /health: a tick with no answer still counts from the
+    router's open requests when the capacity is known, and resets when they fit."""
+    busy = obs(0, target=2, waiting=None, running=None, capacity=4, in_flight=10)
+    assert run([busy, busy]) == ["hold", "up"]
+    d, _ = decide(SPEC, Memory(above=1), busy)
+    assert "10 request(s) open at the router, above the capacity of the replicas (2 x --max-num-seqs 4" in d.reason
+    fits = obs(5, target=2, waiting=None, running=None, capacity=4, in_flight=9)  # 8 + W: not above
+    assert run([busy, fits, busy]) == ["hold"] * 3
+    unknown = obs(5, target=2, waiting=None, running=None, capacity=None, in_flight=100)  # no capacity: no news
+    assert run([busy, unknown, busy]) == ["hold", "hold", "up"]
+
+
+def test_with_no_answer_and_no_known_capacity_what_the_replicas_last_held_stands_in() -> None:
+    """The GPU case with /metrics timing out: no --max-num-seqs given, the replica last said 256 running; then no
+    answer while 512 are open at the router: queued before the engines. Not once the replicas changed in number."""
+    answered = obs(0, running=256, waiting=0, capacity=None, in_flight=256)
+    silent = obs(5, waiting=None, running=None, capacity=None, in_flight=512)
+    assert run([answered, silent, silent]) == ["hold", "hold", "up"]
+    d, mem = decide(SPEC, Memory(above=1, held=256, held_by=1), silent)
+    assert d.action == "up" and "512 request(s) open at the router, the replicas last held 256 (their /metrics did " \
+                                 "not answer): 256 queued before the engines" in d.reason, d.reason
+    assert mem.held is None  # a change: what the replicas held is no longer known
+    _, mem = decide(SPEC, Memory(), answered)
+    assert (mem.held, mem.held_by) == (256, 1)
+    _, mem = decide(SPEC, mem, silent)
+    assert (mem.held, mem.held_by, mem.above) == (256, 1, 1)  # kept through a silent tick
+    assert Memory.from_dict(mem.to_dict()) == mem
+    fits = obs(10, waiting=None, running=None, capacity=None, in_flight=260)  # within W and a tenth: resets
+    assert decide(SPEC, mem, fits)[1].above == 0
+    two = obs(10, target=2, waiting=None, running=None, capacity=None, in_flight=512)  # 2 routable now: no news
+    assert decide(SPEC, mem, two)[1].above == 1
+
+
+def test_requests_open_at_the_router_beyond_what_the_replicas_hold_are_no_spare_capacity() -> None:
+    spec = ScaleSpec(min_replicas=1, max_replicas=3, up_waiting=100, down_idle_s=60)  # no scale-up in this test
+    calm = [obs(t, target=2, running=2, waiting=0, in_flight=2) for t in (0, 30, 61)]
+    assert run(calm, spec) == ["hold", "hold", "down"]
+    queued = [obs(t, target=2, running=2, waiting=0, in_flight=50) for t in (0, 30, 61)]
+    assert run(queued, spec) == ["hold", "hold", "hold"]
+    in_transit = [obs(t, target=2, running=2, waiting=0, in_flight=3) for t in (0, 30, 61)]  # one in transit
+    assert run(in_transit, spec) == ["hold", "hold", "down"]
 
 
 def test_requests_the_router_failed_for_want_of_a_worker_are_overload() -> None:

@@ -235,3 +235,134 @@ def test_the_autoscaler_reads_the_requests_the_real_router_failed(isolated_user:
         router.stop_router(runner, info, timeout=3)
         worker.shutdown()
         worker.server_close()
+
+
+class _Holding(http.server.BaseHTTPRequestHandler):
+    """A worker that holds every request until ``release`` is set (requests open at the router), then answers."""
+
+    release = threading.Event()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.release.wait(60)
+        body = b'{"choices": [{"text": "x"}]}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "power_of_two"])
+def test_the_autoscaler_reads_the_requests_open_at_the_real_router(isolated_user: Any, tmp_path: Any,
+                                                                   policy: str) -> None:
+    """The real vllm-router (behind pbstk's front) with 5 requests held by its workers: the scaler's look at its
+    Prometheus port counts 5 open (``running_requests`` with power_of_two; sent less ended with round_robin, which
+    exports no such gauge), and 0 once they are answered."""
+    import sys
+    from pathlib import Path
+
+    import requests
+
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.services import router, scaler
+
+    binary = Path(sys.executable).parent / "vllm-router"
+    if not binary.exists():
+        pytest.skip("vllm-router is not installed next to this Python")
+    _Holding.release = threading.Event()
+    workers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Holding) for _ in range(2)]
+    for w in workers:
+        w.daemon_threads = True
+        threading.Thread(target=w.serve_forever, daemon=True).start()
+    runner = LocalRunner()
+    urls = [f"http://127.0.0.1:{w.server_address[1]}" for w in workers]
+    info = router.start_router(runner, str(tmp_path / "r"), command=[str(binary)], policy=policy, worker_urls=urls)
+    codes: list[Any] = []
+
+    def ask() -> None:
+        try:
+            codes.append(requests.post(f"{info.url}/v1/completions", json={"model": "m", "prompt": "x"},
+                                       timeout=60).status_code)
+        except requests.RequestException as exc:
+            codes.append(repr(exc))
+
+    clients = [threading.Thread(target=ask, daemon=True) for _ in range(5)]
+    try:
+        rec = ServiceRecord(name="f", model="m", served_model_name="m", profile="p", replicas=1, request={},
+                            router=info.to_dict(), scale={"spec": {}})
+        with Client(on_removal=lambda r: None) as client:
+            session = client.service_session()
+            for t in clients:
+                t.start()
+            seen: list[Any] = []
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (not seen or seen[-1] != 5.0):
+                seen.append((snap := scaler.router_look(session, rec)) and snap.in_flight)
+                time.sleep(0.1)
+            assert seen[-1] == 5.0, seen
+            _Holding.release.set()
+            for t in clients:
+                t.join(60)
+            assert codes == [200] * 5, codes
+            assert (snap := scaler.router_look(session, rec)) is not None and snap.in_flight == 0.0
+    finally:
+        _Holding.release.set()
+        router.stop_router(runner, info, timeout=3)
+        for w in workers:
+            w.shutdown()
+            w.server_close()
+
+
+def test_a_failed_look_is_busy_while_the_router_sees_its_requests_end() -> None:
+    """vLLM's /metrics times out with its /health under overload: the router's view decides. Requests open to the
+    replica and some ended since the previous look: READY (busy); none ended (a hung engine): the failed look
+    stands; a replica out of the router or one that ended is never marked."""
+    from pbs_toolkit.services.router_metrics import parse_router_metrics
+
+    def snap(processed: int, ended: int) -> Any:
+        return parse_router_metrics(f'vllm_router_processed_requests_total{{worker="{URL}"}} {processed}\n'
+                                    f'vllm_router_cb_outcomes_total{{worker="{URL}",outcome="success"}} {ended}\n',
+                                    0.0)
+
+    health._SUCCEEDED_BEFORE.clear()
+    first = {"1.x": _st("STARTING")}
+    assert health.needs_router_view(first, {URL}) and not health.needs_router_view(first, set())
+    assert health.busy_at_router(first, {URL}, snap(10, 2)) == []  # the first look only sets the mark
+    assert first["1.x"].state is ServerState.STARTING
+    moving = {"1.x": _st("STARTING")}
+    assert health.busy_at_router(moving, {URL}, snap(20, 5)) == ["1.x"]
+    assert moving["1.x"].state is ServerState.READY
+    assert moving["1.x"].busy == "probe slow; 15 open at the router, 3 answered since the last look"
+    hung = {"1.x": _st("STARTING")}
+    assert health.busy_at_router(hung, {URL}, snap(20, 5)) == [] and hung["1.x"].state is ServerState.STARTING
+    idle = {"1.x": _st("UNKNOWN")}  # requests ended, none open: nothing says it is busy
+    assert health.busy_at_router(idle, {URL}, snap(20, 20)) == [] and idle["1.x"].state is ServerState.UNKNOWN
+    ended = {"1.x": _st("FAILED")}
+    assert health.busy_at_router(ended, {URL}, snap(30, 21)) == [] and ended["1.x"].state is ServerState.FAILED
+    assert health.busy_at_router({"1.x": _st("STARTING")}, set(), snap(40, 30)) == []
+
+
+def test_requests_failing_at_the_router_do_not_make_a_replica_busy() -> None:
+    """A dead worker's requests end too, as failures: only successes since the previous look show progress."""
+    from pbs_toolkit.services.router_metrics import parse_router_metrics
+
+    def snap(processed: int, ok: int, failed: int) -> Any:
+        return parse_router_metrics(f'vllm_router_processed_requests_total{{worker="{URL}"}} {processed}\n'
+                                    f'vllm_router_cb_outcomes_total{{worker="{URL}",outcome="success"}} {ok}\n'
+                                    f'vllm_router_cb_outcomes_total{{worker="{URL}",outcome="failure"}} {failed}\n',
+                                    0.0)
+
+    health._SUCCEEDED_BEFORE.clear()
+    assert snap(20, 5, 3).open_to(URL) == 12 and snap(20, 5, 3).in_flight == 12
+    assert health.busy_at_router({"1.x": _st("STARTING")}, {URL}, snap(20, 5, 3)) == []
+    dead = {"1.x": _st("STARTING")}
+    assert health.busy_at_router(dead, {URL}, snap(30, 5, 9)) == [] and dead["1.x"].state is ServerState.STARTING

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import struct
 import threading
 
 import pytest
@@ -102,3 +103,86 @@ def test_framing_finds_where_an_answer_ends_however_it_is_cut() -> None:
         assert answer_framing(head, b"POST") is None, head
     with pytest.raises(ValueError):
         Framing(None).feed(b"zz\r\n")
+
+
+class _OneShotWorker:
+    """A worker on loopback that keeps each connection open after its first answer, then closes it as the next
+    request on it arrives (read, never answered): the race of a worker closing an idle kept connection just as
+    the front reuses it. ``reset``: a reset (ECONNRESET at the front) instead of a plain close (EOF)."""
+
+    def __init__(self, reset: bool) -> None:
+        self.reset, self.requests, self.dropped = reset, 0, 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+
+    def serve(self, conn: socket.socket) -> None:
+        conn.settimeout(30)
+        buf, answered = b"", 0
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(4096)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(buf) < length:
+                    buf += conn.recv(4096)
+                buf = buf[length:]
+                if answered:  # the next request on a kept connection: the worker closes it now, unanswered
+                    self.dropped += 1
+                    if self.reset:
+                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    return
+                self.requests += 1
+                answered += 1
+                body = b'{"n": %d}' % self.requests
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(body), body))
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["eof", "reset"])
+def test_a_kept_connection_the_worker_closes_as_it_is_reused_is_retried_once_on_a_fresh_one(reset: bool) -> None:
+    """The router's proxy (``Front.egress``) reuses its kept connection to a worker that closes it just as the
+    next request arrives: the request goes once more on a fresh connection and the router gets its answer
+    (without the retry its connection ended with no answer: aiohttp's ``ServerDisconnected`` at the client)."""
+    from pbs_toolkit.server.router_front import Front
+    from pbs_toolkit.server.router_relay import accept_loop
+
+    worker = _OneShotWorker(reset)
+    front = Front("token")
+    front.pump = Pump()
+    proxy = socket.socket()
+    proxy.bind(("127.0.0.1", 0))
+    proxy.listen(8)
+    threading.Thread(target=accept_loop, args=(proxy, front.egress), daemon=True).start()
+    try:
+        answers = []
+        for _ in range(4):  # each on a new router connection; the front reuses its connection to the worker
+            with socket.create_connection(proxy.getsockname(), timeout=30) as router:
+                router.sendall(b"POST http://127.0.0.1:%d/v1/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+                               b"content-length: 2\r\n\r\n{}" % (worker.port, worker.port))
+                got = b""
+                while data := router.recv(4096):
+                    got += data
+                answers.append(got)
+        assert all(a.startswith(b"HTTP/1.1 200 OK\r\n") for a in answers), answers
+        assert [a.rsplit(b"\r\n\r\n", 1)[1] for a in answers] == [b'{"n": %d}' % i for i in range(1, 5)]
+        assert worker.dropped == 3  # every reuse met the race, and was retried
+    finally:
+        proxy.shutdown(socket.SHUT_RDWR)
+        proxy.close()
+        worker.sock.close()

@@ -40,6 +40,7 @@ try:  # the package's copy (tests, mypy); on the router's host both files lie si
         BadRequest,
         Conn,
         Pump,
+        Stale,
         Unreachable,
         Upstreams,
         accept_loop,
@@ -56,6 +57,7 @@ except ImportError:
         BadRequest,
         Conn,
         Pump,
+        Stale,
         Unreachable,
         Upstreams,
         accept_loop,
@@ -236,9 +238,16 @@ class Front:
             key = (url.hostname, url.port or 80)
             # a body all at hand (the usual case): the worker's connection is kept for the next request
             keep = version == b"HTTP/1.1" and length is not None and len(client.buf) >= length
-            upstream = (self.upstreams.get(*key) if keep else None) or dial(*key)
-            exchange(client, rebuild(method, origin.encode(), version, headers, url.netloc.encode(), not keep),
-                     length, upstream, self.pump, (lambda up: self.upstreams.put(*key, up)) if keep else None, method)
+            kept = self.upstreams.get(*key) if keep else None
+            head = rebuild(method, origin.encode(), version, headers, url.netloc.encode(), not keep)
+            put = (lambda up: self.upstreams.put(*key, up)) if keep else None
+            if kept is not None:
+                try:  # a kept connection the worker closed just as it was reused: once more on a fresh one
+                    exchange(client, head, length, kept, self.pump, put, method, reused=True)
+                    return
+                except Stale:
+                    pass
+            exchange(client, head, length, dial(*key), self.pump, put, method)
         except Unreachable:  # as a dead worker's refusal would reach the router without the front: it retries
             refuse(sock)
         except BadRequest as exc:  # nothing was sent back yet: an answer of our own

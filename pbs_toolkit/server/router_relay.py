@@ -228,19 +228,28 @@ def both_ways(client: socket.socket, up: socket.socket) -> None:
 
 
 def exchange(client: Conn, head: bytes, length: int | None, up: socket.socket, pumps: Pump,
-             keep: Callable[[socket.socket], None] | None = None, method: bytes = b"") -> None:
+             keep: Callable[[socket.socket], None] | None = None, method: bytes = b"", reused: bool = False) -> None:
     """One request: its head and exactly its body upstream (never a byte more), the whole answer back. ``keep``:
     the request asked ``up`` to stay open (its body was all at hand); once the answer has ended where its framing
-    says, ``up`` goes to ``keep`` instead of being closed."""
-    up.sendall(head)
+    says, ``up`` goes to ``keep`` instead of being closed. ``reused``: ``up`` is a kept connection; if it fails
+    before any byte of the answer came (the worker closed it just as it was reused), :class:`Stale` is raised
+    with the client's body untouched, ``up`` closed, nothing sent to the client: the caller may retry it once."""
     sender = None
-    if length is not None and len(client.buf) >= length:
-        client.copy_exact(up, length)  # the whole body came with the head (the usual case): no second thread
-    elif length is None:
-        sender = quietly(client.copy_chunked, up)
-    else:
-        sender = quietly(client.copy_exact, up, length)
     answer_ = Conn(up)
+    try:
+        if reused:
+            stale_check(up, client, head, length, answer_)
+        else:
+            up.sendall(head)
+            if length is not None and len(client.buf) >= length:
+                client.copy_exact(up, length)  # the whole body came with the head (the usual case): no thread
+            elif length is None:
+                sender = quietly(client.copy_chunked, up)
+            else:
+                sender = quietly(client.copy_exact, up, length)
+    except Stale:
+        up.close()
+        raise
     kept = False
     try:
         while True:  # interim answers (100 Continue) as they are, then the final one's head says "close"
@@ -268,6 +277,26 @@ def exchange(client: Conn, head: bytes, length: int | None, up: socket.socket, p
                 shut(client.sock, socket.SHUT_RD)
                 sender.join()
             up.close()
+
+
+class Stale(Exception):
+    """A kept connection to a worker failed before any byte of the answer: the request may go on a fresh one."""
+
+
+def stale_check(up: socket.socket, client: Conn, head: bytes, length: int | None, answer_: Conn) -> None:
+    """A request whose body is all at hand, on a kept connection: sent, and its answer's first bytes read into
+    ``answer_``; :class:`Stale` (the client's bytes left as they were) if the connection fails first: EOF, a reset,
+    EPIPE while sending. What HTTP clients do with a stale pooled connection."""
+    body = client.buf[:length or 0]
+    try:
+        up.sendall(head + body)
+        data = up.recv(CHUNK)
+    except OSError as exc:
+        raise Stale(str(exc)) from None
+    if not data:
+        raise Stale("closed by the worker")
+    client.buf = client.buf[len(body):]
+    answer_.buf = data
 
 
 class Framing:

@@ -6,16 +6,24 @@ The keeper (services/keeper.py, through services/scaler.py) observes once per ti
 * **up** when the service is overloaded for ``UP_TICKS`` ticks in a row: the replicas' ``vllm:num_requests_waiting``
   (summed) above ``W`` (``--scale-up-waiting``, default 1), or every replica that answered running at its capacity
   (``--max-num-seqs``, when known) with some request waiting, or the router failing requests for want of a worker
-  (its 503s and exhausted retries since the last tick, from its Prometheus port). A tick in which no replica's
-  ``/metrics`` answered (a replica too busy to answer in time) neither counts nor resets the count; a replica in the
+  (its 503s and exhausted retries since the last tick, from its Prometheus port), or a queue before the engines:
+  the requests open at the router (in flight to the replicas, from its Prometheus port) above what the replicas
+  report holding (running + waiting) by more than ``W`` and a tenth of that (``QUEUE_SLACK``: a request in transit
+  between the two looks is no queue). vLLM's API server can hold requests its engine has not taken in yet: measured
+  on an H100, 512 open, the replicas said ``256 running, 0 waiting``. A tick in which no replica's ``/metrics``
+  answered (vLLM serves it on the same busy event loop as ``/health``) still counts from the router's figure when the
+  capacity is known: more requests open than the routable replicas' ``--max-num-seqs`` plus ``W``; without it,
+  the queue rule against what they last reported holding (while as many are routable); with neither it neither
+  counts nor resets the count; a replica in the
   router whose last look failed still serves (services/health.py) and is not "starting". Never above
   ``--max-replicas``, nor above what the profile's ``max_running_jobs`` lets run at once (halved with keep-alive:
   every replica needs room for its successor); while a replica added earlier is still queued or starting, nothing
   more is added: it counts toward the target already, so a slow queue does not turn a burst into a storm of jobs;
 * **down** (one replica, drained first) after ``D`` (``--scale-down-idle``, default 5m) in which no request
-  waited and the requests running would fit on one replica fewer (spare capacity: ``--max-num-seqs`` of each
-  replica, when known; otherwise only when nothing runs); never below ``--min-replicas``; and not within ``D``
-  of the last change (a cooldown: a replica added for a burst is not removed in the lull between two waves);
+  waited (at the replicas, or open at the router beyond what they hold and a tenth) and the running ones fit on
+  one replica fewer (spare capacity: ``--max-num-seqs`` of each replica, when known; otherwise only when nothing
+  runs); never below ``--min-replicas``; and not within ``D`` of the last change (a cooldown: a replica added for
+  a burst is not removed in the lull between two waves);
 * otherwise **hold**, with the reason.
 """
 
@@ -32,6 +40,8 @@ from pbs_toolkit.errors import UsageError
 UP_TICKS = 2
 DEFAULT_UP_WAITING = 1.0
 DEFAULT_DOWN_IDLE_S = 300.0
+#: the requests open at the router may exceed what the replicas hold by ``W`` plus this share of it (in transit)
+QUEUE_SLACK = 0.1
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,19 @@ class Observation:
     #: requests the router failed since the last tick for want of a worker (503s, exhausted retries); ``None``:
     #: not known
     refused: float | None = None
+    #: requests open at the router now (sent to a replica, no answer yet); ``None``: not known
+    in_flight: float | None = None
+
+    @property
+    def routable(self) -> int:
+        return self.target - self.starting
+
+    @property
+    def held(self) -> float | None:
+        """What every routable replica reports holding (running + waiting); ``None`` unless all of them answered."""
+        if self.waiting is None or not self.routable or self.answered < self.routable:
+            return None
+        return self.waiting + (self.running or 0)
 
 
 @dataclass
@@ -96,6 +119,10 @@ class Memory:
     calm_since: float | None = None
     #: when the last replica was added or removed
     last_change: float = 0.0
+    #: what the replicas last reported holding (running + waiting, every routable one answering), and how many
+    #: were routable then: the stand-in for their capacity in a tick where none answers
+    held: float | None = None
+    held_by: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,7 +130,8 @@ class Memory:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Memory:
         data = data or {}
-        return cls(int(data.get("above") or 0), data.get("calm_since"), float(data.get("last_change") or 0.0))
+        return cls(int(data.get("above") or 0), data.get("calm_since"), float(data.get("last_change") or 0.0),
+                   data.get("held"), int(data.get("held_by") or 0))
 
 
 @dataclass(frozen=True)
@@ -127,36 +155,85 @@ def limit(spec: ScaleSpec, obs: Observation) -> tuple[int, str]:
 
 
 def _spare(obs: Observation) -> bool:
-    """No request waits and the running ones would fit on one replica fewer."""
+    """No request waits (nor is open at the router beyond what the replicas hold) and the running ones would fit on
+    one replica fewer."""
     if obs.waiting is None or obs.running is None or obs.waiting > 0:
         return False
+    held = obs.held
+    if obs.in_flight is not None and held is not None and obs.in_flight - held > QUEUE_SLACK * held + 1:
+        return False  # queued before the engines (a request or two in transit between the two looks is not)
     if obs.capacity:
         return obs.running <= (obs.target - obs.starting - 1) * obs.capacity
     return obs.running == 0
 
 
-def overloaded(spec: ScaleSpec, obs: Observation) -> str | None:
+def overloaded(spec: ScaleSpec, obs: Observation, memory: Memory | None = None) -> str | None:
     """Why the service is overloaded, in words, or ``None``: the router failed requests for want of a worker,
     more than ``W`` waiting, or all the replicas that answered running at their capacity with requests waiting."""
     if obs.refused and obs.starting < obs.target:  # with every replica still starting, a 503 says nothing of load
         return f"{obs.refused:g} request(s) failed at the router (no worker free, retries exhausted)"
     if obs.waiting is None:
-        return None
+        return _over_capacity(spec, obs, memory or Memory())
     if obs.waiting > spec.up_waiting:
         return f"{obs.waiting:g} request(s) waiting (> {spec.up_waiting:g})"
     full = obs.capacity and obs.answered and (obs.running or 0) >= obs.answered * obs.capacity
     if full and obs.waiting > 0:
         return f"{obs.running or 0:g} running at capacity ({obs.answered} x --max-num-seqs {obs.capacity}), " \
                f"{obs.waiting:g} waiting"
+    return _queued_before_engines(spec, obs)
+
+
+def _queued_before_engines(spec: ScaleSpec, obs: Observation) -> str | None:
+    """More requests open at the router than every routable replica reports holding (running + waiting), by more
+    than ``W`` and ``QUEUE_SLACK`` of what they hold: requests queued before the engines."""
+    held = obs.held
+    if obs.in_flight is None or held is None:
+        return None
+    queued = obs.in_flight - held
+    if queued > spec.up_waiting + QUEUE_SLACK * held:
+        return f"{obs.in_flight:g} request(s) open at the router, the replicas hold {held:g} " \
+               f"({obs.running or 0:g} running, {obs.waiting or 0:g} waiting): {queued:g} queued before the engines"
     return None
+
+
+def _over_capacity(spec: ScaleSpec, obs: Observation, memory: Memory) -> str | None:
+    """No replica's ``/metrics`` answered: more requests open at the router than the routable replicas' capacity
+    (``--max-num-seqs`` each) plus ``W``; without a known capacity, more than they last reported holding (the
+    queue rule, against their last answer, while as many are routable)."""
+    if obs.in_flight is None or not obs.routable:
+        return None
+    if obs.capacity:
+        if obs.in_flight > obs.routable * obs.capacity + spec.up_waiting:
+            return f"{obs.in_flight:g} request(s) open at the router, above the capacity of the replicas " \
+                   f"({obs.routable} x --max-num-seqs {obs.capacity}; their /metrics did not answer)"
+        return None
+    held = _last_held(obs, memory)
+    if held is not None and obs.in_flight - held > spec.up_waiting + QUEUE_SLACK * held:
+        return f"{obs.in_flight:g} request(s) open at the router, the replicas last held {held:g} (their /metrics " \
+               f"did not answer): {obs.in_flight - held:g} queued before the engines"
+    return None
+
+
+def _last_held(obs: Observation, memory: Memory) -> float | None:
+    """What the replicas last reported holding, if as many are routable now as then."""
+    return memory.held if memory.held is not None and memory.held_by == obs.routable else None
+
+
+def _news(obs: Observation, memory: Memory) -> bool:
+    """Whether this tick says anything of the load: a replica answered, or the router's figure has something to
+    be set against (a known capacity, or what the replicas last held)."""
+    if obs.waiting is not None:
+        return True
+    return obs.in_flight is not None and (bool(obs.capacity) or _last_held(obs, memory) is not None)
 
 
 def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision, Memory]:
     """The decision for this tick and the memory for the next one. Pure."""
-    over = overloaded(spec, obs)
-    above = memory.above + 1 if over else (memory.above if obs.waiting is None else 0)  # no answer: no news
+    over = overloaded(spec, obs, memory)
+    above = memory.above + 1 if over else (memory.above if not _news(obs, memory) else 0)  # no answer: no news
     calm = obs.now if memory.calm_since is None else memory.calm_since
-    mem = Memory(above, calm if _spare(obs) else None, memory.last_change)
+    held, held_by = (obs.held, obs.routable) if obs.held is not None else (memory.held, memory.held_by)
+    mem = Memory(above, calm if _spare(obs) else None, memory.last_change, held, held_by)
     top, why_top = limit(spec, obs)
 
     def act(action: str, reason: str, target: int) -> tuple[Decision, Memory]:

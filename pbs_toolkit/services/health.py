@@ -14,7 +14,10 @@
   under a c=512 burst used to take the only replica out of the router 9 times in 2 minutes (4,691 of 12,000
   requests got 503).
 * **Busy** (jobs/rundir.py ``busy``): a replica whose probe timed out while its ``/metrics`` shows requests is
-  READY, only slow; scale-down takes such a replica last.
+  READY, only slow; scale-down takes such a replica last. vLLM serves ``/metrics`` on the same event loop as
+  ``/health``, so under overload it often times out too: the router's own view then decides
+  (``busy_at_router``): requests open to the replica at the router, and some of them answered well since the
+  keeper's last look (a hung engine answers none, a dead one fails them: their failed looks count).
 
 The count of failed looks is kept in the service's record (``health``: job id -> ``since``, ``looks``), so a
 restarted keeper goes on counting.
@@ -27,10 +30,12 @@ from typing import TYPE_CHECKING
 
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.jobs.status_types import ServerState
+from pbs_toolkit.server.phases import Phase
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.status import JobStatus
     from pbs_toolkit.services.record import ServiceRecord, Slot
+    from pbs_toolkit.services.router_metrics import RouterSnapshot
 
 #: consecutive failed looks before a routable replica leaves the router (``PBSTK_SERVICE_UNHEALTHY_LOOKS``) ...
 DEFAULT_UNHEALTHY_LOOKS = 3
@@ -102,6 +107,38 @@ def still_starting(slots: Sequence[Slot], statuses: Mapping[str, JobStatus], in_
 def slow(st: JobStatus | None, in_router: Collection[str]) -> bool:
     """Routable, but busy (its probe answered late) or its last look failed: scale-down takes it last."""
     return routable(st, in_router) and st is not None and (st.busy is not None or not ready(st))
+
+
+#: worker URL -> the requests to it the router had seen succeed, at the keeper's previous look (this keeper process)
+_SUCCEEDED_BEFORE: dict[str, float] = {}
+
+
+def needs_router_view(statuses: Mapping[str, JobStatus], in_router: Collection[str]) -> bool:
+    """Whether a routable replica's last look failed (not READY, not ended): the router's view may tell it busy."""
+    return any(routable(st, in_router) and not ready(st) for st in statuses.values())
+
+
+def busy_at_router(statuses: Mapping[str, JobStatus], in_router: Collection[str], snap: RouterSnapshot) -> list[str]:
+    """A routable replica whose look failed while the router has requests open to it and saw some of them succeed
+    since the previous look (failures, a dead worker's refusals, do not count) is busy, not unhealthy: its status
+    becomes READY with ``busy`` saying why (what ``leave_router`` then keeps). Returns the job ids so marked."""
+    marked = []
+    for gone in [u for u in _SUCCEEDED_BEFORE if u not in in_router]:  # workers the router no longer has
+        del _SUCCEEDED_BEFORE[gone]
+    for st in statuses.values():
+        url = worker_url(st)
+        if url is None or url not in in_router:
+            continue
+        done, before = snap.succeeded(url), _SUCCEEDED_BEFORE.get(url)
+        _SUCCEEDED_BEFORE[url] = done
+        if st.state not in (ServerState.STARTING, ServerState.UNKNOWN):
+            continue
+        open_ = snap.open_to(url)
+        if open_ and before is not None and done > before:
+            st.state, st.phase, st.unreachable = ServerState.READY, Phase.READY.value, None
+            st.busy = f"probe slow; {open_:g} open at the router, {done - before:g} answered since the last look"
+            marked.append(st.record.job_id)
+    return marked
 
 
 def leave_router(rec: ServiceRecord, st: JobStatus, now: float) -> str | None:

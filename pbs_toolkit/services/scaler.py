@@ -31,6 +31,7 @@ from pbs_toolkit.settings.vllm_overrides import int_flag
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.status import JobStatus
+    from pbs_toolkit.services.router_metrics import RouterSnapshot
     from pbs_toolkit.services.session import ServiceSession
     from pbs_toolkit.vllm.prom import MetricsSnapshot
 
@@ -78,21 +79,33 @@ def capacity(statuses: Mapping[str, JobStatus]) -> int | None:
     return None
 
 
-def router_refused(session: ServiceSession, rec: ServiceRecord) -> float | None:
-    """Requests the router failed since the last tick for want of a worker (its 503s and exhausted retries), from
-    one request to its Prometheus port; ``None`` on the first look, for a router that does not answer, or one
-    that restarted (its counters went down). The running total is kept in ``rec.scale["router_refused"]``."""
+def router_look(session: ServiceSession, rec: ServiceRecord) -> RouterSnapshot | None:
+    """One request to the router's Prometheus port (``None``: it did not answer, or has no such port)."""
     from pbs_toolkit.services.router_metrics import router_counters
 
     try:
-        total = router_counters(session.runner(rec.transport), rec, timeout=3.0).refused
+        return router_counters(session.runner(rec.transport), rec, timeout=3.0)
     except PbstkError:
         return None
+
+
+def refused_since(rec: ServiceRecord, snap: RouterSnapshot | None) -> float | None:
+    """Requests the router failed since the last tick for want of a worker (its 503s and exhausted retries);
+    ``None`` on the first look, for a router that did not answer, or one that restarted (its counters went
+    down). The running total is kept in ``rec.scale["router_refused"]``."""
+    if snap is None:
+        return None
+    total = snap.refused
     before = rec.scale.get("router_refused")
     rec.scale["router_refused"] = total
     if before is None or total < float(before):
         return None
     return total - float(before)
+
+
+def router_refused(session: ServiceSession, rec: ServiceRecord) -> float | None:
+    """The requests the router failed since the last tick (one look at its Prometheus port)."""
+    return refused_since(rec, router_look(session, rec))
 
 
 def idle_end(rec: ServiceRecord, snaps: Mapping[str, MetricsSnapshot], routable: int, now: float) -> str | None:
@@ -113,12 +126,13 @@ def idle_end(rec: ServiceRecord, snaps: Mapping[str, MetricsSnapshot], routable:
 
 
 def observation(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router: set[str],
-                snaps: Mapping[str, MetricsSnapshot], now: float, refused: float | None = None
-                ) -> autoscale.Observation:
+                snaps: Mapping[str, MetricsSnapshot], now: float, refused: float | None = None,
+                in_flight: float | None = None) -> autoscale.Observation:
     """This tick's look for the policy. A routable replica counts as serving even when its last look failed or
     its probe answered late (it is not "starting"); the queue is summed over the replicas whose ``/metrics``
     answered (``answered``), so one that did not answer this time neither hides the others' queue nor resets
-    the policy's count."""
+    the policy's count. ``in_flight``: the requests open at the router (what clients wait for), set against what
+    the replicas hold."""
     slots = active(rec)
     starting = sum(1 for s in slots if serving(s, statuses, in_router) is None)
     answered = [s for s in snaps.values() if s.waiting is not None or s.running is not None]
@@ -127,13 +141,20 @@ def observation(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router
         waiting=sum(s.waiting or 0 for s in answered) if answered else None,
         running=sum(s.running or 0 for s in answered) if answered else None,
         capacity=capacity(statuses) or rec.scale.get("capacity"), job_cap=int(rec.scale.get("job_cap") or 0),
-        answered=len(answered), refused=refused)
+        answered=len(answered), refused=refused, in_flight=in_flight)
 
 
 def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
          in_router: set[str]) -> str | None:
-    """This tick's idle check and scaling decision, applied. Returns why the service must end now (idle), or
-    ``None``."""
+    """This tick's look at the router (for every service whose routable replica's look failed: the router may
+    tell it busy, services/health.py ``busy_at_router``), idle check and scaling decision, applied. Returns why
+    the service must end now (idle), or ``None``."""
+    snap = None
+    if rec.scale or health.needs_router_view(statuses, in_router):
+        snap = router_look(session, rec)
+    if snap is not None:
+        for job in health.busy_at_router(statuses, in_router, snap):
+            keeper_log(f"{job} is busy (the router's view): {statuses[job].busy}")
     if not rec.scale and not rec.idle_cancel_s:
         return None
     now = time.time()
@@ -143,7 +164,8 @@ def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, Job
     if why or not rec.scale:
         return why
     spec = autoscale.ScaleSpec.from_dict(rec.scale["spec"])
-    obs = observation(rec, statuses, in_router, snaps, now, router_refused(session, rec))
+    obs = observation(rec, statuses, in_router, snaps, now, refused_since(rec, snap),
+                      snap.in_flight if snap is not None else None)
     decision, memory = autoscale.decide(spec, autoscale.Memory.from_dict(rec.scale.get("memory")), obs)
     rec.scale["memory"] = memory.to_dict()
     rec.scale["now"] = decision.to_dict()
