@@ -21,8 +21,8 @@ one ``session.status`` over the service's jobs (one scheduler query), then for e
 * a worker in the router that is none of the service's jobs is removed (added by hand, or by anyone at all
   with ``router_isolation: none``: the router's admin API has no authentication of its own).
 
-The router admin connection (for a login-node router, an SSH tunnel) is kept open across ticks (``AdminLink``)
-and opened afresh only after a failure or for a new router.
+The router admin object (for a login-node router, one channel per call over the runner's held SSH connection)
+is kept across ticks (``AdminLink``) and made afresh only after a failure or for a new router.
 
 Between ticks the keeper does not just sleep: every ``PROBE_S`` it probes ``/health`` of each replica that is
 starting (its address known, not READY, not in the router) directly, which costs the scheduler nothing, and the
@@ -181,9 +181,9 @@ def watch(session: ServiceSession, seen: Look, seconds: float, wakes: dict[str, 
 
 
 class AdminLink:
-    """The router's admin connection, kept open across ticks: for a login-node router that is one SSH tunnel
-    for the keeper's life instead of one per tick. Reopened only after a failure (``drop``) or when the
-    router's record changes (a new router, another address)."""
+    """The router's admin object, kept across ticks (a login-node router's calls each take a channel of the
+    runner's held SSH connection, no tunnel). Made afresh only after a failure (``drop``) or when the router's
+    record changes (a new router, another address)."""
 
     def __init__(self, session: ServiceSession) -> None:
         self.session = session
