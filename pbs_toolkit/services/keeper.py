@@ -36,7 +36,6 @@ It stops when the service is recorded ended (``pbstk cancel NAME``) or its recor
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
@@ -51,7 +50,14 @@ from pbs_toolkit.jobs.readiness import scheduler_intervals
 from pbs_toolkit.services import health, restarts, scaler
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.health import routable_count, still_starting, worker_url
-from pbs_toolkit.services.keeper_process import TICK_FILE, heartbeat, keeper_log, poll_seconds, service_dir
+from pbs_toolkit.services.keeper_process import (
+    TICK_FILE,
+    heartbeat,
+    hold_keeper_lock,
+    keeper_log,
+    poll_seconds,
+    service_dir,
+)
 from pbs_toolkit.services.lease import LeaseWatch
 from pbs_toolkit.services.lease import drain as drain_all
 from pbs_toolkit.services.manage import launch_replica
@@ -95,14 +101,11 @@ def run(name: str, session: ServiceSession) -> int:
     ``session``: the caller's (``Client.keep_service``), whose runners the caller closes."""
     from pbs_toolkit.jobs.store import launcher_token
 
-    directory = service_dir(name)
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(directory / "keeper.lock", os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    fd = hold_keeper_lock(name)
+    if fd is None:
         keeper_log(f"another keeper already keeps service {name}")
         return 0
+    directory = service_dir(name)
     (directory / "keeper.json").write_text(json.dumps({"pid": os.getpid(), "token": launcher_token()}))
     (directory / TICK_FILE).unlink(missing_ok=True)  # an earlier keeper's (or service's) heartbeat is not ours
     keeper_log(f"keeper of service {name} started (pid {os.getpid()})")

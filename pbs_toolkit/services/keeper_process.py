@@ -55,18 +55,38 @@ def spawn_keeper(name: str, wait_s: float = 10.0) -> int:
     raise PbstkError(f"the keeper of service {name} did not start; see {directory / 'keeper.log'}")
 
 
-def keeper_alive(name: str) -> bool:
-    """Whether a keeper holds the service's lock (a lock, not a pid: a reused pid can never look alive)."""
-    path = service_dir(name) / "keeper.lock"
-    if not path.exists():
-        return False
-    fd = os.open(path, os.O_RDWR)
+#: the keeper holds this file of its service's directory locked while it runs: one keeper per service
+KEEPER_LOCK = "keeper.lock"
+
+
+def _try_lock(path: Path, create: bool) -> int | None:
+    """An exclusive ``flock`` on ``path`` without waiting: the open descriptor holding it (closing it drops the
+    lock), or ``None`` when another process holds it."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600) if create else os.open(path, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def hold_keeper_lock(name: str) -> int | None:
+    """Take the service's keeper lock for this process's life: its descriptor, or ``None`` (another keeper)."""
+    directory = service_dir(name)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return _try_lock(directory / KEEPER_LOCK, create=True)
+
+
+def keeper_alive(name: str) -> bool:
+    """Whether a keeper holds the service's lock (a lock, not a pid: a reused pid can never look alive)."""
+    path = service_dir(name) / KEEPER_LOCK
+    if not path.exists():
+        return False
+    fd = _try_lock(path, create=False)
+    if fd is None:
         return True
-    finally:
-        os.close(fd)  # closing drops a lock taken here
+    os.close(fd)  # closing drops the lock taken here
     return False
 
 
