@@ -22,9 +22,10 @@ from helpers import MODEL, pbstk, status_of, wait_for
 
 from pbs_toolkit.client import Client
 from pbs_toolkit.errors import UsageError
+from pbs_toolkit.jobs.judge import judge
 from pbs_toolkit.jobs.nodes import node_log_path, read_nodes, request_stop
 from pbs_toolkit.jobs.rundir import RunDirView, look
-from pbs_toolkit.jobs.status import ServerState, judge
+from pbs_toolkit.jobs.status import ServerState
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.schedulers import SchedulerJob, pbs
 from pbs_toolkit.transports.http import Identity
@@ -75,7 +76,7 @@ def judged(run_dir: Path, job: SchedulerJob | None = None, *, ours: bool = False
     view = look(LocalRunner(), rec, job or sched())
     if ours:
         view.health, view.identity = 200, Identity(True)
-    return judge(rec, job or sched(), view)
+    return judge(rec, job or sched(), view)[0]
 
 
 @pytest.fixture
@@ -220,7 +221,7 @@ def test_garbled_markers_spoil_only_their_node(run_dir: Path) -> None:
     write_server(run_dir, "starting", nnodes=2)
     write_node(run_dir, 0, "ready")
     (run_dir / "nodes" / "1.json").write_text("{not json")
-    st = judge(record(run_dir), sched(), RunDirView())  # nothing read: single-node view, unchanged
+    st, _ = judge(record(run_dir), sched(), RunDirView())  # nothing read: single-node view, unchanged
     assert st.nnodes == 1
     st = judged(run_dir)
     assert st.state is ServerState.STARTING and st.nodes[1]["phase"] is None

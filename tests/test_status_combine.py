@@ -324,3 +324,24 @@ def test_absence_counts_fresh_answers_and_restarts_on_a_sign_of_life() -> None:
     assert note_absence(None, rec, [11, 1], counted=True).polls == 1  # the log grew: alive, start over
     rec.extra["sched_absence"] = "garbage"
     assert note_absence(None, rec, [11, 1], counted=True).polls == 1
+
+
+def test_judge_writes_nothing_and_hands_back_what_the_record_keeps() -> None:
+    """jobs/judge.py is pure: the absence count and the verified address come back as values; remember.py writes."""
+    import copy
+
+    from pbs_toolkit.jobs.judge import judge
+    from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView
+    from pbs_toolkit.jobs.status_types import ABSENCE_KEY
+    from pbs_toolkit.transports.http import Identity
+
+    rec = record()
+    before = copy.deepcopy(rec.extra)
+    _, keep = judge(rec, None, RunDirView(fingerprint=[10, 1]), answered=True, counted=True)
+    assert rec.extra == before  # nothing written into the record
+    assert keep[ABSENCE_KEY]["polls"] == 1
+    view = RunDirView(marker={"phase": "ready", "address": "10.0.0.5", "port": 8000}, health=200,
+                      identity=Identity(ours=True))
+    st, keep = judge(rec, sched("R"), view)
+    assert st.state is S.READY and rec.extra == before
+    assert keep[VERIFIED_KEY] == "10.0.0.5:8000"

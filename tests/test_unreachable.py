@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from helpers import MODEL, launch, marker, pbstk, status_of, until
 
+from pbs_toolkit.jobs.judge import judge
 from pbs_toolkit.jobs.rundir import look
-from pbs_toolkit.jobs.status import ServerState, judge
+from pbs_toolkit.jobs.status import ServerState
 from pbs_toolkit.jobs.store import JobRecord
 from pbs_toolkit.schedulers import SchedState, SchedulerJob
 from pbs_toolkit.transports.local import LocalRunner
@@ -32,7 +33,7 @@ def test_refused_address_is_named_in_the_status(tmp_path: Path) -> None:
     record = JobRecord(job_id="1.fakepbs", scheduler="pbs", profile="generic-pbspro", model=MODEL,
                        served_model_name=MODEL, preset="dp4", name="job", run_dir=str(tmp_path), api_key="k")
     sched = SchedulerJob("1.fakepbs", SchedState.RUNNING, "R")
-    st = judge(record, sched, look(LocalRunner(), record, sched))
+    st, _ = judge(record, sched, look(LocalRunner(), record, sched))
     assert st.state is ServerState.STARTING
     assert st.phase == st.unreachable
     assert st.unreachable is not None and st.unreachable.startswith(

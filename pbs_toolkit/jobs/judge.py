@@ -1,6 +1,7 @@
 """Deciding a job's state from what one look saw: the scheduler's answer, the run directory's markers, the
-server's HTTP answer and its log (``judge``), each rule a small function. No I/O but the store's bookkeeping;
-jobs/rundir.py looks, jobs/status.py asks the scheduler once per transport and calls ``judge`` per job.
+server's HTTP answer and its log (``judge``), each rule a small function. Pure: no I/O and no writes; what a look
+teaches the job's record (the absence count, the verified address, the frozen start-up) is handed back, and
+jobs/remember.py writes it; jobs/rundir.py looks, jobs/status.py asks the scheduler once per transport.
 
 Two rules keep status from lying (jobs/status.py says more): READY only for a server that proved it is the
 job's own, and LOST only after ``LOST_AFTER_POLLS`` answers over ``PBSTK_LOST_AFTER_S`` without a sign of life."""
@@ -14,7 +15,7 @@ from typing import Any
 
 from pbs_toolkit.jobs import idle, lease
 from pbs_toolkit.jobs.nodes import NodeMarker, NodesView, node_log_name, node_phase_text
-from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView, look
+from pbs_toolkit.jobs.rundir import VERIFIED_KEY, RunDirView
 from pbs_toolkit.jobs.startup_phases import job_startup, to_freeze
 from pbs_toolkit.jobs.status_types import (
     ABSENCE_KEY,
@@ -24,10 +25,9 @@ from pbs_toolkit.jobs.status_types import (
     ServerState,
     lost_after_s,
 )
-from pbs_toolkit.jobs.store import JobRecord, JobStore
+from pbs_toolkit.jobs.store import JobRecord
 from pbs_toolkit.schedulers import Outcome, SchedState, SchedulerJob
 from pbs_toolkit.server.phases import FINAL_PHASES, Phase
-from pbs_toolkit.transports import Runner
 from pbs_toolkit.transports.http import Identity
 
 
@@ -254,44 +254,42 @@ def _node_failed(st: JobStatus, node: NodeMarker, attempts: tuple[list[str], lis
     return st
 
 
-def _save(store: JobStore | None, record: JobRecord, **values: Any) -> None:
-    if store is not None:
-        store.update_extra(record, **values)
-    else:
-        record.extra.update(values)
-
-
-def note_absence(store: JobStore | None, record: JobRecord, fingerprint: list[int | None],
-                 counted: bool) -> Absence:
-    """Count one more scheduler answer without the job (when ``counted``); a changed run directory restarts
-    the count. Kept in ``record.extra`` so separate ``pbstk`` calls add up."""
+def count_absence(record: JobRecord, fingerprint: list[int | None],
+                  counted: bool) -> tuple[Absence, dict[str, Any] | None]:
+    """One more scheduler answer without the job (when ``counted``); a changed run directory restarts the count.
+    The count and what ``record.extra`` must keep of it (``None``: nothing changes), so separate ``pbstk`` calls
+    add up."""
     now = time.time()
     prev: Any = record.extra.get(ABSENCE_KEY)
     try:
         since, polls, seen = float(prev["since"]), int(prev["polls"]), prev.get("fingerprint")
     except (TypeError, KeyError, ValueError, AttributeError):
         since, polls, seen = now, 0, None
+    keep = None
     if counted:
         if polls and seen == fingerprint:
             polls += 1
         else:
             since, polls = now, 1
-        _save(store, record, **{ABSENCE_KEY: {"since": since, "polls": polls, "fingerprint": fingerprint}})
-    return Absence(polls, max(0.0, now - since))
+        keep = {ABSENCE_KEY: {"since": since, "polls": polls, "fingerprint": fingerprint}}
+    return Absence(polls, max(0.0, now - since)), keep
 
 
-def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, store: JobStore | None = None,
-          answered: bool = True, counted: bool = True) -> JobStatus:
-    """The status from one look, keeping the absence count and the verified address in ``record.extra``.
+def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, answered: bool = True,
+          counted: bool = True) -> tuple[JobStatus, dict[str, Any]]:
+    """The status from one look, and what ``record.extra`` must keep of it (the absence count, the verified
+    address, the frozen start-up phases; empty: nothing). Pure: jobs/remember.py writes what it hands back.
 
     ``answered``: the scheduler answered this poll (``sched`` is ``None`` because it does not know the job);
     ``counted``: this is a fresh answer, not the last one reused between polls.
     """
+    keep: dict[str, Any] = {}
     absence = None
     if answered and sched is None:
-        absence = note_absence(store, record, view.fingerprint, counted)
+        absence, counted_keep = count_absence(record, view.fingerprint, counted)
+        keep.update(counted_keep or {})
     elif answered and record.extra.get(ABSENCE_KEY):
-        _save(store, record, **{ABSENCE_KEY: None})
+        keep[ABSENCE_KEY] = None
     st = combine(record, sched, view.marker, view.lines, view.health, identity=view.identity, absence=absence,
                  answered=answered, busy=view.busy)
     # stopped by --idle-cancel, or by the lease of a lost pbstk run: says so
@@ -302,11 +300,11 @@ def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, st
     if view.identity is not None and view.identity.ours and view.marker:
         where = f"{view.marker.get('address') or '127.0.0.1'}:{view.marker['port']}"
         if record.extra.get(VERIFIED_KEY) != where:
-            _save(store, record, **{VERIFIED_KEY: where})
+            keep[VERIFIED_KEY] = where
     st.startup = job_startup(record, st.state.value, view.startup_log, current_attempt(view.lines),
                              eager=record.spec.eager or st.eager_fallback)
     if freeze := to_freeze(st.state.value, st.startup, record):
-        _save(store, record, **freeze)
+        keep.update(freeze)
     if view.problem:
         st.reason = f"{st.reason} ({view.problem})" if st.reason else view.problem
         if st.state is ServerState.STARTING:
@@ -314,13 +312,7 @@ def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, st
     nodes_up = st.nnodes <= 1 or st.nodes_ready == st.nnodes  # a node still starting is the first thing to say
     if view.unreachable and st.state is ServerState.STARTING and nodes_up:
         st.unreachable = st.phase = view.unreachable
-    return st
-
-
-def observe(runner: Runner, record: JobRecord, sched: SchedulerJob | None, *, store: JobStore | None = None,
-            answered: bool = True, counted: bool = True) -> JobStatus:
-    """Look at one job whose scheduler state is known (see :func:`judge` for the flags) and judge it."""
-    return judge(record, sched, look(runner, record, sched), store=store, answered=answered, counted=counted)
+    return st, keep
 
 
 def without_scheduler(st: JobStatus, why: str) -> JobStatus:
@@ -329,19 +321,3 @@ def without_scheduler(st: JobStatus, why: str) -> JobStatus:
     if st.state in (ServerState.LOST, ServerState.UNKNOWN):
         st.state, st.reason = ServerState.UNKNOWN, f"the scheduler did not answer ({why}); try again later"
     return st
-
-
-def remember_final(store: JobStore | None, st: JobStatus, job: SchedulerJob | None) -> None:
-    """Record ``st`` in ``store`` if it is final and the scheduler can no longer change it.
-
-    That is when the scheduler says F (E is not final yet, and a marker seen while the job still runs may be
-    overtaken by a walltime kill) or has forgotten the job (``job`` is None after it answered). The reason
-    and log lines are kept so later calls can still say why without asking anyone.
-    """
-    settled = job is None or job.state is SchedState.FINISHED
-    if store is not None and st.state.final and settled:
-        store.set_final_state(st.record, st.state.value, final_reason=st.reason,
-                              exit_status=st.exit_status, log_excerpt=st.log_excerpt,
-                              final_scheduler_state=st.scheduler_state)
-
-

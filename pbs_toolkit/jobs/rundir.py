@@ -35,7 +35,7 @@ VERIFIED_KEY = "verified_endpoint"
 
 @dataclass
 class RunDirView:
-    """One look at a job's run directory and server (I/O only; :func:`pbs_toolkit.jobs.status.judge` decides)."""
+    """One look at a job's run directory and server (I/O only; :func:`pbs_toolkit.jobs.judge.judge` decides)."""
 
     marker: dict[str, Any] | None = None
     #: ``server.json`` exists but is unusable, in words

@@ -25,13 +25,10 @@ from pbs_toolkit.jobs.judge import (
     classify,
     combine,
     current_attempt,
-    judge,
-    note_absence,
-    observe,
-    remember_final,
     with_nodes,
     without_scheduler,
 )
+from pbs_toolkit.jobs.remember import judge_and_keep, note_absence, observe, remember_final
 from pbs_toolkit.jobs.rundir import look_all
 from pbs_toolkit.jobs.startup_phases import STARTUP_KEY
 from pbs_toolkit.jobs.status_types import (
@@ -49,7 +46,7 @@ from pbs_toolkit.schedulers import JobRef, SchedulerJob, get_scheduler
 from pbs_toolkit.transports import Runner, open_runner
 
 __all__ = ["ABSENCE_KEY", "DEFAULT_LOST_AFTER_S", "LOST_AFTER_POLLS", "WALLTIME_ENDING_S", "Absence", "JobStatus",
-           "ServerState", "classify", "combine", "current_attempt", "judge", "lost_after_s", "note_absence",
+           "ServerState", "classify", "combine", "current_attempt", "judge_and_keep", "lost_after_s", "note_absence",
            "observe", "query_group", "recorded_status", "remember_final", "status", "status_of",
            "unreachable_status", "unreachable_warning", "with_nodes", "without_scheduler"]
 
@@ -87,7 +84,7 @@ def _judge_group(runner: Runner, items: list[tuple[int, JobRecord]], sched: dict
     views = look_all(runner, [(record, sched.get(record.job_id)) for _, record in items])
     for (index, record), view in zip(items, views):
         job = sched.get(record.job_id)
-        st = judge(record, job, view, store=store, answered=why is None)
+        st = judge_and_keep(record, job, view, store=store, answered=why is None)
         if why is not None:
             st = without_scheduler(st, why)
         else:
