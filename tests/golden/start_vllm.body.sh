@@ -1004,10 +1004,11 @@ pbstk_idle_start() {
   IDLE_PID=$!
   pbstk_log "idle reclaim: vLLM is stopped after ${IDLE_CANCEL_S}s without a request"
 }
-# The job after an idle stop: a normal end (code 0), whatever code SIGTERM gave vLLM.
-pbstk_idle_end() {
-  [ "$IDLE_PID" -gt 0 ] && kill "$IDLE_PID" 2>/dev/null
-  [ -f "$RUN_DIR/ended_idle" ] && [ "$READY" = true ] || return 0
+# After vLLM exited: stop the watcher WATCHER_PID; if it was the one that stopped vLLM (RUN_DIR/MARKER: an idle
+# stop, a lapsed lease, lease.sh), the job ends normally (code 0), whatever code SIGTERM gave vLLM.
+pbstk_watched_end() {  # WATCHER_PID MARKER
+  [ "$1" -gt 0 ] && kill "$1" 2>/dev/null
+  [ -f "$RUN_DIR/$2" ] && [ "$READY" = true ] || return 0
   pbstk_state "$PHASE_EXITED" 0
   [ "$NNODES" -gt 1 ] && : >>"$RUN_DIR/stop"
   exit 0
@@ -1058,14 +1059,7 @@ pbstk_lease_start() {
   LEASE_PID=$!
   pbstk_log "lease: vLLM is stopped when pbstk run has not renewed $RUN_DIR/lease for ${LEASE_S}s"
 }
-# The job after its lease lapsed: a normal end (code 0), whatever code SIGTERM gave vLLM.
-pbstk_lease_end() {
-  [ "$LEASE_PID" -gt 0 ] && kill "$LEASE_PID" 2>/dev/null
-  [ -f "$RUN_DIR/ended_lease" ] && [ "$READY" = true ] || return 0
-  pbstk_state "$PHASE_EXITED" 0
-  [ "$NNODES" -gt 1 ] && : >>"$RUN_DIR/stop"
-  exit 0
-}
+# (the job after its lease lapsed ends like an idle stop: idle.sh's pbstk_watched_end, marker ended_lease)
 # vLLM's output line by line into the log where stdbuf is there
 LINE_BUFFERED=()
 command -v stdbuf >/dev/null 2>&1 && LINE_BUFFERED=(stdbuf -oL -eL)
@@ -1159,8 +1153,8 @@ while true; do
   break
 done
 pbstk_compile_release  # a start that never got ready leaves the compile to the next engine
-pbstk_idle_end
-pbstk_lease_end
+pbstk_watched_end "$IDLE_PID" ended_idle
+pbstk_watched_end "$LEASE_PID" ended_lease
 if [ "$READY" = true ]; then
   pbstk_log "vLLM exited with code $RC"
   pbstk_state "$PHASE_EXITED" "$RC"

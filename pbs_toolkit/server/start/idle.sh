@@ -46,10 +46,11 @@ pbstk_idle_start() {
   IDLE_PID=$!
   pbstk_log "idle reclaim: vLLM is stopped after ${IDLE_CANCEL_S}s without a request"
 }
-# The job after an idle stop: a normal end (code 0), whatever code SIGTERM gave vLLM.
-pbstk_idle_end() {
-  [ "$IDLE_PID" -gt 0 ] && kill "$IDLE_PID" 2>/dev/null
-  [ -f "$RUN_DIR/ended_idle" ] && [ "$READY" = true ] || return 0
+# After vLLM exited: stop the watcher WATCHER_PID; if it was the one that stopped vLLM (RUN_DIR/MARKER: an idle
+# stop, a lapsed lease, lease.sh), the job ends normally (code 0), whatever code SIGTERM gave vLLM.
+pbstk_watched_end() {  # WATCHER_PID MARKER
+  [ "$1" -gt 0 ] && kill "$1" 2>/dev/null
+  [ -f "$RUN_DIR/$2" ] && [ "$READY" = true ] || return 0
   pbstk_state "$PHASE_EXITED" 0
   [ "$NNODES" -gt 1 ] && : >>"$RUN_DIR/stop"
   exit 0

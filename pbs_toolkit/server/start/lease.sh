@@ -43,11 +43,4 @@ pbstk_lease_start() {
   LEASE_PID=$!
   pbstk_log "lease: vLLM is stopped when pbstk run has not renewed $RUN_DIR/lease for ${LEASE_S}s"
 }
-# The job after its lease lapsed: a normal end (code 0), whatever code SIGTERM gave vLLM.
-pbstk_lease_end() {
-  [ "$LEASE_PID" -gt 0 ] && kill "$LEASE_PID" 2>/dev/null
-  [ -f "$RUN_DIR/ended_lease" ] && [ "$READY" = true ] || return 0
-  pbstk_state "$PHASE_EXITED" 0
-  [ "$NNODES" -gt 1 ] && : >>"$RUN_DIR/stop"
-  exit 0
-}
+# (the job after its lease lapsed ends like an idle stop: idle.sh's pbstk_watched_end, marker ended_lease)

@@ -91,8 +91,8 @@ while true; do
   break
 done
 pbstk_compile_release  # a start that never got ready leaves the compile to the next engine
-pbstk_idle_end
-pbstk_lease_end
+pbstk_watched_end "$IDLE_PID" ended_idle
+pbstk_watched_end "$LEASE_PID" ended_lease
 if [ "$READY" = true ]; then
   pbstk_log "vLLM exited with code $RC"
   pbstk_state "$PHASE_EXITED" "$RC"
