@@ -8,6 +8,7 @@ so a developer's ~/.config/pbstk never leaks in.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,6 +95,19 @@ def _stop_local_jobs() -> None:
             if record.scheduler == "local" and not record.transport and not record.final_state:
                 with contextlib.suppress(Exception):
                     cancel(record)
+
+
+@pytest.fixture
+def orphans() -> Iterator[list[int]]:
+    """Process groups a test leaves running on purpose (a killed ``pbstk run``'s COMMAND, which nothing reaps):
+    append each one's pgid; they are killed at the end."""
+    groups: list[int] = []
+    yield groups
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.fixture

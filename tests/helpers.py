@@ -195,3 +195,25 @@ def kill_started_job(proc: subprocess.Popen[bytes] | None, server_pid: int) -> N
             os.kill(server_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+# -- processes and services --------------------------------------------------------------------------------------
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` still runs."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def local_service_profile(user: Path, router: Path | str, name: str = "svc") -> str:
+    """Write the user profile ``name`` (the ``isolated_user`` layout): the local scheduler, one GPU a replica,
+    loopback, and ``router`` as the service's vllm-router. Returns the profile's name."""
+    profiles = user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / f"{name}.yaml").write_text(
+        f"name: {name}\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
+        f"address: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {router}\n")
+    return name

@@ -95,13 +95,6 @@ def test_run_passes_exit_codes_and_signals(standins: Path, tmp_path: Path) -> No
     assert totals["jobs"] == 2 and totals["requests"] == 3 and totals["output_tokens"] == 21, totals
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
 
 def test_ctrl_c_during_command_leaves_no_process_and_no_entry(standins: Path, tmp_path: Path) -> None:
     registry = tmp_path / "endpoints.yaml"
@@ -117,14 +110,14 @@ def test_ctrl_c_during_command_leaves_no_process_and_no_entry(standins: Path, tm
         entries = yaml.safe_load(registry.read_text())["endpoints"]
         assert list(entries) == ["cc"]  # written before COMMAND ran
         pgid = int(pidfile.read_text())
-        assert _group_alive(pgid)
+        assert helpers.group_alive(pgid)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err  # sh ended by the forwarded SIGINT
-    assert not _group_alive(pgid), "COMMAND's process group outlived pbstk run"
+    assert not helpers.group_alive(pgid), "COMMAND's process group outlived pbstk run"
     assert yaml.safe_load(registry.read_text())["endpoints"] in ({}, None), err
     assert helpers.wait_recorded("cc", "CANCELLED")["state"] == "CANCELLED"
 
@@ -257,11 +250,7 @@ ROUTER = Path(sys.executable).parent / "vllm-router"
 @pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
 def test_run_with_replicas_serves_a_service_and_usage_groups_it(standins: Path, isolated_user: Path,
                                                                 tmp_path: Path) -> None:
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True)
-    (profiles / "svc.yaml").write_text(
-        "name: svc\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
-        f"address: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
+    helpers.local_service_profile(isolated_user, ROUTER)
     script, registry = tmp_path / "eval.py", tmp_path / "endpoints.yaml"
     script.write_text(EVAL)
     env = _env(PBSTK_SERVICE_POLL_S="0.5", PBSTK_TEST_STANDIN_DELAY="0")
@@ -296,11 +285,7 @@ def test_run_takes_the_autoscaling_and_idle_options_of_serve(standins: Path, iso
                                                              tmp_path: Path) -> None:
     """``run --min/--max-replicas`` serves an autoscaled service (``scale`` reaches ``serve``) and ``--idle-cancel``
     comes with the render options; bad combinations are one error line before anything launches."""
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True)
-    (profiles / "svc.yaml").write_text(
-        "name: svc\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
-        f"address: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
+    helpers.local_service_profile(isolated_user, ROUTER)
     script = tmp_path / "seen.py"
     script.write_text(SERVICE_SEEN)
     env = _env(PBSTK_SERVICE_POLL_S="0.5", PBSTK_TEST_STANDIN_DELAY="0")

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +35,6 @@ def _env(**extra: str) -> dict[str, str]:
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pbs_toolkit", *args], capture_output=True, text=True,  # noqa: S603
                           timeout=180, check=False, env=env or _env())
-
-
-@pytest.fixture
-def orphans() -> Iterator[list[int]]:
-    """Process groups of COMMANDs a killed run leaves behind (what a lease does not reap): killed at the end."""
-    groups: list[int] = []
-    yield groups
-    for pgid in groups:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _kill_run_during_command(tmp_path: Path, name: str, options: tuple[str, ...], orphans: list[int]) -> None:
@@ -82,19 +68,12 @@ def _kill_run_during_command(tmp_path: Path, name: str, options: tuple[str, ...]
     assert "the lease of pbstk run lapsed" in human.output, human.output
     assert read_endpoints(registry) == {}, "the registry entry outlived the job"
     # what the lease does not reap or record (docs/campaigns.md): COMMAND, orphaned, still runs; no counters
-    assert _group_alive(orphans[-1])
+    assert helpers.group_alive(orphans[-1])
     usage = _cli("usage", name, "--json")
     assert usage.returncode == 0, usage.stderr
     row = json.loads(usage.stdout)["jobs"][0]
     assert row["requests"] is None and row["counters_source"] is None, row
 
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_kill_9_of_run_ends_its_local_job_within_the_lease(standins: Path, tmp_path: Path,

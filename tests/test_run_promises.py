@@ -269,11 +269,7 @@ ROUTER = Path(sys.executable).parent / "vllm-router"
 @pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
 def test_ctrl_c_during_a_services_wait_cancels_it_and_says_so_once(standins: Path, isolated_user: Path,
                                                                    tmp_path: Path) -> None:
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True)
-    (profiles / "svc.yaml").write_text(
-        "name: svc\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
-        f"address: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
+    helpers.local_service_profile(isolated_user, ROUTER)
     env = _env(PBSTK_SERVICE_POLL_S="0.5", PBSTK_TEST_STANDIN_MODE="hang")
     proc = _popen("run", MODEL, "--profile", "svc", "--preset", "single", "--replicas", "2", "--name", "sw",
                   "--", "true", env=env)
@@ -317,11 +313,7 @@ def test_the_readme_service_pairing_keeps_the_services_entry(standins: Path, iso
                                                              tmp_path: Path) -> None:
     """README: `serve --name qwen`, `update-endpoint qwen --registry R`; docs/campaigns.md: `run --reuse qwen
     --registry R`. The service's entry is there after the run, and the service's cancel still takes it out."""
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True)
-    (profiles / "svc.yaml").write_text(
-        "name: svc\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
-        f"address: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
+    helpers.local_service_profile(isolated_user, ROUTER)
     env = _env(PBSTK_SERVICE_POLL_S="0.5", PBSTK_TEST_STANDIN_DELAY="0")
     registry = tmp_path / "endpoints.py"
     served = cli("serve", MODEL, "--profile", "svc", "--preset", "single", "--replicas", "2", "--name", "qwen",

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import MODEL, pbstk, until, wait_recorded
+from helpers import MODEL, group_alive, local_service_profile, pbstk, until, wait_recorded
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
@@ -38,16 +38,12 @@ def slow_router_profile(isolated_user: Path, standins: Path, tmp_path: Path,
     slow.write_text(f"#!/bin/sh\nn=0\nwhile [ ! -e '{go}' ] && [ $n -lt 600 ]; do sleep 0.1; n=$((n+1)); done\n"
                     f"exec '{ROUTER}' \"$@\"\n")
     slow.chmod(0o755)
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True)
-    (profiles / "svc.yaml").write_text(
-        "name: svc\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
-        f"address: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {slow}\n")
+    local_service_profile(isolated_user, slow)
     monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
     monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
     yield str(go)
     group = _router_group("si")
-    if group and _group_alive(group):  # a failed test must not leave the router it started running
+    if group and group_alive(group):  # a failed test must not leave the router it started running
         os.killpg(group, signal.SIGKILL)
     with contextlib.suppress(Exception):
         pbstk("cancel", "--all")
@@ -69,13 +65,6 @@ def _router_group(name: str) -> int:
         return 0
     return int(text) if text.isdigit() else 0
 
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _replica_recorded(name: str) -> bool:
@@ -105,13 +94,13 @@ def test_sigint_during_serve_leaves_no_process_of_the_service(slow_router_profil
             proc.kill()
     assert proc.returncode == 130, err
     assert "Traceback" not in err, err
-    until(lambda: not _group_alive(group), 30, f"the router's process group {group} to end")
+    until(lambda: not group_alive(group), 30, f"the router's process group {group} to end")
     svc = records.load(JobStore(), "si")
     assert svc is not None and svc.state == "ENDED", svc
     assert not keeper_alive("si")
     for job in JobStore().all():  # a replica launched before the SIGINT was cancelled by serve's teardown
         assert wait_recorded(job.job_id, "CANCELLED", timeout=30)["state"] == "CANCELLED"
-    assert pbstk("cancel", "--all").exit_code == 0 and not _group_alive(group)
+    assert pbstk("cancel", "--all").exit_code == 0 and not group_alive(group)
 
 
 def test_sigterm_during_run_with_replicas_leaves_no_router(slow_router_profile: str) -> None:
@@ -127,7 +116,7 @@ def test_sigterm_during_run_with_replicas_leaves_no_router(slow_router_profile: 
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err
-    until(lambda: not _group_alive(group), 30, f"the router's process group {group} to end")
+    until(lambda: not group_alive(group), 30, f"the router's process group {group} to end")
     svc = records.load(JobStore(), "si")
     assert svc is not None and not svc.active, svc
 
@@ -145,12 +134,12 @@ def test_serve_killed_while_its_router_starts_is_stopped_by_cancel(slow_router_p
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert _group_alive(group)
+    assert group_alive(group)
     svc = records.find(JobStore(), "si")
     assert svc is not None and svc.router.get("token"), "the router was not recorded before serve waited for it"
     cancelled = pbstk(*cancel)
     assert cancelled.exit_code == 0, cancelled.output
-    until(lambda: not _group_alive(group), 30, f"the router's process group {group} to end")
+    until(lambda: not group_alive(group), 30, f"the router's process group {group} to end")
 
 
 def test_a_router_recorded_before_its_pid_is_stopped_by_its_token(tmp_path: Path) -> None:
@@ -171,6 +160,6 @@ def test_a_router_recorded_before_its_pid_is_stopped_by_its_token(tmp_path: Path
         other = RouterInfo.from_dict({**heard[0].to_dict(), "token": "not-this-routers-token"})
         assert stop_router(runner, other, timeout=2) is False and router_alive(runner, info)
         assert stop_router(runner, heard[0], timeout=5) is True
-        until(lambda: not _group_alive(info.pid), 30, "the router's process group to end")
+        until(lambda: not group_alive(info.pid), 30, "the router's process group to end")
     finally:
         stop_router(runner, info, timeout=2)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import requests
-from helpers import MODEL, pbstk, wait_for
+from helpers import MODEL, local_service_profile, pbstk, wait_for
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
@@ -32,12 +32,7 @@ pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not 
 @pytest.fixture
 def svc_profile(isolated_user: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A local-scheduler profile whose router is the real vllm-router; the keeper looks every 0.5 s."""
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True)
-    (profiles / "svc.yaml").write_text(
-        "name: svc\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
-        "address: loopback\nbind_host: 127.0.0.1\nport: 8000\n"
-        f"router_command: {ROUTER}\n")
+    local_service_profile(isolated_user, ROUTER)
     monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
     monkeypatch.setenv("PBSTK_SERVICE_DRAIN_S", "3")
     monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")

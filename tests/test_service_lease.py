@@ -6,10 +6,8 @@ detached keeper, the real vllm-router, replica jobs on the local scheduler runni
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import helpers
@@ -39,18 +37,6 @@ def _run(name: str, *args: str, env: dict[str, str] | None = None) -> subprocess
     return subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "run", MODEL, *SERVE, "--name", name,  # noqa: S603
                              *args], env=env or _env(), text=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
-
-
-@pytest.fixture
-def orphans() -> Iterator[list[int]]:
-    """Process groups of COMMANDs a killed run leaves behind (a lease does not reap them): killed at the end."""
-    groups: list[int] = []
-    yield groups
-    for pgid in groups:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _replica_scripts(name: str) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import MODEL
+from helpers import MODEL, local_service_profile
 from test_campaigns import EVAL, LOCAL, ROUTER, _env, cli
 
 from pbs_toolkit.jobs.store import JobStore
@@ -27,11 +27,7 @@ def usage(*refs: str, env: dict[str, str]) -> dict[str, Any]:
 
 @pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
 def test_usage_of_a_service_and_a_job_survives_clean(standins: Path, isolated_user: Path, tmp_path: Path) -> None:
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True)
-    (profiles / "svc.yaml").write_text(
-        "name: svc\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
-        f"address: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
+    local_service_profile(isolated_user, ROUTER)
     script = tmp_path / "eval.py"
     script.write_text(EVAL)
     env = _env(PBSTK_SERVICE_POLL_S="0.5", PBSTK_TEST_STANDIN_DELAY="0")
