@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.campaigns import counters, lease
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
+from pbs_toolkit.perf.scrape import wait_drained
 from pbs_toolkit.services.keeper_process import service_dir
 from pbs_toolkit.signal_scope import handled_by
 
@@ -437,17 +438,11 @@ def _servers(client: Client, target: _Target) -> list[JobRecord]:
 
 def _drain(client: Client, target: _Target, hooks: RunHooks, interrupts: list[int]) -> None:
     """Wait (at most ``drain_seconds``; a further signal ends the wait) until no request runs or waits."""
-    deadline = time.monotonic() + drain_seconds()
     records = _servers(client, target)
-    said = False
-    while time.monotonic() < deadline and not interrupts:
-        busy = sum(counters.in_flight(counters.scrape(client.runner(r.transport), r)) for r in records)
-        if not busy:
-            return
-        if not said:
-            hooks.notice(f"draining {target.name}: {busy:g} request(s) still in flight")
-            said = True
-        time.sleep(0.5)
+    wait_drained(lambda: sum(counters.in_flight(counters.scrape(client.runner(r.transport), r)) for r in records),
+                 drain_seconds(),
+                 lambda busy: hooks.notice(f"draining {target.name}: {busy:g} request(s) still in flight"),
+                 stop=lambda: bool(interrupts))
 
 
 def _settle(client: Client, records: list[JobRecord], interrupts: list[int]) -> None:

@@ -9,6 +9,7 @@ autoscaler's looks all come through it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from pbs_toolkit.errors import ServerFailed
 from pbs_toolkit.jobs.status import JobStatus
@@ -69,3 +70,21 @@ def doctor_context(runner: Runner, st: JobStatus, snapshot: MetricsSnapshot | No
         state=st.state.value,
         startup=st.startup,
     )
+
+
+def wait_drained(busy: Callable[[], float], bound_s: float, announce: Callable[[float], None], *,
+                 stop: Callable[[], bool] = lambda: False, step_s: float = 0.5) -> float | None:
+    """Look at ``busy()`` (requests running or waiting, e.g. summed over ``/metrics`` scrapes) every ``step_s``
+    until it is 0 or ``bound_s`` has passed; ``announce`` gets the first count that is not 0, once. ``stop()``
+    true ends the wait before the next look. The last count (0: drained), ``None`` when stopped before one."""
+    deadline = time.monotonic() + bound_s
+    announced = False
+    while not stop():
+        count = busy()
+        if not count or time.monotonic() >= deadline:
+            return count
+        if not announced:
+            announce(count)
+            announced = True
+        time.sleep(step_s)
+    return None

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pbs_toolkit.jobs.lease import LEASE_FILE, lapsed_reason
+from pbs_toolkit.perf.scrape import wait_drained
 from pbs_toolkit.services import scaler
 from pbs_toolkit.services.keeper_process import keeper_log, service_dir
 from pbs_toolkit.services.record import ServiceRecord
@@ -78,16 +79,12 @@ def drain(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, Jo
           bound_s: float) -> None:
     """Wait until no routable replica runs or queues a request (their ``/metrics``; one that does not answer runs
     none), at most ``bound_s``: what was sent before the lease lapsed finishes before the teardown."""
-    deadline = time.monotonic() + bound_s
-    said = False
-    while True:
+    def busy() -> float:
         snaps = scaler.snapshots(session, rec, statuses, in_router)
-        busy = sum((s.running or 0) + (s.waiting or 0) for s in snaps.values())
-        if not busy or time.monotonic() >= deadline:
-            if busy:
-                keeper_log(f"service {rec.name}: {busy:g} request(s) still in flight after {bound_s:g} s of drain")
-            return
-        if not said:
-            keeper_log(f"service {rec.name}: draining {busy:g} request(s) before it ends")
-            said = True
-        time.sleep(DRAIN_LOOK_S)
+        return sum((s.running or 0) + (s.waiting or 0) for s in snaps.values())
+
+    left = wait_drained(busy, bound_s,
+                        lambda n: keeper_log(f"service {rec.name}: draining {n:g} request(s) before it ends"),
+                        step_s=DRAIN_LOOK_S)
+    if left:
+        keeper_log(f"service {rec.name}: {left:g} request(s) still in flight after {bound_s:g} s of drain")
