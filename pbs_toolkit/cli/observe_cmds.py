@@ -13,6 +13,7 @@ from pbs_toolkit.cli.options import SECONDS, BoundedInt, build_request, echo_jso
 #: bounds that keep a typo (``-1``, ``1e9``) from running a useless or endless benchmark
 _COUNT, _PROMPTS = BoundedInt(0, 10**9), BoundedInt(1, 10**6)
 _ROUNDS, _TOKENS = BoundedInt(1, 10**4), BoundedInt(1, 10**7)
+_IMAGES = BoundedInt(0, 64)
 MAX_CONCURRENCY = 10000
 
 
@@ -159,6 +160,15 @@ def _show_findings(findings: Any) -> None:
         click.echo(f"\n[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  fix:      {f.fix}")
 
 
+def image_options(command: Any) -> Any:
+    """``--images N --image-size WxH``: a vision-language model's image+text load (bench and tune)."""
+    command = click.option("--image-size", default="512x512", show_default=True, metavar="WxH",
+                           help="Pixels of each image sent with --images.")(command)
+    return click.option("--images", type=_IMAGES, default=0, show_default=True,
+                        help="Images sent with every request (a vision-language model; chat endpoint, "
+                             "vllm bench serve's random-mm dataset). 0: text only.")(command)
+
+
 @click.command()
 @click.argument("job", required=False, shell_complete=complete_job)
 @click.option("--concurrency", "-c", default="1,8,64", show_default=True, help="Comma-separated levels.")
@@ -168,18 +178,21 @@ def _show_findings(findings: Any) -> None:
 @click.option("--client", type=click.Choice(["auto", "vllm", "builtin"]), default="auto", show_default=True,
               help="vllm: `vllm bench serve` in the profile's environment; builtin: pbstk's async client; "
                    "auto: vllm where it can run, else builtin.")
+@image_options
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--wait", "wait_ready", is_flag=True, help="Wait for the job to be ready first.")
 @click.option("--timeout", type=SECONDS, default=3600.0)
 def bench(job: str | None, concurrency: str, input_len: int, output_len: int, num_prompts: int | None,
-          client: str, as_json: bool, wait_ready: bool, timeout: float) -> None:
+          client: str, images: int, image_size: str, as_json: bool, wait_ready: bool, timeout: float) -> None:
     """Drive load against JOB's endpoint: output tokens/s, requests/s, TTFT and TPOT per concurrency.
 
     JOB may name a service (`pbstk serve`): the load goes through its router's URL, with the service's key."""
     from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
+    from pbs_toolkit.perf.images import image_load
 
     levels = _int_list(concurrency)
+    load = image_load(images, image_size)
     run: Any
     with Client() as c:
         svc = service_cmds.named_service(c, job)  # docs/services.md
@@ -188,7 +201,7 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
         else:
             target, run = _ready_status(c, job, wait_ready, timeout), c.bench
         measured = run(target, levels, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
-                       client=client, notice=lambda m: click.echo(f"pbstk: note: {m}", err=True))
+                       client=client, notice=lambda m: click.echo(f"pbstk: note: {m}", err=True), images=load)
     if as_json:
         echo_json(measured.to_dict())
         return
@@ -200,7 +213,8 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
     rows = [[str(r["concurrency"]), str(r["completed"]), str(r["failed"]), f(r["output_throughput"]),
              f(r["request_throughput"]), f(r["median_ttft_ms"]), f(r["p99_ttft_ms"]), f(r["median_tpot_ms"]),
              f(r["p99_tpot_ms"])] for r in results]
-    click.echo(f"{measured.job_id} ({measured.preset}), {input_len} in / {output_len} out tokens")
+    shape = f" + {load.describe()}" if load else ""
+    click.echo(f"{measured.job_id} ({measured.preset}), {input_len} in{shape} / {output_len} out tokens")
     click.echo(table(rows, ["CONC", "OK", "FAILED", "OUT TOK/S", "REQ/S", "TTFT P50", "TTFT P99",
                             "TPOT P50", "TPOT P99"]))
     for r in results:
@@ -238,6 +252,7 @@ def tune_presets(preset_list: str | None, preset: str | None) -> list[str]:
 @click.option("--rounds", type=_ROUNDS, default=4, show_default=True, help="Requests per level = rounds x concurrency.")
 @click.option("--client", type=click.Choice(["auto", "vllm", "builtin"]), default="auto", show_default=True,
               help="Load generator (see `pbstk bench --help`).")
+@image_options
 @click.option("--baseline", help="Preset to compare against (default: the eager one).")
 @click.option("--timeout", type=SECONDS, default=3600.0, help="Seconds to wait for each server.")
 @click.option("--output", "output", type=click.Path(dir_okay=False), callback=writable_file,
@@ -250,7 +265,8 @@ def tune_presets(preset_list: str | None, preset: str | None) -> list[str]:
               help="Also draw a bar chart (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True)
 def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, output_len: int,
-         num_prompts: int | None, rounds: int, client: str, baseline: str | None, timeout: float,
+         num_prompts: int | None, rounds: int, client: str, images: int, image_size: str, baseline: str | None,
+         timeout: float,
          output: str | None,
          append: bool, save_default: bool, reports: tuple[str, ...], png: str | None, as_json: bool,
          **kw: Any) -> None:
@@ -262,10 +278,12 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
     """
     from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
+    from pbs_toolkit.perf.images import image_load
     from pbs_toolkit.perf.tune import plot, render_table, require_matplotlib
 
     if png:
         require_matplotlib()  # before launching anything, not after the whole tune
+    load = image_load(images, image_size)
 
     def progress(message: str) -> None:
         click.echo(message, err=True)
@@ -280,7 +298,7 @@ def tune(model: str | None, preset_list: str, concurrency: str, input_len: int, 
             doc = c.tune(build_request(model, **kw), names, concurrencies=_int_list(concurrency),
                          input_len=input_len, output_len=output_len, num_prompts=num_prompts, rounds=rounds,
                          client=client, timeout=timeout, baseline=baseline, progress=progress, save=True,
-                         output=output, append=append)
+                         output=output, append=append, images=load)
     if as_json:
         echo_json(doc.to_dict())
     else:

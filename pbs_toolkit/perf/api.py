@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from pbs_toolkit.jobs.render import RenderRequest
     from pbs_toolkit.jobs.status import JobStatus
     from pbs_toolkit.jobs.store import JobRecord, JobStore
+    from pbs_toolkit.perf.images import ImageLoad
     from pbs_toolkit.perf.observe import BenchResult, Diagnosis, Metrics
     from pbs_toolkit.perf.tune import TuneReport
     from pbs_toolkit.results import Job
@@ -66,21 +67,24 @@ class PerfMethods:
 
     def bench(self, job: Job | JobRecord | JobStatus | str | None = None, concurrencies: Sequence[int] = (1, 8, 64),
               *, input_len: int = 128, output_len: int = 256, num_prompts: int | None = None,
-              client: str = "auto", notice: Callable[[str], None] | None = None) -> BenchResult:
+              client: str = "auto", notice: Callable[[str], None] | None = None,
+              images: ImageLoad | None = None) -> BenchResult:
         """Drive load against a READY job's endpoint, each concurrency in turn (``notice``: hears which load
-        generator runs and why). A ``JobStatus`` is taken as READY (after ``wait``)."""
+        generator runs and why). A ``JobStatus`` is taken as READY (after ``wait``). ``images``: every request
+        also carries these images (``perf.images.image_load``)."""
         from pbs_toolkit.perf.observe import bench
 
         st = self._ready(job)
         return bench(self.runner(st.record.transport), st, concurrencies, input_len=input_len,
-                     output_len=output_len, num_prompts=num_prompts, client=client, notice=notice or _info)
+                     output_len=output_len, num_prompts=num_prompts, client=client, notice=notice or _info,
+                     images=images)
 
     def tune(self, model: str | RenderRequest, presets: Sequence[str], *, profile: str | None = None,
              concurrencies: Sequence[int] = (1, 8, 64), input_len: int = 128, output_len: int = 256,
              num_prompts: int | None = None, rounds: int = 4, client: str = "auto", timeout: float = 3600.0,
              baseline: str | None = None, progress: Callable[[str], None] | None = None,
              save: bool = False, output: str | None = None, append: bool = False,
-             **options: Any) -> TuneReport:
+             images: ImageLoad | None = None, **options: Any) -> TuneReport:
         """Launch, wait, benchmark and cancel each preset in turn; the report (``tune.run_tune``), whose
         ``to_dict`` is the JSON ``pbstk tune`` saves.
 
@@ -95,7 +99,7 @@ class PerfMethods:
                     progress=progress or _info,
                     save=save, output=output, append=append, baseline=baseline, concurrencies=list(concurrencies),
                     input_len=input_len, output_len=output_len, num_prompts=num_prompts, rounds=rounds,
-                    client=client, timeout=timeout)
+                    client=client, timeout=timeout, images=images)
 
     @staticmethod
     def set_default_preset(model: str, preset: str) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pbs_toolkit.errors import ServerFailed, UsageError
+from pbs_toolkit.perf.images import ImageLoad
 
 #: how many distinct error messages a result keeps
 MAX_ERRORS = 10
@@ -107,6 +108,14 @@ def _root_url(base_url: str) -> str:
     return url
 
 
+def _carries_tokens(message: dict[str, Any]) -> bool:
+    """A stream chunk with generated tokens (a chat stream's first chunk names the role and carries none)."""
+    choices = message.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return False
+    return "role" not in (choices[0].get("delta") or {})
+
+
 async def _one_request(client: Any, url: str, payload: dict[str, Any], headers: dict[str, str]) -> _Outcome:
     import httpx
 
@@ -135,7 +144,7 @@ async def _one_request(client: Any, url: str, payload: dict[str, Any], headers: 
                     outcome.error = f"error in stream from {url}: {message['error']}"
                     return outcome
                 now = time.perf_counter()
-                if message.get("choices"):
+                if _carries_tokens(message):
                     if chunks == 0:
                         outcome.ttft = now - start
                     else:
@@ -170,25 +179,27 @@ async def run_benchmark(
     timeout: float = 600,
     transport: Any = None,
     seed: int = 0,
+    images: ImageLoad | None = None,
 ) -> BenchResult:
     """Send ``num_prompts`` streaming completions, at most ``concurrency`` at a time, and measure them.
 
     ``base_url`` is the server root (``http://host:port``; a trailing ``/v1`` is accepted). ``transport`` is
-    passed to ``httpx.AsyncClient`` (tests use it). Raises ``ServerFailed`` when every request failed.
+    passed to ``httpx.AsyncClient`` (tests use it). With ``images`` every request is a chat message with the
+    text and those images. Raises ``ServerFailed`` when every request failed.
     """
     import httpx
 
     if concurrency < 1 or num_prompts < 1 or input_len < 1 or output_len < 1:
         raise UsageError("concurrency, num_prompts, input_len and output_len must be at least 1")
-    url = _root_url(base_url) + "/v1/completions"
+    url = _root_url(base_url) + ("/v1/chat/completions" if images else "/v1/completions")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     semaphore = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async def limited(client: httpx.AsyncClient, index: int) -> _Outcome:
-        payload = {
+        prompt = make_prompt(input_len, seed * 1_000_003 + index)
+        payload: dict[str, Any] = {
             "model": model,
-            "prompt": make_prompt(input_len, seed * 1_000_003 + index),
             "max_tokens": output_len,
             "min_tokens": output_len,
             "ignore_eos": True,
@@ -196,6 +207,11 @@ async def run_benchmark(
             "stream_options": {"include_usage": True},
             "temperature": 0.0,
         }
+        if images:
+            content = images.chat_content(prompt, seed * 1_000_003 + index)
+            payload["messages"] = [{"role": "user", "content": content}]
+        else:
+            payload["prompt"] = prompt
         async with semaphore:
             return await _one_request(client, url, payload, headers)
 
@@ -262,6 +278,7 @@ def run_benchmark_sync(
     timeout: float = 600,
     transport: Any = None,
     seed: int = 0,
+    images: ImageLoad | None = None,
 ) -> BenchResult:
     """:func:`run_benchmark` for callers without an event loop."""
     return asyncio.run(
@@ -276,6 +293,7 @@ def run_benchmark_sync(
             timeout=timeout,
             transport=transport,
             seed=seed,
+            images=images,
         )
     )
 
@@ -345,8 +363,10 @@ def vllm_bench_argv(
     result_filename: str,
     *,
     executable: Sequence[str] = ("vllm",),
+    images: ImageLoad | None = None,
 ) -> list[str]:
-    """The ``vllm bench serve`` command line for a random-dataset run saved as JSON.
+    """The ``vllm bench serve`` command line for a random-dataset run saved as JSON (``random-mm`` through the
+    chat endpoint with ``images``).
 
     The API key is not an argument: export ``OPENAI_API_KEY`` for the command. ``executable`` replaces
     ``vllm`` where the console script does not work (e.g. ``("python", "-m", "vllm.entrypoints.cli.main")``).
@@ -362,9 +382,8 @@ def vllm_bench_argv(
     ]
     if tokenizer:
         argv += ["--tokenizer", tokenizer]
+    argv += images.vllm_bench_args() if images else ["--dataset-name", "random"]
     argv += [
-        "--dataset-name",
-        "random",
         "--random-input-len",
         str(input_len),
         "--random-output-len",

@@ -16,6 +16,7 @@ from typing import Any
 
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 from pbs_toolkit.perf.bench import BenchResult, parse_vllm_bench_json, run_benchmark_sync, vllm_bench_argv
+from pbs_toolkit.perf.images import ImageLoad
 from pbs_toolkit.transports import Runner, open_runner
 from pbs_toolkit.transports.tunnel import start_tunnel
 
@@ -83,10 +84,11 @@ def prompts_for(concurrency: int, num_prompts: int | None, rounds: int) -> int:
 def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int, output_len: int,
                         num_prompts: int | None, rounds: int = 4, warmup: int = 2, client: str = "auto",
                         notice: Callable[[str], None] = lambda _msg: None,
-                        runner: Runner | None = None) -> list[LevelResult]:
+                        runner: Runner | None = None, images: ImageLoad | None = None) -> list[LevelResult]:
     """One result per concurrency (``vllm bench serve`` field names plus ``concurrency``, ``client``).
 
     ``runner``: the job's transport when the caller has one open (one SSH connection for everything).
+    ``images``: every request also carries these images (chat endpoint).
     """
     if client not in CLIENTS:
         raise UsageError(f"unknown benchmark client {client!r} (known: {', '.join(CLIENTS)})")
@@ -98,7 +100,7 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
             for c in concurrencies:
                 try:
                     n = prompts_for(c, num_prompts, rounds)
-                    results.append(_vllm_bench(runner, st, c, n, input_len, output_len))
+                    results.append(_vllm_bench(runner, st, c, n, input_len, output_len, images))
                 except PbstkError as exc:
                     if client == "vllm" or results:  # never mix clients within one result
                         raise
@@ -106,14 +108,14 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
                     break
             else:
                 return results
-        return _builtin(runner, st, concurrencies, input_len, output_len, num_prompts, rounds, warmup)
+        return _builtin(runner, st, concurrencies, input_len, output_len, num_prompts, rounds, warmup, images)
     finally:
         if own:
             runner.close()
 
 
 def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: int, output_len: int,
-             num_prompts: int | None, rounds: int, warmup: int) -> list[LevelResult]:
+             num_prompts: int | None, rounds: int, warmup: int, images: ImageLoad | None) -> list[LevelResult]:
     record = st.record
     tunnel = None
     try:
@@ -123,12 +125,12 @@ def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: i
             base = tunnel.url
         if warmup:
             run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=1,
-                               num_prompts=warmup, input_len=input_len, output_len=min(output_len, 16))
+                               num_prompts=warmup, input_len=input_len, output_len=min(output_len, 16), images=images)
         results = []
         for c in concurrencies:
             n = prompts_for(c, num_prompts, rounds)
             res = run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=c,
-                                     num_prompts=n, input_len=input_len, output_len=output_len)
+                                     num_prompts=n, input_len=input_len, output_len=output_len, images=images)
             results.append(LevelResult.of(res, c, n, "builtin"))
         return results
     finally:
@@ -137,12 +139,12 @@ def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: i
 
 
 def _vllm_bench(runner: Runner, st: Any, concurrency: int, n: int, input_len: int,
-                output_len: int) -> LevelResult:
+                output_len: int, images: ImageLoad | None) -> LevelResult:
     record = st.record
     filename = f"vllm-bench-c{concurrency}.json"
     result_dir = f"{record.run_dir}/bench"
     argv = vllm_bench_argv(st.url, record.served_model_name, record.model, concurrency, n, input_len,
-                           output_len, result_dir, filename)
+                           output_len, result_dir, filename, images=images)
     venv = record.spec.venv or ""
     result = runner.run(["bash", "-c", _VLLM_BENCH, "pbstk-bench", record.run_dir, venv, *argv], timeout=None)
     if result.rc != 0:

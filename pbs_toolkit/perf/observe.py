@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from pbs_toolkit.jobs.status import JobStatus
     from pbs_toolkit.perf.benchjob import LevelResult
     from pbs_toolkit.perf.doctor import Finding
+    from pbs_toolkit.perf.images import ImageLoad
     from pbs_toolkit.transports import Runner
     from pbs_toolkit.vllm.prom import MetricsSnapshot
 
@@ -132,11 +133,13 @@ def diagnose(runner: Runner, st: JobStatus) -> Diagnosis:
 
 
 def bench(runner: Runner, st: JobStatus, concurrencies: Sequence[int], *, input_len: int, output_len: int,
-          num_prompts: int | None, client: str, notice: Callable[[str], None]) -> BenchResult:
+          num_prompts: int | None, client: str, notice: Callable[[str], None],
+          images: ImageLoad | None = None) -> BenchResult:
     """Drive load against a READY job's endpoint, each concurrency in turn (``notice``: which load generator
     runs and why)."""
     from pbs_toolkit.perf.benchjob import benchmark_ready_job
 
     results = benchmark_ready_job(st, list(concurrencies), input_len=input_len, output_len=output_len,
-                                  num_prompts=num_prompts, client=client, notice=notice, runner=runner)
+                                  num_prompts=num_prompts, client=client, notice=notice, runner=runner,
+                                  images=images)
     return BenchResult(st.record.job_id, st.record.preset, results)

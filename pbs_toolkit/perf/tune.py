@@ -25,6 +25,7 @@ from pbs_toolkit.jobs.startup_phases import ready_seconds
 from pbs_toolkit.jobs.status import status
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.perf.benchjob import LevelResult, benchmark_ready_job
+from pbs_toolkit.perf.images import ImageLoad
 from pbs_toolkit.schema import STAMP_KEYS, stamp
 from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, settings_of
 from pbs_toolkit.textutil import table
@@ -161,9 +162,11 @@ def run_tune(
     store: JobStore | None = None,
     checkpoint: Callable[[TuneReport], None] | None = None,
     runner: Runner | None = None,
+    images: ImageLoad | None = None,
 ) -> TuneReport:
     """Launch, wait, benchmark and cancel each preset in turn. Returns the report.
 
+    ``images``: every request also carries these images (a vision-language model's image+text load).
     ``checkpoint`` receives the report after every preset, so a run cut short keeps what it measured.
     Everything goes through one transport: over SSH one connection (one MFA prompt) serves the whole run.
     ``base`` (a ``RenderRequest`` is resolved first) is resolved once for every preset.
@@ -177,8 +180,10 @@ def run_tune(
         runs: list[TuneRun] = []
         for name in presets:
             runs.append(_tune_one(base, name, runner, store, concurrencies, input_len, output_len, num_prompts,
-                                  rounds, client, timeout, progress))
+                                  rounds, client, timeout, progress, images))
             doc = _document(base, started, input_len, output_len, concurrencies, baseline, runs)
+            if images:
+                doc.other["images"] = images.to_dict()
             if checkpoint is not None:
                 checkpoint(doc)
     return doc
@@ -186,7 +191,7 @@ def run_tune(
 
 def _tune_one(base: LaunchSettings, name: str, runner: Runner, store: JobStore, concurrencies: Sequence[int],
               input_len: int, output_len: int, num_prompts: int | None, rounds: int, client: str,
-              timeout: float, progress: Progress) -> TuneRun:
+              timeout: float, progress: Progress, images: ImageLoad | None = None) -> TuneRun:
     """Launch one preset, wait, benchmark, cancel; the run's entry (with ``error`` when it failed)."""
     def show_note(message: str) -> None:
         progress(f"[{name}] {message}")
@@ -211,7 +216,7 @@ def _tune_one(base: LaunchSettings, name: str, runner: Runner, store: JobStore, 
         progress(f"[{name}] ready after {entry.ready_s} s; benchmarking at {list(concurrencies)}")
         entry.results = benchmark_ready_job(st, concurrencies, input_len=input_len, output_len=output_len,
                                             num_prompts=num_prompts, rounds=rounds, client=client,
-                                            notice=show_note, runner=runner)
+                                            notice=show_note, runner=runner, images=images)
     except PbstkError as exc:
         entry.error = str(exc)
         progress(f"[{name}] failed: {exc}")
@@ -244,6 +249,9 @@ def merge(earlier: TuneReport, later: TuneReport, baseline: str | None = None) -
     for key in ("model", "input_len", "output_len", "concurrencies"):
         if getattr(earlier, key) != getattr(later, key):
             raise UsageError(f"cannot append: {key} differs ({getattr(earlier, key)!r} vs {getattr(later, key)!r})")
+    if earlier.other.get("images") != later.other.get("images"):
+        raise UsageError(f"cannot append: images differ ({earlier.other.get('images')!r} vs "
+                         f"{later.other.get('images')!r})")
     doc = replace(earlier, runs=earlier.runs + later.runs,
                   duration_s=round(earlier.duration_s + later.duration_s, 1))
     doc.baseline = baseline or pick_baseline(doc.runs)
@@ -295,7 +303,9 @@ def render_table(doc: TuneReport) -> str:
     headers += ["TTFT p50 ms (c=1)"]
     rows = [_row(run, baseline, concurrencies) for run in doc.runs]
 
-    lines = [f"model {doc.model}, {doc.input_len} in / {doc.output_len} out tokens, "
+    shape = doc.other.get("images")
+    with_images = (f" + {ImageLoad(**shape).describe()} a request" if isinstance(shape, dict) else "")
+    lines = [f"model {doc.model}, {doc.input_len} in{with_images} / {doc.output_len} out tokens, "
              f"output tokens/s (single runs); x = ratio to {doc.baseline or '-'}", "",
              table(rows, headers)]
     lines += [f"{run.preset}: {run.error}" for run in doc.runs if run.error]
