@@ -204,8 +204,15 @@ def test_local_replicas_get_their_own_gpus_when_the_machine_has_them(
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     svc = rec(3)
     svc.scheduler, svc.request = "local", {"model": MODEL, "profile": "svc"}
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert [gpu_env(svc, s) for s in svc.slots] == [
         {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}, {}]  # no 5th and 6th GPU: left alone
+    # the user's shell keeps pbstk to some GPUs of the machine: the replicas get those, never others
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert [gpu_env(svc, s) for s in svc.slots] == [{"CUDA_VISIBLE_DEVICES": "2,3"}, {}, {}]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-3,GPU-1,GPU-0,GPU-2")  # UUIDs, in the user's order
+    assert [gpu_env(svc, s) for s in svc.slots] == [
+        {"CUDA_VISIBLE_DEVICES": "GPU-3,GPU-1"}, {"CUDA_VISIBLE_DEVICES": "GPU-0,GPU-2"}, {}]
     svc.transport = "login1"
     assert gpu_env(svc, svc.slots[0]) == {}  # only on this machine's local scheduler
 

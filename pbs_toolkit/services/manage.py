@@ -287,37 +287,44 @@ def launch_replica(session: ServiceSession, rec: ServiceRecord, slot: Slot, role
 def gpu_env(rec: ServiceRecord, slot: Slot, settings: LaunchSettings | None = None) -> dict[str, str]:
     """On the local scheduler each job gets its own GPUs when this machine has them: the first ``g`` that none
     of the service's jobs holds (a keep-alive successor overlaps its predecessor: it must not share its GPUs),
-    else replica ``k``'s ``k*g .. k*g+g-1`` as before (shared, when the machine has no free ones)."""
+    else replica ``k``'s ``k*g .. k*g+g-1`` as before (shared, when the machine has no free ones). The machine's
+    GPUs are those the submitting shell's ``CUDA_VISIBLE_DEVICES`` names, when it names any (a workstation
+    shared by GPU: ``CUDA_VISIBLE_DEVICES=2,3 pbstk serve ...`` keeps the service on GPUs 2 and 3)."""
     if not runs_on_submit_host(rec.scheduler) or rec.transport:
         return {}
     from pbs_toolkit.settings.launch_settings import RenderRequest, settings_of
 
     g = settings_of(settings or RenderRequest(**rec.request)).written.gpus_per_node
-    have = _local_gpu_count()
-    if g <= 0 or have < g:
+    have = _local_gpus()
+    if g <= 0 or len(have) < g:
         return {}
 
-    def usual(k: int) -> list[int]:  # replica k's own GPUs, when the machine has them
-        return list(range(k * g, k * g + g)) if have >= k * g + g else []
+    def usual(k: int) -> list[str]:  # replica k's own GPUs, when the machine has them
+        return have[k * g:k * g + g] if len(have) >= k * g + g else []
 
-    def held(s: Slot, job: str) -> list[int]:  # a job recorded without GPUs (older records): its replica's usual
+    def held(s: Slot, job: str) -> list[str]:  # a job recorded without GPUs (older records): its replica's usual
         text = s.gpus.get(job)
-        return [int(i) for i in text.split(",") if i.isdigit()] if text else usual(s.index)
+        return [i.strip() for i in text.split(",") if i.strip()] if text else usual(s.index)
 
     busy = {gpu for s in rec.slots for job in s.jobs() for gpu in held(s, job)}
-    free = [i for i in range(have) if i not in busy]
+    free = [i for i in have if i not in busy]
     chosen = free[:g] if len(free) >= g else usual(slot.index)
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in chosen)} if chosen else {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(chosen)} if chosen else {}
 
 
-def _local_gpu_count() -> int:
+def _local_gpus() -> list[str]:
+    """This machine's GPUs as ``CUDA_VISIBLE_DEVICES`` entries: the shell's own list, else every GPU
+    ``nvidia-smi -L`` lists (by index)."""
     import subprocess
 
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip():
+        return [entry.strip() for entry in visible.split(",") if entry.strip()]
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False)  # noqa: S607
     except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+        return []
+    return [str(i) for i in range(sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")))]
 
 
 __all__ = ["ServeOptions", "serving_job", "start"]
