@@ -23,7 +23,9 @@ if [ ! -x /tmp/pbstk-site/bin/vllm-router ]; then  # the router wheel and the on
   python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/pbstk-site gpu-stage/router/*.whl
 fi
 profile="$out/profile.yaml"
-{ sed 's/^name: .*/name: local-gpu2-router/' benchmarks/gpu/local-h200x2.yaml
+# PORT (default 8000): the first port tried, so that two runs on disjoint GPUs of one machine
+# (CUDA_VISIBLE_DEVICES=0,1 and 2,3) do not meet
+{ sed -e 's/^name: .*/name: local-gpu2-router/' -e "s/^port: .*/port: ${PORT:-8000}/" benchmarks/gpu/local-h200x2.yaml
   echo "router_command: /tmp/pbstk-site/bin/vllm-router"; } >"$profile"
 model=/root/qwen3-1.7b
 served=qwen3-1.7b

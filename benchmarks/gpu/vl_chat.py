@@ -20,8 +20,7 @@ import time
 
 import openai
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from pbs_toolkit.perf.images import png_noise  # noqa: E402  (one PNG writer: the benchmarks')
+from pbs_toolkit.perf.images import png_noise  # one PNG writer: the benchmarks' (PYTHONPATH: the checkout)
 
 
 def registry_entry(path: str, alias: str) -> dict[str, str]:
