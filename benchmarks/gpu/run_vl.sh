@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu/run_vl.sh OUT_DIR tune P,Q   `pbstk tune` of presets P,Q on image+text load (1 image of
 #                                                    512x512 + 128 tokens in, 256 out) at c=1,64,256, appended to
 #                                                    OUT_DIR/vl-tune.json (same method, so the table is one)
+# GPUS=2 does the same on a 2-GPU machine (chat with dp2; tune dp2,tp2,tp2-eager there).
 set -euo pipefail
 out=${1:?usage: run_vl.sh OUT_DIR chat|tune PRESETS}
 what=${2:?chat or tune}
@@ -17,8 +18,9 @@ source benchmarks/gpu/setup_device.sh
 model=/root/qwen3-vl-2b
 [ -f "$model/config.json" ] || python3 benchmarks/gpu/mkmodel_vl.py "$model"
 profile="$out/profile.yaml"
-sed -e 's/^name: .*/name: local-gpu4/' -e 's/^gpus_per_node: .*/gpus_per_node: 4/' \
-  -e 's/^description: .*/description: lent 4-GPU machine, no scheduler/' benchmarks/gpu/local-h200x2.yaml >"$profile"
+gpus=${GPUS:-4}
+sed -e "s/^name: .*/name: local-gpu$gpus/" -e "s/^gpus_per_node: .*/gpus_per_node: $gpus/" \
+  -e "s/^description: .*/description: lent $gpus-GPU machine, no scheduler/" benchmarks/gpu/local-h200x2.yaml >"$profile"
 common=(--profile "$profile" --served-model-name qwen3-vl-2b --vllm-arg=--load-format=dummy --walltime 01:00:00)
 pbstk() { python3 -m pbs_toolkit "$@"; }
 t0=$(date +%s)
@@ -36,8 +38,8 @@ case "$what" in
     python3 -c 'import vllm, transformers, PIL; print("vllm", vllm.__version__, "transformers", transformers.__version__, "PIL", PIL.__version__)'
     for variant in vl vl-text; do
       extra=(); [ "$variant" = vl-text ] && extra=(--text-only)
-      stamp "launch $variant: dp4 ${extra[*]}"
-      pbstk launch "$model" --name "$variant" --preset dp4 "${common[@]}" "${extra[@]}" --wait --timeout 420
+      stamp "launch $variant: dp$gpus ${extra[*]}"
+      pbstk launch "$model" --name "$variant" --preset "dp$gpus" "${common[@]}" "${extra[@]}" --wait --timeout 420
       pbstk update-endpoint "$variant" --registry "$out/endpoints.py"
       eval "$(pbstk env "$variant")"
       stamp "chat with $variant through $out/endpoints.py"
