@@ -609,3 +609,52 @@ def test_user_run_limit_keeps_extra_jobs_queued_with_the_openpbs_comment(pbs: Fa
     assert job["comment"] == "Not Running: User has reached queue workq running job limit."
     pbs.run("qdel", first)
     assert pbs.wait_state(second, "F", timeout=30)["Exit_status"] == 0
+
+
+# --- what a real OpenPBS showed (tests/test_realpbs_nodes.py): the fake plays the same -------------------------
+
+
+def test_chunks_share_a_host_by_default_and_scatter_over_hosts_with_place_scatter(pbs: FakePbs) -> None:
+    """OpenPBS's default ``place=free`` packed ``select=2`` onto one host that had room for both chunks; only
+    ``place=scatter`` gave one host per chunk."""
+    packed_out, spread_out = pbs.submit_dir / "packed.txt", pbs.submit_dir / "spread.txt"
+    packed = pbs.submit(f'cp "$PBS_NODEFILE" {packed_out}\n', "-l", "select=2:ncpus=1")
+    spread = pbs.submit(f'cp "$PBS_NODEFILE" {spread_out}\n', "-l", "select=2:ncpus=1", "-l", "place=scatter")
+    first, second = pbs.wait_state(packed, "F"), pbs.wait_state(spread, "F")
+    hosts = packed_out.read_text().splitlines()
+    assert len(hosts) == 2 and hosts[0] == hosts[1] and not hosts[0].startswith("fakenode"), hosts
+    assert first["Resource_List"]["place"] == "free"
+    assert len({part.split("/")[0] for part in first["exec_host"].split("+")}) == 1
+    assert spread_out.read_text().splitlines() == ["fakenode0", "fakenode1"]
+    assert second["exec_host"].startswith("fakenode0/0") and "+fakenode1/0" in second["exec_host"]
+    assert second["resources_used"]["ncpus"] == 2  # the job's total, kept in the final report
+
+
+def test_qdel_of_a_job_already_ending_is_refused_as_openpbs_does(pbs: FakePbs) -> None:
+    """A job in E (or one a first qdel is ending) answers a plain qdel with PBSE_BADSTATE, exit 168."""
+    ending = pbs.submit("true\n", env={"FAKEPBS_EXITING_DELAY": "30"})
+    pbs.wait_state(ending, "E")
+    res = pbs.run("qdel", ending)
+    assert (res.returncode, res.stdout) == (168, "")
+    assert res.stderr.strip() == f"qdel: Request invalid for state of job {ending}"
+    stubborn = pbs.submit("trap '' TERM\nsleep 30\n", env={"FAKEPBS_KILL_DELAY": "20"})
+    pbs.wait_state(stubborn, "R")
+    assert pbs.run("qdel", stubborn).returncode == 0
+    again = pbs.run("qdel", stubborn)  # its MoM is killing it already
+    assert again.returncode == 168 and "Request invalid for state of job" in again.stderr
+
+
+def test_a_released_job_loses_its_execution_time_and_depend_and_gets_its_etime(pbs: FakePbs) -> None:
+    """As OpenPBS shows them: ``etime`` only once eligible; ``Execution_Time`` gone when the -a time came
+    (job_wait_over); a met ``after:`` dependency leaves no ``depend`` on the child."""
+    when = int(time.time()) + 4
+    parent = pbs.submit("sleep 30\n", "-a", a_time(when))
+    child = pbs.submit("sleep 30\n", "-W", f"depend=after:{parent}")
+    _, doc, _ = pbs.status(parent, child)
+    waiting, held = doc["Jobs"][parent], doc["Jobs"][child]
+    assert waiting["job_state"] == "W" and waiting["Execution_Time"] and "etime" not in waiting
+    assert held["job_state"] == "H" and held["depend"] == f"after:{parent}@fakepbs" and "etime" not in held
+    running, started = pbs.wait_state(parent, "R"), pbs.wait_state(child, "R")
+    assert "Execution_Time" not in running and running["etime"]
+    assert "depend" not in started and started["etime"]
+    pbs.run("qdel", parent, child)

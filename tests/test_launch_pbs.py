@@ -95,6 +95,19 @@ def test_launch_wait_status_cancel(pbs: Path) -> None:
     assert pbstk("cancel", job).stdout.strip() == f"{job}: already ended"
 
 
+def test_cancel_while_pbs_is_ending_the_job_is_not_an_error(pbs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real OpenPBS answers qdel of a job in state E with "Request invalid for state of job" (exit 168,
+    tests/test_realpbs_nodes.py): the job is ending by itself, so a cancel then says so and succeeds."""
+    monkeypatch.setenv("FAKEPBS_EXITING_DELAY", "30")  # E for 30 s after the job's end
+    job = launched_id(launch("ending", "--wait"))
+    assert pbstk("cancel", job).stdout.strip() == f"{job}: cancelled"
+    wait_for(lambda: fake_job(pbs, job)["attrs"]["job_state"] == "E", 30, f"{job} to be E")
+    again = pbstk("cancel", job)
+    assert again.exit_code == 0, again.output
+    assert again.stdout.strip() == f"{job}: already ended"
+    assert read_calls(pbs, "qdel")[-1][-1] == job  # it did ask PBS
+
+
 def test_pending_shows_the_schedulers_comment_then_cancel(pbs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKEPBS_QUEUE_DELAY", "60")
     job = launched_id(launch("queued"))

@@ -87,6 +87,15 @@ def test_dp8_spans_two_nodes_with_native_data_parallelism(tmp_path: Path) -> Non
     assert "--tensor-parallel-size" not in argv and "--distributed-executor-backend" not in argv
 
 
+def test_several_pbs_nodes_ask_for_one_host_per_chunk(tmp_path: Path) -> None:
+    """A real OpenPBS placed ``select=2`` on ONE host that had room for both chunks (its default ``place=free``):
+    without ``place`` in the profile, a multi-node job asks for ``scatter``; one node asks for nothing."""
+    job, _, _ = _render(tmp_path, "--preset", "dp8", "--profile", "generic-pbspro")
+    assert "#PBS -l select=2:ncpus=32:ngpus=4\n" in job and "#PBS -l place=scatter\n" in job
+    one, _, _ = _render(tmp_path, "--preset", "dp4", "--profile", "generic-pbspro")
+    assert "place=" not in one
+
+
 def test_polaris_starts_nodes_with_mpiexec(tmp_path: Path) -> None:
     job, settings, _ = _render(tmp_path, "--preset", "dp8", "--profile", "polaris", "--account", "PROJ",
                                "--nodes", "2")

@@ -130,7 +130,9 @@ def make_multi(standins: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         if args:
             script = script.replace("VLLM_ARGS=(\n", "VLLM_ARGS=(\n  " + " ".join(args) + "\n", 1)
         run_dir.mkdir()
-        job_script = re.sub(r"#PBS -l select=\S+", f"#PBS -l select={nnodes}:ncpus=8:ngpus=4", rendered.job_script)
+        # a multi-node render's own lines: the chunks, one host each (PBS's default place=free would pack them)
+        job_script = re.sub(r"#PBS -l select=\S+", f"#PBS -l select={nnodes}:ncpus=8:ngpus=4\n#PBS -l place=scatter",
+                            rendered.job_script)
         for name, text in (("job.pbs", job_script), ("start_vllm.sh", script)):
             (run_dir / name).write_text(text)
             (run_dir / name).chmod(0o755)

@@ -4,7 +4,8 @@ Runs where ``/opt/pbs`` holds an OpenPBS started in the network namespace ``pbsn
 whose only address is loopback): CONTRIBUTING.md "The real-OpenPBS tier" says how one is built and started. It is
 skipped elsewhere (CI has none), and needs root (``ip netns exec``). pbstk runs inside the namespace, as a user
 on that login node would; jobs get the stand-in ``vllm`` through the profile's ``setup:`` lines, since a real
-MoM starts them with PBS's own environment. The fake stays for several nodes and injected faults.
+MoM starts them with PBS's own environment. Two execution hosts: tests/test_realpbs_nodes.py; the fake stays for
+injected faults.
 """
 
 from __future__ import annotations
@@ -137,8 +138,10 @@ def test_launch_ready_logs_update_endpoint_cancel(realpbs: None, tmp_path: Path)
                                                           "K": exports["OPENAI_API_KEY"].strip("'")})
     assert served.stdout.strip() == MODEL, served
     ok("cancel", job)
-    final = poll(lambda: (s := status(job)[0])["state"] == "CANCELLED" and s, 60, f"{job} to be CANCELLED")
-    assert final["scheduler_state"] == "F"
+    # CANCELLED already while PBS says E (its end-of-job work, hooks included, takes a moment): wait for F
+    final = poll(lambda: (s := status(job)[0])["state"] == "CANCELLED" and s["scheduler_state"] == "F" and s, 60,
+                 f"{job} to be CANCELLED and F")
+    assert "terminated by" in final["comment"], final  # qdel's, in PBS's own words
     assert '"real"' not in registry.read_text()  # the job's registry entry went with it
 
 

@@ -32,6 +32,7 @@ PBS_VERSION = "23.06.06"
 # PBS error numbers, as the client tools exit with them (mod 256).
 RC_UNKNOWN_JOB = 153  # PBSE_UNKJOBID 15001
 RC_HISTORY = 35  # PBSE_HISTJOBID 15139
+RC_BADSTATE = 15016 % 256  # PBSE_BADSTATE "Request invalid for state of job": qdel of a job already ending
 RC_NO_SERVER = 255
 JOB_EXEC_KILL_WALLTIME = -29
 HELD_COMMENT = "job held, too many failed attempts to run"
@@ -666,6 +667,17 @@ def first_state(attrs: dict[str, Any], internal: dict[str, Any], now: float) -> 
     elif internal.get("exec_at", 0) > now:
         attrs.update(job_state="W", substate=SUBSTATE["W"])
         attrs.pop("comment", None)
+    else:
+        internal["etime"] = int(now)  # eligible at once: ``etime`` is its queue time
+
+
+def released(job: dict[str, Any], previous: str) -> None:
+    """A held or waiting job becomes eligible (OpenPBS: job_wait_over, depend release): ``etime`` is now, an
+    ``after:`` dependency met leaves no ``depend`` attribute, and leaving W clears ``Execution_Time``."""
+    job["internal"]["etime"] = int(time.time())
+    job["attrs"].pop("depend", None)
+    if previous == "W":
+        job["internal"]["exec_cleared"] = True
 
 
 # --------------------------------------------------------------------------- the runner (scheduler + MoM)
@@ -678,10 +690,10 @@ def is_vanished(job: dict[str, Any]) -> bool:
 NODEBIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nodebin")
 
 
-def node_tools(env: dict[str, str], job_id: str) -> None:
-    """A multi-node job runs on fakenode0 and finds the per-node launchers there (mpiexec, pbsdsh) plus a
-    `hostname` that answers for the node. FAKEPBS_MISSING_TOOLS (comma list) leaves some out, like a site
-    without them."""
+def node_tools(env: dict[str, str], job_id: str, host: str = "fakenode0") -> None:
+    """A job of several chunks runs on its first host (fakenode0, or this one where they share it) and finds
+    the per-node launchers there (mpiexec, pbsdsh) plus a `hostname` that answers for the node.
+    FAKEPBS_MISSING_TOOLS (comma list) leaves some out, like a site without them."""
     missing = set(filter(None, env.get("FAKEPBS_MISSING_TOOLS", "").split(",")))
     bindir = os.path.join(home(), "nodebin", job_id)
     os.makedirs(bindir, exist_ok=True)
@@ -692,7 +704,7 @@ def node_tools(env: dict[str, str], job_id: str) -> None:
     path = [d for d in env.get("PATH", "").split(":")
             if d and not any(os.path.exists(os.path.join(d, tool)) for tool in missing)]
     env["PATH"] = ":".join([bindir, *path])
-    env["PBSTK_FAKE_HOSTNAME"] = "fakenode0"
+    env["PBSTK_FAKE_HOSTNAME"] = host
 
 
 def job_env(job: dict[str, Any], tmpdir: str, nodefile: str) -> dict[str, str]:
@@ -805,6 +817,8 @@ def wait_eligible(seq: str) -> bool:
             else:
                 state = "Q"
             if job["attrs"]["job_state"] != state:
+                if state == "Q":
+                    released(job, job["attrs"]["job_state"])
                 job["attrs"].update(job_state=state, substate=SUBSTATE[state], Hold_Types="s" if state == "H" else "n")
                 if state == "Q":
                     job["attrs"]["comment"] = QUEUED_COMMENT
@@ -813,6 +827,11 @@ def wait_eligible(seq: str) -> bool:
         if state == "Q":
             return True
         time.sleep(WAIT_POLL)
+
+
+def scattered(place: object) -> bool:
+    """``-l place=scatter`` or ``vscatter`` (with or without ``:excl``...): one host per chunk."""
+    return any(part in ("scatter", "vscatter") for part in str(place or "free").split(":"))
 
 
 def running_jobs_of(user: str) -> int:
@@ -887,8 +906,11 @@ def run_job(key: str) -> None:
 
     ncpus = internal["chunk_ncpus"]
     host = short_host()
-    # several chunks: as many distinct hosts (fakenode0..N-1, each with its own loopback address, see nodebin/)
-    hosts = [host] if internal["nchunks"] == 1 else [f"fakenode{i}" for i in range(internal["nchunks"])]
+    # several chunks with place=scatter: as many distinct hosts (fakenode0..N-1, each with its own loopback
+    # address, see nodebin/); with PBS's default place=free (or pack) they share this host, as a real
+    # scheduler packs chunks that fit on one node
+    scatter = internal["nchunks"] > 1 and scattered(job["attrs"]["Resource_List"].get("place"))
+    hosts = [f"fakenode{i}" for i in range(internal["nchunks"])] if scatter else [host]
     while True:
         with locked():
             job = load_job(seq)
@@ -912,7 +934,7 @@ def run_job(key: str) -> None:
             comment=f"Job run at {run_at} on ({hosts[0]}:ncpus={ncpus})",
             run_count=1,
             session_id=0,
-            resources_used={"cpupercent": 0, "cput": "00:00:00", "mem": "0kb", "ncpus": ncpus,
+            resources_used={"cpupercent": 0, "cput": "00:00:00", "mem": "0kb", "ncpus": ncpus * internal["nchunks"],
                             "vmem": "0kb", "walltime": "00:00:00"},
         )
         job["internal"].update(stime=int(start), mtime=int(start))
@@ -941,8 +963,8 @@ def run_job(key: str) -> None:
     out_fh = open(out_path, "wb")  # noqa: SIM115 - closed after the job ends
     err_fh = out_fh if joined else open(err_path, "wb")  # noqa: SIM115
     env = job_env(job, tmpdir, nodefile)
-    if len(hosts) > 1:
-        node_tools(env, job["id"])
+    if internal["nchunks"] > 1:  # pbsdsh and mpiexec are there however the chunks were placed
+        node_tools(env, job["id"], hosts[0])
     cwd = env.get("HOME", "/")
     proc = subprocess.Popen(  # noqa: S603
         ["bash", script], cwd=cwd if os.path.isdir(cwd) else "/", env=env,
@@ -982,7 +1004,8 @@ def run_job(key: str) -> None:
             signal_group(signal.SIGKILL)
         if now - last_usage >= 1.0:
             last_usage = now
-            update_job(seq, attrs={"resources_used": {"walltime": fmt_duration(now - start)}})
+            used = {**job["attrs"]["resources_used"], "walltime": fmt_duration(now - start)}  # the MoM's report
+            update_job(seq, attrs={"resources_used": used})
     signal_group(signal.SIGKILL)  # orphans of the job die with it, as under a real MoM
     rc = proc.returncode
     if exit_override is not None:
@@ -1002,7 +1025,8 @@ def run_job(key: str) -> None:
             "Exit_status": exit_status,
             "comment": comment_tail if comment_tail.startswith("job killed")
             else f"{job['attrs']['comment']} {comment_tail}",
-            "resources_used": {
+            "resources_used": {  # the MoM's last report: every key of the running job's, final values
+                **job["attrs"].get("resources_used", {}),
                 "cput": fmt_duration(usage.ru_utime + usage.ru_stime),
                 "mem": f"{usage.ru_maxrss}kb",
                 "walltime": fmt_duration(end - start),
@@ -1039,8 +1063,10 @@ def public_view(job: dict[str, Any]) -> dict[str, Any]:
     for key in ("ctime", "qtime", "stime", "mtime", "obittime"):
         if internal.get(key):
             attrs[key] = pbs_time(internal[key])
-    attrs["etime"] = attrs["qtime"]
-    if internal.get("exec_at"):  # qsub -a: ATTR_a "Execution_Time", a ctime string (src/cmds/qstat.c, as stime)
+    if internal.get("etime"):  # set when the job became eligible: none while it is held or waits for its -a time
+        attrs["etime"] = pbs_time(internal["etime"])
+    if internal.get("exec_at") and not internal.get("exec_cleared"):
+        # qsub -a: ATTR_a "Execution_Time", a ctime string (src/cmds/qstat.c, as stime), gone once the time came
         attrs["Execution_Time"] = pbs_time(int(internal["exec_at"]))
     if internal.get("array"):
         array_view(job, attrs)
@@ -1258,6 +1284,11 @@ def qdel(argv: list[str]) -> int:
         if state in ("F", "X"):
             sys.stderr.write(f"qdel: Job has finished {shown}\n")
             rc = RC_HISTORY
+            continue
+        if state == "E" or (state == "R" and job["internal"].get("delete_requested")):
+            # already ending (its obit in, or a qdel before this one): OpenPBS refuses a plain qdel
+            sys.stderr.write(f"qdel: Request invalid for state of job {shown}\n")
+            rc = RC_BADSTATE
             continue
         array = job["internal"].get("array")
         # qdel N[] deletes every subjob: queued ones at once, running ones through their runner

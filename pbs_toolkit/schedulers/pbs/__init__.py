@@ -42,6 +42,10 @@ STATES: dict[str, SchedState] = {
 }
 _JOB_ID = re.compile(r"^\d+(\[\d*\])?(\.[A-Za-z0-9_.-]+)?$")
 _GONE = (153, 35)
+#: qdel of a job PBS is already ending (state E, or R while its MoM runs the epilogue, or a second qdel):
+#: PBSE_BADSTATE 15016 -> exit 168, "qdel: Request invalid for state of job ID" (seen on a real OpenPBS)
+_ENDING_RC = 168
+_ENDING_TEXT = "request invalid for state of job"
 #: docs/pbs.md "Exit_status": JOB_EXEC_KILL_WALLTIME
 WALLTIME_EXIT = -29
 #: docs/pbs.md "Exit_status": a signal N ends the job with 256 + N
@@ -340,5 +344,9 @@ class PBSScheduler(Scheduler):
         return accounting(self.query(runner, refs))  # the same one batched qstat -x -f -F json
 
     def already_gone(self, result: Result) -> bool:
+        """Unknown, finished, or already ending: a job in state E (its obit in, end-of-job work under way) ends
+        by itself, and qdel refuses it (docs/pbs.md "Cancelling")."""
         text = (result.stderr + result.stdout).lower()
-        return result.rc != 0 and (result.rc in _GONE or "unknown job id" in text or "job has finished" in text)
+        ending = result.rc == _ENDING_RC and _ENDING_TEXT in text
+        return result.rc != 0 and (result.rc in _GONE or ending or "unknown job id" in text
+                                    or "job has finished" in text)
