@@ -138,3 +138,26 @@ def test_a_model_that_fits_nowhere_is_refused_before_anything_is_queued(gpu_prof
     huge = checkpoint(tmp_path / "m", "huge", 810_000_000_000)
     refused(pbstk("serve", models[0], f"{huge}:name=huge", "--name", "e", "--profile", gpu_profile, "--dry-run"),
             "model huge:", "810 GB of weights", "one node of 2 GPU(s) x 80 GB")
+
+
+def test_one_model_takes_the_same_options_and_refuses_the_same_mistakes(gpu_profile: str, models: list[str]) -> None:
+    refused(pbstk("serve", f"{models[0]}:prest=single", "--profile", gpu_profile), "unknown option 'prest'")
+    result = pbstk("serve", f"{models[0]}:name=tiny", "--profile", gpu_profile, "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    assert [m["served_model_name"] for m in json.loads(result.stdout)["models"]] == ["tiny"]
+
+
+def test_a_vision_language_config_is_sized_by_its_nested_text_config(gpu_profile: str, tmp_path: Path) -> None:
+    """No weights index: auto's config.json reader sizes the language model under text_config (about 8.2B
+    parameters, 16.4 GB of bf16), so it gets 0.30 of an 80 GB GPU, not the share of an unknown or tiny model."""
+    path = tmp_path / "vl"
+    path.mkdir()
+    text = {"hidden_size": 4096, "num_hidden_layers": 36, "intermediate_size": 12288, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 151936, "head_dim": 128}
+    (path / "config.json").write_text(json.dumps({"architectures": ["Qwen3VLForConditionalGeneration"],
+                                                  "torch_dtype": "bfloat16", "text_config": text,
+                                                  "vision_config": {"depth": 27, "hidden_size": 1152}}))
+    result = pbstk("serve", str(path), "--profile", gpu_profile, "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    [row] = json.loads(result.stdout)["models"]
+    assert 16 < row["weights_gb"] < 17.5 and row["gpu_memory_utilization"] == 0.3, row
