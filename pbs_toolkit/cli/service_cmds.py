@@ -29,7 +29,11 @@ def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
 
 
 @click.command()
-@click.argument("model")
+@click.argument("models", nargs=-1, metavar="MODEL...")
+@click.option("--models", "models_file", metavar="FILE.yaml", help="The models of the service, listed in a YAML "
+              "file instead of MODEL arguments (docs/multi-model.md).")
+@click.option("--dry-run", is_flag=True, help="Print where each model would run (job, GPUs, memory share, port); "
+              "write and queue nothing.")
 @click.option("--replicas", "-n", type=Count("replicas"),
               help="How many replica jobs serve behind the one URL (a fixed count; default 1).")
 @click.option("--nodes-per-replica", type=BoundedInt(1, 10000), help="Nodes of each replica job (--nodes).")
@@ -55,22 +59,33 @@ def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
 @STAGE_OPTION
 @scale_options
 @render_options
-def serve(model: str, replicas: int | None, nodes_per_replica: int | None, keep_alive: bool, handover: float,
+def serve(models: tuple[str, ...], models_file: str | None, dry_run: bool, replicas: int | None,
+          nodes_per_replica: int | None, keep_alive: bool, handover: float,
           policy: str | None, api_key_env: str | None, wait_ready: bool, timeout: float, max_restarts: int | None,
           restart_window: str | None, restart_backoff: str | None, as_json: bool, stage_weights: bool,
           **kw: Any) -> None:
     """Serve MODEL as a service: N replica jobs behind one vllm-router, one URL and one key.
 
+    Several models (MODEL[:preset=P][:name=SERVED] each, or --models FILE.yaml): --dry-run prints where each
+    would run; serving them is planned, not running yet (docs/multi-model.md).
+
     \b
       pbstk serve Qwen/Qwen3-VL-2B-Instruct --replicas 2 --name qwen --wait
       pbstk serve MODEL --min-replicas 1 --max-replicas 4 --idle-cancel 2h   # autoscaled, ends unused
+      pbstk serve Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B:name=q17 --name evals --dry-run
       pbstk update-endpoint qwen        # registers the router's URL
       pbstk cancel qwen                 # replicas, router and keeper
     """
     import os
 
+    from pbs_toolkit.cli.multi_model import single_or_plan
     from pbs_toolkit.client import Client
 
+    single = single_or_plan(models, models_file, dry_run, as_json, {**kw, "replicas": replicas})
+    if single is None:
+        return
+    model, kw = single
+    kw.pop("replicas")
     name = kw.pop("name", None)
     scale = scale_spec(replicas, kw.pop("min_replicas"), kw.pop("max_replicas"), kw.pop("scale_up_waiting"),
                        kw.pop("scale_down_idle"))

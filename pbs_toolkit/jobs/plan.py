@@ -217,18 +217,27 @@ def _choose_preset(
     """The preset to launch with (``auto`` resolved by model size, ``--eager`` applied) and the size in billions:
     the weights on disk (``weights`` bytes over the dtype's bytes) first, then config.json, then the name."""
     preset = load_preset(preset_name)
-    if preset.auto and weights is None and config is None and _HF_ID.match(req.model) and "/" in req.model:
-        config, weights = hub_lookup(req.model)  # in no cache here: the Hub's own files, where it can be reached
-    params = round(weights / bytes_per_param(config)[0] / 1e9, 3) if weights else None
-    if params is None:
-        params = params_from_config(config) if config else None
-    if params is None:
-        params = params_from_name(req.model)
+    params, config = model_size(req.model, config, weights, ask_hub=preset.auto)
     if preset.auto:
         preset = _resolve_auto(preset, params, profile, config, nodes_asked)
     if req.eager is not None:
         preset = replace(preset, eager=req.eager)
     return preset, params
+
+
+def model_size(model: str, config: dict[str, Any] | None, weights: int | None, *,
+               ask_hub: bool = True) -> tuple[float | None, dict[str, Any] | None]:
+    """(size in billions, ``config.json``) as ``auto`` sizes ``model``: its weights' bytes over the dtype's bytes
+    first, then ``config.json``'s dimensions, then the name; ``ask_hub``: a Hub id in no cache here is looked up
+    on the Hub (``model_size.hub_lookup``), whose ``config.json`` is handed back with the size."""
+    if ask_hub and weights is None and config is None and _HF_ID.match(model) and "/" in model:
+        config, weights = hub_lookup(model)  # in no cache here: the Hub's own files, where it can be reached
+    params = round(weights / bytes_per_param(config)[0] / 1e9, 3) if weights else None
+    if params is None:
+        params = params_from_config(config) if config else None
+    if params is None:
+        params = params_from_name(model)
+    return params, config
 
 
 def _resolve_auto(preset: Preset, params: float | None, profile: Profile, config: dict[str, Any] | None,

@@ -1,0 +1,91 @@
+"""The plan of a multi-model service (issue 31; docs/multi-model.md): each model sized as ``auto`` sizes one
+(offline, from what is readable here), then packed into jobs by services/packing.py. What ``pbstk serve M1 M2
+--dry-run`` prints; it writes, submits and records nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pbs_toolkit.errors import UsageError
+from pbs_toolkit.jobs.plan import model_size, resolve_model
+from pbs_toolkit.schema import stamp
+from pbs_toolkit.services.model_spec import ModelSpec
+from pbs_toolkit.services.packing import ModelNeed, PackingPlan, Resources, pack
+from pbs_toolkit.services.record import check_name
+from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, resolve_launch_settings
+from pbs_toolkit.settings.layout import bytes_per_param
+from pbs_toolkit.settings.model_size import model_weights
+from pbs_toolkit.settings.presets import load_preset
+
+#: the table ``serve --dry-run`` prints, one row per model
+HEADERS = ["MODEL", "JOB", "NODE/GPUS", "MEMORY", "PORT", "PRESET"]
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Where each model of service ``name`` would run."""
+
+    name: str
+    profile: str
+    packing: PackingPlan
+
+    def to_dict(self) -> dict[str, Any]:
+        res = self.packing.resources
+        models = [{"served_model_name": p.served, "model": p.model, "preset": p.preset, "job": p.job,
+                   "node": p.node, "gpus": list(p.gpus), "tensor_parallel": p.tensor_parallel,
+                   "gpu_memory_utilization": p.share, "memory_gb": p.memory_gb(res.gpu_memory_gb),
+                   "weights_gb": None if p.weights_gb is None else round(p.weights_gb, 2), "port": p.port}
+                  for p in self.packing.placements]
+        return stamp("model_plan", {"name": self.name, "profile": self.profile, "dry_run": True,
+                                    "jobs": self.packing.jobs, "nodes_per_job": res.nodes_per_job,
+                                    "gpus_per_node": res.gpus_per_node, "gpu_memory_gb": res.gpu_memory_gb or None,
+                                    "models": models})
+
+    def rows(self) -> list[list[str]]:
+        """The table's rows (:data:`HEADERS`)."""
+        res = self.packing.resources
+        out = []
+        for p in self.packing.placements:
+            shown = p.served if p.served == p.model else f"{p.served} ({p.model})"
+            where = f"n{p.node}:" + (",".join(str(g) for g in p.gpus) if p.gpus else "cpu")
+            memory = "-" if p.share is None else f"{p.share:.2f}"
+            if (gb := p.memory_gb(res.gpu_memory_gb)) is not None:
+                memory += f" ({gb:g} GB)"
+            out.append([shown, f"job{p.job}", where, memory, str(p.port), p.preset])
+        return out
+
+
+def plan_service(specs: Sequence[ModelSpec], request: RenderRequest, name: str) -> ModelPlan:
+    """Size ``specs`` (each with the settings ``request`` resolves for it) and pack them on its profile."""
+    check_name(name)
+    needs, profile = [], None
+    for spec in specs:
+        settings = resolve_launch_settings(replace(request, model=spec.model, preset=spec.preset or request.preset))
+        profile = profile or settings.written
+        needs.append(_need(spec, settings))
+    assert profile is not None
+    port = int(request.port) if isinstance(request.port, (int, str)) and str(request.port).isdigit() else profile.port
+    res = Resources(gpus_per_node=profile.gpus_per_node, gpu_memory_gb=profile.gpu_memory_gb,
+                    nodes_per_job=profile.nodes, max_jobs=profile.max_running_jobs, port=port)
+    return ModelPlan(name=name, profile=profile.name, packing=pack(needs, res))
+
+
+def _need(spec: ModelSpec, settings: LaunchSettings) -> ModelNeed:
+    """What one model asks: a named preset's GPUs, or ``auto``'s size from its weights, config.json or name."""
+    profile = settings.written
+    preset = load_preset(settings.preset_name)
+    if (preset.device == "cpu") != (profile.gpus_per_node == 0):
+        has = f"{profile.gpus_per_node} GPU(s) per node" if profile.gpus_per_node else "no GPUs"
+        raise UsageError(f"model {spec.served_model_name}: preset {preset.name} runs on {preset.device.upper()} "
+                         f"but profile {profile.name} has {has}")
+    if not preset.auto:
+        return ModelNeed(spec.served_model_name, spec.model, preset.name,
+                         gpus=preset.gpus if preset.device == "gpu" else None)
+    path, config = resolve_model(spec.model, None, remote_offline=bool(profile.ssh_host), hf_home=profile.hf_home)
+    params, config = model_size(spec.model, config, model_weights(spec.model, path, None))
+    size, note = bytes_per_param(config)
+    return ModelNeed(spec.served_model_name, spec.model, "auto", params_b=params, bytes_per_param=size,
+                     dtype_note=note)

@@ -1,0 +1,213 @@
+"""Packing several models into as few jobs as fit (issue 31; docs/multi-model.md "The plan"): pure, no I/O.
+
+Input: each model's size as ``auto`` measures it (jobs/plan.py ``model_size``) or the GPUs its named preset
+asks for, and the profile's GPUs per node, GPU memory, nodes per job and job limit. Output: a
+:class:`PackingPlan`, the same for the same input. Rules:
+
+* a model gets the smallest tensor-parallel size ``auto`` would give it (settings/layout.py
+  ``auto_by_memory``: weights at most ``WEIGHTS_SHARE`` of what vLLM may use, the rest KV cache);
+* a model small enough shares a GPU: its ``--gpu-memory-utilization`` is what its weights need at that rule,
+  rounded up to ``SHARE_STEP`` and at least ``MIN_SHARE``; the shares on one GPU sum to at most ``SHARE_CAP``
+  (below vLLM's single-model default, leaving each extra process its CUDA context);
+* models are placed largest first (GPUs, then share, then served name), each on the first GPUs free for it
+  (job, node, GPU order), in a new job only when no job has room, never beyond the job limit;
+* a model that fits no node at all is refused before anything else, naming it, its need and the largest
+  GPU set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pbs_toolkit.errors import UsageError
+from pbs_toolkit.settings.layout import DEFAULT_MEMORY_UTILIZATION, WEIGHTS_SHARE, auto_by_memory
+from pbs_toolkit.settings.presets import auto_layout
+
+#: the most the shares of the models on one GPU add up to (vLLM's single-model default is 0.95)
+SHARE_CAP = 0.9
+#: shares are rounded up to this step ...
+SHARE_STEP = 0.05
+#: ... and are at least this (activations and CUDA graphs of even the smallest model)
+MIN_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class ModelNeed:
+    """What one model asks of the GPUs."""
+
+    served: str
+    model: str
+    #: the preset the plan shows: ``auto`` (sized here) or a named one
+    preset: str
+    #: size in billions of parameters, ``None``: unknown; with ``bytes_per_param`` the weights' bytes
+    params_b: float | None = None
+    bytes_per_param: float = 2.0
+    dtype_note: str = "bf16 assumed"
+    #: whole GPUs a named preset takes (TP x PP x DP); ``None``: ``auto``, sized by weights
+    gpus: int | None = None
+
+    @property
+    def weights_gb(self) -> float | None:
+        return None if self.params_b is None else self.params_b * self.bytes_per_param
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What the profile offers: GPUs per node (0: a CPU profile), GPU memory in GB (0: unknown), nodes per
+    job, the most jobs (0: no limit) and the first port."""
+
+    gpus_per_node: int
+    gpu_memory_gb: int
+    nodes_per_job: int = 1
+    max_jobs: int = 0
+    port: int = 8000
+    utilization: float = DEFAULT_MEMORY_UTILIZATION
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one model runs: job (from 1), node of the job (from 0), GPUs of that node, its share."""
+
+    served: str
+    model: str
+    preset: str
+    job: int
+    node: int
+    gpus: tuple[int, ...]
+    #: ``--gpu-memory-utilization`` (``None`` on a CPU profile)
+    share: float | None
+    port: int
+    weights_gb: float | None
+
+    @property
+    def tensor_parallel(self) -> int:
+        return len(self.gpus)
+
+    def memory_gb(self, gpu_memory_gb: int) -> float | None:
+        """The GPU memory vLLM may use: its share of each of its GPUs (``None`` when unknown)."""
+        if self.share is None or not gpu_memory_gb:
+            return None
+        return round(self.share * gpu_memory_gb * len(self.gpus), 1)
+
+
+@dataclass(frozen=True)
+class PackingPlan:
+    jobs: int
+    resources: Resources
+    placements: tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """A model's size in GPUs: ``tp`` whole GPUs, or one GPU shared at ``share`` (``shared``)."""
+
+    need: ModelNeed
+    tp: int
+    share: float | None
+    shared: bool
+
+
+@dataclass
+class _Gpu:
+    used: float = 0.0
+    whole: bool = False
+    tenants: list[str] = field(default_factory=list)
+
+
+def pack(needs: Sequence[ModelNeed], res: Resources) -> PackingPlan:
+    """The plan for ``needs`` on ``res``; ``UsageError`` for a model that fits nowhere or beyond the job limit."""
+    if not needs:
+        raise UsageError("no model to plan")
+    if res.gpus_per_node < 1:  # a CPU profile: every model in one job, on the node's CPUs
+        rows = [Placement(n.served, n.model, n.preset, 1, 0, (), None, res.port + k, n.weights_gb)
+                for k, n in enumerate(sorted(needs, key=lambda n: n.served))]
+        return PackingPlan(1, res, tuple(rows))
+    fits = sorted((_fit(n, res) for n in needs), key=lambda f: (-f.tp, -(f.share or 0.0), f.need.served))
+    jobs: list[list[list[_Gpu]]] = []
+    placed: list[tuple[_Fit, int, int, tuple[int, ...]]] = []
+    for fit in fits:
+        spot = _find(jobs, fit)
+        if spot is None:
+            if res.max_jobs and len(jobs) >= res.max_jobs:
+                raise UsageError(f"model {fit.need.served}: no room left in {len(jobs)} job(s), the profile's "
+                                 f"max_running_jobs; serve fewer models or raise it")
+            jobs.append([[_Gpu() for _ in range(res.gpus_per_node)] for _ in range(res.nodes_per_job)])
+            spot = _find(jobs, fit)
+            assert spot is not None  # _fit refused what no empty node holds
+        job, node, gpus = spot
+        for g in gpus:
+            cell = jobs[job][node][g]
+            cell.used += fit.share if fit.shared and fit.share is not None else 1.0
+            cell.whole = cell.whole or not fit.shared
+            cell.tenants.append(fit.need.served)
+        placed.append((fit, job, node, gpus))
+    return PackingPlan(len(jobs), res, _with_ports(placed, res))
+
+
+def _fit(need: ModelNeed, res: Resources) -> _Fit:
+    """The model's GPUs and share, or the one-line refusal of a model no node holds."""
+    largest = f"one node of {res.gpus_per_node} GPU(s)" + (f" x {res.gpu_memory_gb} GB" if res.gpu_memory_gb else "")
+    alone = f"serve it on its own (pbstk serve {need.model})"
+    if need.gpus is not None:
+        if need.gpus > res.gpus_per_node:
+            raise UsageError(f"model {need.served}: preset {need.preset} needs {need.gpus} GPUs, more than the "
+                             f"largest GPU set here, {largest}; {alone}")
+        return _Fit(need, need.gpus, res.utilization, shared=False)
+    weights = need.weights_gb
+    if need.params_b is None or weights is None:
+        raise UsageError(f"model {need.served}: size unknown (no config.json or weights index readable here, no "
+                         f"size in its name), so it cannot be packed; give it a preset ({need.model}:preset=tp2)")
+    if not res.gpu_memory_gb:  # memory unknown: the parameter-count rule, whole GPUs
+        try:
+            tp, _, _ = auto_layout(need.params_b, res.gpus_per_node)
+        except UsageError:
+            raise UsageError(f"model {need.served}: {need.params_b:.1f}B needs more GPUs than the largest GPU set "
+                             f"here, {largest}; {alone}") from None
+        return _Fit(need, tp, res.utilization, shared=False)
+    want = weights / WEIGHTS_SHARE / res.gpu_memory_gb  # the utilization that leaves its KV cache room
+    if want <= SHARE_CAP:
+        share = max(MIN_SHARE, math.ceil(round(want / SHARE_STEP, 6)) * SHARE_STEP)
+        return _Fit(need, 1, round(min(share, SHARE_CAP), 2), shared=True)
+    too_big = UsageError(f"model {need.served}: {weights:.0f} GB of weights need {weights / WEIGHTS_SHARE:.0f} GB "
+                         f"of GPU memory (weights at most {WEIGHTS_SHARE:.0%}), more than the largest GPU set "
+                         f"here, {largest}; {alone}")
+    try:
+        size = auto_by_memory(need.params_b, need.bytes_per_param, need.dtype_note, res.gpu_memory_gb,
+                              res.utilization, res.gpus_per_node, 1)
+    except UsageError:
+        raise too_big from None
+    if size.pp > 1 or size.nnodes > 1:
+        raise too_big
+    return _Fit(need, size.tp, res.utilization, shared=False)
+
+
+def _find(jobs: list[list[list[_Gpu]]], fit: _Fit) -> tuple[int, int, tuple[int, ...]] | None:
+    """The first (job, node, GPUs) with room for ``fit``, in job, node, GPU order."""
+    for j, nodes in enumerate(jobs):
+        for n, gpus in enumerate(nodes):
+            if fit.shared:
+                share = fit.share or 0.0
+                for g, cell in enumerate(gpus):
+                    if not cell.whole and cell.used + share <= SHARE_CAP + 1e-9:
+                        return j, n, (g,)
+                continue
+            free = [g for g, cell in enumerate(gpus) if not cell.tenants]
+            if len(free) >= fit.tp:
+                return j, n, tuple(free[: fit.tp])
+    return None
+
+
+def _with_ports(placed: list[tuple[_Fit, int, int, tuple[int, ...]]], res: Resources) -> tuple[Placement, ...]:
+    """The placements in (job, node, first GPU, served name) order, each job's models on ports from
+    ``res.port`` up."""
+    order = sorted(placed, key=lambda p: (p[1], p[2], p[3], p[0].need.served))
+    rows: list[Placement] = []
+    next_port: dict[int, int] = {}
+    for fit, job, node, gpus in order:
+        port = next_port.get(job, res.port)
+        next_port[job] = port + 1
+        n = fit.need
+        rows.append(Placement(n.served, n.model, n.preset, job + 1, node, gpus, fit.share, port, n.weights_gb))
+    return tuple(rows)

@@ -1,0 +1,105 @@
+"""The packing planner (services/packing.py, issue 31): pure, so every rule is checked on plain values.
+
+Before: no planner; `pbstk serve` took one model and every model was a job of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pbs_toolkit.errors import UsageError
+from pbs_toolkit.services.packing import SHARE_CAP, ModelNeed, PackingPlan, Resources, pack
+
+
+def need(served: str, params_b: float | None, **kw: object) -> ModelNeed:
+    return ModelNeed(served=served, model=f"org/{served}", preset=str(kw.pop("preset", "auto")), params_b=params_b,
+                     **kw)  # type: ignore[arg-type]
+
+
+def where(plan: PackingPlan) -> dict[str, tuple[int, int, tuple[int, ...], float | None, int]]:
+    return {p.served: (p.job, p.node, p.gpus, p.share, p.port) for p in plan.placements}
+
+
+def shares_per_gpu(plan: PackingPlan) -> dict[tuple[int, int, int], float]:
+    total: dict[tuple[int, int, int], float] = {}
+    for p in plan.placements:
+        for g in p.gpus:
+            total[(p.job, p.node, g)] = total.get((p.job, p.node, g), 0.0) + (p.share or 0.0)
+    return total
+
+
+SMALL = [need("q06", 0.6), need("q17", 1.7), need("q4", 4.0)]
+
+
+def test_small_models_share_one_gpu_with_split_memory_shares() -> None:
+    plan = pack(SMALL, Resources(gpus_per_node=1, gpu_memory_gb=80))
+    assert plan.jobs == 1
+    # 1.2 GB, 3.4 GB and 8 GB of bf16 weights, each at most 70% of its share of 80 GB: 0.10 (the floor), 0.10, 0.15
+    assert where(plan) == {"q06": (1, 0, (0,), 0.1, 8000), "q17": (1, 0, (0,), 0.1, 8001),
+                           "q4": (1, 0, (0,), 0.15, 8002)}
+    assert all(total <= SHARE_CAP < 0.95 for total in shares_per_gpu(plan).values())
+    for p in plan.placements:  # each share leaves its KV cache room: weights at most 70% of it
+        assert p.weights_gb is not None and p.share is not None and p.weights_gb <= 0.7 * p.share * 80
+
+
+def test_models_that_cannot_share_a_gpu_take_a_job_each_on_one_gpu() -> None:
+    plan = pack([need("m14", 14.0), need("m24", 24.0)], Resources(gpus_per_node=1, gpu_memory_gb=80))
+    assert plan.jobs == 2  # 28 GB -> 0.50 and 48 GB -> 0.90 add up past the cap
+    assert where(plan) == {"m24": (1, 0, (0,), 0.9, 8000), "m14": (2, 0, (0,), 0.5, 8000)}
+
+
+def test_two_gpus_a_tensor_parallel_model_and_the_small_ones_in_the_next_job() -> None:
+    needs = [need("m8", 8.0), need("m32", 32.0), need("q06", 0.6)]
+    plan = pack(needs, Resources(gpus_per_node=2, gpu_memory_gb=80))
+    # 64 GB of weights: TP2 (auto's rule: weights <= 70% of 0.95 x 80 GB per GPU); whole GPUs at the default 0.95
+    assert where(plan) == {"m32": (1, 0, (0, 1), 0.95, 8000), "m8": (2, 0, (0,), 0.3, 8000),
+                           "q06": (2, 0, (0,), 0.1, 8001)}
+
+
+def test_two_nodes_per_job_hold_what_took_two_jobs() -> None:
+    needs = [need("m8", 8.0), need("m32", 32.0), need("q06", 0.6)]
+    plan = pack(needs, Resources(gpus_per_node=2, gpu_memory_gb=80, nodes_per_job=2))
+    assert plan.jobs == 1
+    assert where(plan) == {"m32": (1, 0, (0, 1), 0.95, 8000), "m8": (1, 1, (0,), 0.3, 8001),
+                           "q06": (1, 1, (0,), 0.1, 8002)}
+
+
+def test_the_plan_does_not_depend_on_the_order_models_are_given() -> None:
+    needs = [need("m8", 8.0), need("m32", 32.0), need("q06", 0.6), need("q17", 1.7), need("named", None, gpus=1,
+                                                                                          preset="single")]
+    res = Resources(gpus_per_node=2, gpu_memory_gb=80, nodes_per_job=2)
+    plans = {pack(list(order), res) for order in itertools.permutations(needs)}
+    assert len(plans) == 1
+
+
+def test_a_model_too_big_for_any_node_is_refused_naming_it_its_need_and_the_largest_gpu_set() -> None:
+    with pytest.raises(UsageError) as err:
+        pack([need("q06", 0.6), need("huge", 405.0)], Resources(gpus_per_node=2, gpu_memory_gb=80))
+    message = str(err.value)
+    assert "model huge" in message and "810 GB of weights" in message, message
+    assert "one node of 2 GPU(s) x 80 GB" in message and "\n" not in message, message
+
+
+def test_a_named_preset_wider_than_a_node_and_an_unknown_size_are_refused() -> None:
+    with pytest.raises(UsageError, match="model wide: preset tp4 needs 4 GPUs.*one node of 2 GPU"):
+        pack([need("wide", None, gpus=4, preset="tp4")], Resources(gpus_per_node=2, gpu_memory_gb=80))
+    with pytest.raises(UsageError, match="model blind: size unknown.*:preset="):
+        pack([need("blind", None)], Resources(gpus_per_node=2, gpu_memory_gb=80))
+
+
+def test_the_job_limit_is_kept() -> None:
+    with pytest.raises(UsageError, match="model m14: no room left in 1 job"):
+        pack([need("m14", 14.0), need("m24", 24.0)], Resources(gpus_per_node=1, gpu_memory_gb=80, max_jobs=1))
+
+
+def test_unknown_gpu_memory_falls_back_to_whole_gpus_by_parameter_count() -> None:
+    plan = pack([need("q06", 0.6), need("m8", 8.0)], Resources(gpus_per_node=4, gpu_memory_gb=0))
+    assert where(plan) == {"m8": (1, 0, (0, 1), 0.95, 8000), "q06": (1, 0, (2,), 0.95, 8001)}
+
+
+def test_a_cpu_profile_runs_every_model_in_one_job() -> None:
+    plan = pack(SMALL, Resources(gpus_per_node=0, gpu_memory_gb=0, port=9000))
+    assert where(plan) == {"q06": (1, 0, (), None, 9000), "q17": (1, 0, (), None, 9001),
+                           "q4": (1, 0, (), None, 9002)}
