@@ -204,3 +204,18 @@ def test_config_show_names_the_switchs_layer(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("PBSTK_TEXT_ONLY", "off")
     shown = json.loads(pbstk("config", "show", "--json").stdout)["settings"]["text_only"]
     assert shown == {"value": False, "source": "PBSTK_TEXT_ONLY"}
+
+
+def test_a_text_only_start_keeps_its_own_compile_cache(models: dict[str, str]) -> None:
+    """vLLM 0.22.1 keys its compile cache without the multimodal limits: on 2x H200 a text-only start of a
+    Qwen3-VL-shaped model loaded the graphs an image-enabled start had saved and died in its first forward pass
+    (benchmarks/README.md). Text-only starts get a cache of their own; the others keep theirs."""
+    def cache_layout(model: str, *args: str) -> str:
+        result = render(model, "-p", "dp4", *args)
+        assert result.exit_code == 0, result.output
+        line = next(x for x in result.stdout.splitlines() if x.startswith("CACHE_KEY_LAYOUT="))
+        return line.split("=", 1)[1].strip("'")
+
+    assert cache_layout(models["vl"]) == "DP4"
+    assert cache_layout(models["vl"], "--text-only") == "DP4-text-only"
+    assert cache_layout(models["text"]) == "DP4"

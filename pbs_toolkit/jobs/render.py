@@ -23,6 +23,7 @@ from pbs_toolkit.server.coldstart import coldstart_context
 from pbs_toolkit.server.phases import bash_assignments
 from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, settings_of
 from pbs_toolkit.settings.layout import NodePlan
+from pbs_toolkit.settings.multimodal import compile_variant
 from pbs_toolkit.settings.presets import Preset
 from pbs_toolkit.settings.profiles import Profile
 from pbs_toolkit.settings.vllm_flags import api_key_channel
@@ -131,7 +132,8 @@ def script_context(plan: LaunchPlan) -> dict[str, Any]:
         "compile_error_re": COMPILE_ERROR_RE, "port_in_use_re": PORT_IN_USE_RE,
         "proxy": any(k.lower() in ("http_proxy", "https_proxy") for k in plan.env),
         "phase_lines": bash_assignments(), "plan": plan.nodes,
-        **coldstart_context(plan.model, plan.preset.layout(), plan.nodes.nnodes, plan.profile),
+        **coldstart_context(plan.model, plan.preset.layout(), plan.nodes.nnodes, plan.profile,
+                            compile_variant(plan.preset)),
         # where vLLM gets the API key: not VLLM_API_KEY, which vLLM <= 0.22 puts into the compile cache's key
         "api_key_via": api_key_channel(plan.profile.vllm_version),
         "idle_cancel_s": watch_seconds(plan.profile.idle_cancel), "lease_s": plan.lease_s,

@@ -24,9 +24,13 @@ def model_key(model: str) -> str:
     return f"{base[:48]}-{digest}"
 
 
-def layout_key(layout: str, nnodes: int) -> str:
-    """``TP2xDP2`` (one node) or ``TP8xPP2-2n``: a different layout compiles different graphs."""
-    return layout if nnodes <= 1 else f"{layout}-{nnodes}n"
+def layout_key(layout: str, nnodes: int, variant: str = "") -> str:
+    """``TP2xDP2`` (one node), ``TP8xPP2-2n``, ``DP2-text-only``: a different layout compiles different graphs, and
+    so does a vision-language model served text-only (``variant``): vLLM 0.22.1's cache key leaves its multimodal
+    limits out, and a text-only start that loaded the graphs an image-enabled start saved died in its first forward
+    pass (``'NoneType' object has no attribute 'size'``: the deepstack input that text-only leaves out)."""
+    key = layout if nnodes <= 1 else f"{layout}-{nnodes}n"
+    return f"{key}-{variant}" if variant else key
 
 
 def stage_dir(profile: Any) -> str:
@@ -35,10 +39,10 @@ def stage_dir(profile: Any) -> str:
     return str(profile.stage_to or "")
 
 
-def coldstart_context(model: str, layout: str, nnodes: int, profile: Any) -> dict[str, Any]:
-    """The template variables of the header's cold-start lines."""
+def coldstart_context(model: str, layout: str, nnodes: int, profile: Any, variant: str = "") -> dict[str, Any]:
+    """The template variables of the header's cold-start lines (``variant``: see :func:`layout_key`)."""
     return {
-        "cache_key_model": model_key(model), "cache_key_layout": layout_key(layout, nnodes),
+        "cache_key_model": model_key(model), "cache_key_layout": layout_key(layout, nnodes, variant),
         "container_image": profile.container or "", "container_runtime": profile.container_runtime,
     }
 

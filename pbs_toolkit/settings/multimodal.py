@@ -93,3 +93,9 @@ def multimodal_preset(preset: Preset, model: str, config: dict[str, Any] | None,
     if args == preset.vllm_args:
         return preset, notes
     return replace(preset, vllm_args=args), notes
+
+
+def compile_variant(preset: Preset) -> str:
+    """``text-only`` when the preset serves a vision-language model without images (its limits at zero), else ``""``:
+    the compile cache keeps such starts apart (server/coldstart.py ``layout_key``)."""
+    return "text-only" if LIMIT_FLAG in preset.vllm_args else ""
