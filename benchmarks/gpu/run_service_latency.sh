@@ -77,6 +77,7 @@ pbstk cancel svc
 
 stamp "in-process dp2"
 pbstk launch "$model" --name dp2 --preset dp2 --gpus-per-node 2 "${common[@]}" --wait --timeout 300
+eval "$(pbstk env dp2)"  # dp2's own key (the service's answers 401 there: every request of a run failed so)
 levels dp2 "$(base_of dp2)"
 pbstk cancel dp2
 stamp "done"

@@ -194,6 +194,7 @@ class Front:
     def public(self, sock: socket.socket) -> None:
         """The public port: service traffic to the router; anything else only with the router's token."""
         client = Conn(sock)
+        stage = "reading the client's request head"
         try:
             sock.settimeout(HEAD_WAIT_S)  # a client that never finishes its head does not hold a connection for ever
             head = client.read_until(b"\r\n\r\n")
@@ -212,11 +213,13 @@ class Front:
                 upstream = self.inside(self.router_port)
             except OSError:
                 raise BadRequest(502, "Bad Gateway", "pbstk router front: the router is not answering yet") from None
+            stage = f"relaying {method.decode('ascii', 'replace')} {path} to the router and its answer back"
             exchange(client, rebuild(method, target, version, headers, b"127.0.0.1"), length, upstream, self.pump)
         except BadRequest as exc:
             answer(sock, exc.status, exc.reason, exc.text)
-        except (ConnectionError, OSError, ValueError):
-            pass
+        except (ConnectionError, OSError, ValueError) as exc:
+            # the connection just ends: said in the log, so that a client's "server disconnected" has a cause
+            log(f"a connection ended while {stage}: {type(exc).__name__}: {exc}")
 
     def egress(self, sock: socket.socket) -> None:
         """The router's HTTP proxy (inside the namespace): its requests to workers, sent from the host's network."""
