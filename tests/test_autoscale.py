@@ -39,6 +39,19 @@ def test_two_ticks_above_w_add_one_replica_and_one_tick_does_not() -> None:
     assert d.action == "up" and d.target == 2 and "7 request(s) waiting" in d.reason and mem.above == 0
 
 
+def test_the_look_that_confirms_an_overload_comes_sooner_than_a_poll() -> None:
+    """2x H200: with the keeper's 15 s poll, 31 s passed between a burst and the decision; the second look now
+    comes CONFIRM_S after the first overloaded one, and only then."""
+    from pbs_toolkit.services.autoscale import CONFIRM_S, confirm_within
+
+    _, mem = decide(SPEC, Memory(), obs(0, waiting=5))
+    assert confirm_within({"memory": mem.to_dict()}) == CONFIRM_S < 15
+    d, mem = decide(SPEC, mem, obs(CONFIRM_S, waiting=5))
+    assert d.action == "up" and confirm_within({"memory": mem.to_dict()}) is None  # decided: the usual poll
+    _, mem = decide(SPEC, Memory(), obs(0, waiting=0))
+    assert confirm_within({"memory": mem.to_dict()}) is None and confirm_within(None) is None  # calm, or fixed
+
+
 def test_a_tick_without_an_answer_neither_counts_nor_resets_the_overload() -> None:
     """A replica too busy to answer its /metrics in time (no answer this tick) is no news: under a long queue the
     count goes on after it, where it used to start again (the service never scaled up, measured on GPUs)."""

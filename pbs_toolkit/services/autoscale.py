@@ -3,7 +3,8 @@ tick's observations to a decision, so every rule is tested without a process (te
 
 The keeper (services/keeper.py, through services/scaler.py) observes once per tick and applies the decision:
 
-* **up** when the service is overloaded for ``UP_TICKS`` ticks in a row: the replicas' ``vllm:num_requests_waiting``
+* **up** when the service is overloaded for ``UP_TICKS`` ticks in a row (the tick after a first overloaded one comes
+  ``CONFIRM_S`` later, not a whole poll interval): the replicas' ``vllm:num_requests_waiting``
   (summed) above ``W`` (``--scale-up-waiting``, default 1), or every replica that answered running at its capacity
   (``--max-num-seqs``, when known) with some request waiting, or the router failing requests for want of a worker
   (its 503s and exhausted retries since the last tick, from its Prometheus port), or a queue before the engines:
@@ -38,6 +39,9 @@ from pbs_toolkit.errors import UsageError
 
 #: how many ticks in a row the waiting requests must stay above ``W`` before a replica is added
 UP_TICKS = 2
+#: seconds to the look that confirms an overload, when the keeper's poll interval is longer: a burst is confirmed
+#: (or dismissed) 5 s after it was first seen, not a whole 15 s poll later
+CONFIRM_S = 5.0
 DEFAULT_UP_WAITING = 1.0
 DEFAULT_DOWN_IDLE_S = 300.0
 #: the requests open at the router may exceed what the replicas hold by ``W`` plus this share of it (in transit)
@@ -225,6 +229,15 @@ def _news(obs: Observation, memory: Memory) -> bool:
     if obs.waiting is not None:
         return True
     return obs.in_flight is not None and (bool(obs.capacity) or _last_held(obs, memory) is not None)
+
+
+def confirm_within(scale: dict[str, Any] | None) -> float | None:
+    """``CONFIRM_S`` while an overload is being counted (seen, not yet for ``UP_TICKS`` ticks), else ``None``: how
+    soon the keeper looks again (``scale``: the record's autoscaling state, its ``memory`` as :class:`Memory`)."""
+    if not scale:
+        return None
+    above = Memory.from_dict(scale.get("memory")).above
+    return CONFIRM_S if 0 < above < UP_TICKS else None
 
 
 def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision, Memory]:
