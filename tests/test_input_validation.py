@@ -140,6 +140,7 @@ def test_launch_and_registry_agree_on_names(tmp_path: Path, text: str) -> None:
     ("ключ-секрет", "Latin-1"),
     ("tab\there", "control character"),
     (" padded", "whitespace"),
+    ("-e3ZxK_Q2", "starts with '-'"),  # vLLM reads `--api-key -e3...` as an option and exits 2
 ])
 def test_api_key_that_cannot_be_a_header_is_refused_before_qsub(
     fakepbs: Path, isolated_user: Path, monkeypatch: pytest.MonkeyPatch, key: str, needle: str
@@ -150,6 +151,17 @@ def test_api_key_that_cannot_be_a_header_is_refused_before_qsub(
     assert key.strip() not in line  # the secret itself is never printed
     assert read_calls(fakepbs, "qsub") == []
     assert_nothing_launched(isolated_user)
+
+
+def test_a_key_pbstk_makes_never_starts_with_a_dash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """token_urlsafe starts with '-' once in 64: such a key made vLLM exit 2 at start (`--api-key -...`)."""
+    import secrets
+
+    from pbs_toolkit.jobs.launch import new_api_key
+
+    drawn = iter(["-first-draw", "_second", "third"])
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: next(drawn))
+    assert new_api_key() == "_second"
 
 
 # -- config.yaml ----------------------------------------------------------------------------------------------

@@ -285,6 +285,9 @@ def read_key_env(name: str | None, environ: Mapping[str, str]) -> str | None:
                          "(only Latin-1 text is allowed)") from None
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise UsageError(f"--api-key-env {name}: the key holds a control character (newline, tab, ...)")
+    if value.startswith("-"):
+        raise UsageError(f"--api-key-env {name}: the key starts with '-', which vLLM reads as an option "
+                         "(`--api-key -...`) and refuses to start")
     return value
 
 

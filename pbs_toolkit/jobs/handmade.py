@@ -12,12 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 from pathlib import Path
 
 from pbs_toolkit import paths
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.jobs.launch import job_record
+from pbs_toolkit.jobs.launch import job_record, new_api_key
 from pbs_toolkit.jobs.render import RenderedJob, RenderRequest
 from pbs_toolkit.jobs.store import (
     JOB_ID_MARKER,
@@ -51,7 +50,7 @@ def write_render_dir(out_dir: str, rendered: RenderedJob, req: RenderRequest, *,
     ``use_api_key`` is off) the key, all or none; the paths written. A key already in ``DIR/api_key`` is kept
     (a job submitted from the directory before may serve with it), else ``api_key`` or a new one."""
     key_path = os.path.join(out_dir, KEY_FILE)
-    key = (api_key or _usable_key(key_path) or secrets.token_urlsafe(32)) if use_api_key else None
+    key = (api_key or _usable_key(key_path) or new_api_key()) if use_api_key else None
     record = job_record(req, rendered, "", key)
     public = {k: v for k, v in record.public().items() if k not in ("job_id", "final_state")}
     files: dict[str, tuple[bytes, int]] = {

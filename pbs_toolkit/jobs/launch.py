@@ -49,6 +49,15 @@ class LaunchResult:
     rendered: RenderedJob
 
 
+def new_api_key() -> str:
+    """A fresh API key: 32 random bytes, URL-safe, never starting with ``-``. vLLM gets the key from its ``--config``
+    file as ``--api-key VALUE``, and a value starting with ``-`` is read as an option (``argument --api-key:
+    expected at least one argument``, exit 2): 1 launch in 64 failed so."""
+    while (key := secrets.token_urlsafe(32)).startswith("-"):
+        pass
+    return key
+
+
 def key_env_name(alias: str) -> str:
     """The environment variable registries name for this job's key: ``PBSTK_KEY_<ALIAS>``."""
     return "PBSTK_KEY_" + re.sub(r"[^A-Z0-9]+", "_", alias.upper()).strip("_")
@@ -107,7 +116,7 @@ def launch(
     try:
         rendered = render(settings, runner)
         transport = "" if runner.name == "local" else runner.name.split(":", 1)[-1]
-        key = (api_key or secrets.token_urlsafe(32)) if use_api_key else None
+        key = (api_key or new_api_key()) if use_api_key else None
         record = job_record(settings.request, rendered, transport, key)
         if dry_run:
             return LaunchResult(record, rendered)
@@ -136,7 +145,7 @@ def _dry_run(settings: LaunchSettings, use_api_key: bool, api_key: str | None) -
     """``launch --dry-run`` without a runner: render as the job would run, connecting nowhere."""
     rendered = render(settings, None)
     transport = rendered.profile.ssh_host or ""
-    key = (api_key or secrets.token_urlsafe(32)) if use_api_key else None
+    key = (api_key or new_api_key()) if use_api_key else None
     return LaunchResult(job_record(settings.request, rendered, transport, key), rendered)
 
 

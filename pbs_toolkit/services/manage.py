@@ -11,7 +11,6 @@ replicas to the router, removes the ones that end, and with keep-alive launches 
 from __future__ import annotations
 
 import os
-import secrets
 import shlex
 import shutil
 from dataclasses import asdict, dataclass, field, replace
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import PbstkError, UsageError
+from pbs_toolkit.jobs.launch import new_api_key
 from pbs_toolkit.schedulers import runs_on_submit_host
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services import restarts
@@ -158,7 +158,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
                         transport=profile.ssh_host or "", scheduler=profile.scheduler, keep_alive=opts.keep_alive,
                         handover_s=opts.handover_s, walltime_s=walltime_s, policy=policy,
                         slots=[Slot(k) for k in range(opts.replicas)],
-                        api_key=opts.api_key or secrets.token_urlsafe(32), **extra)
+                        api_key=opts.api_key or new_api_key(), **extra)
     records.create(session.store, rec)  # refuses a second active service of that name
     try:
         _start_router(session, rec, profile, command, place)
