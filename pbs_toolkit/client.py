@@ -316,10 +316,12 @@ class Client(ServiceMethods, PerfMethods):
                  stream: str = "vllm", node: int | None = None) -> Iterator[str]:
         """The last ``lines`` lines exactly as the file holds them (line ends kept, in pieces: ``lines=10**6``
         never holds a second full copy of the text)."""
-        from pbs_toolkit.jobs.logs import tail_pieces
+        from pbs_toolkit.jobs.logs import check_log_request
+        from pbs_toolkit.jobs.nodes import job_log_text
 
-        record, path = self._log_path(job, lines, stream, node)
-        return tail_pieces(self.runner(record.transport), path, lines, f"job {record.job_id}")
+        check_log_request(lines, stream, node)
+        record = self.record(job)
+        return job_log_text(record, lambda: self.runner(record.transport), lines, stream, node)
 
     def _log_path(self, job: Job | JobRecord | str | None, lines: int, stream: str,
                   node: int | None = None) -> tuple[JobRecord, str]:

@@ -7,6 +7,12 @@ Runs against a fake job record in a temporary XDG state dir (no scheduler needed
 ``local`` scheduler's view of a job that is not final). Prints numbers; deletes the big file at the end.
 
     python scripts/bench_logs.py [--size-mb 1024] [--runs 5] [--many-lines 1000000] [--only-many-lines]
+    python scripts/bench_logs.py --many-lines 0 --runs 21 --pbstk /other/venv/bin/pbstk   # another install
+
+The CLI is timed as a user runs it: this environment's ``pbstk`` console script (``--pbstk``: another one, e.g.
+a checkout of an older commit in its own venv, for before/after numbers in one run on one machine), with
+``pbstk --help`` of the same install beside it for reference. ``--cpu``: also the CPU time (user + system) of
+each run, steadier than wall time on a loaded machine.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench_cli import pbstk_argv
+
 LINE = b"INFO 11-22 02:38:28 [loggers.py:123] Engine 000: Avg prompt throughput: 515.5 tokens/s, Avg generation " \
        b"throughput: 256.0 tokens/s, Running: 0 reqs, Waiting: 0 reqs, GPU KV cache usage: 1.6%\n"
 
@@ -34,15 +42,21 @@ def write_log(path: Path, size_mb: int) -> None:
         fh.write(b"the very last line\n")
 
 
-def child_rss_mb(argv: list[str], env: dict[str, str]) -> tuple[float, float, bytes]:
-    """(wall s, peak RSS MiB, stdout) of one child process, via wait4's rusage."""
+def child_run(argv: list[str], env: dict[str, str]) -> tuple[float, float, float, bytes]:
+    """(wall s, CPU s, peak RSS MiB, stdout) of one child process, via wait4's rusage."""
     start = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE)  # noqa: S603 - argument list
     out = proc.stdout.read() if proc.stdout else b""
     _, _, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     proc.returncode = 0
-    return wall, usage.ru_maxrss / 1024, out
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, out
+
+
+def child_rss_mb(argv: list[str], env: dict[str, str]) -> tuple[float, float, bytes]:
+    """(wall s, peak RSS MiB, stdout) of one child process."""
+    wall, _, peak, out = child_run(argv, env)
+    return wall, peak, out
 
 
 def bench_many_lines(root: Path, env: dict[str, str], job: str, log: Path, n: int) -> None:
@@ -62,7 +76,7 @@ def bench_many_lines(root: Path, env: dict[str, str], job: str, log: Path, n: in
         fh.write(LINE * (n % 10_000))
     print(f"wrote {n} lines ({log.stat().st_size / 1e6:.0f} MB) for -n {n}")
     # the CLI first: a forked child's peak RSS starts from this process's RSS at the fork
-    wall, peak, out = child_rss_mb([sys.executable, "-m", "pbs_toolkit.cli.main", "logs", job, "-n", str(n)], env)
+    wall, peak, out = child_rss_mb([*pbstk_argv(), "logs", job, "-n", str(n)], env)
     assert out.count(b"\n") == n, out[:100]
     print(f"pbstk logs -n {n}: {wall:.2f} s wall, peak RSS {peak:.0f} MiB (the output itself is "
           f"{len(out) / 2**20:.0f} MiB)")
@@ -89,12 +103,42 @@ def record_job(env: dict[str, str], run_dir: Path) -> str:
     return "999.bench"
 
 
+def bench_cli_start(pbstk: list[str], job: str, env: dict[str, str], log: Path, size_mb: int, runs: int) -> None:
+    """``pbstk logs JOB -n 100`` as a user runs it, the process's start included (the goal: 100 ms), beside
+    ``pbstk --help`` of the same install; then its peak RSS against a 1 MB log (it must not grow with the file)."""
+    cli = [*pbstk, "logs", job, "-n", "100"]
+    walls, cpus, rss, help_walls, help_cpus = [], [], [], [], []
+    for _ in range(runs):  # interleaved, so a change in the machine's load falls on both alike
+        wall, cpu, peak, out = child_run(cli, env)
+        assert out.count(b"\n") == 100, out[-200:]
+        walls.append(wall)
+        cpus.append(cpu)
+        rss.append(peak)
+        wall, cpu, _, _ = child_run([*pbstk, "--help"], env)
+        help_walls.append(wall)
+        help_cpus.append(cpu)
+    small = log.with_name("small.log")
+    write_log(small, 1)
+    big = log.with_name("big.log")
+    os.replace(log, big)
+    os.replace(small, log)
+    small_rss = [child_run(cli, env)[2] for _ in range(runs)]
+    big.unlink()  # free the space now
+    ms = lambda values: f"{statistics.median(values) * 1e3:.0f} ms"  # noqa: E731
+    print(f"{' '.join(cli[:-4])} logs JOB -n 100 on {size_mb} MB: median wall {ms(walls)} (min "
+          f"{min(walls) * 1e3:.0f} ms), CPU {ms(cpus)}; `--help` of the same install: wall {ms(help_walls)}, "
+          f"CPU {ms(help_cpus)} ({runs} runs each); peak RSS {max(rss):.1f} MiB vs {max(small_rss):.1f} MiB "
+          f"on a 1 MB log")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--many-lines", type=int, default=1_000_000, help="N for the -n N case (0: skip it)")
     parser.add_argument("--only-many-lines", action="store_true", help="run only the -n N case")
+    parser.add_argument("--pbstk", type=lambda text: [text], default=pbstk_argv(),
+                        help="the pbstk command to time (default: this environment's)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="pbstk-bench-logs-") as tmp:
@@ -104,92 +148,82 @@ def main() -> None:
         env = {**os.environ, "XDG_STATE_HOME": str(root / "state"), "XDG_CONFIG_HOME": str(root / "config"),
                "XDG_DATA_HOME": str(root / "data")}
         job = record_job(env, run_dir)
-        # the local scheduler's markers: a live pid makes the job RUNNING, so `logs -f` keeps following
+        # the local scheduler's markers: a live process group makes the job RUNNING, so `logs -f` keeps following
+        # (the pid marker names a group: this process leads none, a child in a session of its own does)
+        holder = subprocess.Popen(["sleep", "3600"], start_new_session=True)  # noqa: S603,S607
         (run_dir / ".local-job").mkdir()
-        (run_dir / ".local-job" / "pid").write_text(f"{os.getpid()}\n")
-        log = run_dir / "vllm.log"
-        small = root / "small.log"
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        if args.many_lines > 0:
-            bench_many_lines(root, env, job, log, args.many_lines)
-        if args.only_many_lines:
-            return
+        (run_dir / ".local-job" / "pid").write_text(f"{holder.pid}\n")
+        try:
+            bench_all(args, root, env, job, run_dir / "vllm.log")
+        finally:
+            holder.kill()
+            holder.wait()
 
-        begin = time.perf_counter()
-        write_log(log, args.size_mb)
-        print(f"wrote {log.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - begin:.1f} s")
 
-        # tail_bytes in this process: time and the RSS it adds
-        from pbs_toolkit.jobs.logs import tail_bytes
-        from pbs_toolkit.transports.local import LocalRunner
+def bench_all(args: argparse.Namespace, root: Path, env: dict[str, str], job: str, log: Path) -> None:
+    """Every measurement but the many-lines one, in order; ``log`` is the job's vLLM log."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if args.many_lines > 0:
+        bench_many_lines(root, env, job, log, args.many_lines)
+    if args.only_many_lines:
+        return
 
-        runner = LocalRunner()
-        times = []
-        for _ in range(args.runs):
-            t0 = time.perf_counter()
-            data, _ = tail_bytes(runner, str(log), 100)
-            times.append(time.perf_counter() - t0)
-        assert data.count(b"\n") == 100 and data.endswith(b"the very last line\n")
-        print(f"tail_bytes(n=100) on {args.size_mb} MB: median {statistics.median(times) * 1e3:.2f} ms "
-              f"(max {max(times) * 1e3:.2f} ms)")
+    begin = time.perf_counter()
+    write_log(log, args.size_mb)
+    print(f"wrote {log.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - begin:.1f} s")
 
-        # the CLI as a user runs it: process start included
-        cli = [sys.executable, "-m", "pbs_toolkit.cli.main", "logs", job, "-n", "100"]
-        walls, rss = [], []
-        for _ in range(args.runs):
-            wall, peak, out = child_rss_mb(cli, env)
-            assert out.count(b"\n") == 100, out[-200:]
-            walls.append(wall)
-            rss.append(peak)
-        write_log(small, 1)
-        small_rss = []
-        os.replace(log, root / "big.log")
-        os.replace(small, log)
-        for _ in range(args.runs):
-            _, peak, _ = child_rss_mb(cli, env)
-            small_rss.append(peak)
-        startup = []
-        for _ in range(args.runs):  # the interpreter + click start alone, for reference
-            wall, _, _ = child_rss_mb([sys.executable, "-m", "pbs_toolkit.cli.main", "--version"], env)
-            startup.append(wall)
-        print(f"pbstk logs -n 100 on {args.size_mb} MB: median wall {statistics.median(walls) * 1e3:.0f} ms "
-              f"(process start alone {statistics.median(startup) * 1e3:.0f} ms, so reading ~"
-              f"{(statistics.median(walls) - statistics.median(startup)) * 1e3:.0f} ms); "
-              f"peak RSS {max(rss):.1f} MiB vs {max(small_rss):.1f} MiB on a 1 MB log")
-        (root / "big.log").unlink()  # free the space now
+    # tail_bytes in this process: time and the RSS it adds
+    from pbs_toolkit.jobs.logs import tail_bytes
+    from pbs_toolkit.transports.local import LocalRunner
 
-        # -f latency: append a line, time until the follower prints it
-        follower = subprocess.Popen(  # noqa: S603
-            [sys.executable, "-m", "pbs_toolkit.cli.main", "logs", job, "-f", "-n", "0"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
-        )
-        seen: dict[str, float] = {}
+    runner = LocalRunner()
+    times = []
+    for _ in range(args.runs):
+        t0 = time.perf_counter()
+        data, _ = tail_bytes(runner, str(log), 100)
+        times.append(time.perf_counter() - t0)
+    assert data.count(b"\n") == 100 and data.endswith(b"the very last line\n")
+    print(f"tail_bytes(n=100) on {args.size_mb} MB: median {statistics.median(times) * 1e3:.2f} ms "
+          f"(max {max(times) * 1e3:.2f} ms)")
+
+    bench_cli_start(args.pbstk, job, env, log, args.size_mb, args.runs)
+
+    bench_follow(job, env, log, args.runs)
+
+
+def bench_follow(job: str, env: dict[str, str], log: Path, runs: int) -> None:
+    """``pbstk logs -f``: append a line, time until the follower prints it (target 0.5 s)."""
+    follower = subprocess.Popen(  # noqa: S603
+        [sys.executable, "-m", "pbs_toolkit.cli.main", "logs", job, "-f", "-n", "0"],
+        env=env, stdout=subprocess.PIPE, bufsize=0,
+    )
+    seen: dict[str, float] = {}
+    assert follower.stdout is not None
+
+    def reader() -> None:
         assert follower.stdout is not None
+        for raw in iter(follower.stdout.readline, b""):
+            seen.setdefault(raw.decode().strip(), time.perf_counter())
 
-        def reader() -> None:
-            assert follower.stdout is not None
-            for raw in iter(follower.stdout.readline, b""):
-                seen.setdefault(raw.decode().strip(), time.perf_counter())
-
-        threading.Thread(target=reader, daemon=True).start()
-        time.sleep(1.5)  # let it start and print the (empty) tail
-        lags = []
-        for i in range(args.runs * 2):
-            text = f"bench line {i}"
-            t0 = time.perf_counter()
-            with open(log, "ab") as fh:
-                fh.write(text.encode() + b"\n")
-            deadline = t0 + 5
-            while text not in seen and time.perf_counter() < deadline:
-                time.sleep(0.002)
-            lags.append(seen.get(text, float("inf")) - t0)
-            time.sleep(0.137)  # not in step with the poll interval
-        follower.terminate()
-        follower.wait()
-        print(f"pbstk logs -f: new line shown after median {statistics.median(lags) * 1e3:.0f} ms, "
-              f"max {max(lags) * 1e3:.0f} ms (target 500 ms)")
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        print(f"(bench process peak RSS {usage.ru_maxrss / 1024:.0f} MiB)")
+    threading.Thread(target=reader, daemon=True).start()
+    time.sleep(1.5)  # let it start and print the (empty) tail
+    lags = []
+    for i in range(runs * 2):
+        text = f"bench line {i}"
+        t0 = time.perf_counter()
+        with open(log, "ab") as fh:
+            fh.write(text.encode() + b"\n")
+        deadline = t0 + 5
+        while text not in seen and time.perf_counter() < deadline:
+            time.sleep(0.002)
+        lags.append(seen.get(text, float("inf")) - t0)
+        time.sleep(0.137)  # not in step with the poll interval
+    follower.terminate()
+    follower.wait()
+    print(f"pbstk logs -f: new line shown after median {statistics.median(lags) * 1e3:.0f} ms, "
+          f"max {max(lags) * 1e3:.0f} ms (target 500 ms)")
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    print(f"(bench process peak RSS {usage.ru_maxrss / 1024:.0f} MiB)")
 
 
 if __name__ == "__main__":

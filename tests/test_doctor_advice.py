@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import MODEL, pbstk
 
+from pbs_toolkit.jobs.status_types import ServerState
 from pbs_toolkit.perf.doctor import DoctorContext, diagnose
 
 EAGER_RESTART = "pbstk: vLLM failed before it was ready with a graph/compile error (exit 1); restarting once with " \
@@ -33,7 +34,7 @@ def test_eager_fallback_is_named_with_its_cause_not_as_a_flag_to_remove() -> Non
     log = ["INFO starting", COMPILE_FAILED, EAGER_RESTART, "pbstk: attempt 2: starting vLLM on n:8000: vllm serve",
            "WARNING [cuda.py:1] Cudagraph is disabled under eager mode"]
     found = {f.code: f for f in diagnose(DoctorContext(vllm_args=["--enforce-eager"], log_lines=log,
-                                                       eager_fallback=True, state="READY"))}
+                                                       eager_fallback=True, state=ServerState.READY))}
     assert set(found) == {"eager-fallback"}
     assert COMPILE_FAILED in found["eager-fallback"].evidence
     assert "Remove --enforce-eager" not in found["eager-fallback"].fix
@@ -41,8 +42,8 @@ def test_eager_fallback_is_named_with_its_cause_not_as_a_flag_to_remove() -> Non
 
 def test_ready_job_has_no_server_failed_finding() -> None:
     log = [COMPILE_FAILED, "RuntimeError: Engine core initialization failed. See root cause above."]
-    assert "server-failed" in _codes(DoctorContext(log_lines=log, state="FAILED"))
-    assert "server-failed" not in _codes(DoctorContext(log_lines=log, state="READY"))
+    assert "server-failed" in _codes(DoctorContext(log_lines=log, state=ServerState.FAILED))
+    assert "server-failed" not in _codes(DoctorContext(log_lines=log, state=ServerState.READY))
 
 
 def _doctor(job: str) -> dict[str, object]:

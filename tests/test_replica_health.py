@@ -224,13 +224,14 @@ def test_the_autoscaler_reads_the_requests_the_real_router_failed(isolated_user:
                             router=info.to_dict(), scale={"spec": {}})
         with Client(on_removal=lambda r: None) as client:
             session = client.service_session()
-            assert scaler.router_refused(session, rec) is None  # the first look only sets the mark
+            # what the scaler's tick does: one look at the router's Prometheus port, then the count since the last
+            assert scaler.refused_since(rec, scaler.router_look(session, rec)) is None  # the first only sets the mark
             for _ in range(2):
                 answer = requests.post(f"{info.url}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
                 assert answer.status_code == 503
-            refused = scaler.router_refused(session, rec)
+            refused = scaler.refused_since(rec, scaler.router_look(session, rec))
             assert refused is not None and refused >= 2, (refused, rec.scale)
-            assert scaler.router_refused(session, rec) == 0  # nothing failed since
+            assert scaler.refused_since(rec, scaler.router_look(session, rec)) == 0  # nothing failed since
     finally:
         router.stop_router(runner, info, timeout=3)
         worker.shutdown()

@@ -35,6 +35,7 @@ from pbs_toolkit.services.router import (
     start_router,
     stop_router,
 )
+from pbs_toolkit.services.router_script import ROUTER_RETRIES
 from pbs_toolkit.transports.local import LocalRunner
 
 ROUTER = Path(sys.executable).parent / "vllm-router"
@@ -462,3 +463,25 @@ def test_every_policy_a_profile_may_name_starts_without_workers_and_routes(local
     with ThreadPoolExecutor(len(ROUTER_POLICIES)) as pool:
         answers = dict(zip(ROUTER_POLICIES, pool.map(check, ROUTER_POLICIES)))
     assert answers == {policy: 200 for policy in ROUTER_POLICIES}
+
+
+def test_a_dead_worker_costs_no_request_under_power_of_two(local_router: Any, workers: list[Worker],
+                                                           tmp_path: Path) -> None:
+    """A replica that died stays in the router until the keeper's next look. power_of_two, with two workers
+    equally idle, picks either, and a retry may pick the dead one again: its circuit must open within a request's
+    retries, so that no request fails for it. Before, the circuit opened after 10 failures and a request's 5
+    retries could all land there (tests/test_service_heal.py's kill test: 1 request of ~1,400 got a 500)."""
+    workers.extend([Worker(), Worker()])
+    info = local_router(policy="power_of_two")
+    with open_admin(LocalRunner(), info) as admin:
+        for worker in workers:
+            admin.add_worker(worker.url)
+    workers[1].kill()
+    codes: Counter[str] = Counter()
+    with requests.Session() as session:
+        for _ in range(60):  # one client: each request's attempts are its own, one after another
+            codes[str(session.post(f"{info.url}/v1/chat/completions", json=CHAT, timeout=30).status_code)] += 1
+    log = (tmp_path / "router" / "router.log").read_text()
+    tried_dead = log.count(f"Failed to send typed request worker_url={workers[1].url}")
+    assert codes == {"200": 60}, (codes, tried_dead)
+    assert 0 < tried_dead <= ROUTER_RETRIES, tried_dead  # its circuit opened within one request's retries

@@ -51,7 +51,8 @@ def test_a_killed_replica_of_a_fixed_service_is_replaced_and_no_request_fails(sv
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
 
-    with Load(send, threads=2, limit_s=150) as load:
+    # the load outlasts every wait below (30 + 60 + 60 + 30 s): stopped early, it would fail the last one
+    with Load(send, threads=2, limit_s=240) as load:
         wait_for(lambda: load.ok >= 20, 30, "steady load")
         os.kill(int(str(server_of(victim)["pid"])), signal.SIGKILL)
         slot = wait_for(lambda: (s := records.find(JobStore(), "heal").slots[0]).current != victim and s, 60,

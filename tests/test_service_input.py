@@ -3,6 +3,7 @@ store's schema 4 migration, and the local scheduler's ``begin_at`` / ``after`` w
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import sys
 import time
@@ -15,7 +16,7 @@ from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.schedulers import JobRef, Outcome, SchedState
 from pbs_toolkit.schedulers.local import LocalScheduler
 from pbs_toolkit.services.record import ServiceRecord, Slot
-from pbs_toolkit.services.state import ready_count, service_state
+from pbs_toolkit.services.state import ServiceState, service_state
 from pbs_toolkit.transports import LocalRunner
 
 ROUTER = Path(sys.executable).parent / "vllm-router"
@@ -90,16 +91,13 @@ def rec(replicas: int = 3, ever: bool = False) -> ServiceRecord:
 
 def test_service_states() -> None:
     r = rec()
-    states = {"0.x": "READY", "1.x": "STARTING", "2.x": "READY"}
-    assert ready_count(r.slots, states) == 2
-    assert service_state(r, 0) == "STARTING" and service_state(r, 2) == "STARTING"
-    assert service_state(r, 3) == "READY"
+    assert service_state(r, 0) is ServiceState.STARTING and service_state(r, 2) is ServiceState.STARTING
+    assert service_state(r, 3) is ServiceState.READY
     r.ever_ready = True
-    assert service_state(r, 2) == "DEGRADED" and service_state(r, 0) == "DOWN"
-    r.slots[1].successor = "9.x"  # a successor READY while its predecessor is not: the slot serves
-    assert ready_count(r.slots, {**states, "9.x": "READY"}) == 3
-    r.ended, r.state = time.time(), "CANCELLED"
-    assert service_state(r, 0) == "CANCELLED"
+    assert service_state(r, 2) is ServiceState.DEGRADED and service_state(r, 0) is ServiceState.DOWN
+    r.ended, r.state = time.time(), "CANCELLED"  # as the record keeps it: a plain string
+    assert service_state(r, 0) is ServiceState.CANCELLED
+    assert f"{service_state(r, 0)} 0/3" == "CANCELLED 0/3" and json.dumps(service_state(r, 0)) == '"CANCELLED"'
 
 
 def test_schema_3_store_gains_the_services_table_and_keeps_its_jobs(isolated_user: Path) -> None:
@@ -273,4 +271,8 @@ def test_ready_counts_replicas_the_router_routes_and_a_normal_start_is_starting(
     assert service_state(r, 1, still_starting(r.slots, statuses, one)) == "DEGRADED"
     both = [*one, "http://127.0.0.1:8002"]
     statuses["1.x"] = st("1.x", "READY", 8002)
-    assert routable_count(r.slots, statuses, both) == 2 and service_state(r, 2, False) == "READY"
+    assert routable_count(r.slots, statuses, both) == 2 and service_state(r, 2, False) is ServiceState.READY
+    # a successor routable while its predecessor is not: the slot serves
+    r.slots[1].successor = "9.x"
+    statuses.update({"1.x": st("1.x", "FAILED", 8002), "9.x": st("9.x", "READY", 8003)})
+    assert routable_count(r.slots, statuses, [*both, "http://127.0.0.1:8003"]) == 2

@@ -132,14 +132,15 @@ def test_status_json_has_the_startup_breakdown(standins: Path, monkeypatch: pyte
 
 def test_pending_jobs_count_their_queue_time(tmp_path: Path) -> None:
     from pbs_toolkit.jobs.startup_phases import job_startup
+    from pbs_toolkit.jobs.status_types import ServerState
 
     class Record:
         created = time.time() - 42
         extra: dict[str, Any] = {}
 
-    got = job_startup(Record(), "PENDING", None, [])
+    got = job_startup(Record(), ServerState.PENDING, None, [])
     assert got is not None and got["current"] == "queued" and 41 <= got["current_s"] <= 44
-    assert job_startup(Record(), "STARTING", None, []) is None  # a script without a timeline: nothing to tell
+    assert job_startup(Record(), ServerState.STARTING, None, []) is None  # a script without a timeline: nothing to tell
     assert json.dumps(got)  # JSON-ready
 
 

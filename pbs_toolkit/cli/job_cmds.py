@@ -103,6 +103,7 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
     from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
     from pbs_toolkit.jobs.startup_phases import startup_text
+    from pbs_toolkit.jobs.status_types import ServerState
 
     with Client() as c:
         both = service_cmds.status_services(c, jobs, show_all, as_json)  # services above jobs, one query
@@ -119,10 +120,11 @@ def status(jobs: tuple[str, ...], show_all: bool, as_json: bool) -> None:
         return
     rows = []
     for s in results:
-        detail = s.phase if s.state.value == "STARTING" else (s.comment if s.state.value == "PENDING" else s.reason)
-        if s.state.value == "STARTING" and (took := startup_text(s.startup)):  # docs/coldstart.md
+        detail = (s.phase if s.state is ServerState.STARTING
+                  else s.comment if s.state is ServerState.PENDING else s.reason)
+        if s.state is ServerState.STARTING and (took := startup_text(s.startup)):  # docs/coldstart.md
             detail = f"{detail} ({took})" if detail else took
-        if s.state.value == "READY" and s.nodes_text:  # READY 2/2 nodes
+        if s.state is ServerState.READY and s.nodes_text:  # READY 2/2 nodes
             detail = f"{s.nodes_text}; {detail}" if detail else s.nodes_text
         uptime, left = time_cells(s)
         if s.walltime_ending:

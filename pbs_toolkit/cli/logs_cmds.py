@@ -25,12 +25,15 @@ def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | Non
     """The realtime vLLM log of JOB (default: the newest job), locally or over SSH.
 
     JOB may name a service (`pbstk serve`): its router's log, or with --replica K that replica's."""
-    from pbs_toolkit.cli import service_cmds
-    from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
 
     if lines < 0:
         raise UsageError("-n must not be negative")
+    if not follow and replica is None and _print_local_job_log(job, lines, stream, node):
+        return
+    from pbs_toolkit.cli import service_cmds
+    from pbs_toolkit.client import Client
+
     notice = lambda m: click.echo(f"pbstk: {m}", err=True)  # noqa: E731
     with Client() as c:
         svc = service_cmds.named_service(c, job, replica)  # docs/services.md
@@ -44,5 +47,21 @@ def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | Non
                      if svc else c.logs(job, lines, follow=True, stream=stream, node=node, notice=notice)):
             click.echo(line)
 
+
+def _print_local_job_log(job: str | None, lines: int, stream: str, node: int | None) -> bool:
+    """``logs -n`` of a job on this machine that JOB names by id or name (or the newest job), without the
+    client and the service code: half of the command's start (scripts/bench_logs.py). ``False``: anything
+    else (an id prefix or a service's name, a run directory, a job over SSH), for the client to answer."""
+    from pbs_toolkit.jobs.nodes import job_log_text
+    from pbs_toolkit.jobs.store import JobStore
+    from pbs_toolkit.transports.local import LocalRunner
+
+    record = None if job and "/" in job else JobStore().job_named(job)
+    if record is None or record.transport:
+        return False
+    runner = LocalRunner()
+    for piece in job_log_text(record, lambda: runner, lines, stream, node):
+        click.echo(piece, nl=False)
+    return True
 
 COMMANDS = [logs]

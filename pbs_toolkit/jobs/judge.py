@@ -301,9 +301,9 @@ def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, an
         where = f"{view.marker.get('address') or '127.0.0.1'}:{view.marker['port']}"
         if record.extra.get(VERIFIED_KEY) != where:
             keep[VERIFIED_KEY] = where
-    st.startup = job_startup(record, st.state.value, view.startup_log, current_attempt(view.lines),
+    st.startup = job_startup(record, st.state, view.startup_log, current_attempt(view.lines),
                              eager=record.spec.eager or st.eager_fallback)
-    if freeze := to_freeze(st.state.value, st.startup, record):
+    if freeze := to_freeze(st.state, st.startup, record):
         keep.update(freeze)
     if view.problem:
         st.reason = f"{st.reason} ({view.problem})" if st.reason else view.problem

@@ -4,14 +4,19 @@ store's intents and the service keeper carry one)."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
+
+
+def _host() -> str:
+    """This machine's name: ``_host()`` is this same uname field, and the socket module is not
+    loaded by every command that opens the job store (`pbstk logs -n`)."""
+    return os.uname().nodename
 
 
 def launcher_token(pid: int | None = None) -> str:
     """``host:pid:starttime`` of a process: tells a live launcher from a dead one whose pid was reused."""
     pid = os.getpid() if pid is None else pid
-    return f"{socket.gethostname()}:{pid}:{_start_time(pid)}"
+    return f"{_host()}:{pid}:{_start_time(pid)}"
 
 
 def _start_time(pid: int) -> str:
@@ -25,7 +30,7 @@ def launcher_alive(token: str) -> bool:
     """Whether the process that wrote an intent still runs (unknowable for another host: assume so)."""
     host, _, rest = token.partition(":")
     pid_text, _, start = rest.partition(":")
-    if host != socket.gethostname():
+    if host != _host():
         return True
     try:
         pid = int(pid_text)

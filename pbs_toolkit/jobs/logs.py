@@ -5,9 +5,12 @@ from __future__ import annotations
 import codecs
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.transports.base import OpenFile, Runner
+
+if TYPE_CHECKING:  # only named: a runner is handed in, and `pbstk logs` must not import every transport
+    from pbs_toolkit.transports.base import OpenFile, Runner
 
 _CHUNK = 64 * 1024
 #: backwards reads grow to this size for a large N, so a million lines over SFTP is not 3000 round trips

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.jobs.logs import tail_lines
-from pbs_toolkit.transports import Runner
+from pbs_toolkit.jobs.logs import check_log_request, stream_path, tail_lines, tail_pieces
+
+if TYPE_CHECKING:  # handed in: importing the transports here would load them for `pbstk logs` before it asks
+    from pbs_toolkit.jobs.records import JobRecord
+    from pbs_toolkit.transports import Runner
 
 NODES_DIR = "nodes"
 #: phases in which a node counts as up (a headless worker has no port of its own to prove it)
@@ -244,8 +247,15 @@ def node_log_path(runner: Runner, run_dir: str, job_id: str, rank: int) -> str:
 def job_log_path(runner: Callable[[], Runner], run_dir: str, scheduler: str, job_id: str, stream: str,
                  node: int | None = None) -> str:
     """The file of a job's ``stream``; ``node``: that node's vLLM log (found through ``runner()``)."""
-    from pbs_toolkit.jobs.logs import stream_path
-
     if node is not None:
         return node_log_path(runner(), run_dir, job_id, node)
     return stream_path(run_dir, scheduler, stream)
+
+
+def job_log_text(record: JobRecord, runner: Callable[[], Runner], lines: int, stream: str = "vllm",
+                 node: int | None = None) -> Iterator[str]:
+    """The last ``lines`` of the job's ``stream`` (``node``: that node's vLLM log) exactly as the file holds
+    them, in pieces, read from the end of the file (``Client.log_text``, ``pbstk logs -n``)."""
+    check_log_request(lines, stream, node)
+    path = job_log_path(runner, record.run_dir, record.scheduler, record.job_id, stream, node)
+    return tail_pieces(runner(), path, lines, f"job {record.job_id}")

@@ -245,7 +245,7 @@ def wait_until_ready(
 def require_ready(st: JobStatus, hint: str) -> JobStatus:
     """``st`` when READY; else ``ServerFailed`` saying why, ending in ``hint`` (how to wait, in the caller's words)
     for a job that has not ended (waiting helps only that one)."""
-    if st.state.value != "READY":
+    if st.state is not ServerState.READY:
         advice = "it has ended: `pbstk launch` a new one" if st.state.final else hint
         raise ServerFailed(f"job {st.record.job_id} is {st.state.value}, not READY"
                            f"{': ' + st.reason if st.reason else ''} ({advice})")

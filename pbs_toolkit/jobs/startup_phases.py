@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pbs_toolkit.jobs.status_types import ServerState
 from pbs_toolkit.vllm.logline import split_log_line
 
 #: the phases in start-up order (keys of ``startup["phases"]``)
@@ -209,9 +210,9 @@ def ready_seconds(startup: dict[str, Any] | None) -> float | None:
     return round(sum(values), 1) if values else None
 
 
-def job_startup(record: Any, state: str, text: str | None, attempt_lines: Sequence[str], *, eager: bool = False,
+def job_startup(record: Any, state: ServerState, text: str | None, attempt_lines: Sequence[str], *, eager: bool = False,
                 now: float | None = None) -> dict[str, Any] | None:
-    """The breakdown ``status`` shows for a job in ``state`` (a ``ServerState`` value): frozen in the record once
+    """The breakdown ``status`` shows for a job in ``state``: frozen in the record once
     READY was verified, live while PENDING or STARTING, ``None`` when nothing tells (a script without marks).
 
     ``text``: ``startup.log`` (``None`` when absent); ``attempt_lines``: the live log's current attempt."""
@@ -219,22 +220,23 @@ def job_startup(record: Any, state: str, text: str | None, attempt_lines: Sequen
     if isinstance(frozen, dict):
         return frozen
     now = time.time() if now is None else now
-    if state == "PENDING":
+    if state is ServerState.PENDING:
         return breakdown(record.created, Timeline(), now=now, pending=True)
-    if text is None or state not in ("STARTING", "READY"):
+    if text is None or state not in (ServerState.STARTING, ServerState.READY):
         return None
     tl = parse_timeline(text)
     if "job" not in tl.marks:
         return None
     verified_at = None
-    if state == "READY":
+    if state is ServerState.READY:
         verified_at = float(record.extra.get(READY_AT_KEY) or now)
         tl.marks.setdefault("api", verified_at)  # the script notices the port up to a second after pbstk
     return breakdown(record.created, tl, attempt_lines, verified_at=verified_at, now=now, eager=eager)
 
 
-def to_freeze(state: str, startup: dict[str, Any] | None, record: Any) -> dict[str, Any]:
+def to_freeze(state: ServerState, startup: dict[str, Any] | None, record: Any) -> dict[str, Any]:
     """The record.extra values to save now: the breakdown of a job just verified READY (once)."""
-    if state != "READY" or not startup or startup.get("current") is not None or STARTUP_KEY in record.extra:
+    if (state is not ServerState.READY or not startup or startup.get("current") is not None
+            or STARTUP_KEY in record.extra):
         return {}
     return {STARTUP_KEY: startup, READY_AT_KEY: record.extra.get(READY_AT_KEY) or time.time()}

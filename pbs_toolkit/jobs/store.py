@@ -274,6 +274,17 @@ class JobStore:
             raise JobNotFound("no jobs launched yet: start one with `pbstk launch MODEL`")
         return records[0] if ref is None else find_in(records, ref)
 
+    def job_named(self, ref: str | None) -> JobRecord | None:
+        """The job ``ref`` names by its full id or its name (``None``: the newest job), else ``None``: an id
+        prefix may be a service's name, and a service's name is a job's only when no job has it
+        (services/record.py ``unless_a_job``)."""
+        records = self.all()
+        if ref is None:
+            return records[0] if records else None
+        if not any(r.job_id == ref or r.name == ref for r in records):
+            return None
+        return find_in(records, ref)
+
     def remove(self, record: JobRecord) -> None:
         """Forget the job and its records of registry entries (not the entries); its usage moves to the ledger."""
         with self._connect() as conn:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pbs_toolkit.jobs.status_types import ServerState
 from pbs_toolkit.settings.vllm_flags import REMOVED_ENV, REMOVED_FLAGS, version_tuple
 from pbs_toolkit.settings.vllm_overrides import int_flag
 from pbs_toolkit.vllm.engine_log import EngineStats
@@ -48,7 +49,7 @@ class DoctorContext:
     #: pbstk's start script restarted vLLM with --enforce-eager after a graph/compile failure
     eager_fallback: bool = False
     #: the job's state (``READY``: the server answers, so earlier attempts' fatal lines are history)
-    state: str = ""
+    state: ServerState | None = None
     #: ``status --json``'s start-up breakdown (jobs/startup_phases.py), when known
     startup: dict[str, Any] | None = None
 
@@ -383,7 +384,7 @@ _FATAL_FIXES = (
 
 
 def rule_fatal(ctx: DoctorContext) -> list[Finding]:
-    if ctx.state == "READY":
+    if ctx.state is ServerState.READY:
         return []  # it answers: a fatal line is from an attempt before a restart (eager fallback), not now
     fatal = find_fatal(ctx.log_lines)
     if fatal is None:

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pbs_toolkit.jobs.status_types import ServerState
+
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.status import JobStatus
     from pbs_toolkit.perf.benchjob import LevelResult
@@ -126,7 +128,7 @@ def diagnose(runner: Runner, st: JobStatus) -> Diagnosis:
     from pbs_toolkit.perf.recommend import recommend
     from pbs_toolkit.perf.scrape import doctor_context, scrape
 
-    ctx = doctor_context(runner, st, scrape(runner, st) if st.state.value == "READY" else None)
+    ctx = doctor_context(runner, st, scrape(runner, st) if st.state is ServerState.READY else None)
     advice = recommend(st.record, ctx)
     return Diagnosis(st.record.job_id, st.state.value, findings(ctx), *(
         (advice.preset, advice.why, advice.launch) if advice else ()))

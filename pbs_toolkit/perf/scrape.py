@@ -67,7 +67,7 @@ def doctor_context(runner: Runner, st: JobStatus, snapshot: MetricsSnapshot | No
         vllm_cache_root_shared=bool(spec.vllm_cache_root),
         device="cpu" if spec.layout == "cpu" else "gpu",
         eager_fallback=st.eager_fallback and not spec.eager,
-        state=st.state.value,
+        state=st.state,
         startup=st.startup,
     )
 

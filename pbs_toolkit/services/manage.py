@@ -24,7 +24,6 @@ from pbs_toolkit.services import record as records
 from pbs_toolkit.services import restarts
 from pbs_toolkit.services.keeper_process import service_dir, spawn_keeper
 from pbs_toolkit.services.record import ServiceRecord, Slot
-from pbs_toolkit.services.state import serving_job
 
 if TYPE_CHECKING:
     from pbs_toolkit.services.session import ServiceSession
@@ -327,4 +326,4 @@ def _local_gpus() -> list[str]:
     return [str(i) for i in range(sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")))]
 
 
-__all__ = ["ServeOptions", "serving_job", "start"]
+__all__ = ["ServeOptions", "start"]

@@ -256,6 +256,6 @@ def unless_a_job(store: JobStore, ref: str | None) -> ServiceRecord | None:
     if not ref:
         return None
     found = load(store, ref)
-    if found is None or any(r.job_id == ref or r.name == ref for r in store.all()):
+    if found is None or store.job_named(ref) is not None:
         return None
     return found

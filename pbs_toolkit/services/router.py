@@ -34,7 +34,9 @@ docs/services.md "## The router"):
 * **No workers**: chat requests get ``503 No available workers (all circuits open or unhealthy)``.
 * **A worker killed under load**: requests that fail to reach it (connection refused or reset, also a
   non-streaming request in flight when it died) are retried on another worker (``--retry-max-retries`` 5,
-  backoff 50 ms x1.5); after 10 failures its circuit breaker opens and it gets no traffic for 60 s, then one probe.
+  backoff 50 ms x1.5); after 5 failures its circuit breaker opens and it gets no traffic for 60 s, then one probe
+  (vllm-router's default is 10: a request's 6 attempts could all pick a dead worker; pbstk sets 5,
+  ``router_script.py`` ``DEFAULT_ARGS``).
   Measured: 3 workers, 8 clients, one worker SIGKILLed, 4907 requests, 0 failed with the router's defaults
   (tests/test_router.py keeps that measurement). A streaming response already under way is not retried: when its
   worker dies the stream just ends (HTTP 200, no ``data: [DONE]``), so streaming clients should check for a

@@ -36,8 +36,16 @@ START_WAIT_S = 60
 STOP_WAIT_S = 20
 #: what ``start_router.sh`` puts into the router's command line once it has chosen them on its host
 PORT_SLOT, PROM_PORT_SLOT, PYTHON_SLOT = "@PORT@", "@PROM_PORT@", "@PYTHON@"
-#: added before ``extra_args`` (argparse: a later repeat of an option wins, so callers can override each)
+#: retries of a request that failed to reach its worker (vllm-router's own default, written out for the next line)
+ROUTER_RETRIES = 5
+#: added before ``extra_args`` (argparse: a later repeat of an option wins, so callers can override each).
+#: ``--cb-failure-threshold`` at most the retries: a dead worker's circuit opens within one request's retries,
+#: so its next attempt goes to a live worker. vllm-router's default, 10, let a request's 6 attempts all land on
+#: a replica killed a moment before (power_of_two between two idle workers picks either: a 500 for the client,
+#: tests/test_router.py); the keeper takes such a replica out only at its next look.
 DEFAULT_ARGS: tuple[str, ...] = (
+    "--retry-max-retries", str(ROUTER_RETRIES),
+    "--cb-failure-threshold", str(ROUTER_RETRIES),
     "--health-check-interval-secs", "5",
     "--worker-startup-timeout-secs", "20",
     "--worker-startup-check-interval", "1",

@@ -47,11 +47,6 @@ def active(rec: ServiceRecord) -> list[Slot]:
     return [s for s in rec.slots if not s.retiring]
 
 
-def serving(slot: Slot, statuses: Mapping[str, JobStatus], in_router: set[str]) -> JobStatus | None:
-    """The slot's routable job (services/health.py: in the router, not ended; a busy one too)."""
-    return health.serving_job(slot, statuses, in_router)
-
-
 def snapshots(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
               in_router: set[str]) -> dict[str, MetricsSnapshot]:
     """One ``/metrics`` scrape of every routable replica (job id -> snapshot); a replica that does not answer is
@@ -60,7 +55,7 @@ def snapshots(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str
 
     out = {}
     for slot in active(rec):
-        st = serving(slot, statuses, in_router)
+        st = health.serving_job(slot, statuses, in_router)
         if st is None:
             continue
         try:
@@ -103,11 +98,6 @@ def refused_since(rec: ServiceRecord, snap: RouterSnapshot | None) -> float | No
     return total - float(before)
 
 
-def router_refused(session: ServiceSession, rec: ServiceRecord) -> float | None:
-    """The requests the router failed since the last tick (one look at its Prometheus port)."""
-    return refused_since(rec, router_look(session, rec))
-
-
 def idle_end(rec: ServiceRecord, snaps: Mapping[str, MetricsSnapshot], routable: int, now: float) -> str | None:
     """``--idle-cancel`` of a service: the reason to end it now, or ``None``. Idle means: every replica in the
     router answered, none runs or has waiting requests, and no replica's success counter moved since the last
@@ -134,7 +124,7 @@ def observation(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router
     the policy's count. ``in_flight``: the requests open at the router (what clients wait for), set against what
     the replicas hold."""
     slots = active(rec)
-    starting = sum(1 for s in slots if serving(s, statuses, in_router) is None)
+    starting = sum(1 for s in slots if health.serving_job(s, statuses, in_router) is None)
     answered = [s for s in snaps.values() if s.waiting is not None or s.running is not None]
     return autoscale.Observation(
         now=now, target=len(slots), starting=starting,
@@ -159,7 +149,7 @@ def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, Job
         return None
     now = time.time()
     snaps = snapshots(session, rec, statuses, in_router)
-    routable = sum(1 for s in active(rec) if serving(s, statuses, in_router) is not None)
+    routable = health.routable_count(active(rec), statuses, in_router)
     why = idle_end(rec, snaps, routable, now)
     if why or not rec.scale:
         return why
@@ -198,8 +188,8 @@ def shrink(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router: set
     one that answers its probes; one that is merely busy or slow (services/health.py ``slow``) only when every
     routable one is."""
     slots = active(rec)
-    waiting = [s for s in slots if serving(s, statuses, in_router) is None]
-    brisk = [s for s in slots if not health.slow(serving(s, statuses, in_router), in_router)]
+    waiting = [s for s in slots if health.serving_job(s, statuses, in_router) is None]
+    brisk = [s for s in slots if not health.slow(health.serving_job(s, statuses, in_router), in_router)]
     slot = max(waiting or brisk or slots, key=lambda s: s.index)
     slot.retiring = True
     rec.replicas = len(active(rec))

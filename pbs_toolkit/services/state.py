@@ -11,32 +11,43 @@ finished).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import enum
 
-from pbs_toolkit.services.record import ServiceRecord, Slot
-
-
-def serving_job(slot: Slot, states: Mapping[str, str]) -> str | None:
-    """The slot's job that serves (READY) now: the current one, else its successor, else ``None``."""
-    for job in (slot.current, slot.successor):
-        if job and states.get(job) == "READY":
-            return job
-    return None
+from pbs_toolkit.services.record import ServiceRecord
 
 
-def ready_count(slots: Sequence[Slot], states: Mapping[str, str]) -> int:
-    return sum(1 for slot in slots if serving_job(slot, states))
+class ServiceState(str, enum.Enum):
+    """A service's state. A ``str``: the record keeps it and ``--json`` prints it as the word itself, and a
+    state read back from the record (a plain string) compares equal to its member."""
+
+    STARTING = "STARTING"
+    READY = "READY"
+    DEGRADED = "DEGRADED"
+    DOWN = "DOWN"
+    STOPPING = "STOPPING"
+    CANCELLED = "CANCELLED"
+    ENDED = "ENDED"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return self.value.__format__(spec)
 
 
-def service_state(record: ServiceRecord, ready: int, starting: bool = True) -> str:
+#: the states a service keeps once its end is recorded
+_END_STATES = (ServiceState.CANCELLED, ServiceState.ENDED, ServiceState.STOPPING)
+
+
+def service_state(record: ServiceRecord, ready: int, starting: bool = True) -> ServiceState:
     """The word for ``ready`` of ``record.replicas`` routable replicas, given whether the service was ever READY
     N/N (``record.ever_ready``) and whether some replica not routable yet is still on its way (``starting``)."""
     if record.ended is not None:
-        return record.state if record.state in ("CANCELLED", "ENDED", "STOPPING") else "ENDED"
+        return ServiceState(record.state) if record.state in _END_STATES else ServiceState.ENDED
     if ready >= record.replicas:
-        return "READY"
+        return ServiceState.READY
     # a replica no longer restarted (services/restarts.py) will not come: short of it for good, never STARTING
     stopped = any(s.gave_up and not s.retiring for s in record.slots)
     if ready == 0:
-        return "DOWN" if record.ever_ready or stopped else "STARTING"
-    return "DEGRADED" if record.ever_ready or not starting or stopped else "STARTING"
+        return ServiceState.DOWN if record.ever_ready or stopped else ServiceState.STARTING
+    return ServiceState.DEGRADED if record.ever_ready or not starting or stopped else ServiceState.STARTING

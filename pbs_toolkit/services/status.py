@@ -17,7 +17,7 @@ from pbs_toolkit.services.keeper_process import keeper_alive, last_tick, poll_se
 from pbs_toolkit.services.ready import RouteCheck, check_route, looks_routable, routable_count, still_starting
 from pbs_toolkit.services.record import ServiceRecord
 from pbs_toolkit.services.scaler import status_fields
-from pbs_toolkit.services.state import service_state
+from pbs_toolkit.services.state import ServiceState, service_state
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.status import JobStatus
@@ -33,7 +33,7 @@ ROUTE_POLL_S = 0.25
 @dataclass
 class ServiceStatus:
     record: ServiceRecord
-    state: str
+    state: ServiceState
     ready: int
     replicas: list[JobStatus]
     keeper_running: bool
@@ -120,7 +120,7 @@ def look(session: ServiceSession, rec: ServiceRecord, known: Mapping[str, JobSta
         rec.ever_ready = True
     state = service_state(rec, ready, still_starting(rec.slots, by_id, workers))
     if rec.ended is None and not router and rec.router:
-        state = "DOWN"  # and 0/N: nothing is reachable through the URL
+        state = ServiceState.DOWN  # and 0/N: nothing is reachable through the URL
     running = keeper_alive(rec.name) if rec.ended is None else False
     return ServiceStatus(rec, state, ready, statuses, running, router, job_state, route,
                          keeper_tick=last_tick(rec.name) if running else {})
@@ -186,7 +186,7 @@ def wait(session: ServiceSession, rec: ServiceRecord, timeout: float,
         st = look(session, rec)
         if on_progress is not None:
             on_progress(st, time.monotonic() - start)
-        if st.state == "READY":
+        if st.state == ServiceState.READY:
             return st
         stopped = restarts.reason(st.record)
         if st.record.ended is not None or (st.replicas and all(j.state.final for j in st.replicas) and (

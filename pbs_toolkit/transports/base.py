@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import abc
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import socket
 
 
 @dataclass(frozen=True)
@@ -215,4 +217,6 @@ class WrappingRunner(Runner):
 
 def tcp_connect(host: str, port: int, timeout: float) -> socket.socket:
     """Plain TCP connection from this machine (used by ``LocalRunner.open_connection``)."""
+    import socket  # here: a command that only reads files (`pbstk logs -n`) never loads the socket module
+
     return socket.create_connection((host, port), timeout=timeout)

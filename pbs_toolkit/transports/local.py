@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -74,6 +73,8 @@ class LocalRunner(Runner):
         return _LocalFile(path)
 
     def write_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        import tempfile  # here: `pbstk logs -n` reads only, and tempfile brings shutil and the compressors
+
         directory = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
         try:
