@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.readiness import scheduler_intervals
-from pbs_toolkit.services import health, restarts, scaler
+from pbs_toolkit.services import autoscale, health, restarts, scaler
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.health import routable_count, still_starting, worker_url
 from pbs_toolkit.services.keeper_process import (
@@ -135,6 +135,9 @@ def run(name: str, session: ServiceSession) -> int:
                 due = restarts.next_due(rec)  # a replacement's backoff ends: not a whole poll interval later
                 if due is not None:
                     wait = min(wait, max(PROBE_S, due - time.time()))
+                confirm = autoscale.confirm_within(rec.scale)  # an overload seen once: confirmed in seconds
+                if confirm is not None:
+                    wait = min(wait, confirm)
                 woken = watch(session, seen, wait, wakes, lambda: _ended(session, name) or lease.due())
                 if woken:
                     keeper_log(f"{woken} answers: looking now")
