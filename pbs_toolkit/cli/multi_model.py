@@ -1,5 +1,5 @@
 """``pbstk serve M1 M2 ... --dry-run``: the plan of a multi-model service as a table or ``--json`` (issue 31,
-docs/multi-model.md); serving several models is planned, not running yet, and is refused in one line."""
+docs/multi-model.md), and the plan that ``serve`` runs for several models."""
 
 from __future__ import annotations
 
@@ -12,16 +12,14 @@ from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.plan import slug
 from pbs_toolkit.services.model_plan import HEADERS, plan_service
 from pbs_toolkit.services.model_spec import parse_models, split_options
-
-#: the exit code of ``serve`` with several models and no ``--dry-run`` (a UsageError: docs/multi-model.md)
-NOT_YET = ("serving several models in one service is planned, not running yet (issue 31): add --dry-run to see "
-           "where they would run (docs/multi-model.md)")
+from pbs_toolkit.services.multi import plan_rows
 
 
 def single_or_plan(models: tuple[str, ...], models_file: str | None, dry_run: bool, as_json: bool,
                    kw: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     """``serve``'s models: ``(MODEL, kw)`` for one model served as before (its ``:preset=``/``:name=`` applied to
-    ``kw``), or ``None`` once the plan is printed (``--dry-run``); several without ``--dry-run`` are refused."""
+    ``kw``), for several the first one and ``kw["models"]``, the plan's rows; ``None`` once the plan is printed
+    (``--dry-run``)."""
     specs = parse_models(models, models_file)
     several = len(specs) > 1 or models_file is not None
     if several:
@@ -30,13 +28,16 @@ def single_or_plan(models: tuple[str, ...], models_file: str | None, dry_run: bo
             if kw.get(key) is not None:
                 raise UsageError(f"{flag} is for one model; several models take :name=... each and run one "
                                  "copy each")
-    if dry_run:
+    if dry_run or several:
         name = kw.get("name") or (None if several else slug(specs[0].model))
         if name is None:
             raise UsageError("several models need --name NAME, the service's name")
         render = {k: v for k, v in kw.items() if k not in ("replicas", "min_replicas", "max_replicas",
                                                           "scale_up_waiting", "scale_down_idle")}
         plan = plan_service(specs, build_request(specs[0].model, **render), name)
+        if not dry_run:  # served: the plan's rows, the first job's first model as the service's model
+            rows = plan_rows(plan.to_dict())
+            return rows[0]["model"], {**kw, "models": rows}
         if as_json:
             echo_json(plan.to_dict())
         else:
@@ -44,8 +45,6 @@ def single_or_plan(models: tuple[str, ...], models_file: str | None, dry_run: bo
                        f"{plan.profile} (dry run: nothing written or queued)")
             click.echo(table(plan.rows(), HEADERS))
         return None
-    if several:
-        raise UsageError(NOT_YET)
     model, options = split_options(models[0], "MODEL argument 1")
     if "preset" in options:
         kw["preset"] = options["preset"]

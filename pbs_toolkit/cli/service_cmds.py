@@ -86,6 +86,7 @@ def serve(models: tuple[str, ...], models_file: str | None, dry_run: bool, repli
         return
     model, kw = single
     kw.pop("replicas")
+    planned = kw.pop("models", ())
     name = kw.pop("name", None)
     scale = scale_spec(replicas, kw.pop("min_replicas"), kw.pop("max_replicas"), kw.pop("scale_up_waiting"),
                        kw.pop("scale_down_idle"))
@@ -94,8 +95,12 @@ def serve(models: tuple[str, ...], models_file: str | None, dry_run: bool, repli
         rec = c.serve(req, replicas=1 if replicas is None else replicas, name=name, scale=scale, keep_alive=keep_alive,
                       handover_s=handover, policy=policy, nodes_per_replica=nodes_per_replica,
                       api_key=read_key_env(api_key_env, os.environ), stage=stage_weights,
-                      max_restarts=max_restarts, restart_window=restart_window, restart_backoff=restart_backoff)
-        if not as_json:
+                      max_restarts=max_restarts, restart_window=restart_window, restart_backoff=restart_backoff,
+                      models=planned)
+        if not as_json and planned:
+            click.echo(f"service {rec.name}: {len(planned)} models in {rec.replicas} job(s) submitted, router at "
+                       f"{rec.url}")
+        elif not as_json:
             click.echo(f"service {rec.name}: {rec.replicas} replica(s) submitted, router at {rec.url}")
             click.echo("next:")
             click.echo(f"  pbstk status {rec.name}")

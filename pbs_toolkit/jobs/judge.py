@@ -103,6 +103,17 @@ def combine(
     return _not_ready(st, phase, fatal, attempt, health_status, identity)
 
 
+def co_models(text: Any) -> dict[str, int]:
+    """server.json's ``models`` (``SERVED@PORT SERVED@PORT``, a multi-model job's other models) as served name ->
+    port; anything malformed is left out."""
+    out: dict[str, int] = {}
+    for word in text.split() if isinstance(text, str) else ():
+        served, _, port = word.rpartition("@")
+        if served and port.isdigit() and 0 < int(port) < 65536:
+            out[served] = int(port)
+    return out
+
+
 def _seed(record: JobRecord, sched: SchedulerJob | None, marker: dict[str, Any] | None) -> JobStatus:
     """A status holding what the run directory's marker and the scheduler say about where the job is."""
     st = JobStatus(record=record, state=ServerState.LOST)
@@ -111,6 +122,7 @@ def _seed(record: JobRecord, sched: SchedulerJob | None, marker: dict[str, Any] 
         st.port = marker.get("port") or None
         st.node = marker.get("host") or None
         st.eager_fallback = bool(marker.get("eager_fallback"))
+        st.models = co_models(marker.get("models"))
     if sched:
         st.scheduler_state = sched.raw_state
         st.comment = sched.comment

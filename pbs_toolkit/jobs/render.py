@@ -11,7 +11,7 @@ import errno
 import functools
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -107,8 +107,9 @@ START_PARTS = (
 def render(settings: LaunchSettings | RenderRequest, runner: Runner | None = None) -> RenderedJob:
     """Plan and render both scripts for ``settings`` (a ``RenderRequest`` is resolved first), through ``runner``
     (``None``: connecting nowhere). Raises ``UsageError``/``ConfigError`` on bad input (``plan_launch``)."""
-    plan = plan_launch(settings_of(settings), runner)
-    context = script_context(plan)
+    main, models = co_models(settings_of(settings), runner)
+    plan = plan_launch(main, runner)
+    context = {**script_context(plan), **multi_context(main, models)}
     backend = backend_class(plan.profile.scheduler)
     jenv = template_environment(backend.template_dir)
     return RenderedJob(
@@ -137,7 +138,41 @@ def script_context(plan: LaunchPlan) -> dict[str, Any]:
         # where vLLM gets the API key: not VLLM_API_KEY, which vLLM <= 0.22 puts into the compile cache's key
         "api_key_via": api_key_channel(plan.profile.vllm_version),
         "idle_cancel_s": watch_seconds(plan.profile.idle_cancel), "lease_s": plan.lease_s,
+        "models": [], "main_gpus": "",
     }
+
+
+def _share_args(model: dict[str, Any]) -> list[str]:
+    share = model.get("share")
+    return [] if share is None else ["--gpu-memory-utilization", f"{float(share):g}"]
+
+
+def co_models(settings: LaunchSettings, runner: Runner | None) -> tuple[LaunchSettings, list[dict[str, Any]]]:
+    """A job of several models (the request's ``models``, docs/multi-model.md): the settings of its first
+    model (its memory share added to its vLLM arguments) and what the start script needs of each other one
+    (its path, served name, planned GPUs and vLLM arguments, planned as a launch of its own). One model: the
+    settings as they are, and no other."""
+    req = settings.request
+    if len(req.models) < 2:
+        return settings, []
+    main = settings.with_request(vllm_args=[*req.vllm_args, *_share_args(req.models[0])])
+    others = []
+    for m in req.models[1:]:
+        sub = settings_of(replace(req, model=m["model"], preset=m.get("preset") or req.preset,
+                                  served_model_name=m["served_model_name"], models=[],
+                                  vllm_args=[*req.vllm_args, *_share_args(m)]))
+        p = plan_launch(sub, runner)
+        others.append({"model_path": p.model_path, "served": p.served_model_name, "vllm_args": p.vllm_args,
+                       "gpus": ",".join(str(g) for g in m.get("gpus") or ()), "arg_lines": _pair_flags(p.vllm_args)})
+    return main, others
+
+
+def multi_context(settings: LaunchSettings, models: list[dict[str, Any]]) -> dict[str, Any]:
+    """The start script's multi-model settings: none for one model (its script renders as ever)."""
+    if not models:
+        return {}
+    first = settings.request.models[0]
+    return {"models": models, "main_gpus": ",".join(str(g) for g in first.get("gpus") or ())}
 
 
 def template_environment(backend_dir: Path) -> Any:
@@ -176,6 +211,10 @@ def sh_path(value: Any) -> str:
     return shlex.quote(text)
 
 
+#: the first line of supervise.sh: the multi-model part (models.sh) goes right before it
+_SUPERVISE_MARK = "# vLLM's output line by line into the log where stdbuf is there\n"
+
+
 def start_body() -> str:
     """The static body every start script ends with: the ``START_PARTS`` files, in that order."""
     return "".join((START_DIR / name).read_text(encoding="utf-8") for name in START_PARTS)
@@ -191,7 +230,11 @@ def render_start_script(jenv: Any, context: dict[str, Any]) -> str:
     from pbs_toolkit.weights.nodecopy import stage_copy_block
 
     header = jenv.get_template(START_HEADER).render(**context)
-    return header + stage_copy_block(context["profile"], context["vllm_args"]) + start_body()
+    body = start_body()
+    if context.get("models"):  # several models: their part runs before the first model's supervised attempts
+        cut = body.index(_SUPERVISE_MARK)
+        body = body[:cut] + (START_DIR / "models.sh").read_text(encoding="utf-8") + body[cut:]
+    return header + stage_copy_block(context["profile"], context["vllm_args"]) + body
 
 
 def _pair_flags(args: list[str]) -> list[list[str]]:

@@ -83,6 +83,9 @@ class JobStatus:
     #: READY but too busy to answer its ``/health`` probe in time, its ``/metrics`` showing the load, in words
     #: (``probe slow; 8 running, 30 waiting``); ``None`` for a server that answered
     busy: str | None = None
+    #: a job of a multi-model service: its other models, served name -> port (server.json's ``models``,
+    #: ``SERVED@PORT ...``; docs/multi-model.md); empty for a one-model job
+    models: dict[str, int] = field(default_factory=dict)
 
     @property
     def nodes_text(self) -> str | None:
@@ -132,6 +135,7 @@ class JobStatus:
             "nnodes": self.nnodes, "nodes_ready": self.nodes_ready, "nodes": self.nodes,
             "failed_node": self.failed_node, "startup": self.startup, "busy": self.busy,
             "ended": idle.ended_how(self.state.value, self.reason) or lease.ended_how(self.state.value, self.reason),
+            **({"models": dict(self.models)} if self.models else {}),
         }
 
 

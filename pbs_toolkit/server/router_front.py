@@ -25,6 +25,8 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hmac
+import http.client
+import json
 import os
 import signal
 import socket
@@ -82,6 +84,8 @@ PUBLIC_GET = frozenset({"/list_workers"})
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization",
                         b"proxy-authenticate", b"te", b"upgrade"})
 HEAD_WAIT_S = 60.0
+#: the router's multi-model mode (pbstk's multi-model services): the front answers ``GET /v1/models`` itself
+IGW_FLAG = "--enable-igw"
 PROCESSES_ENV = "PBSTK_ROUTER_FRONT_PROCESSES"
 MAX_PROCESSES = 4
 PR_SET_PDEATHSIG = 1
@@ -186,6 +190,9 @@ class Front:
         self.router_prom_port = 0
         self.pump: Pump
         self.upstreams = Upstreams()
+        #: the router's multi-model mode (``--enable-igw``): ``GET /v1/models`` is answered by :meth:`models`
+        self.models_mode = False
+        self.proxy_port = 0
 
     def inside(self, port: int) -> socket.socket:
         """A connection to ``port`` on the namespace's loopback (made by a thread that lives there)."""
@@ -209,6 +216,13 @@ class Front:
                     raise BadRequest(403, "Forbidden",
                                      f"pbstk router front: {path} is the router's admin API: its owner only")
             length = body_framing(headers)
+            if self.models_mode and method == b"GET" and path == "/v1/models":
+                stage = "listing the models of every worker"
+                status, body = self.models(headers)
+                sock.sendall(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n" % (status, b"OK" if status == 200 else b"Error",
+                                                                  len(body)) + body)
+                return
             try:
                 upstream = self.inside(self.router_port)
             except OSError:
@@ -220,6 +234,40 @@ class Front:
         except (ConnectionError, OSError, ValueError) as exc:
             # the connection just ends: said in the log, so that a client's "server disconnected" has a cause
             log(f"a connection ended while {stage}: {type(exc).__name__}: {exc}")
+
+    def models(self, headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes]:
+        """``GET /v1/models`` of a multi-model router (whose own answer, ``{"models": [...]}``, is no OpenAI list
+        and checks no key): each worker's own list, asked through the egress proxy with the client's
+        ``Authorization`` (each vLLM checks the key as for one model), merged. The first answer that is not 200
+        is passed on as it came (a 401 for a wrong key)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.router_port, timeout=10)
+        conn.sock = self.inside(self.router_port)
+        conn.request("GET", "/workers")
+        try:
+            workers = json.loads(conn.getresponse().read())["workers"]
+        except (ValueError, KeyError, TypeError):
+            return 502, b'{"error": "pbstk router front: the router did not list its workers"}'
+        finally:
+            conn.close()
+        auth = {n.decode("latin-1"): v.decode("latin-1") for n, v in headers if n == b"authorization"}
+        data: list[Any] = []
+        for worker in workers:
+            proxy = http.client.HTTPConnection("127.0.0.1", self.proxy_port, timeout=10)
+            try:
+                proxy.request("GET", str(worker["url"]).rstrip("/") + "/v1/models", headers=auth)
+                reply = proxy.getresponse()
+                body = reply.read()
+            except (OSError, http.client.HTTPException):
+                continue  # a worker that just went away: the others' models are still listed
+            finally:
+                proxy.close()
+            if reply.status != 200:
+                return reply.status, body
+            try:
+                data += [m for m in json.loads(body)["data"] if m.get("id") not in {d.get("id") for d in data}]
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+        return 200, json.dumps({"object": "list", "data": data}).encode()
 
     def egress(self, sock: socket.socket) -> None:
         """The router's HTTP proxy (inside the namespace): its requests to workers, sent from the host's network."""
@@ -333,6 +381,7 @@ def setup(front: Front, command: list[str], out: dict[str, Any]) -> None:
         enter_network_namespace()
         out["netns"] = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         out["proxy"] = proxy_sock = listener("127.0.0.1", 0)
+        front.proxy_port, front.models_mode = proxy_sock.getsockname()[1], IGW_FLAG in command
         front.router_port, front.router_prom_port = inside_ports(2)
         out["proc"] = start_router(command, front.router_port, front.router_prom_port, proxy_sock.getsockname()[1])
     except OSError as exc:

@@ -66,11 +66,12 @@ class ServiceMethods:
               policy: str | None = None, nodes_per_replica: int | None = None, api_key: str | None = None,
               stage: bool = False, scale: Any = None, max_restarts: int | None = None,
               restart_window: str | None = None, restart_backoff: str | None = None,
-              **options: Any) -> ServiceRecord:
+              models: Any = (), **options: Any) -> ServiceRecord:
         """Start a service: ``replicas`` jobs of ``model`` behind one vllm-router, one URL and one key, kept by
         a detached keeper; returns at once (``wait_service`` waits). ``scale``: a services/autoscale.py
         ``ScaleSpec`` (autoscaling instead of a fixed count). ``max_restarts``, ``restart_window`` (``30m``),
         ``restart_backoff`` (``10s``): the restart policy of a failed replica (``None``: the profile's).
+        ``models``: a multi-model service's plan (services/multi.py ``plan_rows``; docs/multi-model.md).
         ``options``: as for ``launch``."""
         from pbs_toolkit.services.manage import ServeOptions, start
 
@@ -78,7 +79,7 @@ class ServiceMethods:
         return start(self.service_session(), req, ServeOptions(
             replicas=replicas, name=name, keep_alive=keep_alive, handover_s=handover_s, policy=policy, scale=scale,
             nodes_per_replica=nodes_per_replica, api_key=api_key, stage=stage, max_restarts=max_restarts,
-            restart_window=restart_window, restart_backoff=restart_backoff))
+            restart_window=restart_window, restart_backoff=restart_backoff, models=tuple(models)))
 
     def services(self, all: bool = False) -> list[ServiceRecord]:  # noqa: A002
         """Services pbstk started, newest first (default: those not ended). No scheduler query."""

@@ -16,6 +16,7 @@ from pbs_toolkit.services import health, restarts
 from pbs_toolkit.services.health import worker_url
 from pbs_toolkit.services.keeper_process import keeper_log
 from pbs_toolkit.services.manage import launch_replica
+from pbs_toolkit.services.multi import add_workers, remove_workers, worker_urls
 from pbs_toolkit.services.record import ServiceRecord, Slot
 
 if TYPE_CHECKING:
@@ -39,14 +40,12 @@ def _sync_router(rec: ServiceRecord, st: JobStatus | None, admin: RouterAdmin, i
     if st is None or url is None:
         return
     if health.ready(st) and url not in in_router:
-        admin.add_worker(url)
-        in_router.add(url)
+        add_workers(rec, st, url, admin, in_router)  # a multi-model job's other models too (services/multi.py)
         keeper_log(f"added {st.record.job_id} ({url}) to the router")
     elif url in in_router:
         why = health.leave_router(rec, st, time.time())
         if why is not None:
-            admin.remove_worker(url)
-            in_router.discard(url)
+            remove_workers(st, url, admin, in_router)
             keeper_log(f"removed {st.record.job_id} ({url}) from the router: {why}")
         elif st.record.job_id in rec.health:
             looks = rec.health[st.record.job_id]["looks"]
@@ -65,7 +64,7 @@ def remove_foreign(jobs: list[str], statuses: dict[str, JobStatus], admin: Route
     job (its worker could be one of those)."""
     if any(job not in statuses or statuses[job].state is ServerState.UNKNOWN for job in jobs):
         return
-    ours = {url for st in statuses.values() if (url := worker_url(st)) is not None} | set(own)
+    ours = {url for st in statuses.values() for url in worker_urls(st)} | set(own)
     for url in sorted(in_router - ours):
         admin.remove_worker(url)
         in_router.discard(url)

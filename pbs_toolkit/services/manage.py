@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.jobs.launch import new_api_key
 from pbs_toolkit.schedulers import runs_on_submit_host
+from pbs_toolkit.services import multi, restarts
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services import restarts
 from pbs_toolkit.services.keeper_process import service_dir, spawn_keeper
 from pbs_toolkit.services.record import ServiceRecord, Slot
 
@@ -107,6 +107,8 @@ class ServeOptions:
     max_restarts: int | None = None
     restart_window: str | None = None
     restart_backoff: str | None = None
+    #: a multi-model service: the plan's rows (services/multi.py ``plan_rows``), one slot per planned job
+    models: tuple[dict[str, Any], ...] = ()
 
 
 def _check_weights(session: ServiceSession, req: RenderRequest, profile: Profile, stage: bool) -> None:
@@ -132,6 +134,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
     records.check_name(name)
     if opts.nodes_per_replica:
         req = replace(req, nodes=opts.nodes_per_replica)
+    opts = multi.check_options(opts)
     req = replace(req, name=None, served_model_name=served_model_name(req.model, req.served_model_name, name))
     settings = resolve_launch_settings(req)  # once for the checks, the router and every replica
     profile = settings.launchable()
@@ -151,18 +154,19 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
     command = shlex.split(profile.router_command)
     if place != "job":  # a router job looks for it on its node (and fails with its own line)
         check_router_command(session, profile, command)
-    _check_weights(session, req, profile, opts.stage)
+    for each in multi.model_requests(req, opts.models) or [req]:  # each model of a multi-model service
+        _check_weights(session, each, profile, opts.stage)
     rec = ServiceRecord(name=name, model=req.model, served_model_name=req.served_model_name or name,
                         profile=profile.name, replicas=opts.replicas, request=asdict(req),
                         transport=profile.ssh_host or "", scheduler=profile.scheduler, keep_alive=opts.keep_alive,
                         handover_s=opts.handover_s, walltime_s=walltime_s, policy=policy,
                         slots=[Slot(k) for k in range(opts.replicas)],
-                        api_key=opts.api_key or new_api_key(), **extra)
+                        api_key=opts.api_key or new_api_key(), models=list(opts.models), **extra)
     records.create(session.store, rec)  # refuses a second active service of that name
     try:
         _start_router(session, rec, profile, command, place)
-        for slot in rec.slots:
-            launch_replica(session, rec, slot, settings=settings)
+        for slot in rec.slots:  # a multi-model service's jobs: each its own request (resolved in launch_replica)
+            launch_replica(session, rec, slot, settings=None if rec.models else settings)
         spawn_keeper(name)
     except BaseException:
         from pbs_toolkit.jobs.launch import defer_interrupts
@@ -252,7 +256,8 @@ def _start_router(session: ServiceSession, rec: ServiceRecord, profile: Profile,
         records.save(session.store, rec)
 
     start_router(runner, run_dir, record=record, command=command, bind=bind, advertise=advertise,
-                 policy=rec.policy, isolate=profile.router_isolation != "none")
+                 policy=rec.policy, isolate=profile.router_isolation != "none",
+                 extra_args=multi.ROUTER_ARGS if rec.models else ())
 
 
 def launch_replica(session: ServiceSession, rec: ServiceRecord, slot: Slot, role: str = "current",
@@ -264,7 +269,9 @@ def launch_replica(session: ServiceSession, rec: ServiceRecord, slot: Slot, role
     from pbs_toolkit.services import intents
     from pbs_toolkit.settings.launch_settings import RenderRequest, resolve_launch_settings
 
-    settings = settings or resolve_launch_settings(RenderRequest(**rec.request))
+    base = RenderRequest(**rec.request)
+    settings = settings or resolve_launch_settings(
+        multi.job_request(base, rec.models, slot.index + 1) if rec.models else base)
     name = replica_name(rec.name, slot)
     gpus = gpu_env(rec, slot, settings)
     slot.gen += 1

@@ -108,6 +108,9 @@ class ServiceRecord:
     health: dict[str, Any] = field(default_factory=dict)
     #: the profile's ``replica_unhealthy_looks`` and ``replica_unhealthy_after`` at ``serve``: ``looks``, ``seconds``
     health_rule: dict[str, Any] = field(default_factory=dict)
+    #: a multi-model service (services/multi.py): each model's row of the plan (served name, model, preset,
+    #: job, node, GPUs, memory share, port); empty: one model
+    models: list[dict[str, Any]] = field(default_factory=list)
     #: secret: never in ``to_dict``
     api_key: str | None = field(default=None, repr=False)
 

@@ -73,11 +73,13 @@ class RouterAdmin:
         # the router's front lets admin calls through only with it (in the request only: never a log or argv)
         self._headers = {ADMIN_HEADER: admin_token} if admin_token else {}
 
-    def _call(self, method: str, path: str, timeout: float, **params: str) -> http.HttpAnswer:
+    def _call(self, method: str, path: str, timeout: float, body: bytes | None = None,
+              **params: str) -> http.HttpAnswer:
         target = f"{path}?{urlencode(params)}" if params else path
+        headers = {**self._headers, "Content-Type": "application/json"} if body is not None else self._headers
         try:
-            return http.http_request(self.runner, self.host, self.port, target, method=method,
-                                     headers=self._headers, timeout=timeout)
+            return http.http_request(self.runner, self.host, self.port, target, method=method, body=body,
+                                     headers=headers, timeout=timeout)
         except (OSError, PbstkError) as exc:
             raise RouterError(f"the router at {self.base_url} did not answer {path}: {type(exc).__name__}") from exc
 
@@ -90,10 +92,16 @@ class RouterAdmin:
                               f"{answer.status}: {_text(answer)[:200]}") from exc
         return [str(u) for u in urls]
 
-    def add_worker(self, url: str) -> None:
-        """Add ``url`` (idempotent). The router first waits for the worker's ``/health`` (up to ``ADD_WAIT_S``)."""
+    def add_worker(self, url: str, model_id: str | None = None) -> None:
+        """Add ``url`` (idempotent). The router first waits for the worker's ``/health`` (up to ``ADD_WAIT_S``).
+        ``model_id``: the served name requests name it by (a router in multi-model mode, ``--enable-igw``: its
+        ``POST /workers`` takes it; ``/add_worker`` would ask the worker's ``/v1/models`` without the key)."""
         _check_url(url)
-        answer = self._call("POST", "/add_worker", self.timeout + ADD_WAIT_S, url=url)
+        if model_id:
+            answer = self._call("POST", "/workers", self.timeout + ADD_WAIT_S,
+                                body=json.dumps({"url": url, "model_id": model_id}).encode())
+        else:
+            answer = self._call("POST", "/add_worker", self.timeout + ADD_WAIT_S, url=url)
         if _ok(answer) or (answer.status == 400 and "already exists" in _text(answer)):
             return
         raise RouterError(f"the router at {self.base_url} refused worker {url}: "

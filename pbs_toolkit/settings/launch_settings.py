@@ -60,6 +60,10 @@ class RenderRequest:
     lease_s: int = 0
     #: ``--text-only``/``--no-text-only``: a vision-language model takes no image or video; None: profile's/preset's
     text_only: bool | None = None
+    #: a job of a multi-model service (docs/multi-model.md): every model it serves, ``model`` first, each a
+    #: mapping ``model``, ``preset``, ``served_model_name``, ``gpus`` (planned GPU indices), ``share``
+    #: (``--gpu-memory-utilization``, None: the preset's); empty (the usual): one model, rendered as ever
+    models: list[dict[str, Any]] = field(default_factory=list)
 
 
 def request_flags(req: RenderRequest) -> dict[str, Any]:

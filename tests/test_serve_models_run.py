@@ -1,0 +1,143 @@
+"""`pbstk serve A:name=a B:name=b --name pair` runs (issue 31, second slice): the packed jobs (local scheduler,
+stand-in vLLM), the real vllm-router in its multi-model mode, the real keeper; one URL and one key, a request's
+`model` picks the server.
+
+Before: several models without --dry-run were refused ("planned, not running yet"), exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from helpers import pbstk, wait_for
+
+from pbs_toolkit.jobs.store import JobStore
+from pbs_toolkit.services import record as records
+
+ROUTER = Path(sys.executable).parent / "vllm-router"
+pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
+
+
+def checkpoint(root: Path, name: str, weight_bytes: int) -> str:
+    """A model directory `auto` sizes from its weights index (bf16)."""
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": weight_bytes}}))
+    return str(path)
+
+
+@pytest.fixture
+def gpu_svc(isolated_user: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A local-scheduler profile of one 80 GB GPU (two small models share it), the real router; the keeper looks
+    every 0.5 s; the stand-in answers a request for another model with vLLM's 404."""
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / "gpu1.yaml").write_text(
+        "name: gpu1\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ngpu_memory_gb: 80\ncpus_per_node: 2\n"
+        f"walltime: '00:10:00'\naddress: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
+    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    root = isolated_user / "m"
+    yield checkpoint(root, "alpha", 1_200_000_000), checkpoint(root, "beta", 3_400_000_000)
+    _stop_services()
+
+
+def _stop_services() -> None:
+    import contextlib
+
+    from pbs_toolkit.client import Client
+
+    with contextlib.suppress(Exception), Client(on_removal=lambda r: None) as c:
+        for rec in c.services():
+            with contextlib.suppress(Exception):
+                c.cancel_service(rec)
+
+
+def chat(url: str, key: str | None, model: str) -> requests.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    return requests.post(url + "/chat/completions", json=body, headers=headers, timeout=20)
+
+
+def argv_of(record: Path) -> list[list[str]]:
+    return [json.loads(line)["argv"] for line in (record / "argv.jsonl").read_text().splitlines()]
+
+
+def test_two_models_packed_in_one_job_behind_one_url(gpu_svc: Any, standins: Path, isolated_user: Path) -> None:
+    alpha, beta = gpu_svc
+    result = pbstk("serve", f"{alpha}:name=a", f"{beta}:name=b", "--name", "pair", "--profile", "gpu1", "--wait",
+                   "--timeout", "90")
+    assert result.exit_code == 0, result.output
+    assert "service pair: 2 models in 1 job(s) submitted" in result.stdout, result.output
+
+    rec = records.find(JobStore(), "pair")
+    url = rec.url
+    assert url and rec.api_key
+    wait_for(lambda: len(requests.get(url[:-3] + "/list_workers", timeout=5).json()["urls"]) == 2, 30,
+             "both models' servers in the router")
+    # the one job started one vLLM per model: its own served name, memory share and GPUs
+    starts = argv_of(standins)
+    served = sorted(a[a.index("--served-model-name") + 1] for a in starts)
+    assert served == ["a", "b"], starts
+    for a in starts:
+        assert a[a.index("--gpu-memory-utilization") + 1] == "0.1", a
+    for model in ("a", "b", "a", "b"):
+        answer = chat(url, rec.api_key, model)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == model  # the stand-in names the model it serves
+    assert chat(url, None, "a").status_code == 401
+    unknown = chat(url, rec.api_key, "nope")
+    assert unknown.status_code == 404 and "The model `nope` does not exist." in unknown.text, unknown.text
+
+    listed = requests.get(url + "/models", headers={"Authorization": f"Bearer {rec.api_key}"}, timeout=10)
+    assert listed.status_code == 200, listed.text
+    assert sorted(m["id"] for m in listed.json()["data"]) == ["a", "b"], listed.text
+
+    text = pbstk("status", "pair")
+    assert text.exit_code == 0, text.output
+    rows = {line.split()[0]: line.split() for line in text.stdout.splitlines()
+            if line.split() and line.split()[0] in ("a", "b")}
+    assert set(rows) == {"a", "b"}, text.stdout
+    assert all("READY" in row for row in rows.values()), text.stdout
+    doc = json.loads(pbstk("status", "pair", "--json").stdout)[0]
+    models = {m["served_model_name"]: m for m in doc["models"]}
+    assert set(models) == {"a", "b"} and all(m["state"] == "READY" for m in models.values()), doc["models"]
+    assert models["a"]["job"] == models["b"]["job"] and models["a"]["url"] != models["b"]["url"]
+    assert models["a"]["gpus"] == [0] and models["a"]["gpu_memory_utilization"] == 0.1
+
+    registry = isolated_user / "reg.yaml"
+    upd = pbstk("update-endpoint", "pair", "--registry", str(registry))
+    assert upd.exit_code == 0, upd.output
+    entries = json.loads(json.dumps(__import__("yaml").safe_load(registry.read_text())))["endpoints"]
+    assert set(entries) == {"a", "b"}, entries
+    assert {entries[k]["model"] for k in entries} == {"a", "b"}
+    assert {entries[k]["url"] for k in entries} == {url}
+
+    run_dir = Path(JobStore().find(models["a"]["job"]).run_dir)
+    stop = pbstk("cancel", "pair")
+    assert stop.exit_code == 0, stop.output
+    assert __import__("yaml").safe_load(registry.read_text()).get("endpoints") in (None, {}), registry.read_text()
+    marker = json.loads((run_dir / "server.json").read_text())
+    wait_for(lambda: json.loads((run_dir / "server.json").read_text())["phase"] != "ready", 30, "the job ended")
+    others = [int(p) for p in (marker.get("models") or "").replace("b@", "").replace("a@", "").split()]
+    assert others, marker
+    for port in others:  # the other model's server stopped with the job
+        wait_for(lambda port=port: _refused(port), 30, f"the server on port {port} stopped")
+    assert os.environ.get("PBSTK_TEST_STANDIN_CHECK_MODEL") == "1"
+
+
+def _refused(port: int) -> bool:
+    try:
+        requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    except requests.ConnectionError:
+        return True
+    return False
