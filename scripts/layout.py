@@ -40,6 +40,7 @@ OTHER_FILES = {
     "server/start/launcher.sh": "start body: several nodes, the launcher starts one copy of the script per node",
     "server/start/address.sh": "start body: the address clients and the other nodes reach this node at",
     "server/start/free_port.sh": "start body: the free-port rule for every port a start script picks",
+    "server/start/models.sh": "start body, multi-model jobs only: the other models' vLLMs, one after another",
     "server/start/port.sh": "start body: the requested port, or a free one in its window",
     "server/start/server.sh": "start body: what runs vLLM (venv, container, launcher); the stop trap",
     "server/start/peers.sh": "start body: several nodes, per-rank engine flags, head.json, nodes watching each other",

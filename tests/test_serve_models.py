@@ -99,9 +99,20 @@ def test_one_model_with_dry_run_is_planned_and_its_own_preset_is_used(gpu_profil
     assert plan["name"] == "small" and [(m["preset"], m["gpus"]) for m in plan["models"]] == [("single", [0])]
 
 
-def test_several_models_without_dry_run_are_refused_in_one_line(gpu_profile: str, models: list[str]) -> None:
-    refused(pbstk("serve", *models, "--name", "evals", "--profile", gpu_profile),
-            "planned, not running yet", "--dry-run")
+@pytest.mark.parametrize(("extra", "words"), [
+    (["--keep-alive"], ("--keep-alive and autoscaling of a multi-model service", "not running yet")),
+    (["--policy", "power_of_two"], ("--policy power_of_two", "routes by model")),
+    (["--nodes", "2"], ("second node of a job", "not running yet")),
+])
+def test_what_several_models_do_not_run_yet_is_refused_in_one_line(gpu_profile: str, models: list[str],
+                                                                    extra: list[str], words: tuple[str, ...]) -> None:
+    """Several models run now (tests/test_serve_models_run.py); what this slice does not run is refused before
+    anything is written or queued."""
+    small, mid, _ = models
+    args = [small, mid, "--name", "evals", "--profile", gpu_profile, *extra]
+    if extra[0] == "--nodes":  # three models over a job of two 2-GPU nodes: the third lands on node 1
+        args = [*models, "--name", "evals", "--profile", gpu_profile, *extra]
+    refused(pbstk("serve", *args), *words)
 
 
 @pytest.mark.parametrize(("spec", "words"), [

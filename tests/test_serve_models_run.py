@@ -111,7 +111,8 @@ def test_two_models_packed_in_one_job_behind_one_url(gpu_svc: Any, standins: Pat
     doc = json.loads(pbstk("status", "pair", "--json").stdout)[0]
     models = {m["served_model_name"]: m for m in doc["models"]}
     assert set(models) == {"a", "b"} and all(m["state"] == "READY" for m in models.values()), doc["models"]
-    assert models["a"]["job"] == models["b"]["job"] and models["a"]["url"] != models["b"]["url"]
+    assert models["a"]["job"] == models["b"]["job"] and models["a"]["server"] != models["b"]["server"]
+    assert models["a"]["url"] == models["b"]["url"] == url
     assert models["a"]["gpus"] == [0] and models["a"]["gpu_memory_utilization"] == 0.1
 
     registry = isolated_user / "reg.yaml"
@@ -141,3 +142,67 @@ def _refused(port: int) -> bool:
     except requests.ConnectionError:
         return True
     return False
+
+
+def test_three_models_in_two_pbs_jobs(isolated_user: Path, fakepbs: Path, standins: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake PBS runs the plan's two jobs: c (preset single) takes a whole GPU in one, a and b share the GPU of
+    the other; the router here routes each model to its job's server."""
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / "pbs1.yaml").write_text(
+        "name: pbs1\nscheduler: pbs\nnodes: 1\ngpus_per_node: 1\ngpu_memory_gb: 80\ncpus_per_node: 2\n"
+        f"walltime: '00:10:00'\naddress: loopback\nbind_host: 127.0.0.1\nrouter_command: {ROUTER}\nrouter: local\n")
+    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")
+    root = isolated_user / "m"
+    a, b, c = (checkpoint(root, n, size) for n, size in (("a", 1_200_000_000), ("b", 1_200_000_000),
+                                                          ("c", 3_400_000_000)))
+    try:
+        result = pbstk("serve", f"{a}:name=a", f"{b}:name=b", f"{c}:name=c:preset=single", "--name", "trio",
+                       "--profile", "pbs1", "--wait", "--timeout", "120")
+        assert result.exit_code == 0, result.output
+        assert "service trio: 3 models in 2 job(s) submitted" in result.stdout, result.output
+        rec = records.find(JobStore(), "trio")
+        assert rec.url and all(s.current and s.current.endswith(".fakepbs") for s in rec.slots), rec.slots
+        wait_for(lambda: len(requests.get(rec.url[:-3] + "/list_workers", timeout=5).json()["urls"]) == 3, 30,
+                 "three servers in the router")
+        for model in ("c", "a", "b", "c"):
+            answer = chat(rec.url, rec.api_key, model)
+            assert answer.status_code == 200 and answer.json()["model"] == model, answer.text
+        doc = json.loads(pbstk("status", "trio", "--json").stdout)[0]
+        models = {m["served_model_name"]: m for m in doc["models"]}
+        assert models["a"]["job"] == models["b"]["job"] != models["c"]["job"], doc["models"]
+        assert (models["c"]["gpu_memory_utilization"], models["a"]["gpu_memory_utilization"]) == (0.95, 0.1)
+        assert pbstk("cancel", "trio").exit_code == 0
+    finally:
+        _stop_services()
+
+
+def test_a_two_model_job_script_is_shellcheck_clean_and_names_each_model(isolated_user: Path, tmp_path: Path) -> None:
+    """The rendered start script of a multi-model job: models.sh before supervise.sh, each other model's
+    settings in the header (its served name, GPUs and share in its arguments), and shellcheck finds nothing."""
+    import subprocess
+
+    from pbs_toolkit.jobs.render import RenderRequest, render
+
+    profile = tmp_path / "gpu1.yaml"
+    profile.write_text("name: gpu1\nscheduler: pbs\ngpus_per_node: 1\ngpu_memory_gb: 80\n")
+    root = tmp_path / "m"
+    a, b = checkpoint(root, "alpha", 1_200_000_000), checkpoint(root, "beta", 1_200_000_000)
+    rows = [{"model": a, "preset": "auto", "served_model_name": "a", "gpus": [0], "share": 0.1},
+            {"model": b, "preset": "auto", "served_model_name": "b", "gpus": [0], "share": 0.15}]
+    job = render(RenderRequest(model=a, profile=str(profile), preset="auto", served_model_name="a", models=rows))
+    text = job.start_script
+    assert "CO_MODELS=1\n" in text and "CO_SERVED_1=b\n" in text and "MAIN_GPUS=0\n" in text, text
+    assert text.index("# --- several models in one job") < text.index("# vLLM's output line by line")
+    assert job.vllm_args[job.vllm_args.index("--gpu-memory-utilization") + 1] == "0.1"
+    assert "  --gpu-memory-utilization 0.15\n" in text and "  --served-model-name b\n" in text
+    script = tmp_path / "start_vllm.sh"
+    script.write_text(text)
+    proc = subprocess.run(["shellcheck", "-f", "gcc", str(script)], capture_output=True, text=True,  # noqa: S603,S607
+                          check=False, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    one = render(RenderRequest(model=a, profile=str(profile), preset="auto", served_model_name="a"))
+    assert "several models" not in one.start_script and "CO_MODELS" not in one.start_script

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from helpers import kill_started_job
 
-from pbs_toolkit.jobs.render import PORT_SPAN, START_DIR, START_PARTS, RenderRequest, render, start_body
+from pbs_toolkit.jobs.render import OPTIONAL_PARTS, PORT_SPAN, START_DIR, START_PARTS, RenderRequest, render, start_body
 
 GPU_B = "GPU-bbbbbbbb-1111-1111-1111-111111111111"
 GPU_D = "GPU-dddddddd-3333-3333-3333-333333333333"
@@ -501,9 +501,9 @@ def test_static_body_is_its_parts_in_order() -> None:
     """The body is split by concern into server/start/: every file there is a listed part (a new one not added to
     START_PARTS would silently be left out of every start script), each begins with a comment line saying what it
     holds, and each ends its last line, so the concatenation never glues two lines together."""
-    assert sorted(p.name for p in START_DIR.iterdir()) == sorted(START_PARTS)
+    assert sorted(p.name for p in START_DIR.iterdir()) == sorted(START_PARTS + OPTIONAL_PARTS)
     assert len(set(START_PARTS)) == len(START_PARTS)
-    for name in START_PARTS:
+    for name in START_PARTS + OPTIONAL_PARTS:
         text = (START_DIR / name).read_text(encoding="utf-8")
         assert text.startswith("# ") and text.endswith("\n"), name
     assert BODY_TEXT.startswith("# shellcheck shell=bash\n") and BODY_TEXT.rstrip().endswith('exit "$RC"')
@@ -549,7 +549,8 @@ def test_static_body_declares_exactly_the_header_settings() -> None:
     from pbs_toolkit.jobs.plan import start_script_settings
 
     declared: set[str] = set()
-    for line in BODY_TEXT.splitlines():
+    optional = "".join((START_DIR / name).read_text(encoding="utf-8") for name in OPTIONAL_PARTS)
+    for line in (BODY_TEXT + optional).splitlines():  # the multi-model settings are declared in models.sh
         if line.startswith("declare "):
             declared.update(word for word in line.split()[1:] if not word.startswith("-"))
     assert declared == set(start_script_settings())

@@ -48,6 +48,9 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
         return
     with Client() as c:  # one connection (one MFA prompt) waits, forwards and registers
         svc = c.service(job)
+        if svc is not None and svc.models and not alias:  # one entry per model (docs/multi-model.md)
+            _model_entries(c, svc, registry, fmt, follow_symlink, force_format, keep_after_end, via_tunnel, as_json)
+            return
         if svc is not None:  # a service: the router's URL and the service's key (docs/services.md)
             result = c.update_service_endpoint(svc, registry, fmt=fmt, alias=alias, follow_symlink=follow_symlink,
                                                force_format=force_format, keep_after_end=keep_after_end,
@@ -66,6 +69,23 @@ def update_endpoint(job: str | None, registry: str | None, fmt: str, force_forma
                                        via_tunnel=via_tunnel, local_port=local_port, on_progress=show,
                                        keep_after_end=keep_after_end)
         _finish(c, result, record.job_id, as_json, via_tunnel)
+
+
+def _model_entries(c: Any, svc: Any, registry: str | None, fmt: str, follow_symlink: bool, force_format: bool,
+                   keep_after_end: bool, via_tunnel: bool, as_json: bool) -> None:
+    """A multi-model service's entries, one per model (``--json``: a list of them)."""
+    from pbs_toolkit.errors import UsageError
+
+    if via_tunnel:
+        raise UsageError("--via-tunnel with a multi-model service is planned, not running yet: register it "
+                         "without, or one model with --alias NAME")
+    results = c.update_model_endpoints(svc, registry, fmt=fmt, follow_symlink=follow_symlink,
+                                       force_format=force_format, keep_after_end=keep_after_end)
+    if as_json:
+        echo_json([r.to_dict() for r in results])
+        return
+    for each in results:
+        _show_update(each, svc.name, as_json)
 
 
 def _finish(c: Any, result: Any, ref: str, as_json: bool, via_tunnel: bool) -> None:

@@ -37,7 +37,7 @@ def single_or_plan(models: tuple[str, ...], models_file: str | None, dry_run: bo
         plan = plan_service(specs, build_request(specs[0].model, **render), name)
         if not dry_run:  # served: the plan's rows, the first job's first model as the service's model
             rows = plan_rows(plan.to_dict())
-            return rows[0]["model"], {**kw, "models": rows}
+            return rows[0]["model"], {**kw, "models": rows, "served_model_name": rows[0]["served_model_name"]}
         if as_json:
             echo_json(plan.to_dict())
         else:

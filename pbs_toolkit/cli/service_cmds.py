@@ -212,13 +212,16 @@ def show_service(st: Any) -> None:
 
     rec = st.record
     click.echo(f"service {rec.name}: {st.summary}  {st.url or '-'}")
-    click.echo(f"model {rec.served_model_name}, profile {rec.profile}, policy {rec.policy}, "
+    models = f"models {', '.join(m['served_model_name'] for m in rec.models)}" if rec.models else \
+        f"model {rec.served_model_name}"
+    click.echo(f"{models}, profile {rec.profile}, policy {rec.policy}, "
                f"keep-alive {'on (handover ' + format(rec.handover_s, 'g') + ' s)' if rec.keep_alive else 'off'}, "
                f"router {'running' if st.router_running else 'not running'}{_router_job(rec, st)}"
                f"{f' ({st.route.text})' if st.route is not None else ''}, "
                f"keeper {'running' if st.keeper_running else 'not running'}")
     scaling_line(st)
     restart_lines(rec)
+    model_table(st)
     by_id = {s.record.job_id: s for s in st.replicas}
     rows = []
     for slot in rec.slots:
@@ -239,6 +242,16 @@ def show_service(st: Any) -> None:
     note = keeper_note(st)
     if note:
         click.echo(note, err=True)
+
+
+def model_table(st: Any) -> None:
+    """A multi-model service's models, a row each: served name, state, job, GPUs, memory share, its server's URL
+    (clients use the service's URL with this ``model``; docs/multi-model.md)."""
+    rows = [[m["served_model_name"], m["state"], m["job"] or "-", ",".join(str(g) for g in m["gpus"]) or "cpu",
+             "-" if m["gpu_memory_utilization"] is None else f"{m['gpu_memory_utilization']:.2f}", m["server"] or "-"]
+            for m in st.models]
+    if rows:
+        click.echo(table(rows, ["MODEL", "STATE", "JOB", "GPUS", "MEMORY", "SERVER"]))
 
 
 def scaling_line(st: Any) -> None:

@@ -211,6 +211,8 @@ def sh_path(value: Any) -> str:
     return shlex.quote(text)
 
 
+#: the parts of server/start/ only some scripts hold: models.sh, a multi-model job's (before supervise.sh)
+OPTIONAL_PARTS = ("models.sh",)
 #: the first line of supervise.sh: the multi-model part (models.sh) goes right before it
 _SUPERVISE_MARK = "# vLLM's output line by line into the log where stdbuf is there\n"
 
@@ -233,7 +235,7 @@ def render_start_script(jenv: Any, context: dict[str, Any]) -> str:
     body = start_body()
     if context.get("models"):  # several models: their part runs before the first model's supervised attempts
         cut = body.index(_SUPERVISE_MARK)
-        body = body[:cut] + (START_DIR / "models.sh").read_text(encoding="utf-8") + body[cut:]
+        body = body[:cut] + (START_DIR / OPTIONAL_PARTS[0]).read_text(encoding="utf-8") + body[cut:]
     return header + stage_copy_block(context["profile"], context["vllm_args"]) + body
 
 

@@ -165,6 +165,24 @@ class ServiceMethods:
                         force_format=force_format, keep_after_end=keep_after_end, notice=self.on_removal,
                         tunnel=(lambda st: self.tunnel(st, local_port)[1]) if via_tunnel else None)
 
+    def update_model_endpoints(self, name: str | ServiceRecord, registry: str | None = None, **options: Any
+                               ) -> list[EndpointUpdate]:
+        """A multi-model service: one entry per model, its alias and ``model`` the served name, all at the
+        router's URL with the service's key (``options``: as for ``update_service_endpoint``, but ``alias``)."""
+        from pbs_toolkit.endpoints.register import register
+        from pbs_toolkit.services.entry import registration
+        from pbs_toolkit.services.record import find
+
+        rec = find(self.store, name) if isinstance(name, str) else name
+        local_port = options.pop("local_port", 0)
+        tunnel = (lambda st: self.tunnel(st, local_port)[1]) if options.pop("via_tunnel", False) else None
+        out = []
+        for m in rec.models:
+            record, ready = registration(self.store, rec, m["served_model_name"])
+            out.append(register(self.store, record, ready, registry, alias=m["served_model_name"],
+                                notice=self.on_removal, tunnel=tunnel, **options))
+        return out
+
     # -- a service where a job would do: metrics, logs, doctor, bench (services/observe.py) --------------------
 
     def service_metrics(self, name: str | ServiceRecord | ServiceStatus, interval: float = 1.0) -> ServiceMetrics:

@@ -4,6 +4,7 @@ at the router's address with the service's key, and the endpoint a client of it 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import ServerFailed
@@ -41,13 +42,18 @@ def routed_status(store: JobStore, name: str | ServiceRecord, what: str = "point
     return service_job_status(rec)
 
 
-def registration(store: JobStore, name: str | ServiceRecord) -> tuple[Callable[[], Any], Callable[[Any], JobStatus]]:
+def registration(store: JobStore, name: str | ServiceRecord, served: str | None = None
+                 ) -> tuple[Callable[[], Any], Callable[[Any], JobStatus]]:
     """(record, ready) for ``endpoints.register.register``: the service's entry record, found when asked, and its
-    READY status at the router (no wait: the router is the endpoint)."""
+    READY status at the router (no wait: the router is the endpoint). ``served``: one model of a multi-model
+    service (its entry's ``model``)."""
     seen: list[JobStatus] = []
 
     def record() -> Any:
-        seen.append(routed_status(store, name, "register"))
+        st = routed_status(store, name, "register")
+        if served is not None:
+            st = replace(st, record=replace(st.record, served_model_name=served))
+        seen.append(st)
         return seen[-1].record
 
     return record, lambda _record: seen[-1]

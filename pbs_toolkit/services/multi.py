@@ -115,7 +115,8 @@ def remove_workers(st: JobStatus, url: str, admin: Admin, in_router: set[str]) -
 
 def model_rows(rec: ServiceRecord, statuses: dict[str, JobStatus]) -> list[dict[str, Any]]:
     """``status NAME``'s rows of a multi-model service, one per model: served name, what vLLM loads, state,
-    job, GPUs and its worker URL (``None`` until its job is READY)."""
+    job, GPUs, memory share, the URL clients use (the service's, once this model is READY) and its own
+    server's (``server``, the router's worker)."""
     out = []
     for m in rec.models:
         slot = rec.slots[m["job"] - 1] if m["job"] - 1 < len(rec.slots) else None
@@ -131,5 +132,6 @@ def model_rows(rec: ServiceRecord, statuses: dict[str, JobStatus]) -> list[dict[
             state = "STARTING"
         out.append({"served_model_name": m["served_model_name"], "model": m["model"], "state": state,
                     "job": None if st is None else st.record.job_id, "gpus": list(m["gpus"]),
-                    "gpu_memory_utilization": m["gpu_memory_utilization"], "url": url})
+                    "gpu_memory_utilization": m["gpu_memory_utilization"],
+                    "url": rec.url if url is not None else None, "server": url})
     return out

@@ -14,6 +14,7 @@ from pbs_toolkit.schema import stamp
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services import restarts
 from pbs_toolkit.services.keeper_process import keeper_alive, last_tick, poll_seconds
+from pbs_toolkit.services.multi import model_rows
 from pbs_toolkit.services.ready import RouteCheck, check_route, looks_routable, routable_count, still_starting
 from pbs_toolkit.services.record import ServiceRecord
 from pbs_toolkit.services.scaler import status_fields
@@ -65,8 +66,16 @@ class ServiceStatus:
 
     @property
     def summary(self) -> str:
-        """``READY 3/4 replicas``"""
+        """``READY 3/4 replicas``; a multi-model service: ``READY 3/3 models``"""
+        if self.record.models:
+            rows = self.models
+            return f"{self.state} {sum(m['state'] == 'READY' for m in rows)}/{len(rows)} models"
         return f"{self.state} {self.ready}/{self.record.replicas} replicas"
+
+    @property
+    def models(self) -> list[dict[str, Any]]:
+        """A multi-model service's rows, one per model (services/multi.py ``model_rows``); none for one model."""
+        return model_rows(self.record, {s.record.job_id: s for s in self.replicas}) if self.record.models else []
 
     def to_dict(self) -> dict[str, Any]:
         """A ``service`` object (docs/json.md): no key in it."""
@@ -86,6 +95,7 @@ class ServiceStatus:
             "slots": [asdict(s) for s in rec.slots], **status_fields(rec), "lease_s": rec.lease_s or None,
             "restart_policy": restarts.RestartPolicy.from_dict(rec.restart).to_dict(),
             "restart_stopped": restarts.reason(rec), "jobs": [s.to_dict() for s in self.replicas],
+            **({"models": self.models} if rec.models else {}),
         })
 
 

@@ -23,6 +23,7 @@ pbstk_pick_gpus() {
   printf -v "$var" '%s' "$out"
 }
 
+# shellcheck disable=SC2317  # invoked by the EXIT trap below
 pbstk_kill_models() {
   local pid
   for pid in "${CO_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
