@@ -101,6 +101,9 @@ def test_two_models_packed_in_one_job_behind_one_url(gpu_svc: Any, standins: Pat
     listed = requests.get(url + "/models", headers={"Authorization": f"Bearer {rec.api_key}"}, timeout=10)
     assert listed.status_code == 200, listed.text
     assert sorted(m["id"] for m in listed.json()["data"]) == ["a", "b"], listed.text
+    assert listed.json()["object"] == "list"
+    wrong = requests.get(url + "/models", headers={"Authorization": "Bearer wrong"}, timeout=10)
+    assert wrong.status_code == 401, wrong.text  # each server checks the key, as for one model
 
     text = pbstk("status", "pair")
     assert text.exit_code == 0, text.output
