@@ -209,3 +209,46 @@ def test_a_two_model_job_script_is_shellcheck_clean_and_names_each_model(isolate
     assert proc.returncode == 0, proc.stdout + proc.stderr
     one = render(RenderRequest(model=a, profile=str(profile), preset="auto", served_model_name="a"))
     assert "several models" not in one.start_script and "CO_MODELS" not in one.start_script
+
+
+def _server_pid(model_dir: str) -> int:
+    """The pid of the stand-in vLLM serving ``model_dir`` (its argv names it)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if model_dir.encode() in argv and b"--served-model-name" in argv:
+            return int(proc.name)
+    return 0
+
+
+def test_another_model_that_dies_ends_its_job_and_the_service_replaces_it(gpu_svc: Any) -> None:
+    """The job's other model is supervised too: once its vLLM exits, the job ends (its log says why) and the
+    keeper's restart policy launches a new job, in which both models serve again."""
+    import signal
+
+    alpha, beta = gpu_svc
+    result = pbstk("serve", f"{alpha}:name=a", f"{beta}:name=b", "--name", "heal", "--profile", "gpu1",
+                   "--restart-backoff", "1s", "--wait", "--timeout", "90")
+    assert result.exit_code == 0, result.output
+    rec = records.find(JobStore(), "heal")
+    first = rec.slots[0].current
+    assert first and rec.url
+    run_dir = Path(JobStore().find(first).run_dir)
+    os.kill(_server_pid(beta), signal.SIGKILL)
+    wait_for(lambda: records.find(JobStore(), "heal").slots[0].current not in (None, first), 60,
+             "a replacement job")
+    assert "the vLLM of another model of this job" in (run_dir / "vllm.log").read_text()
+    assert json.loads((run_dir / "server.json").read_text())["phase"] != "ready"
+    wait_for(lambda: _answers(rec.url, rec.api_key, "b"), 90, "model b served again")
+    assert chat(rec.url, rec.api_key, "a").json()["model"] == "a"
+
+
+def _answers(url: str, key: str, model: str) -> bool:
+    try:
+        return chat(url, key, model).status_code == 200
+    except requests.RequestException:  # the router between two jobs
+        return False

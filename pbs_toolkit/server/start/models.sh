@@ -26,6 +26,7 @@ pbstk_pick_gpus() {
 # shellcheck disable=SC2317  # invoked by the EXIT trap below
 pbstk_kill_models() {
   local pid
+  [ -n "${CO_WATCH_PID:-}" ] && kill "$CO_WATCH_PID" 2>/dev/null
   for pid in "${CO_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
   for pid in "${CO_PIDS[@]}"; do wait "$pid" 2>/dev/null; done
   CO_PIDS=()
@@ -58,11 +59,30 @@ pbstk_start_model() {
   CO_LIST+="${CO_LIST:+ }${!served}@$co_port"
 }
 
+# pbstk_watch_models (in the background): the other models' servers, each second; one that exited (gone, or a
+# zombie this script has not reaped) ends the job, as the first model's exit does: the service replaces the job
+pbstk_watch_models() {
+  local pid state
+  while true; do
+    for pid in "${CO_PIDS[@]}"; do
+      state=Z
+      [ -r "/proc/$pid/stat" ] && read -r _ _ state _ <"/proc/$pid/stat" 2>/dev/null
+      [ "$state" != Z ] && continue
+      pbstk_log "error: the vLLM of another model of this job (pid $pid) exited; ending the job (the service replaces it)"
+      kill -TERM "$$"
+      return
+    done
+    pbstk_sleep
+  done
+}
+
 trap 'pbstk_kill_models; pbstk_compile_release' EXIT  # the compile lock's release (coldstart.sh) kept
 pbstk_state "$PHASE_STARTING"
 for ((co_k = 1; co_k <= CO_MODELS; co_k++)); do
   pbstk_start_model "$co_k"
 done
 MARKER_EXTRA+=("models=$CO_LIST")
+pbstk_watch_models &
+CO_WATCH_PID=$!
 pbstk_pick_gpus co_main "$MAIN_GPUS"
 [ -n "$co_main" ] && export CUDA_VISIBLE_DEVICES=$co_main
