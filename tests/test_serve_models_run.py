@@ -90,6 +90,8 @@ def test_two_models_packed_in_one_job_behind_one_url(gpu_svc: Any, standins: Pat
     assert served == ["a", "b"], starts
     for a in starts:
         assert a[a.index("--gpu-memory-utilization") + 1] == "0.1", a
+    envs = [json.loads(line)["env"] for line in (standins / "argv.jsonl").read_text().splitlines()]
+    assert [e.get("CUDA_VISIBLE_DEVICES") for e in envs] == ["0", "0"]  # both planned on the job's GPU 0
     for model in ("a", "b", "a", "b"):
         answer = chat(url, rec.api_key, model)
         assert answer.status_code == 200, answer.text
@@ -252,3 +254,34 @@ def _answers(url: str, key: str, model: str) -> bool:
         return chat(url, key, model).status_code == 200
     except requests.RequestException:  # the router between two jobs
         return False
+
+
+def test_two_models_on_a_cpu_profile_share_one_job(isolated_user: Path, standins: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profile without GPUs: both models in one job on the node's CPUs, no CUDA_VISIBLE_DEVICES and no memory
+    share set for either, each answering to its own name through the one URL."""
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / "cpu.yaml").write_text(
+        "name: cpu\nscheduler: local\nnodes: 1\ngpus_per_node: 0\ncpus_per_node: 2\nwalltime: '00:10:00'\n"
+        f"address: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
+    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    root = isolated_user / "m"
+    a, b = checkpoint(root, "alpha", 1_200_000_000), checkpoint(root, "beta", 1_200_000_000)
+    try:
+        result = pbstk("serve", f"{a}:name=a", f"{b}:name=b", "--name", "cpus", "--profile", "cpu", "--wait",
+                       "--timeout", "90")
+        assert result.exit_code == 0, result.output
+        rec = records.find(JobStore(), "cpus")
+        assert rec.url and len(rec.slots) == 1
+        for model in ("a", "b"):
+            assert chat(rec.url, rec.api_key, model).json()["model"] == model
+        for line in (standins / "argv.jsonl").read_text().splitlines():
+            start = json.loads(line)
+            assert "--gpu-memory-utilization" not in start["argv"], start["argv"]
+            assert not start["env"].get("CUDA_VISIBLE_DEVICES"), start["env"]
+    finally:
+        _stop_services()
