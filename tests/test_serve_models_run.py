@@ -109,6 +109,7 @@ def test_two_models_packed_in_one_job_behind_one_url(gpu_svc: Any, standins: Pat
 
     text = pbstk("status", "pair")
     assert text.exit_code == 0, text.output
+    print(text.stdout)
     rows = {line.split()[0]: line.split() for line in text.stdout.splitlines()
             if line.split() and line.split()[0] in ("a", "b")}
     assert set(rows) == {"a", "b"}, text.stdout
@@ -123,6 +124,7 @@ def test_two_models_packed_in_one_job_behind_one_url(gpu_svc: Any, standins: Pat
     registry = isolated_user / "reg.yaml"
     upd = pbstk("update-endpoint", "pair", "--registry", str(registry))
     assert upd.exit_code == 0, upd.output
+    print(upd.stdout)
     entries = json.loads(json.dumps(__import__("yaml").safe_load(registry.read_text())))["endpoints"]
     assert set(entries) == {"a", "b"}, entries
     assert {entries[k]["model"] for k in entries} == {"a", "b"}

@@ -84,8 +84,8 @@ def _model_entries(c: Any, svc: Any, registry: str | None, fmt: str, follow_syml
     if as_json:
         echo_json([r.to_dict() for r in results])
         return
-    for each in results:
-        _show_update(each, svc.name, as_json)
+    for k, each in enumerate(results, 1):
+        _show_update(each, svc.name, as_json, hint=k == len(results))  # one key for all: said once
 
 
 def _finish(c: Any, result: Any, ref: str, as_json: bool, via_tunnel: bool) -> None:
@@ -98,13 +98,13 @@ def _finish(c: Any, result: Any, ref: str, as_json: bool, via_tunnel: bool) -> N
         tunnel.serve_forever()
 
 
-def _show_update(result: Any, ref: str, as_json: bool, local_url: str | None = None) -> None:
+def _show_update(result: Any, ref: str, as_json: bool, local_url: str | None = None, hint: bool = True) -> None:
     if as_json:
         echo_json(result.to_dict())
         return
     click.echo(f"{result.registry}: {result.alias} -> {result.url} (model {result.model}, "
                f"key in ${result.key_env or '-'})")
-    if result.key_env:  # the tunnel's URL too: the node's is the one this machine cannot reach
+    if result.key_env and hint:  # the tunnel's URL too: the node's is the one this machine cannot reach
         env = shlex.join(["pbstk", "env", ref, *(["--local-url", local_url] if local_url else [])])
         click.echo(f"set the key with: eval \"$({env})\"")
 
