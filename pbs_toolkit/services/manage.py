@@ -134,7 +134,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
     records.check_name(name)
     if opts.nodes_per_replica:
         req = replace(req, nodes=opts.nodes_per_replica)
-    opts = multi.check_options(opts)
+    opts = multi.check_options(opts, req)
     req = replace(req, name=None, served_model_name=served_model_name(req.model, req.served_model_name, name))
     settings = resolve_launch_settings(req)  # once for the checks, the router and every replica
     profile = settings.launchable()

@@ -51,7 +51,7 @@ def job_request(base: RenderRequest, rows: list[dict[str, Any]], job: int) -> Re
                    vllm_args=[*base.vllm_args, *_share(first)] if len(models) == 1 else list(base.vllm_args))
 
 
-def check_options(opts: Any) -> Any:
+def check_options(opts: Any, req: RenderRequest) -> Any:
     """``serve``'s options (a ``manage.ServeOptions``), as they are for one model; for a multi-model service one
     slot per planned job and the router's policy (round_robin unless given); what this slice does not run yet is
     refused in one line."""
@@ -60,6 +60,9 @@ def check_options(opts: Any) -> Any:
     if opts.keep_alive or opts.scale is not None:
         raise UsageError("--keep-alive and autoscaling of a multi-model service are planned, not running yet "
                          "(docs/multi-model.md)")
+    if isinstance(req.port, int) or (isinstance(req.port, str) and req.port.isdigit()):
+        raise UsageError(f"--port {req.port}: the models of one job need a port each; leave the port to pbstk (the "
+                         "profile's, or --port auto)")
     if opts.policy in SEEDED_POLICIES:
         raise UsageError(f"--policy {opts.policy}: a multi-model service routes by model (round_robin, random, "
                          "consistent_hash, ...); this policy seeds the router with a start-up worker")
