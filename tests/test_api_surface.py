@@ -134,7 +134,8 @@ def test_launched_is_the_new_name_and_serve_warns_but_works() -> None:
 def test_launch_keywords_are_the_render_request_fields_one_for_one() -> None:
     params = inspect.signature(Client.launch).parameters
     keywords = {name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    fields = {f.name for f in dataclasses.fields(RenderRequest)} - {"model", "preset", "profile"}
+    # ``models``: a multi-model service's job, written by serve's plan (services/multi.py), not a launch option
+    fields = {f.name for f in dataclasses.fields(RenderRequest)} - {"model", "preset", "profile", "models"}
     assert keywords == fields | {"api_key", "use_api_key"}
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())  # completion sees them all
     assert params["gpus_per_node"].annotation == "int | None"
