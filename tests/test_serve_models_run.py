@@ -16,21 +16,14 @@ from typing import Any
 import pytest
 import requests
 from helpers import pbstk, wait_for
+from test_serve_models import checkpoint
+from test_service import _stop_services
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
 
 ROUTER = Path(sys.executable).parent / "vllm-router"
 pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
-
-
-def checkpoint(root: Path, name: str, weight_bytes: int) -> str:
-    """A model directory `auto` sizes from its weights index (bf16)."""
-    path = root / name
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": weight_bytes}}))
-    return str(path)
 
 
 @pytest.fixture
@@ -49,17 +42,6 @@ def gpu_svc(isolated_user: Path, standins: Path, monkeypatch: pytest.MonkeyPatch
     root = isolated_user / "m"
     yield checkpoint(root, "alpha", 1_200_000_000), checkpoint(root, "beta", 3_400_000_000)
     _stop_services()
-
-
-def _stop_services() -> None:
-    import contextlib
-
-    from pbs_toolkit.client import Client
-
-    with contextlib.suppress(Exception), Client(on_removal=lambda r: None) as c:
-        for rec in c.services():
-            with contextlib.suppress(Exception):
-                c.cancel_service(rec)
 
 
 def chat(url: str, key: str | None, model: str) -> requests.Response:
