@@ -7,10 +7,31 @@ import hashlib
 import socket
 import struct
 import threading
+from typing import Any
 
 import pytest
 
 from pbs_toolkit.server.router_relay import Pump
+
+
+def _front() -> Any:
+    """A router front as its relay processes hold it (token "token"), without a router or a namespace."""
+    from pbs_toolkit.server.router_front import Front
+
+    front = Front("token")
+    front.pump = Pump()
+    return front
+
+
+def _serving(handler: Any) -> socket.socket:
+    """A loopback listener whose connections ``handler`` takes, each in a thread, as the front's ports do."""
+    from pbs_toolkit.server.router_relay import accept_loop
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    threading.Thread(target=accept_loop, args=(listener, handler), daemon=True).start()
+    return listener
 
 
 def test_a_slow_reader_gets_every_stream_whole_and_in_order() -> None:
@@ -54,18 +75,11 @@ def test_a_worker_that_refuses_is_refused_to_the_router_not_answered() -> None:
     """The router's proxy (``Front.egress``) asked for a worker whose port refuses: the router's connection ends
     with a reset, as its own connection to that worker would have without the front (vllm-router retries a
     refused connection on another worker); not an answer of the front's own (502), and never a hang."""
-    from pbs_toolkit.server.router_front import Front
-    from pbs_toolkit.server.router_relay import accept_loop
-
     with socket.socket() as dead:  # a port nothing listens on
         dead.bind(("127.0.0.1", 0))
         dead_port = dead.getsockname()[1]
-    front = Front("token")
-    front.pump = Pump()
-    proxy = socket.socket()
-    proxy.bind(("127.0.0.1", 0))
-    proxy.listen(8)
-    threading.Thread(target=accept_loop, args=(proxy, front.egress), daemon=True).start()
+    front = _front()
+    proxy = _serving(front.egress)
     try:
         for _ in range(3):  # each time, and the proxy goes on serving
             with socket.create_connection(proxy.getsockname(), timeout=10) as router:
@@ -159,16 +173,9 @@ def test_a_kept_connection_the_worker_closes_as_it_is_reused_is_retried_once_on_
     """The router's proxy (``Front.egress``) reuses its kept connection to a worker that closes it just as the
     next request arrives: the request goes once more on a fresh connection and the router gets its answer
     (without the retry its connection ended with no answer: aiohttp's ``ServerDisconnected`` at the client)."""
-    from pbs_toolkit.server.router_front import Front
-    from pbs_toolkit.server.router_relay import accept_loop
-
     worker = _OneShotWorker(reset)
-    front = Front("token")
-    front.pump = Pump()
-    proxy = socket.socket()
-    proxy.bind(("127.0.0.1", 0))
-    proxy.listen(8)
-    threading.Thread(target=accept_loop, args=(proxy, front.egress), daemon=True).start()
+    front = _front()
+    proxy = _serving(front.egress)
     try:
         answers = []
         for _ in range(4):  # each on a new router connection; the front reuses its connection to the worker
@@ -191,9 +198,6 @@ def test_a_kept_connection_the_worker_closes_as_it_is_reused_is_retried_once_on_
 def test_a_router_that_closes_without_an_answer_is_named_in_the_fronts_log(capfd: pytest.CaptureFixture[str]) -> None:
     """The client's side of such a request is aiohttp's ``ServerDisconnected`` (71 of 12,000 requests of a GPU burst
     through an autoscaled service): the front's log says where the connection ended and why."""
-    from pbs_toolkit.server.router_front import Front
-    from pbs_toolkit.server.router_relay import accept_loop
-
     rude = socket.socket()  # the router: takes the request in, then closes without a byte
     rude.bind(("127.0.0.1", 0))
     rude.listen(8)
@@ -204,13 +208,9 @@ def test_a_router_that_closes_without_an_answer_is_named_in_the_fronts_log(capfd
         conn.close()
 
     threading.Thread(target=hang_up, daemon=True).start()
-    front = Front("token")
-    front.pump = Pump()
+    front = _front()
     front.router_port = rude.getsockname()[1]
-    public = socket.socket()
-    public.bind(("127.0.0.1", 0))
-    public.listen(8)
-    threading.Thread(target=accept_loop, args=(public, front.public), daemon=True).start()
+    public = _serving(front.public)
     try:
         with socket.create_connection(public.getsockname(), timeout=10) as client:
             client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
