@@ -1,10 +1,10 @@
 """Against a real OpenPBS with two execution hosts (issue 30, item 4): several nodes, a service, keep-alive's
 ``qsub -a`` / ``-W depend=after:``, ``pbstk usage`` from ``resources_used``, and ``qdel`` of a job in state E.
 
-The same tier as tests/test_realpbs.py (marker ``realpbs``, skipped where ``/opt/pbs`` has no OpenPBS or without
-root), plus a second MoM: ``tests/realpbs/two_nodes.sh`` starts one on this machine in a network namespace
-``pbsns2`` and a UTS namespace of its own, host ``<short name>-n2`` at 10.231.1.2 (a veth pair to the server's
-namespace ``pbsns``), registers it with the server (``qmgr create node``) and installs an execjob_end hook that
+The same tier as tests/test_realpbs.py (marker ``realpbs``, run only with ``PBSTK_TEST_REALPBS=1``, as root),
+plus a second MoM: ``tests/realpbs/two_nodes.sh`` starts one on this machine in a network namespace ``pbsns2``
+and a UTS namespace of its own, host ``<short name>-n2`` at 10.231.1.2 (a veth pair to the server's namespace
+``pbsns``), registers it with the server (``qmgr create node``) and installs an execjob_end hook that
 keeps jobs named ``*slowexit*`` in state E for 20 s. Run it (as root) after the shared ``realpbs/up.sh``; these
 tests are skipped with that hint while the second node is not ``free``. ``two_nodes.sh down`` removes it all.
 
@@ -15,7 +15,6 @@ on the second host) start it with PBS's own environment, never the submitting sh
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 from helpers import MODEL
 from test_realpbs import (  # noqa: F401  (realpbs: the fixture, used by name)
     STANDINS,
+    TIER,
     in_namespace,
     ok,
     pbstk,
@@ -36,11 +36,7 @@ from test_realpbs import (  # noqa: F401  (realpbs: the fixture, used by name)
     status,
 )
 
-pytestmark = [
-    pytest.mark.realpbs,
-    pytest.mark.skipif(not Path("/opt/pbs/bin/qstat").exists(), reason="no OpenPBS in /opt/pbs"),
-    pytest.mark.skipif(os.geteuid() != 0, reason="the real-OpenPBS tier needs root (ip netns exec)"),
-]
+pytestmark = TIER
 
 HEAD = socket.gethostname().split(".")[0]
 NODE2 = f"{HEAD}-n2"
