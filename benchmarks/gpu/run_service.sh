@@ -87,6 +87,12 @@ keeper_log() {  # SERVICE: its keeper's log beside the results, and how often a 
   local log="${XDG_STATE_HOME:-$HOME/.local/state}/pbstk/services/$1/keeper.log"
   cp "$log" "$out/$1-keeper.log" 2>/dev/null || true
   echo "[$1] keeper: $(grep -c 'from the router' "$out/$1-keeper.log" 2>/dev/null || echo 0) removal(s) from the router, $(grep -c 'added' "$out/$1-keeper.log" 2>/dev/null || echo 0) addition(s)"
+  # the router's own complaints (the front's "a connection ended while ..." lines, a router panic, its errors):
+  # where a client's "server disconnected" comes from
+  pbstk logs "$1" -n 1000000 2>/dev/null | grep -E -i 'connection ended|panick|error|warn' | tail -n 300 \
+    >"$out/$1-router-errors.log" || true
+  echo "[$1] router log: $(grep -c 'connection ended' "$out/$1-router-errors.log") connection(s) ended early," \
+    "$(grep -c -i 'panick' "$out/$1-router-errors.log") panic(s)"
 }
 
 count_replicas() {  # SERVICE: one line per second "t routable wanted" (its status) until killed
