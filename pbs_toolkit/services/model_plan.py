@@ -20,7 +20,7 @@ from pbs_toolkit.settings.layout import bytes_per_param
 from pbs_toolkit.settings.model_size import model_weights
 from pbs_toolkit.settings.presets import load_preset
 
-#: the table ``serve --dry-run`` prints, one row per model
+#: the table ``serve --dry-run`` prints, one row per model (and ``SWAP`` when models swap: ``serve --max-awake``)
 HEADERS = ["MODEL", "JOB", "NODE/GPUS", "MEMORY", "PORT", "PRESET"]
 
 
@@ -37,12 +37,20 @@ class ModelPlan:
         models = [{"served_model_name": p.served, "model": p.model, "preset": p.preset, "job": p.job,
                    "node": p.node, "gpus": list(p.gpus), "tensor_parallel": p.tensor_parallel,
                    "gpu_memory_utilization": p.share, "memory_gb": p.memory_gb(res.gpu_memory_gb),
-                   "weights_gb": None if p.weights_gb is None else round(p.weights_gb, 2), "port": p.port}
+                   "weights_gb": None if p.weights_gb is None else round(p.weights_gb, 2), "port": p.port,
+                   "swap": p.swap}
                   for p in self.packing.placements]
         return stamp("model_plan", {"name": self.name, "profile": self.profile, "dry_run": True,
                                     "jobs": self.packing.jobs, "nodes_per_job": res.nodes_per_job,
                                     "gpus_per_node": res.gpus_per_node, "gpu_memory_gb": res.gpu_memory_gb or None,
-                                    "models": models})
+                                    "max_awake": res.max_awake or None, "models": models})
+
+    @property
+    def swaps(self) -> bool:
+        return any(p.swap for p in self.packing.placements)
+
+    def headers(self) -> list[str]:
+        return [*HEADERS, "SWAP"] if self.swaps else list(HEADERS)
 
     def rows(self) -> list[list[str]]:
         """The table's rows (:data:`HEADERS`)."""
@@ -54,12 +62,16 @@ class ModelPlan:
             memory = "-" if p.share is None else f"{p.share:.2f}"
             if (gb := p.memory_gb(res.gpu_memory_gb)) is not None:
                 memory += f" ({gb:g} GB)"
-            out.append([shown, f"job{p.job}", where, memory, str(p.port), p.preset])
+            row = [shown, f"job{p.job}", where, memory, str(p.port), p.preset]
+            if self.swaps:
+                row.append(f"<= {res.max_awake} awake" if p.swap else "-")
+            out.append(row)
         return out
 
 
-def plan_service(specs: Sequence[ModelSpec], request: RenderRequest, name: str) -> ModelPlan:
-    """Size ``specs`` (each with the settings ``request`` resolves for it) and pack them on its profile."""
+def plan_service(specs: Sequence[ModelSpec], request: RenderRequest, name: str, max_awake: int = 0) -> ModelPlan:
+    """Size ``specs`` (each with the settings ``request`` resolves for it) and pack them on its profile; with
+    ``max_awake`` K, models that fit nowhere awake swap on shared GPUs, at most K awake (services/packing.py)."""
     check_name(name)
     needs, profile = [], None
     for spec in specs:
@@ -68,8 +80,14 @@ def plan_service(specs: Sequence[ModelSpec], request: RenderRequest, name: str) 
         needs.append(_need(spec, settings))
     assert profile is not None
     port = int(request.port) if isinstance(request.port, (int, str)) and str(request.port).isdigit() else profile.port
+    if max_awake and not profile.gpus_per_node:
+        raise UsageError(f"--max-awake: profile {profile.name} has no GPUs; models swap on GPUs only (vLLM's sleep "
+                         "mode is not supported on CPU)")
+    if max_awake and not profile.gpu_memory_gb:
+        raise UsageError(f"--max-awake: profile {profile.name} has no gpu_memory_gb; pbstk needs the GPUs' memory "
+                         "to plan which models swap (add gpu_memory_gb: N to the profile)")
     res = Resources(gpus_per_node=profile.gpus_per_node, gpu_memory_gb=profile.gpu_memory_gb,
-                    nodes_per_job=profile.nodes, max_jobs=profile.max_running_jobs, port=port)
+                    nodes_per_job=profile.nodes, max_jobs=profile.max_running_jobs, port=port, max_awake=max_awake)
     return ModelPlan(name=name, profile=profile.name, packing=pack(needs, res))
 
 

@@ -12,14 +12,18 @@ asks for, and the profile's GPUs per node, GPU memory, nodes per job and job lim
 * models are placed largest first (GPUs, then share, then served name), each on the first GPUs free for it
   (job, node, GPU order), in a new job only when no job has room, never beyond the job limit;
 * a model that fits no node at all is refused before anything else, naming it, its need and the largest
-  GPU set.
+  GPU set;
+* swapping (``Resources.max_awake`` K > 0, ``serve --max-awake K``): a model that fits nowhere awake joins the
+  models of its GPU count on one GPU set where at most K are awake at once (vLLM's sleep mode), before a new job
+  is planned: the K largest needs plus ``ASLEEP_GB`` for each sleeper fit in ``SHARE_CAP``; each model of such a
+  set gets its need plus an equal part of what is left (``Placement.swap``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.settings.layout import DEFAULT_MEMORY_UTILIZATION, WEIGHTS_SHARE, auto_by_memory
@@ -31,6 +35,9 @@ SHARE_CAP = 0.9
 SHARE_STEP = 0.05
 #: ... and are at least this (activations and CUDA graphs of even the smallest model)
 MIN_SHARE = 0.1
+#: GPU memory a sleeping vLLM still holds per GPU (its CUDA context and graphs; vLLM logs it after each sleep:
+#: "Sleep mode freed X GiB memory, Y GiB memory is still in use"): an estimate until measured on the GPUs
+ASLEEP_GB = 2.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,8 @@ class Resources:
     max_jobs: int = 0
     port: int = 8000
     utilization: float = DEFAULT_MEMORY_UTILIZATION
+    #: swapping: at most this many models awake on one GPU set (0: no swapping; every model stays awake)
+    max_awake: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,8 @@ class Placement:
     share: float | None
     port: int
     weights_gb: float | None
+    #: one of a swap set: several models on these GPUs, at most ``Resources.max_awake`` of them awake
+    swap: bool = False
 
     @property
     def tensor_parallel(self) -> int:
@@ -107,6 +118,10 @@ class _Fit:
     tp: int
     share: float | None
     shared: bool
+    #: what it needs of each of its GPUs (a share, rounded up), for a swap set; ``SHARE_CAP`` when unknown
+    want: float = SHARE_CAP
+    #: planned into a swap set (:func:`_swap_shares`)
+    swap: bool = False
 
 
 @dataclass
@@ -128,7 +143,7 @@ def pack(needs: Sequence[ModelNeed], res: Resources) -> PackingPlan:
     jobs: list[list[list[_Gpu]]] = []
     placed: list[tuple[_Fit, int, int, tuple[int, ...]]] = []
     for fit in fits:
-        spot = _find(jobs, fit)
+        spot = _find(jobs, fit) or _find_swap(placed, fit, res)
         if spot is None:
             if res.max_jobs and len(jobs) >= res.max_jobs:
                 raise UsageError(f"model {fit.need.served}: no room left in {len(jobs)} job(s), the profile's "
@@ -140,10 +155,10 @@ def pack(needs: Sequence[ModelNeed], res: Resources) -> PackingPlan:
         for g in gpus:
             cell = jobs[job][node][g]
             cell.used += fit.share if fit.shared and fit.share is not None else 1.0
-            cell.whole = cell.whole or not fit.shared
+            cell.whole = cell.whole or not fit.shared or cell.used > SHARE_CAP + 1e-9  # a swap set: no more tenants
             cell.tenants.append(fit.need.served)
         placed.append((fit, job, node, gpus))
-    return PackingPlan(len(jobs), res, _with_ports(placed, res))
+    return PackingPlan(len(jobs), res, _with_ports(_swap_shares(placed, res), res))
 
 
 def _fit(need: ModelNeed, res: Resources) -> _Fit:
@@ -154,7 +169,7 @@ def _fit(need: ModelNeed, res: Resources) -> _Fit:
         if need.gpus > res.gpus_per_node:
             raise UsageError(f"model {need.served}: preset {need.preset} needs {need.gpus} GPUs, more than the "
                              f"largest GPU set here, {largest}; {alone}")
-        return _Fit(need, need.gpus, res.utilization, shared=False)
+        return _Fit(need, need.gpus, res.utilization, shared=False, want=_want(need, need.gpus, res))
     weights = need.weights_gb
     if need.params_b is None or weights is None:
         raise UsageError(f"model {need.served}: size unknown (no config.json or weights index readable here, no "
@@ -168,8 +183,8 @@ def _fit(need: ModelNeed, res: Resources) -> _Fit:
         return _Fit(need, tp, res.utilization, shared=False)
     want = weights / WEIGHTS_SHARE / res.gpu_memory_gb  # the utilization that leaves its KV cache room
     if want <= SHARE_CAP:
-        share = max(MIN_SHARE, math.ceil(round(want / SHARE_STEP, 6)) * SHARE_STEP)
-        return _Fit(need, 1, round(min(share, SHARE_CAP), 2), shared=True)
+        share = round(min(_rounded(want), SHARE_CAP), 2)
+        return _Fit(need, 1, share, shared=True, want=share)
     too_big = UsageError(f"model {need.served}: {weights:.0f} GB of weights need {weights / WEIGHTS_SHARE:.0f} GB "
                          f"of GPU memory (weights at most {WEIGHTS_SHARE:.0%}), more than the largest GPU set "
                          f"here, {largest}; {alone}")
@@ -180,7 +195,67 @@ def _fit(need: ModelNeed, res: Resources) -> _Fit:
         raise too_big from None
     if size.pp > 1 or size.nnodes > 1:
         raise too_big
-    return _Fit(need, size.tp, res.utilization, shared=False)
+    return _Fit(need, size.tp, res.utilization, shared=False, want=_want(need, size.tp, res))
+
+
+def _rounded(want: float) -> float:
+    """A share: ``want`` rounded up to ``SHARE_STEP``, at least ``MIN_SHARE``."""
+    return max(MIN_SHARE, math.ceil(round(want / SHARE_STEP, 6)) * SHARE_STEP)
+
+
+def _want(need: ModelNeed, tp: int, res: Resources) -> float:
+    """What a model of ``tp`` GPUs needs of each (its weights at most ``WEIGHTS_SHARE``), for a swap set;
+    ``SHARE_CAP`` (a set of its own) when its size or the GPUs' memory is unknown."""
+    weights = need.weights_gb
+    if weights is None or not res.gpu_memory_gb:
+        return SHARE_CAP
+    return round(min(_rounded(weights / tp / WEIGHTS_SHARE / res.gpu_memory_gb), SHARE_CAP), 2)
+
+
+def _swap_fits(wants: list[float], res: Resources) -> bool:
+    """Whether models needing ``wants`` share one GPU set with at most ``res.max_awake`` awake: the largest
+    ones awake, the others asleep (``ASLEEP_GB`` each)."""
+    awake = sorted(wants, reverse=True)[: res.max_awake]
+    asleep = (len(wants) - len(awake)) * ASLEEP_GB / res.gpu_memory_gb
+    return sum(awake) + asleep <= SHARE_CAP + 1e-9
+
+
+def _find_swap(placed: list[tuple[_Fit, int, int, tuple[int, ...]]], fit: _Fit,
+               res: Resources) -> tuple[int, int, tuple[int, ...]] | None:
+    """With swapping: the first GPU set (job, node, GPUs) of ``fit``'s size whose models and ``fit`` swap there."""
+    if not res.max_awake or not res.gpu_memory_gb:
+        return None
+    sets: dict[tuple[int, int, tuple[int, ...]], list[float]] = {}
+    for other, job, node, gpus in placed:
+        sets.setdefault((job, node, gpus), []).append(other.want)
+    for spot in sorted(sets):
+        if len(spot[2]) == fit.tp and _swap_fits([*sets[spot], fit.want], res):
+            return spot
+    return None
+
+
+def _swap_shares(placed: list[tuple[_Fit, int, int, tuple[int, ...]]],
+                 res: Resources) -> list[tuple[_Fit, int, int, tuple[int, ...]]]:
+    """The shares of the models that joined a GPU set by :func:`_find_swap` (several whole-GPU models, or more
+    than fit awake): each its need plus an equal part of what the awake ones (at most ``res.max_awake``) and
+    the sleepers (``ASLEEP_GB`` each) leave, rounded down to 0.01; ``swap`` where more than K share the set."""
+    sets: dict[tuple[int, int, tuple[int, ...]], list[_Fit]] = {}
+    for fit, job, node, gpus in placed:
+        sets.setdefault((job, node, gpus), []).append(fit)
+    out = []
+    for fit, job, node, gpus in placed:
+        members = sets[(job, node, gpus)]
+        joined = len(members) > 1 and (any(not m.shared for m in members)
+                                       or sum(m.share or 0.0 for m in members) > SHARE_CAP + 1e-9)
+        if not res.max_awake or not joined:
+            out.append((fit, job, node, gpus))
+            continue
+        wants = sorted((m.want for m in members), reverse=True)
+        k = min(res.max_awake, len(wants))
+        slack = (SHARE_CAP - sum(wants[:k]) - (len(wants) - k) * ASLEEP_GB / res.gpu_memory_gb) / k
+        share = math.floor(round((fit.want + max(0.0, slack)) * 100, 6)) / 100
+        out.append((replace(fit, share=share, shared=True, swap=len(wants) > k), job, node, gpus))
+    return out
 
 
 def _find(jobs: list[list[list[_Gpu]]], fit: _Fit) -> tuple[int, int, tuple[int, ...]] | None:
@@ -209,5 +284,6 @@ def _with_ports(placed: list[tuple[_Fit, int, int, tuple[int, ...]]], res: Resou
         port = next_port.get(job, res.port)
         next_port[job] = port + 1
         n = fit.need
-        rows.append(Placement(n.served, n.model, n.preset, job + 1, node, gpus, fit.share, port, n.weights_gb))
+        rows.append(Placement(n.served, n.model, n.preset, job + 1, node, gpus, fit.share, port, n.weights_gb,
+                              swap=fit.swap))
     return tuple(rows)
