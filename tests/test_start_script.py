@@ -27,7 +27,16 @@ import pytest
 import yaml
 from helpers import kill_started_job
 
-from pbs_toolkit.jobs.render import OPTIONAL_PARTS, PORT_SPAN, START_DIR, START_PARTS, RenderRequest, render, start_body
+from pbs_toolkit.jobs.render import (
+    OPTIONAL_PARTS,
+    PORT_SPAN,
+    START_DIR,
+    START_PARTS,
+    SWAP_HELPERS,
+    RenderRequest,
+    render,
+    start_body,
+)
 
 GPU_B = "GPU-bbbbbbbb-1111-1111-1111-111111111111"
 GPU_D = "GPU-dddddddd-3333-3333-3333-333333333333"
@@ -501,7 +510,7 @@ def test_static_body_is_its_parts_in_order() -> None:
     """The body is split by concern into server/start/: every file there is a listed part (a new one not added to
     START_PARTS would silently be left out of every start script), each begins with a comment line saying what it
     holds, and each ends its last line, so the concatenation never glues two lines together."""
-    assert sorted(p.name for p in START_DIR.iterdir()) == sorted(START_PARTS + OPTIONAL_PARTS)
+    assert sorted(p.name for p in START_DIR.iterdir()) == sorted(START_PARTS + OPTIONAL_PARTS + SWAP_HELPERS)
     assert len(set(START_PARTS)) == len(START_PARTS)
     for name in START_PARTS + OPTIONAL_PARTS:
         text = (START_DIR / name).read_text(encoding="utf-8")

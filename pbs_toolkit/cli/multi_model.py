@@ -8,9 +8,10 @@ from typing import Any
 import click
 
 from pbs_toolkit.cli.options import build_request, echo_json, table
+from pbs_toolkit.durations import parse
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.plan import slug
-from pbs_toolkit.services.model_plan import HEADERS, plan_service
+from pbs_toolkit.services.model_plan import plan_service
 from pbs_toolkit.services.model_spec import parse_models, split_options
 from pbs_toolkit.services.multi import plan_rows
 
@@ -22,6 +23,7 @@ def single_or_plan(models: tuple[str, ...], models_file: str | None, dry_run: bo
     (``--dry-run``)."""
     specs = parse_models(models, models_file)
     several = len(specs) > 1 or models_file is not None
+    swapping = swap_options(kw.pop("max_awake", None), kw.pop("sleep_after", None), several)
     if several:
         for flag, key in (("--served-model-name", "served_model_name"), ("--replicas", "replicas"),
                           ("--min-replicas", "min_replicas"), ("--max-replicas", "max_replicas")):
@@ -34,20 +36,32 @@ def single_or_plan(models: tuple[str, ...], models_file: str | None, dry_run: bo
             raise UsageError("several models need --name NAME, the service's name")
         render = {k: v for k, v in kw.items() if k not in ("replicas", "min_replicas", "max_replicas",
                                                           "scale_up_waiting", "scale_down_idle")}
-        plan = plan_service(specs, build_request(specs[0].model, **render), name)
+        plan = plan_service(specs, build_request(specs[0].model, **render), name, swapping.get("max_awake", 0))
         if not dry_run:  # served: the plan's rows, the first job's first model as the service's model
-            rows = plan_rows(plan.to_dict())
+            rows = [{**row, **swapping} if row["swap"] else row for row in plan_rows(plan.to_dict())]
             return rows[0]["model"], {**kw, "models": rows, "served_model_name": rows[0]["served_model_name"]}
         if as_json:
             echo_json(plan.to_dict())
         else:
             click.echo(f"service {plan.name}: {len(specs)} model(s) in {plan.packing.jobs} job(s) of profile "
                        f"{plan.profile} (dry run: nothing written or queued)")
-            click.echo(table(plan.rows(), HEADERS))
+            click.echo(table(plan.rows(), plan.headers()))
         return None
-    model, options = split_options(models[0], "MODEL argument 1")
+    model, options = split_options(models[0], "MODEL argument 1")  # one model: as ever
     if "preset" in options:
         kw["preset"] = options["preset"]
     if "name" in options:
         kw["served_model_name"] = options["name"]
     return model, kw
+
+
+def swap_options(max_awake: int | None, sleep_after: str | None, several: bool) -> dict[str, Any]:
+    """``--max-awake K`` and ``--sleep-after D`` as the plan's swapping rows carry them (``max_awake``,
+    ``sleep_after_s``); refused in one line for one model, and ``--sleep-after`` without ``--max-awake``."""
+    if sleep_after is not None and max_awake is None:
+        raise UsageError("--sleep-after is for models that swap: give --max-awake K too")
+    if max_awake is None:
+        return {}
+    if not several:
+        raise UsageError("--max-awake is for several models sharing GPUs; one model has nothing to swap with")
+    return {"max_awake": max_awake, "sleep_after_s": parse(sleep_after, "--sleep-after") if sleep_after else 0.0}

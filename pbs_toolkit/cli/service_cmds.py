@@ -34,6 +34,12 @@ def _handover(ctx: click.Context, param: click.Parameter, value: str) -> float:
               "file instead of MODEL arguments (docs/multi-model.md).")
 @click.option("--dry-run", is_flag=True, help="Print where each model would run (job, GPUs, memory share, port); "
               "write and queue nothing.")
+@click.option("--max-awake", type=BoundedInt(1, 64), metavar="K",
+              help="Several models: those that fit nowhere awake share GPUs by vLLM's sleep mode, at most K awake "
+                   "on one GPU set; a request for a sleeping model waits while it wakes (docs/multi-model.md "
+                   "\"Swapping\").")
+@click.option("--sleep-after", metavar="DURATION", help="With --max-awake: a swapping model idle this long sleeps "
+              "even when no other model waits for its GPUs (90s, 10m; default: it sleeps only for another model).")
 @click.option("--replicas", "-n", type=Count("replicas"),
               help="How many replica jobs serve behind the one URL (a fixed count; default 1).")
 @click.option("--nodes-per-replica", type=BoundedInt(1, 10000), help="Nodes of each replica job (--nodes).")
@@ -66,13 +72,15 @@ def serve(models: tuple[str, ...], models_file: str | None, dry_run: bool, repli
           **kw: Any) -> None:
     """Serve MODEL as a service: N replica jobs behind one vllm-router, one URL and one key.
 
-    Several models (MODEL[:preset=P][:name=SERVED] each, or --models FILE.yaml): --dry-run prints where each
-    would run; serving them is planned, not running yet (docs/multi-model.md).
+    Several models (MODEL[:preset=P][:name=SERVED] each, or --models FILE.yaml): one URL and one key, the
+    request's model picks the model; packed into as few jobs as fit, or swapped on shared GPUs with --max-awake;
+    --dry-run prints the plan (docs/multi-model.md).
 
     \b
       pbstk serve Qwen/Qwen3-VL-2B-Instruct --replicas 2 --name qwen --wait
       pbstk serve MODEL --min-replicas 1 --max-replicas 4 --idle-cancel 2h   # autoscaled, ends unused
       pbstk serve Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B:name=q17 --name evals --dry-run
+      pbstk serve Qwen/Qwen3-8B Qwen/Qwen3-14B Qwen/Qwen3-4B --name evals --max-awake 1
       pbstk update-endpoint qwen        # registers the router's URL
       pbstk cancel qwen                 # replicas, router and keeper
     """
@@ -247,11 +255,32 @@ def show_service(st: Any) -> None:
 def model_table(st: Any) -> None:
     """A multi-model service's models, a row each: served name, state, job, GPUs, memory share, its server's URL
     (clients use the service's URL with this ``model``; docs/multi-model.md)."""
-    rows = [[m["served_model_name"], m["state"], m["job"] or "-", ",".join(str(g) for g in m["gpus"]) or "cpu",
-             "-" if m["gpu_memory_utilization"] is None else f"{m['gpu_memory_utilization']:.2f}", m["server"] or "-"]
-            for m in st.models]
+    swapping = any("swap" in m for m in st.models)
+    rows = []
+    for m in st.models:
+        row = [m["served_model_name"], m["state"], m["job"] or "-", ",".join(str(g) for g in m["gpus"]) or "cpu",
+               "-" if m["gpu_memory_utilization"] is None else f"{m['gpu_memory_utilization']:.2f}"]
+        if swapping:
+            row += swap_cells(m)
+        rows.append([*row, m["server"] or "-"])
+    headers = ["MODEL", "STATE", "JOB", "GPUS", "MEMORY", *(["AWAKE", "LAST WAKE/SLEEP"] if swapping else []),
+               "SERVER"]
     if rows:
-        click.echo(table(rows, ["MODEL", "STATE", "JOB", "GPUS", "MEMORY", "SERVER"]))
+        click.echo(table(rows, headers))
+
+
+def swap_cells(row: dict[str, Any]) -> list[str]:
+    """A swapping service's model row: ``AWAKE`` (awake, asleep; ``always``: this model does not swap; ``-``: its
+    swapper has not said yet) and the last wake's and sleep's seconds with the count of wakes (``0.50s/0.05s x3``)."""
+    if "swap" not in row:
+        return ["always", "-"]
+    swap = row["swap"]
+    if not swap:
+        return ["-", "-"]
+    wake, asleep = swap.get("last_wake_s"), swap.get("last_sleep_s")
+    times = "-" if wake is None and asleep is None else "{}/{} x{}".format(
+        "-" if wake is None else f"{wake:.2f}s", "-" if asleep is None else f"{asleep:.2f}s", swap.get("wakes", 0))
+    return ["awake" if swap.get("awake") else "asleep", times]
 
 
 def scaling_line(st: Any) -> None:

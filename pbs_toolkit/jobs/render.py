@@ -142,11 +142,6 @@ def script_context(plan: LaunchPlan) -> dict[str, Any]:
     }
 
 
-def _share_args(model: dict[str, Any]) -> list[str]:
-    share = model.get("share")
-    return [] if share is None else ["--gpu-memory-utilization", f"{float(share):g}"]
-
-
 def co_models(settings: LaunchSettings, runner: Runner | None) -> tuple[LaunchSettings, list[dict[str, Any]]]:
     """A job of several models (the request's ``models``, docs/multi-model.md): the settings of its first
     model (its memory share added to its vLLM arguments) and what the start script needs of each other one
@@ -163,8 +158,17 @@ def co_models(settings: LaunchSettings, runner: Runner | None) -> tuple[LaunchSe
                                   vllm_args=[*req.vllm_args, *_share_args(m)]))
         p = plan_launch(sub, runner)
         others.append({"model_path": p.model_path, "served": p.served_model_name, "vllm_args": p.vllm_args,
-                       "gpus": ",".join(str(g) for g in m.get("gpus") or ()), "arg_lines": _pair_flags(p.vllm_args)})
+                       "gpus": ",".join(str(g) for g in m.get("gpus") or ()), "arg_lines": _pair_flags(p.vllm_args),
+                       "swap": bool(m.get("swap"))})
     return main, others
+
+
+def _share_args(model: dict[str, Any]) -> list[str]:
+    """A model's ``--gpu-memory-utilization`` share; a swapping one's sleep mode and the guard of its development
+    endpoints (docs/multi-model.md "Swapping")."""
+    share = model.get("share")
+    out = [] if share is None else ["--gpu-memory-utilization", f"{float(share):g}"]
+    return [*out, *SWAP_VLLM_ARGS] if model.get("swap") else out
 
 
 def multi_context(settings: LaunchSettings, models: list[dict[str, Any]]) -> dict[str, Any]:
@@ -172,7 +176,11 @@ def multi_context(settings: LaunchSettings, models: list[dict[str, Any]]) -> dic
     if not models:
         return {}
     first = settings.request.models[0]
-    return {"models": models, "main_gpus": ",".join(str(g) for g in first.get("gpus") or ())}
+    swapping = [m for m in settings.request.models if m.get("swap")]
+    return {"models": models, "main_gpus": ",".join(str(g) for g in first.get("gpus") or ()),
+            "main_served": first["served_model_name"], "main_swap": bool(first.get("swap")),
+            "swap_max_awake": int(swapping[0]["max_awake"]) if swapping else 0,
+            "swap_sleep_after_s": int(swapping[0].get("sleep_after_s") or 0) if swapping else 0}
 
 
 def template_environment(backend_dir: Path) -> Any:
@@ -213,6 +221,11 @@ def sh_path(value: Any) -> str:
 
 #: the parts of server/start/ only some scripts hold: models.sh, a multi-model job's (before supervise.sh)
 OPTIONAL_PARTS = ("models.sh",)
+#: the Python helpers of a job whose models swap, written into ``$SWAP_DIR`` by its start script (standard library
+#: only: they run in the vLLM's Python)
+SWAP_HELPERS = ("pbstk_dev_guard.py", "pbstk_swapper.py")
+#: a swapping model's vLLM arguments: sleep mode, and the guard of the development endpoints it needs
+SWAP_VLLM_ARGS = ("--enable-sleep-mode", "--middleware", "pbstk_dev_guard.DevGuard")
 #: the first line of supervise.sh: the multi-model part (models.sh) goes right before it
 _SUPERVISE_MARK = "# vLLM's output line by line into the log where stdbuf is there\n"
 
@@ -235,8 +248,24 @@ def render_start_script(jenv: Any, context: dict[str, Any]) -> str:
     body = start_body()
     if context.get("models"):  # several models: their part runs before the first model's supervised attempts
         cut = body.index(_SUPERVISE_MARK)
-        body = body[:cut] + (START_DIR / OPTIONAL_PARTS[0]).read_text(encoding="utf-8") + body[cut:]
+        body = (body[:cut] + _swap_helpers(context) + (START_DIR / OPTIONAL_PARTS[0]).read_text(encoding="utf-8")
+                + body[cut:])
     return header + stage_copy_block(context["profile"], context["vllm_args"]) + body
+
+
+def _swap_helpers(context: dict[str, Any]) -> str:
+    """A swapping job's lines that write ``SWAP_HELPERS`` into ``$SWAP_DIR`` (quoted here-documents); none
+    where no model swaps."""
+    if not context.get("swap_max_awake"):
+        return ""
+    out = ["# --- swapping (docs/multi-model.md): the development endpoints' guard and the swapper, beside the logs\n",
+           'mkdir -p "$SWAP_DIR" || pbstk_fail "cannot create $SWAP_DIR"\n']
+    for name in SWAP_HELPERS:
+        text = (START_DIR / name).read_text(encoding="utf-8")
+        assert "\nPBSTK_PYTHON\n" not in text
+        out.append(f'cat >"$SWAP_DIR/{name}" <<\'PBSTK_PYTHON\' || pbstk_fail "cannot write $SWAP_DIR/{name}"\n'
+                   f"{text}PBSTK_PYTHON\n")
+    return "".join(out)
 
 
 def _pair_flags(args: list[str]) -> list[list[str]]:

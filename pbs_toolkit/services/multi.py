@@ -18,8 +18,10 @@ from pbs_toolkit.settings.launch_settings import RenderRequest
 
 #: the router's multi-model mode: workers registered with a model id, requests routed by their ``model``
 ROUTER_ARGS = ("--enable-igw",)
+#: a swapping model's fields (``serve --max-awake``; docs/multi-model.md "Swapping"), passed on to its job
+SWAP_KEYS = ("swap", "max_awake", "sleep_after_s")
 #: the plan's fields a service record keeps for each model
-_KEPT = ("served_model_name", "model", "preset", "job", "node", "gpus", "gpu_memory_utilization", "port")
+_KEPT = ("served_model_name", "model", "preset", "job", "node", "gpus", "gpu_memory_utilization", "port", "swap")
 
 
 class Admin(Protocol):
@@ -45,7 +47,8 @@ def job_request(base: RenderRequest, rows: list[dict[str, Any]], job: int) -> Re
         raise UsageError(f"job {job} of the plan has no model")
     first = mine[0]
     models = [{"model": m["model"], "preset": m["preset"], "served_model_name": m["served_model_name"],
-               "gpus": list(m["gpus"]), "share": m["gpu_memory_utilization"]} for m in mine]
+               "gpus": list(m["gpus"]), "share": m["gpu_memory_utilization"],
+               **{k: m[k] for k in SWAP_KEYS if m.get("swap") and k in m}} for m in mine]
     return replace(base, model=first["model"], preset=first["preset"], served_model_name=first["served_model_name"],
                    models=models if len(models) > 1 else [],
                    vllm_args=[*base.vllm_args, *_share(first)] if len(models) == 1 else list(base.vllm_args))
@@ -124,10 +127,12 @@ def remove_workers(st: JobStatus, url: str, admin: Admin, in_router: set[str]) -
             in_router.discard(each)
 
 
-def model_rows(rec: ServiceRecord, statuses: dict[str, JobStatus]) -> list[dict[str, Any]]:
+def model_rows(rec: ServiceRecord, statuses: dict[str, JobStatus],
+               swaps: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """``status NAME``'s rows of a multi-model service, one per model: served name, what vLLM loads, state,
     job, GPUs, memory share, the URL clients use (the service's, once this model is READY) and its own
-    server's (``server``, the router's worker)."""
+    server's (``server``, the router's worker); a swapping model also ``swap`` (its swapper's view, ``swaps``
+    by job id: awake, wakes, sleeps, the last wake's and sleep's seconds)."""
     out = []
     for m in rec.models:
         slot = rec.slots[m["job"] - 1] if m["job"] - 1 < len(rec.slots) else None
@@ -144,5 +149,15 @@ def model_rows(rec: ServiceRecord, statuses: dict[str, JobStatus]) -> list[dict[
         out.append({"served_model_name": m["served_model_name"], "model": m["model"], "state": state,
                     "job": None if st is None else st.record.job_id, "gpus": list(m["gpus"]),
                     "gpu_memory_utilization": m["gpu_memory_utilization"],
-                    "url": rec.url if url is not None else None, "server": url})
+                    "url": rec.url if url is not None else None, "server": url,
+                    **({"swap": _swap_view(swaps or {}, st, m["served_model_name"])} if m.get("swap") else {})})
     return out
+
+
+def _swap_view(swaps: dict[str, dict[str, Any]], st: JobStatus | None, served: str) -> dict[str, Any] | None:
+    """One model's part of its job's ``swap.json``: ``None`` before the swapper wrote one."""
+    seen = swaps.get(st.record.job_id, {}) if st is not None else {}
+    one = seen.get("models", {}).get(served)
+    if not isinstance(one, dict):
+        return None
+    return {k: one.get(k) for k in ("awake", "wakes", "sleeps", "last_wake_s", "last_sleep_s", "asleep_gib")}

@@ -4,6 +4,7 @@ with the key (services/ready.py says what counts as ready)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -45,6 +46,8 @@ class ServiceStatus:
     route: RouteCheck | None = None
     #: the keeper's heartbeat (services/keeper.py ``last_tick``): ``ok_at``, ``error``, ``error_at``, ``failures``
     keeper_tick: dict[str, Any] = field(default_factory=dict)
+    #: a service whose models swap: each running job's ``swap.json`` (its swapper's view), by job id
+    swaps: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def keeper_stuck(self) -> str | None:
@@ -75,7 +78,9 @@ class ServiceStatus:
     @property
     def models(self) -> list[dict[str, Any]]:
         """A multi-model service's rows, one per model (services/multi.py ``model_rows``); none for one model."""
-        return model_rows(self.record, {s.record.job_id: s for s in self.replicas}) if self.record.models else []
+        if not self.record.models:
+            return []
+        return model_rows(self.record, {s.record.job_id: s for s in self.replicas}, self.swaps)
 
     def to_dict(self) -> dict[str, Any]:
         """A ``service`` object (docs/json.md): no key in it."""
@@ -133,7 +138,25 @@ def look(session: ServiceSession, rec: ServiceRecord, known: Mapping[str, JobSta
         state = ServiceState.DOWN  # and 0/N: nothing is reachable through the URL
     running = keeper_alive(rec.name) if rec.ended is None else False
     return ServiceStatus(rec, state, ready, statuses, running, router, job_state, route,
-                         keeper_tick=last_tick(rec.name) if running else {})
+                         keeper_tick=last_tick(rec.name) if running else {}, swaps=_swaps(session, rec, statuses))
+
+
+def _swaps(session: ServiceSession, rec: ServiceRecord, statuses: Sequence[JobStatus]) -> dict[str, dict[str, Any]]:
+    """Each running job's ``swap.json`` (written by its swapper, docs/multi-model.md "Swapping"), by job id; none
+    for a service whose models do not swap. A file not there (yet) or unreadable is left out."""
+    if not any(m.get("swap") for m in rec.models):
+        return {}
+    out = {}
+    for st in statuses:
+        if st.state.value != "READY":
+            continue
+        try:
+            data = json.loads(session.runner(rec.transport).read_bytes(f"{st.record.run_dir}/swap.json"))
+        except (OSError, ValueError, PbstkError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("models"), dict):
+            out[st.record.job_id] = data
+    return out
 
 
 def _recorded(session: ServiceSession, jobs: list[str]) -> list[Any]:

@@ -11,8 +11,9 @@ v1/metrics/loggers.py):
 
 Knobs: PBSTK_TEST_STANDIN_WAKE_S (seconds a wake takes, default 0.2), PBSTK_TEST_STANDIN_SLEEP_S (falling asleep,
 default 0.05), PBSTK_TEST_STANDIN_GPU_BYTES (the process's GPU memory awake, default 8 GiB; 1 GiB of CUDA graphs
-and context stays while asleep). Without --enable-sleep-mode, a sleep of level 1 or 2 answers 500 (the
-stand-in's choice: nothing would be freed).
+and context stays while asleep), PBSTK_TEST_STANDIN_SLEEP_LEAK_GIB (each sleep leaves this much more behind, awake
+and asleep: the leak over long rotations, vllm#36651; default 0). Without --enable-sleep-mode, a sleep of level
+1 or 2 answers 500 (the stand-in's choice: nothing would be freed).
 """
 
 import os
@@ -125,6 +126,8 @@ class SleepMode:
             with self.lock:
                 before = self.used_bytes()
                 self.asleep, self.level = set(TAGS), level
+                leak = int(float(os.environ.get("PBSTK_TEST_STANDIN_SLEEP_LEAK_GIB") or 0) * GIB)
+                self.gpu_bytes, self.kept_bytes = self.gpu_bytes + leak, self.kept_bytes + leak
                 freed = before - self.used_bytes()
             self.log(f"INFO 11-22 02:40:00 [gpu_worker.py:326] Sleep mode freed {freed / GIB:.2f} GiB memory, "
                      f"{self.used_bytes() / GIB:.2f} GiB memory is still in use.")

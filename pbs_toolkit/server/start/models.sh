@@ -5,9 +5,14 @@
 # models sharing a GPU never start at once), then the first model starts as in a one-model job on MAIN_GPUS.
 # server.json's `models` field lists `SERVED@PORT` of the others (the keeper registers each with the router);
 # they all stop when the script ends, however it ends (a stop signal, the first model's exit, a failure).
-declare MAIN_GPUS CO_MODELS
+# Swapping (SWAP_MAX_AWAKE > 0; docs/multi-model.md "Swapping"): a model with CO_SWAP_K (MAIN_SWAP for the first)
+# true starts with vLLM's sleep mode, its development endpoints (VLLM_SERVER_DEV_MODE=1) behind the job's key
+# (pbstk_dev_guard.py, --middleware), and falls asleep as soon as it listens, so that the next model of its GPUs
+# finds their memory free; then pbstk_swapper.py (beside them) wakes and sleeps them as requests come.
+declare MAIN_GPUS MAIN_SERVED CO_MODELS SWAP_MAX_AWAKE SWAP_SLEEP_AFTER_S MAIN_SWAP SWAP_DIR
 CO_PIDS=()
 CO_LIST=''
+SWAP_ARGS=()
 
 # pbstk_pick_gpus VAR PLANNED: the planned GPU indices as CUDA_VISIBLE_DEVICES entries: the job's own entries
 # (a scheduler's UUIDs) when it names enough of them, else the indices themselves; "" for none planned.
@@ -32,23 +37,40 @@ pbstk_kill_models() {
   CO_PIDS=()
 }
 
-# pbstk_start_model K: start model K and wait until it listens (or fail the job: it died first)
+# pbstk_swap_env: the environment of a swapping model's vLLM (its development endpoints, their guard)
+pbstk_swap_env() {
+  printf '%s\n' VLLM_SERVER_DEV_MODE=1 "PYTHONPATH=$SWAP_DIR${PYTHONPATH:+:$PYTHONPATH}" \
+    "PBSTK_DEV_GUARD_KEY_FILE=$RUN_DIR/api_key"
+}
+
+# pbstk_swap_post PORT PATH: POST PATH to this node's model server on PORT with the job's key (a bash
+# builtin writes it: never in a process's arguments); true when it answered 200
+pbstk_swap_post() {
+  local line='' code=''
+  exec 4<>"/dev/tcp/$PROBE_HOST/$1" || return 1
+  printf 'POST %s HTTP/1.0\r\nHost: %s\r\nAuthorization: Bearer %s\r\nContent-Length: 0\r\n\r\n' \
+    "$2" "$PROBE_HOST" "$(<"$RUN_DIR/api_key")" >&4
+  IFS= read -r -t 600 line <&4 && code=${line#* } && code=${code%% *}
+  exec 4<&-
+  [ "$code" = 200 ]
+}
+
+# pbstk_start_model K: start model K and wait until it listens (or fail the job: it died first); a swapping
+# model then falls asleep, and SWAP_ARGS gets its line for the swapper
 pbstk_start_model() {
-  local k=$1 model served gpus co_port='' cvd log pid
-  local -a args cmd
-  model="CO_MODEL_$k" served="CO_SERVED_$k" gpus="CO_GPUS_$k"
+  local k=$1 model served gpus swap co_port='' cvd log pid
+  local -a args cmd envs=()
+  model="CO_MODEL_$k" served="CO_SERVED_$k" gpus="CO_GPUS_$k" swap="CO_SWAP_$k"
   local ref="CO_ARGS_${k}[@]"
   args=("${!ref}")
   cmd=("${VLLM_CMD[@]:0:${#VLLM_CMD[@]}-1}" "${!model}")  # the first model's command, this model last
   pbstk_free_port co_port "$PROBE_HOST" "$PORT_LO" "$PORT_HI" || pbstk_fail "no free port in $PORT_LO..$PORT_HI on $NODE for model ${!served}"
   pbstk_pick_gpus cvd "${!gpus}"
+  [ -n "$cvd" ] && envs+=("CUDA_VISIBLE_DEVICES=$cvd")
+  [ "${!swap}" = true ] && mapfile -t -O "${#envs[@]}" envs < <(pbstk_swap_env)
   log="$RUN_DIR/vllm.model$((k + 1)).log"
   pbstk_log "model ${!served}: starting vLLM on $ADDRESS:$co_port (GPUs ${cvd:-all of the job}), log $log"
-  if [ -n "$cvd" ]; then
-    CUDA_VISIBLE_DEVICES=$cvd "${cmd[@]}" "${args[@]}" --host "$BIND_HOST" --port "$co_port" "${API_KEY_ARGS[@]}" >>"$log" 2>&1 &
-  else
-    "${cmd[@]}" "${args[@]}" --host "$BIND_HOST" --port "$co_port" "${API_KEY_ARGS[@]}" >>"$log" 2>&1 &
-  fi
+  env "${envs[@]}" "${cmd[@]}" "${args[@]}" --host "$BIND_HOST" --port "$co_port" "${API_KEY_ARGS[@]}" >>"$log" 2>&1 &
   pid=$!
   CO_PIDS+=("$pid")
   until pbstk_port_in_use "$PROBE_HOST" "$co_port"; do
@@ -57,6 +79,29 @@ pbstk_start_model() {
   done
   pbstk_log "model ${!served} is listening on $ADDRESS:$co_port"
   CO_LIST+="${CO_LIST:+ }${!served}@$co_port"
+  [ "${!swap}" = true ] || return 0
+  pbstk_swap_post "$co_port" '/sleep?level=1' || pbstk_fail "model ${!served} did not fall asleep (see $log)"
+  pbstk_log "model ${!served} is asleep until a request for it comes"
+  SWAP_ARGS+=(--model "${!served}" "$co_port" "${!gpus:-all}" "$log")
+}
+
+# pbstk_start_swapper: pbstk_swapper.py in the background (one of CO_PIDS: its exit ends the job too)
+pbstk_start_swapper() {
+  local py
+  [ "$SWAP_MAX_AWAKE" -gt 0 ] || return 0
+  # the first model: port 0, its port read from server.json once it is ready (its attempts pick the port)
+  [ "$MAIN_SWAP" = true ] && SWAP_ARGS+=(--model "$MAIN_SERVED" 0 "${MAIN_GPUS:-all}" "$LOG")
+  for py in python3 python; do
+    if "${PY_PREFIX[@]}" "$py" -c 'import sys; sys.exit(sys.version_info < (3, 8))' 2>/dev/null; then
+      "${PY_PREFIX[@]}" "$py" "$SWAP_DIR/pbstk_swapper.py" --run-dir "$RUN_DIR" --host "$PROBE_HOST" \
+        --max-awake "$SWAP_MAX_AWAKE" --sleep-after "$SWAP_SLEEP_AFTER_S" --script-pid "$$" "${SWAP_ARGS[@]}" \
+        >>"$LOG" 2>&1 &
+      CO_PIDS+=("$!")
+      pbstk_log "swapper: at most $SWAP_MAX_AWAKE model(s) awake on each GPU set (pid $!)"
+      return 0
+    fi
+  done
+  pbstk_fail "no python3 (3.8 or later) beside vLLM to run the swapper"
 }
 
 # pbstk_watch_models (in the background): the other models' servers, each second; one that exited (gone, or a
@@ -82,6 +127,11 @@ for ((co_k = 1; co_k <= CO_MODELS; co_k++)); do
   pbstk_start_model "$co_k"
 done
 MARKER_EXTRA+=("models=$CO_LIST")
+if [ "$MAIN_SWAP" = true ]; then  # the first model swaps too: its vLLM (started below) gets what the others got
+  mapfile -t pbstk_main_env < <(pbstk_swap_env)
+  export "${pbstk_main_env[@]}"
+fi
+pbstk_start_swapper
 pbstk_watch_models &
 CO_WATCH_PID=$!
 pbstk_pick_gpus co_main "$MAIN_GPUS"

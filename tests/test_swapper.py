@@ -1,0 +1,144 @@
+"""The swapper's decisions and the development endpoints' guard (server/start/pbstk_swapper.py and
+pbstk_dev_guard.py, issue 31 item 3): files a swapping job writes into its run directory and runs with the vLLM's
+own Python, so they are loaded here from their paths; both are pure where these tests look."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+START = Path(__file__).resolve().parent.parent / "pbs_toolkit" / "server" / "start"
+
+
+def load(name: str) -> ModuleType:
+    """The helper as a module, no bytecode written beside it (the package's start/ holds only what it ships)."""
+    spec = importlib.util.spec_from_file_location(name, START / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = before
+    return module
+
+
+swapper = load("pbstk_swapper")
+guard = load("pbstk_dev_guard")
+NOW = 1000.0
+
+
+def model(served: str, *, awake: bool, running: int = 0, waiting: int = 0, last_busy: float = 0.0,
+          group: str = "0", waiting_since: float = 0.0, awake_since: float = 0.0) -> Any:
+    m = swapper.Model(served, 8000, group, "/nonexistent")
+    m.awake, m.running, m.waiting, m.last_busy = awake, running, waiting, last_busy
+    m.waiting_since, m.awake_since = waiting_since or (NOW if waiting else 0.0), awake_since
+    return m
+
+
+def names(actions: list[tuple[str, Any]]) -> list[tuple[str, str]]:
+    return [(a, m.served) for a, m in actions]
+
+
+def test_a_request_for_a_sleeping_model_puts_the_idle_one_to_sleep_then_wakes_it() -> None:
+    a, b = model("a", awake=True, last_busy=900), model("b", awake=False, waiting=3)
+    assert names(swapper.decide([a, b], 1, NOW, 0.0)) == [("sleep", "a"), ("wake", "b")]
+
+
+def test_the_least_recently_busy_idle_model_sleeps_first() -> None:
+    a, b = model("a", awake=True, last_busy=990), model("b", awake=True, last_busy=950)
+    c = model("c", awake=False, waiting=1)
+    assert names(swapper.decide([a, b, c], 2, NOW, 0.0)) == [("sleep", "b"), ("wake", "c")]
+
+
+def test_a_busy_model_is_not_put_to_sleep_until_the_sleeper_waited_its_fair_time() -> None:
+    busy = model("a", awake=True, running=5, last_busy=NOW, awake_since=NOW - 60)
+    fresh = model("b", awake=False, waiting=1, waiting_since=NOW - 1)
+    assert swapper.decide([busy, fresh], 1, NOW, 0.0) == []  # thrashing avoided: it waits
+    old = model("b", awake=False, waiting=1, waiting_since=NOW - swapper.FAIR_S)
+    assert names(swapper.decide([busy, old], 1, NOW, 0.0)) == [("sleep", "a"), ("wake", "b")]
+    just_woken = model("a", awake=True, running=5, last_busy=NOW, awake_since=NOW - 1)
+    assert swapper.decide([just_woken, old], 1, NOW, 0.0) == []  # nor one that has just woken
+
+
+def test_models_of_other_gpu_sets_are_never_put_to_sleep_for_it() -> None:
+    other = model("a", awake=True, group="1", last_busy=0)
+    mine = model("b", awake=True, group="0", running=1, last_busy=NOW, awake_since=NOW)
+    wanted = model("c", awake=False, group="0", waiting=1)
+    assert swapper.decide([other, mine, wanted], 1, NOW, 0.0) == []
+    assert names(swapper.decide([other, wanted], 1, NOW, 0.0)) == [("wake", "c")]
+
+
+def test_sleep_after_puts_an_idle_model_to_sleep_and_never_a_busy_one() -> None:
+    idle = model("a", awake=True, last_busy=NOW - 61, awake_since=NOW - 100)
+    busy = model("b", awake=True, running=1, last_busy=NOW, group="1")
+    assert names(swapper.decide([idle, busy], 1, NOW, 60.0)) == [("sleep", "a")]
+    assert swapper.decide([idle, busy], 1, NOW, 0.0) == []  # off by default
+    woken = model("a", awake=True, last_busy=0, awake_since=NOW - 10)
+    assert swapper.decide([woken], 1, NOW, 60.0) == []  # awake for 10 s only
+
+
+def test_the_leak_figure_is_the_last_sleep_line_of_the_log(tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    log.write_text("x\nINFO Sleep mode freed 7.00 GiB memory, 1.00 GiB memory is still in use.\ny\n"
+                   "INFO Sleep mode freed 6.50 GiB memory, 2.50 GiB memory is still in use.\n")
+    assert swapper.last_still_in_use(str(log)) == 2.5
+    assert swapper.last_still_in_use(str(tmp_path / "none.log")) is None
+
+
+def ask(path: str, authorization: str | None, key: bytes | None, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> tuple[int | None, bool]:
+    """Run the guard as vLLM would (an ASGI app wrapped by the class): (status it sent, whether it passed on)."""
+    if key is not None:
+        (tmp_path / "api_key").write_bytes(key + b"\n")
+        monkeypatch.setenv(guard.KEY_FILE_ENV, str(tmp_path / "api_key"))
+    else:
+        monkeypatch.delenv(guard.KEY_FILE_ENV, raising=False)
+    passed: list[bool] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        passed.append(True)
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    headers = [(b"authorization", authorization.encode())] if authorization is not None else []
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": headers}
+    asyncio.run(guard.DevGuard(app)(scope, receive, send))
+    status = next((m["status"] for m in sent if m["type"] == "http.response.start"), None)
+    return status, bool(passed)
+
+
+@pytest.mark.parametrize("path", ["/sleep", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/is_sleeping",
+                                  "/v1/completions", "/health/../sleep", "/"])
+def test_the_guard_refuses_every_path_but_the_probes_without_the_key(path: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ask(path, None, b"s3cret", tmp_path, monkeypatch) == (401, False)
+    assert ask(path, "Bearer wrong", b"s3cret", tmp_path, monkeypatch) == (401, False)
+    assert ask(path, "Basic s3cret", b"s3cret", tmp_path, monkeypatch) == (401, False)
+    assert ask(path, "Bearer s3cret", b"s3cret", tmp_path, monkeypatch) == (None, True)
+    assert ask(path, "Bearer s3cret", None, tmp_path, monkeypatch) == (401, False)  # no key file: closed
+
+
+@pytest.mark.parametrize("path", sorted(guard.OPEN_PATHS))
+def test_the_probes_stay_open(path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ask(path, None, b"s3cret", tmp_path, monkeypatch) == (None, True)
+
+
+def test_the_guard_keeps_only_a_digest_of_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "k").write_bytes(b"s3cret")
+    monkeypatch.setenv(guard.KEY_FILE_ENV, str(tmp_path / "k"))
+    kept = guard.DevGuard(None)
+    assert kept.digest == hashlib.sha256(b"s3cret").digest() and b"s3cret" not in repr(vars(kept)).encode()
