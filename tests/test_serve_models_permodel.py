@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 from helpers import pbstk, wait_for
 from test_serve_models_run import ROUTER, chat, gpu_svc  # noqa: F401 - gpu_svc: the fixture
@@ -131,3 +132,58 @@ def test_idle_cancel_sees_every_model(gpu_svc: Any) -> None:  # noqa: F811
     done = wait_for(lambda: (d := json.loads(pbstk("status", "idl", "--json").stdout)[0])["state"] == "ENDED" and d,
                     60, "the service ended idle")
     assert done["end_reason"].startswith("idle: no request for"), done
+
+
+def test_each_model_of_two_pbs_jobs(isolated_user: Path, fakepbs: Path, standins: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three models in two fake-PBS jobs (c alone on its GPU in one, a and b sharing the other's): each model's
+    log is found in its own job, metrics has a line per model over both replicas, usage splits each job's
+    GPU-hours among its own models only."""
+    from test_serve_models import checkpoint
+    from test_service import _stop_services
+
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / "pbs1.yaml").write_text(
+        "name: pbs1\nscheduler: pbs\nnodes: 1\ngpus_per_node: 1\ngpu_memory_gb: 80\ncpus_per_node: 2\n"
+        f"walltime: '00:10:00'\naddress: loopback\nbind_host: 127.0.0.1\nrouter_command: {ROUTER}\nrouter: local\n")
+    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")
+    root = isolated_user / "m"
+    a, b, c = (checkpoint(root, n, size) for n, size in (("a", 1_200_000_000), ("b", 1_200_000_000),
+                                                          ("c", 3_400_000_000)))
+    try:
+        result = pbstk("serve", f"{a}:name=a", f"{b}:name=b", f"{c}:name=c:preset=single", "--name", "trio",
+                       "--profile", "pbs1", "--wait", "--timeout", "120")
+        assert result.exit_code == 0, result.output
+        rec = records.find(JobStore(), "trio")
+        wait_for(lambda: len(requests.get(rec.url[:-3] + "/list_workers", timeout=5).json()["urls"]) == 3, 30,
+                 "three servers in the router")
+        jobs = {m["served_model_name"]: m["job"] for m in rec.models}
+        shared = JobStore().find(rec.slots[jobs["a"] - 1].current)
+        second = "b" if shared.served_model_name == "a" else "a"
+        alone = JobStore().find(rec.slots[jobs["c"] - 1].current)
+        for model, path in (("c", Path(alone.run_dir) / "vllm.log"),
+                            (second, Path(shared.run_dir) / "vllm.model2.log"),
+                            (shared.served_model_name, Path(shared.run_dir) / "vllm.log")):
+            shown = pbstk("logs", "trio", "--model", model, "-n", "3")
+            assert shown.exit_code == 0 and shown.stdout == _tail(path, 3), (model, shown.output)
+
+        assert chat(rec.url, rec.api_key, second).status_code == 200
+        doc = json.loads(pbstk("metrics", "trio", "--json", "--interval", "0.2").stdout)
+        got = {m["model"]: (m["job_id"], m["totals"]["requests_success"]) for m in doc["models"]}
+        assert got == {"c": (alone.job_id, 0), second: (shared.job_id, 1), shared.served_model_name:
+                       (shared.job_id, 0)}, doc["models"]
+        assert doc["aggregate"]["replicas"] == 2 and doc["aggregate"]["models"] == 3
+
+        usage = json.loads(pbstk("usage", "trio", "--json").stdout)
+        parts = {m["model"]: m for m in usage["services"][0]["models"]}
+        hours = {r["job_id"]: r["gpu_hours"] for r in usage["jobs"] if r["kind"] == "replica"}
+        assert parts["c"]["gpu_hours"] == hours[alone.job_id] and parts["c"]["jobs"] == 1, (parts, hours)
+        assert hours[alone.job_id] and hours[shared.job_id], hours  # GPU time there to split
+        assert parts["a"]["gpu_hours"] == parts["b"]["gpu_hours"], parts  # shares 0.1 and 0.1 of one GPU
+        assert parts["a"]["gpu_hours"] == pytest.approx(hours[shared.job_id] / 2, abs=1e-4), (parts, hours)
+        assert pbstk("cancel", "trio").exit_code == 0
+    finally:
+        _stop_services()
