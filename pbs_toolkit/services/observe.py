@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 from pbs_toolkit.services import health
-from pbs_toolkit.services.per_model import model_servers
+from pbs_toolkit.services.per_model import model_servers, pick
 from pbs_toolkit.services.router_metrics import (
     ROUTER_COUNTERS,
     RouterSnapshot,
@@ -194,24 +194,24 @@ class _Scraper:
 
     def __init__(self, session: ServiceSession, st: ServiceStatus, model: str | None = None) -> None:
         self.session, self.rec, self.targets = session, st.record, serving(st)
+        if model is not None:
+            pick(self.rec, model)  # an unknown model, or a one-model service: one line, exit 2
         self.models = model_servers(self.rec, self.targets, model) if self.rec.models else []
-        if self.rec.models and model is not None and not self.models:
+        if model is not None and not self.models:
             raise ServerFailed(f"model {model} of service {self.rec.name} is not serving now (`pbstk status "
                                f"{self.rec.name}` shows its state)")
-        if self.rec.models:  # a replica holds the models picked
-            self.targets = [(i, js) for i, js in self.targets if any(m[0] == i for m in self.models)]
-        elif model is not None:
-            model_servers(self.rec, self.targets, model)  # one model only: refused, naming why
+        if self.rec.models:  # the replicas holding the models picked
+            self.targets = [(i, js) for i, js in self.targets if any(m.replica == i for m in self.models)]
 
     def keys(self, job: str) -> list[str]:
         """The scrapes that make up replica ``job``: its models' served names, or the job itself."""
-        return [m[2] for m in self.models if m[1].record.job_id == job] if self.rec.models else [job]
+        return [m.served for m in self.models if m.status.record.job_id == job] if self.rec.models else [job]
 
     def take(self) -> _Round:
         from pbs_toolkit.perf.scrape import scrape, scrape_at
 
         snaps, errors = {}, {}
-        for key, js, host, port in ([(m[2], m[1], m[3], m[4]) for m in self.models] if self.rec.models
+        for key, js, host, port in ([(m.served, m.status, m.host, m.port) for m in self.models] if self.rec.models
                                     else [(js.record.job_id, js, None, None) for _, js in self.targets]):
             runner = self.session.runner(js.record.transport)
             try:

@@ -5,18 +5,29 @@ service's idle check), and the ``--model M`` pick that ``logs`` and ``metrics`` 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
 
 from pbs_toolkit.errors import UsageError
+from pbs_toolkit.jobs.status import JobStatus
+from pbs_toolkit.perf.scrape import scrape_at
 from pbs_toolkit.services.health import worker_url
 from pbs_toolkit.services.multi import co_urls
+from pbs_toolkit.vllm.prom import MetricsSnapshot, combine
 
 if TYPE_CHECKING:
-    from pbs_toolkit.jobs.status import JobStatus
     from pbs_toolkit.services.record import ServiceRecord
     from pbs_toolkit.transports import Runner
-    from pbs_toolkit.vllm.prom import MetricsSnapshot
+
+
+class ModelServer(NamedTuple):
+    """One model's own server in a serving replica (``metrics NAME``'s per-model line)."""
+
+    replica: int
+    status: JobStatus
+    served: str
+    host: str
+    port: int
 
 
 def served_names(rec: ServiceRecord) -> list[str]:
@@ -61,9 +72,6 @@ def job_snapshot(runner: Runner, st: JobStatus, timeout: float = 3.0) -> Metrics
     """One ``/metrics`` look at every model of a job, summed (``vllm/prom.py`` ``combine``): running and waiting
     requests of all of them, their success counters added (a request to any model moves the sum). Raises
     ``PbstkError`` when any model's server did not answer: a job not fully seen is not idle."""
-    from pbs_toolkit.perf.scrape import scrape_at
-    from pbs_toolkit.vllm.prom import combine
-
     found = servers(st)
     if not found:
         raise UsageError(f"job {st.record.job_id} has no server address yet")
@@ -72,17 +80,15 @@ def job_snapshot(runner: Runner, st: JobStatus, timeout: float = 3.0) -> Metrics
 
 
 def model_servers(rec: ServiceRecord, targets: list[tuple[int, JobStatus]],
-                  model: str | None = None) -> list[tuple[int, JobStatus, str, str, int]]:
-    """(replica index, job status, served name, host, port) of each model of ``targets`` (the serving jobs),
-    in plan order; ``model``: that one only (``metrics NAME --model M``)."""
-    if model is not None:
-        pick(rec, model)
-    by_slot = {index: st for index, st in targets}
-    out: list[tuple[int, JobStatus, str, str, int]] = []
+                  model: str | None = None) -> list[ModelServer]:
+    """Each model's server in ``targets`` (the serving jobs: replica index, status), in plan order; ``model``:
+    that one only (``metrics NAME --model M``)."""
+    by_slot = dict(targets)
+    out: list[ModelServer] = []
     for m in rec.models:
         served = m["served_model_name"]
         st = by_slot.get(m["job"] - 1)
         if st is None or (model is not None and served != model):
             continue
-        out.extend((m["job"] - 1, st, s, host, port) for s, host, port in servers(st) if s == served)
+        out.extend(ModelServer(m["job"] - 1, st, s, host, port) for s, host, port in servers(st) if s == served)
     return out
