@@ -299,39 +299,41 @@ class Client(ServiceMethods, PerfMethods):
 
     def logs(self, job: Job | JobRecord | str | None = None, lines: int = 50, follow: bool = False, *,
              stream: str = "vllm", final_every: float = 5.0,
-             notice: Callable[[str], None] | None = None, node: int | None = None) -> Iterator[str]:
+             notice: Callable[[str], None] | None = None, node: int | None = None,
+             model: int | None = None) -> Iterator[str]:
         """The job's log lines (without newlines): the last ``lines``; with ``follow``, then new ones until the
         job ends (its status is asked at most every ``final_every`` s). Closing the iterator stops following.
         ``notice`` hears what happens to the file while following (rotated, truncated, ...). ``node``: that
-        node's vLLM log on a job over several nodes (0, the head's, is the default ``vllm`` stream)."""
+        node's vLLM log on a job over several nodes (0, the head's, is the default ``vllm`` stream). ``model``:
+        the vLLM log of the model at that place of a multi-model job (0: the job's own)."""
         from pbs_toolkit.jobs.logs import follow_job_log, last_lines
 
-        record, path = self._log_path(job, lines, stream, node)
+        record, path = self._log_path(job, lines, stream, node, model)
         if follow:
             return follow_job_log(lambda: self.runner(record.transport), path, lines, final_every,
                                   notice or _info, lambda: self._is_final(record))
         return last_lines(self.runner(record.transport), path, lines, f"job {record.job_id}")
 
     def log_text(self, job: Job | JobRecord | str | None = None, lines: int = 50, *,
-                 stream: str = "vllm", node: int | None = None) -> Iterator[str]:
+                 stream: str = "vllm", node: int | None = None, model: int | None = None) -> Iterator[str]:
         """The last ``lines`` lines exactly as the file holds them (line ends kept, in pieces: ``lines=10**6``
-        never holds a second full copy of the text)."""
+        never holds a second full copy of the text); ``node``, ``model``: as for ``logs``."""
         from pbs_toolkit.jobs.logs import check_log_request
         from pbs_toolkit.jobs.nodes import job_log_text
 
-        check_log_request(lines, stream, node)
+        check_log_request(lines, stream, node, model)
         record = self.record(job)
-        return job_log_text(record, lambda: self.runner(record.transport), lines, stream, node)
+        return job_log_text(record, lambda: self.runner(record.transport), lines, stream, node, model)
 
     def _log_path(self, job: Job | JobRecord | str | None, lines: int, stream: str,
-                  node: int | None = None) -> tuple[JobRecord, str]:
+                  node: int | None = None, model: int | None = None) -> tuple[JobRecord, str]:
         from pbs_toolkit.jobs.logs import check_log_request
         from pbs_toolkit.jobs.nodes import job_log_path
 
-        check_log_request(lines, stream, node)
+        check_log_request(lines, stream, node, model)
         record = self.record(job)
         return record, job_log_path(lambda: self.runner(record.transport), record.run_dir, record.scheduler,
-                                    record.job_id, stream, node)
+                                    record.job_id, stream, node, model)
 
     def _is_final(self, record: JobRecord) -> bool:
         from pbs_toolkit.jobs.status import status

@@ -104,7 +104,6 @@ def test_one_model_with_dry_run_is_planned_and_its_own_preset_is_used(gpu_profil
     (["--policy", "power_of_two"], ("--policy power_of_two", "routes by model")),
     (["--nodes", "2"], ("second node of a job", "not running yet")),
     (["--port", "9000"], ("--port 9000", "a port each")),
-    (["--idle-cancel", "30m"], ("--idle-cancel of a multi-model service", "--idle-cancel off")),
 ])
 def test_what_several_models_do_not_run_yet_is_refused_in_one_line(gpu_profile: str, models: list[str],
                                                                     extra: list[str], words: tuple[str, ...]) -> None:

@@ -20,6 +20,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pbs_toolkit.campaigns import counters
+from pbs_toolkit.campaigns.model_usage import per_model
 from pbs_toolkit.errors import JobNotFound, PbstkError, UsageError
 from pbs_toolkit.jobs.records import ACCOUNTING_KEY, find_in
 from pbs_toolkit.schema import stamp
@@ -92,6 +93,8 @@ class Totals:
 
     label: str
     rows: list[UsageRow] = field(default_factory=list)
+    #: a multi-model service's per-model part (campaigns/model_usage.py ``per_model``); ``None``: one model
+    models: list[dict[str, Any]] | None = None
 
     def total(self, name: str) -> float | None:
         values = [getattr(r, name) for r in self.rows if getattr(r, name) is not None]
@@ -117,7 +120,8 @@ class UsageReport:
     def to_dict(self) -> dict[str, Any]:
         return stamp("usage", {
             "jobs": [r.to_dict() for r in self.jobs],
-            "services": [{"service": s.label, **s.to_dict()} for s in self.services],
+            "services": [{"service": s.label, **s.to_dict(), **({"models": s.models} if s.models is not None else {})}
+                         for s in self.services],
             "totals": self.totals.to_dict(),
             "notes": list(self.notes),
         })
@@ -232,8 +236,18 @@ def collect(client: UsageSource, refs: Sequence[str], since: float | None = None
             _count(client, row, known)
         if row.service is None:
             rows.append(row)
+    _models(client, services, groups, plan)
     everything = [r for g in groups for r in g.rows] + rows
     return UsageReport(jobs=everything, services=groups, totals=Totals("total", everything), notes=notes)
+
+
+def _models(client: UsageSource, services: Sequence[ServiceRecord], groups: Sequence[Totals],
+            plan: Sequence[tuple[UsageRow, JobRecord | None, dict[str, Any] | None]]) -> None:
+    """Each multi-model service's per-model part of its jobs (campaigns/model_usage.py)."""
+    for svc, group in zip(services, groups):
+        if svc.models:
+            jobs_of = [(row, known) for row, known, _ in plan if row.service == svc.name and known is not None]
+            group.models = per_model(svc, jobs_of, client.runner)
 
 
 def with_ledger(store: JobStore) -> list[JobRecord]:

@@ -188,6 +188,11 @@ def usage_table(report: Any) -> str:
         for r in svc.rows:
             rows.append(cells(r.job_id, f"{r.name} ({r.kind} of {svc.label})", r.to_dict(), r.walltime_source or "-"))
         rows.append(cells(f"service {svc.label}", f"{len(svc.rows)} job(s)", svc.to_dict(), ""))
+        for m in svc.models or []:  # a multi-model service: each model's part (docs/multi-model.md)
+            awake = "" if m.get("awake_s") is None else f", awake {short(m['awake_s'])}"
+            rows.append([f"  model {m['model']}", f"part of {m['jobs']} job(s){awake}", "-",
+                         _n(len(m["gpus"]) or None), "-", _n(m.get("node_hours"), 3), _n(m.get("gpu_hours"), 3),
+                         "-", "-", "-", "-", ""])
     for r in report.jobs:
         if r.service is None:
             rows.append(cells(r.job_id, r.name, r.to_dict(), r.walltime_source or "-"))

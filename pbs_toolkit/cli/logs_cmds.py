@@ -21,15 +21,20 @@ from pbs_toolkit.jobs.logs import SERVER_STREAMS
               help="On a job over several nodes: node K's vLLM log (0, the head's, is the default).")
 @click.option("--replica", type=int, default=None, metavar="K",
               help="JOB names a service: replica K's job log instead of the router's.")
-def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | None, replica: int | None) -> None:
+@click.option("--model", default=None, metavar="M",
+              help="JOB names a multi-model service: the vLLM log of its model M (a served name), of the job "
+              "holding it.")
+def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | None, replica: int | None,
+         model: str | None) -> None:
     """The realtime vLLM log of JOB (default: the newest job), locally or over SSH.
 
-    JOB may name a service (`pbstk serve`): its router's log, or with --replica K that replica's."""
+    JOB may name a service (`pbstk serve`): its router's log, with --replica K that replica's (of a multi-model
+    service: that job's first model's), with --model M that model's."""
     from pbs_toolkit.errors import UsageError
 
     if lines < 0:
         raise UsageError("-n must not be negative")
-    if not follow and replica is None and _print_local_job_log(job, lines, stream, node):
+    if not follow and replica is None and model is None and _print_local_job_log(job, lines, stream, node):
         return
     from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
@@ -37,13 +42,18 @@ def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | Non
     notice = lambda m: click.echo(f"pbstk: {m}", err=True)  # noqa: E731
     with Client() as c:
         svc = service_cmds.named_service(c, job, replica)  # docs/services.md
+        if model is not None and svc is None:
+            raise UsageError(f"--model {model}: {job or 'the newest job'} is no service; --model picks a model of "
+                             "a multi-model service (pbstk serve M1 M2 ... --name NAME)")
         if not follow:
             # -n 1000000: no second full copy of the text
-            for piece in (c.service_log(svc, lines, replica=replica, pieces=True, stream=stream, node=node) if svc
+            for piece in (c.service_log(svc, lines, replica=replica, pieces=True, stream=stream, node=node,
+                                        model=model) if svc
                           else c.log_text(job, lines, stream=stream, node=node)):
                 click.echo(piece, nl=False)
             return
-        for line in (c.service_log(svc, lines, True, replica=replica, stream=stream, node=node, notice=notice)
+        for line in (c.service_log(svc, lines, True, replica=replica, stream=stream, node=node, notice=notice,
+                                   model=model)
                      if svc else c.logs(job, lines, follow=True, stream=stream, node=node, notice=notice)):
             click.echo(line)
 

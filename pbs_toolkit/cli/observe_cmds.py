@@ -67,19 +67,27 @@ def _show_summary(s: dict[str, Any]) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--wait", "wait_ready", is_flag=True, help="Wait for the job to be ready first.")
 @click.option("--timeout", type=SECONDS, default=3600.0)
+@click.option("--model", default=None, metavar="M",
+              help="JOB names a multi-model service: its model M (a served name) only.")
 def metrics(job: str | None, watch: float | None, count: int, export_path: str | None, interval: float,
-            as_json: bool, wait_ready: bool, timeout: float) -> None:
+            as_json: bool, wait_ready: bool, timeout: float, model: str | None) -> None:
     """Throughput, queue, KV cache and latency percentiles of JOB's server (from /metrics and its log).
 
-    JOB may name a service (`pbstk serve`): each serving replica, their sum, and the router's own figures."""
+    JOB may name a service (`pbstk serve`): each serving replica, their sum, and the router's own figures; of a
+    multi-model service, each model too (--model M: that one)."""
     from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
+    from pbs_toolkit.errors import UsageError
 
     with Client() as c:
         svc = service_cmds.named_service(c, job)  # docs/services.md
+        if model is not None and svc is None:
+            raise UsageError(f"--model {model}: {job or 'the newest job'} is no service; --model picks a model of "
+                             "a multi-model service")
         if svc is not None:
             sst = service_cmds.wait_service(c, svc, timeout, as_json) if wait_ready else svc
-            looks: Any = c.watch_service_metrics(sst, watch, count) if watch else [c.service_metrics(sst, interval)]
+            looks: Any = (c.watch_service_metrics(sst, watch, count, model) if watch
+                          else [c.service_metrics(sst, interval, model)])
             show = lambda m: service_cmds.show_metrics(m, _show_summary)  # noqa: E731
         else:
             st = _ready_status(c, job, wait_ready, timeout)

@@ -364,16 +364,19 @@ def show_metrics(m: Any, show_summary: Any) -> None:
     def fmt(v: Any, unit: str = "") -> str:
         return "-" if v is None else f"{v:.1f}{unit}" if isinstance(v, float) else f"{v}{unit}"
 
-    click.echo(f"service {m.name}: {m.aggregate['replicas']} replica(s) scraped")
-    for r in m.replicas:
+    models = "" if m.models is None else f", {m.aggregate.get('models', 0)} model(s)"
+    click.echo(f"service {m.name}: {m.aggregate['replicas']} replica(s){models} scraped")
+    rows = [(f"r{r['replica']} {r['job_id']}", r) for r in m.replicas]
+    rows += [(f"model {r['model']} (r{r['replica']} {r['job_id']})", r) for r in m.models or []]
+    for label, r in rows:
         if "error" in r:
-            click.echo(f"  r{r['replica']} {r['job_id']}: {r['error']}")
+            click.echo(f"  {label}: {r['error']}")
             continue
         rates = r.get("rates") or {}
-        click.echo(f"  r{r['replica']} {r['job_id']}: running {fmt(r['running'])}  waiting {fmt(r['waiting'])}  "
+        click.echo(f"  {label}: running {fmt(r['running'])}  waiting {fmt(r['waiting'])}  "
                    f"KV cache {fmt(r['kv_cache_usage_pct'], '%')}  gen {fmt(rates.get('generation_tokens_per_s'))} "
                    f"tok/s  req {fmt(rates.get('requests_per_s'))}/s")
-    click.echo("all replicas:")
+    click.echo("all replicas:" if m.models is None else "all models:")
     show_summary(m.aggregate)
     rt = m.router
     if rt is None:

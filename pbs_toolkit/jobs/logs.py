@@ -275,12 +275,16 @@ def _emit_lines(data: bytes, emit: Callable[[str], None]) -> bytes:
 # -- one job's log (``Client.logs`` / ``log_text``) -----------------------------------------------------------
 
 
-def check_log_request(lines: int, stream: str, node: int | None) -> None:
-    """Refuse a negative ``lines``, and ``node`` with a stream that is the job's, not a node's."""
+def check_log_request(lines: int, stream: str, node: int | None, model: int | None = None) -> None:
+    """Refuse a negative ``lines``, and ``node`` (or a multi-model job's ``model``) with a stream that is the
+    job's, not a node's (a model's)."""
     if lines < 0:
         raise UsageError("lines must not be negative")
     if node is not None and stream != "vllm":
         raise UsageError(f"--node picks one node's vLLM log; the {stream} stream is the job's, not a node's")
+    if model is not None and (stream != "vllm" or node is not None):
+        raise UsageError("--model picks one model's vLLM log: leave --stream and --node out (the scheduler's "
+                         "streams are the job's: --replica K)")
 
 
 def tail_pieces(runner: Runner, path: str, lines: int, owner: str) -> Iterator[str]:

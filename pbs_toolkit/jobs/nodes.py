@@ -41,6 +41,12 @@ def node_log_name(rank: int) -> str:
     return "vllm.log" if rank == 0 else f"vllm.node{rank}.log"
 
 
+def model_log_name(place: int) -> str:
+    """The vLLM log of the model at ``place`` among a multi-model job's models (server/start/models.sh):
+    ``vllm.log`` for the job's own (place 0), ``vllm.model<K+1>.log`` for its K-th other model."""
+    return "vllm.log" if place == 0 else f"vllm.model{place + 1}.log"
+
+
 @dataclass
 class NodeMarker:
     """One ``nodes/K.json``, fields of the wrong type dropped (a bad marker spoils only its own node)."""
@@ -245,17 +251,21 @@ def node_log_path(runner: Runner, run_dir: str, job_id: str, rank: int) -> str:
 
 
 def job_log_path(runner: Callable[[], Runner], run_dir: str, scheduler: str, job_id: str, stream: str,
-                 node: int | None = None) -> str:
-    """The file of a job's ``stream``; ``node``: that node's vLLM log (found through ``runner()``)."""
+                 node: int | None = None, model: int | None = None) -> str:
+    """The file of a job's ``stream``; ``node``: that node's vLLM log (found through ``runner()``); ``model``:
+    the vLLM log of the model at that place of a multi-model job (``model_log_name``)."""
+    if model is not None:
+        return f"{run_dir}/{model_log_name(model)}"
     if node is not None:
         return node_log_path(runner(), run_dir, job_id, node)
     return stream_path(run_dir, scheduler, stream)
 
 
 def job_log_text(record: JobRecord, runner: Callable[[], Runner], lines: int, stream: str = "vllm",
-                 node: int | None = None) -> Iterator[str]:
-    """The last ``lines`` of the job's ``stream`` (``node``: that node's vLLM log) exactly as the file holds
-    them, in pieces, read from the end of the file (``Client.log_text``, ``pbstk logs -n``)."""
-    check_log_request(lines, stream, node)
-    path = job_log_path(runner, record.run_dir, record.scheduler, record.job_id, stream, node)
+                 node: int | None = None, model: int | None = None) -> Iterator[str]:
+    """The last ``lines`` of the job's ``stream`` (``node``: that node's vLLM log; ``model``: that model's)
+    exactly as the file holds them, in pieces, read from the end of the file (``Client.log_text``, ``pbstk
+    logs -n``)."""
+    check_log_request(lines, stream, node, model)
+    path = job_log_path(runner, record.run_dir, record.scheduler, record.job_id, stream, node, model)
     return tail_pieces(runner(), path, lines, f"job {record.job_id}")

@@ -185,20 +185,22 @@ class ServiceMethods:
 
     # -- a service where a job would do: metrics, logs, doctor, bench (services/observe.py) --------------------
 
-    def service_metrics(self, name: str | ServiceRecord | ServiceStatus, interval: float = 1.0) -> ServiceMetrics:
-        """``metrics`` of every serving replica, their sum, and the router's own figures (``pbstk metrics NAME``)."""
+    def service_metrics(self, name: str | ServiceRecord | ServiceStatus, interval: float = 1.0,
+                        model: str | None = None) -> ServiceMetrics:
+        """``metrics`` of every serving replica, their sum, and the router's own figures (``pbstk metrics NAME``);
+        a multi-model service's each model too (``model``: that one only)."""
         from pbs_toolkit.services.observe import metrics, serving_status
 
         session = self.service_session()
-        return metrics(session, serving_status(session, name), interval)
+        return metrics(session, serving_status(session, name), interval, model)
 
     def watch_service_metrics(self, name: str | ServiceRecord | ServiceStatus, every: float = 5.0,
-                              count: int = 0) -> Iterator[ServiceMetrics]:
+                              count: int = 0, model: str | None = None) -> Iterator[ServiceMetrics]:
         """``watch_metrics`` for a service: a look every ``every`` s, over the interval since the one before."""
         from pbs_toolkit.services.observe import serving_status, watch_metrics
 
         session = self.service_session()
-        return watch_metrics(session, serving_status(session, name), every, count)
+        return watch_metrics(session, serving_status(session, name), every, count, model)
 
     def service_doctor(self, name: str | ServiceRecord, replica: int | None = None) -> ServiceDiagnosis:
         """Router and keeper findings, then ``doctor`` of each replica's job (``replica``: that one only)."""
@@ -216,12 +218,16 @@ class ServiceMethods:
     def service_log(self, name: str | ServiceRecord, lines: int = 50, follow: bool = False, *,
                     replica: int | None = None, pieces: bool = False, final_every: float = 5.0,
                     notice: Callable[[str], None] | None = None, stream: str = "vllm",
-                    node: int | None = None) -> Iterator[str]:
-        """The router's log, or replica K's job log (``stream``, ``node``), as ``logs``/``log_text`` give it."""
+                    node: int | None = None, model: str | None = None) -> Iterator[str]:
+        """The router's log, or replica K's job log (``stream``, ``node``), as ``logs``/``log_text`` give it;
+        ``model``: that model's vLLM log, of the job holding it (a multi-model service)."""
         from pbs_toolkit.services.observe import replica_job, router_log_lines
         from pbs_toolkit.services.record import find
 
         rec = find(self.store, name) if isinstance(name, str) else name
+        if model is not None:
+            return self._model_log(rec, model, lines, follow, replica=replica, pieces=pieces,
+                                   final_every=final_every, notice=notice, stream=stream, node=node)
         if replica is not None:
             job = replica_job(rec, replica)
             if pieces:
@@ -229,6 +235,25 @@ class ServiceMethods:
             return self.logs(job, lines, follow, stream=stream, node=node, final_every=final_every, notice=notice)
         return router_log_lines(self.service_session(), rec, lines, follow, pieces=pieces, final_every=final_every,
                                 notice=notice or _info, stream=stream, node=node)
+
+
+    def _model_log(self, rec: ServiceRecord, model: str, lines: int, follow: bool, *, replica: int | None,
+                   pieces: bool, final_every: float, notice: Callable[[str], None] | None, stream: str,
+                   node: int | None) -> Iterator[str]:
+        """``service_log`` of one model (services/per_model.py ``position``): its job's log of its place."""
+        from pbs_toolkit.errors import UsageError
+        from pbs_toolkit.services.observe import replica_job
+        from pbs_toolkit.services.per_model import position
+
+        index, place = position(rec, model)
+        if replica is not None and replica != index:
+            raise UsageError(f"--model {model} runs in replica {index} of service {rec.name}, not {replica}: "
+                             "leave --replica out")
+        job = replica_job(rec, index)
+        if pieces:
+            return self.log_text(job, lines, stream=stream, node=node, model=place)
+        return self.logs(job, lines, follow, stream=stream, node=node, model=place, final_every=final_every,
+                         notice=notice)
 
 
 def _info(message: str) -> None:

@@ -139,7 +139,6 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
     settings = resolve_launch_settings(req)  # once for the checks, the router and every replica
     profile = settings.launchable()
     settings, req, opts, extra = configure_scaling(settings, req, opts)  # --min/--max-replicas, --idle-cancel
-    multi.check_idle(opts, extra)
     check_fixed_port(profile, req, opts)
     place = router_place(profile)
     policy = opts.policy or profile.router_policy

@@ -73,14 +73,6 @@ def check_options(opts: Any, req: RenderRequest) -> Any:
     return replace(opts, replicas=jobs, policy=opts.policy or "round_robin")
 
 
-def check_idle(opts: Any, extra: dict[str, Any]) -> None:
-    """``--idle-cancel`` (or the profile's ``idle_cancel``) is not run yet for several models: the idle check reads
-    the ``/metrics`` of each job's first model only, and would end a service busy with its other models."""
-    if opts.models and extra.get("idle_cancel_s"):
-        raise UsageError("--idle-cancel of a multi-model service is planned, not running yet (it would see each "
-                         "job's first model only); serve it with --idle-cancel off")
-
-
 def model_requests(req: RenderRequest, rows: tuple[dict[str, Any], ...]) -> list[RenderRequest]:
     """One request per model (for the weights preflight of each); none for a one-model service."""
     return [replace(req, model=m["model"], preset=m["preset"], served_model_name=m["served_model_name"])

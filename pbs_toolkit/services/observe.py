@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 from pbs_toolkit.services import health
+from pbs_toolkit.services.per_model import model_servers, pick
 from pbs_toolkit.services.router_metrics import (
     ROUTER_COUNTERS,
     RouterSnapshot,
@@ -156,7 +157,8 @@ def router_summary(prev: RouterSnapshot | None, cur: RouterSnapshot, window: boo
 
 @dataclass(frozen=True)
 class ServiceMetrics:
-    """One look at a service: each serving replica's summary, their aggregate, the router's figures."""
+    """One look at a service: each serving replica's summary, their aggregate, the router's figures; a
+    multi-model service's each model's too (``models``)."""
 
     name: str
     timestamp: float
@@ -164,6 +166,7 @@ class ServiceMetrics:
     aggregate: dict[str, Any]
     router: dict[str, Any] | None
     router_error: str | None = None
+    models: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A ``service_metrics`` object (``metrics NAME --json``, docs/json.md)."""
@@ -171,7 +174,8 @@ class ServiceMetrics:
 
         return stamp("service_metrics", {"name": self.name, "timestamp": self.timestamp,
                                          "replicas": self.replicas, "aggregate": self.aggregate,
-                                         "router": self.router, "router_error": self.router_error})
+                                         "router": self.router, "router_error": self.router_error,
+                                         **({"models": self.models} if self.models is not None else {})})
 
 
 @dataclass
@@ -184,20 +188,37 @@ class _Round:
 
 
 class _Scraper:
-    """The serving replicas of one look at the service, scraped together with the router."""
+    """The serving replicas of one look at the service, scraped together with the router. A multi-model
+    service's servers are its models' (services/per_model.py), each scraped on its own, keyed by served name;
+    a replica is then the sum of its models (``model``: that one model only)."""
 
-    def __init__(self, session: ServiceSession, st: ServiceStatus) -> None:
+    def __init__(self, session: ServiceSession, st: ServiceStatus, model: str | None = None) -> None:
         self.session, self.rec, self.targets = session, st.record, serving(st)
+        if model is not None:
+            pick(self.rec, model)  # an unknown model, or a one-model service: one line, exit 2
+        self.models = model_servers(self.rec, self.targets, model) if self.rec.models else []
+        if model is not None and not self.models:
+            raise ServerFailed(f"model {model} of service {self.rec.name} is not serving now (`pbstk status "
+                               f"{self.rec.name}` shows its state)")
+        if self.rec.models:  # the replicas holding the models picked
+            self.targets = [(i, js) for i, js in self.targets if any(m.replica == i for m in self.models)]
+
+    def keys(self, job: str) -> list[str]:
+        """The scrapes that make up replica ``job``: its models' served names, or the job itself."""
+        return [m.served for m in self.models if m.status.record.job_id == job] if self.rec.models else [job]
 
     def take(self) -> _Round:
-        from pbs_toolkit.perf.scrape import scrape
+        from pbs_toolkit.perf.scrape import scrape, scrape_at
 
         snaps, errors = {}, {}
-        for _, js in self.targets:
+        for key, js, host, port in ([(m.served, m.status, m.host, m.port) for m in self.models] if self.rec.models
+                                    else [(js.record.job_id, js, None, None) for _, js in self.targets]):
+            runner = self.session.runner(js.record.transport)
             try:
-                snaps[js.record.job_id] = scrape(self.session.runner(js.record.transport), js)
+                snaps[key] = (scrape(runner, js) if host is None or port is None
+                              else scrape_at(runner, host, port, api_key=js.record.api_key))
             except PbstkError as exc:  # a replica that went away: named, the others still summed
-                errors[js.record.job_id] = exc.message
+                errors[key] = exc.message
         router, router_error = None, None
         try:
             router = scrape_router(self.session.runner(self.rec.transport), self.rec)
@@ -209,16 +230,29 @@ class _Scraper:
         """``window``: latencies over the interval (``--watch``); else since start, with rates from ``prev``."""
         replicas = []
         for index, js in self.targets:
-            job = js.record.job_id
-            if job not in cur.snaps:
-                replicas.append({"replica": index, "job_id": job, "error": cur.errors.get(job, "not scraped")})
+            job, keys = js.record.job_id, self.keys(js.record.job_id)
+            missing = [k for k in keys if k not in cur.snaps]
+            if missing or not keys:
+                replicas.append({"replica": index, "job_id": job,
+                                 "error": "; ".join(cur.errors.get(k, "not scraped") for k in missing or [job])})
                 continue
-            replicas.append({"replica": index, "job_id": job, **_summary(prev.snaps.get(job), cur.snaps[job], window)})
-        both = [job for job in cur.snaps if job in prev.snaps]
-        aggregate = _summary(combine([prev.snaps[j] for j in both]), combine([cur.snaps[j] for j in both]), window)
-        aggregate["replicas"] = len(both)
+            before = combine([prev.snaps[k] for k in keys]) if all(k in prev.snaps for k in keys) else None
+            replicas.append({"replica": index, "job_id": job,
+                             **_summary(before, combine([cur.snaps[k] for k in keys]), window)})
+        models = None
+        if self.rec.models:
+            models = [{"model": served, "replica": index, "job_id": js.record.job_id,
+                       **({"error": cur.errors.get(served, "not scraped")} if served not in cur.snaps
+                          else _summary(prev.snaps.get(served), cur.snaps[served], window))}
+                      for index, js, served, _, _ in self.models]
+        both = [key for key in cur.snaps if key in prev.snaps]
+        aggregate = _summary(combine([prev.snaps[k] for k in both]), combine([cur.snaps[k] for k in both]), window)
+        aggregate["replicas"] = len({js.record.job_id for _, js in self.targets
+                                     if all(k in both for k in self.keys(js.record.job_id))})
+        if models is not None:
+            aggregate["models"] = len(both)
         router = router_summary(prev.router, cur.router, window) if cur.router is not None else None
-        return ServiceMetrics(self.rec.name, cur.timestamp, replicas, aggregate, router, cur.router_error)
+        return ServiceMetrics(self.rec.name, cur.timestamp, replicas, aggregate, router, cur.router_error, models)
 
 
 def _summary(prev: MetricsSnapshot | None, cur: MetricsSnapshot, window: bool) -> dict[str, Any]:
@@ -230,19 +264,21 @@ def _summary(prev: MetricsSnapshot | None, cur: MetricsSnapshot, window: bool) -
     return summary
 
 
-def metrics(session: ServiceSession, st: ServiceStatus, interval: float = 1.0) -> ServiceMetrics:
-    """Two scrapes of every serving replica and the router, ``interval`` s apart."""
-    scraper = _Scraper(session, st)
+def metrics(session: ServiceSession, st: ServiceStatus, interval: float = 1.0,
+            model: str | None = None) -> ServiceMetrics:
+    """Two scrapes of every serving replica (``model``: of that model only) and the router, ``interval`` s
+    apart."""
+    scraper = _Scraper(session, st, model)
     prev = scraper.take()
     time.sleep(interval)
     return scraper.look(prev, scraper.take(), window=False)
 
 
 def watch_metrics(session: ServiceSession, st: ServiceStatus, every: float = 5.0,
-                  count: int = 0) -> Iterator[ServiceMetrics]:
+                  count: int = 0, model: str | None = None) -> Iterator[ServiceMetrics]:
     """A look every ``every`` s over the interval since the one before; ``count`` looks (0: until stopped). The
     replicas are looked up again after a scrape failed (a handover replaced one)."""
-    scraper = _Scraper(session, st)
+    scraper = _Scraper(session, st, model)
     prev = scraper.take()
     looks = 0
     while not count or looks < count:
@@ -254,7 +290,7 @@ def watch_metrics(session: ServiceSession, st: ServiceStatus, every: float = 5.0
             from pbs_toolkit.services.record import find
             from pbs_toolkit.services.status import look
 
-            scraper = _Scraper(session, look(session, find(session.store, st.record.name)))
+            scraper = _Scraper(session, look(session, find(session.store, st.record.name)), model)
             cur = scraper.take()
         prev = cur
 

@@ -50,16 +50,19 @@ def active(rec: ServiceRecord) -> list[Slot]:
 def snapshots(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
               in_router: set[str]) -> dict[str, MetricsSnapshot]:
     """One ``/metrics`` scrape of every routable replica (job id -> snapshot); a replica that does not answer is
-    left out."""
+    left out. A multi-model service's replica is every model of its job, summed (services/per_model.py): busy
+    when any model is, left out when any model does not answer."""
     from pbs_toolkit.perf.scrape import scrape
+    from pbs_toolkit.services.per_model import job_snapshot
 
+    look = job_snapshot if rec.models else scrape
     out = {}
     for slot in active(rec):
         st = health.serving_job(slot, statuses, in_router)
         if st is None:
             continue
         try:
-            out[st.record.job_id] = scrape(session.runner(st.record.transport), st, timeout=3.0)
+            out[st.record.job_id] = look(session.runner(st.record.transport), st, timeout=3.0)
         except PbstkError:
             continue
     return out
