@@ -100,7 +100,6 @@ def test_one_model_with_dry_run_is_planned_and_its_own_preset_is_used(gpu_profil
 
 
 @pytest.mark.parametrize(("extra", "words"), [
-    (["--keep-alive"], ("--keep-alive and autoscaling of a multi-model service", "not running yet")),
     (["--policy", "power_of_two"], ("--policy power_of_two", "routes by model")),
     (["--nodes", "2"], ("second node of a job", "not running yet")),
     (["--port", "9000"], ("--port 9000", "a port each")),

@@ -260,7 +260,7 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
                     failed.append(f"slot {slot.index}: {exc.message}")
                     keeper_log(failed[-1])
             remove_foreign([j for j in jobs if j not in unknown], statuses, admin, in_router,
-                            {url for s in rec.slots for j, url in s.urls.items() if j in s.jobs()})
+                            {url for s in rec.slots for j in s.jobs() for url in s.known_urls(j)})
         except PbstkError:
             link.drop()  # a router or tunnel that failed is opened afresh next tick
             raise

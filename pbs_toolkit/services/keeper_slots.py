@@ -16,7 +16,7 @@ from pbs_toolkit.services import health, restarts
 from pbs_toolkit.services.health import worker_url
 from pbs_toolkit.services.keeper_process import keeper_log
 from pbs_toolkit.services.manage import launch_replica
-from pbs_toolkit.services.multi import add_workers, remove_workers, worker_urls
+from pbs_toolkit.services.multi import add_workers, label, remove_workers, served_names, worker_urls
 from pbs_toolkit.services.record import ServiceRecord, Slot
 
 if TYPE_CHECKING:
@@ -33,20 +33,23 @@ def drain_seconds() -> float:
     return env_float("PBSTK_SERVICE_DRAIN_S", 60.0, lambda v: 0 <= v <= 86400)
 
 
-def _sync_router(rec: ServiceRecord, st: JobStatus | None, admin: RouterAdmin, in_router: set[str]) -> None:
-    """READY and not in the router: add; in the router: removed when services/health.py says it must leave (its
-    job ended, or several failed looks in a row), kept otherwise."""
+def _sync_router(rec: ServiceRecord, slot: Slot, st: JobStatus | None, admin: RouterAdmin,
+                 in_router: set[str]) -> None:
+    """READY and not in the router (a multi-model job: some model's worker not in it): add; in the router:
+    removed, every model's worker, when services/health.py says it must leave (its job ended, or several failed
+    looks in a row), kept otherwise."""
     url = worker_url(st) if st is not None else None
     if st is None or url is None:
         return
-    if health.ready(st) and url not in in_router:
-        add_workers(rec, st, url, admin, in_router)  # a multi-model job's other models too (services/multi.py)
-        keeper_log(f"added {st.record.job_id} ({url}) to the router")
-    elif url in in_router:
+    urls = worker_urls(st)
+    if health.ready(st) and any(u not in in_router for u in urls):
+        added = add_workers(rec, st, url, admin, in_router)  # a multi-model job's other models too
+        keeper_log(f"added {st.record.job_id} ({label(added, _names(rec, slot, st))}) to the router")
+    elif any(u in in_router for u in urls):
         why = health.leave_router(rec, st, time.time())
         if why is not None:
-            remove_workers(st, url, admin, in_router)
-            keeper_log(f"removed {st.record.job_id} ({url}) from the router: {why}")
+            gone = remove_workers(urls, admin, in_router)
+            keeper_log(f"removed {st.record.job_id} ({label(gone, _names(rec, slot, st))}) from the router: {why}")
         elif st.record.job_id in rec.health:
             looks = rec.health[st.record.job_id]["looks"]
             keeper_log(f"kept {st.record.job_id} ({url}) in the router: {st.state.value} ({st.phase or st.reason}), "
@@ -80,13 +83,12 @@ def reconcile(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses:
     # the successor takes over one tick after it joined the router, not in the tick that added it: removing the
     # predecessor right after /add_worker left the router with no usable worker for an instant (two 503s seen
     # under load in tests/test_service.py's handover)
-    suc_url = worker_url(suc) if suc is not None else None
-    joined = suc_url is not None and suc_url in in_router
-    _remember_urls(slot, cur, suc)
-    _sync_router(rec, cur, admin, in_router)
-    _sync_router(rec, suc, admin, in_router)
+    joined = suc is not None and bool(worker_urls(suc)) and all(u in in_router for u in worker_urls(suc))
+    _remember_urls(rec, slot, cur, suc)
+    _sync_router(rec, slot, cur, admin, in_router)
+    _sync_router(rec, slot, suc, admin, in_router)
     if suc is not None and health.ready(suc) and joined:
-        _hand_over(slot, cur, suc, admin, in_router)
+        _hand_over(rec, slot, cur, suc, admin, in_router)
         cur, suc = suc, None
     drain(session, slot, statuses)
     slot.state = cur.state.value if cur is not None else "LOST"
@@ -94,6 +96,7 @@ def reconcile(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses:
         _leave_router(slot, cur, admin, in_router)
         _replace(session, rec, slot, cur, suc)
         slot.urls = {job: url for job, url in slot.urls.items() if job in slot.jobs()}
+        slot.model_urls = {job: urls for job, urls in slot.model_urls.items() if job in slot.jobs()}
     elif (rec.keep_alive and slot.successor is None and not slot.launching and cur.uptime_s is not None
           and cur.walltime_s):
         begin = time.time() - cur.uptime_s + cur.walltime_s - rec.handover_s
@@ -102,13 +105,14 @@ def reconcile(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses:
              f"{time.strftime('%H:%M:%S', time.localtime(max(begin, time.time())))}")
 
 
-def _hand_over(slot: Slot, cur: JobStatus | None, suc: JobStatus, admin: RouterAdmin, in_router: set[str]) -> None:
-    """The successor is READY (and in the router): the predecessor leaves the router and starts draining."""
+def _hand_over(rec: ServiceRecord, slot: Slot, cur: JobStatus | None, suc: JobStatus, admin: RouterAdmin,
+               in_router: set[str]) -> None:
+    """The successor is READY (and in the router, every model's worker): the predecessor leaves the router (every
+    model's worker: a multi-model job's successor carries all of them) and starts draining."""
     if cur is not None:
-        url = worker_url(cur)
-        if url and url in in_router:
-            admin.remove_worker(url)
-            in_router.discard(url)
+        gone = remove_workers(worker_urls(cur) or slot.known_urls(cur.record.job_id), admin, in_router)
+        if gone and rec.models:
+            keeper_log(f"removed {cur.record.job_id} ({label(gone, _names(rec, slot, cur))}) from the router")
         if not cur.state.final:
             slot.draining, slot.drain_started = slot.current, time.time()
     keeper_log(f"slot {slot.index}: {suc.record.job_id} took over from {slot.current}")
@@ -132,32 +136,49 @@ def drain(session: ServiceSession, slot: Slot, statuses: dict[str, JobStatus]) -
 
 
 def _running(session: ServiceSession, st: JobStatus) -> bool:
-    """Whether the server still runs requests (its ``/metrics``); a server that does not answer runs none."""
-    from pbs_toolkit.perf.scrape import scrape
+    """Whether the server still runs requests (its ``/metrics``; a multi-model job: any of its models' servers);
+    a server that does not answer runs none."""
+    from pbs_toolkit.perf.scrape import scrape_at
 
-    try:
-        snap = scrape(session.runner(st.record.transport), st, timeout=3.0)
-    except PbstkError:
-        return False
-    return bool(snap.running)
+    runner = session.runner(st.record.transport)
+    ports = [st.port, *st.models.values()] if st.models else [st.port]
+    for port in ports:
+        if not st.address or not port:
+            continue
+        try:
+            if scrape_at(runner, st.address, int(port), api_key=st.record.api_key, timeout=3.0).running:
+                return True
+        except PbstkError:
+            continue
+    return False
 
 
-def _remember_urls(slot: Slot, *seen: JobStatus | None) -> None:
-    """Keep each job's worker URL in its slot while its status has one (a status recorded final has none)."""
+def _remember_urls(rec: ServiceRecord, slot: Slot, *seen: JobStatus | None) -> None:
+    """Keep each job's worker URL (a multi-model job: every model's, with its served name) in its slot while its
+    status has one (a status recorded final has none)."""
     for st in seen:
         if st is not None and (url := worker_url(st)) is not None:
             slot.urls[st.record.job_id] = url
+            if rec.models:
+                slot.model_urls[st.record.job_id] = served_names(rec, st)
+
+
+def _names(rec: ServiceRecord, slot: Slot, st: JobStatus) -> dict[str, str]:
+    """Worker URL -> served name for the keeper's log of a multi-model job (empty for one model: its lines stay
+    as they were)."""
+    return {**slot.model_urls.get(st.record.job_id, {}), **served_names(rec, st)} if rec.models else {}
 
 
 def _leave_router(slot: Slot, cur: JobStatus | None, admin: RouterAdmin, in_router: set[str]) -> None:
     """The current job ended and its status has no address any more (recorded final by an earlier look, or not
     in the store): its recorded URL leaves the router as the service's own ended job, not as a stranger."""
-    url = slot.urls.get(slot.current or "")
-    if url is None or url not in in_router or (cur is not None and worker_url(cur) is not None):
-        return  # not in the router, or _sync_router already removed it by its status
-    admin.remove_worker(url)
-    in_router.discard(url)
-    keeper_log(f"removed {slot.current} ({url}) from the router: {cur.state.value if cur else 'not in the job store'}")
+    job = slot.current or ""
+    if cur is not None and worker_url(cur) is not None:
+        return  # _sync_router already removed it by its status
+    gone = remove_workers(slot.known_urls(job), admin, in_router)
+    if gone:
+        keeper_log(f"removed {job} ({label(gone, slot.model_urls.get(job, {}))}) from the router: "
+                   f"{cur.state.value if cur else 'not in the job store'}")
 
 
 def _replace(session: ServiceSession, rec: ServiceRecord, slot: Slot, cur: JobStatus | None,

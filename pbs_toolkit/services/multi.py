@@ -56,13 +56,13 @@ def job_request(base: RenderRequest, rows: list[dict[str, Any]], job: int) -> Re
 
 def check_options(opts: Any, req: RenderRequest) -> Any:
     """``serve``'s options (a ``manage.ServeOptions``), as they are for one model; for a multi-model service one
-    slot per planned job and the router's policy (round_robin unless given); what this slice does not run yet is
-    refused in one line."""
+    slot per planned job (with ``--keep-alive``, each job's successor is the same planned job: ``job_request``)
+    and the router's policy (round_robin unless given); what this slice does not run yet is refused in one line."""
     if not opts.models:
         return opts
-    if opts.keep_alive or opts.scale is not None:
-        raise UsageError("--keep-alive and autoscaling of a multi-model service are planned, not running yet "
-                         "(docs/multi-model.md)")
+    if opts.scale is not None:
+        raise UsageError("autoscaling of a multi-model service is planned, not running yet (docs/multi-model.md); "
+                         "each planned job runs once (--keep-alive carries it across walltimes)")
     if isinstance(req.port, int) or (isinstance(req.port, str) and req.port.isdigit()):
         raise UsageError(f"--port {req.port}: the models of one job need a port each; leave the port to pbstk (the "
                          "profile's, or --port auto)")
@@ -99,24 +99,44 @@ def worker_urls(st: JobStatus) -> list[str]:
     return [] if url is None else [url, *co_urls(st)]
 
 
-def add_workers(rec: ServiceRecord, st: JobStatus, url: str, admin: Admin, in_router: set[str]) -> None:
-    """Add a READY job's workers: one for a one-model service; each model's, with its served name as the model
-    id, for a multi-model one."""
+def served_names(rec: ServiceRecord, st: JobStatus) -> dict[str, str]:
+    """A job's worker URLs -> the served name each answers to (its own first)."""
+    url = worker_url(st)
+    return {} if url is None else {url: st.record.served_model_name or rec.served_model_name, **co_urls(st)}
+
+
+def add_workers(rec: ServiceRecord, st: JobStatus, url: str, admin: Admin, in_router: set[str]) -> list[str]:
+    """Add a READY job's workers that are not in the router yet: one for a one-model service; each model's, with
+    its served name as the model id, for a multi-model one. The URLs added."""
     if not rec.models:
         admin.add_worker(url)
         in_router.add(url)
-        return
-    for each, served in {url: st.record.served_model_name, **co_urls(st)}.items():
-        admin.add_worker(each, model_id=served)
-        in_router.add(each)
+        return [url]
+    added = []
+    for each, served in served_names(rec, st).items():
+        if each not in in_router:
+            admin.add_worker(each, model_id=served)
+            in_router.add(each)
+            added.append(each)
+    return added
 
 
-def remove_workers(st: JobStatus, url: str, admin: Admin, in_router: set[str]) -> None:
-    """Take a job's workers (its own and its other models') out of the router."""
-    for each in (url, *co_urls(st)):
-        if each in in_router or each == url:
+def label(urls: list[str], names: dict[str, str]) -> str:
+    """Worker URLs for the keeper's log: each with the model it serves when ``names`` knows it (``b
+    http://h:8012``), as they are otherwise."""
+    return ", ".join(f"{names[u]} {u}" if u in names else u for u in urls)
+
+
+def remove_workers(urls: list[str], admin: Admin, in_router: set[str]) -> list[str]:
+    """Take a job's workers (``urls``: its own and its other models') out of the router; the URLs that were
+    in it."""
+    out = []
+    for each in urls:
+        if each in in_router:
             admin.remove_worker(each)
             in_router.discard(each)
+            out.append(each)
+    return out
 
 
 def model_rows(rec: ServiceRecord, statuses: dict[str, JobStatus],

@@ -50,6 +50,9 @@ class Slot:
     #: each job's worker URL as the keeper saw it: a job whose status no longer has its address (recorded final)
     #: is still known as the service's own, never a foreign worker
     urls: dict[str, str] = field(default_factory=dict)
+    #: a multi-model service: each job's worker URLs, one per model (URL -> served name), as the keeper saw them,
+    #: so that a job that ended still takes all its workers out of the router, each named by its model
+    model_urls: dict[str, dict[str, str]] = field(default_factory=dict)
     #: restarts (services/restarts.py): replacements launched after a failure, when (those in the window count),
     #: the failed job last noted and why it failed, when the next replacement may start, why no more will
     restarts: int = 0
@@ -61,6 +64,11 @@ class Slot:
 
     def jobs(self) -> list[str]:
         return [j for j in (self.current, self.successor, self.draining) if j]
+
+    def known_urls(self, job: str) -> list[str]:
+        """Every worker URL of ``job`` the keeper saw (its own, then its other models'), once its status has none."""
+        own = self.urls.get(job)
+        return [*([own] if own else []), *(u for u in self.model_urls.get(job, {}) if u != own)]
 
 
 @dataclass

@@ -1,0 +1,120 @@
+"""A multi-model service across walltimes (issue 31, item 4): `pbstk serve A:name=a B:name=b --name N --keep-alive`
+gives each planned job a successor carrying ALL its models, the router gets every model's new worker before the
+old job's workers leave, and a client sending to both models sees no failure during the handover. The local
+scheduler, the stand-in vLLM, the real vllm-router (multi-model mode) and the real keeper.
+
+Before: `--keep-alive` with several models was refused ("planned, not running yet"), exit 2.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from helpers import pbstk, wait_for
+from test_serve_models import checkpoint
+from test_serve_models_run import _refused
+from test_service import Load, _stop_services, handed_over_from, records_dir
+
+from pbs_toolkit.jobs.store import JobStore
+from pbs_toolkit.services import record as records
+
+ROUTER = Path(sys.executable).parent / "vllm-router"
+pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
+
+
+@pytest.fixture
+def pair(isolated_user: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A local-scheduler profile of one 80 GB GPU (both small models share it), the real router; the keeper looks
+    every 0.5 s and drains a predecessor at most 3 s; the stand-in answers a request for another model with 404."""
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / "gpu1.yaml").write_text(
+        "name: gpu1\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ngpu_memory_gb: 80\ncpus_per_node: 2\n"
+        f"walltime: '00:10:00'\naddress: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
+    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
+    monkeypatch.setenv("PBSTK_SERVICE_DRAIN_S", "3")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    root = isolated_user / "m"
+    yield checkpoint(root, "alpha", 1_200_000_000), checkpoint(root, "beta", 3_400_000_000)
+    _stop_services()
+
+
+def workers(rec: records.ServiceRecord) -> list[str]:
+    return sorted(requests.get(rec.url[:-3] + "/list_workers", timeout=5).json()["urls"])
+
+
+def job_urls(job: str) -> list[str]:
+    """Every model's worker URL of a job, from its server.json (its own port and its other models')."""
+    marker = json.loads(Path(JobStore().find(job).run_dir, "server.json").read_text())
+    ports = [marker["port"], *(int(m.rsplit("@", 1)[1]) for m in (marker.get("models") or "").split())]
+    return sorted(f"http://127.0.0.1:{p}" for p in ports)
+
+
+def both_models(rec: records.ServiceRecord) -> Any:
+    """One chat completion per call through the service's URL with the `openai` client (no retries of its own),
+    to `a` and `b` in turn; the answer must come from the model asked."""
+    import openai
+
+    client = openai.OpenAI(base_url=rec.url, api_key=rec.api_key, max_retries=0, timeout=10)
+    turn = itertools.cycle("ab")
+
+    def send() -> None:
+        model = next(turn)
+        answer = client.chat.completions.create(model=model, max_tokens=3, messages=[{"role": "user",
+                                                                                       "content": "hi"}])
+        if answer.model != model:
+            raise RuntimeError(f"asked {model}, answered by {answer.model}")
+
+    return send
+
+
+def test_keep_alive_carries_both_models_across_the_walltime_with_zero_failures(pair: Any) -> None:
+    alpha, beta = pair
+    result = pbstk("serve", f"{alpha}:name=a", f"{beta}:name=b", "--name", "kap", "--profile", "gpu1",
+                   "--keep-alive", "--walltime", "00:01:00", "--handover", "45", "--wait", "--timeout", "60")
+    assert result.exit_code == 0, result.output
+    rec = records.find(JobStore(), "kap")
+    first = rec.slots[0].current
+    assert first and rec.url and rec.keep_alive
+    wait_for(lambda: workers(rec) == job_urls(first), 30, "both models of the first job in the router")
+
+    with Load(both_models(rec), threads=2, limit_s=150) as load:
+        # the successor is eligible 45 s before the 60 s walltime ends: about 15 s after the first started
+        wait_for(lambda: records.find(JobStore(), "kap").slots[0].successor, 30, "a successor")
+        wait_for(lambda: records.find(JobStore(), "kap").slots[0].current != first, 75, "the takeover",
+                 interval=0.2)
+        # in the tick that handed over, every model's worker of the old job left the router (it drains now)
+        assert not set(job_urls(first)) & set(workers(rec)), (job_urls(first), workers(rec))
+        wait_for(handed_over_from("kap", first), 30, "the drain", interval=0.5)
+        done = load.ok
+        wait_for(lambda: load.ok >= done + 20, 30, "load to both models after the handover")
+    print(f"multi-model keep-alive handover under load: {load.ok} ok, {load.failed} failed: {load.errors[:3]}")
+    assert load.failed == 0, load.errors
+    assert load.ok >= 40
+
+    now = records.find(JobStore(), "kap").slots[0].current
+    assert now and now != first
+    assert workers(rec) == job_urls(now), "only the successor's two workers are left in the router"
+    wait_for(lambda: pbstk("status", first, "--json").exit_code == 0 and JobStore().find(first).final_state
+             == "CANCELLED", 20, "the predecessor CANCELLED")
+    for url in job_urls(first):  # both of the predecessor's servers stopped with it
+        wait_for(lambda url=url: _refused(int(url.rsplit(":", 1)[1])), 30, f"{url} stopped")
+
+    doc = json.loads(pbstk("status", "kap", "--json").stdout)[0]
+    models = {m["served_model_name"]: m for m in doc["models"]}
+    assert set(models) == {"a", "b"}, doc["models"]
+    assert all(m["state"] == "READY" and m["job"] == now for m in models.values()), doc["models"]
+    assert sorted(m["server"] for m in models.values()) == job_urls(now)
+    log = (records_dir() / "kap" / "keeper.log").read_text()
+    assert f"{now} took over from {first}" in log, log
+    assert "not a replica of this service" not in log, log  # the old job's second worker left as ours, named
+    assert pbstk("cancel", "kap").exit_code == 0
+
