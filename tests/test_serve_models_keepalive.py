@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import pytest
 import requests
 from helpers import pbstk, wait_for
 from test_serve_models import checkpoint
-from test_serve_models_run import _refused
+from test_serve_models_run import _refused, _server_pid
 from test_service import Load, _stop_services, handed_over_from, records_dir
 
 from pbs_toolkit.jobs.store import JobStore
@@ -118,3 +120,32 @@ def test_keep_alive_carries_both_models_across_the_walltime_with_zero_failures(p
     assert "not a replica of this service" not in log, log  # the old job's second worker left as ours, named
     assert pbstk("cancel", "kap").exit_code == 0
 
+
+def test_the_death_of_a_second_model_is_named_in_the_keeper_log_and_the_job_replaced(pair: Any) -> None:
+    """The job's second model (not its first) dies: the job fails naming that model (not "stopped by a signal",
+    as if cancelled), the keeper's log names it and every worker it removes by model, and a new job serves both."""
+    alpha, beta = pair
+    result = pbstk("serve", f"{alpha}:name=a", f"{beta}:name=b", "--name", "co", "--profile", "gpu1",
+                   "--restart-backoff", "1s", "--wait", "--timeout", "90")
+    assert result.exit_code == 0, result.output
+    rec = records.find(JobStore(), "co")
+    first = rec.slots[0].current
+    assert first and rec.url
+    wait_for(lambda: workers(rec) == job_urls(first), 30, "both models in the router")
+    marker = json.loads(Path(JobStore().find(first).run_dir, "server.json").read_text())
+    second = next(m for m in marker["models"].split() if m.startswith(("a@", "b@")))
+    served, port = second.rsplit("@", 1)
+    os.kill(_server_pid(alpha if served == "a" else beta), signal.SIGKILL)
+    wait_for(lambda: records.find(JobStore(), "co").slots[0].current not in (None, first), 60, "a replacement")
+    log = (records_dir() / "co" / "keeper.log").read_text()
+    print(log)
+    failed = next(line for line in log.splitlines() if f"slot 0: failed: {first}" in line)
+    assert f"another model of this job, {served} (port {port}), exited" in failed and "FAILED" in failed, failed
+    assert "stopped by a signal" not in failed, failed
+    removed = next(line for line in log.splitlines() if f"removed {first}" in line)
+    assert f"{served} http://127.0.0.1:{port}" in removed, removed
+    assert "not a replica of this service" not in log, log
+    assert JobStore().find(first).final_state == "FAILED"
+    wait_for(lambda: all(m["state"] == "READY" for m in json.loads(pbstk("status", "co", "--json").stdout)[0]
+                         ["models"]), 60, "both models READY again")
+    assert pbstk("cancel", "co").exit_code == 0

@@ -11,6 +11,7 @@
 # finds their memory free; then pbstk_swapper.py (beside them) wakes and sleeps them as requests come.
 declare MAIN_GPUS MAIN_SERVED CO_MODELS SWAP_MAX_AWAKE SWAP_SLEEP_AFTER_S MAIN_SWAP SWAP_DIR
 CO_PIDS=()
+CO_NAMES=()  # SERVED@PORT of each of CO_PIDS, in the same order
 CO_LIST=''
 SWAP_ARGS=()
 
@@ -35,6 +36,35 @@ pbstk_kill_models() {
   for pid in "${CO_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
   for pid in "${CO_PIDS[@]}"; do wait "$pid" 2>/dev/null; done
   CO_PIDS=()
+}
+
+# pbstk_exited_model VAR: VAR = SERVED@PORT of the first other model whose vLLM exited (gone, or a zombie this
+# script has not reaped), or the name of another process of CO_PIDS that did (the swapper); "" while all run.
+pbstk_exited_model() {
+  local k state
+  printf -v "$1" '%s' ''
+  for k in "${!CO_PIDS[@]}"; do
+    state=Z
+    [ -r "/proc/${CO_PIDS[$k]}/stat" ] && read -r _ _ state _ <"/proc/${CO_PIDS[$k]}/stat" 2>/dev/null
+    [ "$state" != Z ] && continue
+    printf -v "$1" '%s' "${CO_NAMES[$k]:-a process of this job (pid ${CO_PIDS[$k]})}"
+    return
+  done
+}
+
+# pbstk_model_failed (the USR1 trap: the watcher below saw another model's vLLM exit): the job FAILS naming that
+# model and its port, not as a cancel (a stop signal's CANCELLED), so status and the service's keeper say which
+# model died; the service replaces the job, all its models.
+# shellcheck disable=SC2317  # invoked by the trap below
+pbstk_model_failed() {
+  local who
+  trap '' TERM INT HUP USR1  # once, as pbstk_stop
+  pbstk_exited_model who
+  pbstk_kill_server
+  case $who in
+    *@*) who="the vLLM of another model of this job, ${who%@*} (port ${who##*@})," ;;
+  esac
+  pbstk_fail "$who exited; ending the job (the service replaces it)"
 }
 
 # pbstk_swap_env: the environment of a swapping model's vLLM (its development endpoints, their guard)
@@ -73,6 +103,7 @@ pbstk_start_model() {
   env "${envs[@]}" "${cmd[@]}" "${args[@]}" --host "$BIND_HOST" --port "$co_port" "${API_KEY_ARGS[@]}" >>"$log" 2>&1 &
   pid=$!
   CO_PIDS+=("$pid")
+  CO_NAMES+=("${!served}@$co_port")
   until pbstk_port_in_use "$PROBE_HOST" "$co_port"; do
     kill -0 "$pid" 2>/dev/null || pbstk_fail "model ${!served} exited before it was ready (see $log)"
     pbstk_sleep
@@ -97,6 +128,7 @@ pbstk_start_swapper() {
         --max-awake "$SWAP_MAX_AWAKE" --sleep-after "$SWAP_SLEEP_AFTER_S" --script-pid "$$" "${SWAP_ARGS[@]}" \
         >>"$LOG" 2>&1 &
       CO_PIDS+=("$!")
+      CO_NAMES+=("the model swapper (pid $!)")
       pbstk_log "swapper: at most $SWAP_MAX_AWAKE model(s) awake on each GPU set (pid $!)"
       return 0
     fi
@@ -104,24 +136,23 @@ pbstk_start_swapper() {
   pbstk_fail "no python3 (3.8 or later) beside vLLM to run the swapper"
 }
 
-# pbstk_watch_models (in the background): the other models' servers, each second; one that exited (gone, or a
-# zombie this script has not reaped) ends the job, as the first model's exit does: the service replaces the job
+# pbstk_watch_models (in the background): the other models' servers, each second; one that exited ends the job
+# (USR1: pbstk_model_failed), as the first model's exit does: the service replaces the job. A stop signal to the
+# whole job ends this watcher with it (default TERM in a subshell), so a cancel stays a cancel.
 pbstk_watch_models() {
-  local pid state
+  local who
   while true; do
-    for pid in "${CO_PIDS[@]}"; do
-      state=Z
-      [ -r "/proc/$pid/stat" ] && read -r _ _ state _ <"/proc/$pid/stat" 2>/dev/null
-      [ "$state" != Z ] && continue
-      pbstk_log "error: the vLLM of another model of this job (pid $pid) exited; ending the job (the service replaces it)"
-      kill -TERM "$$"
+    pbstk_exited_model who
+    if [ -n "$who" ]; then
+      kill -USR1 "$$"
       return
-    done
+    fi
     pbstk_sleep
   done
 }
 
 trap 'pbstk_kill_models; pbstk_compile_release' EXIT  # the compile lock's release (coldstart.sh) kept
+trap pbstk_model_failed USR1
 pbstk_state "$PHASE_STARTING"
 for ((co_k = 1; co_k <= CO_MODELS; co_k++)); do
   pbstk_start_model "$co_k"
