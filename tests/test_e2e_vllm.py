@@ -512,3 +512,57 @@ def test_the_dev_guard_keeps_a_real_vllms_development_endpoints_behind_the_key(t
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(30)
+
+
+def test_two_tiny_models_in_one_local_job_behind_one_url(tiny_model: str, isolated_user: Path) -> None:
+    """`pbstk serve TINY:name=a TINY:name=b --name two` (docs/multi-model.md): the one tiny model under two served
+    names, packed in one local job (two real vLLM servers, started one after the other), behind the real
+    vllm-router in its multi-model mode; the real `openai` client through the service's one URL gets each answer
+    from the model it asked, `GET /v1/models` lists both, and `cancel` ends both servers."""
+    import openai
+
+    from pbs_toolkit.jobs.store import JobStore
+    from pbs_toolkit.services import record as records
+
+    router = Path(sys.executable).parent / "vllm-router"
+    if not router.exists():
+        pytest.skip("vllm-router is not installed next to this Python")
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / "e2e-two.yaml").write_text(
+        "name: e2e-two\nscheduler: local\nnodes: 1\ngpus_per_node: 0\ncpus_per_node: 2\nwalltime: '00:30:00'\n"
+        "address: loopback\nbind_host: 127.0.0.1\nvllm_version: '0.32.0'\nvllm_entrypoint: api_server\n"
+        f"hf_hub_offline: true\nrouter_command: {router}\n")
+    res = pbstk("serve", f"{tiny_model}:name=a", f"{tiny_model}:name=b", "--name", "two", "--profile", "e2e-two",
+                "--preset", "cpu", "--wait", "--timeout", READY_TIMEOUT, "--json")
+    served = json.loads(res.stdout)
+    assert served["state"] == "READY", served
+    rec = records.find(JobStore(), "two")
+    assert rec.url and rec.api_key and len(rec.slots) == 1  # one job for both models
+    job = rec.slots[0].current or ""
+    marker = server_json(job)
+    ports = [int(marker["port"]), *(int(m.rsplit("@", 1)[1]) for m in marker["models"].split())]
+    assert len(ports) == 2, marker
+
+    client = openai.OpenAI(base_url=rec.url, api_key=rec.api_key, max_retries=0, timeout=120)
+    for model in ("a", "b", "b", "a"):
+        answer = client.completions.create(model=model, prompt="hi", max_tokens=4)
+        assert answer.model == model and answer.usage and answer.usage.completion_tokens == 4, answer
+    assert sorted(m.id for m in client.models.list().data) == ["a", "b"]
+    doc = json.loads(pbstk("status", "two", "--json").stdout)[0]
+    rows = {m["served_model_name"]: m for m in doc["models"]}
+    assert all(m["state"] == "READY" and m["job"] == job for m in rows.values()) and set(rows) == {"a", "b"}, rows
+    assert sorted(int(m["server"].rsplit(":", 1)[1]) for m in rows.values()) == sorted(ports)
+
+    assert pbstk("cancel", "two").exit_code == 0
+    assert_gone(int(marker["pid"]))
+    deadline = time.monotonic() + 60
+    for port in ports:  # both vLLM servers of the job stopped with it
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)  # noqa: S310 - loopback
+            except (urllib.error.URLError, ConnectionError, OSError):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"the server on port {port} still answers after cancel")
