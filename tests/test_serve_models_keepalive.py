@@ -149,3 +149,17 @@ def test_the_death_of_a_second_model_is_named_in_the_keeper_log_and_the_job_repl
     wait_for(lambda: all(m["state"] == "READY" for m in json.loads(pbstk("status", "co", "--json").stdout)[0]
                          ["models"]), 60, "both models READY again")
     assert pbstk("cancel", "co").exit_code == 0
+
+
+def test_keep_alive_of_several_models_needs_room_for_each_jobs_successor(pair: Any, isolated_user: Path) -> None:
+    """The one-model refusals hold per planned job: a queue limit of 1 running job cannot overlap the job of the
+    two models with its successor (one line, exit 2, nothing written); autoscaling several models stays refused."""
+    from test_serve_models import refused
+
+    alpha, beta = pair
+    profile = isolated_user / "config" / "pbstk" / "profiles" / "gpu1.yaml"
+    profile.write_text(profile.read_text() + "max_running_jobs: 1\n")
+    refused(pbstk("serve", f"{alpha}:name=a", f"{beta}:name=b", "--name", "kx", "--profile", "gpu1", "--keep-alive"),
+            "--keep-alive needs 2 jobs running at once", "max_running_jobs")
+    refused(pbstk("serve", f"{alpha}:name=a", f"{beta}:name=b", "--name", "kx", "--profile", "gpu1",
+                  "--min-replicas", "1", "--max-replicas", "2"), "several models")
