@@ -163,3 +163,67 @@ def test_keep_alive_of_several_models_needs_room_for_each_jobs_successor(pair: A
             "--keep-alive needs 2 jobs running at once", "max_running_jobs")
     refused(pbstk("serve", f"{alpha}:name=a", f"{beta}:name=b", "--name", "kx", "--profile", "gpu1",
                   "--min-replicas", "1", "--max-replicas", "2"), "several models")
+
+
+def test_on_pbs_each_planned_job_gets_its_successor_and_three_models_see_no_failure(
+        isolated_user: Path, fakepbs: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three models in two jobs of the fake OpenPBS (which holds a ``qsub -a`` job in ``W`` and kills a job at its
+    walltime): each job gets its own successor, the same planned job (c alone on its GPU; a and b sharing the
+    other), submitted with ``qsub -a``; both hand over before the walltime with 0 failed requests to a, b and c."""
+    from conftest import read_calls
+
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / "pbs1.yaml").write_text(
+        "name: pbs1\nscheduler: pbs\nnodes: 1\ngpus_per_node: 1\ngpu_memory_gb: 80\ncpus_per_node: 2\n"
+        f"walltime: '00:10:00'\naddress: loopback\nbind_host: 127.0.0.1\nrouter_command: {ROUTER}\nrouter: local\n")
+    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
+    monkeypatch.setenv("PBSTK_SERVICE_DRAIN_S", "3")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")
+    root = isolated_user / "m"
+    a, b, c = (checkpoint(root, n, size) for n, size in (("a", 1_200_000_000), ("b", 1_200_000_000),
+                                                          ("c", 3_400_000_000)))
+    try:
+        result = pbstk("serve", f"{a}:name=a", f"{b}:name=b", f"{c}:name=c:preset=single", "--name", "pk3",
+                       "--profile", "pbs1", "--keep-alive", "--walltime", "00:01:00", "--handover", "45", "--wait",
+                       "--timeout", "60")
+        assert result.exit_code == 0, result.output
+        rec = records.find(JobStore(), "pk3")
+        firsts = [s.current for s in rec.slots]
+        assert len(firsts) == 2 and all(j and j.endswith(".fakepbs") for j in firsts), rec.slots
+        wait_for(lambda: len(workers(rec)) == 3, 30, "three servers in the router")
+        client_turns = itertools.cycle("abc")
+        import openai
+
+        client = openai.OpenAI(base_url=rec.url, api_key=rec.api_key, max_retries=0, timeout=10)
+
+        def send() -> None:
+            model = next(client_turns)
+            answer = client.chat.completions.create(model=model, max_tokens=3,
+                                                    messages=[{"role": "user", "content": "hi"}])
+            if answer.model != model:
+                raise RuntimeError(f"asked {model}, answered by {answer.model}")
+
+        with Load(send, threads=2, limit_s=150) as load:
+            wait_for(lambda: all(s.current not in firsts and s.draining is None
+                                 for s in records.find(JobStore(), "pk3").slots), 90, "both handovers",
+                     interval=0.5)
+            done = load.ok
+            wait_for(lambda: load.ok >= done + 30, 30, "load to the three models after the handovers")
+        print(f"PBS multi-model keep-alive: {load.ok} ok, {load.failed} failed: {load.errors[:3]}")
+        assert load.failed == 0, load.errors
+        nows = [s.current or "" for s in records.find(JobStore(), "pk3").slots]
+        assert workers(rec) == sorted(u for j in nows for u in job_urls(j))
+        qsubs = read_calls(fakepbs, "qsub")
+        assert sum("-a" not in argv for argv in qsubs) == 2, qsubs  # the two first jobs; every successor: -a
+        doc = json.loads(pbstk("status", "pk3", "--json").stdout)[0]
+        models = {m["served_model_name"]: m for m in doc["models"]}
+        assert all(m["state"] == "READY" and m["job"] in nows for m in models.values()), doc["models"]
+        assert models["a"]["job"] == models["b"]["job"] != models["c"]["job"], doc["models"]
+        for job in firsts:
+            wait_for(lambda job=job: pbstk("status", job, "--json").exit_code == 0
+                     and JobStore().find(job).final_state == "CANCELLED", 20, f"{job} CANCELLED (qdel, not walltime)")
+        assert pbstk("cancel", "pk3").exit_code == 0
+    finally:
+        _stop_services()
