@@ -102,8 +102,12 @@ def test_keep_alive_carries_both_models_across_the_walltime_with_zero_failures(p
     assert load.failed == 0, load.errors
     assert load.ok >= 40
 
-    now = records.find(JobStore(), "kap").slots[0].current
+    slot = records.find(JobStore(), "kap").slots[0]
+    now = slot.current
     assert now and now != first
+    # the drained predecessor's URLs are forgotten (a keep-alive slot would otherwise gather one per walltime)
+    assert first not in slot.urls and first not in slot.model_urls, (slot.urls, slot.model_urls)
+    assert set(slot.model_urls[now].values()) == {"a", "b"}, slot.model_urls
     assert workers(rec) == job_urls(now), "only the successor's two workers are left in the router"
     wait_for(lambda: pbstk("status", first, "--json").exit_code == 0 and JobStore().find(first).final_state
              == "CANCELLED", 20, "the predecessor CANCELLED")

@@ -95,14 +95,15 @@ def reconcile(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses:
     if cur is None or cur.state.final:
         _leave_router(slot, cur, admin, in_router)
         _replace(session, rec, slot, cur, suc)
-        slot.urls = {job: url for job, url in slot.urls.items() if job in slot.jobs()}
-        slot.model_urls = {job: urls for job, urls in slot.model_urls.items() if job in slot.jobs()}
     elif (rec.keep_alive and slot.successor is None and not slot.launching and cur.uptime_s is not None
           and cur.walltime_s):
         begin = time.time() - cur.uptime_s + cur.walltime_s - rec.handover_s
         launch_replica(session, rec, slot, "successor", begin_at=begin if begin > time.time() + 1 else None)
         keeper_log(f"slot {slot.index}: successor {slot.successor} of {slot.current} eligible at "
              f"{time.strftime('%H:%M:%S', time.localtime(max(begin, time.time())))}")
+    # the URLs of the slot's jobs only: a keep-alive slot, whose current job never ends, hands over every walltime
+    slot.urls = {job: url for job, url in slot.urls.items() if job in slot.jobs()}
+    slot.model_urls = {job: urls for job, urls in slot.model_urls.items() if job in slot.jobs()}
 
 
 def _hand_over(rec: ServiceRecord, slot: Slot, cur: JobStatus | None, suc: JobStatus, admin: RouterAdmin,
