@@ -157,3 +157,6 @@ def test_a_model_whose_memory_grows_asleep_has_its_job_replaced(swap_svc: Any, m
              "the swapper names the leak")
     wait_for(lambda: records.find(JobStore(), "leaky").slots[0].current not in (None, first), 90,
              "the service replaced the job")
+    ended = json.loads(pbstk("status", first, "--json").stdout)[0]
+    assert ended["state"] == "FAILED", ended  # a failure the service heals, not a cancel
+    assert "the model swapper" in (run_dir / "vllm.log").read_text()

@@ -13,7 +13,7 @@ loopback and acts on the GPU set (``SET``) each model shares with others, at mos
 * with ``--sleep-after S``, an awake model idle for S seconds sleeps;
 * after each sleep the model's log line "Sleep mode freed X GiB memory, Y GiB memory is still in use" is read:
   a Y grown by more than ``LEAK_GIB`` over that model's first one (vLLM's known leak over long rotations) ends
-  the job (SIGTERM to ``--script-pid``), which the service replaces with fresh vLLMs.
+  the swapper (``LEAK_EXIT``); the job's watcher then fails the job, which the service replaces with fresh vLLMs.
 
 It writes ``RUN_DIR/swap.json`` (each model's state, wakes, sleeps and the last switch times: ``pbstk status``
 shows them) and appends to ``RUN_DIR/models.events.jsonl`` one line per change (``{"t", "model", "event":
@@ -28,7 +28,6 @@ import http.client
 import json
 import os
 import re
-import signal
 import sys
 import time
 
@@ -39,6 +38,8 @@ FAIR_S = 5.0
 LEAK_GIB = 2.0
 #: seconds a sleep or a wake may take (a wake loads the weights back from CPU memory)
 SWITCH_TIMEOUT_S = 600.0
+#: the swapper's exit code when a model leaked (its job then fails naming the swapper, the line above says why)
+LEAK_EXIT = 3
 _STILL_IN_USE = re.compile(r"([0-9.]+) GiB memory is still in use")
 
 
@@ -153,12 +154,11 @@ class Swapper:
         if m.first_asleep_gib is None:
             m.first_asleep_gib = m.asleep_gib
         elif m.asleep_gib > m.first_asleep_gib + LEAK_GIB:
-            log(f"error: model {m.served} holds {m.asleep_gib:.2f} GiB asleep, {LEAK_GIB:g} GiB more than after its "
+            log(f"error: model {m.served} holds {m.asleep_gib:.2f} GiB asleep, more than {LEAK_GIB:g} GiB over its "
                 f"first sleep ({m.first_asleep_gib:.2f}): vLLM's sleep-mode leak; ending the job (the service "
                 "restarts it)")
             self.write_state()
-            os.kill(self.args.script_pid, signal.SIGTERM)
-            sys.exit(0)
+            sys.exit(LEAK_EXIT)  # the job's watcher sees the swapper end: the job FAILS, and is replaced
 
     def event(self, m: Model, what: str, took: float | None) -> None:
         line = json.dumps({"t": round(time.time(), 3), "model": m.served, "event": what,
