@@ -22,14 +22,14 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pbs_toolkit.campaigns import counters, lease
+from pbs_toolkit.campaigns import counters, each, lease
+from pbs_toolkit.campaigns.children import SIGNALS, Child, run_children
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 from pbs_toolkit.perf.scrape import wait_drained
@@ -42,8 +42,6 @@ if TYPE_CHECKING:
     from pbs_toolkit.jobs.store import JobRecord
     from pbs_toolkit.services.record import ServiceRecord
 
-#: signals passed on to COMMAND (and, before it runs, turned into a cancel of what was launched)
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: the most the end looks for the scheduler to confirm the cancelled jobs ended (to record it)
 SETTLE_S = 30.0
 
@@ -79,6 +77,14 @@ class RunPlan:
     timeout: float = 3600.0
     #: stage a Hub model an offline profile's nodes lack before launching (``launch --stage``)
     stage: bool = False
+    #: ``--each``: COMMAND once per model, ``{model}``/``{alias}`` replaced (campaigns/each.py); ``parallel`` at once
+    each: bool = False
+    parallel: int = 1
+
+    @property
+    def several(self) -> bool:
+        """A multi-model service is launched (``serve`` holds the plan's ``models``)."""
+        return bool(self.serve.get("models"))
 
 
 @dataclass
@@ -89,6 +95,8 @@ class RunHooks:
     notice: Callable[[str], None] = lambda _m: None
     wait_job: Callable[[Client, JobRecord, float], Any] | None = None
     wait_service: Callable[[Client, ServiceRecord, float], Any] | None = None
+    #: ``--each``: the runs once they all ended (the CLI prints their table)
+    each_done: Callable[[list[each.ModelRun]], None] = lambda _runs: None
 
 
 class _Stopped(BaseException):
@@ -104,12 +112,22 @@ class _Target:
     record: JobRecord | None = None
     service: ServiceRecord | None = None
     launched: bool = False
-    entry: Any = None  # the registry entry written (an EndpointUpdate)
+    entries: list[Any] = field(default_factory=list)  # the registry entries written (EndpointUpdate each)
     prior: Any = None  # the registry before it (endpoints/register.py ``Prior``): what the end puts back
 
     @property
     def name(self) -> str:
         return self.service.name if self.service else self.record.job_id if self.record else "?"
+
+    def models(self) -> list[tuple[str, str]]:
+        """``(served name, alias)`` of each model the server serves: a multi-model service's, else its one; the
+        alias is the registry entry's for that model when the run wrote one, else the served name."""
+        if self.service is not None:
+            served = [m["served_model_name"] for m in self.service.models] or [self.service.served_model_name]
+        else:
+            served = [self.record.served_model_name if self.record else "?"]
+        aliases = {e.model: e.alias for e in self.entries}
+        return [(s, aliases.get(s, s)) for s in served]
 
 
 def check_command(command: Sequence[str]) -> None:
@@ -130,6 +148,12 @@ def check_plan(plan: RunPlan) -> None:
     from pbs_toolkit.endpoints import check_registry_for
 
     check_command(plan.command)
+    if plan.each:
+        each.check_placeholders(plan.command)
+    elif plan.parallel != 1:
+        raise UsageError("--parallel N runs COMMAND for several models at once: give --each too")
+    if plan.several and plan.alias is not None:
+        raise UsageError("--alias names one entry; with several models each entry's alias is its served name")
     if plan.registry is None:
         if plan.alias is not None or plan.fmt != "auto":
             raise UsageError("--alias and --format describe the entry --registry writes; give --registry too")
@@ -149,8 +173,7 @@ def run(client: Client, plan: RunPlan, hooks: RunHooks | None = None) -> int:
             _start(client, plan, hooks, target, lambda: renewal.start(
                 _leased(client, plan, target), plan.request.lease_s if plan.request else 0))
             env = _environment(client, plan, target, hooks)
-            hooks.notice(f"running {' '.join(plan.command)} against {env['OPENAI_BASE_URL']}")
-            code = run_command(plan.command, env, hooks.notice)
+            code = _run_commands(plan, target, env, hooks)
         except _Stopped as stop:
             hooks.notice(f"{signal.Signals(stop.signum).name} received before COMMAND ran")
             code = 128 + stop.signum
@@ -200,14 +223,20 @@ def _start(client: Client, plan: RunPlan, hooks: RunHooks, target: _Target,
             target.record = _launch(client, plan)
         target.launched = True
         launched()
-        hooks.notice(f"launched {target.name}" + (f" ({plan.replicas} replicas)" if target.service else "")
+        size = f" ({len(target.service.models)} models in {target.service.replicas} job(s))" if target.service \
+            and target.service.models else f" ({plan.replicas} replicas)" if target.service else ""
+        hooks.notice(f"launched {target.name}{size}"
                      + ("; it is cancelled when COMMAND ends" if not plan.keep else "; --keep: it stays up"))
     else:
         raise UsageError("run needs MODEL to launch, or --reuse NAME")
     if target.service is not None:
         if target.service.ended is not None:
             raise ServerFailed(f"service {target.service.name} has ended ({target.service.state})")
+        started = time.monotonic()
         (hooks.wait_service or (lambda c, s, t: c.wait_service(s, t)))(client, target.service, plan.timeout)
+        if target.service.models:  # READY counts jobs: wait until the router has every model's server too
+            each.wait_models(client.service_session(), target.service,
+                             plan.timeout - (time.monotonic() - started))
     else:
         assert target.record is not None
         (hooks.wait_job or (lambda c, r, t: c.wait(r, t)))(client, target.record, plan.timeout)
@@ -259,14 +288,18 @@ def _environment(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks
         from pbs_toolkit.endpoints.register import note_prior
 
         target.prior = note_prior(client.store, plan.registry, plan.fmt)
-        if target.service is not None:
-            target.entry = client.update_service_endpoint(target.service, plan.registry, fmt=plan.fmt,
-                                                          alias=plan.alias, via_tunnel=tunnel)
+        if target.service is not None and target.service.models:  # an entry per model, its served name
+            target.entries = client.update_model_endpoints(target.service, plan.registry, fmt=plan.fmt,
+                                                           via_tunnel=tunnel)
+        elif target.service is not None:
+            target.entries = [client.update_service_endpoint(target.service, plan.registry, fmt=plan.fmt,
+                                                             alias=plan.alias, via_tunnel=tunnel)]
         else:
-            target.entry = client.update_endpoint(st.record, plan.registry, fmt=plan.fmt, alias=plan.alias,
-                                                  timeout=plan.timeout, via_tunnel=tunnel)
-        back = "put back" if target.entry.alias in target.prior.aliases() else "removed"
-        hooks.notice(f"{target.entry.registry}: {target.entry.alias} -> {target.entry.url} ({back} at the end)")
+            target.entries = [client.update_endpoint(st.record, plan.registry, fmt=plan.fmt, alias=plan.alias,
+                                                     timeout=plan.timeout, via_tunnel=tunnel)]
+        for entry in target.entries:
+            back = "put back" if entry.alias in target.prior.aliases() else "removed"
+            hooks.notice(f"{entry.registry}: {entry.alias} -> {entry.url} ({back} at the end)")
         local_url = client.tunnels[-1].url if tunnel else None
     elif tunnel:
         local_url = client.tunnel(st)[1].url
@@ -274,7 +307,27 @@ def _environment(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks
         hooks.notice(f"{st.address}:{st.port} is reached through a tunnel on {local_url}")
     ep = client.service_endpoint(target.service, local_url) if target.service is not None \
         else client.endpoint(st.record, local_url)
-    return {**os.environ, **ep.env}
+    env = {**os.environ, **ep.env}
+    if target.service is not None and target.service.models:  # no one model: COMMAND names them itself
+        del env["PBSTK_MODEL"]
+        env["PBSTK_MODELS"] = " ".join(served for served, _alias in target.models())
+    return env
+
+
+def _run_commands(plan: RunPlan, target: _Target, env: dict[str, str], hooks: RunHooks) -> int:
+    """COMMAND once (its exit status), or with ``each`` once per model (the worst status; ``128 + N`` when
+    signal N interrupted the runs)."""
+    if not plan.each:
+        hooks.notice(f"running {' '.join(plan.command)} against {env['OPENAI_BASE_URL']}")
+        return run_command(plan.command, env, hooks.notice)
+    models = target.models()
+    hooks.notice(f"running {' '.join(plan.command)} for each of {len(models)} model(s) against "
+                 f"{env['OPENAI_BASE_URL']}" + (f", {plan.parallel} at once" if plan.parallel > 1 else ""))
+    runs, received = each.run_each(models, plan.command, env, hooks.notice, parallel=plan.parallel,
+                                   logs=each.log_dir(target.name) if plan.parallel > 1 else None,
+                                   grace_s=grace_seconds())
+    hooks.each_done(runs)
+    return 128 + received[0] if received else each.worst(runs)
 
 
 def reachable(host: str | None, port: int | None, timeout: float = 3.0) -> bool:
@@ -292,65 +345,18 @@ def run_command(command: Sequence[str], env: dict[str, str], notice: Callable[[s
                 grace_s: float | None = None) -> int:
     """Run ``command`` in its own process group and return its exit status (``128 + N`` for signal N).
     Signals meanwhile are passed on to the group; ``grace_s`` after the first, the group is killed. Whatever
-    the command left running in its group when it ended is stopped too."""
-    grace = grace_seconds() if grace_s is None else grace_s
-    received: list[int] = []
-    with _held() as early:  # a signal between the spawn and the handlers below must not be lost
-        proc = subprocess.Popen(list(command), env=env, process_group=0)  # noqa: S603 - argv, no shell
-    pgid = proc.pid
-
-    first_at: list[float] = []
-
-    def forward(signum: int, _frame: Any) -> None:
-        received.append(signum)
-        first_at.append(time.monotonic())
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in SIGNALS}
-    try:
-        for signum in early:
-            forward(signum, None)
-        killed = False
-        while True:
-            try:
-                rc = proc.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                if received and not killed and time.monotonic() - first_at[0] > grace:
-                    notice(f"COMMAND did not end {grace:g} s after {signal.Signals(received[0]).name}: killing it")
-                    with suppress(ProcessLookupError, PermissionError):
-                        os.killpg(pgid, signal.SIGKILL)
-                    killed = True
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    _reap_group(pgid)
-    return 128 - rc if rc < 0 else rc
-
-
-def _reap_group(pgid: int, wait_s: float = 2.0) -> None:
-    """Stop what is left of COMMAND's process group: TERM, then KILL after ``wait_s``."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return
-        time.sleep(0.05)
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+    the command left running in its group when it ended is stopped too (campaigns/children.py)."""
+    child = Child(list(command), env)
+    run_children([child], notice, 1, grace_seconds() if grace_s is None else grace_s)
+    assert child.code is not None
+    return child.code
 
 
 def _finish(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks, interrupts: list[int]) -> None:
     """Entry out, tunnel closed, then (unless kept or reused) drain and cancel. Errors become notices: the
     exit status is COMMAND's."""
-    if target.entry is not None:
-        _remove_entry(client, target, hooks)
+    for update in target.entries:
+        _remove_entry(client, target, update, hooks)
     for tunnel in list(client.tunnels):
         tunnel.close()
         client.tunnels.remove(tunnel)
@@ -392,12 +398,11 @@ def usage_line(client: Client, ref: str) -> str | None:
             f"(`pbstk usage {ref}` for the table)")
 
 
-def _remove_entry(client: Client, target: _Target, hooks: RunHooks) -> None:
+def _remove_entry(client: Client, target: _Target, update: Any, hooks: RunHooks) -> None:
     """Take out the entry this run added, or put back the one it replaced: a run removes only what it added."""
     from pbs_toolkit.endpoints.register import give_back
     from pbs_toolkit.endpoints.retire import retire
 
-    update = target.entry
     try:
         given = give_back(client.store, target.prior, update) if target.prior is not None else None
     except PbstkError as exc:

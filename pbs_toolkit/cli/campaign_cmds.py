@@ -25,15 +25,33 @@ from pbs_toolkit.cli.options import (
 )
 
 _RUN_EPILOG = """\b
-Exit status: COMMAND's own (128+N when signal N ended it). Before COMMAND runs, pbstk's own codes: 2 bad input
+Exit status: COMMAND's own (128+N when signal N ended it); with --each the worst (largest) of the runs', 128+N
+when signal N interrupted them. Before COMMAND runs, pbstk's own codes: 2 bad input
 (COMMAND not found too), 3 scheduler, 4 SSH, 5 server failed, 6 timeout, 7 unknown --reuse name, 8 registry
 (a bad --registry is refused before anything is launched), 11 weights not staged (--stage stages them first);
 130 (Ctrl-C) or 143 (SIGTERM) when interrupted while waiting (what was launched is cancelled).
 """
 
 
-@click.command("run", epilog=_RUN_EPILOG, context_settings={"ignore_unknown_options": False})
-@click.argument("words", nargs=-1, type=click.UNPROCESSED, metavar="MODEL -- COMMAND [ARGS]...")
+class _RunCommand(click.Command):
+    """Click drops ``--``; ``run`` keeps where it was: the words before it are MODELs, those after it COMMAND
+    (``ctx.meta["pbstk_command"]``; without ``--``, the first word is MODEL and the rest COMMAND, as before)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            ctx.meta["pbstk_command"] = list(args[args.index("--") + 1:])
+            args = args[:args.index("--")]
+        return super().parse_args(ctx, args)
+
+
+@click.command("run", cls=_RunCommand, epilog=_RUN_EPILOG, context_settings={"ignore_unknown_options": False})
+@click.argument("words", nargs=-1, type=click.UNPROCESSED, metavar="MODEL [MODEL...] -- COMMAND [ARGS]...")
+@click.option("--models", "models_file", metavar="FILE.yaml", help="The models, listed in a YAML file instead of "
+              "MODEL arguments: one multi-model service (docs/multi-model.md).")
+@click.option("--each", is_flag=True, help="Run COMMAND once per model, {model} and {alias} replaced in its "
+              "arguments (PBSTK_MODEL, PBSTK_ALIAS in its environment); a summary table at the end.")
+@click.option("--parallel", type=BoundedInt(1, 1000), metavar="N", help="With --each: up to N runs at once, "
+              "each one's output in a log file (default: one after the other, on this terminal).")
 @render_options
 @click.option("--scheduler", type=LazyChoice(backend_names), help="Override the profile's scheduler.")
 @click.option("--ssh", "ssh_host", help="Submit through this SSH host; COMMAND still runs here.")
@@ -63,17 +81,21 @@ Exit status: COMMAND's own (128+N when signal N ended it). Before COMMAND runs, 
                    "(default: only when it does not).")
 @click.option("--timeout", type=SECONDS, default=3600.0, show_default=True, help="Seconds to wait for READY.")
 @STAGE_OPTION
-def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None, accept_new_host_key: bool,
+def run_cmd(words: tuple[str, ...], models_file: str | None, each: bool, parallel: int | None,
+            scheduler: str | None, ssh_host: str | None, accept_new_host_key: bool,
             api_key_env: str | None, no_api_key: bool, replicas: int | None, nodes_per_replica: int | None,
             policy: str | None, keep_alive: bool, reuse: str | None, registry: str | None, alias: str | None,
             fmt: str, keep: bool, lease: str | None, via_tunnel: bool, timeout: float, stage_weights: bool,
             **kw: Any) -> None:
     """Launch MODEL (or --reuse a READY job or service), wait until READY, run COMMAND against it, then drain
-    and cancel the server; pbstk exits with COMMAND's exit status.
+    and cancel the server; pbstk exits with COMMAND's exit status. Several MODELs (MODEL[:preset=P][:name=N]
+    each, or --models FILE.yaml): one multi-model service (`pbstk serve M1 M2`), named run-DATE-TIME-PID
+    unless --name; COMMAND gets PBSTK_MODELS, or with --each runs once per model.
 
     \b
       pbstk run Qwen/Qwen3-1.7B --preset dp4 -- python eval.py
       pbstk run --reuse qwen --registry configs/endpoints.py -- vf-eval my-env -m qwen
+      pbstk run Qwen/Qwen3-1.7B Qwen/Qwen3-4B --each --parallel 2 -- vf-eval my-env -m {model}
 
     COMMAND gets OPENAI_BASE_URL, OPENAI_API_KEY (only in its environment), NO_PROXY and the rest of what
     `pbstk env` exports; its stdout and stderr are its own, pbstk's lines go to stderr. Ctrl-C and SIGTERM go to
@@ -83,37 +105,95 @@ def run_cmd(words: tuple[str, ...], scheduler: str | None, ssh_host: str | None,
     from pbs_toolkit.client import Client
     from pbs_toolkit.errors import UsageError
 
-    if reuse:
-        model, command = None, list(words)
-        if any(v not in (None, (), False) for v in kw.values()) or scheduler or ssh_host or replicas not in (None, 1) \
-                or keep_alive or policy or nodes_per_replica or stage_weights:
-            raise UsageError("--reuse takes no launch or serve options: the job or service runs already")
-    else:
-        if not words:
-            raise UsageError("run needs MODEL, `--` and COMMAND (or --reuse NAME -- COMMAND)")
-        model, command = words[0], list(words[1:])
+    models, command = _split_words(words, click.get_current_context().meta.get("pbstk_command"),
+                                   bool(reuse or models_file), each)
+    launching = any(v not in (None, (), False) for v in kw.values()) or bool(
+        scheduler or ssh_host or replicas not in (None, 1) or keep_alive or policy or nodes_per_replica
+        or stage_weights)
+    several = _refuse(reuse, launching, models, models_file, each or parallel is None, alias)
+    check_plan(RunPlan(command=command, registry=registry, alias=alias, fmt=fmt, each=each,
+                       parallel=parallel or 1))  # COMMAND and the registry before the models are sized
+    model, kw = _models(models, models_file, several, {**kw, "scheduler": scheduler, "ssh_host": ssh_host,
+                                                       "replicas": replicas}) if not reuse else (None, kw)
     scale = scale_spec(replicas, kw.pop("min_replicas"), kw.pop("max_replicas"), kw.pop("scale_up_waiting"),
                        kw.pop("scale_down_idle"))  # autoscaling: a service, as `serve --min/--max-replicas`
     replicas = 1 if replicas is None else replicas
     serve: dict[str, Any] = {k: v for k, v in (("nodes_per_replica", nodes_per_replica), ("policy", policy),
-                                               ("keep_alive", keep_alive or None), ("scale", scale)) if v is not None}
+                                               ("keep_alive", keep_alive or None), ("scale", scale),
+                                               ("models", kw.pop("models", None))) if v is not None}
     if replicas > 1 or serve:
         serve["name"] = kw.pop("name", None)
     plan = RunPlan(command=command, reuse=reuse, replicas=replicas, serve=serve,
                    api_key=read_key_env(api_key_env, os.environ), use_api_key=not no_api_key,
                    registry=registry, alias=alias, fmt=fmt, keep=keep, tunnel=via_tunnel, timeout=timeout,
-                   stage=stage_weights)
+                   stage=stage_weights, each=each, parallel=parallel or 1)
     check_plan(plan)  # COMMAND and the registry, before anything renders, connects or is queued
     if model is not None:
         from pbs_toolkit.campaigns.lease import run_lease
 
-        plan.request = replace(build_request(model, scheduler=scheduler, ssh_host=ssh_host, **kw),
-                               lease_s=run_lease(lease, keep=keep))
+        plan.request = replace(build_request(model, **kw), lease_s=run_lease(lease, keep=keep))
     elif lease is not None:
         raise UsageError("--lease is for a server pbstk run launches: a --reuse'd one has no lease")
     with Client(accept_new_host_key=accept_new_host_key) as c:
-        code = run(c, plan, RunHooks(notice=_notice, wait_job=_wait_job, wait_service=_wait_service))
+        code = run(c, plan, RunHooks(notice=_notice, wait_job=_wait_job, wait_service=_wait_service,
+                                     each_done=_each_table))
     raise SystemExit(code)
+
+
+def _refuse(reuse: str | None, launching: bool, models: list[str], models_file: str | None, parallel_ok: bool,
+            alias: str | None) -> bool:
+    """What ``run`` refuses before anything is sized or queued; whether several models are given."""
+    from pbs_toolkit.errors import UsageError
+
+    if reuse and (launching or models or models_file):
+        raise UsageError("--reuse takes no MODEL, launch or serve options: the job or service runs already")
+    if not reuse and not models and not models_file:
+        raise UsageError("run needs MODEL, `--` and COMMAND (or --reuse NAME -- COMMAND)")
+    if not parallel_ok:
+        raise UsageError("--parallel N runs COMMAND for several models at once: give --each too")
+    several = len(models) > 1 or models_file is not None
+    if several and alias is not None:
+        raise UsageError("--alias names one entry; with several models each entry's alias is its served name")
+    return several
+
+
+def _split_words(words: tuple[str, ...], after: list[str] | None, no_model: bool, each: bool
+                 ) -> tuple[list[str], list[str]]:
+    """MODELs and COMMAND: the words before and after ``--``; without ``--``, the first word is MODEL (none with
+    --reuse or --models) and the rest COMMAND; ``--each`` needs the ``--``."""
+    from pbs_toolkit.errors import UsageError
+
+    if after is not None:
+        return list(words), after
+    if each:
+        raise UsageError("--each needs `--` between the MODELs and COMMAND: pbstk run M1 M2 --each -- COMMAND")
+    return ([], list(words)) if no_model else (list(words[:1]), list(words[1:]))
+
+
+def _models(models: list[str], models_file: str | None, several: bool, kw: dict[str, Any]) -> tuple[str, Any]:
+    """The model to launch and the launch options: one model as before (its ``:preset=``/``:name=`` applied),
+    several as `serve M1 M2` plans them (``kw["models"]``, the plan's rows; the service named
+    ``run-YYYYmmdd-HHMMSS-PID`` unless --name)."""
+    from pbs_toolkit.cli.multi_model import single_or_plan
+
+    if several and not kw.get("name"):
+        import time
+
+        kw["name"] = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    single = single_or_plan(tuple(models), models_file, False, False, kw)
+    assert single is not None  # no dry run here
+    model, kw = single
+    kw.pop("replicas", None)
+    return model, kw
+
+
+def _each_table(runs: list[Any]) -> None:
+    """``run --each``'s summary, on stderr with pbstk's other lines (COMMAND's stdout stays its own)."""
+    from pbs_toolkit.durations import short
+
+    rows = [[r.model, r.alias, "-" if r.child.code is None else str(r.child.code),
+             "-" if r.child.seconds is None else short(r.child.seconds), str(r.child.log or "-")] for r in runs]
+    click.echo(table(rows, ["MODEL", "ALIAS", "EXIT", "DURATION", "LOG"]), err=True)
 
 
 def _notice(message: str) -> None:

@@ -1,0 +1,121 @@
+"""COMMAND's processes under ``pbstk run``: each in its own process group, at most ``parallel`` at once, the
+signals pbstk receives passed on to every running group, and whatever a command leaves in its group reaped
+(docs/campaigns.md "Signals"). One command (``run``) and one per model (``run --each``) go through here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pbs_toolkit.signal_scope import handled_by
+
+#: signals passed on to COMMAND (and, before it runs, turned into a cancel of what was launched)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: how often the supervisor looks at its children (and passes on a signal received meanwhile)
+POLL_S = 0.1
+#: what is left in a group after its command ended gets SIGTERM, then SIGKILL this much later
+REAP_S = 2.0
+
+
+@dataclass
+class Child:
+    """One command to run: its argv and environment; ``log``: its stdout and stderr go to this file (and its
+    stdin is ``/dev/null``), else it shares pbstk's terminal. ``code``, ``started``, ``ended`` once it ran
+    (``code``: the exit status, ``128 + N`` when signal N ended it; ``None``: never started)."""
+
+    argv: list[str]
+    env: dict[str, str] = field(repr=False)
+    log: Path | None = None
+    code: int | None = None
+    started: float | None = None
+    ended: float | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.started is None or self.ended is None else self.ended - self.started
+
+
+def run_children(children: Sequence[Child], notice: Callable[[str], None], parallel: int = 1,
+                 grace_s: float = 10.0, on_start: Callable[[Child], None] = lambda _c: None,
+                 on_end: Callable[[Child], None] = lambda _c: None) -> list[int]:
+    """Run ``children`` in order, at most ``parallel`` at once, each in its own process group; returns the
+    signals received meanwhile (empty: none). A signal (SIGINT, SIGTERM, SIGHUP) is passed on to every running
+    group and starts no further child; ``grace_s`` after the first, the groups still running are killed."""
+    waiting, running = list(children), list[Child]()
+    received: list[int] = []
+    leftovers: dict[int, float] = {}  # process groups whose command ended: the deadline of their SIGKILL
+    sent, killed, first_at = 0, False, 0.0
+    with handled_by(lambda signum, _frame: received.append(signum), SIGNALS), ExitStack() as logs:
+        while (waiting and not received) or running or leftovers:
+            for signum in received[sent:]:  # pass on what arrived since the last look, to every group
+                first_at = first_at or time.monotonic()
+                for child in running:
+                    _signal_group(child, signum)
+            sent = len(received)
+            while waiting and len(running) < parallel and not received:
+                child = waiting.pop(0)
+                _spawn(child, logs)
+                running.append(child)
+                on_start(child)
+            for child in [c for c in running if c.proc is not None and c.proc.poll() is not None]:
+                assert child.proc is not None and child.proc.returncode is not None
+                rc, child.ended = child.proc.returncode, time.monotonic()
+                child.code = 128 - rc if rc < 0 else rc
+                running.remove(child)
+                if _signal_group(child, signal.SIGTERM):  # what it left in its group: TERM now, KILL later
+                    leftovers[child.proc.pid] = time.monotonic() + REAP_S
+                on_end(child)
+            if received and running and not killed and time.monotonic() - first_at > grace_s:
+                notice(f"COMMAND did not end {grace_s:g} s after {signal.Signals(received[0]).name}: killing it")
+                for child in running:
+                    _signal_group(child, signal.SIGKILL)
+                killed = True
+            _reap(leftovers)
+            if (waiting and not received) or running or leftovers:
+                time.sleep(POLL_S)
+    return received
+
+
+def _spawn(child: Child, logs: ExitStack) -> None:
+    out: Any = None
+    if child.log is not None:
+        child.log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        out = logs.enter_context(open(os.open(child.log, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600), "wb"))
+    child.started = time.monotonic()
+    child.proc = subprocess.Popen(child.argv, env=child.env, process_group=0,  # noqa: S603 - argv, no shell
+                                  stdin=subprocess.DEVNULL if out is not None else None, stdout=out,
+                                  stderr=subprocess.STDOUT if out is not None else None)
+
+
+def _signal_group(child: Child, signum: int) -> bool:
+    """Send ``signum`` to the child's process group; ``False`` when the group is gone."""
+    if child.proc is None:
+        return False
+    try:
+        os.killpg(child.proc.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _reap(leftovers: dict[int, float]) -> None:
+    """Forget the groups that are empty now; SIGKILL those still there past their deadline."""
+    for pgid, deadline in list(leftovers.items()):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            del leftovers[pgid]
+            continue
+        if time.monotonic() >= deadline:
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+            del leftovers[pgid]

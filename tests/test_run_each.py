@@ -1,0 +1,230 @@
+"""``pbstk run MODEL MODEL ... [--each [--parallel N]] -- COMMAND`` (issue 31, item 5): one multi-model service
+(the stand-in vLLM per model, the real vllm-router, the real keeper; the local scheduler and the fake PBS), then
+COMMAND once against it or once per model with ``{model}``/``{alias}`` replaced, a summary table, the worst exit
+status, and the service cancelled.
+
+pbstk runs as a subprocess (test_campaigns.py's ``cli``): COMMAND writes to the real stdout and gets real signals.
+
+Before: several MODEL words were taken as MODEL and COMMAND (``--`` was lost), ``--each``/``--parallel``/
+``--models`` were unknown options (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import helpers
+import pytest
+import yaml
+from test_campaigns import _env, cli, usage_of
+from test_serve_models import checkpoint
+
+from pbs_toolkit.jobs.store import JobStore
+
+ROUTER = Path(sys.executable).parent / "vllm-router"
+pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
+
+#: COMMAND: one chat completion for the model named in argv[1] (through OPENAI_BASE_URL with OPENAI_API_KEY),
+#: then exit with that model's code from CODES (a JSON object in the environment)
+ASK = textwrap.dedent("""\
+    import json, os, sys, urllib.request
+    model = sys.argv[1]
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).encode()
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body, headers={
+        "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+    answer = json.load(urllib.request.urlopen(req, timeout=30))
+    print(f"asked={model} answered={answer['model']} env={os.environ.get('PBSTK_MODEL')}/"
+          f"{os.environ.get('PBSTK_ALIAS')} args={sys.argv[2:]} key-in-argv={os.environ['OPENAI_API_KEY'] in sys.argv}")
+    sys.stdout.flush()
+    sys.exit(json.loads(os.environ.get("CODES", "{}")).get(model, 0))
+""")
+
+
+def _profile(isolated_user: Path, name: str, scheduler: str, extra: str = "") -> None:
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / f"{name}.yaml").write_text(
+        f"name: {name}\nscheduler: {scheduler}\nnodes: 1\ngpus_per_node: 1\ngpu_memory_gb: 80\ncpus_per_node: 2\n"
+        f"walltime: '00:10:00'\naddress: loopback\nbind_host: 127.0.0.1\nrouter_command: {ROUTER}\n{extra}")
+
+
+@pytest.fixture
+def pair(isolated_user: Path, standins: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    """Two small models that share the one GPU of a local profile; the stand-in answers a request for another
+    model with vLLM's 404; COMMAND's script."""
+    _profile(isolated_user, "gpu1", "local", "port: 8000\n")
+    for key, value in (("PBSTK_SERVICE_POLL_S", "0.5"), ("PBSTK_TEST_STANDIN_DELAY", "0"),
+                       ("PBSTK_TEST_STANDIN_CHECK_MODEL", "1"), ("CUDA_VISIBLE_DEVICES", "0")):
+        monkeypatch.setenv(key, value)
+    root = isolated_user / "m"
+    script = tmp_path / "ask.py"
+    script.write_text(ASK)
+    yield checkpoint(root, "alpha", 1_200_000_000), checkpoint(root, "beta", 3_400_000_000), script
+    _stop()
+
+
+def _stop() -> None:
+    from test_service import _stop_services
+
+    _stop_services()
+
+
+def _table(stderr: str) -> dict[str, list[str]]:
+    """The summary table's rows (on stderr, after its MODEL header), by model."""
+    lines = stderr.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:3] == ["MODEL", "ALIAS", "EXIT"])
+    return {line.split()[0]: line.split() for line in lines[head + 1:] if line and not line.startswith("pbstk:")}
+
+
+def test_each_runs_command_per_model_in_turn_and_exits_with_the_worst(pair: Any, tmp_path: Path) -> None:
+    alpha, beta, script = pair
+    registry = tmp_path / "endpoints.yaml"
+    ran = cli("run", f"{alpha}:name=a", f"{beta}:name=b", "--profile", "gpu1", "--name", "duo", "--each",
+              "--registry", str(registry), "--", sys.executable, str(script), "{model}", "{alias}",
+              "out/{{model}}-{model}.json", env=_env(CODES=json.dumps({"a": 0, "b": 3})), timeout=240)
+    assert ran.returncode == 3, ran.stderr  # the worst of 0 and 3
+    # one after the other, in the order given, each against its own model through the one URL
+    assert ran.stdout.splitlines() == [
+        "asked=a answered=a env=a/a args=['a', 'out/{model}-a.json'] key-in-argv=False",
+        "asked=b answered=b env=b/b args=['b', 'out/{model}-b.json'] key-in-argv=False"], ran.stdout
+    rows = _table(ran.stderr)
+    assert [rows["a"][:3], rows["b"][:3]] == [["a", "a", "0"], ["b", "b", "3"]], ran.stderr
+    assert rows["a"][4] == "-" and rows["b"][4] == "-"  # in turn: the output went to the terminal, no log
+    assert "pbstk: cancelled duo" in ran.stderr, ran.stderr
+    assert yaml.safe_load(registry.read_text())["endpoints"] in ({}, None)  # both entries taken back
+    status = json.loads(cli("status", "duo", "--json").stdout)[0]
+    assert status["state"] == "CANCELLED", status
+    doc = usage_of("duo")  # the service's one job; its counters are its first model's (per model: not yet)
+    assert [(r["name"], r["service"]) for r in doc["jobs"]] == [("duo-r0", "duo")], doc
+    assert doc["services"][0]["service"] == "duo" and doc["totals"]["walltime_s"] is not None, doc
+    print(ran.stderr)
+
+
+def test_without_each_command_runs_once_with_every_model_named(pair: Any, tmp_path: Path) -> None:
+    """No --each: COMMAND runs once; there is no one model, so PBSTK_MODEL is absent and PBSTK_MODELS lists the
+    served names; the service is named run-DATE-TIME-PID when --name is not given."""
+    alpha, beta, _script = pair
+    every = tmp_path / "every.py"
+    every.write_text(textwrap.dedent("""\
+        import os, subprocess, sys
+        models = os.environ["PBSTK_MODELS"].split()
+        print("models:", models, "PBSTK_MODEL" in os.environ)
+        for m in models:
+            subprocess.run([sys.executable, sys.argv[1], m], check=True)
+    """))
+    ran = cli("run", f"{alpha}:name=a", f"{beta}:name=b", "--profile", "gpu1", "--", sys.executable, str(every),
+              str(pair[2]), timeout=240)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines()[0] == "models: ['a', 'b'] False", ran.stdout
+    assert [line.split()[0] for line in ran.stdout.splitlines()[1:]] == ["asked=a", "asked=b"], ran.stdout
+    (service,) = {r.name.rsplit("-r", 1)[0] for r in JobStore().all()}  # its jobs are SERVICE-r0...
+    assert re.fullmatch(r"run-\d{8}-\d{6}-\d+", service), service
+    assert f"pbstk: cancelled {service}" in ran.stderr, ran.stderr
+
+
+def test_each_parallel_on_the_fake_pbs_writes_a_log_per_model(isolated_user: Path, fakepbs: Path, standins: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    """Three models in two fake-PBS jobs (c takes a whole GPU); --parallel 2: the first two runs overlap (each
+    waits until both have started), each run's output is in its own log, the worst code wins."""
+    _profile(isolated_user, "pbs1", "pbs", "router: local\n")
+    for key, value in (("PBSTK_SERVICE_POLL_S", "0.5"), ("PBSTK_TEST_STANDIN_DELAY", "0"),
+                       ("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")):
+        monkeypatch.setenv(key, value)
+    root = isolated_user / "m"
+    a, b, c = (checkpoint(root, n, size) for n, size in (("a", 1_200_000_000), ("b", 1_200_000_000),
+                                                          ("c", 3_400_000_000)))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    together = tmp_path / "together.py"
+    together.write_text(textwrap.dedent(f"""\
+        import os, subprocess, sys, time
+        model = sys.argv[1]
+        open(os.path.join({str(marks)!r}, model), "w").close()
+        deadline = time.monotonic() + 60  # the first two runs are at once: each sees the other's mark
+        while model != "b" and len(os.listdir({str(marks)!r})) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("started together:", sorted(os.listdir({str(marks)!r}))[:2])
+        sys.stdout.flush()
+        sys.exit(subprocess.run([sys.executable, {str(tmp_path / 'ask.py')!r}, model]).returncode)
+    """))
+    (tmp_path / "ask.py").write_text(ASK)
+    try:
+        ran = cli("run", f"{a}:name=a", f"{c}:name=c:preset=single", f"{b}:name=b", "--profile", "pbs1",
+                  "--name", "trio", "--each", "--parallel", "2", "--", sys.executable, str(together), "{model}",
+                  env=_env(CODES=json.dumps({"a": 0, "b": 5, "c": 3})), timeout=300)
+        assert ran.returncode == 5, ran.stderr
+        assert ran.stdout == "", ran.stdout  # every run's output is in its log
+        rows = _table(ran.stderr)
+        assert {m: rows[m][2] for m in rows} == {"a": "0", "c": "3", "b": "5"}, ran.stderr
+        for model in ("a", "c", "b"):
+            log = Path(rows[model][4])
+            assert log.parent.parent == isolated_user / "state" / "pbstk" / "runs", log
+            text = log.read_text()
+            assert f"asked={model} answered={model} env={model}/{model}" in text, text
+        assert "started together: ['a', 'c']" in Path(rows["a"][4]).read_text()
+        assert "pbstk: cancelled trio" in ran.stderr
+    finally:
+        _stop()
+
+
+def test_refusals_are_one_line_and_queue_nothing(isolated_user: Path, standins: Path) -> None:
+    cases = [
+        (("m1", "m2", "--each"), "--each needs `--`"),
+        (("m1", "m2", "--each", "--"), "run needs a COMMAND"),
+        (("m1", "m2", "--each", "--parallel", "0", "--", "true"), "--parallel 0 is out of range"),
+        (("m1", "m2", "--parallel", "2", "--", "true"), "give --each too"),
+        (("m1", "m2", "--each", "--", "echo", "{model}", "{foo}"), "unknown placeholder {foo}"),
+        (("m1", "m2", "--registry", "r.yaml", "--alias", "x", "--", "true"), "--alias names one entry"),
+        (("--reuse", "svc", "m1", "--", "true"), "--reuse takes no MODEL"),
+        (("m1", "m2", "--replicas", "2", "--", "true"), "--replicas is for one model"),
+    ]
+    for args, says in cases:
+        refused = cli("run", *args)
+        assert refused.returncode == 2, (args, refused.stderr)
+        assert refused.stderr.startswith("pbstk: error: ") and len(refused.stderr.splitlines()) == 1, refused.stderr
+        assert says in refused.stderr, (args, refused.stderr)
+    assert not list(JobStore().all())
+
+
+def test_ctrl_c_reaches_every_run_and_cancels_the_service(pair: Any, tmp_path: Path) -> None:
+    """SIGINT while two runs go at once: both process groups get it and end, the third run never starts, the
+    service is cancelled, pbstk exits 130."""
+    alpha, beta, _script = pair
+    gamma = checkpoint(Path(alpha).parent, "gamma", 1_200_000_000)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    child = tmp_path / "child.sh"  # a run with a grandchild in its process group
+    child.write_text(f"#!/bin/sh\nsleep 300 &\necho $$ > {pids}/$1\nwait\n")
+    child.chmod(0o755)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "run", f"{alpha}:name=a", f"{beta}:name=b",  # noqa: S603
+                             f"{gamma}:name=g", "--profile", "gpu1", "--name", "cc", "--each", "--parallel", "2",
+                             "--", str(child), "{model}"], env=_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        helpers.until(lambda: len(os.listdir(pids)) == 2 and all((pids / p).read_text().strip()
+                                                                  for p in os.listdir(pids)),
+                      timeout=180, what="two runs started")
+        groups = {p: int((pids / p).read_text()) for p in os.listdir(pids)}
+        assert all(helpers.group_alive(g) for g in groups.values())
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert not any(helpers.group_alive(g) for g in groups.values()), "a run's process group outlived pbstk run"
+    rows = _table(err)
+    assert sorted(groups) == sorted(m for m in rows if rows[m][2] != "-"), err  # the third never ran
+    assert len(rows) == 3 and [m for m in rows if rows[m][2] == "-"] == [m for m in "abg" if m not in groups]
+    assert "pbstk: cancelled cc" in err, err
+    assert json.loads(cli("status", "cc", "--json").stdout)[0]["state"] == "CANCELLED"
