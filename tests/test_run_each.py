@@ -24,9 +24,12 @@ from typing import Any
 import helpers
 import pytest
 import yaml
-from test_campaigns import _env, cli, usage_of
+from helpers import MODEL
+from test_campaigns import LOCAL, _env, cli, usage_of
 from test_serve_models import checkpoint
 
+from pbs_toolkit.campaigns.each import check_placeholders, expand
+from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.store import JobStore
 
 ROUTER = Path(sys.executable).parent / "vllm-router"
@@ -108,9 +111,10 @@ def test_each_runs_command_per_model_in_turn_and_exits_with_the_worst(pair: Any,
     print(ran.stderr)
 
 
-def test_without_each_command_runs_once_with_every_model_named(pair: Any, tmp_path: Path) -> None:
+def test_without_each_command_runs_once_and_keep_then_reuse_each(pair: Any, tmp_path: Path) -> None:
     """No --each: COMMAND runs once; there is no one model, so PBSTK_MODEL is absent and PBSTK_MODELS lists the
-    served names; the service is named run-DATE-TIME-PID when --name is not given."""
+    served names; the service is named run-DATE-TIME-PID when --name is not given. --keep leaves it up, and a
+    later `run --reuse NAME --each` runs once per model of it and leaves it up too."""
     alpha, beta, _script = pair
     every = tmp_path / "every.py"
     every.write_text(textwrap.dedent("""\
@@ -120,14 +124,21 @@ def test_without_each_command_runs_once_with_every_model_named(pair: Any, tmp_pa
         for m in models:
             subprocess.run([sys.executable, sys.argv[1], m], check=True)
     """))
-    ran = cli("run", f"{alpha}:name=a", f"{beta}:name=b", "--profile", "gpu1", "--", sys.executable, str(every),
-              str(pair[2]), timeout=240)
+    ran = cli("run", f"{alpha}:name=a", f"{beta}:name=b", "--profile", "gpu1", "--keep", "--", sys.executable,
+              str(every), str(pair[2]), timeout=240)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.splitlines()[0] == "models: ['a', 'b'] False", ran.stdout
     assert [line.split()[0] for line in ran.stdout.splitlines()[1:]] == ["asked=a", "asked=b"], ran.stdout
     (service,) = {r.name.rsplit("-r", 1)[0] for r in JobStore().all()}  # its jobs are SERVICE-r0...
     assert re.fullmatch(r"run-\d{8}-\d{6}-\d+", service), service
-    assert f"pbstk: cancelled {service}" in ran.stderr, ran.stderr
+    assert f"--keep: {service} stays up" in ran.stderr, ran.stderr
+
+    again = cli("run", "--reuse", service, "--each", "--", sys.executable, str(pair[2]), "{model}",
+                env=_env(CODES=json.dumps({"a": 2})), timeout=240)
+    assert again.returncode == 2, again.stderr
+    assert [line.split()[0] for line in again.stdout.splitlines()] == ["asked=a", "asked=b"], again.stdout
+    assert json.loads(cli("status", service, "--json").stdout)[0]["state"] == "READY"  # not the run's to end
+    assert cli("cancel", service).returncode == 0
 
 
 def test_each_parallel_on_the_fake_pbs_writes_a_log_per_model(isolated_user: Path, fakepbs: Path, standins: Path,
@@ -211,9 +222,9 @@ def test_ctrl_c_reaches_every_run_and_cancels_the_service(pair: Any, tmp_path: P
                              "--", str(child), "{model}"], env=_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        helpers.until(lambda: len(os.listdir(pids)) == 2 and all((pids / p).read_text().strip()
-                                                                  for p in os.listdir(pids)),
-                      timeout=180, what="two runs started")
+        helpers.until(lambda: proc.poll() is not None or len(os.listdir(pids)) == 2 and all(
+            (pids / p).read_text().strip() for p in os.listdir(pids)), timeout=180, what="two runs started")
+        assert proc.poll() is None, proc.communicate()
         groups = {p: int((pids / p).read_text()) for p in os.listdir(pids)}
         assert all(helpers.group_alive(g) for g in groups.values())
         proc.send_signal(signal.SIGINT)
@@ -228,3 +239,26 @@ def test_ctrl_c_reaches_every_run_and_cancels_the_service(pair: Any, tmp_path: P
     assert len(rows) == 3 and [m for m in rows if rows[m][2] == "-"] == [m for m in "abg" if m not in groups]
     assert "pbstk: cancelled cc" in err, err
     assert json.loads(cli("status", "cc", "--json").stdout)[0]["state"] == "CANCELLED"
+
+
+def test_each_with_one_model_is_one_run_of_a_plain_job(standins: Path, tmp_path: Path) -> None:
+    """One MODEL (no service: a job, as `pbstk run MODEL` launches): --each runs COMMAND once, its served name
+    (here from :name=) in {model}; the exit status is that run's."""
+    script = tmp_path / "ask.py"
+    script.write_text(ASK)
+    ran = cli("run", f"{MODEL}:name=solo", *LOCAL, "--name", "one", "--each", "--", sys.executable, str(script),
+              "{model}", env=_env(CODES=json.dumps({"solo": 4})))
+    assert ran.returncode == 4, ran.stderr
+    assert ran.stdout.startswith("asked=solo answered=solo env=solo/solo"), ran.stdout
+    assert _table(ran.stderr)["solo"][:3] == ["solo", "solo", "4"], ran.stderr
+    assert helpers.wait_recorded("one", "CANCELLED")["state"] == "CANCELLED"
+
+
+def test_placeholders_are_whole_tokens_with_brace_escapes() -> None:
+    values = {"model": "org/m", "alias": "m"}
+    assert expand(["-m", "{alias}", "out/{model}.json", "{{model}}", "{", "a}b", '{{"k": 1}}', "{model}{alias}"],
+                  values) == ["-m", "m", "out/org/m.json", "{model}", "{", "a}b", '{"k": 1}', "org/mm"]
+    check_placeholders(["{model}", "{{foo}}", "{", "}"])  # known ones, escapes and lone braces pass
+    for word in ("{foo}", "x{model.upper}", "{0}", '{"k": 1}', "{}"):
+        with pytest.raises(UsageError, match="unknown placeholder"):
+            check_placeholders(["echo", word])

@@ -145,8 +145,10 @@ def _refuse(reuse: str | None, launching: bool, models: list[str], models_file: 
     """What ``run`` refuses before anything is sized or queued; whether several models are given."""
     from pbs_toolkit.errors import UsageError
 
-    if reuse and (launching or models or models_file):
-        raise UsageError("--reuse takes no MODEL, launch or serve options: the job or service runs already")
+    if reuse and (models or models_file):
+        raise UsageError("--reuse takes no MODEL or --models: it runs COMMAND against the job or service NAME")
+    if reuse and launching:
+        raise UsageError("--reuse takes no launch or serve options: the job or service runs already")
     if not reuse and not models and not models_file:
         raise UsageError("run needs MODEL, `--` and COMMAND (or --reuse NAME -- COMMAND)")
     if not parallel_ok:
