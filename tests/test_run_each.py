@@ -105,10 +105,10 @@ def test_each_runs_command_per_model_in_turn_and_exits_with_the_worst(pair: Any,
     assert yaml.safe_load(registry.read_text())["endpoints"] in ({}, None)  # both entries taken back
     status = json.loads(cli("status", "duo", "--json").stdout)[0]
     assert status["state"] == "CANCELLED", status
-    doc = usage_of("duo")  # the service's one job; its counters are its first model's (per model: not yet)
+    doc = usage_of("duo")  # the service's one job, and each model's part of it
     assert [(r["name"], r["service"]) for r in doc["jobs"]] == [("duo-r0", "duo")], doc
     assert doc["services"][0]["service"] == "duo" and doc["totals"]["walltime_s"] is not None, doc
-    print(ran.stderr)
+    assert sorted(m["model"] for m in doc["services"][0]["models"]) == ["a", "b"], doc["services"]
 
 
 def test_without_each_command_runs_once_and_keep_then_reuse_each(pair: Any, tmp_path: Path) -> None:
@@ -262,3 +262,29 @@ def test_placeholders_are_whole_tokens_with_brace_escapes() -> None:
     for word in ("{foo}", "x{model.upper}", "{0}", '{"k": 1}', "{}"):
         with pytest.raises(UsageError, match="unknown placeholder"):
             check_placeholders(["echo", word])
+
+
+def test_each_in_turn_over_models_that_swap_on_one_gpu(isolated_user: Path, standins: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """--max-awake 1 (serve's swapping): two models too large to be awake together share the one GPU; --each in
+    turn asks each, the sleeping one is woken for its run, and both runs succeed."""
+    _profile(isolated_user, "gpu1", "local", "port: 8000\n")
+    for key, value in (("PBSTK_SERVICE_POLL_S", "0.5"), ("PBSTK_TEST_STANDIN_DELAY", "0"),
+                       ("PBSTK_TEST_STANDIN_CHECK_MODEL", "1"), ("CUDA_VISIBLE_DEVICES", "0"),
+                       ("PBSTK_TEST_STANDIN_WAKE_S", "0.3")):
+        monkeypatch.setenv(key, value)
+    root = isolated_user / "m"
+    big, mid = checkpoint(root, "big", 40_000_000_000), checkpoint(root, "mid", 28_000_000_000)
+    script = tmp_path / "ask.py"
+    script.write_text(ASK)
+    try:
+        ran = cli("run", f"{big}:name=big", f"{mid}:name=mid", "--profile", "gpu1", "--name", "sw", "--max-awake",
+                  "1", "--each", "--", sys.executable, str(script), "{model}", timeout=240)
+        assert ran.returncode == 0, ran.stderr
+        assert [line.split()[:2] for line in ran.stdout.splitlines()] == [["asked=big", "answered=big"],
+                                                                         ["asked=mid", "answered=mid"]], ran.stdout
+        assert "pbstk: cancelled sw" in ran.stderr
+        assert all("--enable-sleep-mode" in json.loads(line)["argv"]
+                   for line in (standins / "argv.jsonl").read_text().splitlines())
+    finally:
+        _stop()

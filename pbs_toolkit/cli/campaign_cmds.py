@@ -52,6 +52,10 @@ class _RunCommand(click.Command):
               "arguments (PBSTK_MODEL, PBSTK_ALIAS in its environment); a summary table at the end.")
 @click.option("--parallel", type=BoundedInt(1, 1000), metavar="N", help="With --each: up to N runs at once, "
               "each one's output in a log file (default: one after the other, on this terminal).")
+@click.option("--max-awake", type=BoundedInt(1, 64), metavar="K", help="Several models: those that fit nowhere "
+              "awake take turns on shared GPUs by vLLM's sleep mode, at most K awake (`serve --max-awake`).")
+@click.option("--sleep-after", metavar="DURATION", help="With --max-awake: a swapping model idle this long sleeps "
+              "(`serve --sleep-after`).")
 @render_options
 @click.option("--scheduler", type=LazyChoice(backend_names), help="Override the profile's scheduler.")
 @click.option("--ssh", "ssh_host", help="Submit through this SSH host; COMMAND still runs here.")
