@@ -92,14 +92,16 @@ def run_cmd(words: tuple[str, ...], models_file: str | None, each: bool, paralle
             fmt: str, keep: bool, lease: str | None, via_tunnel: bool, timeout: float, stage_weights: bool,
             **kw: Any) -> None:
     """Launch MODEL (or --reuse a READY job or service), wait until READY, run COMMAND against it, then drain
-    and cancel the server; pbstk exits with COMMAND's exit status. Several MODELs (MODEL[:preset=P][:name=N]
-    each, or --models FILE.yaml): one multi-model service (`pbstk serve M1 M2`), named run-DATE-TIME-PID
-    unless --name; COMMAND gets PBSTK_MODELS, or with --each runs once per model.
+    and cancel the server; pbstk exits with COMMAND's exit status.
 
     \b
       pbstk run Qwen/Qwen3-1.7B --preset dp4 -- python eval.py
       pbstk run --reuse qwen --registry configs/endpoints.py -- vf-eval my-env -m qwen
       pbstk run Qwen/Qwen3-1.7B Qwen/Qwen3-4B --each --parallel 2 -- vf-eval my-env -m {model}
+
+    Several MODELs (MODEL[:preset=P][:name=N] each, or --models FILE.yaml): one multi-model service (`pbstk
+    serve M1 M2`), named run-YYYYmmdd-HHMMSS-PID unless --name; COMMAND gets PBSTK_MODELS, or with --each runs
+    once per model (docs/campaigns.md "Several models").
 
     COMMAND gets OPENAI_BASE_URL, OPENAI_API_KEY (only in its environment), NO_PROXY and the rest of what
     `pbstk env` exports; its stdout and stderr are its own, pbstk's lines go to stderr. Ctrl-C and SIGTERM go to
