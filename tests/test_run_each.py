@@ -288,3 +288,22 @@ def test_each_in_turn_over_models_that_swap_on_one_gpu(isolated_user: Path, stan
                    for line in (standins / "argv.jsonl").read_text().splitlines())
     finally:
         _stop()
+
+
+def test_children_run_n_at_once_and_one_that_cannot_start_is_126(tmp_path: Path) -> None:
+    """The supervisor alone: a file that is executable but no program (no #!) does not stop the others; its
+    status is 126 as a shell reports it; the others' statuses are their own (128 + N for signal N)."""
+    from pbs_toolkit.campaigns.children import Child, run_children
+
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"\x00\x01not a program\n")
+    junk.chmod(0o755)
+    notes: list[str] = []
+    kids = [Child([str(junk)], dict(os.environ)),
+            Child([sys.executable, "-c", "import sys; sys.exit(3)"], dict(os.environ), tmp_path / "logs" / "b.log"),
+            Child(["sh", "-c", "echo out; kill -TERM $$"], dict(os.environ), tmp_path / "logs" / "c.log")]
+    assert run_children(kids, notes.append, parallel=2) == []
+    assert [k.code for k in kids] == [126, 3, 128 + signal.SIGTERM], notes
+    assert any("could not be started" in n for n in notes), notes
+    assert (tmp_path / "logs" / "c.log").read_text() == "out\n"
+    assert oct((tmp_path / "logs" / "c.log").stat().st_mode & 0o777) == "0o600"

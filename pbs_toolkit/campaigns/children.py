@@ -63,9 +63,11 @@ def run_children(children: Sequence[Child], notice: Callable[[str], None], paral
             sent = len(received)
             while waiting and len(running) < parallel and not received:
                 child = waiting.pop(0)
-                _spawn(child, logs)
-                running.append(child)
                 on_start(child)
+                if _spawn(child, logs, notice):
+                    running.append(child)
+                else:
+                    on_end(child)
             for child in [c for c in running if c.proc is not None and c.proc.poll() is not None]:
                 assert child.proc is not None and child.proc.returncode is not None
                 rc, child.ended = child.proc.returncode, time.monotonic()
@@ -85,15 +87,23 @@ def run_children(children: Sequence[Child], notice: Callable[[str], None], paral
     return received
 
 
-def _spawn(child: Child, logs: ExitStack) -> None:
+def _spawn(child: Child, logs: ExitStack, notice: Callable[[str], None]) -> bool:
+    """Start the child; ``False`` when it could not start (its ``code`` is then 126, as a shell says of a file
+    it cannot execute: a script without ``#!``, a binary of another machine), so that the others still run."""
     out: Any = None
-    if child.log is not None:
-        child.log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        out = logs.enter_context(open(os.open(child.log, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600), "wb"))
     child.started = time.monotonic()
-    child.proc = subprocess.Popen(child.argv, env=child.env, process_group=0,  # noqa: S603 - argv, no shell
-                                  stdin=subprocess.DEVNULL if out is not None else None, stdout=out,
-                                  stderr=subprocess.STDOUT if out is not None else None)
+    try:
+        if child.log is not None:
+            child.log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            out = logs.enter_context(open(os.open(child.log, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600), "wb"))
+        child.proc = subprocess.Popen(child.argv, env=child.env, process_group=0,  # noqa: S603 - argv, no shell
+                                      stdin=subprocess.DEVNULL if out is not None else None, stdout=out,
+                                      stderr=subprocess.STDOUT if out is not None else None)
+    except OSError as exc:
+        notice(f"warning: {child.argv[0]} could not be started: {exc.strerror or exc}")
+        child.code, child.ended = 126, time.monotonic()
+        return False
+    return True
 
 
 def _signal_group(child: Child, signum: int) -> bool:
