@@ -133,6 +133,9 @@ def test_without_each_command_runs_once_and_keep_then_reuse_each(pair: Any, tmp_
     assert re.fullmatch(r"run-\d{8}-\d{6}-\d+", service), service
     assert f"--keep: {service} stays up" in ran.stderr, ran.stderr
 
+    one_alias = cli("run", "--reuse", service, "--registry", str(tmp_path / "r.yaml"), "--alias", "x", "--",
+                    "true")
+    assert one_alias.returncode == 2 and "has several models" in one_alias.stderr, one_alias.stderr
     again = cli("run", "--reuse", service, "--each", "--", sys.executable, str(pair[2]), "{model}",
                 env=_env(CODES=json.dumps({"a": 2})), timeout=240)
     assert again.returncode == 2, again.stderr

@@ -13,7 +13,9 @@ needs it (docs/campaigns.md "pbstk run").
 5. Remove the entry, close the tunnel, and unless ``keep`` (or the server was reused) drain the server (until
    no request runs or waits, at most ``drain_s``) and cancel it, its counters recorded first (``pbstk usage``).
 
-The result is COMMAND's exit status (``128 + N`` when signal N ended it).
+The result is COMMAND's exit status (``128 + N`` when signal N ended it). Several models (``serve["models"]``,
+a multi-model service) or ``each`` (COMMAND once per model, campaigns/each.py): docs/campaigns.md "Several
+models"; the result is then the worst of the runs' statuses.
 """
 
 from __future__ import annotations
@@ -289,6 +291,9 @@ def _environment(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks
 
         target.prior = note_prior(client.store, plan.registry, plan.fmt)
         if target.service is not None and target.service.models:  # an entry per model, its served name
+            if plan.alias is not None:  # a --reuse'd multi-model service (a launched one is refused earlier)
+                raise UsageError(f"--alias names one entry; service {target.service.name} has several models, "
+                                 "each entry's alias is its served name")
             target.entries = client.update_model_endpoints(target.service, plan.registry, fmt=plan.fmt,
                                                            via_tunnel=tunnel)
         elif target.service is not None:
