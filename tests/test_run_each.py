@@ -147,8 +147,9 @@ def test_without_each_command_runs_once_and_keep_then_reuse_each(pair: Any, tmp_
 def test_each_parallel_on_the_fake_pbs_writes_a_log_per_model(isolated_user: Path, fakepbs: Path, standins: Path,
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               tmp_path: Path) -> None:
-    """Three models in two fake-PBS jobs (c takes a whole GPU); --parallel 2: the first two runs overlap (each
-    waits until both have started), each run's output is in its own log, the worst code wins."""
+    """Three models (a --models file) in two fake-PBS jobs (c takes a whole GPU); --parallel 2: the first two
+    runs overlap (each waits until both have started), each run's output is in its own log, the worst code
+    wins."""
     _profile(isolated_user, "pbs1", "pbs", "router: local\n")
     for key, value in (("PBSTK_SERVICE_POLL_S", "0.5"), ("PBSTK_TEST_STANDIN_DELAY", "0"),
                        ("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")):
@@ -172,7 +173,11 @@ def test_each_parallel_on_the_fake_pbs_writes_a_log_per_model(isolated_user: Pat
     """))
     (tmp_path / "ask.py").write_text(ASK)
     try:
-        ran = cli("run", f"{a}:name=a", f"{c}:name=c:preset=single", f"{b}:name=b", "--profile", "pbs1",
+        listing = tmp_path / "models.yaml"  # --models: the file serve reads, a preset and a name per model
+        listing.write_text(yaml.safe_dump({"models": [{"model": a, "name": "a"},
+                                                      {"model": c, "name": "c", "preset": "single"},
+                                                      {"model": b, "name": "b"}]}))
+        ran = cli("run", "--models", str(listing), "--profile", "pbs1",
                   "--name", "trio", "--each", "--parallel", "2", "--", sys.executable, str(together), "{model}",
                   env=_env(CODES=json.dumps({"a": 0, "b": 5, "c": 3})), timeout=300)
         assert ran.returncode == 5, ran.stderr
@@ -185,6 +190,8 @@ def test_each_parallel_on_the_fake_pbs_writes_a_log_per_model(isolated_user: Pat
             text = log.read_text()
             assert f"asked={model} answered={model} env={model}/{model}" in text, text
         assert "started together: ['a', 'c']" in Path(rows["a"][4]).read_text()
+        jobs = [r.job_id for r in JobStore().all() if r.name.startswith("trio-r")]
+        assert len(jobs) == 2 and all(j.endswith(".fakepbs") for j in jobs), jobs  # the plan's two PBS jobs
         assert "pbstk: cancelled trio" in ran.stderr
     finally:
         _stop()
