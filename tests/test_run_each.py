@@ -191,8 +191,9 @@ def test_each_parallel_on_the_fake_pbs_writes_a_log_per_model(isolated_user: Pat
             text = log.read_text()
             assert f"asked={model} answered={model} env={model}/{model}" in text, text
         assert "started together: ['a', 'c']" in Path(rows["a"][4]).read_text()
-        jobs = [r.job_id for r in JobStore().all() if r.name.startswith("trio-r")]
-        assert len(jobs) == 2 and all(j.endswith(".fakepbs") for j in jobs), jobs  # the plan's two PBS jobs
+        jobs = [r for r in JobStore().all() if r.name.startswith("trio-r")]  # the plan's two PBS jobs (slots)
+        assert {r.name.split("-g")[0] for r in jobs} == {"trio-r0", "trio-r1"}, [r.name for r in jobs]
+        assert all(r.job_id.endswith(".fakepbs") for r in jobs), [r.job_id for r in jobs]
         assert "pbstk: cancelled trio" in ran.stderr
     finally:
         _stop()
