@@ -185,6 +185,7 @@ def test_each_parallel_on_the_fake_pbs_writes_a_log_per_model(isolated_user: Pat
         assert ran.stdout == "", ran.stdout  # every run's output is in its log
         rows = _table(ran.stderr)
         assert {m: rows[m][2] for m in rows} == {"a": "0", "c": "3", "b": "5"}, ran.stderr
+        assert list(rows) == ["a", "c", "b"], ran.stderr  # the file's order, not the plan's (largest first)
         for model in ("a", "c", "b"):
             log = Path(rows[model][4])
             assert log.parent.parent == isolated_user / "state" / "pbstk" / "runs", log

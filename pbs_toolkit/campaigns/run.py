@@ -82,6 +82,9 @@ class RunPlan:
     #: ``--each``: COMMAND once per model, ``{model}``/``{alias}`` replaced (campaigns/each.py); ``parallel`` at once
     each: bool = False
     parallel: int = 1
+    #: the served names in the order the user gave them: ``--each`` runs and ``PBSTK_MODELS`` follow it (the
+    #: service lists its models in the plan's order, largest first)
+    order: list[str] = field(default_factory=list)
 
     @property
     def several(self) -> bool:
@@ -121,14 +124,16 @@ class _Target:
     def name(self) -> str:
         return self.service.name if self.service else self.record.job_id if self.record else "?"
 
-    def models(self) -> list[tuple[str, str]]:
-        """``(served name, alias)`` of each model the server serves: a multi-model service's, else its one; the
-        alias is the registry entry's for that model when the run wrote one, else the served name."""
+    def models(self, order: Sequence[str] = ()) -> list[tuple[str, str]]:
+        """``(served name, alias)`` of each model the server serves: a multi-model service's (those named in
+        ``order`` first, in that order), else its one; the alias is the registry entry's for that model when the
+        run wrote one, else the served name."""
         if self.service is not None:
             served = [m["served_model_name"] for m in self.service.models] or [self.service.served_model_name]
         else:
             served = [self.record.served_model_name if self.record else "?"]
         aliases = {e.model: e.alias for e in self.entries}
+        served.sort(key=lambda s: list(order).index(s) if s in order else len(order))
         return [(s, aliases.get(s, s)) for s in served]
 
 
@@ -315,7 +320,7 @@ def _environment(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks
     env = {**os.environ, **ep.env}
     if target.service is not None and target.service.models:  # no one model: COMMAND names them itself
         del env["PBSTK_MODEL"]
-        env["PBSTK_MODELS"] = " ".join(served for served, _alias in target.models())
+        env["PBSTK_MODELS"] = " ".join(served for served, _alias in target.models(plan.order))
     return env
 
 
@@ -325,7 +330,7 @@ def _run_commands(plan: RunPlan, target: _Target, env: dict[str, str], hooks: Ru
     if not plan.each:
         hooks.notice(f"running {' '.join(plan.command)} against {env['OPENAI_BASE_URL']}")
         return run_command(plan.command, env, hooks.notice)
-    models = target.models()
+    models = target.models(plan.order)
     hooks.notice(f"running {' '.join(plan.command)} for each of {len(models)} model(s) against "
                  f"{env['OPENAI_BASE_URL']}" + (f", {plan.parallel} at once" if plan.parallel > 1 else ""))
     runs, received = each.run_each(models, plan.command, env, hooks.notice, parallel=plan.parallel,

@@ -119,8 +119,8 @@ def run_cmd(words: tuple[str, ...], models_file: str | None, each: bool, paralle
     several = _refuse(reuse, launching, models, models_file, each or parallel is None, alias)
     check_plan(RunPlan(command=command, registry=registry, alias=alias, fmt=fmt, each=each,
                        parallel=parallel or 1))  # COMMAND and the registry before the models are sized
-    model, kw = _models(models, models_file, several, {**kw, "scheduler": scheduler, "ssh_host": ssh_host,
-                                                       "replicas": replicas}) if not reuse else (None, kw)
+    model, kw, order = _models(models, models_file, several, {**kw, "scheduler": scheduler, "ssh_host": ssh_host,
+                                                              "replicas": replicas}) if not reuse else (None, kw, [])
     scale = scale_spec(replicas, kw.pop("min_replicas"), kw.pop("max_replicas"), kw.pop("scale_up_waiting"),
                        kw.pop("scale_down_idle"))  # autoscaling: a service, as `serve --min/--max-replicas`
     replicas = 1 if replicas is None else replicas
@@ -132,7 +132,7 @@ def run_cmd(words: tuple[str, ...], models_file: str | None, each: bool, paralle
     plan = RunPlan(command=command, reuse=reuse, replicas=replicas, serve=serve,
                    api_key=read_key_env(api_key_env, os.environ), use_api_key=not no_api_key,
                    registry=registry, alias=alias, fmt=fmt, keep=keep, tunnel=via_tunnel, timeout=timeout,
-                   stage=stage_weights, each=each, parallel=parallel or 1)
+                   stage=stage_weights, each=each, parallel=parallel or 1, order=order)
     check_plan(plan)  # COMMAND and the registry, before anything renders, connects or is queued
     if model is not None:
         from pbs_toolkit.campaigns.lease import run_lease
@@ -178,11 +178,13 @@ def _split_words(words: tuple[str, ...], after: list[str] | None, no_model: bool
     return ([], list(words)) if no_model else (list(words[:1]), list(words[1:]))
 
 
-def _models(models: list[str], models_file: str | None, several: bool, kw: dict[str, Any]) -> tuple[str, Any]:
-    """The model to launch and the launch options: one model as before (its ``:preset=``/``:name=`` applied),
-    several as `serve M1 M2` plans them (``kw["models"]``, the plan's rows; the service named
-    ``run-YYYYmmdd-HHMMSS-PID`` unless --name)."""
+def _models(models: list[str], models_file: str | None, several: bool, kw: dict[str, Any]
+            ) -> tuple[str, Any, list[str]]:
+    """The model to launch, the launch options and the served names in the order given: one model as before
+    (its ``:preset=``/``:name=`` applied), several as `serve M1 M2` plans them (``kw["models"]``, the plan's
+    rows, largest first; the service named ``run-YYYYmmdd-HHMMSS-PID`` unless --name)."""
     from pbs_toolkit.cli.multi_model import single_or_plan
+    from pbs_toolkit.services.model_spec import parse_models
 
     if several and not kw.get("name"):
         import time
@@ -192,7 +194,7 @@ def _models(models: list[str], models_file: str | None, several: bool, kw: dict[
     assert single is not None  # no dry run here
     model, kw = single
     kw.pop("replicas", None)
-    return model, kw
+    return model, kw, [s.served_model_name for s in parse_models(tuple(models), models_file)] if several else []
 
 
 def _each_table(runs: list[Any]) -> None:
