@@ -28,7 +28,6 @@ from helpers import MODEL
 from test_campaigns import LOCAL, _env, cli, usage_of
 from test_serve_models import checkpoint
 
-from pbs_toolkit.campaigns.each import check_placeholders, expand
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.store import JobStore
 
@@ -268,6 +267,8 @@ def test_each_with_one_model_is_one_run_of_a_plain_job(standins: Path, tmp_path:
 
 
 def test_placeholders_are_whole_tokens_with_brace_escapes() -> None:
+    from pbs_toolkit.campaigns.each import check_placeholders, expand
+
     values = {"model": "org/m", "alias": "m"}
     assert expand(["-m", "{alias}", "out/{model}.json", "{{model}}", "{", "a}b", '{{"k": 1}}', "{model}{alias}"],
                   values) == ["-m", "m", "out/org/m.json", "{model}", "{", "a}b", '{"k": 1}', "org/mm"]
