@@ -104,6 +104,7 @@ def test_each_runs_command_per_model_in_turn_and_exits_with_the_worst(pair: Any,
     assert yaml.safe_load(registry.read_text())["endpoints"] in ({}, None)  # both entries taken back
     status = json.loads(cli("status", "duo", "--json").stdout)[0]
     assert status["state"] == "CANCELLED", status
+    assert status["lease_s"] == 300, status  # the run's lease (default 5m), watched by the service's keeper
     doc = usage_of("duo")  # the service's one job, and each model's part of it
     # duo-r0 (and its replacement duo-r0-g1 should a port race on this shared machine end the first job)
     assert doc["jobs"] and all(r["name"].startswith("duo-r0") and r["service"] == "duo" for r in doc["jobs"]), doc
