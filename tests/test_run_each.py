@@ -90,7 +90,8 @@ def test_each_runs_command_per_model_in_turn_and_exits_with_the_worst(pair: Any,
     alpha, beta, script = pair
     registry = tmp_path / "endpoints.yaml"
     ran = cli("run", f"{alpha}:name=a", f"{beta}:name=b", "--profile", "gpu1", "--name", "duo", "--each",
-              "--registry", str(registry), "--", sys.executable, str(script), "{model}", "{alias}",
+              "--keep-alive", "--walltime", "00:30:00", "--registry", str(registry), "--", sys.executable, str(script),
+              "{model}", "{alias}",
               "out/{{model}}-{model}.json", env=_env(CODES=json.dumps({"a": 0, "b": 3})), timeout=240)
     assert ran.returncode == 3, ran.stderr  # the worst of 0 and 3
     # one after the other, in the order given, each against its own model through the one URL
@@ -105,6 +106,7 @@ def test_each_runs_command_per_model_in_turn_and_exits_with_the_worst(pair: Any,
     status = json.loads(cli("status", "duo", "--json").stdout)[0]
     assert status["state"] == "CANCELLED", status
     assert status["lease_s"] == 300, status  # the run's lease (default 5m), watched by the service's keeper
+    assert status["keep_alive"] is True, status  # serve's keep-alive of every model, for long campaigns
     doc = usage_of("duo")  # the service's one job, and each model's part of it
     # duo-r0 (and its replacement duo-r0-g1 should a port race on this shared machine end the first job)
     assert doc["jobs"] and all(r["name"].startswith("duo-r0") and r["service"] == "duo" for r in doc["jobs"]), doc

@@ -66,8 +66,9 @@ class _RunCommand(click.Command):
               help="More than 1: a service (`pbstk serve`) of that many replicas behind one router (default 1).")
 @click.option("--nodes-per-replica", type=BoundedInt(1, 10000), help="With --replicas: nodes of each replica.")
 @click.option("--policy", help="With --replicas: the router's policy (docs/services.md).")
-@click.option("--keep-alive", is_flag=True, help="With --replicas: a successor queued for every replica across "
-              "walltimes (`serve --keep-alive`, handover 10m before the end), for runs longer than one walltime.")
+@click.option("--keep-alive", is_flag=True, help="With --replicas or several models: a successor queued for every "
+              "job across walltimes (`serve --keep-alive`, handover 10m before the end), for runs longer than one "
+              "walltime.")
 @scale_options
 @click.option("--reuse", metavar="NAME",
               help="Use the job or service NAME (waited for until READY) instead of launching; it stays up.")
