@@ -269,3 +269,27 @@ def test_two_models_on_a_cpu_profile_share_one_job(isolated_user: Path, standins
             assert not start["env"].get("CUDA_VISIBLE_DEVICES"), start["env"]
     finally:
         _stop_services()
+
+
+def test_a_model_that_loses_its_port_to_another_process_starts_on_another(gpu_svc: Any, isolated_user: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port is looked at, then bound by vLLM once its engine is up: another process may take it in between. The
+    first start of each model exits "Address already in use" (the stand-in's knob): each is started again on
+    another port, the job's other model as its first one always was, and the service serves both.
+    Before: the other model's race failed the job ("exited before it was ready")."""
+    alpha, beta = gpu_svc
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_LOSE_BIND_ONCE", f"{isolated_user / 'lost'}:a:b")
+    result = pbstk("serve", f"{alpha}:name=a", f"{beta}:name=b", "--name", "racy", "--profile", "gpu1", "--wait",
+                   "--timeout", "90")
+    assert result.exit_code == 0, result.output
+    rec = records.find(JobStore(), "racy")
+    assert rec.url and rec.api_key
+    assert (isolated_user / "lost.a").exists() and (isolated_user / "lost.b").exists()
+    for model in ("a", "b"):
+        answer = chat(rec.url, rec.api_key, model)
+        assert answer.status_code == 200, answer.text
+    job = rec.slots[0].current
+    assert job is not None and rec.slots[0].jobs() == [job]  # the same job: no failure, no replacement
+    log = (Path(JobStore().find(job).run_dir) / "vllm.log").read_text()
+    assert "was taken while its vLLM started; trying another one" in log, log
+    assert "was taken while vLLM started; trying another one" in log, log

@@ -85,28 +85,53 @@ pbstk_swap_post() {
   [ "$code" = 200 ]
 }
 
-# pbstk_start_model K: start model K and wait until it listens (or fail the job: it died first); a swapping
-# model then falls asleep, and SWAP_ARGS gets its line for the swapper
+# pbstk_model_answers PORT SERVED: the server on PORT of this node lists SERVED in its /v1/models (asked with the
+# job's key): it is this model's vLLM, not another process that took the port first
+pbstk_model_answers() {
+  local body='' line
+  exec 4<>"/dev/tcp/$PROBE_HOST/$1" 2>/dev/null || return 1
+  printf 'GET /v1/models HTTP/1.0\r\nHost: %s\r\nAuthorization: Bearer %s\r\n\r\n' "$PROBE_HOST" \
+    "$(<"$RUN_DIR/api_key")" >&4
+  while IFS= read -r -t 10 line <&4; do body+=$line; done
+  body+=$line
+  exec 4<&-
+  [[ $body == *"\"id\":\"$2\""* || $body == *"\"id\": \"$2\""* ]]
+}
+
+# pbstk_start_model K: start model K and wait until it answers as itself (or fail the job: it died first; a port
+# taken between the free-port look and vLLM's bind is a race, retried on another port up to PORT_SPAN times); a
+# swapping model then falls asleep, and SWAP_ARGS gets its line for the swapper
 pbstk_start_model() {
-  local k=$1 model served gpus swap co_port='' cvd log pid
+  local k=$1 model served gpus swap co_port='' cvd log pid since races=0
   local -a args cmd envs=()
   model="CO_MODEL_$k" served="CO_SERVED_$k" gpus="CO_GPUS_$k" swap="CO_SWAP_$k"
   local ref="CO_ARGS_${k}[@]"
   args=("${!ref}")
   cmd=("${VLLM_CMD[@]:0:${#VLLM_CMD[@]}-1}" "${!model}")  # the first model's command, this model last
-  pbstk_free_port co_port "$PROBE_HOST" "$PORT_LO" "$PORT_HI" || pbstk_fail "no free port in $PORT_LO..$PORT_HI on $NODE for model ${!served}"
   pbstk_pick_gpus cvd "${!gpus}"
   [ -n "$cvd" ] && envs+=("CUDA_VISIBLE_DEVICES=$cvd")
   [ "${!swap}" = true ] && mapfile -t -O "${#envs[@]}" envs < <(pbstk_swap_env)
   log="$RUN_DIR/vllm.model$((k + 1)).log"
-  pbstk_log "model ${!served}: starting vLLM on $ADDRESS:$co_port (GPUs ${cvd:-all of the job}), log $log"
-  env "${envs[@]}" "${cmd[@]}" "${args[@]}" --host "$BIND_HOST" --port "$co_port" "${API_KEY_ARGS[@]}" >>"$log" 2>&1 &
-  pid=$!
-  CO_PIDS+=("$pid")
-  CO_NAMES+=("${!served}@$co_port")
-  until pbstk_port_in_use "$PROBE_HOST" "$co_port"; do
-    kill -0 "$pid" 2>/dev/null || pbstk_fail "model ${!served} exited before it was ready (see $log)"
-    pbstk_sleep
+  while true; do
+    pbstk_free_port co_port "$PROBE_HOST" "$PORT_LO" "$PORT_HI" || pbstk_fail "no free port in $PORT_LO..$PORT_HI on $NODE for model ${!served}"
+    pbstk_log "model ${!served}: starting vLLM on $ADDRESS:$co_port (GPUs ${cvd:-all of the job}), log $log"
+    since=$(stat -c %s "$log" 2>/dev/null || echo 0)
+    env "${envs[@]}" "${cmd[@]}" "${args[@]}" --host "$BIND_HOST" --port "$co_port" "${API_KEY_ARGS[@]}" >>"$log" 2>&1 &
+    pid=$!
+    CO_PIDS+=("$pid")  # a stop while it starts ends it too (the EXIT trap)
+    CO_NAMES+=("${!served}@$co_port")
+    until pbstk_port_in_use "$PROBE_HOST" "$co_port" && pbstk_model_answers "$co_port" "${!served}"; do
+      kill -0 "$pid" 2>/dev/null || break
+      pbstk_sleep
+    done
+    kill -0 "$pid" 2>/dev/null && break
+    wait "$pid" 2>/dev/null
+    CO_PIDS=("${CO_PIDS[@]:0:${#CO_PIDS[@]}-1}") CO_NAMES=("${CO_NAMES[@]:0:${#CO_NAMES[@]}-1}")
+    if tail -c +"$((since + 1))" "$log" | grep -Eq "$PORT_IN_USE_RE" && [ "$((races += 1))" -lt "$PORT_SPAN" ]; then
+      pbstk_log "model ${!served}: port $co_port was taken while its vLLM started; trying another one"
+      continue
+    fi
+    pbstk_fail "model ${!served} exited before it was ready (see $log)"
   done
   pbstk_log "model ${!served} is listening on $ADDRESS:$co_port"
   CO_LIST+="${CO_LIST:+ }${!served}@$co_port"
