@@ -17,6 +17,13 @@ from typing import Any
 import pytest
 
 TESTS = Path(__file__).parent
+
+# A suite started as a script's background job (`bash .ci/run &`, a CI runner's wrapper) inherits SIGINT ignored
+# (POSIX: a non-interactive shell's asynchronous commands ignore it), and so would every process the tests start:
+# the Ctrl-C tests would then hang or prove nothing. Restored here, in pytest's process and in each xdist worker,
+# before any test starts one.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 FAKEPBS_BIN = TESTS / "fakepbs" / "bin"
 STANDINS = TESTS / "standins"
 sys.path.insert(0, str(TESTS))
