@@ -103,6 +103,7 @@ def test_logs_metrics_and_usage_of_each_model(gpu_svc: Any) -> None:  # noqa: F8
     replica = next(r for r in doc["jobs"] if r["kind"] == "replica")
     assert parts[other]["node_hours"] == 0.0 and parts[own]["node_hours"] == replica["node_hours"], (parts, replica)
     assert parts[other]["awake_s"] == 0.0 and parts[own]["awake_s"] >= 1.0, parts
+    assert replica["requests"] == 3, replica  # the job's requests are every model's (3 to the other one only)
     table = pbstk("usage", "pm")
     print(table.stdout)
     assert f"model {own}" in table.stdout and "awake" in table.stdout, table.stdout

@@ -5,7 +5,9 @@ vLLM's ``/metrics`` counts since the server started: ``vllm:request_success_tota
 and ``vllm:generation_tokens_total``. A cancel (``pbstk cancel``, ``pbstk run``'s end, a service's teardown or
 handover) scrapes them first and records them in the job's store record (``extra["usage_counters"]``); a job
 still serving is scraped live by ``usage`` instead. The server is found at the address the job's status
-verified as its own (``extra["verified_endpoint"]``): a job never READY has none, and nothing is recorded.
+verified as its own (``extra["verified_endpoint"]``): a job never READY has none, and nothing is recorded. A job
+of a multi-model service serves its other models on other ports of that host (``server.json``'s ``models``):
+their counters are added to its own, so the job's requests and tokens are every model's.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.jobs.judge import co_models
 from pbs_toolkit.jobs.records import COUNTERS_KEY
-from pbs_toolkit.jobs.rundir import VERIFIED_KEY
+from pbs_toolkit.jobs.rundir import VERIFIED_KEY, read_marker
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.perf.scrape import scrape_at
 from pbs_toolkit.transports.base import Runner
@@ -48,7 +51,23 @@ def scrape(runner: Runner, record: JobRecord, timeout: float = SCRAPE_TIMEOUT_S)
     if all(v is None for v in values.values()):
         return None
     values.update(running=snap.running, waiting=snap.waiting, at=round(snap.timestamp, 3))
+    for port in _other_models(runner, record).values():
+        try:
+            other = scrape_at(runner, where[0], port, timeout=timeout)
+        except PbstkError:
+            continue  # one model that does not answer: the others still count
+        for name, attr in FIELDS.items():
+            more = _whole(getattr(other, attr))
+            if more is not None:
+                values[name] = (values[name] or 0) + more
+        values.update(running=values["running"] + other.running, waiting=values["waiting"] + other.waiting)
     return values
+
+
+def _other_models(runner: Runner, record: JobRecord) -> dict[str, int]:
+    """A multi-model job's other models (served name -> port, from ``server.json``); none for one model."""
+    marker = read_marker(runner, record.run_dir)
+    return co_models(marker.get("models")) if marker else {}
 
 
 def _whole(value: float | None) -> int | None:
