@@ -102,6 +102,7 @@ def test_each_runs_command_per_model_in_turn_and_exits_with_the_worst(pair: Any,
     assert [rows["a"][:3], rows["b"][:3]] == [["a", "a", "0"], ["b", "b", "3"]], ran.stderr
     assert rows["a"][4] == "-" and rows["b"][4] == "-"  # in turn: the output went to the terminal, no log
     assert "pbstk: cancelled duo" in ran.stderr, ran.stderr
+    assert "2/2 models READY" in ran.stderr and "replicas READY" not in ran.stderr, ran.stderr  # models, not jobs
     assert yaml.safe_load(registry.read_text())["endpoints"] in ({}, None)  # both entries taken back
     status = json.loads(cli("status", "duo", "--json").stdout)[0]
     assert status["state"] == "CANCELLED", status

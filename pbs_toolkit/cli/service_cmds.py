@@ -337,15 +337,20 @@ def named_service(c: Any, job: str | None, replica: int | None = None) -> Any:
 
 
 class _ServiceLine:
-    """What a wait's progress line shows of a service: its state and how many replicas are READY."""
+    """What a wait's progress line shows of a service: its state and how many replicas (models, for a
+    multi-model service) are READY."""
 
     def __init__(self, st: Any) -> None:
         import types
 
         self.record, self.comment, self.reason = st.record, None, None
         self.state = types.SimpleNamespace(value=st.state, final=st.record.ended is not None)
-        self.phase = f"{st.ready}/{st.record.replicas} replicas READY, router " \
-                     f"{'running' if st.router_running else 'not running'}"
+        router = f"router {'running' if st.router_running else 'not running'}"
+        if st.record.models:  # a multi-model service counts its models (a job holds several)
+            ready = sum(m["state"] == "READY" for m in st.models)
+            self.phase = f"{ready}/{len(st.record.models)} models READY, {router}"
+        else:
+            self.phase = f"{st.ready}/{st.record.replicas} replicas READY, {router}"
 
 
 def wait_service(c: Any, svc: Any, timeout: float, quiet: bool, *, hint: bool = True) -> Any:
