@@ -270,15 +270,16 @@ def test_each_with_one_model_is_one_run_of_a_plain_job(standins: Path, tmp_path:
     assert helpers.wait_recorded("one", "CANCELLED")["state"] == "CANCELLED"
 
 
-def test_placeholders_are_whole_tokens_with_brace_escapes() -> None:
+def test_placeholders_are_word_tokens_and_json_arguments_pass_unchanged() -> None:
     from pbs_toolkit.campaigns.each import check_placeholders, expand
 
     values = {"model": "org/m", "alias": "m"}
-    assert expand(["-m", "{alias}", "out/{model}.json", "{{model}}", "{", "a}b", '{{"k": 1}}', "{model}{alias}"],
-                  values) == ["-m", "m", "out/org/m.json", "{model}", "{", "a}b", '{"k": 1}', "org/mm"]
-    check_placeholders(["{model}", "{{foo}}", "{", "}"])  # known ones, escapes and lone braces pass
-    for word in ("{foo}", "x{model.upper}", "{0}", '{"k": 1}', "{}"):
-        with pytest.raises(UsageError, match="unknown placeholder"):
+    json_arg = '{"num_examples": 10, "sampling": {"temperature": 0}}'  # vf-eval -a '...': braces of JSON, kept
+    assert expand(["-m", "{alias}", "out/{model}.json", "{{model}}", "{", "a}b", json_arg, "{model}{alias}", "{}"],
+                  values) == ["-m", "m", "out/org/m.json", "{model}", "{", "a}b", json_arg, "org/mm", "{}"]
+    check_placeholders(["{model}", "{{foo}}", "{", "}", json_arg, "{}", "{0}", "x{model.upper}"])
+    for word in ("{foo}", "out/{Model}.json", "{model_name}"):
+        with pytest.raises(UsageError, match=r"unknown placeholder .*write \{\{"):
             check_placeholders(["echo", word])
 
 

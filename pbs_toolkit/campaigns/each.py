@@ -2,8 +2,9 @@
 in its arguments, one after the other or ``--parallel N`` at once; a row per run and the worst exit status
 (docs/campaigns.md "Several models").
 
-Placeholders are whole ``{name}`` tokens inside argv words (``out/{model}.json`` works); ``{{`` and ``}}`` are a
-literal brace; a lone brace is kept as it is. Nothing is evaluated and no shell runs: each argv word is replaced
+Placeholders are ``{name}`` tokens (``name`` a word: letters, digits, ``_``) inside argv words (``out/{model}.json``
+works); ``{{name}}`` is the text ``{name}``; every other brace is kept as written, so a JSON argument (``vf-eval
+-a '{"num_examples": 10}'``) passes unchanged. Nothing is evaluated and no shell runs: each argv word is replaced
 text, and the program is started from the argument list.
 """
 
@@ -25,26 +26,26 @@ from pbs_toolkit.services.session import ServiceSession
 
 #: the placeholders ``--each`` fills in: the served name (the request's ``model``) and its registry alias
 PLACEHOLDERS = ("model", "alias")
-_TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
+_TOKEN = re.compile(r"\{\{([A-Za-z_]\w*)\}\}|\{([A-Za-z_]\w*)\}", re.ASCII)
 
 
 def check_placeholders(argv: Sequence[str]) -> None:
     """Refuse, before anything is launched, a ``{name}`` that ``--each`` does not fill in."""
     for word in argv:
         for found in _TOKEN.finditer(word):
-            name = found.group(1)
+            name = found.group(2)
             if name is not None and name not in PLACEHOLDERS:
                 raise UsageError(f"COMMAND argument {word!r}: unknown placeholder {{{name}}} (known: "
-                                 + ", ".join(f"{{{p}}}" for p in PLACEHOLDERS) + "; write {{ and }} for a brace)")
+                                 + ", ".join(f"{{{p}}}" for p in PLACEHOLDERS) + f"; write {{{{{name}}}}} for the "
+                                 f"text {{{name}}})")
 
 
 def expand(argv: Sequence[str], values: dict[str, str]) -> list[str]:
-    """``argv`` with each ``{name}`` replaced by ``values[name]`` and ``{{``/``}}`` by one brace."""
+    """``argv`` with each ``{name}`` replaced by ``values[name]`` and ``{{name}}`` by the text ``{name}``."""
     def one(found: re.Match[str]) -> str:
-        token = found.group(0)
-        if token in ("{{", "}}"):
-            return token[0]
-        return values[found.group(1)]
+        if found.group(1) is not None:
+            return "{" + found.group(1) + "}"
+        return values[found.group(2)]
 
     return [_TOKEN.sub(one, word) for word in argv]
 
