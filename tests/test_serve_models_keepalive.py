@@ -20,7 +20,7 @@ import pytest
 import requests
 from helpers import pbstk, wait_for
 from test_serve_models import checkpoint
-from test_serve_models_run import _refused, _server_pid
+from test_serve_models_run import _refused, _server_pid, pbs1_trio
 from test_service import Load, _stop_services, handed_over_from, records_dir
 
 from pbs_toolkit.jobs.store import JobStore
@@ -176,18 +176,8 @@ def test_on_pbs_each_planned_job_gets_its_successor_and_three_models_see_no_fail
     other), submitted with ``qsub -a``; both hand over before the walltime with 0 failed requests to a, b and c."""
     from conftest import read_calls
 
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True, exist_ok=True)
-    (profiles / "pbs1.yaml").write_text(
-        "name: pbs1\nscheduler: pbs\nnodes: 1\ngpus_per_node: 1\ngpu_memory_gb: 80\ncpus_per_node: 2\n"
-        f"walltime: '00:10:00'\naddress: loopback\nbind_host: 127.0.0.1\nrouter_command: {ROUTER}\nrouter: local\n")
-    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
+    a, b, c = pbs1_trio(isolated_user, monkeypatch)
     monkeypatch.setenv("PBSTK_SERVICE_DRAIN_S", "3")
-    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
-    monkeypatch.setenv("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")
-    root = isolated_user / "m"
-    a, b, c = (checkpoint(root, n, size) for n, size in (("a", 1_200_000_000), ("b", 1_200_000_000),
-                                                          ("c", 3_400_000_000)))
     try:
         result = pbstk("serve", f"{a}:name=a", f"{b}:name=b", f"{c}:name=c:preset=single", "--name", "pk3",
                        "--profile", "pbs1", "--keep-alive", "--walltime", "00:01:00", "--handover", "45", "--wait",

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import requests
 from helpers import pbstk, wait_for
-from test_serve_models_run import ROUTER, chat, gpu_svc  # noqa: F401 - gpu_svc: the fixture
+from test_serve_models_run import ROUTER, chat, gpu_svc, pbs1_trio  # noqa: F401 - gpu_svc: the fixture
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
@@ -140,20 +140,9 @@ def test_each_model_of_two_pbs_jobs(isolated_user: Path, fakepbs: Path, standins
     """Three models in two fake-PBS jobs (c alone on its GPU in one, a and b sharing the other's): each model's
     log is found in its own job, metrics has a line per model over both replicas, usage splits each job's
     GPU-hours among its own models only."""
-    from test_serve_models import checkpoint
     from test_service import _stop_services
 
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True, exist_ok=True)
-    (profiles / "pbs1.yaml").write_text(
-        "name: pbs1\nscheduler: pbs\nnodes: 1\ngpus_per_node: 1\ngpu_memory_gb: 80\ncpus_per_node: 2\n"
-        f"walltime: '00:10:00'\naddress: loopback\nbind_host: 127.0.0.1\nrouter_command: {ROUTER}\nrouter: local\n")
-    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
-    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
-    monkeypatch.setenv("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")
-    root = isolated_user / "m"
-    a, b, c = (checkpoint(root, n, size) for n, size in (("a", 1_200_000_000), ("b", 1_200_000_000),
-                                                          ("c", 3_400_000_000)))
+    a, b, c = pbs1_trio(isolated_user, monkeypatch)
     try:
         result = pbstk("serve", f"{a}:name=a", f"{b}:name=b", f"{c}:name=c:preset=single", "--name", "trio",
                        "--profile", "pbs1", "--wait", "--timeout", "120")

@@ -133,10 +133,10 @@ def _refused(port: int) -> bool:
     return False
 
 
-def test_three_models_in_two_pbs_jobs(isolated_user: Path, fakepbs: Path, standins: Path,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fake PBS runs the plan's two jobs: c (preset single) takes a whole GPU in one, a and b share the GPU of
-    the other; the router here routes each model to its job's server."""
+def pbs1_trio(isolated_user: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, str]:
+    """Profile ``pbs1`` (the fake PBS, one 80 GB GPU a node, the real router on this machine), the keeper looking
+    every 0.5 s, the stand-in answering another model with vLLM's 404; and three checkpoints: a and b (1.2 GB
+    each) share one GPU, c (3.4 GB, served with ``:preset=single``) takes a whole one: two jobs."""
     profiles = isolated_user / "config" / "pbstk" / "profiles"
     profiles.mkdir(parents=True, exist_ok=True)
     (profiles / "pbs1.yaml").write_text(
@@ -148,6 +148,14 @@ def test_three_models_in_two_pbs_jobs(isolated_user: Path, fakepbs: Path, standi
     root = isolated_user / "m"
     a, b, c = (checkpoint(root, n, size) for n, size in (("a", 1_200_000_000), ("b", 1_200_000_000),
                                                           ("c", 3_400_000_000)))
+    return a, b, c
+
+
+def test_three_models_in_two_pbs_jobs(isolated_user: Path, fakepbs: Path, standins: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake PBS runs the plan's two jobs: c (preset single) takes a whole GPU in one, a and b share the GPU of
+    the other; the router here routes each model to its job's server."""
+    a, b, c = pbs1_trio(isolated_user, monkeypatch)
     try:
         result = pbstk("serve", f"{a}:name=a", f"{b}:name=b", f"{c}:name=c:preset=single", "--name", "trio",
                        "--profile", "pbs1", "--wait", "--timeout", "120")
