@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 import requests
 from helpers import pbstk, wait_for
-from test_serve_models import checkpoint
-from test_serve_models_run import _refused, _server_pid, pbs1_trio
+from test_serve_models_run import _refused, _server_pid, gpu_svc, pbs1_trio  # noqa: F401 - gpu_svc: the fixture
 from test_service import Load, _stop_services, handed_over_from, records_dir
 
 from pbs_toolkit.jobs.store import JobStore
@@ -31,22 +30,11 @@ pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not 
 
 
 @pytest.fixture
-def pair(isolated_user: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A local-scheduler profile of one 80 GB GPU (both small models share it), the real router; the keeper looks
-    every 0.5 s and drains a predecessor at most 3 s; the stand-in answers a request for another model with 404."""
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True, exist_ok=True)
-    (profiles / "gpu1.yaml").write_text(
-        "name: gpu1\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ngpu_memory_gb: 80\ncpus_per_node: 2\n"
-        f"walltime: '00:10:00'\naddress: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
-    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
+def pair(gpu_svc: Any, monkeypatch: pytest.MonkeyPatch) -> Any:  # noqa: F811 - the fixture, by name
+    """``gpu_svc``'s one 80 GB GPU (both small models share it), the real router and keeper looking every 0.5 s;
+    a predecessor is drained at most 3 s."""
     monkeypatch.setenv("PBSTK_SERVICE_DRAIN_S", "3")
-    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
-    monkeypatch.setenv("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    root = isolated_user / "m"
-    yield checkpoint(root, "alpha", 1_200_000_000), checkpoint(root, "beta", 3_400_000_000)
-    _stop_services()
+    return gpu_svc
 
 
 def workers(rec: records.ServiceRecord) -> list[str]:
