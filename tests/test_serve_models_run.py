@@ -103,6 +103,10 @@ def test_two_models_packed_in_one_job_behind_one_url(gpu_svc: Any, standins: Pat
     assert models["a"]["url"] == models["b"]["url"] == url
     assert models["a"]["gpus"] == [0] and models["a"]["gpu_memory_utilization"] == 0.1
 
+    exports = pbstk("env", "pair").stdout.splitlines()  # no one model: all of them, as pbstk run gives COMMAND
+    assert "export PBSTK_MODELS='b a'" in exports or "export PBSTK_MODELS='a b'" in exports, exports
+    assert not any(line.startswith("export PBSTK_MODEL=") for line in exports), exports
+
     registry = isolated_user / "reg.yaml"
     upd = pbstk("update-endpoint", "pair", "--registry", str(registry))
     assert upd.exit_code == 0, upd.output

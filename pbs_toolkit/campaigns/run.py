@@ -319,7 +319,7 @@ def _environment(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks
         else client.endpoint(st.record, local_url)
     env = {**os.environ, **ep.env}
     if target.service is not None and target.service.models:  # no one model: COMMAND names them itself
-        del env["PBSTK_MODEL"]
+        env.pop("PBSTK_MODEL", None)  # (a shell's own, too)
         env["PBSTK_MODELS"] = " ".join(served for served, _alias in target.models(plan.order))
     return env
 

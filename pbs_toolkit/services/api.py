@@ -143,13 +143,21 @@ class ServiceMethods:
         return run(name, self.service_session())
 
     def service_endpoint(self, name: str | ServiceRecord, local_url: str | None = None) -> Endpoint:
-        """The router's base URL (``local_url``: a tunnel's instead) and the service's key (``pbstk env NAME``)."""
+        """The router's base URL (``local_url``: a tunnel's instead) and the service's key (``pbstk env NAME``). A
+        multi-model service has no one model: its variables name them all (``PBSTK_MODELS``, as ``pbstk run``'s
+        COMMAND gets them), and ``PBSTK_MODEL`` is left out."""
         from pbs_toolkit.endpoints import endpoint_url, env_values
         from pbs_toolkit.services.entry import routed_status
+        from pbs_toolkit.services.record import find
 
-        st = routed_status(self.store, name)
+        rec = find(self.store, name) if isinstance(name, str) else name
+        st = routed_status(self.store, rec)
+        env = env_values(st, local_url)
+        if rec.models:
+            del env["PBSTK_MODEL"]
+            env["PBSTK_MODELS"] = " ".join(m["served_model_name"] for m in rec.models)
         return Endpoint(base_url=endpoint_url(st, local_url), api_key=st.record.api_key,
-                        model=st.record.served_model_name, job_id=st.record.job_id, env=env_values(st, local_url))
+                        model=st.record.served_model_name, job_id=st.record.job_id, env=env)
 
     def update_service_endpoint(self, name: str | ServiceRecord, registry: str | None = None, *,
                                 fmt: str = "auto", alias: str | None = None, follow_symlink: bool = False,
