@@ -35,11 +35,13 @@ guard = load("pbstk_dev_guard")
 NOW = 1000.0
 
 
-def model(served: str, *, awake: bool, running: int = 0, waiting: int = 0, last_busy: float = 0.0,
-          group: str = "0", waiting_since: float = 0.0, awake_since: float = 0.0) -> Any:
+def model(served: str, *, awake: bool, inflight: int = 0, last_busy: float = 0.0, group: str = "0",
+          waiting_since: float = 0.0, awake_since: float = 0.0) -> Any:
+    """A model as the swapper sees it: ``inflight``, requests in its API server (held, for a sleeping one)."""
     m = swapper.Model(served, 8000, group, "/nonexistent")
-    m.awake, m.running, m.waiting, m.last_busy = awake, running, waiting, last_busy
-    m.waiting_since, m.awake_since = waiting_since or (NOW if waiting else 0.0), awake_since
+    m.awake, m.inflight, m.last_busy = awake, inflight, last_busy
+    m.waiting_since = waiting_since or (NOW if inflight and not awake else 0.0)
+    m.awake_since = awake_since
     return m
 
 
@@ -48,37 +50,37 @@ def names(actions: list[tuple[str, Any]]) -> list[tuple[str, str]]:
 
 
 def test_a_request_for_a_sleeping_model_puts_the_idle_one_to_sleep_then_wakes_it() -> None:
-    a, b = model("a", awake=True, last_busy=900), model("b", awake=False, waiting=3)
+    a, b = model("a", awake=True, last_busy=900), model("b", awake=False, inflight=3)
     assert names(swapper.decide([a, b], 1, NOW, 0.0)) == [("sleep", "a"), ("wake", "b")]
 
 
 def test_the_least_recently_busy_idle_model_sleeps_first() -> None:
     a, b = model("a", awake=True, last_busy=990), model("b", awake=True, last_busy=950)
-    c = model("c", awake=False, waiting=1)
+    c = model("c", awake=False, inflight=1)
     assert names(swapper.decide([a, b, c], 2, NOW, 0.0)) == [("sleep", "b"), ("wake", "c")]
 
 
 def test_a_busy_model_is_not_put_to_sleep_until_the_sleeper_waited_its_fair_time() -> None:
-    busy = model("a", awake=True, running=5, last_busy=NOW, awake_since=NOW - 60)
-    fresh = model("b", awake=False, waiting=1, waiting_since=NOW - 1)
+    busy = model("a", awake=True, inflight=5, last_busy=NOW, awake_since=NOW - 60)
+    fresh = model("b", awake=False, inflight=1, waiting_since=NOW - 1)
     assert swapper.decide([busy, fresh], 1, NOW, 0.0) == []  # thrashing avoided: it waits
-    old = model("b", awake=False, waiting=1, waiting_since=NOW - swapper.FAIR_S)
+    old = model("b", awake=False, inflight=1, waiting_since=NOW - swapper.FAIR_S)
     assert names(swapper.decide([busy, old], 1, NOW, 0.0)) == [("sleep", "a"), ("wake", "b")]
-    just_woken = model("a", awake=True, running=5, last_busy=NOW, awake_since=NOW - 1)
+    just_woken = model("a", awake=True, inflight=5, last_busy=NOW, awake_since=NOW - 1)
     assert swapper.decide([just_woken, old], 1, NOW, 0.0) == []  # nor one that has just woken
 
 
 def test_models_of_other_gpu_sets_are_never_put_to_sleep_for_it() -> None:
     other = model("a", awake=True, group="1", last_busy=0)
-    mine = model("b", awake=True, group="0", running=1, last_busy=NOW, awake_since=NOW)
-    wanted = model("c", awake=False, group="0", waiting=1)
+    mine = model("b", awake=True, group="0", inflight=1, last_busy=NOW, awake_since=NOW)
+    wanted = model("c", awake=False, group="0", inflight=1)
     assert swapper.decide([other, mine, wanted], 1, NOW, 0.0) == []
     assert names(swapper.decide([other, wanted], 1, NOW, 0.0)) == [("wake", "c")]
 
 
 def test_sleep_after_puts_an_idle_model_to_sleep_and_never_a_busy_one() -> None:
     idle = model("a", awake=True, last_busy=NOW - 61, awake_since=NOW - 100)
-    busy = model("b", awake=True, running=1, last_busy=NOW, group="1")
+    busy = model("b", awake=True, inflight=1, last_busy=NOW, group="1")
     assert names(swapper.decide([idle, busy], 1, NOW, 60.0)) == [("sleep", "a")]
     assert swapper.decide([idle, busy], 1, NOW, 0.0) == []  # off by default
     woken = model("a", awake=True, last_busy=0, awake_since=NOW - 10)
@@ -142,3 +144,42 @@ def test_the_guard_keeps_only_a_digest_of_the_key(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv(guard.KEY_FILE_ENV, str(tmp_path / "k"))
     kept = guard.DevGuard(None)
     assert kept.digest == hashlib.sha256(b"s3cret").digest() and b"s3cret" not in repr(vars(kept)).encode()
+
+
+def test_the_guard_counts_generation_requests_in_flight_and_tells_them_with_the_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request held for a sleeping engine shows in no vLLM metric (a paused engine does not step): the guard's
+    own count, read at /pbstk/inflight, is the swapper's signal."""
+    (tmp_path / "k").write_bytes(b"s3cret")
+    monkeypatch.setenv(guard.KEY_FILE_ENV, str(tmp_path / "k"))
+    during: list[int] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        during.append(kept.inflight)
+        if scope["path"] == "/v1/fails":
+            raise RuntimeError("the app failed")
+
+    kept = guard.DevGuard(app)
+
+    def call(method: str, path: str, key: str | None = "s3cret") -> list[dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b""}
+
+        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        asyncio.run(kept({"type": "http", "method": method, "path": path, "headers": headers}, receive, send))
+        return sent
+
+    call("POST", "/v1/chat/completions")
+    call("GET", "/v1/models")
+    call("POST", "/health")
+    with pytest.raises(RuntimeError):
+        call("POST", "/v1/fails")
+    assert during == [1, 0, 0, 1] and kept.inflight == 0  # counted while in the app, and back after a failure
+    answer = call("GET", guard.INFLIGHT_PATH)
+    assert answer[0]["status"] == 200 and answer[1]["body"] == b'{"inflight": 0}'
+    assert call("GET", guard.INFLIGHT_PATH, key=None)[0]["status"] == 401

@@ -5,7 +5,8 @@ v1/metrics/loggers.py):
 * ``POST /sleep?level=0|1|2&mode=abort|wait``, ``POST /wake_up[?tags=...]`` and ``GET /is_sleeping`` exist only
   with VLLM_SERVER_DEV_MODE=1; no API key guards them (vLLM's ``--api-key`` covers ``/v1`` only);
 * sleep pauses the scheduler first: requests running then are aborted (``mode=abort``, the default) or finish
-  first (``mode=wait``); requests sent while asleep are queued (waiting), never refused, and run after a full
+  first (``mode=wait``); requests sent while asleep are queued (in no metric: a paused engine does not step),
+  never refused, and run after a full
   wake; level 1 frees the weights (kept in CPU RAM) and the KV cache, level 2 both, level 0 only pauses;
 * ``wake_up`` with tags wakes those parts; the scheduler resumes only once nothing is asleep.
 
@@ -65,7 +66,11 @@ class SleepMode:
         return self.sleep(query)
 
     def wait_until_resumed(self):
-        """A request that arrives while the scheduler is paused waits here (counted as waiting)."""
+        """A request that arrives while the scheduler is paused waits here, counted in no metric: vLLM's paused
+        engine does not step, and its requests gauges come from its steps (the stand-in's own DEBUG line says it
+        is held, for tests to wait on)."""
+        if not self.resumed.is_set():
+            self.log("DEBUG 11-22 02:40:00 [standin] a request is held: the engine is paused (asleep)")
         self.resumed.wait()
 
     def epoch(self):

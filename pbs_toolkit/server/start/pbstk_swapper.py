@@ -3,10 +3,12 @@
 Written into a swapping job's run directory by pbstk's start_vllm.sh and run there, on the job's node, beside
 its vLLMs (docs/multi-model.md "Swapping"). Standard library only: it runs in the vLLM's own Python.
 
-Every ``TICK_S`` it reads each swapping model's ``/metrics`` (requests running and waiting) on this node's
-loopback and acts on the GPU set (``SET``) each model shares with others, at most ``--max-awake`` awake:
+Every ``TICK_S`` it asks each swapping model's API server on this node's loopback how many requests are in
+flight there (``GET /pbstk/inflight``, counted by pbstk_dev_guard.py: vLLM's own gauges say nothing of a request
+held for a sleeping engine, which does not step) and acts on the GPU set (``SET``) each model shares with others,
+at most ``--max-awake`` awake:
 
-* a sleeping model with requests waiting (vLLM holds a request for a sleeping engine; it never refuses it) is
+* a sleeping model with requests in flight (vLLM holds a request for a sleeping engine; it never refuses it) is
   woken; first, while its set has K awake, one of them sleeps: an idle one, least recently busy first; a busy
   one only once the sleeper has waited ``FAIR_S`` and that one has been awake as long (``mode=wait``: its
   running requests finish first);
@@ -47,7 +49,7 @@ class Model:
     def __init__(self, served: str, port: int, group: str, log: str) -> None:
         self.served, self.port, self.group, self.log = served, port, group, log
         self.awake = True
-        self.running = self.waiting = 0
+        self.inflight = 0  # requests in its API server now (for a sleeping model: held, waiting for it)
         self.last_busy = self.awake_since = self.waiting_since = 0.0
         self.wakes = self.sleeps = 0
         self.last_wake_s: float | None = None
@@ -65,15 +67,14 @@ def decide(models: list[Model], max_awake: int, now: float, sleep_after: float) 
     actions: list[tuple[str, Model]] = []
     awake = {id(m): m.awake for m in models}
     for m in models:  # idle too long (--sleep-after)
-        if (sleep_after and m.awake and not m.running and not m.waiting
-                and now - max(m.last_busy, m.awake_since) >= sleep_after):
+        if sleep_after and m.awake and not m.inflight and now - max(m.last_busy, m.awake_since) >= sleep_after:
             actions.append(("sleep", m))
             awake[id(m)] = False
-    wanted = sorted((m for m in models if not awake[id(m)] and m.waiting), key=lambda m: m.waiting_since or now)
+    wanted = sorted((m for m in models if not awake[id(m)] and m.inflight), key=lambda m: m.waiting_since or now)
     for m in wanted:
         peers = [p for p in models if p.group == m.group and p is not m and awake[id(p)]]
         while len(peers) >= max_awake:
-            idle = [p for p in peers if not p.running and not p.waiting]
+            idle = [p for p in peers if not p.inflight]
             fair = [p for p in peers if now - (m.waiting_since or now) >= FAIR_S and now - p.awake_since >= FAIR_S]
             pool = idle or fair
             if not pool:
@@ -106,23 +107,18 @@ class Swapper:
 
     def look(self, m: Model, now: float) -> None:
         try:
-            status, body = self.call(m, "GET", "/metrics", timeout=2.0)
-        except OSError:
+            status, body = self.call(m, "GET", "/pbstk/inflight", timeout=2.0)
+            inflight = int(json.loads(body)["inflight"]) if status == 200 else None
+        except (OSError, ValueError, KeyError, TypeError):
+            inflight = None
+        if inflight is None:
             return  # a busy API server answers late: the next tick looks again
-        if status != 200:
-            return
-        running = waiting = 0.0
-        for line in body.decode("utf-8", "replace").splitlines():
-            if line.startswith("vllm:num_requests_running"):
-                running += float(line.rsplit(" ", 1)[-1])
-            elif line.startswith("vllm:num_requests_waiting"):
-                waiting += float(line.rsplit(" ", 1)[-1])
-        m.running, m.waiting = int(running), int(waiting)
-        if m.running or m.waiting:
+        m.inflight = inflight
+        if m.inflight:
             m.last_busy = now
-        if m.waiting and not m.waiting_since:
+        if m.inflight and not m.awake and not m.waiting_since:
             m.waiting_since = now
-        elif not m.waiting:
+        elif not m.inflight or m.awake:
             m.waiting_since = 0.0
 
     def switch(self, action: str, m: Model) -> bool:
