@@ -41,6 +41,12 @@ mom2_pid() {
 }
 
 up() {
+  # a server namespace made again since (realpbs/up.sh after a reboot) has lost its end of the pair: the second
+  # host would stay "down,unresolvable" however often this ran; start it afresh
+  if ip netns list | grep -qw "$NS2" && ! "${IN1[@]}" ip link show p2a >/dev/null 2>&1; then
+    echo "$NS has no link to $NS2 (made again since?): removing the second host and adding it afresh"
+    down
+  fi
   if ! ip netns list | grep -qw "$NS2"; then
     ip netns add "$NS2"
     "${IN2[@]}" ip link set lo up
