@@ -67,13 +67,13 @@ def test_two_models_packed_in_one_job_behind_one_url(gpu_svc: Any, standins: Pat
     wait_for(lambda: len(requests.get(url[:-3] + "/list_workers", timeout=5).json()["urls"]) == 2, 30,
              "both models' servers in the router")
     # the one job started one vLLM per model: its own served name, memory share and GPUs
-    starts = argv_of(standins)
-    served = sorted(a[a.index("--served-model-name") + 1] for a in starts)
+    starts = argv_of(standins)  # a start that lost its port to another test's server is made again: set()
+    served = sorted({a[a.index("--served-model-name") + 1] for a in starts})
     assert served == ["a", "b"], starts
     for a in starts:
         assert a[a.index("--gpu-memory-utilization") + 1] == "0.1", a
     envs = [json.loads(line)["env"] for line in (standins / "argv.jsonl").read_text().splitlines()]
-    assert [e.get("CUDA_VISIBLE_DEVICES") for e in envs] == ["0", "0"]  # both planned on the job's GPU 0
+    assert {e.get("CUDA_VISIBLE_DEVICES") for e in envs} == {"0"}  # both planned on the job's GPU 0
     for model in ("a", "b", "a", "b"):
         answer = chat(url, rec.api_key, model)
         assert answer.status_code == 200, answer.text
