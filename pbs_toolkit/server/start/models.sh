@@ -73,28 +73,32 @@ pbstk_swap_env() {
     "PBSTK_DEV_GUARD_KEY_FILE=$RUN_DIR/api_key"
 }
 
-# pbstk_swap_post PORT PATH: POST PATH to this node's model server on PORT with the job's key (a bash
-# builtin writes it: never in a process's arguments); true when it answered 200
-pbstk_swap_post() {
-  local line='' code=''
-  exec 4<>"/dev/tcp/$PROBE_HOST/$1" || return 1
-  printf 'POST %s HTTP/1.0\r\nHost: %s\r\nAuthorization: Bearer %s\r\nContent-Length: 0\r\n\r\n' \
-    "$2" "$PROBE_HOST" "$(<"$RUN_DIR/api_key")" >&4
-  IFS= read -r -t 600 line <&4 && code=${line#* } && code=${code%% *}
+# pbstk_keyed VAR METHOD PORT PATH WAIT: VAR = the answer (status line, headers and body, on one line) of this
+# node's model server on PORT to METHOD PATH with the job's key (a bash builtin writes it: never in a process's
+# arguments), each line awaited at most WAIT seconds; false when nothing answered
+pbstk_keyed() {
+  local keyed_line keyed_got=''  # names no caller's VAR is likely to have (printf -v sets the nearest one)
+  exec 4<>"/dev/tcp/$PROBE_HOST/$3" 2>/dev/null || return 1
+  printf '%s %s HTTP/1.0\r\nHost: %s\r\nAuthorization: Bearer %s\r\nContent-Length: 0\r\n\r\n' \
+    "$2" "$4" "$PROBE_HOST" "$(<"$RUN_DIR/api_key")" >&4
+  while IFS= read -r -t "$5" keyed_line <&4; do keyed_got+=$keyed_line; done
+  keyed_got+=$keyed_line
   exec 4<&-
-  [ "$code" = 200 ]
+  printf -v "$1" '%s' "$keyed_got"
+  [ -n "$keyed_got" ]
+}
+
+# pbstk_swap_post PORT PATH: POST PATH to this node's model server on PORT with the job's key; true on a 200
+pbstk_swap_post() {
+  local answer
+  pbstk_keyed answer POST "$1" "$2" 600 && [[ ${answer#* } == 200[[:space:]]* ]]  # a wake or sleep may be slow
 }
 
 # pbstk_model_answers PORT SERVED: the server on PORT of this node lists SERVED in its /v1/models (asked with the
 # job's key): it is this model's vLLM, not another process that took the port first
 pbstk_model_answers() {
-  local body='' line
-  exec 4<>"/dev/tcp/$PROBE_HOST/$1" 2>/dev/null || return 1
-  printf 'GET /v1/models HTTP/1.0\r\nHost: %s\r\nAuthorization: Bearer %s\r\n\r\n' "$PROBE_HOST" \
-    "$(<"$RUN_DIR/api_key")" >&4
-  while IFS= read -r -t 10 line <&4; do body+=$line; done
-  body+=$line
-  exec 4<&-
+  local body
+  pbstk_keyed body GET "$1" /v1/models 10 || return 1
   [[ $body == *"\"id\":\"$2\""* || $body == *"\"id\": \"$2\""* ]]
 }
 
