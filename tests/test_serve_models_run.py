@@ -26,20 +26,27 @@ ROUTER = Path(sys.executable).parent / "vllm-router"
 pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
 
 
+def multi_profile(isolated_user: Path, monkeypatch: pytest.MonkeyPatch, name: str, own: str) -> Path:
+    """Profile ``name`` of the multi-model tests (one 80 GB GPU a node, 2 CPUs, the real router; ``own``: its other
+    YAML lines, the scheduler's first), the keeper looking every 0.5 s, the stand-in listening at once and
+    answering a request for another model with vLLM's 404; returns where the tests write their checkpoints."""
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / f"{name}.yaml").write_text(
+        f"name: {name}\n{own}nodes: 1\ngpus_per_node: 1\ngpu_memory_gb: 80\ncpus_per_node: 2\n"
+        f"walltime: '00:10:00'\naddress: loopback\nbind_host: 127.0.0.1\nrouter_command: {ROUTER}\n")
+    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")
+    return isolated_user / "m"
+
+
 @pytest.fixture
 def gpu_svc(isolated_user: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A local-scheduler profile of one 80 GB GPU (two small models share it), the real router; the keeper looks
     every 0.5 s; the stand-in answers a request for another model with vLLM's 404."""
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True, exist_ok=True)
-    (profiles / "gpu1.yaml").write_text(
-        "name: gpu1\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ngpu_memory_gb: 80\ncpus_per_node: 2\n"
-        f"walltime: '00:10:00'\naddress: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
-    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
-    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
-    monkeypatch.setenv("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")
+    root = multi_profile(isolated_user, monkeypatch, "gpu1", "scheduler: local\nport: 8000\n")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    root = isolated_user / "m"
     yield checkpoint(root, "alpha", 1_200_000_000), checkpoint(root, "beta", 3_400_000_000)
     _stop_services()
 
@@ -141,15 +148,7 @@ def pbs1_trio(isolated_user: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str
     """Profile ``pbs1`` (the fake PBS, one 80 GB GPU a node, the real router on this machine), the keeper looking
     every 0.5 s, the stand-in answering another model with vLLM's 404; and three checkpoints: a and b (1.2 GB
     each) share one GPU, c (3.4 GB, served with ``:preset=single``) takes a whole one: two jobs."""
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True, exist_ok=True)
-    (profiles / "pbs1.yaml").write_text(
-        "name: pbs1\nscheduler: pbs\nnodes: 1\ngpus_per_node: 1\ngpu_memory_gb: 80\ncpus_per_node: 2\n"
-        f"walltime: '00:10:00'\naddress: loopback\nbind_host: 127.0.0.1\nrouter_command: {ROUTER}\nrouter: local\n")
-    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "0.5")
-    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0")
-    monkeypatch.setenv("PBSTK_TEST_STANDIN_CHECK_MODEL", "1")
-    root = isolated_user / "m"
+    root = multi_profile(isolated_user, monkeypatch, "pbs1", "scheduler: pbs\nrouter: local\n")
     a, b, c = (checkpoint(root, n, size) for n, size in (("a", 1_200_000_000), ("b", 1_200_000_000),
                                                           ("c", 3_400_000_000)))
     return a, b, c

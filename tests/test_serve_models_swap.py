@@ -18,7 +18,7 @@ import pytest
 import requests
 from helpers import pbstk, wait_for
 from test_serve_models import checkpoint
-from test_serve_models_run import ROUTER, argv_of, chat
+from test_serve_models_run import ROUTER, argv_of, chat, multi_profile
 from test_service import _stop_services
 
 from pbs_toolkit.jobs.store import JobStore
@@ -31,16 +31,9 @@ pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not 
 def swap_svc(isolated_user: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """One 80 GB GPU (local scheduler), two models of 40 and 28 GB of weights: 0.75 and 0.50 of it, too much for
     both awake; the real router; waking takes 0.3 s."""
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    profiles.mkdir(parents=True, exist_ok=True)
-    (profiles / "gpu1.yaml").write_text(
-        "name: gpu1\nscheduler: local\nnodes: 1\ngpus_per_node: 1\ngpu_memory_gb: 80\ncpus_per_node: 2\n"
-        f"walltime: '00:10:00'\naddress: loopback\nbind_host: 127.0.0.1\nport: 8000\nrouter_command: {ROUTER}\n")
-    for key, value in (("PBSTK_SERVICE_POLL_S", "0.5"), ("PBSTK_TEST_STANDIN_DELAY", "0"),
-                       ("PBSTK_TEST_STANDIN_CHECK_MODEL", "1"), ("CUDA_VISIBLE_DEVICES", "0"),
-                       ("PBSTK_TEST_STANDIN_WAKE_S", "0.3")):
-        monkeypatch.setenv(key, value)
-    root = isolated_user / "m"
+    root = multi_profile(isolated_user, monkeypatch, "gpu1", "scheduler: local\nport: 8000\n")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_WAKE_S", "0.3")
     yield checkpoint(root, "big", 40_000_000_000), checkpoint(root, "mid", 28_000_000_000)
     _stop_services()
 
