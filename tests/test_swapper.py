@@ -95,6 +95,23 @@ def test_the_leak_figure_is_the_last_sleep_line_of_the_log(tmp_path: Path) -> No
     assert swapper.last_still_in_use(str(tmp_path / "none.log")) is None
 
 
+def through(middleware: Any, method: str, path: str, authorization: str | None) -> list[dict[str, Any]]:
+    """One ``http`` request through an ASGI middleware, as vLLM runs one: the messages it sent (none when it
+    passed the request on to its app)."""
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    headers = [(b"authorization", authorization.encode())] if authorization is not None else []
+    asyncio.run(middleware({"type": "http", "method": method, "path": path, "root_path": "", "headers": headers},
+                           receive, send))
+    return sent
+
+
 def ask(path: str, authorization: str | None, key: bytes | None, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> tuple[int | None, bool]:
     """Run the guard as vLLM would (an ASGI app wrapped by the class): (status it sent, whether it passed on)."""
@@ -108,17 +125,7 @@ def ask(path: str, authorization: str | None, key: bytes | None, tmp_path: Path,
     async def app(scope: Any, receive: Any, send: Any) -> None:
         passed.append(True)
 
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b""}
-
-    headers = [(b"authorization", authorization.encode())] if authorization is not None else []
-    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": headers}
-    asyncio.run(guard.DevGuard(app)(scope, receive, send))
+    sent = through(guard.DevGuard(app), "POST", path, authorization)
     status = next((m["status"] for m in sent if m["type"] == "http.response.start"), None)
     return status, bool(passed)
 
@@ -162,17 +169,7 @@ def test_the_guard_counts_generation_requests_in_flight_and_tells_them_with_the_
     kept = guard.DevGuard(app)
 
     def call(method: str, path: str, key: str | None = "s3cret") -> list[dict[str, Any]]:
-        sent: list[dict[str, Any]] = []
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        async def receive() -> dict[str, Any]:
-            return {"type": "http.request", "body": b""}
-
-        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
-        asyncio.run(kept({"type": "http", "method": method, "path": path, "headers": headers}, receive, send))
-        return sent
+        return through(kept, method, path, f"Bearer {key}" if key else None)
 
     call("POST", "/v1/chat/completions")
     call("GET", "/v1/models")
