@@ -6,13 +6,11 @@ service's idle check), and the ``--model M`` pick that ``logs`` and ``metrics`` 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
-from urllib.parse import urlsplit
 
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.status import JobStatus
 from pbs_toolkit.perf.scrape import scrape_at
 from pbs_toolkit.services.health import worker_url
-from pbs_toolkit.services.multi import co_urls
 from pbs_toolkit.vllm.prom import MetricsSnapshot, combine
 
 if TYPE_CHECKING:
@@ -57,15 +55,10 @@ def position(rec: ServiceRecord, served: str) -> tuple[int, int]:
 def servers(st: JobStatus) -> list[tuple[str, str, int]]:
     """(served name, host, port) of each model's server of a READY job: its own first, then its other models'
     (server.json's ``models``)."""
-    own = worker_url(st)
-    if own is None or st.address is None or st.port is None:
+    if worker_url(st) is None or st.address is None or st.port is None:
         return []
-    out = [(st.record.served_model_name, st.address, int(st.port))]
-    for url, served in co_urls(st).items():
-        parts = urlsplit(url)
-        if parts.hostname and parts.port:
-            out.append((served, st.address, parts.port))
-    return out
+    return [(st.record.served_model_name, st.address, int(st.port)),
+            *((served, st.address, port) for served, port in st.models.items())]
 
 
 def job_snapshot(runner: Runner, st: JobStatus, timeout: float = 3.0) -> MetricsSnapshot:
