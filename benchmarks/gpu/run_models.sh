@@ -10,7 +10,9 @@
 #   each    `pbstk run` of the three packed models with `--each` running one `vllm bench serve` per model,
 #           against three separate `pbstk run`s of the same command; then `pbstk usage --json` of both
 # Usage, from the checkout root there:  bash benchmarks/gpu/run_models.sh OUT_DIR packed|swap|each [...]
-# PROMPTS (default 1000) prompts per bench (128 in / 256 out, --ignore-eos).
+# PROMPTS (default 1000) prompts per bench (128 in / 256 out, --ignore-eos). To share a machine with another run on
+# other GPUs: CUDA_VISIBLE_DEVICES=2, PORT (the first port tried, default 8000), CACHE_ROOT (vLLM's compile cache, so
+# that two runs never write one cache entry at once; default /tmp/vllm-compile-cache).
 set -euo pipefail
 out=${1:?usage: run_models.sh OUT_DIR packed|swap|each [...]}
 shift
@@ -26,7 +28,8 @@ done
 prompts=${PROMPTS:-1000}
 pbstk() { python3 -m pbs_toolkit "$@"; }
 profile() {  # NAME GPUS GPU_GB: a copy of the lent machine's profile with the router, NAME.yaml in OUT_DIR
-  { sed -e "s/^name: .*/name: $1/" -e "s/^gpus_per_node: .*/gpus_per_node: $2/" benchmarks/gpu/local-h200x2.yaml
+  { sed -e "s/^name: .*/name: $1/" -e "s/^gpus_per_node: .*/gpus_per_node: $2/" -e "s/^port: .*/port: ${PORT:-8000}/" \
+      -e "s|^vllm_cache_root: .*|vllm_cache_root: ${CACHE_ROOT:-/tmp/vllm-compile-cache}|" benchmarks/gpu/local-h200x2.yaml
     echo "gpu_memory_gb: $3"; echo "router_command: /tmp/pbstk-site/bin/vllm-router"; } >"$out/$1.yaml"
   echo "$out/$1.yaml"
 }
@@ -105,18 +108,20 @@ for what in "$@"; do
       p=$(profile each1 1 "$real_gb")
       # the server's root comes from run's environment (PBSTK_SERVER_ROOT), the model as the last word
       # shellcheck disable=SC2016  # expanded by the inner shell, in the run
+      # (its arguments: prompts, result dir, the result's prefix, then the model)
       cmd=(bash -c 'exec vllm bench serve --base-url "$PBSTK_SERVER_ROOT" --backend openai --endpoint /v1/completions \
         --dataset-name random --random-input-len 128 --random-output-len 256 --ignore-eos --max-concurrency 64 \
-        --num-prompts "$1" --model "$2" --tokenizer /root/qwen3-1.7b' bench "$prompts")
+        --num-prompts "$1" --save-result --result-dir "$2" --result-filename "$3-$4.json" --model "$4" \
+        --tokenizer /root/qwen3-1.7b' bench "$prompts" "$out")
       t0=$(date +%s)
       pbstk run /root/qwen3-0.6b:name=q06 /root/qwen3-1.7b:name=q17 /root/qwen3-4b:name=q4 --name each \
-        --profile "$p" "${dummy[@]}" --each -- "${cmd[@]}" '{model}' \
+        --profile "$p" "${dummy[@]}" --each -- "${cmd[@]}" each '{model}' \
         2>&1 | tee "$out/each-run.txt" | grep -E "Output token throughput|MODEL|q06|q17|q4" || true
       echo "[each] one run over three models: $(( $(date +%s) - t0 )) s" | tee -a "$out/each-run.txt"
       t0=$(date +%s)
       for m in q06:0.6b q17:1.7b q4:4b; do
         pbstk run "/root/qwen3-${m##*:}" --name "sep-${m%%:*}" --served-model-name "${m%%:*}" --preset single \
-          --gpus-per-node 1 --profile "$p" "${dummy[@]}" -- "${cmd[@]}" "${m%%:*}" >"$out/sep-${m%%:*}.txt" 2>&1 || true
+          --gpus-per-node 1 --profile "$p" "${dummy[@]}" -- "${cmd[@]}" sep "${m%%:*}" >"$out/sep-${m%%:*}.txt" 2>&1 || true
       done
       echo "[each] three separate runs: $(( $(date +%s) - t0 )) s" | tee -a "$out/each-run.txt"
       pbstk usage --json >"$out/usage.json" || true

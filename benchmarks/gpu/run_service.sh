@@ -6,7 +6,7 @@
 # vllm:num_requests_running / _waiting is sampled each second into OUT_DIR/LABEL.load (how the router spreads load).
 # Usage, from the checkout root there:  bash benchmarks/gpu/run_service.sh OUT_DIR one|service|dp2 [...]
 # POLICIES="round_robin power_of_two" picks the router policies measured for `service` (default power_of_two, the
-# profile default); C1=0 skips the one-request level;
+# profile default); C1=0 skips the one-request level; PAIR=0 skips the direct pair;
 # PROMPTS (default 6000) is the number of prompts of each c=256 level (half of it for each side of the pair).
 # LEVELS="256 1024" adds levels to dp2 and service (each PROMPTS prompts, at least 4x the concurrency).
 # Issue 28's load cases (the keeper's log of each kept in OUT_DIR/NAME-keeper.log, its router removals counted):
@@ -86,7 +86,10 @@ levels() {  # LABEL-PREFIX: the c=256 level, then each of LEVELS past it (the ro
 keeper_log() {  # SERVICE: its keeper's log beside the results, and how often a replica left the router
   local log="${XDG_STATE_HOME:-$HOME/.local/state}/pbstk/services/$1/keeper.log"
   cp "$log" "$out/$1-keeper.log" 2>/dev/null || true
-  echo "[$1] keeper: $(grep -c 'from the router' "$out/$1-keeper.log" 2>/dev/null || echo 0) removal(s) from the router, $(grep -c 'added' "$out/$1-keeper.log" 2>/dev/null || echo 0) addition(s)"
+  local removed added
+  removed=$(grep -c 'from the router' "$out/$1-keeper.log" 2>/dev/null) || true
+  added=$(grep -c 'added' "$out/$1-keeper.log" 2>/dev/null) || true
+  echo "[$1] keeper: ${removed:-0} removal(s) from the router, ${added:-0} addition(s)"
   # the router's own complaints (the front's "a connection ended while ..." lines, a router panic, its errors):
   # where a client's "server disconnected" comes from
   pbstk logs "$1" -n 1000000 2>/dev/null | grep -E -i 'connection ended|panick|error|warn' | tail -n 300 \
@@ -136,7 +139,7 @@ for what in "$@"; do
         # the direct pair: the same two replicas driven at once, half the load each (a perfect balancer)
         pair() { bench "$svc-pair-r0-c128" 128 $((prompts / 2)) "$r0" & local a=$!
                  bench "$svc-pair-r1-c128" 128 $((prompts / 2)) "$r1"; wait "$a"; }
-        with_load "$svc-pair" "$r0 $r1" -- pair
+        [ "${PAIR:-1}" = 0 ] || with_load "$svc-pair" "$r0 $r1" -- pair
         pbstk status "$svc" --json >"$out/$svc-status.json" || true
         pbstk cancel "$svc"
       done ;;

@@ -8,7 +8,9 @@
 #   bash benchmarks/gpu/run_vl.sh OUT_DIR tune P,Q   `pbstk tune` of presets P,Q on image+text load (1 image of
 #                                                    512x512 + 128 tokens in, 256 out) at c=1,64,256, appended to
 #                                                    OUT_DIR/vl-tune.json (same method, so the table is one)
-# GPUS=2 does the same on a 2-GPU machine (chat with dp2; tune dp2,tp2,tp2-eager there).
+# GPUS=2 does the same on a 2-GPU machine (chat with dp2; tune dp2,tp2,tp2-eager there); PRESET picks chat's preset
+# (GPUS=1 PRESET=single: one GPU of a machine that runs something else on the others, CUDA_VISIBLE_DEVICES=3;
+# PORT and CACHE_ROOT as in run_models.sh).
 set -euo pipefail
 out=${1:?usage: run_vl.sh OUT_DIR chat|tune PRESETS}
 what=${2:?chat or tune}
@@ -19,9 +21,12 @@ model=/root/qwen3-vl-2b
 [ -f "$model/config.json" ] || python3 benchmarks/gpu/mkmodel_vl.py "$model"
 profile="$out/profile.yaml"
 gpus=${GPUS:-4}
-sed -e "s/^name: .*/name: local-gpu$gpus/" -e "s/^gpus_per_node: .*/gpus_per_node: $gpus/" \
+sed -e "s/^name: .*/name: local-gpu$gpus/" -e "s/^gpus_per_node: .*/gpus_per_node: $gpus/" -e "s/^port: .*/port: ${PORT:-8000}/" \
+  -e "s|^vllm_cache_root: .*|vllm_cache_root: ${CACHE_ROOT:-/tmp/vllm-compile-cache}|" \
   -e "s/^description: .*/description: lent $gpus-GPU machine, no scheduler/" benchmarks/gpu/local-h200x2.yaml >"$profile"
-common=(--profile "$profile" --served-model-name qwen3-vl-2b --vllm-arg=--load-format=dummy --walltime 01:00:00)
+# the image has no flashinfer, and this model's engine imports vLLM's FlashInfer sampler unless told not to
+common=(--profile "$profile" --served-model-name qwen3-vl-2b --vllm-arg=--load-format=dummy --walltime 01:00:00
+  --env VLLM_USE_FLASHINFER_SAMPLER=0)
 pbstk() { python3 -m pbs_toolkit "$@"; }
 t0=$(date +%s)
 stamp() { echo "== $(( $(date +%s) - t0 )) s: $*"; }
@@ -35,11 +40,11 @@ kv_line() {  # JOB: vLLM's own KV cache size and start-up lines from the job's l
 case "$what" in
   chat)
     nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
-    python3 -c 'import vllm, transformers, PIL; print("vllm", vllm.__version__, "transformers", transformers.__version__, "PIL", PIL.__version__)'
+    python3 -c 'import vllm, transformers, PIL; print("vllm", vllm.__version__, "transformers", transformers.__version__, "PIL", PIL.__version__)' || true
     for variant in vl vl-text; do
       extra=(); [ "$variant" = vl-text ] && extra=(--text-only)
-      stamp "launch $variant: dp$gpus ${extra[*]}"
-      pbstk launch "$model" --name "$variant" --preset "dp$gpus" "${common[@]}" "${extra[@]}" --wait --timeout 420
+      stamp "launch $variant: ${PRESET:-dp$gpus} ${extra[*]}"
+      pbstk launch "$model" --name "$variant" --preset "${PRESET:-dp$gpus}" "${common[@]}" "${extra[@]}" --wait --timeout 420
       pbstk update-endpoint "$variant" --registry "$out/endpoints.py"
       eval "$(pbstk env "$variant")"
       stamp "chat with $variant through $out/endpoints.py"

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One device call of a session on a lent 4-GPU machine, from the checkout root there, results under OUT:
+#   bash benchmarks/gpu/session.sh setup          install vLLM (the staged parts), pbstk's wheels and the router,
+#                                                 compile the bytecode once, write the models
+#   bash benchmarks/gpu/session.sh A|B|C|D        one step of issue 28/30/31's measurements (below); each starts by
+#                                                 cancelling whatever an earlier, cut call left running
+# A: GPUs 0,1 dp2 then a 2-replica service at c=256 and 1024 (issue 28), beside it GPU 2 three models packed and
+#    alone, GPU 3 three models swapped (issue 31). B: GPUs 0,1 the autoscaled burst and the 1-replica service at c=512
+#    (28), GPU 2 `run --each` against separate runs (31), GPU 3 the VL image chat and the text-only switch (30).
+# C, D: the VL model's `pbstk tune` on all four GPUs with images (30), split in two calls (one call is at most 600 s).
+# STEP_S (default 540) bounds every stream of a step.
+set -uo pipefail
+out=${OUT:?OUT: where the results go}
+step=${1:?setup|A|B|C|D}
+cap=${STEP_S:-540}
+# shellcheck source=benchmarks/gpu/setup_device.sh
+source benchmarks/gpu/setup_device.sh
+clean() {  # what a cut call left: pbstk's jobs and services, then any vLLM or router still holding a GPU
+  python3 -m pbs_toolkit cancel --all >/dev/null 2>&1 || true
+  pkill -f 'vllm serve|vllm-router|pbstk_swapper' 2>/dev/null || true
+  for _ in $(seq 30); do
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && break
+    sleep 1
+  done
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader | tr '\n' ' '; echo
+}
+stream() {  # NAME COMMAND...: one bounded stream, its output in OUT/NAME.log
+  local name=$1; shift
+  timeout "$cap" "$@" >"$out/$name.log" 2>&1; echo "[$name] exit $?" | tee -a "$out/$name.log"
+}
+mkdir -p "$out"
+case "$step" in
+  setup)
+    python3 -m compileall -q -j 0 /tmp/site >/dev/null 2>&1 || true
+    [ -x /tmp/pbstk-site/bin/vllm-router ] \
+      || python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/pbstk-site gpu-stage/router/*.whl
+    for size in 0.6b 4b 8b; do
+      [ -f "/root/qwen3-$size/config.json" ] || python3 benchmarks/gpu/mkmodel_qwen3.py "$size" "/root/qwen3-$size" &
+    done
+    [ -f /root/qwen3-vl-2b/config.json ] || python3 benchmarks/gpu/mkmodel_vl.py /root/qwen3-vl-2b &
+    wait
+    nvidia-smi -L; nproc; lscpu | grep -E 'Model name|Flags' | cut -c1-200
+    python3 -c 'import vllm; print("vllm", vllm.__version__)' ;;
+  A)
+    clean
+    CUDA_VISIBLE_DEVICES=2 PORT=8300 CACHE_ROOT=/tmp/vcc-packed PROMPTS=${PROMPTS31:-300} \
+      stream m-packed bash benchmarks/gpu/run_models.sh "$out/m" packed &
+    CUDA_VISIBLE_DEVICES=3 PORT=8400 CACHE_ROOT=/tmp/vcc-swap stream m-swap bash benchmarks/gpu/run_models.sh "$out/m" swap &
+    CUDA_VISIBLE_DEVICES=0,1 LEVELS="256 1024" C1=0 PAIR=0 stream s-latency bash benchmarks/gpu/run_service.sh "$out/s" dp2 service
+    wait ;;
+  B)
+    clean
+    CUDA_VISIBLE_DEVICES=2 PORT=8300 CACHE_ROOT=/tmp/vcc-packed PROMPTS=${PROMPTS31:-300} \
+      stream m-each bash benchmarks/gpu/run_models.sh "$out/m" each &
+    CUDA_VISIBLE_DEVICES=3 PORT=8400 CACHE_ROOT=/tmp/vcc-vl1 GPUS=1 PRESET=single stream vl-chat bash benchmarks/gpu/run_vl.sh "$out/v" chat &
+    CUDA_VISIBLE_DEVICES=0,1 BURST=12000 stream s-burst bash benchmarks/gpu/run_service.sh "$out/s" autoscale-c512 svc1-c512
+    wait ;;
+  C) clean; stream vl-tune-1 bash benchmarks/gpu/run_vl.sh "$out/v" tune dp4,baseline-eager ;;
+  D) clean; stream vl-tune-2 bash benchmarks/gpu/run_vl.sh "$out/v" tune tp4,tp2dp2 ;;
+  *) echo "unknown step: $step" >&2; exit 2 ;;
+esac
+grep -h -E '^\[|^== ' "$out"/*.log 2>/dev/null | grep -v -E '^\[ +[0-9]+s\]' | tail -n 80
+tar czf "$out/runs-$step.tgz" -C ~/pbstk-runs . 2>/dev/null || true
