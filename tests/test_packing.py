@@ -154,3 +154,39 @@ def test_a_model_too_big_to_swap_beside_a_sleeper_gets_a_job_of_its_own() -> Non
 def test_max_awake_changes_nothing_when_every_model_fits_awake() -> None:
     res = Resources(gpus_per_node=1, gpu_memory_gb=80)
     assert pack(SMALL, replace(res, max_awake=1)).placements == pack(SMALL, res).placements
+
+
+# --- one full-length request's KV cache (measured on 4x H100, vLLM 0.22.1: a Qwen3-1.7B-shaped model packed at
+# 0.10 of 80 GB had 3.98 GiB for its KV cache and needed 4.38 GiB for one 40,960-token request; vLLM refused to
+# start, three times; benchmarks/README.md "Many models in one allocation")
+
+#: Qwen3-1.7B: 2 x 28 layers x 8 KV heads x 128 x 2 bytes a token, 40,960 tokens
+Q17_KV_GB = 2 * 28 * 8 * 128 * 2 * 40960 / 1e9
+
+
+def test_a_packed_share_holds_one_full_length_request_beside_the_weights() -> None:
+    plan = pack([need("q17", 1.72, kv_gb=Q17_KV_GB)], Resources(gpus_per_node=1, gpu_memory_gb=79))
+    (p,) = plan.placements
+    assert p.share is not None and p.weights_gb is not None
+    # weights 3.4 GB, one request 4.7 GB (x1.1), activations 1.5 GB: 10.1 GB of 79 -> 0.15 (was 0.10, by weights alone)
+    assert p.share == 0.15
+    assert p.share * 79 - p.weights_gb - 1.5 >= 1.1 * Q17_KV_GB
+
+
+def test_a_shorter_context_needs_less_and_a_model_of_unknown_shape_is_sized_by_its_weights() -> None:
+    res = Resources(gpus_per_node=1, gpu_memory_gb=79)
+    short = pack([need("q17", 1.72, kv_gb=Q17_KV_GB / 10)], res).placements[0]  # --max-model-len 4096
+    unknown = pack([need("q17", 1.72)], res).placements[0]
+    assert short.share == unknown.share == 0.1
+
+
+def test_a_swap_set_counts_each_models_full_length_request() -> None:
+    kv = {"q17": Q17_KV_GB, "q4": 6.04, "q8": 6.04}
+    needs = [need("q17", 1.72, kv_gb=kv["q17"]), need("q4", 4.02, kv_gb=kv["q4"]), need("q8", 8.19, kv_gb=kv["q8"])]
+    plan = pack(needs, Resources(gpus_per_node=1, gpu_memory_gb=36, max_awake=1))
+    assert plan.jobs == 1 and all(p.swap for p in plan.placements)
+    for p in plan.placements:  # each share, awake alone, has room for its weights and one full-length request
+        assert p.share is not None and p.weights_gb is not None
+        assert p.share * 36 - p.weights_gb - 1.5 >= 1.1 * kv[p.served]
+    # at 32 GB the 8B's need (24.5 GB) and two sleepers no longer fit 0.9: the 1.7B gets a job of its own
+    assert pack(needs, Resources(gpus_per_node=1, gpu_memory_gb=32, max_awake=1)).jobs == 2

@@ -172,3 +172,22 @@ def test_a_vision_language_config_is_sized_by_its_nested_text_config(gpu_profile
     assert result.exit_code == 0, result.output
     [row] = json.loads(result.stdout)["models"]
     assert 16 < row["weights_gb"] < 17.5 and row["gpu_memory_utilization"] == 0.3, row
+
+
+def test_a_packed_share_has_room_for_one_request_of_the_models_full_length(gpu_profile: str, tmp_path: Path) -> None:
+    """Found on 4x H100 (vLLM 0.22.1): a Qwen3-1.7B-shaped model planned at 0.10 of 80 GB by its weights alone had
+    3.98 GiB for its KV cache, one 40,960-token request needs 4.38 GiB, and vLLM refused to start. The plan now
+    counts that request's KV cache (from config.json), or the shorter one --max-model-len asks for."""
+    path = tmp_path / "q17"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "torch_dtype": "bfloat16", "hidden_size": 2048,
+        "num_hidden_layers": 28, "intermediate_size": 6144, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 40960}))
+    full = pbstk("serve", str(path), "--profile", gpu_profile, "--dry-run", "--json")
+    short = pbstk("serve", str(path), "--profile", gpu_profile, "--dry-run", "--json",
+                  "--vllm-arg=--max-model-len=4096")
+    assert full.exit_code == 0 and short.exit_code == 0, full.output + short.output
+    [row] = json.loads(full.stdout)["models"]
+    assert row["gpu_memory_utilization"] == 0.15, row  # 3.4 GB weights + 1.1 x 4.7 GB + 1.5 GB of 80 GB
+    assert json.loads(short.stdout)["models"][0]["gpu_memory_utilization"] == 0.1

@@ -84,7 +84,7 @@ for what in "$@"; do
         pbstk cancel "solo-${m%%:*}"
       done ;;
     swap)
-      p=$(profile swap1 1 32)  # 32 GB a GPU on paper: 8B (0.75) cannot stay awake beside 4B (0.40)
+      p=$(profile swap1 1 36)  # 36 GB a GPU on paper: 8B (0.70) cannot stay awake beside 4B (0.45) or 1.7B (0.30)
       pbstk serve /root/qwen3-1.7b:name=q17 /root/qwen3-4b:name=q4 /root/qwen3-8b:name=q8 --name swap \
         --profile "$p" --max-awake 1 --dry-run | tee "$out/swap-plan.txt"
       t0=$(date +%s)

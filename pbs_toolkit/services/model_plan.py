@@ -18,7 +18,8 @@ from pbs_toolkit.services.record import check_name
 from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, resolve_launch_settings
 from pbs_toolkit.settings.layout import bytes_per_param
 from pbs_toolkit.settings.model_size import model_weights
-from pbs_toolkit.settings.presets import load_preset
+from pbs_toolkit.settings.presets import context_length, kv_bytes_per_token, load_preset
+from pbs_toolkit.settings.vllm_overrides import flag_value, int_flag
 
 #: the table ``serve --dry-run`` prints, one row per model (and ``SWAP`` when models swap: ``serve --max-awake``)
 HEADERS = ["MODEL", "JOB", "NODE/GPUS", "MEMORY", "PORT", "PRESET"]
@@ -106,4 +107,13 @@ def _need(spec: ModelSpec, settings: LaunchSettings) -> ModelNeed:
     params, config = model_size(spec.model, config, model_weights(spec.model, path, None))
     size, note = bytes_per_param(config)
     return ModelNeed(spec.served_model_name, spec.model, "auto", params_b=params, bytes_per_param=size,
-                     dtype_note=note)
+                     dtype_note=note, kv_gb=_one_request_kv_gb(config, settings.request.vllm_args))
+
+
+def _one_request_kv_gb(config: dict[str, Any] | None, vllm_args: Sequence[str]) -> float | None:
+    """GB of KV cache one request of the model's full length takes (``--max-model-len`` when given, else the
+    config's): vLLM refuses to start without room for it, so a packed model's share must hold it."""
+    fp8 = (flag_value(vllm_args, "--kv-cache-dtype") or "").startswith("fp8")
+    per_token = kv_bytes_per_token(config, 1 if fp8 else 2) if config else None
+    length = int_flag(vllm_args, "--max-model-len") or (context_length(config) if config else None)
+    return None if per_token is None or length is None else round(per_token * length / 1e9, 3)

@@ -6,8 +6,10 @@ asks for, and the profile's GPUs per node, GPU memory, nodes per job and job lim
 
 * a model gets the smallest tensor-parallel size ``auto`` would give it (settings/layout.py
   ``auto_by_memory``: weights at most ``WEIGHTS_SHARE`` of what vLLM may use, the rest KV cache);
-* a model small enough shares a GPU: its ``--gpu-memory-utilization`` is what its weights need at that rule,
-  rounded up to ``SHARE_STEP`` and at least ``MIN_SHARE``; the shares on one GPU sum to at most ``SHARE_CAP``
+* a model small enough shares a GPU: its ``--gpu-memory-utilization`` is what it needs, rounded up to
+  ``SHARE_STEP`` and at least ``MIN_SHARE``: its weights at that rule, and at least its weights plus the KV cache
+  of one request of its full length (``KV_MARGIN`` of it: vLLM refuses to start without that room) plus
+  ``ACTIVATION_GB``; the shares on one GPU sum to at most ``SHARE_CAP``
   (below vLLM's single-model default, leaving each extra process its CUDA context);
 * models are placed largest first (GPUs, then share, then served name), each on the first GPUs free for it
   (job, node, GPU order), in a new job only when no job has room, never beyond the job limit;
@@ -35,6 +37,11 @@ SHARE_CAP = 0.9
 SHARE_STEP = 0.05
 #: ... and are at least this (activations and CUDA graphs of even the smallest model)
 MIN_SHARE = 0.1
+#: a packed model's share holds the KV cache of one full-length request this many times over ...
+KV_MARGIN = 1.1
+#: ... plus this much for vLLM's activations at its profiling run and its CUDA graphs (GB; 0.8 GiB measured for a
+#: Qwen3-1.7B-shaped model on an H100 at vLLM 0.22.1's defaults, benchmarks/README.md "Many models")
+ACTIVATION_GB = 1.5
 #: GPU memory a sleeping vLLM still holds per GPU (its CUDA context and graphs; vLLM logs it after each sleep:
 #: "Sleep mode freed X GiB memory, Y GiB memory is still in use"): an estimate until measured on the GPUs
 ASLEEP_GB = 2.0
@@ -54,6 +61,8 @@ class ModelNeed:
     dtype_note: str = "bf16 assumed"
     #: whole GPUs a named preset takes (TP x PP x DP); ``None``: ``auto``, sized by weights
     gpus: int | None = None
+    #: GB of KV cache one request of the model's full length takes; ``None``: unknown (weights alone size it)
+    kv_gb: float | None = None
 
     @property
     def weights_gb(self) -> float | None:
@@ -181,7 +190,7 @@ def _fit(need: ModelNeed, res: Resources) -> _Fit:
             raise UsageError(f"model {need.served}: {need.params_b:.1f}B needs more GPUs than the largest GPU set "
                              f"here, {largest}; {alone}") from None
         return _Fit(need, tp, res.utilization, shared=False)
-    want = weights / WEIGHTS_SHARE / res.gpu_memory_gb  # the utilization that leaves its KV cache room
+    want = _per_gpu_gb(need, 1) / res.gpu_memory_gb  # the utilization that leaves its KV cache room
     if want <= SHARE_CAP:
         share = round(min(_rounded(want), SHARE_CAP), 2)
         return _Fit(need, 1, share, shared=True, want=share)
@@ -204,12 +213,21 @@ def _rounded(want: float) -> float:
 
 
 def _want(need: ModelNeed, tp: int, res: Resources) -> float:
-    """What a model of ``tp`` GPUs needs of each (its weights at most ``WEIGHTS_SHARE``), for a swap set;
+    """What a model of ``tp`` GPUs needs of each (:func:`_per_gpu_gb`) as a share, for a swap set;
     ``SHARE_CAP`` (a set of its own) when its size or the GPUs' memory is unknown."""
-    weights = need.weights_gb
-    if weights is None or not res.gpu_memory_gb:
+    if need.weights_gb is None or not res.gpu_memory_gb:
         return SHARE_CAP
-    return round(min(_rounded(weights / tp / WEIGHTS_SHARE / res.gpu_memory_gb), SHARE_CAP), 2)
+    return round(min(_rounded(_per_gpu_gb(need, tp) / res.gpu_memory_gb), SHARE_CAP), 2)
+
+
+def _per_gpu_gb(need: ModelNeed, tp: int) -> float:
+    """GB a model of known weights needs of each of its ``tp`` GPUs: its weights at most ``WEIGHTS_SHARE``, and
+    at least room for its weights, one full-length request's KV cache (``KV_MARGIN`` of it) and activations."""
+    weights = need.weights_gb or 0.0
+    by_share = weights / tp / WEIGHTS_SHARE
+    if need.kv_gb is None:
+        return by_share
+    return max(by_share, (weights + need.kv_gb * KV_MARGIN) / tp + ACTIVATION_GB)
 
 
 def _swap_fits(wants: list[float], res: Resources) -> bool:

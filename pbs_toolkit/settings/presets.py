@@ -239,6 +239,34 @@ def _dimension(value: object) -> int:
     return number
 
 
+def kv_bytes_per_token(config: dict[str, object], dtype_bytes: int = 2) -> int | None:
+    """Bytes of KV cache one token takes in a decoder-only transformer (keys and values of every layer's KV heads,
+    16-bit by default), from its ``config.json`` (a vision-language model's ``text_config``); ``None`` when it
+    cannot be told."""
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    assert isinstance(cfg, dict)
+    try:
+        h = _dimension(cfg["hidden_size"])
+        layers = _dimension(cfg["num_hidden_layers"])
+        heads = _dimension(cfg.get("num_attention_heads", 1))
+        kv = _dimension(cfg.get("num_key_value_heads", heads))
+        head_dim = _dimension(cfg.get("head_dim") or h // heads)
+    except (KeyError, TypeError, ValueError, OverflowError, ZeroDivisionError):
+        return None
+    return 2 * layers * kv * head_dim * dtype_bytes
+
+
+def context_length(config: dict[str, object]) -> int | None:
+    """The longest request the model takes (``max_position_embeddings``, what vLLM's ``--max-model-len``
+    defaults to), from its ``config.json``; ``None`` when absent or junk."""
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    assert isinstance(cfg, dict)
+    try:
+        return _dimension(cfg["max_position_embeddings"])
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+
+
 def params_from_config(config: dict[str, object]) -> float | None:
     """Approximate parameter count (billions) of a decoder-only transformer from its ``config.json``."""
     cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
