@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.services.packing import SHARE_CAP, ModelNeed, PackingPlan, Resources, pack
+from pbs_toolkit.services.packing import ASLEEP_GB, SHARE_CAP, ModelNeed, PackingPlan, Resources, pack
 
 
 def need(served: str, params_b: float | None, **kw: object) -> ModelNeed:
@@ -113,16 +113,16 @@ def test_max_awake_puts_models_that_fit_nowhere_awake_on_one_gpu_set_instead_of_
     assert pack(models, Resources(gpus_per_node=1, gpu_memory_gb=80)).jobs == 3  # without swapping: a job each
     plan = pack(models, Resources(gpus_per_node=1, gpu_memory_gb=80, max_awake=1))
     placed = {p.served: p for p in plan.placements}
-    # m24 needs 0.90 (48 GB at most 70% of 0.90 x 80 GB): no room left for a sleeper's 2 GB, so it runs alone;
+    # m24 needs 0.90 (48 GB at most 70% of 0.90 x 80 GB): no room left for a sleeper's 2.5 GB, so it runs alone;
     # m20 (0.75) and m14 (0.50) swap on one GPU of a second job, one awake at a time
     assert plan.jobs == 2
     assert (placed["m24"].job, placed["m24"].swap, placed["m24"].share) == (1, False, 0.9)
     assert {placed["m20"].job, placed["m14"].job} == {2} and placed["m20"].swap and placed["m14"].swap
-    slack = SHARE_CAP - 0.75 - 2.0 / 80  # what the awake one and the sleeper leave, given to each
+    slack = SHARE_CAP - 0.75 - ASLEEP_GB / 80  # what the awake one and the sleeper leave, given to each
     assert placed["m20"].share == pytest.approx(0.75 + slack, abs=0.01)
     assert placed["m14"].share == pytest.approx(0.50 + slack, abs=0.01)
     for p in (placed["m20"], placed["m14"]):  # either awake beside the other asleep fits in the cap
-        assert p.share is not None and p.share + 2.0 / 80 <= SHARE_CAP + 1e-9
+        assert p.share is not None and p.share + ASLEEP_GB / 80 <= SHARE_CAP + 1e-9
         assert p.weights_gb is not None and p.weights_gb <= 0.7 * p.share * 80  # its KV cache still has room
 
 
@@ -133,7 +133,7 @@ def test_max_awake_two_keeps_any_two_awake_within_the_cap() -> None:
     swapping = [p for p in plan.placements if p.swap]
     assert len(swapping) == 5
     top_two = sorted((p.share or 0.0 for p in swapping), reverse=True)[:2]
-    assert sum(top_two) + 3 * 2.0 / 80 <= SHARE_CAP + 1e-9
+    assert sum(top_two) + 3 * ASLEEP_GB / 80 <= SHARE_CAP + 1e-9
 
 
 def test_max_awake_fills_free_gpus_first_and_swaps_only_where_needed() -> None:
@@ -148,7 +148,7 @@ def test_max_awake_fills_free_gpus_first_and_swaps_only_where_needed() -> None:
 
 def test_a_model_too_big_to_swap_beside_a_sleeper_gets_a_job_of_its_own() -> None:
     plan = pack([need("big", 24.5), need("other", 24.5)], Resources(gpus_per_node=1, gpu_memory_gb=80, max_awake=1))
-    assert plan.jobs == 2 and not any(p.swap for p in plan.placements)  # 0.90 each: no room for a sleeper's 2 GB
+    assert plan.jobs == 2 and not any(p.swap for p in plan.placements)  # 0.90 each: no room for a sleeper's 2.5 GB
 
 
 def test_max_awake_changes_nothing_when_every_model_fits_awake() -> None:

@@ -95,6 +95,32 @@ def test_the_leak_figure_is_the_last_sleep_line_of_the_log(tmp_path: Path) -> No
     assert swapper.last_still_in_use(str(tmp_path / "none.log")) is None
 
 
+def test_a_leak_is_told_from_the_other_models_awake_beside_it(tmp_path: Path) -> None:
+    """vLLM's "Y GiB memory is still in use" is the whole GPU's (4x H100, vLLM 0.22.1: 2.23, 4.46 and 6.19 GiB as one,
+    two and three models slept), so with --max-awake 2 a model that sleeps while another is awake shows that one's
+    memory too. Before: compared with its first sleep whatever was awake, the swapper ended a healthy job."""
+    log = tmp_path / "vllm.model2.log"
+    a, b = model("a", awake=True), model("b", awake=False)
+    a.log = str(log)
+    s = swapper.Swapper.__new__(swapper.Swapper)
+    s.models = [a, b]
+
+    def sleeps(still_in_use: float, b_awake: bool) -> None:
+        with log.open("a") as fh:
+            fh.write(f"INFO Sleep mode freed 30.00 GiB memory, {still_in_use:.2f} GiB memory is still in use.\n")
+        b.awake, a.awake = b_awake, False
+        s.check_leak(a)
+
+    sleeps(4.4, b_awake=False)   # both asleep: the two models' own
+    sleeps(32.1, b_awake=True)   # b awake beside it: b's 28 GB counted too, no leak
+    sleeps(5.0, b_awake=False)
+    sleeps(33.0, b_awake=True)
+    s.write_state = lambda: None
+    with pytest.raises(SystemExit) as ended:
+        sleeps(6.9, b_awake=False)  # 2.5 GiB more than its first sleep beside the same (none) awake: the leak
+    assert ended.value.code == swapper.LEAK_EXIT
+
+
 def through(middleware: Any, method: str, path: str, authorization: str | None) -> list[dict[str, Any]]:
     """One ``http`` request through an ASGI middleware, as vLLM runs one: the messages it sent (none when it
     passed the request on to its app)."""

@@ -42,9 +42,10 @@ KV_MARGIN = 1.1
 #: ... plus this much for vLLM's activations at its profiling run and its CUDA graphs (GB; 0.8 GiB measured for a
 #: Qwen3-1.7B-shaped model on an H100 at vLLM 0.22.1's defaults, benchmarks/README.md "Many models")
 ACTIVATION_GB = 1.5
-#: GPU memory a sleeping vLLM still holds per GPU (its CUDA context and graphs; vLLM logs it after each sleep:
-#: "Sleep mode freed X GiB memory, Y GiB memory is still in use"): an estimate until measured on the GPUs
-ASLEEP_GB = 2.0
+#: GPU memory a sleeping vLLM still holds per GPU (its CUDA context and graphs): measured on 4x H100 with vLLM
+#: 0.22.1, 2.06-2.23 GiB (2.2-2.4 GB) a model for Qwen3 1.7B/4B/8B-shaped models ("Sleep mode freed X GiB memory,
+#: Y GiB memory is still in use": 2.23, 4.46, 6.19 GiB as one, two, three slept; benchmarks/README.md)
+ASLEEP_GB = 2.5
 
 
 @dataclass(frozen=True)
