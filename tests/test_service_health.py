@@ -50,6 +50,9 @@ def ticks_pass(name: str, count: int) -> None:
 
 def test_a_busy_replica_stays_in_the_router_and_a_dead_one_leaves_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PBSTK_TEST_STANDIN_SLOW_METRICS", "0")  # the busy judgement's premise: /metrics answers
+    # /health and /v1/models answer after 4 s: later than status's request with the key through the router (3 s),
+    # as on an H100 under a c=512 burst, where one status look saw the only replica not routable (0/1)
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_SLOW_PROBES", "4")
     result = serve("--name", "hot", "--replicas", "1", "--vllm-arg=--max-num-seqs=2", "--wait", "--timeout", "60")
     assert result.exit_code == 0, result.output
     doc = service_json("hot")
@@ -59,6 +62,9 @@ def test_a_busy_replica_stays_in_the_router_and_a_dead_one_leaves_it(monkeypatch
     try:
         wait_for(lambda: load.ok >= 2, 60, "the load under way")
         ticks_pass("hot", 8)  # eight looks under overload
+        for _ in range(2):  # status's own looks: the replica is routable, its key check merely slow
+            doc = service_json("hot")
+            assert (doc["state"], doc["ready"]) == ("READY", 1), doc
         log = keeper_log("hot")
         assert "removed" not in log, log
         assert load.failed == 0, load.errors[:3]

@@ -128,7 +128,7 @@ def look(session: ServiceSession, rec: ServiceRecord, known: Mapping[str, JobSta
             route = check_route(session, rec)
         except PbstkError:
             route = RouteCheck(None, None)
-    workers = (route.workers or []) if route is not None and route.ok else []
+    workers = route.routed if route is not None else []
     by_id = {st.record.job_id: st for st in statuses}
     ready = routable_count(rec.slots, by_id, workers) if rec.ended is None else 0
     if ready >= rec.replicas:
