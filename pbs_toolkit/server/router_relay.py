@@ -233,7 +233,9 @@ def exchange(client: Conn, head: bytes, length: int | None, up: socket.socket, p
     the request asked ``up`` to stay open (its body was all at hand); once the answer has ended where its framing
     says, ``up`` goes to ``keep`` instead of being closed. ``reused``: ``up`` is a kept connection; if it fails
     before any byte of the answer came (the worker closed it just as it was reused), :class:`Stale` is raised
-    with the client's body untouched, ``up`` closed, nothing sent to the client: the caller may retry it once."""
+    with the client's body untouched, ``up`` closed, nothing sent to the client: the caller may retry it once (the
+    front does so too on a fresh connection to the router whose body is at hand: any connection, fresh or kept, that
+    ends before an answer)."""
     sender = None
     answer_ = Conn(up)
     try:
