@@ -91,11 +91,16 @@ _FATAL_MARKERS = (
     "Engine core initialization failed",
 )
 #: lines that only say the engine died, pointing at a cause logged before them (vLLM's API server prints
-#: "RuntimeError: Engine core initialization failed. See root cause above." after the engine core's traceback)
-_WRAPPERS = ("EngineDeadError", "Engine core initialization failed", "See root cause above")
+#: "RuntimeError: Engine core initialization failed. See root cause above." after the engine core's traceback).
+#: This and EXCEPTION_RE are POSIX ERE that Python reads the same way: the start script names a model's cause with
+#: them (models.sh pbstk_root_cause), the message being what LOG_PREFIX_RE leaves of a line.
+FATAL_WRAPPER_RE = r"EngineDeadError|Engine core initialization failed|See root cause above"
+#: a message that is an exception (``ValueError: ...``, ``torch.OutOfMemoryError: ...``)
+EXCEPTION_RE = r"^([A-Za-z0-9_.]+\.)?[A-Za-z0-9_]*(Error|Exception):|^Error:"
 #: the engine core's own line before the traceback of a death after the server was ready (v1 core.py)
 _ENGINE_DIED = "EngineCore encountered a fatal error"
-_EXCEPTION = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception):|^Error:")
+_EXCEPTION = re.compile(EXCEPTION_RE)
+_WRAPPER = re.compile(FATAL_WRAPPER_RE)
 _NUMBER = r"(\d+(?:\.\d+)?)"
 _TIMINGS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("weights_load_s", re.compile(r"Loading weights took " + _NUMBER + r"\s*s")),
@@ -141,7 +146,7 @@ def current_phase(lines: Iterable[str]) -> str:
 
 
 def _is_wrapper(message: str) -> bool:
-    return any(wrapper in message for wrapper in _WRAPPERS)
+    return _WRAPPER.search(message) is not None
 
 
 def _root_cause(messages: Sequence[str], index: int, ready: int | None) -> int:
