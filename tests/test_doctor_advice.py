@@ -93,3 +93,15 @@ def test_eager_fallback_job_is_not_told_to_remove_eager(fakepbs: Path, standins:
     text = pbstk("doctor", job).stdout
     assert "[high] The server failed" not in text and "Remove --enforce-eager" not in text, text
     pbstk("cancel", job)
+
+
+def test_a_kv_cache_too_small_for_one_request_is_named_with_its_fix() -> None:
+    """vLLM 0.22.1's log of a model whose KV cache cannot hold one request of its max length: doctor names the
+    engine core's ValueError (not the API server's "See root cause above") and says which flags to change.
+    Before: the finding quoted the wrapper and said "Read the log around this line"."""
+    log = (Path(__file__).parent / "data" / "observe" / "startup-0.22.1-kv-short.log").read_text().splitlines()
+    found = {f.code: f for f in diagnose(DoctorContext(log_lines=log, state=ServerState.FAILED))}
+    failed = found["server-failed"]
+    assert failed.evidence.startswith("log: ValueError: To serve at least one request with the model's max seq len "
+                                      "(40960)"), failed.evidence
+    assert "raise --gpu-memory-utilization or lower --max-model-len" in failed.fix, failed.fix

@@ -128,3 +128,40 @@ def test_tracebacks_after_ready_are_not_fatal_but_engine_death_is():
     died = ready + ["ERROR 11-22 03:00:01 [async_llm.py:480] vllm.v1.engine.exceptions.EngineDeadError: dead"]
     assert "EngineDeadError" in find_fatal(died)[0]
     assert current_phase(died) == "failed"
+
+
+KV_SHORT = ("ValueError: To serve at least one request with the model's max seq len (40960), (4.38 GiB KV cache is "
+            "needed, which is larger than the available KV cache memory (3.98 GiB).")
+WRAPPER = "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+
+
+def test_fatal_names_the_engine_cores_error_before_the_wrapper():
+    """vLLM 0.22.1 on an H100 (a co-model's log, trimmed): the engine core's ValueError (printed with its ERROR
+    prefixes, then again bare) and last the API server's "See root cause above" wrapper.
+    Before: the wrapper was the fatal line (its marker was searched before any exception)."""
+    log = lines("startup-0.22.1-kv-short.log")
+    fatal = find_fatal(log)
+    assert fatal is not None and fatal[0].startswith(KV_SHORT), fatal
+    assert "raise ValueError(" in fatal[1:]  # the context is the cause's, not the wrapper's
+    assert startup_timings(log)["fatal"] == fatal[0] and current_phase(log) == "failed"
+    # the same log with vLLM's ERROR prefix on the only copy of the cause
+    prefixed = [line for line in log if not line.startswith("(EngineCore pid=20552) ValueError")]
+    assert find_fatal(prefixed)[0].startswith(KV_SHORT)
+
+
+def test_fatal_keeps_the_wrapper_when_nothing_better_precedes_it():
+    log = lines("startup-0.22.1-kv-short.log")
+    alone = [line for line in log if "ValueError: To serve" not in line]
+    assert find_fatal(alone)[0] == WRAPPER
+    # a wrapper never stands for another wrapper, and an engine death after ready is not a request's error
+    dead = ["ERROR 11-22 03:00:00 [core.py:1] vllm.v1.engine.exceptions.EngineDeadError: dead", WRAPPER]
+    assert "EngineDeadError" in find_fatal(dead)[0]
+    ready = lines("startup-graphs.log") + ["ERROR 11-22 03:00:00 [serving.py:1] KeyError: 'x'"]
+    died = ready + [
+        "(EngineCore_DP0 pid=7) ERROR 11-22 03:00:01 [core.py:1] EngineCore encountered a fatal error.",
+        "(EngineCore_DP0 pid=7) ERROR 11-22 03:00:01 [core.py:1] torch.AcceleratorError: CUDA error: an illegal "
+        "memory access was encountered",
+        "(APIServer pid=6) ERROR 11-22 03:00:01 [async_llm.py:1] vllm.v1.engine.exceptions.EngineDeadError: dead",
+    ]
+    assert find_fatal(died)[0].startswith("torch.AcceleratorError: CUDA error: an illegal memory access")
+    assert "EngineDeadError" in find_fatal(ready + died[-1:])[0]

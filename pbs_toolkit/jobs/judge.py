@@ -138,6 +138,19 @@ def _failed(st: JobStatus, reason: str, fatal: list[str] | None, attempt: list[s
     return st
 
 
+#: the start script's own failure (models.sh, markers.sh pbstk_fail): ``pbstk: HH:MM:SS error: WHY``
+_SCRIPT_ERROR = re.compile(r"^pbstk: (?:\d\d:\d\d:\d\d )?error: (.+)")
+
+
+def _start_failure(fatal: list[str] | None, attempt: list[str]) -> str | None:
+    """Why the start failed: vLLM's fatal line, else the start script's own error line (e.g. another model of the
+    job exited before it was ready, with the cause from its log), else ``None``."""
+    if fatal:
+        return f"vLLM failed before it was ready: {fatal[0]}"
+    said = [match.group(1) for line in attempt if (match := _SCRIPT_ERROR.match(line))]
+    return said[-1] if said else None
+
+
 def _ended_by_scheduler(st: JobStatus, sched: SchedulerJob, phase: str | None, fatal: list[str] | None,
                         attempt: list[str]) -> JobStatus:
     """The backend says how the job ended (possibly while still exiting; status() records it only once
@@ -147,8 +160,8 @@ def _ended_by_scheduler(st: JobStatus, sched: SchedulerJob, phase: str | None, f
         # the start script trapped the stop signal and exited on its own (so the code is its own, e.g. 143)
         state, reason = ServerState.CANCELLED, "stopped by a signal (pbstk cancel or the scheduler's own)"
     if state is ServerState.FAILED or (state is ServerState.FINISHED and phase == Phase.FAILED):
-        if phase == Phase.FAILED and fatal:
-            reason = f"vLLM failed before it was ready: {fatal[0]}"
+        if phase == Phase.FAILED:
+            reason = _start_failure(fatal, attempt) or reason
         return _failed(st, reason, fatal, attempt)
     st.state, st.reason = state, reason
     return st
@@ -164,7 +177,7 @@ def _ended_in_run_dir(st: JobStatus, marker: dict[str, Any] | None, phase: str |
         st.state, st.reason = ServerState.CANCELLED, "stopped by a signal"
         return st
     if phase == Phase.FAILED:
-        reason = f"vLLM failed before it was ready: {fatal[0]}" if fatal else f"start failed (exit {code})"
+        reason = _start_failure(fatal, attempt) or f"start failed (exit {code})"
         return _failed(st, reason, fatal, attempt)
     st.state, st.reason = (ServerState.FINISHED, "exited normally") if code == 0 else (
         ServerState.FAILED, f"vLLM exited with code {code}")

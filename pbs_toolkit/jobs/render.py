@@ -29,7 +29,8 @@ from pbs_toolkit.settings.profiles import Profile
 from pbs_toolkit.settings.vllm_flags import api_key_channel
 from pbs_toolkit.transports.base import Runner
 from pbs_toolkit.version import __version__
-from pbs_toolkit.vllm.startup import COMPILE_ERROR_RE, PORT_IN_USE_RE
+from pbs_toolkit.vllm.logline import LOG_PREFIX_RE
+from pbs_toolkit.vllm.startup import COMPILE_ERROR_RE, EXCEPTION_RE, FATAL_WRAPPER_RE, PORT_IN_USE_RE
 
 PORT_SPAN = 100
 _T = TypeVar("_T")
@@ -180,7 +181,8 @@ def multi_context(settings: LaunchSettings, models: list[dict[str, Any]]) -> dic
     return {"models": models, "main_gpus": ",".join(str(g) for g in first.get("gpus") or ()),
             "main_served": first["served_model_name"], "main_swap": bool(first.get("swap")),
             "swap_max_awake": int(swapping[0]["max_awake"]) if swapping else 0,
-            "swap_sleep_after_s": int(swapping[0].get("sleep_after_s") or 0) if swapping else 0}
+            "swap_sleep_after_s": int(swapping[0].get("sleep_after_s") or 0) if swapping else 0,
+            "log_prefix_re": LOG_PREFIX_RE, "exception_re": EXCEPTION_RE, "fatal_wrapper_re": FATAL_WRAPPER_RE}
 
 
 def template_environment(backend_dir: Path) -> Any:

@@ -362,6 +362,8 @@ def rule_preemptions(ctx: DoctorContext) -> list[Finding]:
     ]
 
 
+_KV_SHORT_FIX = ("One request of the full --max-model-len does not fit in the KV cache: raise --gpu-memory-utilization"
+                 " or lower --max-model-len")
 _FATAL_FIXES = (
     (
         "CUDA out of memory",
@@ -371,6 +373,10 @@ _FATAL_FIXES = (
         "No available memory for the cache blocks",
         "The weights leave no room for the KV cache: raise --gpu-memory-utilization or use more GPUs (TP).",
     ),
+    # one request of the full length does not fit: vLLM 0.22.1's words, then older releases' ("The model's max seq
+    # len (N) is larger than the maximum number of tokens that can be stored in KV cache (M)")
+    ("larger than the available KV cache memory", _KV_SHORT_FIX + " (at most the estimated length in this line)."),
+    ("that can be stored in KV cache", _KV_SHORT_FIX + "."),
     (
         "is less than desired GPU memory utilization",
         "Another process holds GPU memory (check nvidia-smi); lower --gpu-memory-utilization or get the GPUs "

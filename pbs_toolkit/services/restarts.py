@@ -9,6 +9,7 @@ launches the replacement itself; ``status`` reads what the slot keeps (``restart
 
 from __future__ import annotations
 
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -70,18 +71,19 @@ def policy(max_restarts: object, window: object, backoff: object) -> RestartPoli
 
 
 def failure_cause(job: str, st: JobStatus | None) -> str:
-    """One line: the failed job, its state and why (the status's reason, else its log's last line, else its exit
-    status), at most ``CAUSE_CHARS``."""
+    """One line: the failed job, its state and why (the status's reason, with its log's last line unless either
+    holds the other, else its exit status), at most ``CAUSE_CHARS``, cut at a word ("...") so that no number is
+    cut short into another."""
     if st is None:
         return f"{job} is not in the job store (lost)"
     why = st.reason or ""
     excerpt = [line.strip() for line in st.log_excerpt if line.strip()]
-    if excerpt and excerpt[-1] not in why:
+    if excerpt and excerpt[-1] not in why and not (why and why in excerpt[-1]):
         why = f"{why}; log: {excerpt[-1]}" if why else excerpt[-1]
     if not why and st.exit_status is not None:
         why = f"exit status {st.exit_status}"
     text = f"{job} {st.state.value}: {why or 'no reason recorded'}"
-    return " ".join(text.split())[:CAUSE_CHARS]
+    return textwrap.shorten(text, CAUSE_CHARS, placeholder="...")
 
 
 def judge(pol: RestartPolicy, slot: Slot, job: str, cause: str, now: float | None = None) -> str:

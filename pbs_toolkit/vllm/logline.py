@@ -13,15 +13,16 @@ import re
 from dataclasses import dataclass
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_PREFIX = re.compile(
-    r"""^\s*
-    (?:\((?P<process>[^()\s]+)\s+pid=(?P<pid>\d+)\)\s*)*          # (EngineCore_DP0 pid=1) (Worker_TP0 pid=2)
-    (?:(?P<level>DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\s+
-       (?P<time>\d\d-\d\d\s+\d\d:\d\d:\d\d(?:\.\d+)?)\s*           # 11-22 02:38:28
-       (?:\[[^\]]*\]\s*)?                                          # [loggers.py:123]
-    )?""",
-    re.VERBOSE,
+#: the metadata prefix, in the POSIX ERE subset that Python's ``re`` reads the same way (no ``\s``, no escapes in
+#: brackets: vLLM pads with spaces only): a start script's bash (``[[ =~ ]]``) strips it with this very text.
+#: Groups: 2 process, 5 level, 6 time.
+LOG_PREFIX_RE = (
+    r"^ *(\(([^() ]+) +pid=([0-9]+)\) *)*"  # (EngineCore_DP0 pid=1) (Worker_TP0 pid=2)
+    r"((DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL) +"
+    r"([0-9][0-9]-[0-9][0-9] +[0-9][0-9]:[0-9][0-9]:[0-9][0-9](\.[0-9]+)?) *"  # 11-22 02:38:28
+    r"(\[[^]]*\] *)?)?"  # [loggers.py:123]
 )
+_PREFIX = re.compile(LOG_PREFIX_RE)
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ def split_log_line(line: str) -> LogLine:
         return LogLine(message=text.strip())
     return LogLine(
         message=text[match.end() :].strip(),
-        level=match.group("level"),
-        time=match.group("time"),
-        process=match.group("process"),
+        level=match.group(5),
+        time=match.group(6),
+        process=match.group(2),
     )

@@ -90,7 +90,17 @@ _FATAL_MARKERS = (
     "EngineDeadError",
     "Engine core initialization failed",
 )
-_EXCEPTION = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception):|^Error:")
+#: lines that only say the engine died, pointing at a cause logged before them (vLLM's API server prints
+#: "RuntimeError: Engine core initialization failed. See root cause above." after the engine core's traceback).
+#: This and EXCEPTION_RE are POSIX ERE that Python reads the same way: the start script names a model's cause with
+#: them (models.sh pbstk_root_cause), the message being what LOG_PREFIX_RE leaves of a line.
+FATAL_WRAPPER_RE = r"EngineDeadError|Engine core initialization failed|See root cause above"
+#: a message that is an exception (``ValueError: ...``, ``torch.OutOfMemoryError: ...``)
+EXCEPTION_RE = r"^([A-Za-z0-9_.]+\.)?[A-Za-z0-9_]*(Error|Exception):|^Error:"
+#: the engine core's own line before the traceback of a death after the server was ready (v1 core.py)
+_ENGINE_DIED = "EngineCore encountered a fatal error"
+_EXCEPTION = re.compile(EXCEPTION_RE)
+_WRAPPER = re.compile(FATAL_WRAPPER_RE)
 _NUMBER = r"(\d+(?:\.\d+)?)"
 _TIMINGS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("weights_load_s", re.compile(r"Loading weights took " + _NUMBER + r"\s*s")),
@@ -135,14 +145,34 @@ def current_phase(lines: Iterable[str]) -> str:
     return phase
 
 
+def _is_wrapper(message: str) -> bool:
+    return _WRAPPER.search(message) is not None
+
+
+def _root_cause(messages: Sequence[str], index: int, ready: int | None) -> int:
+    """The last specific exception line (``XxxError: ...``, not itself a wrapper) before the wrapper at ``index``,
+    else ``index``. After the server was ready only the engine core's fatal-error traceback counts: request errors
+    logged while it served are not why it died."""
+    start = 0
+    if ready is not None and ready < index:
+        died = [i for i in range(ready, index) if _ENGINE_DIED in messages[i]]
+        if not died:
+            return index
+        start = died[-1]
+    for i in range(index - 1, start - 1, -1):
+        if _EXCEPTION.match(messages[i]) and not _is_wrapper(messages[i]):
+            return i
+    return index
+
+
 def _fatal_index(messages: Sequence[str]) -> int | None:
+    ready = _first_ready_index(messages)
     for marker in _FATAL_MARKERS:
         for index, message in enumerate(messages):
             if marker in message:
-                return index
+                return _root_cause(messages, index, ready) if _is_wrapper(message) else index
     # A traceback only counts before the server became ready: afterwards vLLM logs request errors with
     # tracebacks and keeps serving.
-    ready = _first_ready_index(messages)
     end = len(messages) if ready is None else ready
     for index in range(end):
         if messages[index].startswith("Traceback (most recent call last)"):
@@ -159,8 +189,9 @@ def _fatal_index(messages: Sequence[str]) -> int | None:
 def find_fatal(lines: Iterable[str], context: int = 2) -> list[str] | None:
     """The error that stopped the server, or ``None``.
 
-    The first element is the fatal message (the root cause, e.g. the ``CUDA out of memory`` line rather
-    than the ``Engine core initialization failed`` that follows it); the rest are up to ``context`` lines
+    The first element is the fatal message (the root cause, e.g. the ``CUDA out of memory`` line, or the engine
+    core's ``ValueError: ...`` before an ``Engine core initialization failed. See root cause above.``, rather than
+    that wrapper, which is kept only when no specific exception precedes it); the rest are up to ``context`` lines
     before and after it, in log order, without log metadata.
     """
     messages = _messages(lines)

@@ -10,6 +10,7 @@
 # (pbstk_dev_guard.py, --middleware), and falls asleep as soon as it listens, so that the next model of its GPUs
 # finds their memory free; then pbstk_swapper.py (beside them) wakes and sleeps them as requests come.
 declare MAIN_GPUS MAIN_SERVED CO_MODELS SWAP_MAX_AWAKE SWAP_SLEEP_AFTER_S MAIN_SWAP SWAP_DIR
+declare LOG_PREFIX_RE EXCEPTION_RE FATAL_WRAPPER_RE
 CO_PIDS=()
 CO_NAMES=()  # SERVED@PORT of each of CO_PIDS, in the same order
 CO_LIST=''
@@ -102,11 +103,27 @@ pbstk_model_answers() {
   [[ $body == *"\"id\":\"$2\""* || $body == *"\"id\": \"$2\""* ]]
 }
 
+# pbstk_root_cause VAR FILE SINCE: VAR = why the vLLM logging to FILE (after byte SINCE) died, as find_fatal
+# (vllm/startup.py) names it: the last exception line that is no wrapper, else the last wrapper, without vLLM's
+# "(EngineCore pid=N) ERROR date [file:line]" prefix, cut to 300 characters; "" when there is none
+pbstk_root_cause() {
+  local _line _msg _cause='' _wrapper=''  # _names: VAR may be the caller's "cause"
+  while IFS= read -r _line; do
+    _msg=${_line%$'\r'}
+    [[ $_msg =~ $LOG_PREFIX_RE ]] && _msg=${_msg:${#BASH_REMATCH[0]}}
+    [[ $_msg =~ $EXCEPTION_RE ]] || continue
+    if [[ $_msg =~ $FATAL_WRAPPER_RE ]]; then _wrapper=$_msg; else _cause=$_msg; fi
+  done < <(tail -c +"$(($3 + 1))" "$2" 2>/dev/null | grep -E 'Error|Exception')
+  _cause=${_cause:-$_wrapper}
+  [ "${#_cause}" -le 300 ] || _cause="${_cause:0:297}..."
+  printf -v "$1" '%s' "$_cause"
+}
+
 # pbstk_start_model K: start model K and wait until it answers as itself (or fail the job: it died first; a port
 # taken between the free-port look and vLLM's bind is a race, retried on another port up to PORT_SPAN times); a
 # swapping model then falls asleep, and SWAP_ARGS gets its line for the swapper
 pbstk_start_model() {
-  local k=$1 model served gpus swap co_port='' cvd log pid since races=0
+  local k=$1 model served gpus swap co_port='' cvd log pid since races=0 cause
   local -a args cmd envs=()
   model="CO_MODEL_$k" served="CO_SERVED_$k" gpus="CO_GPUS_$k" swap="CO_SWAP_$k"
   local ref="CO_ARGS_${k}[@]"
@@ -135,7 +152,8 @@ pbstk_start_model() {
       pbstk_log "model ${!served}: port $co_port was taken while its vLLM started; trying another one"
       continue
     fi
-    pbstk_fail "model ${!served} exited before it was ready (see $log)"
+    pbstk_root_cause cause "$log" "$since"
+    pbstk_fail "model ${!served} exited before it was ready${cause:+: $cause} (see $log)"
   done
   pbstk_log "model ${!served} is listening on $ADDRESS:$co_port"
   CO_LIST+="${CO_LIST:+ }${!served}@$co_port"
