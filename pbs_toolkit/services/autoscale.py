@@ -4,7 +4,11 @@ tick's observations to a decision, so every rule is tested without a process (te
 The keeper (services/keeper.py, through services/scaler.py) observes once per tick and applies the decision:
 
 * **up** when the service is overloaded for ``UP_TICKS`` ticks in a row (the tick after a first overloaded one comes
-  ``CONFIRM_S`` later, not a whole poll interval): the replicas' ``vllm:num_requests_waiting``
+  ``CONFIRM_S`` after the overload was first seen, not a whole poll interval later; between ticks the keeper
+  watches the router's open requests, and when they alone show an overload that a tick could act on
+  (``router_overload``: the same rule as a tick whose ``/metrics`` went unanswered, only while nothing is counted
+  or starting and the service may grow) a tick runs at once, and the overload counts as seen from that sighting,
+  ``Observation.sighted``): the replicas' ``vllm:num_requests_waiting``
   (summed) above ``W`` (``--scale-up-waiting``, default 1), or every replica that answered running at its capacity
   (``--max-num-seqs``, when known) with some request waiting, or the router failing requests for want of a worker
   (its 503s and exhausted retries since the last tick, from its Prometheus port), or a queue before the engines:
@@ -26,6 +30,9 @@ The keeper (services/keeper.py, through services/scaler.py) observes once per ti
   runs); never below ``--min-replicas``; and not within ``D`` of the last change (a cooldown: a replica added for
   a burst is not removed in the lull between two waves);
 * otherwise **hold**, with the reason.
+
+``news`` is the keeper's log line for the count: an overload seen (``overload seen (1/2): <signal>``) or a counted
+one dismissed (``overload dismissed after N tick(s): <the tick's reason>``); a quiet tick has none.
 """
 
 from __future__ import annotations

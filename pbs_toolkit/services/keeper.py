@@ -29,7 +29,14 @@ starting (its address known, not READY, not in the router) directly, which costs
 moment one answers the next tick runs at once. So a replica joins the router within about a second of its server
 answering, not up to a tick later (a replica may cut the wait short ``WAKES_PER_JOB`` times: one whose ``/health``
 answers but that ``status`` does not call READY, e.g. a foreign server on its port, cannot turn that into a
-scheduler query every ``PROBE_S``).
+scheduler query every ``PROBE_S``). For an autoscaled service it also looks at the router's open requests every
+``ROUTER_WATCH_S`` (one request to its Prometheus port): when they alone show an overload the next tick could act
+on (services/autoscale.py ``router_overload``), that tick runs at once, and the overload counts as seen from that
+moment; so a burst is acted on within about ``CONFIRM_S`` and two ticks of its start, whatever the poll interval.
+
+The log stays short for a service that runs for days: a line per change, per overload seen or dismissed
+(services/autoscale.py ``news``), per early tick and why, and a tick's duration (with where it went) only when it
+took longer than ``LONG_TICK_S``.
 
 It stops when the service is recorded ended (``pbstk cancel NAME``) or its record is gone.
 
@@ -123,7 +130,7 @@ def run(name: str, session: ServiceSession) -> int:
                     began = time.monotonic()
                     seen = tick(session, rec, link, lease, sighted)
                     heartbeat(name, "; ".join(seen.failed) or None)
-                    _log_long(time.monotonic() - began, seen)
+                    log_long_tick(time.monotonic() - began, seen)
                 except PbstkError as exc:
                     keeper_log(f"tick failed: {exc.message}")
                     heartbeat(name, exc.message)
@@ -155,7 +162,7 @@ def run(name: str, session: ServiceSession) -> int:
         os.close(fd)
 
 
-def _log_long(took: float, seen: Look) -> None:
+def log_long_tick(took: float, seen: Look) -> None:
     """A tick longer than ``LONG_TICK_S``, in the log with where its time went (probes of busy replicas that
     time out make it long; a quiet tick writes nothing)."""
     if took > LONG_TICK_S:
