@@ -56,12 +56,14 @@ def test_the_look_that_confirms_an_overload_comes_sooner_than_a_poll() -> None:
 def test_an_overload_sighted_between_ticks_is_confirmed_from_that_moment() -> None:
     """The keeper's watch saw the router's figure show the overload at 100 and woke the tick, whose look (slow
     probes) ended at 106: the confirming look is due at 105, at once, not 5 s after the tick."""
-    from pbs_toolkit.services.autoscale import CONFIRM_S, confirm_within
+    from pbs_toolkit.services.autoscale import CONFIRM_S, confirm_within, news
 
     seen = Observation(now=106, target=1, starting=0, waiting=None, running=None, capacity=2, in_flight=16,
                        sighted=100)
     d, mem = decide(SPEC, Memory(), seen)
     assert d.action == "hold" and mem.above == 1 and mem.seen_at == 100
+    line = news(Memory(), mem, d)
+    assert line and line.endswith("(sighted at the router 6.0 s earlier, between ticks: this tick came at once)")
     assert confirm_within({"memory": mem.to_dict()}, 106) == 0
     d, mem = decide(SPEC, mem, Observation(now=112, target=1, starting=0, waiting=None, running=None, capacity=2,
                                            in_flight=16))

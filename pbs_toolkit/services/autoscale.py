@@ -270,12 +270,16 @@ def router_overload(spec: ScaleSpec, memory: Memory, obs: Observation) -> str | 
 
 def news(before: Memory, after: Memory, decision: Decision) -> str | None:
     """The keeper's log line for what this tick did to the overload count, or ``None`` (no line on a quiet tick,
-    nor on a scale-up, logged by itself): an overload first seen (tick 1 of ``UP_TICKS``, with its signal), or a
-    counted one dismissed (the count reset, with the tick's reason)."""
+    nor on a scale-up, logged by itself): an overload first seen (tick 1 of ``UP_TICKS``, with its signal, and how
+    much earlier the keeper's watch sighted it at the router), or a counted one dismissed (the count reset, with
+    the tick's reason). A watch's sighting that the tick does not count writes no line."""
     if decision.action != "hold":
         return None
     if not before.above and after.above:
-        return f"overload seen ({after.above}/{UP_TICKS}): {decision.signal}"
+        early = decision.at - after.seen_at if after.seen_at is not None else 0.0
+        how = f" (sighted at the router {early:.1f} s earlier, between ticks: this tick came at once)" \
+            if early > 0 else ""
+        return f"overload seen ({after.above}/{UP_TICKS}): {decision.signal}{how}"
     if before.above and not after.above:
         return f"overload dismissed after {before.above} tick(s): {decision.reason}"
     return None

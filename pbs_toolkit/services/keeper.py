@@ -34,9 +34,10 @@ scheduler query every ``PROBE_S``). For an autoscaled service it also looks at t
 on (services/autoscale.py ``router_overload``), that tick runs at once, and the overload counts as seen from that
 moment; so a burst is acted on within about ``CONFIRM_S`` and two ticks of its start, whatever the poll interval.
 
-The log stays short for a service that runs for days: a line per change, per overload seen or dismissed
-(services/autoscale.py ``news``), per early tick and why, and a tick's duration (with where it went) only when it
-took longer than ``LONG_TICK_S``.
+The log stays short for a service that runs for days: a line per change, per overload seen (saying when the watch
+sighted it) or dismissed (services/autoscale.py ``news``), per replica whose answer brought a tick forward, and a
+tick's duration (with where it went) only when it took longer than ``LONG_TICK_S``. A sighting that the tick does
+not count writes nothing.
 
 It stops when the service is recorded ended (``pbstk cancel NAME``) or its record is gone.
 
@@ -156,7 +157,7 @@ def run(name: str, session: ServiceSession) -> int:
                 overload = None if sighted else scaler.overload_watch(session, rec, seen.statuses, seen.in_router)
                 woken = watch(session, seen, wait, wakes, lambda: _ended(session, name) or lease.due(), overload)
                 sighted = time.time() if woken and woken.startswith("overload") else None
-                if woken:
+                if woken and not sighted:  # an overload sighted: the tick's "overload seen" line says so
                     keeper_log(f"{woken}: looking now")
     finally:
         os.close(fd)
