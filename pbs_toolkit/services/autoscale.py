@@ -258,12 +258,18 @@ def confirm_within(scale: dict[str, Any] | None, now: float) -> float | None:
     return max(0.0, seen + CONFIRM_S - now)
 
 
+def worth_watching(spec: ScaleSpec, memory: Memory, obs: Observation) -> bool:
+    """Whether an overload sighted between ticks could bring a tick forward to any end: none is being counted
+    yet, no replica is on its way, and the service may grow."""
+    return not memory.above and not obs.starting and obs.target < limit(spec, obs)[0]
+
+
 def router_overload(spec: ScaleSpec, memory: Memory, obs: Observation) -> str | None:
     """Between ticks (the keeper's watch, one request to the router's Prometheus port a second): why the router's
     figure alone (``obs.in_flight``; the replicas are not asked) shows an overload worth a tick now, or ``None``.
     The same rule as a tick in which no replica's ``/metrics`` answered; only while no overload is being counted
     yet, nothing is starting and the service may grow (otherwise a tick now would change nothing)."""
-    if memory.above or obs.starting or obs.target >= limit(spec, obs)[0]:
+    if not worth_watching(spec, memory, obs):
         return None
     return _over_capacity(spec, replace(obs, waiting=None, running=None, answered=0), memory)
 

@@ -118,6 +118,8 @@ def overload_watch(session: ServiceSession, rec: ServiceRecord, statuses: Mappin
     spec = autoscale.ScaleSpec.from_dict(rec.scale["spec"])
     memory = autoscale.Memory.from_dict(rec.scale.get("memory"))
     base = observation(rec, statuses, in_router, {}, time.time())
+    if not autoscale.worth_watching(spec, memory, base):
+        return None  # a tick now would change nothing: the router is not asked
 
     def look() -> str | None:
         snap = router_look(session, rec, timeout=1.0)
