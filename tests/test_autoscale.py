@@ -45,11 +45,64 @@ def test_the_look_that_confirms_an_overload_comes_sooner_than_a_poll() -> None:
     from pbs_toolkit.services.autoscale import CONFIRM_S, confirm_within
 
     _, mem = decide(SPEC, Memory(), obs(0, waiting=5))
-    assert confirm_within({"memory": mem.to_dict()}) == CONFIRM_S < 15
+    assert confirm_within({"memory": mem.to_dict()}, 0) == CONFIRM_S < 15
+    assert confirm_within({"memory": mem.to_dict()}, 2) == CONFIRM_S - 2  # counted from the first look, not the tick
     d, mem = decide(SPEC, mem, obs(CONFIRM_S, waiting=5))
-    assert d.action == "up" and confirm_within({"memory": mem.to_dict()}) is None  # decided: the usual poll
+    assert d.action == "up" and confirm_within({"memory": mem.to_dict()}, 5) is None  # decided: the usual poll
     _, mem = decide(SPEC, Memory(), obs(0, waiting=0))
-    assert confirm_within({"memory": mem.to_dict()}) is None and confirm_within(None) is None  # calm, or fixed
+    assert confirm_within({"memory": mem.to_dict()}, 0) is None and confirm_within(None, 0) is None  # calm, fixed
+
+
+def test_an_overload_sighted_between_ticks_is_confirmed_from_that_moment() -> None:
+    """The keeper's watch saw the router's figure show the overload at 100 and woke the tick, whose look (slow
+    probes) ended at 106: the confirming look is due at 105, at once, not 5 s after the tick."""
+    from pbs_toolkit.services.autoscale import CONFIRM_S, confirm_within, news
+
+    seen = Observation(now=106, target=1, starting=0, waiting=None, running=None, capacity=2, in_flight=16,
+                       sighted=100)
+    d, mem = decide(SPEC, Memory(), seen)
+    assert d.action == "hold" and mem.above == 1 and mem.seen_at == 100
+    line = news(Memory(), mem, d)
+    assert line and line.endswith("(sighted at the router 6.0 s earlier, between ticks: this tick came at once)")
+    assert confirm_within({"memory": mem.to_dict()}, 106) == 0
+    d, mem = decide(SPEC, mem, Observation(now=112, target=1, starting=0, waiting=None, running=None, capacity=2,
+                                           in_flight=16))
+    assert d.action == "up" and mem.seen_at is None and CONFIRM_S < 12
+
+
+def test_the_router_watch_wakes_a_tick_only_when_the_tick_could_act() -> None:
+    from pbs_toolkit.services.autoscale import router_overload
+
+    def look(**kw: Any) -> Observation:
+        base = {"now": 0, "target": 1, "starting": 0, "waiting": 3, "running": 2, "capacity": 2, "answered": 1,
+                "in_flight": 16}
+        return Observation(**{**base, **kw})
+
+    why = router_overload(SPEC, Memory(), look())
+    assert why and "16 request(s) open at the router, above the capacity" in why  # the replicas' figures not used
+    assert router_overload(SPEC, Memory(), look(in_flight=3)) is None  # within 1 x 2 + W
+    assert router_overload(SPEC, Memory(above=1), look()) is None  # already counted: the confirm look is due
+    assert router_overload(SPEC, Memory(), look(target=2, starting=1)) is None  # one on its way
+    assert router_overload(SPEC, Memory(), look(target=3, in_flight=99)) is None  # at --max-replicas
+    assert router_overload(SPEC, Memory(held=4, held_by=1), look(capacity=None, in_flight=9)) is not None
+    assert router_overload(SPEC, Memory(), look(capacity=None, in_flight=99)) is None  # nothing to set it against
+
+
+def test_the_keeper_logs_an_overload_seen_and_one_dismissed_but_no_quiet_tick() -> None:
+    from pbs_toolkit.services.autoscale import news
+
+    before = Memory()
+    d, first = decide(SPEC, before, obs(0, waiting=5))
+    assert news(before, first, d) == "overload seen (1/2): 5 request(s) waiting (> 1)"
+    d, calm = decide(SPEC, first, obs(5, waiting=0, running=1))
+    line = news(first, calm, d)
+    assert line and line.startswith("overload dismissed after 1 tick(s): 0 waiting, 1 running"), line
+    d, quiet = decide(SPEC, calm, obs(20, waiting=0, running=1))
+    assert news(calm, quiet, d) is None  # a quiet tick: no line
+    d, again = decide(SPEC, first, obs(5, waiting=None, running=None))
+    assert again.above == 1 and news(first, again, d) is None  # no news: neither seen again nor dismissed
+    d, up = decide(SPEC, first, obs(5, waiting=5))
+    assert d.action == "up" and news(first, up, d) is None  # the scale-up has its own line
 
 
 def test_a_tick_without_an_answer_neither_counts_nor_resets_the_overload() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,40 @@ def test_an_autoscaled_service_under_a_burst_grows_with_no_failed_request(monkey
     assert "is busy (the router's view): probe slow;" in log, log  # its /metrics timed out too: the router told
     assert load.failed == 0 and load.ok > 16, load.errors[:3]
     assert pbstk("cancel", "burst").exit_code == 0
+
+
+def test_a_burst_right_after_a_tick_scales_up_without_waiting_for_the_next_poll(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU run's keeper (its default 15 s poll) added the second replica 50-54 s after a c=512 burst began, and
+    its log said nothing of the ticks in between. Now the keeper watches the router's open requests between ticks:
+    a burst far above capacity wakes a tick at once, which logs the overload seen (1/2), and the confirming look
+    comes CONFIRM_S after the sighting. The burst starts right after a tick, so a keeper that waits for its next
+    poll (15 s) plus the confirming look cannot scale up within the bound."""
+    monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "15")  # the default
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_ADMIT", "2")
+    result = serve("--name", "sudden", "--min-replicas", "1", "--max-replicas", "2", "--scale-up-waiting", "1",
+                   "--scale-down-idle", "10m", "--vllm-arg=--max-num-seqs=2", "--wait", "--timeout", "60")
+    assert result.exit_code == 0, result.output
+    doc = service_json("sudden")
+    key = records.find(JobStore(), "sudden").api_key
+    assert key
+    ticks_pass("sudden", 1)  # a tick just ended: the next one is a whole poll interval away
+    began = time.monotonic()
+    load = Load(doc["url"], key, workers=16, delay=0.5)  # 16 at once on a capacity of 2
+    try:
+        wait_for(lambda: "scale up to 2" in keeper_log("sudden"), 90, "the keeper's scale-up")
+        took = time.monotonic() - began
+        grown = wait_for(lambda: (d := service_json("sudden"))["ready"] == 2 and d, 120, "a second replica in use")
+    finally:
+        load.finish()
+    assert took < 15, f"scaled up {took:.0f} s after the burst began:\n{keeper_log('sudden')}"
+    lines = keeper_log("sudden").splitlines()
+    seen = next(i for i, x in enumerate(lines) if "overload seen (1/2): " in x)
+    up = next(i for i, x in enumerate(lines) if "scale up to 2: " in x)
+    assert seen < up, lines
+    assert "above the capacity of the replicas (1 x --max-num-seqs 2" in lines[seen], lines[seen]
+    assert "s earlier, between ticks: this tick came at once)" in lines[seen], lines[seen]  # the watch's sighting
+    assert "overloaded for 2 tick(s)" in lines[up] and grown["autoscale"]["last"]["action"] == "up"
+    assert "dismissed" not in keeper_log("sudden") and "removed" not in keeper_log("sudden")
+    assert load.failed == 0, load.errors[:3]
+    assert pbstk("cancel", "sudden").exit_code == 0

@@ -125,3 +125,14 @@ def test_a_login_node_router_is_reached_over_the_ssh_connection_across_ticks(
                 assert link.get(rec).workers() == []  # the SSH connection still carries admin calls
         finally:
             router.stop_router(runner, info, timeout=5)
+
+
+def test_a_long_tick_is_logged_with_where_its_time_went_and_a_quick_one_is_not(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The GPU run's keeper log said nothing of the ticks between a burst and the scale-up 50 s later: a tick longer
+    than LONG_TICK_S now says how long it took and on what; a quick one (most of a service's life) writes nothing."""
+    seen = keeper.Look(spent={"job status": 6.04, "router and scaling": 3.01})
+    keeper.log_long_tick(9.1, seen)
+    keeper.log_long_tick(keeper.LONG_TICK_S / 2, seen)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].endswith("tick took 9.1 s (job status 6.0 s, router and scaling 3.0 s)"), lines

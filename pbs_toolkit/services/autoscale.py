@@ -4,7 +4,11 @@ tick's observations to a decision, so every rule is tested without a process (te
 The keeper (services/keeper.py, through services/scaler.py) observes once per tick and applies the decision:
 
 * **up** when the service is overloaded for ``UP_TICKS`` ticks in a row (the tick after a first overloaded one comes
-  ``CONFIRM_S`` later, not a whole poll interval): the replicas' ``vllm:num_requests_waiting``
+  ``CONFIRM_S`` after the overload was first seen, not a whole poll interval later; between ticks the keeper
+  watches the router's open requests, and when they alone show an overload that a tick could act on
+  (``router_overload``: the same rule as a tick whose ``/metrics`` went unanswered, only while nothing is counted
+  or starting and the service may grow) a tick runs at once, and the overload counts as seen from that sighting,
+  ``Observation.sighted``): the replicas' ``vllm:num_requests_waiting``
   (summed) above ``W`` (``--scale-up-waiting``, default 1), or every replica that answered running at its capacity
   (``--max-num-seqs``, when known) with some request waiting, or the router failing requests for want of a worker
   (its 503s and exhausted retries since the last tick, from its Prometheus port), or a queue before the engines:
@@ -26,12 +30,15 @@ The keeper (services/keeper.py, through services/scaler.py) observes once per ti
   runs); never below ``--min-replicas``; and not within ``D`` of the last change (a cooldown: a replica added for
   a burst is not removed in the lull between two waves);
 * otherwise **hold**, with the reason.
+
+``news`` is the keeper's log line for the count: an overload seen (``overload seen (1/2): <signal>``) or a counted
+one dismissed (``overload dismissed after N tick(s): <the tick's reason>``); a quiet tick has none.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pbs_toolkit.durations import short
@@ -100,6 +107,9 @@ class Observation:
     refused: float | None = None
     #: requests open at the router now (sent to a replica, no answer yet); ``None``: not known
     in_flight: float | None = None
+    #: when the keeper's watch between ticks saw the router's figure alone show this overload (``router_overload``),
+    #: which woke this tick; ``None``: the tick came on its own
+    sighted: float | None = None
 
     @property
     def routable(self) -> int:
@@ -127,6 +137,8 @@ class Memory:
     #: were routable then: the stand-in for their capacity in a tick where none answers
     held: float | None = None
     held_by: int = 0
+    #: when the overload being counted was first seen (the confirming look is due ``CONFIRM_S`` after it)
+    seen_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -135,7 +147,7 @@ class Memory:
     def from_dict(cls, data: dict[str, Any] | None) -> Memory:
         data = data or {}
         return cls(int(data.get("above") or 0), data.get("calm_since"), float(data.get("last_change") or 0.0),
-                   data.get("held"), int(data.get("held_by") or 0))
+                   data.get("held"), int(data.get("held_by") or 0), data.get("seen_at"))
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,8 @@ class Decision:
     reason: str
     at: float = 0.0
     target: int = 0
+    #: the overload this tick saw, in words (``None``: none); not saved
+    signal: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"action": self.action, "reason": self.reason, "at": self.at, "target": self.target}
@@ -231,13 +245,50 @@ def _news(obs: Observation, memory: Memory) -> bool:
     return obs.in_flight is not None and (bool(obs.capacity) or _last_held(obs, memory) is not None)
 
 
-def confirm_within(scale: dict[str, Any] | None) -> float | None:
-    """``CONFIRM_S`` while an overload is being counted (seen, not yet for ``UP_TICKS`` ticks), else ``None``: how
-    soon the keeper looks again (``scale``: the record's autoscaling state, its ``memory`` as :class:`Memory`)."""
+def confirm_within(scale: dict[str, Any] | None, now: float) -> float | None:
+    """While an overload is being counted (seen, not yet for ``UP_TICKS`` ticks): the seconds until ``CONFIRM_S``
+    after it was first seen (0: at once), else ``None``: how soon the keeper looks again (``scale``: the record's
+    autoscaling state, its ``memory`` as :class:`Memory`)."""
     if not scale:
         return None
-    above = Memory.from_dict(scale.get("memory")).above
-    return CONFIRM_S if 0 < above < UP_TICKS else None
+    memory = Memory.from_dict(scale.get("memory"))
+    if not 0 < memory.above < UP_TICKS:
+        return None
+    seen = memory.seen_at if memory.seen_at is not None else now
+    return max(0.0, seen + CONFIRM_S - now)
+
+
+def worth_watching(spec: ScaleSpec, memory: Memory, obs: Observation) -> bool:
+    """Whether an overload sighted between ticks could bring a tick forward to any end: none is being counted
+    yet, no replica is on its way, and the service may grow."""
+    return not memory.above and not obs.starting and obs.target < limit(spec, obs)[0]
+
+
+def router_overload(spec: ScaleSpec, memory: Memory, obs: Observation) -> str | None:
+    """Between ticks (the keeper's watch, one request to the router's Prometheus port a second): why the router's
+    figure alone (``obs.in_flight``; the replicas are not asked) shows an overload worth a tick now, or ``None``.
+    The same rule as a tick in which no replica's ``/metrics`` answered; only while no overload is being counted
+    yet, nothing is starting and the service may grow (otherwise a tick now would change nothing)."""
+    if not worth_watching(spec, memory, obs):
+        return None
+    return _over_capacity(spec, replace(obs, waiting=None, running=None, answered=0), memory)
+
+
+def news(before: Memory, after: Memory, decision: Decision) -> str | None:
+    """The keeper's log line for what this tick did to the overload count, or ``None`` (no line on a quiet tick,
+    nor on a scale-up, logged by itself): an overload first seen (tick 1 of ``UP_TICKS``, with its signal, and how
+    much earlier the keeper's watch sighted it at the router), or a counted one dismissed (the count reset, with
+    the tick's reason). A watch's sighting that the tick does not count writes no line."""
+    if decision.action != "hold":
+        return None
+    if not before.above and after.above:
+        early = decision.at - after.seen_at if after.seen_at is not None else 0.0
+        how = f" (sighted at the router {early:.1f} s earlier, between ticks: this tick came at once)" \
+            if early > 0 else ""
+        return f"overload seen ({after.above}/{UP_TICKS}): {decision.signal}{how}"
+    if before.above and not after.above:
+        return f"overload dismissed after {before.above} tick(s): {decision.reason}"
+    return None
 
 
 def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision, Memory]:
@@ -246,12 +297,13 @@ def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision,
     above = memory.above + 1 if over else (memory.above if not _news(obs, memory) else 0)  # no answer: no news
     calm = obs.now if memory.calm_since is None else memory.calm_since
     held, held_by = (obs.held, obs.routable) if obs.held is not None else (memory.held, memory.held_by)
-    mem = Memory(above, calm if _spare(obs) else None, memory.last_change, held, held_by)
+    seen = (memory.seen_at if memory.above else None) or (obs.sighted or obs.now if over else None)
+    mem = Memory(above, calm if _spare(obs) else None, memory.last_change, held, held_by, seen if above else None)
     top, why_top = limit(spec, obs)
 
     def act(action: str, reason: str, target: int) -> tuple[Decision, Memory]:
         done = Memory(0, None if action == "up" else obs.now, obs.now)
-        return Decision(action, reason, obs.now, target), done
+        return Decision(action, reason, obs.now, target, over), done
 
     if obs.target < spec.min_replicas:
         return act("up", f"{obs.target} replica(s), below --min-replicas {spec.min_replicas}", obs.target + 1)
@@ -261,9 +313,9 @@ def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision,
     if above >= UP_TICKS:
         if obs.starting:
             return Decision("hold", f"{waiting}, but {obs.starting} replica(s) still queued or starting count "
-                                    f"toward the target", obs.now, obs.target), mem
+                                    f"toward the target", obs.now, obs.target, over), mem
         if obs.target >= top:
-            return Decision("hold", f"{waiting}, but at {why_top} ({top})", obs.now, obs.target), mem
+            return Decision("hold", f"{waiting}, but at {why_top} ({top})", obs.now, obs.target, over), mem
         return act("up", waiting, obs.target + 1)
     if mem.calm_since is not None and obs.target > spec.min_replicas:
         calm_for = obs.now - mem.calm_since
@@ -273,11 +325,11 @@ def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision,
             return act("down", f"no request waiting for {short(calm_for)} and {fit}", obs.target - 1)
         wait = max(spec.down_idle_s - calm_for, spec.down_idle_s - since_change)
         return Decision("hold", f"spare capacity; one replica fewer in {short(wait)} if it stays so", obs.now,
-                        obs.target), mem
+                        obs.target, over), mem
     if above:
-        return Decision("hold", f"{waiting}: one more tick and a replica is added", obs.now, obs.target), mem
+        return Decision("hold", f"{waiting}: one more tick and a replica is added", obs.now, obs.target, over), mem
     if obs.waiting is None:
-        return Decision("hold", "no replica in the router answered /metrics yet", obs.now, obs.target), mem
+        return Decision("hold", "no replica in the router answered /metrics yet", obs.now, obs.target, over), mem
     state = "at --min-replicas" if obs.target <= spec.min_replicas else "no spare capacity"
     return Decision("hold", f"{obs.waiting:g} waiting, {obs.running or 0:g} running; {state}", obs.now,
-                    obs.target), mem
+                    obs.target, over), mem

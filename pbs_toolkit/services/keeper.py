@@ -29,7 +29,15 @@ starting (its address known, not READY, not in the router) directly, which costs
 moment one answers the next tick runs at once. So a replica joins the router within about a second of its server
 answering, not up to a tick later (a replica may cut the wait short ``WAKES_PER_JOB`` times: one whose ``/health``
 answers but that ``status`` does not call READY, e.g. a foreign server on its port, cannot turn that into a
-scheduler query every ``PROBE_S``).
+scheduler query every ``PROBE_S``). For an autoscaled service it also looks at the router's open requests every
+``ROUTER_WATCH_S`` (one request to its Prometheus port): when they alone show an overload the next tick could act
+on (services/autoscale.py ``router_overload``), that tick runs at once, and the overload counts as seen from that
+moment; so a burst is acted on within about ``CONFIRM_S`` and two ticks of its start, whatever the poll interval.
+
+The log stays short for a service that runs for days: a line per change, per overload seen (saying when the watch
+sighted it) or dismissed (services/autoscale.py ``news``), per replica whose answer brought a tick forward, and a
+tick's duration (with where it went) only when it took longer than ``LONG_TICK_S``. A sighting that the tick does
+not count writes nothing.
 
 It stops when the service is recorded ended (``pbstk cancel NAME``) or its record is gone.
 
@@ -74,6 +82,10 @@ if TYPE_CHECKING:
 PROBE_S = 0.5
 #: how many times one job's answering ``/health`` may bring the next tick forward
 WAKES_PER_JOB = 3
+#: seconds between two looks at the router's open requests while an autoscaled service's keeper waits
+ROUTER_WATCH_S = 1.0
+#: a tick that takes longer than this is logged with its duration and where it went
+LONG_TICK_S = 5.0
 
 
 @dataclass
@@ -84,6 +96,8 @@ class Look:
     in_router: set[str] = field(default_factory=set)
     #: slots whose reconciliation failed this tick (the others went on): the heartbeat's error
     failed: list[str] = field(default_factory=list)
+    #: seconds this tick spent on its parts (the job status query; the router, scaling and idle looks)
+    spent: dict[str, float] = field(default_factory=dict)
 
     def starting(self, rec: ServiceRecord) -> bool:
         """Some slot is not routable yet but has a job on its way: tick on the short ramp."""
@@ -105,7 +119,7 @@ def run(name: str, session: ServiceSession) -> int:
     keeper_log(f"keeper of service {name} started (pid {os.getpid()})")
     try:
         with AdminLink(session) as link:
-            ramp, wakes = 0, {}  # type: int, dict[str, int]
+            ramp, wakes, sighted = 0, {}, None  # type: int, dict[str, int], float | None
             lease = LeaseWatch(name)  # pbstk run's lease (services/lease.py), armed by the first record read
             while True:
                 try:  # a store locked for a while, a router or scheduler that fails: logged, tried next tick
@@ -114,8 +128,10 @@ def run(name: str, session: ServiceSession) -> int:
                         keeper_log(f"service {name} {'is gone' if rec is None else 'ended'}; keeper stops")
                         return 0
                     lease.arm(rec)
-                    seen = tick(session, rec, link, lease)
+                    began = time.monotonic()
+                    seen = tick(session, rec, link, lease, sighted)
                     heartbeat(name, "; ".join(seen.failed) or None)
+                    log_long_tick(time.monotonic() - began, seen)
                 except PbstkError as exc:
                     keeper_log(f"tick failed: {exc.message}")
                     heartbeat(name, exc.message)
@@ -135,14 +151,24 @@ def run(name: str, session: ServiceSession) -> int:
                 due = restarts.next_due(rec)  # a replacement's backoff ends: not a whole poll interval later
                 if due is not None:
                     wait = min(wait, max(PROBE_S, due - time.time()))
-                confirm = autoscale.confirm_within(rec.scale)  # an overload seen once: confirmed in seconds
+                confirm = autoscale.confirm_within(rec.scale, time.time())  # an overload seen: confirmed soon
                 if confirm is not None:
                     wait = min(wait, confirm)
-                woken = watch(session, seen, wait, wakes, lambda: _ended(session, name) or lease.due())
-                if woken:
-                    keeper_log(f"{woken} answers: looking now")
+                overload = None if sighted else scaler.overload_watch(session, rec, seen.statuses, seen.in_router)
+                woken = watch(session, seen, wait, wakes, lambda: _ended(session, name) or lease.due(), overload)
+                sighted = time.time() if woken and woken.startswith("overload") else None
+                if woken and not sighted:  # an overload sighted: the tick's "overload seen" line says so
+                    keeper_log(f"{woken}: looking now")
     finally:
         os.close(fd)
+
+
+def log_long_tick(took: float, seen: Look) -> None:
+    """A tick longer than ``LONG_TICK_S``, in the log with where its time went (probes of busy replicas that
+    time out make it long; a quiet tick writes nothing)."""
+    if took > LONG_TICK_S:
+        parts = ", ".join(f"{what} {s:.1f} s" for what, s in seen.spent.items())
+        keeper_log(f"tick took {took:.1f} s ({parts})" if parts else f"tick took {took:.1f} s")
 
 
 def _ended(session: ServiceSession, name: str) -> bool:
@@ -154,13 +180,16 @@ def _ended(session: ServiceSession, name: str) -> bool:
 
 
 def watch(session: ServiceSession, seen: Look, seconds: float, wakes: dict[str, int],
-          ended: Callable[[], bool] = lambda: False) -> str | None:
-    """Wait ``seconds``, probing ``/health`` of every starting replica every ``PROBE_S`` meanwhile; the job id of
-    the first that answers (the next tick runs at once), or ``None`` once the time is up or the service ended
-    (a store read every ``PROBE_S``: ``cancel`` does not wait out a whole poll interval for the keeper)."""
+          ended: Callable[[], bool] = lambda: False, overload: Callable[[], str | None] | None = None) -> str | None:
+    """Wait ``seconds``, probing ``/health`` of every starting replica every ``PROBE_S`` meanwhile, and with
+    ``overload`` (services/scaler.py ``overload_watch``) the router's open requests every ``ROUTER_WATCH_S``; why
+    the next tick runs at once (``JOB answers``, or ``overload at the router: ...``), or ``None`` once the time is
+    up or the service ended (a store read every ``PROBE_S``: ``cancel`` does not wait out a whole poll interval for
+    the keeper)."""
     from pbs_toolkit.services.router import http_request
 
     deadline = time.monotonic() + seconds
+    router_due = time.monotonic() + min(ROUTER_WATCH_S, seconds / 2)
     candidates = [st for job, st in seen.statuses.items()
                   if not st.state.final and not health.ready(st) and wakes.get(job, 0) < WAKES_PER_JOB
                   and (url := worker_url(st)) is not None and url not in seen.in_router]
@@ -173,7 +202,12 @@ def watch(session: ServiceSession, seen: Look, seconds: float, wakes: dict[str, 
                 answer = None
             if answer == 200:
                 wakes[st.record.job_id] = wakes.get(st.record.job_id, 0) + 1
-                return st.record.job_id
+                return f"{st.record.job_id} answers"
+        if overload is not None and time.monotonic() >= router_due:
+            why = overload()
+            if why:
+                return f"overload at the router: {why}"
+            router_due = time.monotonic() + ROUTER_WATCH_S
         left = deadline - time.monotonic()
         if left <= 0 or ended():
             return None
@@ -226,18 +260,21 @@ class AdminLink:
 
 
 def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = None,
-         lease: LeaseWatch | None = None) -> Look:
+         lease: LeaseWatch | None = None, sighted: float | None = None) -> Look:
     """One look and the reconciliation it calls for; the record is saved unless the service ended meanwhile
     (then whatever this tick launched is cancelled again). ``link``: the router connection kept across ticks
     (without one, a connection for this tick only); ``lease``: pbstk run's lease, which ends the service once
-    it lapsed. Returns what it saw."""
+    it lapsed; ``sighted``: when the watch saw the overload at the router that woke this tick. Returns what it
+    saw."""
     from pbs_toolkit.services import intents
 
     for slot in rec.slots:  # a launch that a killed keeper (or serve) left half done: its job takes its role
         if slot.launching and not intents.settle(session, rec, slot):
             keeper_log(f"slot {slot.index}: the submission of {slot.launching} has not finished yet")
     jobs = [j for s in rec.slots for j in s.jobs()]
+    began = time.monotonic()
     statuses, unknown = _statuses(session, jobs)
+    spent = {"job status": time.monotonic() - began}
     before = set(jobs)
     failed: list[str] = []
     with ExitStack() as own:
@@ -246,9 +283,11 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
         admin = link.get(rec)
         try:
             in_router = set(admin.workers())
-            idle = _scale(session, rec, statuses, in_router, failed, lease)
+            began = time.monotonic()
+            idle = _scale(session, rec, statuses, in_router, failed, lease, sighted)
+            spent["router and scaling"] = time.monotonic() - began
             if idle:
-                return _end_idle(session, rec, idle, Look(statuses, in_router, failed))
+                return _end_idle(session, rec, idle, Look(statuses, in_router, failed, spent))
             for slot in rec.slots:
                 if slot.current and slot.current not in before:  # just added by scaling up: looked at next tick
                     continue
@@ -273,11 +312,11 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
         for job in {j for s in rec.slots for j in s.jobs()} - before:
             keeper_log(f"service ended while {job} was launched: cancelling it")
             session.cancel(job)
-    return Look(statuses, in_router, failed)
+    return Look(statuses, in_router, failed, spent)
 
 
 def _scale(session: ServiceSession, rec: ServiceRecord, statuses: dict[str, JobStatus], in_router: set[str],
-           failed: list[str], lease: LeaseWatch | None = None) -> str | None:
+           failed: list[str], lease: LeaseWatch | None = None, sighted: float | None = None) -> str | None:
     """The lease of pbstk run, autoscaling and ``--idle-cancel`` (services/scaler.py), before the slots, which
     carry a decision out; why the service must end now (its lease lapsed: once the replicas drained; idle), or
     ``None``. A failure (a launch refused) is this tick's error."""
@@ -286,7 +325,7 @@ def _scale(session: ServiceSession, rec: ServiceRecord, statuses: dict[str, JobS
         drain_all(session, rec, statuses, in_router, drain_seconds())
         return lapsed
     try:
-        return scaler.step(session, rec, statuses, in_router)
+        return scaler.step(session, rec, statuses, in_router, sighted)
     except PbstkError as exc:
         failed.append(f"scaling: {exc.message}")
         keeper_log(failed[-1])

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.durations import short
 from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.jobs.status_types import ServerState
 from pbs_toolkit.services import autoscale, health
 from pbs_toolkit.services.health import worker_url
 from pbs_toolkit.services.keeper_process import keeper_log
@@ -47,25 +50,43 @@ def active(rec: ServiceRecord) -> list[Slot]:
     return [s for s in rec.slots if not s.retiring]
 
 
+#: seconds one replica's ``/metrics`` may take in a tick's scrape (all replicas are scraped at once)
+SCRAPE_TIMEOUT_S = 3.0
+
+
 def snapshots(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
-              in_router: set[str]) -> dict[str, MetricsSnapshot]:
-    """One ``/metrics`` scrape of every routable replica (job id -> snapshot); a replica that does not answer is
-    left out. A multi-model service's replica is every model of its job, summed (services/per_model.py): busy
-    when any model is, left out when any model does not answer."""
+              in_router: set[str], silent: Collection[str] = ()) -> dict[str, MetricsSnapshot]:
+    """One ``/metrics`` scrape of every routable replica, all at once (job id -> snapshot; the tick waits at most
+    ``SCRAPE_TIMEOUT_S`` for the slowest); a replica that does not answer is left out, and so is one in
+    ``silent``: this tick's status look already found its ``/health`` and ``/metrics`` unanswered (a second try
+    would only cost the tick another timeout). A multi-model service's replica is every model of its job, summed
+    (services/per_model.py): busy when any model is, left out when any model does not answer."""
     from pbs_toolkit.perf.scrape import scrape
     from pbs_toolkit.services.per_model import job_snapshot
 
     look = job_snapshot if rec.models else scrape
-    out = {}
-    for slot in active(rec):
-        st = health.serving_job(slot, statuses, in_router)
-        if st is None:
-            continue
+    serving = [st for slot in active(rec) if (st := health.serving_job(slot, statuses, in_router)) is not None
+               and st.record.job_id not in silent]
+
+    def one(st: JobStatus) -> MetricsSnapshot | None:
         try:
-            out[st.record.job_id] = look(session.runner(st.record.transport), st, timeout=3.0)
+            return look(session.runner(st.record.transport), st, timeout=SCRAPE_TIMEOUT_S)
         except PbstkError:
-            continue
-    return out
+            return None
+
+    if len(serving) <= 1:
+        answers = [one(st) for st in serving]
+    else:
+        with ThreadPoolExecutor(max_workers=min(16, len(serving)), thread_name_prefix="pbstk-scrape") as pool:
+            answers = list(pool.map(one, serving))
+    return {st.record.job_id: snap for st, snap in zip(serving, answers, strict=True) if snap is not None}
+
+
+def silent_looks(statuses: Mapping[str, JobStatus], in_router: set[str]) -> set[str]:
+    """Routable replicas whose status look this tick timed out on ``/health`` and found no answer (or no request)
+    on ``/metrics`` either (STARTING while in the router; jobs/rundir.py ``busy``)."""
+    return {job for job, st in statuses.items()
+            if health.routable(st, in_router) and st.state is ServerState.STARTING}
 
 
 def capacity(statuses: Mapping[str, JobStatus]) -> int | None:
@@ -77,14 +98,36 @@ def capacity(statuses: Mapping[str, JobStatus]) -> int | None:
     return None
 
 
-def router_look(session: ServiceSession, rec: ServiceRecord) -> RouterSnapshot | None:
+def router_look(session: ServiceSession, rec: ServiceRecord, timeout: float = 3.0) -> RouterSnapshot | None:
     """One request to the router's Prometheus port (``None``: it did not answer, or has no such port)."""
     from pbs_toolkit.services.router_metrics import router_counters
 
     try:
-        return router_counters(session.runner(rec.transport), rec, timeout=3.0)
+        return router_counters(session.runner(rec.transport), rec, timeout=timeout)
     except PbstkError:
         return None
+
+
+def overload_watch(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
+                   in_router: set[str]) -> Callable[[], str | None] | None:
+    """For the keeper's wait between ticks: a look at the router's open requests alone (one request to its
+    Prometheus port) that says why a tick is due now (services/autoscale.py ``router_overload``), or ``None``;
+    no such look for a service that does not autoscale or whose router has no Prometheus port."""
+    if not rec.scale or not (rec.router or {}).get("prometheus_port"):
+        return None
+    spec = autoscale.ScaleSpec.from_dict(rec.scale["spec"])
+    memory = autoscale.Memory.from_dict(rec.scale.get("memory"))
+    base = observation(rec, statuses, in_router, {}, time.time())
+    if not autoscale.worth_watching(spec, memory, base):
+        return None  # a tick now would change nothing: the router is not asked
+
+    def look() -> str | None:
+        snap = router_look(session, rec, timeout=1.0)
+        if snap is None or snap.in_flight is None:
+            return None
+        return autoscale.router_overload(spec, memory, replace(base, now=time.time(), in_flight=snap.in_flight))
+
+    return look
 
 
 def refused_since(rec: ServiceRecord, snap: RouterSnapshot | None) -> float | None:
@@ -138,10 +181,12 @@ def observation(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router
 
 
 def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
-         in_router: set[str]) -> str | None:
+         in_router: set[str], sighted: float | None = None) -> str | None:
     """This tick's look at the router (for every service whose routable replica's look failed: the router may
-    tell it busy, services/health.py ``busy_at_router``), idle check and scaling decision, applied. Returns why
-    the service must end now (idle), or ``None``."""
+    tell it busy, services/health.py ``busy_at_router``), idle check and scaling decision, applied. ``sighted``:
+    when the keeper's watch saw the router's figure show the overload that woke this tick. Returns why the
+    service must end now (idle), or ``None``."""
+    silent = silent_looks(statuses, in_router)  # before the router's view marks some of them busy
     snap = None
     if rec.scale or health.needs_router_view(statuses, in_router):
         snap = router_look(session, rec)
@@ -151,7 +196,7 @@ def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, Job
     if not rec.scale and not rec.idle_cancel_s:
         return None
     now = time.time()
-    snaps = snapshots(session, rec, statuses, in_router)
+    snaps = snapshots(session, rec, statuses, in_router, silent)
     routable = health.routable_count(active(rec), statuses, in_router)
     why = idle_end(rec, snaps, routable, now)
     if why or not rec.scale:
@@ -159,7 +204,11 @@ def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, Job
     spec = autoscale.ScaleSpec.from_dict(rec.scale["spec"])
     obs = observation(rec, statuses, in_router, snaps, now, refused_since(rec, snap),
                       snap.in_flight if snap is not None else None)
-    decision, memory = autoscale.decide(spec, autoscale.Memory.from_dict(rec.scale.get("memory")), obs)
+    before = autoscale.Memory.from_dict(rec.scale.get("memory"))
+    decision, memory = autoscale.decide(spec, before, replace(obs, sighted=sighted))
+    line = autoscale.news(before, memory, decision)
+    if line:
+        keeper_log(line)
     rec.scale["memory"] = memory.to_dict()
     rec.scale["now"] = decision.to_dict()
     if obs.capacity:
