@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from helpers import pbstk, wait_for
+from test_serve_models import refused
 from test_serve_models_keepalive import job_urls, workers
 from test_serve_models_swap import ROUTER, swap_svc  # noqa: F401 - swap_svc: the fixture
 from test_service import Load, handed_over_from
@@ -125,3 +126,26 @@ def test_keep_alive_of_swapping_models_hands_over_with_zero_failures(swap_svc: A
              == "CANCELLED", 20, "the predecessor CANCELLED")
     assert pbstk("cancel", "ksw").exit_code == 0
 
+
+def test_keep_alive_of_swapping_models_without_gpus_for_the_successor_is_refused(
+        swap_svc: Any) -> None:  # noqa: F811
+    """One GPU on this machine: the successor would start beside its predecessor's models on the same GPU, whose
+    swap set fills it (the sleeper's 2.5 GB and the awake model's share); on real GPUs its vLLM could not start.
+    One line, exit 2, nothing written or started. With two GPUs (the test above) it is served."""
+    big, mid = swap_svc
+    refused(pbstk("serve", f"{big}:name=a", f"{mid}:name=b", "--name", "k1", "--profile", "gpu1", "--max-awake",
+                  "1", "--keep-alive", "--walltime", "00:01:00", "--handover", "45"),
+            "--keep-alive with --max-awake", "needs 2 GPU(s)", "this machine shows 1", "CUDA_VISIBLE_DEVICES")
+
+
+def test_over_ssh_the_local_scheduler_gives_no_successor_gpus_of_its_own(swap_svc: Any,  # noqa: F811
+                                                                        isolated_user: Path) -> None:
+    """A local-scheduler profile reached over ssh: pbstk picks no GPUs for its jobs there, so a successor would
+    share its predecessor's; refused the same way before anything is reached (the host answers nothing)."""
+    big, mid = swap_svc
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    (profiles / "gpussh.yaml").write_text((profiles / "gpu1.yaml").read_text().replace("name: gpu1", "name: gpussh")
+                                          + "ssh_host: 'nobody@127.0.0.1:9'\n")
+    refused(pbstk("serve", f"{big}:name=a", f"{mid}:name=b", "--name", "k2", "--profile", "gpussh", "--max-awake",
+                  "1", "--keep-alive", "--walltime", "00:01:00", "--handover", "45"),
+            "--keep-alive with --max-awake", "needs 2 GPU(s)", "over ssh")
