@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,15 @@ import pytest
 from helpers import pbstk, wait_for
 from test_serve_models import refused
 from test_serve_models_keepalive import job_urls, workers
+from test_serve_models_run import chat
 from test_serve_models_swap import ROUTER, swap_svc  # noqa: F401 - swap_svc: the fixture
 from test_service import Load, handed_over_from
 
+from pbs_toolkit.client import Client
 from pbs_toolkit.jobs.store import JobStore
+from pbs_toolkit.services import keeper_slots
 from pbs_toolkit.services import record as records
+from pbs_toolkit.services.record import Slot
 
 pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
 
@@ -149,3 +155,42 @@ def test_over_ssh_the_local_scheduler_gives_no_successor_gpus_of_its_own(swap_sv
     refused(pbstk("serve", f"{big}:name=a", f"{mid}:name=b", "--name", "k2", "--profile", "gpussh", "--max-awake",
                   "1", "--keep-alive", "--walltime", "00:01:00", "--handover", "45"),
             "--keep-alive with --max-awake", "needs 2 GPU(s)", "over ssh")
+
+
+def test_a_request_held_for_a_sleeping_model_keeps_its_job_from_being_drained(
+        swap_svc: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """A handed-over (or scaled-down) job is cancelled once its servers run no request. A request held for a
+    sleeping model (waiting for its wake: up to seconds on GPUs) is in none of vLLM's metrics; its guard counts it.
+    The keeper's drain (keeper_slots.drain, as its tick calls it) waits for it, and cancels the job once answered.
+    Before, the drain cut it off (a streaming answer is not retried by the router)."""
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_WAKE_S", "6")  # b's wake: longer than the drain's first look (2 s)
+    monkeypatch.setenv("PBSTK_SERVICE_DRAIN_S", "60")
+    big, mid = swap_svc
+    result = pbstk("serve", f"{big}:name=a", f"{mid}:name=b", "--name", "hd", "--profile", "gpu1", "--max-awake",
+                   "1", "--wait", "--timeout", "90")
+    assert result.exit_code == 0, result.output
+    rec = records.find(JobStore(), "hd")
+    job = rec.slots[0].current
+    assert job and rec.url
+    wait_for(lambda: awake_in(job) == ["a"], 30, "a awake, b asleep")
+    run_dir = Path(JobStore().find(job).run_dir)
+    answers: list[int] = []
+    sender = threading.Thread(target=lambda: answers.append(chat(rec.url or "", rec.api_key, "b").status_code))
+    sender.start()
+    wait_for(lambda: any("a request is held" in p.read_text() for p in run_dir.glob("vllm*.log")), 30,
+             "the request for b held by its sleeping engine")
+    slot = Slot(0, draining=job, drain_started=time.time() - 3)  # past the drain's first 2 s
+    with Client(on_removal=lambda r: None) as client:
+        session = client.service_session()
+
+        def drained() -> bool:
+            keeper_slots.drain(session, slot, {job: session.status([JobStore().find(job)])[0]})
+            return slot.draining is None
+
+        assert not drained() and awake_in(job) != ["b"], "drained while b's request waited for its wake"
+        sender.join(60)
+        assert answers == [200], answers
+        wait_for(drained, 30, "the drain, once b's request was answered")
+    wait_for(lambda: pbstk("status", job, "--json").exit_code == 0 and JobStore().find(job).final_state
+             == "CANCELLED", 20, "the drained job CANCELLED")
+    assert pbstk("cancel", "hd").exit_code == 0
