@@ -18,6 +18,7 @@ from pbs_toolkit.services.keeper_process import keeper_log
 from pbs_toolkit.services.manage import launch_replica
 from pbs_toolkit.services.multi import add_workers, label, remove_workers, served_names, worker_urls
 from pbs_toolkit.services.record import ServiceRecord, Slot
+from pbs_toolkit.transports.http import held_requests
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.status import JobStatus
@@ -137,17 +138,20 @@ def drain(session: ServiceSession, slot: Slot, statuses: dict[str, JobStatus]) -
 
 
 def _running(session: ServiceSession, st: JobStatus) -> bool:
-    """Whether the server still runs requests (its ``/metrics``; a multi-model job: any of its models' servers);
+    """Whether the server still runs requests (its ``/metrics``; a multi-model job: any of its models' servers,
+    and a swapping model's requests held for its sleeping engine, which no metric shows: its guard's count);
     a server that does not answer runs none."""
     from pbs_toolkit.perf.scrape import scrape_at
 
     runner = session.runner(st.record.transport)
     ports = [st.port, *st.models.values()] if st.models else [st.port]
+    key = st.record.api_key
     for port in ports:
         if not st.address or not port:
             continue
         try:
-            if scrape_at(runner, st.address, int(port), api_key=st.record.api_key, timeout=3.0).running:
+            if scrape_at(runner, st.address, int(port), api_key=key, timeout=3.0).running or (
+                    st.models and held_requests(runner, st.address, int(port), key, timeout=3.0)):
                 return True
         except PbstkError:
             continue

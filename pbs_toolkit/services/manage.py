@@ -24,6 +24,7 @@ from pbs_toolkit.services import multi, restarts
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.keeper_process import service_dir, spawn_keeper
 from pbs_toolkit.services.record import ServiceRecord, Slot
+from pbs_toolkit.settings.launch_settings import settings_of
 
 if TYPE_CHECKING:
     from pbs_toolkit.services.session import ServiceSession
@@ -62,6 +63,27 @@ def check_keep_alive(profile: Profile, replicas: int, handover_s: float, walltim
     if handover_s >= walltime_s:
         raise UsageError(f"--handover {handover_s:g} s is not shorter than the walltime ({walltime_s} s): the "
                          f"successor would start before its predecessor")
+
+
+def check_swap_overlap(profile: Profile, req: RenderRequest, opts: ServeOptions) -> None:
+    """Keep-alive of swapping models on the local scheduler: a successor runs beside its predecessor on this
+    machine, and the predecessor's models hold their shares of its GPUs, asleep (CUDA context and graphs) or awake;
+    a swap set fills its GPUs by design (docs/multi-model.md "Swapping"), so a successor sharing them could not
+    start on real GPUs. ``gpu_env`` gives each job GPUs of its own only while the machine has enough: every
+    planned job's GPUs twice (each job and its successor). Refused in one line when it has fewer."""
+    if not opts.keep_alive or not runs_on_submit_host(profile.scheduler) or not any(m.get("swap")
+                                                                                    for m in opts.models):
+        return
+    rows = list(opts.models)
+    need = 2 * sum(settings_of(multi.job_request(req, rows, job)).written.gpus_per_node
+                   for job in sorted({m["job"] for m in rows}))
+    have = 0 if profile.ssh_host else len(_local_gpus())
+    if have < need:
+        where = (f"pbstk picks no GPUs for the jobs of profile {profile.name} over ssh" if profile.ssh_host else
+                 f"this machine shows {have} (CUDA_VISIBLE_DEVICES, else nvidia-smi -L)")
+        raise UsageError(f"--keep-alive with --max-awake on the local scheduler needs {need} GPU(s), each job's "
+                         f"and its successor's apart (the predecessor's models, asleep or awake, hold their shares "
+                         f"of its GPUs until it ends), but {where}; leave out --keep-alive or --max-awake")
 
 
 def check_fixed_port(profile: Profile, req: RenderRequest, opts: ServeOptions) -> None:
@@ -151,6 +173,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
 
             raise UsageError(KEEP_ALIVE_REFUSED)
         check_keep_alive(profile, opts.replicas, opts.handover_s, walltime_s)
+        check_swap_overlap(profile, req, opts)
     command = shlex.split(profile.router_command)
     if place != "job":  # a router job looks for it on its node (and fails with its own line)
         check_router_command(session, profile, command)

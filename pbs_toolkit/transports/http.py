@@ -150,6 +150,19 @@ def served_models(
         return answer.status, []
 
 
+def held_requests(runner: Runner, host: str, port: int, api_key: str | None, timeout: float | None = None) -> int:
+    """Requests in flight at a swapping model's API server by its guard's count (``GET /pbstk/inflight``,
+    server/start/pbstk_dev_guard.py): those held for a sleeping engine too, which no ``/metrics`` gauge shows.
+    0 where nothing answers it (a model that does not swap has no guard: vLLM's 404)."""
+    try:
+        answer = http_request(runner, host, port, "/pbstk/inflight", api_key=api_key,
+                              timeout=timeout or probe_timeout())
+        count = answer.json().get("inflight") if answer.status == 200 else 0
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return count if isinstance(count, int) else 0
+
+
 @dataclass(frozen=True)
 class Identity:
     """Whether the server on a job's address and port proved to be that job's own.
