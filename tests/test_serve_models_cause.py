@@ -8,6 +8,7 @@ Before: the job's reason was "model b exited before it was ready (see LOG)", whi
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,10 @@ def test_a_co_model_that_dies_at_start_names_its_cause(gpu_svc: Any, monkeypatch
     assert len(doc["reason"]) < 500, doc["reason"]  # the cause cut short, not vLLM's whole paragraph
     log = Path(JobStore().find(job).run_dir) / "vllm.model2.log"
     assert "See root cause above" in log.read_text()  # the wrapper was there to be skipped
+    # vLLM 0.22.1 prints the key in its "non-default args" line (the H100 run's co-model logs held it, 0644):
+    # each model's log is as private as the key file, as the first model's is
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    assert stat.S_IMODE((log.parent / "vllm.log").stat().st_mode) == 0o600
 
 
 REAL = Path(__file__).parent / "data" / "observe" / "startup-0.22.1-kv-short.log"

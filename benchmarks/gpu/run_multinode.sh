@@ -25,5 +25,5 @@ for layout in "$@"; do
     --rounds 2 --vllm-arg=--load-format=dummy --timeout 420 --output "$out/$layout.json" \
     || { echo "== $layout failed; logs:"; tail -n 40 ~/pbstk-runs/*"$layout"*/vllm*.log; }
   echo "== $layout took $(( $(date +%s) - start )) s"
-  tar czf "$out/$layout-logs.tgz" -C ~/pbstk-runs . 2>/dev/null || true
+  tar czf "$out/$layout-logs.tgz" --exclude='api_key' --exclude='*api_key*' -C ~/pbstk-runs . 2>/dev/null || true
 done

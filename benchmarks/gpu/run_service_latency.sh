@@ -100,4 +100,4 @@ for c in ("c256", "c1024"):
         print(f"{what + '-' + c:<16} {r['completed']:>6} {r['failed']:>6} {r['output_throughput']:>10.0f} {tput:>6.3f} "
               f"{r['median_ttft_ms']:>9.0f} {r['p99_ttft_ms']:>9.0f} {p99:>6.2f}")
 EOF
-tar czf "$out/logs.tgz" -C ~/pbstk-runs . 2>/dev/null || true
+tar czf "$out/logs.tgz" --exclude='api_key' --exclude='*api_key*' -C ~/pbstk-runs . 2>/dev/null || true  # without the servers' keys

@@ -51,5 +51,5 @@ for what in "$@"; do
   esac
   echo "== $what took $(( $(date +%s) - start )) s"
 done
-tar czf "$out/logs.tgz" -C ~/pbstk-runs . 2>/dev/null || true
+tar czf "$out/logs.tgz" --exclude='api_key' --exclude='*api_key*' -C ~/pbstk-runs . 2>/dev/null || true  # without the servers' keys
 cp -r ~/.local/state/pbstk/services "$out/services" 2>/dev/null || true

@@ -60,4 +60,7 @@ case "$step" in
   *) echo "unknown step: $step" >&2; exit 2 ;;
 esac
 grep -h -E '^\[|^== ' "$out"/*.log 2>/dev/null | grep -v -E '^\[ +[0-9]+s\]' | tail -n 80
-tar czf "$out/runs-$step.tgz" -C ~/pbstk-runs . 2>/dev/null || true
+# two archives, so that the call's limit on the number of files returned drops none: the results, and the run
+# directories (vLLM's logs) without the servers' keys
+tar czf "$out/runs-$step.tgz" --exclude='api_key' --exclude='*api_key*' -C ~/pbstk-runs . 2>/dev/null || true
+(cd "$out" && tar czf "results-$step.tgz" --exclude='*.tgz' --exclude='endpoints.py' . 2>/dev/null) || true

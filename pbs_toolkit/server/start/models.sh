@@ -133,6 +133,9 @@ pbstk_start_model() {
   [ -n "$cvd" ] && envs+=("CUDA_VISIBLE_DEVICES=$cvd")
   [ "${!swap}" = true ] && mapfile -t -O "${#envs[@]}" envs < <(pbstk_swap_env)
   log="$RUN_DIR/vllm.model$((k + 1)).log"
+  if [ "${#API_KEY_ARGS[@]}" -gt 0 ]; then  # vLLM <= 0.22 prints the key in its "non-default args" line (setup.sh)
+    (umask 077 && : >>"$log") && chmod go= "$log" 2>/dev/null
+  fi
   while true; do
     pbstk_free_port co_port "$PROBE_HOST" "$PORT_LO" "$PORT_HI" || pbstk_fail "no free port in $PORT_LO..$PORT_HI on $NODE for model ${!served}"
     pbstk_log "model ${!served}: starting vLLM on $ADDRESS:$co_port (GPUs ${cvd:-all of the job}), log $log"
