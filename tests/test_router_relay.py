@@ -119,6 +119,24 @@ def test_framing_finds_where_an_answer_ends_however_it_is_cut() -> None:
         Framing(None).feed(b"zz\r\n")
 
 
+def _accepting(handler: Any) -> tuple[socket.socket, int]:
+    """A loopback listener whose accepted connections go to ``handler`` in one thread, until it is closed."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            handler(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    return sock, sock.getsockname()[1]
+
+
 class _OneShotWorker:
     """A worker on loopback that keeps each connection open after its first answer, then closes it as the next
     request on it arrives (read, never answered): the race of a worker closing an idle kept connection just as
@@ -126,19 +144,8 @@ class _OneShotWorker:
 
     def __init__(self, reset: bool) -> None:
         self.reset, self.requests, self.dropped = reset, 0, 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self.accept, daemon=True).start()
-
-    def accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+        self.sock, self.port = _accepting(lambda conn: threading.Thread(target=self.serve, args=(conn,),
+                                                                         daemon=True).start())
 
     def serve(self, conn: socket.socket) -> None:
         conn.settimeout(30)
@@ -201,26 +208,17 @@ class _RudeRouter:
 
     def __init__(self, rude: int, reset: bool = False) -> None:
         self.rude, self.reset, self.seen = rude, reset, 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self.accept, daemon=True).start()
+        self.sock, self.port = _accepting(self.serve)
 
-    def accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
+    def serve(self, conn: socket.socket) -> None:  # one at a time, in the accepting thread
+        with conn:
+            conn.recv(65536)
+            self.seen += 1
+            if self.seen <= self.rude:
+                if self.reset:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 return
-            with conn:
-                conn.recv(65536)
-                self.seen += 1
-                if self.seen <= self.rude:
-                    if self.reset:
-                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    continue
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
 
 
 def _post_through_front(router: _RudeRouter) -> bytes:

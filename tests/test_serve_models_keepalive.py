@@ -48,12 +48,12 @@ def job_urls(job: str) -> list[str]:
     return sorted(f"http://127.0.0.1:{p}" for p in ports)
 
 
-def both_models(rec: records.ServiceRecord) -> Any:
+def both_models(rec: records.ServiceRecord, timeout: float = 10) -> Any:
     """One chat completion per call through the service's URL with the `openai` client (no retries of its own),
     to `a` and `b` in turn; the answer must come from the model asked."""
     import openai
 
-    client = openai.OpenAI(base_url=rec.url, api_key=rec.api_key, max_retries=0, timeout=10)
+    client = openai.OpenAI(base_url=rec.url, api_key=rec.api_key, max_retries=0, timeout=timeout)
     turn = itertools.cycle("ab")
 
     def send() -> None:

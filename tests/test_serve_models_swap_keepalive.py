@@ -7,7 +7,6 @@ vllm-router (multi-model mode), the real keeper.
 
 from __future__ import annotations
 
-import itertools
 import json
 import threading
 import time
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 from helpers import pbstk, wait_for
 from test_serve_models import refused
-from test_serve_models_keepalive import job_urls, workers
+from test_serve_models_keepalive import both_models, job_urls, workers
 from test_serve_models_run import chat
 from test_serve_models_swap import ROUTER, swap_svc  # noqa: F401 - swap_svc: the fixture
 from test_service import Load, handed_over_from
@@ -61,21 +60,8 @@ def both_named(first: str, successor: str) -> str | None:
 
 
 def turns(rec: records.ServiceRecord) -> Any:
-    """One chat completion per call through the service's URL with the `openai` client (no retries of its own),
-    to `a` and `b` in turn: each call may wait for a swap (sleep, wake), never be refused."""
-    import openai
-
-    client = openai.OpenAI(base_url=rec.url, api_key=rec.api_key, max_retries=0, timeout=30)
-    turn = itertools.cycle("ab")
-
-    def send() -> None:
-        model = next(turn)
-        answer = client.chat.completions.create(model=model, max_tokens=3, messages=[{"role": "user",
-                                                                                       "content": "hi"}])
-        if answer.model != model:
-            raise RuntimeError(f"asked {model}, answered by {answer.model}")
-
-    return send
+    """``both_models`` with room for a swap: each call may wait for a sleep and a wake, never be refused."""
+    return both_models(rec, timeout=30)
 
 
 def test_keep_alive_of_swapping_models_hands_over_with_zero_failures(swap_svc: Any, standins: Path,  # noqa: F811

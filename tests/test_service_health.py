@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import pbstk, wait_for
@@ -92,18 +93,24 @@ def test_a_busy_replica_stays_in_the_router_and_a_dead_one_leaves_it(monkeypatch
     assert pbstk("cancel", "hot").exit_code == 0
 
 
+def autoscaled(name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], str]:
+    """An autoscaled 1..2 service of stand-ins that take 2 requests into their engine (``PBSTK_TEST_STANDIN_ADMIT``)
+    and hold the rest unreported, as vLLM's API server does; its ``status --json`` and its key."""
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_ADMIT", "2")
+    result = serve("--name", name, "--min-replicas", "1", "--max-replicas", "2", "--scale-up-waiting", "1",
+                   "--scale-down-idle", "10m", "--vllm-arg=--max-num-seqs=2", "--wait", "--timeout", "60")
+    assert result.exit_code == 0, result.output
+    key = records.find(JobStore(), name).api_key
+    assert key
+    return service_json(name), key
+
+
 def test_an_autoscaled_service_under_a_burst_grows_with_no_failed_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a GPU run showed (vLLM 0.22.1, c=512 on one replica): the replica reported its requests running and
     none waiting while more were open, held by its API server before the engine, and its /metrics answered as late
     as its /health. The stand-in takes 2 requests into its engine (``PBSTK_TEST_STANDIN_ADMIT``), holds the rest
     unreported, and slows /metrics too: the router's open requests are what shows the queue."""
-    monkeypatch.setenv("PBSTK_TEST_STANDIN_ADMIT", "2")
-    result = serve("--name", "burst", "--min-replicas", "1", "--max-replicas", "2", "--scale-up-waiting", "1",
-                   "--scale-down-idle", "10m", "--vllm-arg=--max-num-seqs=2", "--wait", "--timeout", "60")
-    assert result.exit_code == 0, result.output
-    doc = service_json("burst")
-    key = records.find(JobStore(), "burst").api_key
-    assert key
+    doc, key = autoscaled("burst", monkeypatch)
     load = Load(doc["url"], key, workers=16, delay=0.5)  # 16 at once on a capacity of 2: 14 held, 0 waiting
     try:
         grown = wait_for(lambda: (d := service_json("burst"))["ready"] == 2 and d, 120, "a second replica in use")
@@ -130,13 +137,7 @@ def test_a_burst_right_after_a_tick_scales_up_without_waiting_for_the_next_poll(
     comes CONFIRM_S after the sighting. The burst starts right after a tick, so a keeper that waits for its next
     poll (15 s) plus the confirming look cannot scale up within the bound."""
     monkeypatch.setenv("PBSTK_SERVICE_POLL_S", "15")  # the default
-    monkeypatch.setenv("PBSTK_TEST_STANDIN_ADMIT", "2")
-    result = serve("--name", "sudden", "--min-replicas", "1", "--max-replicas", "2", "--scale-up-waiting", "1",
-                   "--scale-down-idle", "10m", "--vllm-arg=--max-num-seqs=2", "--wait", "--timeout", "60")
-    assert result.exit_code == 0, result.output
-    doc = service_json("sudden")
-    key = records.find(JobStore(), "sudden").api_key
-    assert key
+    doc, key = autoscaled("sudden", monkeypatch)
     ticks_pass("sudden", 1)  # a tick just ended: the next one is a whole poll interval away
     began = time.monotonic()
     load = Load(doc["url"], key, workers=16, delay=0.5)  # 16 at once on a capacity of 2

@@ -239,19 +239,32 @@ def _dimension(value: object) -> int:
     return number
 
 
-def kv_bytes_per_token(config: dict[str, object], dtype_bytes: int = 2) -> int | None:
-    """Bytes of KV cache one token takes in a decoder-only transformer (keys and values of every layer's KV heads,
-    16-bit by default), from its ``config.json`` (a vision-language model's ``text_config``); ``None`` when it
-    cannot be told."""
+def _text_config(config: dict[str, object]) -> dict[str, object]:
+    """The language model's part of a ``config.json`` (a vision-language model's ``text_config``)."""
     cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     assert isinstance(cfg, dict)
+    return cfg
+
+
+def _attention(cfg: dict[str, object]) -> tuple[int, int, int, int, int]:
+    """(hidden size, layers, attention heads, KV heads, head dim) of a decoder-only transformer's config;
+    ``KeyError``/``ValueError``/... for one that cannot be told."""
+    h = _dimension(cfg["hidden_size"])
+    layers = _dimension(cfg["num_hidden_layers"])
+    heads = _dimension(cfg.get("num_attention_heads", 1))
+    kv = _dimension(cfg.get("num_key_value_heads", heads))
+    return h, layers, heads, kv, _dimension(cfg.get("head_dim") or h // heads)
+
+
+_UNTOLD = (KeyError, TypeError, ValueError, OverflowError, ZeroDivisionError)
+
+
+def kv_bytes_per_token(config: dict[str, object], dtype_bytes: int = 2) -> int | None:
+    """Bytes of KV cache one token takes in a decoder-only transformer (keys and values of every layer's KV heads,
+    16-bit by default), from its ``config.json``; ``None`` when it cannot be told."""
     try:
-        h = _dimension(cfg["hidden_size"])
-        layers = _dimension(cfg["num_hidden_layers"])
-        heads = _dimension(cfg.get("num_attention_heads", 1))
-        kv = _dimension(cfg.get("num_key_value_heads", heads))
-        head_dim = _dimension(cfg.get("head_dim") or h // heads)
-    except (KeyError, TypeError, ValueError, OverflowError, ZeroDivisionError):
+        _, layers, _, kv, head_dim = _attention(_text_config(config))
+    except _UNTOLD:
         return None
     return 2 * layers * kv * head_dim * dtype_bytes
 
@@ -259,28 +272,21 @@ def kv_bytes_per_token(config: dict[str, object], dtype_bytes: int = 2) -> int |
 def context_length(config: dict[str, object]) -> int | None:
     """The longest request the model takes (``max_position_embeddings``, what vLLM's ``--max-model-len``
     defaults to), from its ``config.json``; ``None`` when absent or junk."""
-    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    assert isinstance(cfg, dict)
     try:
-        return _dimension(cfg["max_position_embeddings"])
-    except (KeyError, TypeError, ValueError, OverflowError):
+        return _dimension(_text_config(config)["max_position_embeddings"])
+    except _UNTOLD:
         return None
 
 
 def params_from_config(config: dict[str, object]) -> float | None:
     """Approximate parameter count (billions) of a decoder-only transformer from its ``config.json``."""
-    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    assert isinstance(cfg, dict)
+    cfg = _text_config(config)
     try:
-        h = _dimension(cfg["hidden_size"])
-        layers = _dimension(cfg["num_hidden_layers"])
+        h, layers, heads, kv, head_dim = _attention(cfg)
         vocab = _dimension(cfg.get("vocab_size", 32000))
         inter = _dimension(cfg.get("intermediate_size", 4 * h))
-        heads = _dimension(cfg.get("num_attention_heads", 1))
-        kv = _dimension(cfg.get("num_key_value_heads", heads))
-        head_dim = _dimension(cfg.get("head_dim") or h // heads)
         experts = _dimension(cfg.get("num_local_experts") or cfg.get("num_experts") or 1)
-    except (KeyError, TypeError, ValueError, OverflowError, ZeroDivisionError):
+    except _UNTOLD:
         return None  # not a model we can size: the layout falls back to "size unknown"
     attn = h * head_dim * (heads + 2 * kv) + heads * head_dim * h
     mlp = 3 * h * inter * experts
