@@ -9,7 +9,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,22 @@ def group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@contextmanager
+def interrupting(proc: subprocess.Popen[str], timeout: float) -> Iterator[Callable[[], str]]:
+    """``with interrupting(proc, 60) as interrupt:`` wait for the moment, then ``err = interrupt()``: SIGINT to
+    ``proc`` and its stderr once it ended (``timeout`` seconds at most). A process still running when the block
+    ends (a wait that failed) is killed."""
+    def interrupt() -> str:
+        proc.send_signal(signal.SIGINT)
+        return proc.communicate(timeout=timeout)[1]
+
+    try:
+        yield interrupt
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def local_service_profile(user: Path, router: Path | str, name: str = "svc") -> str:

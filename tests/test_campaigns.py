@@ -105,17 +105,13 @@ def test_ctrl_c_during_command_leaves_no_process_and_no_entry(standins: Path, tm
     proc = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "run", MODEL, *LOCAL, "--name", "cc",  # noqa: S603
                              "--registry", str(registry), "--", str(child)], env=_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
+    with helpers.interrupting(proc, 60) as interrupt:
         helpers.until(lambda: pidfile.exists() and pidfile.read_text().strip(), timeout=60, what="COMMAND started")
         entries = yaml.safe_load(registry.read_text())["endpoints"]
         assert list(entries) == ["cc"]  # written before COMMAND ran
         pgid = int(pidfile.read_text())
         assert helpers.group_alive(pgid)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        err = interrupt()
     assert proc.returncode == 130, err  # sh ended by the forwarded SIGINT
     assert not helpers.group_alive(pgid), "COMMAND's process group outlived pbstk run"
     assert yaml.safe_load(registry.read_text())["endpoints"] in ({}, None), err

@@ -237,17 +237,13 @@ def test_ctrl_c_reaches_every_run_and_cancels_the_service(pair: Any, tmp_path: P
                              f"{gamma}:name=g", "--profile", "gpu1", "--name", "cc", "--each", "--parallel", "2",
                              "--", str(child), "{model}"], env=_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
+    with helpers.interrupting(proc, 120) as interrupt:
         helpers.until(lambda: proc.poll() is not None or len(os.listdir(pids)) == 2 and all(
             (pids / p).read_text().strip() for p in os.listdir(pids)), timeout=180, what="two runs started")
         assert proc.poll() is None, proc.communicate()
         groups = {p: int((pids / p).read_text()) for p in os.listdir(pids)}
         assert all(helpers.group_alive(g) for g in groups.values())
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        err = interrupt()
     assert proc.returncode == 130, err
     assert not any(helpers.group_alive(g) for g in groups.values()), "a run's process group outlived pbstk run"
     rows = _table(err)

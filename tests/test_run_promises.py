@@ -248,13 +248,9 @@ def test_sigint_during_qsub_is_cancelled_and_said_once(standins: Path, fakepbs: 
     marker = tmp_path / "ran"
     helpers.set_faults(fakepbs, slow_qsub=2.0)
     proc = _popen("run", MODEL, *PBS, "--name", "sub", "--", "touch", str(marker))
-    try:
+    with helpers.interrupting(proc, 60) as interrupt:
         helpers.until(lambda: helpers.fake_jobs(fakepbs), timeout=60, what="qsub to create the job")
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        err = interrupt()
     assert proc.returncode == 130, err
     job = JobStore().find("sub").job_id
     assert "stop it with" not in err and "left as it is" not in err, err  # it is not left: run cancels it

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import MODEL, group_alive, local_service_profile, pbstk, until, wait_recorded
+from helpers import MODEL, group_alive, interrupting, local_service_profile, pbstk, until, wait_recorded
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
@@ -80,18 +80,14 @@ POINTS = ("router starting", "router ready", "replica launched")
 def test_sigint_during_serve_leaves_no_process_of_the_service(slow_router_profile: str, point: str) -> None:
     go = Path(slow_router_profile)
     proc = _serve("si")
-    try:
+    with interrupting(proc, 120) as interrupt:
         group = until(lambda: _router_group("si"), 60, "the router's wrapper to start")
         if point != "router starting":
             go.touch()
             until(lambda: (service_dir("si") / "router" / "router.json").exists(), 60, "the router to answer")
             if point == "replica launched":
                 until(lambda: _replica_recorded("si"), 60, "a replica to be recorded")
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        err = interrupt()
     assert proc.returncode == 130, err
     assert "Traceback" not in err, err
     until(lambda: not group_alive(group), 30, f"the router's process group {group} to end")
