@@ -66,6 +66,19 @@ def both_models(rec: records.ServiceRecord, timeout: float = 10) -> Any:
     return send
 
 
+def handed_over(name: str, first: str, rec: records.ServiceRecord, load: Load, more: int, within: float) -> str:
+    """Under ``load``: the slot's current job is no longer ``first``; in the tick that handed over, every model's
+    worker of ``first`` left the router (it drains now); the drain ends; ``more`` requests succeed after it
+    (``within`` s). Returns the new current job."""
+    now = wait_for(lambda: (c := records.find(JobStore(), name).slots[0].current) != first and c, 75,
+                   "the takeover", interval=0.2)
+    assert not set(job_urls(first)) & set(workers(rec)), (job_urls(first), workers(rec))
+    wait_for(handed_over_from(name, first), 30, "the drain", interval=0.5)
+    done = load.ok
+    wait_for(lambda: load.ok >= done + more, within, "load to both models after the handover")
+    return str(now)
+
+
 def test_keep_alive_carries_both_models_across_the_walltime_with_zero_failures(pair: Any) -> None:
     alpha, beta = pair
     result = pbstk("serve", f"{alpha}:name=a", f"{beta}:name=b", "--name", "kap", "--profile", "gpu1",
@@ -79,13 +92,7 @@ def test_keep_alive_carries_both_models_across_the_walltime_with_zero_failures(p
     with Load(both_models(rec), threads=2, limit_s=150) as load:
         # the successor is eligible 45 s before the 60 s walltime ends: about 15 s after the first started
         wait_for(lambda: records.find(JobStore(), "kap").slots[0].successor, 30, "a successor")
-        wait_for(lambda: records.find(JobStore(), "kap").slots[0].current != first, 75, "the takeover",
-                 interval=0.2)
-        # in the tick that handed over, every model's worker of the old job left the router (it drains now)
-        assert not set(job_urls(first)) & set(workers(rec)), (job_urls(first), workers(rec))
-        wait_for(handed_over_from("kap", first), 30, "the drain", interval=0.5)
-        done = load.ok
-        wait_for(lambda: load.ok >= done + 20, 30, "load to both models after the handover")
+        handed_over("kap", first, rec, load, more=20, within=30)
     print(f"multi-model keep-alive handover under load: {load.ok} ok, {load.failed} failed: {load.errors[:3]}")
     assert load.failed == 0, load.errors
     assert load.ok >= 40

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from helpers import pbstk, wait_for
 from test_serve_models import refused
-from test_serve_models_keepalive import both_models, job_urls, workers
+from test_serve_models_keepalive import both_models, handed_over, job_urls, workers
 from test_serve_models_run import chat
 from test_serve_models_swap import ROUTER, swap_svc  # noqa: F401 - swap_svc: the fixture
-from test_service import Load, handed_over_from
+from test_service import Load
 
 from pbs_toolkit.client import Client
 from pbs_toolkit.jobs.store import JobStore
@@ -88,12 +88,7 @@ def test_keep_alive_of_swapping_models_hands_over_with_zero_failures(swap_svc: A
         overlap = wait_for(lambda: both_named(first, successor), 45, "status naming both jobs running",
                            interval=0.05)
         wait_for(lambda: len(swap_json(successor)) == 2, 60, "the successor's swapper")
-        wait_for(lambda: records.find(JobStore(), "ksw").slots[0].current == successor, 75, "the takeover",
-                 interval=0.2)
-        assert not set(job_urls(first)) & set(workers(rec)), (job_urls(first), workers(rec))
-        wait_for(handed_over_from("ksw", first), 30, "the drain", interval=0.5)
-        done = load.ok
-        wait_for(lambda: load.ok >= done + 10, 60, "load to both models after the handover")
+        assert handed_over("ksw", first, rec, load, more=10, within=60) == successor
     print(f"swapping keep-alive handover under load: {load.ok} ok, {load.failed} failed: {load.errors[:3]}")
     print(overlap)
     rows = {line.split()[1]: line.split()[2] for line in overlap.splitlines() if line.startswith("r0 ")}
