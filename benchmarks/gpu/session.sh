@@ -2,16 +2,18 @@
 # One device call of a session on a lent 4-GPU machine, from the checkout root there, results under OUT:
 #   bash benchmarks/gpu/session.sh setup          install vLLM (the staged parts), pbstk's wheels and the router,
 #                                                 compile the bytecode once, write the models
-#   bash benchmarks/gpu/session.sh A|B|C|D        one step of issue 28/30/31's measurements (below); each starts by
+#   bash benchmarks/gpu/session.sh A|B|C|D|E      one step of issue 28/30/31's measurements (below); each starts by
 #                                                 cancelling whatever an earlier, cut call left running
 # A: GPUs 0,1 dp2 then a 2-replica service at c=256 and 1024 (issue 28), beside it GPU 2 three models packed and
 #    alone, GPU 3 three models swapped (issue 31). B: GPUs 0,1 the autoscaled burst and the 1-replica service at c=512
 #    (28), GPU 2 `run --each` against separate runs (31), GPU 3 the VL image chat and the text-only switch (30).
 # C, D: the VL model's `pbstk tune` on all four GPUs with images (30), split in two calls (one call is at most 600 s).
-# STEP_S (default 540) bounds every stream of a step.
+# E: what A and B left open after session 10, in one call: GPUs 0,1 the autoscaled burst then the 1-replica service
+#    at c=512 (28, BURST1 prompts, default 4000), GPU 2 three models packed and alone, GPU 3 `run --each` (31).
+# STEP_S (default 540) bounds the whole step: every stream ends by then.
 set -uo pipefail
 out=${OUT:?OUT: where the results go}
-step=${1:?setup|A|B|C|D}
+step=${1:?setup|A|B|C|D|E}
 cap=${STEP_S:-540}
 # shellcheck source=benchmarks/gpu/setup_device.sh
 source benchmarks/gpu/setup_device.sh
@@ -24,9 +26,12 @@ clean() {  # what a cut call left: pbstk's jobs and services, then any vLLM or r
   done
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader | tr '\n' ' '; echo
 }
-stream() {  # NAME COMMAND...: one bounded stream, its output in OUT/NAME.log
-  local name=$1; shift
-  timeout "$cap" "$@" >"$out/$name.log" 2>&1; echo "[$name] exit $?" | tee -a "$out/$name.log"
+deadline=$(( $(date +%s) + cap ))
+stream() {  # NAME COMMAND...: one stream, cut at the step's deadline (streams that follow each other share it)
+  local name=$1 left; shift
+  left=$(( deadline - $(date +%s) ))
+  [ "$left" -gt 5 ] || { echo "[$name] no time left" | tee "$out/$name.log"; return 0; }
+  timeout "$left" "$@" >"$out/$name.log" 2>&1; echo "[$name] exit $?" | tee -a "$out/$name.log"
 }
 mkdir -p "$out"
 case "$step" in
@@ -54,6 +59,15 @@ case "$step" in
       stream m-each bash benchmarks/gpu/run_models.sh "$out/m" each &
     CUDA_VISIBLE_DEVICES=3 PORT=8400 CACHE_ROOT=/tmp/vcc-vl1 GPUS=1 PRESET=single stream vl-chat bash benchmarks/gpu/run_vl.sh "$out/v" chat &
     CUDA_VISIBLE_DEVICES=0,1 BURST=12000 stream s-burst bash benchmarks/gpu/run_service.sh "$out/s" autoscale-c512 svc1-c512
+    wait ;;
+  E)
+    clean
+    CUDA_VISIBLE_DEVICES=2 PORT=8300 CACHE_ROOT=/tmp/vcc-packed PROMPTS=${PROMPTS31:-300} \
+      stream m-packed bash benchmarks/gpu/run_models.sh "$out/m" packed &
+    CUDA_VISIBLE_DEVICES=3 PORT=8400 CACHE_ROOT=/tmp/vcc-each PROMPTS=${PROMPTS31:-300} \
+      stream m-each bash benchmarks/gpu/run_models.sh "$out/m" each &
+    CUDA_VISIBLE_DEVICES=0,1 BURST=12000 stream s-burst bash benchmarks/gpu/run_service.sh "$out/s" autoscale-c512
+    CUDA_VISIBLE_DEVICES=0,1 BURST=${BURST1:-4000} stream s-svc1 bash benchmarks/gpu/run_service.sh "$out/s1" svc1-c512
     wait ;;
   C) clean; stream vl-tune-1 bash benchmarks/gpu/run_vl.sh "$out/v" tune dp4,baseline-eager ;;
   D) clean; stream vl-tune-2 bash benchmarks/gpu/run_vl.sh "$out/v" tune tp4,tp2dp2 ;;
