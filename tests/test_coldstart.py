@@ -207,6 +207,36 @@ def test_compile_cache_is_keyed_and_jit_caches_stay_node_local(make_job: Any, tm
     assert not (root / ".pbstk-compiling").exists() and not (root / ".pbstk-compiled").exists()
 
 
+def test_every_key_shares_one_modelinfos_so_a_new_layout_skips_the_registry_subprocess(make_job: Any,
+                                                                                        tmp_path: Path) -> None:
+    """vLLM keeps what its registry learnt of a model class in VLLM_CACHE_ROOT/modelinfos (else a fresh Python process
+    imports torch and vLLM to learn it: 27-35 s on a lent H100 host). Keys per layout must not each start empty."""
+    site = fake_packages(tmp_path / "site", torch="2.11.0", vllm="0.22.1")
+    cache = tmp_path / "cache"
+    roots = []
+    for preset, gpus in (("single", 1), ("dp2", 2)):
+        job = make_job({"vllm_cache_root": str(cache)}, preset=preset, gpus_per_node=gpus)
+        job.start(PYTHONPATH=str(site), PBSTK_JIT_DIR=str(tmp_path / "jit"))
+        job.wait_phase("ready")
+        roots.append(Path(job.records("argv.jsonl")[0]["env"]["VLLM_CACHE_ROOT"]))
+        job.kill()
+    assert roots[0] != roots[1] and {r.name for r in roots} == {"DP1", "DP2"}
+    shared = cache / "modelinfos"
+    for root in roots:
+        assert (root / "modelinfos").resolve() == shared.resolve()
+    # what one key's engine wrote (vLLM writes it atomically, keyed by the module's hash), the other key reads
+    (roots[0] / "modelinfos" / "qwen3.json").write_text("{}")
+    assert (roots[1] / "modelinfos" / "qwen3.json").read_text() == "{}"
+    # a key that already has its own modelinfos (written before this change) keeps it
+    own = cache / "torch-2.11.0_vllm-0.22.1" / roots[0].parent.name / "TP2"
+    (own / "modelinfos").mkdir(parents=True)
+    job = make_job({"vllm_cache_root": str(cache)}, preset="tp2", gpus_per_node=2)
+    job.start(PYTHONPATH=str(site), PBSTK_JIT_DIR=str(tmp_path / "jit"))
+    job.wait_phase("ready")
+    assert Path(job.records("argv.jsonl")[0]["env"]["VLLM_CACHE_ROOT"]) == own
+    assert not (own / "modelinfos").is_symlink()
+
+
 def _keyed_root(cache: Path) -> Path:
     return next(cache.glob("torch-*/*/*"))
 

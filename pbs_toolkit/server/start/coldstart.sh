@@ -107,6 +107,12 @@ pbstk_cache_key() {
   keyed="$keyed/$(pbstk_key_part "$CACHE_KEY_MODEL")/$(pbstk_key_part "$CACHE_KEY_LAYOUT")"
   if mkdir -p "$keyed" 2>/dev/null; then
     export VLLM_CACHE_ROOT="$keyed"
+    # vLLM's registry learns a model class's traits in a fresh Python process (a whole torch + vLLM import: 27-35 s
+    # on a lent 4x H100 host) unless VLLM_CACHE_ROOT/modelinfos has them. Its entries are keyed by the model
+    # module's hash and written atomically, so every key shares one: only the first start of a class pays.
+    if [ ! -e "$keyed/modelinfos" ] && mkdir -p "$VLLM_CACHE_DIR/modelinfos" 2>/dev/null; then
+      ln -s "$VLLM_CACHE_DIR/modelinfos" "$keyed/modelinfos" 2>/dev/null || true
+    fi
   fi
   pbstk_log "compile cache: $VLLM_CACHE_ROOT (torch $JOB_TORCH, vLLM ${vllm:-unknown})"
 }
