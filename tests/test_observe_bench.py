@@ -19,6 +19,7 @@ from pbs_toolkit.perf.bench import (
     run_benchmark_sync,
     vllm_bench_argv,
 )
+from pbs_toolkit.perf.benchjob import warmups_for
 
 
 class FakeVLLM(BaseHTTPRequestHandler):
@@ -176,6 +177,15 @@ def test_vllm_bench_argv():
     assert "--ignore-eos" in argv and "--save-result" in argv
     assert argv[-4:] == ["--result-dir", "/runs/r1", "--result-filename", "c64.json"]
     assert "--tokenizer" not in vllm_bench_argv("http://n1:8000", "q", None, 1, 1, 1, 1, "d", "f")
+    assert "--num-warmups" not in argv
+    warm = vllm_bench_argv("http://n1:8000", "q", None, 64, 640, 1, 1, "d", "f", warmups=64)
+    assert warm[warm.index("--num-warmups") + 1] == "64"
+
+
+def test_warmups_fill_the_slots_up_to_a_bound_where_the_jobs_vllm_has_the_flag():
+    assert [warmups_for(c, "0.22.1") for c in (1, 64, 256)] == [1, 64, 64]
+    assert warmups_for(256, "") == 64 and warmups_for(8, "not-a-version") == 8  # unknown: the flag is tried
+    assert warmups_for(8, "0.11.0") == 0 and warmups_for(8, "0.11.1") == 8  # vllm#26943 came in 0.11.1
 
 
 def test_load_vllm_bench_json(tmp_path: Path):

@@ -183,6 +183,8 @@ def test_bench_with_vllms_own_client_keeps_the_key_out_of_argv(standins: Path) -
         assert first[1:3] == ["bench", "serve"] and "--ignore-eos" in first
         assert first[first.index("--max-concurrency") + 1] == "1"
         assert first[first.index("--base-url") + 1].startswith("http://127.0.0.1:")
+        # each level warms up first, one request per slot (a first-use kernel compile stays out of the figures)
+        assert [argv[argv.index("--num-warmups") + 1] for argv in calls] == ["1", "4"]
     finally:
         pbstk("cancel", job)
 

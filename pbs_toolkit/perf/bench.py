@@ -364,12 +364,14 @@ def vllm_bench_argv(
     *,
     executable: Sequence[str] = ("vllm",),
     images: ImageLoad | None = None,
+    warmups: int = 0,
 ) -> list[str]:
     """The ``vllm bench serve`` command line for a random-dataset run saved as JSON (``random-mm`` through the
     chat endpoint with ``images``).
 
     The API key is not an argument: export ``OPENAI_API_KEY`` for the command. ``executable`` replaces
     ``vllm`` where the console script does not work (e.g. ``("python", "-m", "vllm.entrypoints.cli.main")``).
+    ``warmups``: requests sent (at the same concurrency) before the measured ones, ``--num-warmups`` (vLLM >= 0.11.1).
     """
     argv = [
         *executable,
@@ -399,4 +401,6 @@ def vllm_bench_argv(
         "--result-filename",
         result_filename,
     ]
+    if warmups > 0:
+        argv += ["--num-warmups", str(warmups)]
     return argv
