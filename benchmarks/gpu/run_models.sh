@@ -9,12 +9,14 @@
 #           against a fresh `pbstk launch` of the same 8B to READY; the swapper's log and `status`
 #   each    `pbstk run` of the three packed models with `--each` running one `vllm bench serve` per model,
 #           against three separate `pbstk run`s of the same command; then `pbstk usage --json` of both
-# Usage, from the checkout root there:  bash benchmarks/gpu/run_models.sh OUT_DIR packed|swap|each [...]
+#   solo    only packed's second half (each model launched alone); sep: only each's second half (the separate runs);
+#           MODELS="q17:1.7b q4:4b" picks which (NAME:SIZE, default all three)
+# Usage, from the checkout root there:  bash benchmarks/gpu/run_models.sh OUT_DIR packed|swap|each|solo|sep [...]
 # PROMPTS (default 1000) prompts per bench (128 in / 256 out, --ignore-eos). To share a machine with another run on
 # other GPUs: CUDA_VISIBLE_DEVICES=2, PORT (the first port tried, default 8000), CACHE_ROOT (vLLM's compile cache, so
 # that two runs never write one cache entry at once; default /tmp/vllm-compile-cache).
 set -euo pipefail
-out=${1:?usage: run_models.sh OUT_DIR packed|swap|each [...]}
+out=${1:?usage: run_models.sh OUT_DIR packed|swap|each|solo|sep [...]}
 shift
 mkdir -p "$out"
 # shellcheck source=benchmarks/gpu/setup_device.sh
@@ -61,6 +63,38 @@ print(f"[{label}] {model}: first token after {time.time() - t0:.2f} s")
 PY
 }
 
+# the eval command of `each` and `sep`: one `vllm bench serve` against the run's server (its root comes from run's
+# environment, PBSTK_SERVER_ROOT); its arguments: prompts, result dir, the result's prefix, then the model
+# shellcheck disable=SC2016  # expanded by the inner shell, in the run
+cmd=(bash -c 'exec vllm bench serve --base-url "$PBSTK_SERVER_ROOT" --backend openai --endpoint /v1/completions \
+  --dataset-name random --random-input-len 128 --random-output-len 256 --ignore-eos --max-concurrency 64 \
+  --num-prompts "$1" --save-result --result-dir "$2" --result-filename "$3-$4.json" --model "$4" \
+  --tokenizer /root/qwen3-1.7b' bench "$prompts" "$out")
+models=${MODELS:-q06:0.6b q17:1.7b q4:4b}  # NAME:SIZE of the models that `solo` and `sep` run
+
+solo() {  # PROFILE: each of MODELS launched alone (`--preset single`), the same bench as packed's
+  local m
+  for m in $models; do
+    pbstk launch "/root/qwen3-${m##*:}" --name "solo-${m%%:*}" --served-model-name "${m%%:*}" --preset single \
+      --gpus-per-node 1 --profile "$1" "${dummy[@]}" --wait --timeout 900
+    eval "$(pbstk env "solo-${m%%:*}")"
+    bench "solo-${m%%:*}" "${m%%:*}" "/root/qwen3-${m##*:}" 64
+    pbstk cancel "solo-${m%%:*}"
+  done
+}
+
+separate() {  # PROFILE: one `pbstk run` a model of MODELS (the eval of `each`, alone), then everyone's usage
+  local m t0
+  t0=$(date +%s)
+  for m in $models; do
+    pbstk run "/root/qwen3-${m##*:}" --name "sep-${m%%:*}" --served-model-name "${m%%:*}" --preset single \
+      --gpus-per-node 1 --profile "$1" "${dummy[@]}" -- "${cmd[@]}" sep "${m%%:*}" >"$out/sep-${m%%:*}.txt" 2>&1 || true
+  done
+  echo "[each] separate runs of $models: $(( $(date +%s) - t0 )) s" | tee -a "$out/each-run.txt"
+  pbstk usage --json >"$out/usage.json" || true
+  pbstk usage | tee "$out/usage.txt" || true
+}
+
 for what in "$@"; do
   start=$(date +%s)
   case "$what" in
@@ -76,13 +110,9 @@ for what in "$@"; do
       for m in q06:0.6b q17:1.7b q4:4b; do bench "packed-${m%%:*}-together" "${m%%:*}" "/root/qwen3-${m##*:}" 64 & done
       wait
       pbstk cancel packed
-      for m in q06:0.6b q17:1.7b q4:4b; do
-        pbstk launch "/root/qwen3-${m##*:}" --name "solo-${m%%:*}" --served-model-name "${m%%:*}" --preset single \
-          --gpus-per-node 1 --profile "$p" "${dummy[@]}" --wait --timeout 900
-        eval "$(pbstk env "solo-${m%%:*}")"
-        bench "solo-${m%%:*}" "${m%%:*}" "/root/qwen3-${m##*:}" 64
-        pbstk cancel "solo-${m%%:*}"
-      done ;;
+      solo "$p" ;;
+    solo)  # only the models alone (MODELS), for a call that packed's cut left without them
+      solo "$(profile packed1 1 "$real_gb")" ;;
     swap)
       p=$(profile swap1 1 36)  # 36 GB a GPU on paper: 8B (0.70) cannot stay awake beside 4B (0.45) or 1.7B (0.30)
       pbstk serve /root/qwen3-1.7b:name=q17 /root/qwen3-4b:name=q4 /root/qwen3-8b:name=q8 --name swap \
@@ -106,26 +136,15 @@ for what in "$@"; do
       pbstk cancel fresh-q8 ;;
     each)
       p=$(profile each1 1 "$real_gb")
-      # the server's root comes from run's environment (PBSTK_SERVER_ROOT), the model as the last word
-      # shellcheck disable=SC2016  # expanded by the inner shell, in the run
-      # (its arguments: prompts, result dir, the result's prefix, then the model)
-      cmd=(bash -c 'exec vllm bench serve --base-url "$PBSTK_SERVER_ROOT" --backend openai --endpoint /v1/completions \
-        --dataset-name random --random-input-len 128 --random-output-len 256 --ignore-eos --max-concurrency 64 \
-        --num-prompts "$1" --save-result --result-dir "$2" --result-filename "$3-$4.json" --model "$4" \
-        --tokenizer /root/qwen3-1.7b' bench "$prompts" "$out")
       t0=$(date +%s)
       pbstk run /root/qwen3-0.6b:name=q06 /root/qwen3-1.7b:name=q17 /root/qwen3-4b:name=q4 --name each \
         --profile "$p" "${dummy[@]}" --each -- "${cmd[@]}" each '{model}' \
         2>&1 | tee "$out/each-run.txt" | grep -E "Output token throughput|MODEL|q06|q17|q4" || true
       echo "[each] one run over three models: $(( $(date +%s) - t0 )) s" | tee -a "$out/each-run.txt"
-      t0=$(date +%s)
-      for m in q06:0.6b q17:1.7b q4:4b; do
-        pbstk run "/root/qwen3-${m##*:}" --name "sep-${m%%:*}" --served-model-name "${m%%:*}" --preset single \
-          --gpus-per-node 1 --profile "$p" "${dummy[@]}" -- "${cmd[@]}" sep "${m%%:*}" >"$out/sep-${m%%:*}.txt" 2>&1 || true
-      done
-      echo "[each] three separate runs: $(( $(date +%s) - t0 )) s" | tee -a "$out/each-run.txt"
-      pbstk usage --json >"$out/usage.json" || true
-      pbstk usage | tee "$out/usage.txt" || true ;;
+      separate "$p" ;;
+    sep)  # only the separate runs (MODELS), for a call that each's cut left without them
+      p=$(profile each1 1 "$real_gb")
+      separate "$p" ;;
     *) echo "unknown: $what" >&2; exit 2 ;;
   esac
   echo "== $what took $(( $(date +%s) - start )) s"

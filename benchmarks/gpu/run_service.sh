@@ -158,7 +158,13 @@ for what in "$@"; do
       t0=$(date +%s)
       bench autoscale-c512 512 "$burst"
       kill "$counter" 2>/dev/null || true; wait "$counter" 2>/dev/null || true
-      awk -v t0="$t0" '$2 >= 2 && !s {print "[autoscale-c512] 2 replicas ready " $1 - t0 " s after the burst began"; s=1}' "$out/auto.replicas" || true
+      # the load reached the router when vllm bench serve's main run began: its JSON's end time less its duration
+      # (the client's own start, ~20 s of imports and 12,000 prompts made on a lent host, is not the burst's)
+      load0=$(python3 -c 'import datetime, json, sys; d = json.load(open(sys.argv[1]))
+print(round(datetime.datetime.strptime(d["date"], "%Y%m%d-%H%M%S").timestamp() - d["duration"]))' \
+        "$out/autoscale-c512.json" 2>/dev/null) || load0=$t0
+      awk -v t0="$load0" -v b="$t0" '$2 >= 2 && !s {print "[autoscale-c512] 2 replicas ready " $1 - t0 " s after the load reached the router (" t0 - b " s after the client started)"; s=1}' "$out/auto.replicas" || true
+      echo "[autoscale-c512] the load reached the router at $(date -d "@$load0" +%T)" 
       pbstk status auto
       keeper_log auto
       pbstk cancel auto ;;

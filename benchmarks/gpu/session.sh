@@ -2,7 +2,7 @@
 # One device call of a session on a lent 4-GPU machine, from the checkout root there, results under OUT:
 #   bash benchmarks/gpu/session.sh setup          install vLLM (the staged parts), pbstk's wheels and the router,
 #                                                 compile the bytecode once, write the models
-#   bash benchmarks/gpu/session.sh A|B|C|D|E      one step of issue 28/30/31's measurements (below); each starts by
+#   bash benchmarks/gpu/session.sh A|...|J        one step of issue 28/30/31's measurements (below); each starts by
 #                                                 cancelling whatever an earlier, cut call left running
 # A: GPUs 0,1 dp2 then a 2-replica service at c=256 and 1024 (issue 28), beside it GPU 2 three models packed and
 #    alone, GPU 3 three models swapped (issue 31). B: GPUs 0,1 the autoscaled burst and the 1-replica service at c=512
@@ -10,16 +10,19 @@
 # C, D: the VL model's `pbstk tune` on all four GPUs with images (30), split in two calls (one call is at most 600 s).
 # E: what A and B left open after session 10, in one call: GPUs 0,1 the autoscaled burst then the 1-replica service
 #    at c=512 (28, BURST1 prompts, default 4000), GPU 2 three models packed and alone, GPU 3 `run --each` (31).
+# What session 11 left open, in four calls: G, H the VL tune of baseline-eager,tp4 then tp2dp2,dp4 (30); I dp2 on
+# GPUs 0,1 beside the 2-replica service on GPUs 2,3 at c=256 and 1024, at the same time (28); J the 1.7B and 4B
+# alone on GPU 2 (31's packed against alone) beside their separate `pbstk run`s on GPU 3 (31's node-hours).
 # STEP_S (default 540) bounds the whole step: every stream ends by then.
 set -uo pipefail
 out=${OUT:?OUT: where the results go}
-step=${1:?setup|A|B|C|D|E}
+step=${1:?setup|A|B|C|D|E|G|H|I|J}
 cap=${STEP_S:-540}
 # shellcheck source=benchmarks/gpu/setup_device.sh
 source benchmarks/gpu/setup_device.sh
 clean() {  # what a cut call left: pbstk's jobs and services, then any vLLM or router still holding a GPU
   python3 -m pbs_toolkit cancel --all >/dev/null 2>&1 || true
-  pkill -f 'vllm serve|vllm-router|pbstk_swapper' 2>/dev/null || true
+  pkill -f '[v]llm serve|[v]llm-router|[p]bstk_swapper' 2>/dev/null || true  # [v]: never this shell's own line
   for _ in $(seq 30); do
     [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && break
     sleep 1
@@ -68,6 +71,21 @@ case "$step" in
       stream m-each bash benchmarks/gpu/run_models.sh "$out/m" each &
     CUDA_VISIBLE_DEVICES=0,1 BURST=12000 stream s-burst bash benchmarks/gpu/run_service.sh "$out/s" autoscale-c512
     CUDA_VISIBLE_DEVICES=0,1 BURST=${BURST1:-4000} stream s-svc1 bash benchmarks/gpu/run_service.sh "$out/s1" svc1-c512
+    wait ;;
+  G) clean; stream vl-tune-g bash benchmarks/gpu/run_vl.sh "$out/v" tune baseline-eager,tp4 ;;
+  H) clean; stream vl-tune-h bash benchmarks/gpu/run_vl.sh "$out/v" tune tp2dp2,dp4 ;;
+  I)
+    clean
+    CUDA_VISIBLE_DEVICES=2,3 PORT=8200 LEVELS="256 1024" C1=0 PAIR=0 \
+      stream s-service bash benchmarks/gpu/run_service.sh "$out/svc" service &
+    CUDA_VISIBLE_DEVICES=0,1 LEVELS="256 1024" stream s-dp2 bash benchmarks/gpu/run_service.sh "$out/dp2" dp2
+    wait ;;
+  J)
+    clean
+    CUDA_VISIBLE_DEVICES=2 PORT=8300 CACHE_ROOT=/tmp/vcc-packed PROMPTS=${PROMPTS31:-300} MODELS="q17:1.7b q4:4b" \
+      stream m-solo bash benchmarks/gpu/run_models.sh "$out/m" solo &
+    CUDA_VISIBLE_DEVICES=3 PORT=8400 CACHE_ROOT=/tmp/vcc-each PROMPTS=${PROMPTS31:-300} MODELS="q17:1.7b q4:4b" \
+      stream m-sep bash benchmarks/gpu/run_models.sh "$out/m" sep
     wait ;;
   C) clean; stream vl-tune-1 bash benchmarks/gpu/run_vl.sh "$out/v" tune dp4,baseline-eager ;;
   D) clean; stream vl-tune-2 bash benchmarks/gpu/run_vl.sh "$out/v" tune tp4,tp2dp2 ;;
