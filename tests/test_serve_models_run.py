@@ -304,3 +304,43 @@ def test_a_model_that_loses_its_port_to_another_process_starts_on_another(gpu_sv
     log = (Path(JobStore().find(job).run_dir) / "vllm.log").read_text()
     assert "was taken while its vLLM started; trying another one" in log, log
     assert "was taken while vLLM started; trying another one" in log, log
+
+
+def test_models_on_other_gpus_start_side_by_side_and_on_one_gpu_in_turn(isolated_user: Path, standins: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One job on three GPUs: the job's own model a on one, e on another, c and d (small) share the third. e and c
+    start at once; d waits until c listens; a starts last, as before. Before, every other model waited for the one
+    before it: a job paid the sum of its models' starts (on a lent H100 host 92-122 s each) where the longest was
+    enough."""
+    root = multi_profile(isolated_user, monkeypatch, "gpu3", "scheduler: local\nport: 8000\n")
+    profile = isolated_user / "config" / "pbstk" / "profiles" / "gpu3.yaml"
+    profile.write_text(profile.read_text().replace("gpus_per_node: 1", "gpus_per_node: 3"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "2")  # each vLLM listens 2 s after it starts
+    a, e, c, d = (checkpoint(root, n, size) for n, size in (("a", 3_400_000_000), ("e", 3_400_000_000),
+                                                            ("c", 1_200_000_000), ("d", 1_200_000_000)))
+    specs = (f"{a}:name=a:preset=single", f"{e}:name=e:preset=single", f"{c}:name=c", f"{d}:name=d")
+    try:
+        plan = json.loads(pbstk("serve", *specs, "--name", "four", "--profile", "gpu3", "--dry-run", "--json").stdout)
+        gpus = {m["served_model_name"]: m["gpus"] for m in plan["models"]}
+        assert len({m["job"] for m in plan["models"]}) == 1, plan
+        assert plan["models"][0]["served_model_name"] == "a" and gpus["c"] == gpus["d"] != gpus["e"] != gpus["a"]
+        result = pbstk("serve", *specs, "--name", "four", "--profile", "gpu3", "--wait", "--timeout", "120")
+        assert result.exit_code == 0, result.output
+        rec = records.find(JobStore(), "four")
+        run_dir = Path(JobStore().find(rec.slots[0].current).run_dir)
+        lines = [line for line in (run_dir / "vllm.log").read_text().splitlines() if line.startswith("pbstk:")]
+
+        def at(text: str) -> int:
+            return next(i for i, line in enumerate(lines) if text in line)
+
+        assert max(at("model e: starting"), at("model c: starting")) < min(
+            at("model e is listening"), at("model c is listening")), lines  # side by side
+        assert at("model c is listening") < at("model d: starting"), lines  # in turn on c's GPU
+        assert at("model e is listening") < at("attempt 1: starting vLLM"), lines  # the job's own model last
+        for model in ("a", "e", "c", "d"):
+            answer = chat(rec.url, rec.api_key, model)
+            assert answer.status_code == 200 and answer.json()["model"] == model, answer.text
+        assert pbstk("cancel", "four").exit_code == 0
+    finally:
+        _stop_services()

@@ -1,8 +1,9 @@
 # --- several models in one job (docs/multi-model.md; only in the script of a multi-model job) ---
 # Each other model (CO_MODEL_K, K = 1..CO_MODELS) gets its own vLLM: its planned GPUs (CUDA_VISIBLE_DEVICES), a
-# free port of the job's window, its served name and arguments, its own log (vllm.model<K+1>.log). They start
-# one after the other, each once the previous one listens (vLLM binds its port only once its engine is up, so
-# models sharing a GPU never start at once), then the first model starts as in a one-model job on MAIN_GPUS.
+# free port of the job's window, its served name and arguments, its own log (vllm.model<K+1>.log). Models on
+# other GPUs start side by side; one that shares a GPU with a model still starting waits until that one listens
+# (vLLM binds its port only once its engine is up, so models sharing a GPU never start at once); then the first
+# model starts as in a one-model job on MAIN_GPUS.
 # server.json's `models` field lists `SERVED@PORT` of the others (the keeper registers each with the router);
 # they all stop when the script ends, however it ends (a stop signal, the first model's exit, a failure).
 # Swapping (SWAP_MAX_AWAKE > 0; docs/multi-model.md "Swapping"): a model with CO_SWAP_K (MAIN_SWAP for the first)
@@ -119,12 +120,12 @@ pbstk_root_cause() {
   printf -v "$1" '%s' "$_cause"
 }
 
-# pbstk_start_model K: start model K and wait until it answers as itself (or fail the job: it died first; a port
-# taken between the free-port look and vLLM's bind is a race, retried on another port up to PORT_SPAN times); a
-# swapping model then falls asleep, and SWAP_ARGS gets its line for the swapper
-pbstk_start_model() {
-  local k=$1 model served gpus swap co_port='' cvd log pid since races=0 cause
-  local -a args cmd envs=()
+# pbstk_launch_model K: start model K's vLLM on a free port (none of the ports of the models still starting) in
+# the background; CO_PID_K, CO_PORT_K, CO_SINCE_K (its log's size before it) and CO_SLOT_K (its entry in CO_PIDS and
+# CO_NAMES: a stop while it starts ends it too, by the EXIT trap) say where it is
+pbstk_launch_model() {
+  local k=$1 model served gpus swap co_port='' cvd log slot
+  local -a args cmd envs=() avoid=()
   model="CO_MODEL_$k" served="CO_SERVED_$k" gpus="CO_GPUS_$k" swap="CO_SWAP_$k"
   local ref="CO_ARGS_${k}[@]"
   args=("${!ref}")
@@ -136,34 +137,95 @@ pbstk_start_model() {
   if [ "${#API_KEY_ARGS[@]}" -gt 0 ]; then  # vLLM <= 0.22 prints the key in its "non-default args" line (setup.sh)
     (umask 077 && : >>"$log") && chmod go= "$log" 2>/dev/null
   fi
-  while true; do
-    pbstk_free_port co_port "$PROBE_HOST" "$PORT_LO" "$PORT_HI" || pbstk_fail "no free port in $PORT_LO..$PORT_HI on $NODE for model ${!served}"
-    pbstk_log "model ${!served}: starting vLLM on $ADDRESS:$co_port (GPUs ${cvd:-all of the job}), log $log"
-    since=$(stat -c %s "$log" 2>/dev/null || echo 0)
-    env "${envs[@]}" "${cmd[@]}" "${args[@]}" --host "$BIND_HOST" --port "$co_port" "${API_KEY_ARGS[@]}" >>"$log" 2>&1 &
-    pid=$!
-    CO_PIDS+=("$pid")  # a stop while it starts ends it too (the EXIT trap)
-    CO_NAMES+=("${!served}@$co_port")
-    until pbstk_port_in_use "$PROBE_HOST" "$co_port" && pbstk_model_answers "$co_port" "${!served}"; do
-      kill -0 "$pid" 2>/dev/null || break
-      pbstk_sleep
+  for slot in "${CO_STARTING[@]}"; do avoid+=("$(pbstk_co_var PORT "$slot")"); done
+  pbstk_free_port co_port "$PROBE_HOST" "$PORT_LO" "$PORT_HI" "${avoid[@]}" \
+    || pbstk_fail "no free port in $PORT_LO..$PORT_HI on $NODE for model ${!served}"
+  pbstk_log "model ${!served}: starting vLLM on $ADDRESS:$co_port (GPUs ${cvd:-all of the job}), log $log"
+  printf -v "CO_SINCE_$k" '%s' "$(stat -c %s "$log" 2>/dev/null || echo 0)"
+  env "${envs[@]}" "${cmd[@]}" "${args[@]}" --host "$BIND_HOST" --port "$co_port" "${API_KEY_ARGS[@]}" >>"$log" 2>&1 &
+  printf -v "CO_PID_$k" '%s' "$!"
+  printf -v "CO_PORT_$k" '%s' "$co_port"
+  slot=$(pbstk_co_var SLOT "$k")
+  [ -n "$slot" ] || { slot=${#CO_NAMES[@]}; printf -v "CO_SLOT_$k" '%s' "$slot"; }  # CO_NAMES: never unset
+  CO_PIDS[slot]=$(pbstk_co_var PID "$k")
+  CO_NAMES[slot]="${!served}@$co_port"
+}
+
+# pbstk_co_var NAME K: the value of CO_NAME_K ("" when unset)
+pbstk_co_var() { local v="CO_$1_$2"; printf '%s' "${!v:-}"; }
+
+# pbstk_gpus_overlap A B: do two planned GPU lists share a GPU ("" is all of the job's, which shares every one)?
+pbstk_gpus_overlap() {
+  local a b
+  [ -z "$1" ] || [ -z "$2" ] && return 0
+  for a in ${1//,/ }; do for b in ${2//,/ }; do [ "$a" = "$b" ] && return 0; done; done
+  return 1
+}
+
+# pbstk_await_models: wait until every model of CO_STARTING answers as itself (or fail the job: one died first; a
+# port taken between the free-port look and vLLM's bind is a race, retried on another port up to PORT_SPAN times);
+# a swapping model then falls asleep. Then CO_LIST and SWAP_ARGS get their lines, in the models' order.
+pbstk_await_models() {
+  local k served swap log races cause pid port
+  local -a left
+  while [ "${#CO_STARTING[@]}" -gt 0 ]; do
+    left=()
+    for k in "${CO_STARTING[@]}"; do
+      served="CO_SERVED_$k" swap="CO_SWAP_$k" log="$RUN_DIR/vllm.model$((k + 1)).log"
+      pid=$(pbstk_co_var PID "$k") port=$(pbstk_co_var PORT "$k")
+      if pbstk_port_in_use "$PROBE_HOST" "$port" && pbstk_model_answers "$port" "${!served}"; then
+        pbstk_log "model ${!served} is listening on $ADDRESS:$port"
+        if [ "${!swap}" = true ]; then
+          pbstk_swap_post "$port" '/sleep?level=1' || pbstk_fail "model ${!served} did not fall asleep (see $log)"
+          pbstk_log "model ${!served} is asleep until a request for it comes"
+        fi
+        CO_UP+=("$k")
+        continue
+      fi
+      left+=("$k")
+      kill -0 "$pid" 2>/dev/null && continue
+      wait "$pid" 2>/dev/null
+      races=$(pbstk_co_var RACES "$k")
+      if tail -c +"$(($(pbstk_co_var SINCE "$k") + 1))" "$log" | grep -Eq "$PORT_IN_USE_RE" \
+          && [ "$((races += 1))" -lt "$PORT_SPAN" ]; then
+        printf -v "CO_RACES_$k" '%s' "$races"
+        pbstk_log "model ${!served}: port $port was taken while its vLLM started; trying another one"
+        pbstk_launch_model "$k"
+        continue
+      fi
+      unset "CO_PIDS[$(pbstk_co_var SLOT "$k")]"  # dead and reaped: the EXIT trap must not signal its pid
+      pbstk_root_cause cause "$log" "$(pbstk_co_var SINCE "$k")"
+      pbstk_fail "model ${!served} exited before it was ready${cause:+: $cause} (see $log)"
     done
-    kill -0 "$pid" 2>/dev/null && break
-    wait "$pid" 2>/dev/null
-    CO_PIDS=("${CO_PIDS[@]:0:${#CO_PIDS[@]}-1}") CO_NAMES=("${CO_NAMES[@]:0:${#CO_NAMES[@]}-1}")
-    if tail -c +"$((since + 1))" "$log" | grep -Eq "$PORT_IN_USE_RE" && [ "$((races += 1))" -lt "$PORT_SPAN" ]; then
-      pbstk_log "model ${!served}: port $co_port was taken while its vLLM started; trying another one"
-      continue
-    fi
-    pbstk_root_cause cause "$log" "$since"
-    pbstk_fail "model ${!served} exited before it was ready${cause:+: $cause} (see $log)"
+    CO_STARTING=("${left[@]}")
+    [ "${#CO_STARTING[@]}" -eq 0 ] || pbstk_sleep
   done
-  pbstk_log "model ${!served} is listening on $ADDRESS:$co_port"
-  CO_LIST+="${CO_LIST:+ }${!served}@$co_port"
-  [ "${!swap}" = true ] || return 0
-  pbstk_swap_post "$co_port" '/sleep?level=1' || pbstk_fail "model ${!served} did not fall asleep (see $log)"
-  pbstk_log "model ${!served} is asleep until a request for it comes"
-  SWAP_ARGS+=(--model "${!served}" "$co_port" "${!gpus:-all}" "$log")
+}
+
+# pbstk_start_models: the other models, each started as soon as no model still starting shares one of its GPUs
+# (models on other GPUs start side by side; on one GPU, each only once the one before listens: vLLM binds its port
+# once its engine is up, so a model never profiles memory while another one takes it)
+pbstk_start_models() {
+  local k j gk gj
+  CO_STARTING=() CO_UP=()
+  for ((k = 1; k <= CO_MODELS; k++)); do
+    gk="CO_GPUS_$k"
+    for j in "${CO_STARTING[@]}"; do
+      gj="CO_GPUS_$j"
+      if pbstk_gpus_overlap "${!gk}" "${!gj}"; then pbstk_await_models; break; fi
+    done
+    pbstk_launch_model "$k"
+    CO_STARTING+=("$k")
+  done
+  pbstk_await_models
+  for ((k = 1; k <= CO_MODELS; k++)); do
+    gk="CO_SERVED_$k"
+    CO_LIST+="${CO_LIST:+ }${!gk}@$(pbstk_co_var PORT "$k")"
+    j="CO_SWAP_$k"
+    [ "${!j}" = true ] || continue
+    gj="CO_GPUS_$k"
+    SWAP_ARGS+=(--model "${!gk}" "$(pbstk_co_var PORT "$k")" "${!gj:-all}" "$RUN_DIR/vllm.model$((k + 1)).log")
+  done
 }
 
 # pbstk_start_swapper: pbstk_swapper.py in the background (one of CO_PIDS: its exit ends the job too)
@@ -204,9 +266,7 @@ pbstk_watch_models() {
 trap 'pbstk_kill_models; pbstk_compile_release' EXIT  # the compile lock's release (coldstart.sh) kept
 trap pbstk_model_failed USR1
 pbstk_state "$PHASE_STARTING"
-for ((co_k = 1; co_k <= CO_MODELS; co_k++)); do
-  pbstk_start_model "$co_k"
-done
+pbstk_start_models
 MARKER_EXTRA+=("models=$CO_LIST")
 if [ "$MAIN_SWAP" = true ]; then  # the first model swaps too: its vLLM (started below) gets what the others got
   mapfile -t pbstk_main_env < <(pbstk_swap_env)
