@@ -306,20 +306,26 @@ def test_a_model_that_loses_its_port_to_another_process_starts_on_another(gpu_sv
     assert "was taken while vLLM started; trying another one" in log, log
 
 
-def test_models_on_other_gpus_start_side_by_side_and_on_one_gpu_in_turn(isolated_user: Path, standins: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """One job on three GPUs: the job's own model a on one, e on another, c and d (small) share the third. e and c
-    start at once; d waits until c listens; a starts last, as before. Before, every other model waited for the one
-    before it: a job paid the sum of its models' starts (on a lent H100 host 92-122 s each) where the longest was
-    enough."""
+def four_on_three_gpus(isolated_user: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, ...]:
+    """Profile ``gpu3`` (local, three 80 GB GPUs, the real router) and four models' specs: the job's own model a and
+    e each take a whole GPU, c and d (small) share the third; each stand-in vLLM listens 2 s after it starts."""
     root = multi_profile(isolated_user, monkeypatch, "gpu3", "scheduler: local\nport: 8000\n")
     profile = isolated_user / "config" / "pbstk" / "profiles" / "gpu3.yaml"
     profile.write_text(profile.read_text().replace("gpus_per_node: 1", "gpus_per_node: 3"))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
-    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "2")  # each vLLM listens 2 s after it starts
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "2")
     a, e, c, d = (checkpoint(root, n, size) for n, size in (("a", 3_400_000_000), ("e", 3_400_000_000),
                                                             ("c", 1_200_000_000), ("d", 1_200_000_000)))
-    specs = (f"{a}:name=a:preset=single", f"{e}:name=e:preset=single", f"{c}:name=c", f"{d}:name=d")
+    return f"{a}:name=a:preset=single", f"{e}:name=e:preset=single", f"{c}:name=c", f"{d}:name=d"
+
+
+def test_models_on_other_gpus_start_side_by_side_and_on_one_gpu_in_turn(isolated_user: Path, standins: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One job on three GPUs: the job's own model a on one, e on another, c and d (small) share the third. a, e
+    and c start at once; d waits until c listens; the job is READY once all four listen. Before, every model waited
+    for the one before it: a job paid the sum of its models' starts (on a lent H100 host 92-122 s each) where the
+    longest was enough."""
+    specs = four_on_three_gpus(isolated_user, monkeypatch)
     try:
         plan = json.loads(pbstk("serve", *specs, "--name", "four", "--profile", "gpu3", "--dry-run", "--json").stdout)
         gpus = {m["served_model_name"]: m["gpus"] for m in plan["models"]}
@@ -334,13 +340,36 @@ def test_models_on_other_gpus_start_side_by_side_and_on_one_gpu_in_turn(isolated
         def at(text: str) -> int:
             return next(i for i, line in enumerate(lines) if text in line)
 
-        assert max(at("model e: starting"), at("model c: starting")) < min(
-            at("model e is listening"), at("model c is listening")), lines  # side by side
+        started = max(at("model e: starting"), at("model c: starting"), at("attempt 1: starting vLLM"))
+        assert started < min(at("model e is listening"), at("model c is listening")), lines  # side by side
         assert at("model c is listening") < at("model d: starting"), lines  # in turn on c's GPU
-        assert at("model e is listening") < at("attempt 1: starting vLLM"), lines  # the job's own model last
+        assert at("model d is listening") < at("vLLM is listening"), lines  # READY once every model listens
+        doc = json.loads(pbstk("status", "four", "--json").stdout)[0]
+        assert {m["served_model_name"]: m["state"] for m in doc["models"]} == dict.fromkeys("aecd", "READY"), doc
         for model in ("a", "e", "c", "d"):
             answer = chat(rec.url, rec.api_key, model)
             assert answer.status_code == 200 and answer.json()["model"] == model, answer.text
         assert pbstk("cancel", "four").exit_code == 0
+    finally:
+        _stop_services()
+
+
+def test_a_model_that_dies_beside_the_starting_first_model_fails_the_job_with_its_cause(
+        isolated_user: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """e dies at start (vLLM 0.22.1's KV-cache ValueError) while the job's own model a starts beside it: the job fails
+    naming e's cause, and a's vLLM does not outlive it."""
+    specs = four_on_three_gpus(isolated_user, monkeypatch)
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_KV_SHORT", "e")
+    try:
+        result = pbstk("serve", *specs, "--name", "four", "--profile", "gpu3", "--max-restarts", "0", "--wait",
+                       "--timeout", "90")
+        assert result.exit_code == 5, result.output
+        assert "model e exited before it was ready: ValueError: To serve at least one request" in result.stderr
+        run_dir = Path(JobStore().find(records.find(JobStore(), "four").slots[0].current).run_dir)
+        log = (run_dir / "vllm.log").read_text()
+        assert log.index("attempt 1: starting vLLM") < log.index("model e exited"), log  # a had started
+        assert json.loads((run_dir / "server.json").read_text())["phase"] == "failed"
+        pid = int(json.loads((run_dir / "server.json").read_text())["pid"])
+        wait_for(lambda: not Path(f"/proc/{pid}").exists(), 20, "the first model's vLLM to end")
     finally:
         _stop_services()

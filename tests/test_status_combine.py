@@ -125,6 +125,14 @@ def test_health_200_is_ready_once_the_server_proved_it_is_ours() -> None:
     assert st.url == "http://x3001.site.gov:8000/v1"
 
 
+def test_a_multi_model_jobs_first_model_answering_while_others_start_is_starting() -> None:
+    """models.sh starts the job's own model beside others on other GPUs: it answers first, the job is not READY."""
+    st = combine(record(), sched("R"), {**marker("starting"), "models_starting": "yes"}, OOM_LOG[:3], 200, OURS)
+    assert st.state is S.STARTING and "other models" in st.phase
+    ready = {**marker("ready"), "models": "b@8001 c@8002"}
+    assert combine(record(), sched("R"), ready, OOM_LOG[:3], 200, OURS).state is S.READY
+
+
 @pytest.mark.parametrize("identity", [None, Identity(False, detail="answered /v1/models with 404")])
 def test_health_200_alone_is_not_ready(identity: Identity | None) -> None:
     st = combine(record(), sched("R"), marker("ready"), OOM_LOG[:3], 200, identity)

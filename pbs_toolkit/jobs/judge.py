@@ -97,6 +97,9 @@ def combine(
     if sched is None and not (ours and not answered):
         return _unlisted(st, ours, answered, absence)
     # running (or exiting, or the scheduler did not answer but the server proves it is ours)
+    if ours and (marker or {}).get("models_starting"):  # its first model answers, others still start (models.sh)
+        st.state, st.phase = ServerState.STARTING, "the job's other models are still starting"
+        return st
     if ours or (busy and not fatal):
         st.state, st.phase, st.busy = ServerState.READY, Phase.READY.value, None if ours else busy
         return st

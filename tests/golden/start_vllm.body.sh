@@ -1069,6 +1069,8 @@ pbstk_lease_start() {
 # vLLM's output line by line into the log where stdbuf is there
 LINE_BUFFERED=()
 command -v stdbuf >/dev/null 2>&1 && LINE_BUFFERED=(stdbuf -oL -eL)
+# A multi-model job's other models (models.sh) may still be starting beside this one: READY waits for them too
+type -t pbstk_others_ready >/dev/null || pbstk_others_ready() { :; }
 # Runs one attempt; sets RC and READY. Readiness here is "the port accepts connections": vLLM binds it
 # only once the engine is up. pbstk itself checks /health and /v1/models.
 pbstk_attempt() {
@@ -1098,7 +1100,7 @@ pbstk_attempt() {
   pbstk_startup_mark vllm
   pbstk_state "$PHASE_STARTING"
   while kill -0 "$SERVER_PID" 2>/dev/null; do
-    if [ "$READY" = false ] && pbstk_port_in_use "$PROBE_HOST" "$PORT"; then
+    if [ "$READY" = false ] && pbstk_others_ready && pbstk_port_in_use "$PROBE_HOST" "$PORT"; then
       READY=true
       pbstk_state "$PHASE_READY"
       pbstk_coldstart_ready

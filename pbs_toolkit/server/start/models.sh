@@ -162,62 +162,102 @@ pbstk_gpus_overlap() {
   return 1
 }
 
-# pbstk_await_models: wait until every model of CO_STARTING answers as itself (or fail the job: one died first; a
-# port taken between the free-port look and vLLM's bind is a race, retried on another port up to PORT_SPAN times);
-# a swapping model then falls asleep. Then CO_LIST and SWAP_ARGS get their lines, in the models' order.
-pbstk_await_models() {
+# pbstk_look_at_models: one look at each model of CO_STARTING: one that answers as itself is up (a swapping one then
+# falls asleep); one that died lost a port race (a port taken between the free-port look and vLLM's bind: it starts
+# again on another, up to PORT_SPAN times) or fails the job with the cause from its log
+pbstk_look_at_models() {
   local k served swap log races cause pid port
-  local -a left
-  while [ "${#CO_STARTING[@]}" -gt 0 ]; do
-    left=()
-    for k in "${CO_STARTING[@]}"; do
-      served="CO_SERVED_$k" swap="CO_SWAP_$k" log="$RUN_DIR/vllm.model$((k + 1)).log"
-      pid=$(pbstk_co_var PID "$k") port=$(pbstk_co_var PORT "$k")
-      if pbstk_port_in_use "$PROBE_HOST" "$port" && pbstk_model_answers "$port" "${!served}"; then
-        pbstk_log "model ${!served} is listening on $ADDRESS:$port"
-        if [ "${!swap}" = true ]; then
-          pbstk_swap_post "$port" '/sleep?level=1' || pbstk_fail "model ${!served} did not fall asleep (see $log)"
-          pbstk_log "model ${!served} is asleep until a request for it comes"
-        fi
-        CO_UP+=("$k")
-        continue
+  local -a left=()
+  for k in "${CO_STARTING[@]}"; do
+    served="CO_SERVED_$k" swap="CO_SWAP_$k" log="$RUN_DIR/vllm.model$((k + 1)).log"
+    pid=$(pbstk_co_var PID "$k") port=$(pbstk_co_var PORT "$k")
+    if pbstk_port_in_use "$PROBE_HOST" "$port" && pbstk_model_answers "$port" "${!served}"; then
+      pbstk_log "model ${!served} is listening on $ADDRESS:$port"
+      if [ "${!swap}" = true ]; then
+        pbstk_swap_post "$port" '/sleep?level=1' || pbstk_fail "model ${!served} did not fall asleep (see $log)"
+        pbstk_log "model ${!served} is asleep until a request for it comes"
       fi
-      left+=("$k")
-      kill -0 "$pid" 2>/dev/null && continue
-      wait "$pid" 2>/dev/null
-      races=$(pbstk_co_var RACES "$k")
-      if tail -c +"$(($(pbstk_co_var SINCE "$k") + 1))" "$log" | grep -Eq "$PORT_IN_USE_RE" \
-          && [ "$((races += 1))" -lt "$PORT_SPAN" ]; then
-        printf -v "CO_RACES_$k" '%s' "$races"
-        pbstk_log "model ${!served}: port $port was taken while its vLLM started; trying another one"
-        pbstk_launch_model "$k"
-        continue
-      fi
-      unset "CO_PIDS[$(pbstk_co_var SLOT "$k")]"  # dead and reaped: the EXIT trap must not signal its pid
-      pbstk_root_cause cause "$log" "$(pbstk_co_var SINCE "$k")"
-      pbstk_fail "model ${!served} exited before it was ready${cause:+: $cause} (see $log)"
-    done
-    CO_STARTING=("${left[@]}")
-    [ "${#CO_STARTING[@]}" -eq 0 ] || pbstk_sleep
+      continue
+    fi
+    left+=("$k")
+    kill -0 "$pid" 2>/dev/null && continue
+    wait "$pid" 2>/dev/null
+    races=$(pbstk_co_var RACES "$k")
+    if tail -c +"$(($(pbstk_co_var SINCE "$k") + 1))" "$log" | grep -Eq "$PORT_IN_USE_RE" \
+        && [ "$((races += 1))" -lt "$PORT_SPAN" ]; then
+      printf -v "CO_RACES_$k" '%s' "$races"
+      pbstk_log "model ${!served}: port $port was taken while its vLLM started; trying another one"
+      pbstk_launch_model "$k"
+      continue
+    fi
+    unset "CO_PIDS[$(pbstk_co_var SLOT "$k")]"  # dead and reaped: the EXIT trap must not signal its pid
+    pbstk_root_cause cause "$log" "$(pbstk_co_var SINCE "$k")"
+    pbstk_kill_server  # the job's own model, when it started beside this one
+    pbstk_fail "model ${!served} exited before it was ready${cause:+: $cause} (see $log)"
   done
+  CO_STARTING=("${left[@]}")
 }
 
-# pbstk_start_models: the other models, each started as soon as no model still starting shares one of its GPUs
-# (models on other GPUs start side by side; on one GPU, each only once the one before listens: vLLM binds its port
-# once its engine is up, so a model never profiles memory while another one takes it)
-pbstk_start_models() {
-  local k j gk gj
-  CO_STARTING=() CO_UP=()
-  for ((k = 1; k <= CO_MODELS; k++)); do
+# pbstk_gpus_busy GPUS [K]: does a model still starting, or one before model K still waiting to start, share one of
+# GPUS ("" is all of the job's)?
+pbstk_gpus_busy() {
+  local j gj
+  for j in "${CO_STARTING[@]}"; do
+    gj="CO_GPUS_$j"
+    pbstk_gpus_overlap "$1" "${!gj}" && return 0
+  done
+  for j in "${CO_WAITING[@]}"; do
+    [ "$j" = "${2:-}" ] && break
+    gj="CO_GPUS_$j"
+    pbstk_gpus_overlap "$1" "${!gj}" && return 0
+  done
+  return 1
+}
+
+# pbstk_launch_free_models: start each waiting model that no model still starting, nor one before it still waiting,
+# shares a GPU with (so models on other GPUs start side by side, and on one GPU in the plan's order, each once the
+# one before listens: vLLM binds its port once its engine is up, so a model never profiles memory while another
+# takes it)
+pbstk_launch_free_models() {
+  local k gk
+  local -a still=()
+  for k in "${CO_WAITING[@]}"; do
     gk="CO_GPUS_$k"
-    for j in "${CO_STARTING[@]}"; do
-      gj="CO_GPUS_$j"
-      if pbstk_gpus_overlap "${!gk}" "${!gj}"; then pbstk_await_models; break; fi
-    done
+    if pbstk_gpus_busy "${!gk}" "$k"; then still+=("$k"); continue; fi
     pbstk_launch_model "$k"
     CO_STARTING+=("$k")
   done
-  pbstk_await_models
+  CO_WAITING=("${still[@]}")
+}
+
+# pbstk_start_models: the other models, started by pbstk_launch_free_models; the job's own model starts on the same
+# rule (with swapping, once all listen), and pbstk_others_ready (supervise.sh) sees to the rest before READY
+pbstk_start_models() {
+  local k
+  CO_STARTING=() CO_WAITING=()
+  for ((k = 1; k <= CO_MODELS; k++)); do CO_WAITING+=("$k"); done
+  while true; do
+    pbstk_launch_free_models
+    if [ "$SWAP_MAX_AWAKE" -gt 0 ]; then
+      [ "${#CO_WAITING[@]}" -eq 0 ] && [ "${#CO_STARTING[@]}" -eq 0 ] && break
+    else
+      pbstk_gpus_busy "$MAIN_GPUS" || break
+    fi
+    pbstk_look_at_models
+    pbstk_sleep
+  done
+  if [ "${#CO_WAITING[@]}" -gt 0 ] || [ "${#CO_STARTING[@]}" -gt 0 ]; then
+    MARKER_EXTRA+=("models_starting=yes")  # so the job is not READY while they start (judge.py)
+  else
+    pbstk_models_up
+  fi
+}
+
+# pbstk_models_up: every other model listens: the markers list them, the swapper and the watcher start
+pbstk_models_up() {
+  local k j gk gj
+  [ -z "${CO_DONE:-}" ] || return 0
+  CO_DONE=1
   for ((k = 1; k <= CO_MODELS; k++)); do
     gk="CO_SERVED_$k"
     CO_LIST+="${CO_LIST:+ }${!gk}@$(pbstk_co_var PORT "$k")"
@@ -226,6 +266,30 @@ pbstk_start_models() {
     gj="CO_GPUS_$k"
     SWAP_ARGS+=(--model "${!gk}" "$(pbstk_co_var PORT "$k")" "${!gj:-all}" "$RUN_DIR/vllm.model$((k + 1)).log")
   done
+  local -a kept=()
+  for gk in "${MARKER_EXTRA[@]}"; do [[ $gk == models_starting=* ]] || kept+=("$gk"); done
+  MARKER_EXTRA=("${kept[@]}")
+  MARKER_EXTRA+=("models=$CO_LIST")
+  pbstk_start_swapper
+  pbstk_watch_models &
+  CO_WATCH_PID=$!
+}
+
+# pbstk_others_ready (supervise.sh asks it each second while the job's own model starts): true once every other
+# model listens; one look at those still starting, and one that died before it listened fails the job (one that
+# lost its port race starts again); one already listening that exits ends the job too, as the watcher would
+pbstk_others_ready() {
+  local who
+  [ -z "${CO_DONE:-}" ] || return 0
+  pbstk_look_at_models  # those still starting: up, restarted after a lost port race, or the job fails
+  pbstk_exited_model who  # so any that exited now had listened
+  if [ -n "$who" ]; then
+    pbstk_kill_server
+    pbstk_fail "the vLLM of another model of this job, ${who%@*} (port ${who##*@}), exited; ending the job"
+  fi
+  pbstk_launch_free_models
+  [ "${#CO_WAITING[@]}" -eq 0 ] && [ "${#CO_STARTING[@]}" -eq 0 ] || return 1
+  pbstk_models_up
 }
 
 # pbstk_start_swapper: pbstk_swapper.py in the background (one of CO_PIDS: its exit ends the job too)
@@ -266,14 +330,10 @@ pbstk_watch_models() {
 trap 'pbstk_kill_models; pbstk_compile_release' EXIT  # the compile lock's release (coldstart.sh) kept
 trap pbstk_model_failed USR1
 pbstk_state "$PHASE_STARTING"
-pbstk_start_models
-MARKER_EXTRA+=("models=$CO_LIST")
 if [ "$MAIN_SWAP" = true ]; then  # the first model swaps too: its vLLM (started below) gets what the others got
   mapfile -t pbstk_main_env < <(pbstk_swap_env)
   export "${pbstk_main_env[@]}"
 fi
-pbstk_start_swapper
-pbstk_watch_models &
-CO_WATCH_PID=$!
+pbstk_start_models
 pbstk_pick_gpus co_main "$MAIN_GPUS"
 [ -n "$co_main" ] && export CUDA_VISIBLE_DEVICES=$co_main
