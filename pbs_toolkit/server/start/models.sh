@@ -2,8 +2,9 @@
 # Each other model (CO_MODEL_K, K = 1..CO_MODELS) gets its own vLLM: its planned GPUs (CUDA_VISIBLE_DEVICES), a
 # free port of the job's window, its served name and arguments, its own log (vllm.model<K+1>.log). Models on
 # other GPUs start side by side; one that shares a GPU with a model still starting waits until that one listens
-# (vLLM binds its port only once its engine is up, so models sharing a GPU never start at once); then the first
-# model starts as in a one-model job on MAIN_GPUS.
+# (vLLM binds its port only once its engine is up, so models sharing a GPU never start at once). The first model
+# starts as in a one-model job on MAIN_GPUS once no other model sharing them is starting (with swapping, once all
+# listen); the job is READY when all listen (pbstk_others_ready).
 # server.json's `models` field lists `SERVED@PORT` of the others (the keeper registers each with the router);
 # they all stop when the script ends, however it ends (a stop signal, the first model's exit, a failure).
 # Swapping (SWAP_MAX_AWAKE > 0; docs/multi-model.md "Swapping"): a model with CO_SWAP_K (MAIN_SWAP for the first)
@@ -137,7 +138,7 @@ pbstk_launch_model() {
   if [ "${#API_KEY_ARGS[@]}" -gt 0 ]; then  # vLLM <= 0.22 prints the key in its "non-default args" line (setup.sh)
     (umask 077 && : >>"$log") && chmod go= "$log" 2>/dev/null
   fi
-  for slot in "${CO_STARTING[@]}"; do avoid+=("$(pbstk_co_var PORT "$slot")"); done
+  for slot in "${CO_STARTING[@]}"; do pbstk_co_get slot PORT "$slot"; avoid+=("$slot"); done
   pbstk_free_port co_port "$PROBE_HOST" "$PORT_LO" "$PORT_HI" "${avoid[@]}" \
     || pbstk_fail "no free port in $PORT_LO..$PORT_HI on $NODE for model ${!served}"
   pbstk_log "model ${!served}: starting vLLM on $ADDRESS:$co_port (GPUs ${cvd:-all of the job}), log $log"
@@ -145,14 +146,15 @@ pbstk_launch_model() {
   env "${envs[@]}" "${cmd[@]}" "${args[@]}" --host "$BIND_HOST" --port "$co_port" "${API_KEY_ARGS[@]}" >>"$log" 2>&1 &
   printf -v "CO_PID_$k" '%s' "$!"
   printf -v "CO_PORT_$k" '%s' "$co_port"
-  slot=$(pbstk_co_var SLOT "$k")
+  pbstk_co_get slot SLOT "$k"
   [ -n "$slot" ] || { slot=${#CO_NAMES[@]}; printf -v "CO_SLOT_$k" '%s' "$slot"; }  # CO_NAMES: never unset
-  CO_PIDS[slot]=$(pbstk_co_var PID "$k")
+  CO_PIDS[slot]=$!
   CO_NAMES[slot]="${!served}@$co_port"
 }
 
-# pbstk_co_var NAME K: the value of CO_NAME_K ("" when unset)
-pbstk_co_var() { local v="CO_$1_$2"; printf '%s' "${!v:-}"; }
+# pbstk_co_get VAR NAME K: VAR = the value of CO_NAME_K ("" when unset); no $(...), as the polling loops of
+# markers.sh: a cancel's TERM must not arrive while bash parses a command substitution
+pbstk_co_get() { local _v="CO_$2_$3"; printf -v "$1" '%s' "${!_v:-}"; }
 
 # pbstk_gpus_overlap A B: do two planned GPU lists share a GPU ("" is all of the job's, which shares every one)?
 pbstk_gpus_overlap() {
@@ -166,11 +168,13 @@ pbstk_gpus_overlap() {
 # falls asleep); one that died lost a port race (a port taken between the free-port look and vLLM's bind: it starts
 # again on another, up to PORT_SPAN times) or fails the job with the cause from its log
 pbstk_look_at_models() {
-  local k served swap log races cause pid port
+  local k served swap log races cause pid port since slot
   local -a left=()
   for k in "${CO_STARTING[@]}"; do
     served="CO_SERVED_$k" swap="CO_SWAP_$k" log="$RUN_DIR/vllm.model$((k + 1)).log"
-    pid=$(pbstk_co_var PID "$k") port=$(pbstk_co_var PORT "$k")
+    pbstk_co_get pid PID "$k"
+    pbstk_co_get port PORT "$k"
+    pbstk_co_get since SINCE "$k"
     if pbstk_port_in_use "$PROBE_HOST" "$port" && pbstk_model_answers "$port" "${!served}"; then
       pbstk_log "model ${!served} is listening on $ADDRESS:$port"
       if [ "${!swap}" = true ]; then
@@ -182,16 +186,17 @@ pbstk_look_at_models() {
     left+=("$k")
     kill -0 "$pid" 2>/dev/null && continue
     wait "$pid" 2>/dev/null
-    races=$(pbstk_co_var RACES "$k")
-    if tail -c +"$(($(pbstk_co_var SINCE "$k") + 1))" "$log" | grep -Eq "$PORT_IN_USE_RE" \
+    pbstk_co_get races RACES "$k"
+    if tail -c +"$((since + 1))" "$log" | grep -Eq "$PORT_IN_USE_RE" \
         && [ "$((races += 1))" -lt "$PORT_SPAN" ]; then
       printf -v "CO_RACES_$k" '%s' "$races"
       pbstk_log "model ${!served}: port $port was taken while its vLLM started; trying another one"
       pbstk_launch_model "$k"
       continue
     fi
-    unset "CO_PIDS[$(pbstk_co_var SLOT "$k")]"  # dead and reaped: the EXIT trap must not signal its pid
-    pbstk_root_cause cause "$log" "$(pbstk_co_var SINCE "$k")"
+    pbstk_co_get slot SLOT "$k"
+    unset "CO_PIDS[$slot]"  # dead and reaped: the EXIT trap must not signal its pid
+    pbstk_root_cause cause "$log" "$since"
     pbstk_kill_server  # the job's own model, when it started beside this one
     pbstk_fail "model ${!served} exited before it was ready${cause:+: $cause} (see $log)"
   done
@@ -255,16 +260,17 @@ pbstk_start_models() {
 
 # pbstk_models_up: every other model listens: the markers list them, the swapper and the watcher start
 pbstk_models_up() {
-  local k j gk gj
+  local k j gk gj port
   [ -z "${CO_DONE:-}" ] || return 0
   CO_DONE=1
   for ((k = 1; k <= CO_MODELS; k++)); do
     gk="CO_SERVED_$k"
-    CO_LIST+="${CO_LIST:+ }${!gk}@$(pbstk_co_var PORT "$k")"
+    pbstk_co_get port PORT "$k"
+    CO_LIST+="${CO_LIST:+ }${!gk}@$port"
     j="CO_SWAP_$k"
     [ "${!j}" = true ] || continue
     gj="CO_GPUS_$k"
-    SWAP_ARGS+=(--model "${!gk}" "$(pbstk_co_var PORT "$k")" "${!gj:-all}" "$RUN_DIR/vllm.model$((k + 1)).log")
+    SWAP_ARGS+=(--model "${!gk}" "$port" "${!gj:-all}" "$RUN_DIR/vllm.model$((k + 1)).log")
   done
   local -a kept=()
   for gk in "${MARKER_EXTRA[@]}"; do [[ $gk == models_starting=* ]] || kept+=("$gk"); done
@@ -330,10 +336,10 @@ pbstk_watch_models() {
 trap 'pbstk_kill_models; pbstk_compile_release' EXIT  # the compile lock's release (coldstart.sh) kept
 trap pbstk_model_failed USR1
 pbstk_state "$PHASE_STARTING"
+pbstk_start_models
 if [ "$MAIN_SWAP" = true ]; then  # the first model swaps too: its vLLM (started below) gets what the others got
-  mapfile -t pbstk_main_env < <(pbstk_swap_env)
+  mapfile -t pbstk_main_env < <(pbstk_swap_env)  # (after the others started: no other model inherits it)
   export "${pbstk_main_env[@]}"
 fi
-pbstk_start_models
 pbstk_pick_gpus co_main "$MAIN_GPUS"
 [ -n "$co_main" ] && export CUDA_VISIBLE_DEVICES=$co_main
