@@ -164,7 +164,7 @@ for what in "$@"; do
 print(round(datetime.datetime.strptime(d["date"], "%Y%m%d-%H%M%S").timestamp() - d["duration"]))' \
         "$out/autoscale-c512.json" 2>/dev/null) || load0=$t0
       awk -v t0="$load0" -v b="$t0" '$2 >= 2 && !s {print "[autoscale-c512] 2 replicas ready " $1 - t0 " s after the load reached the router (" t0 - b " s after the client started)"; s=1}' "$out/auto.replicas" || true
-      echo "[autoscale-c512] the load reached the router at $(date -d "@$load0" +%T)" 
+      echo "[autoscale-c512] the load reached the router at $(date -d "@$load0" +%T)"
       pbstk status auto
       keeper_log auto
       pbstk cancel auto ;;
