@@ -305,6 +305,9 @@ def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision,
         done = Memory(0, None if action == "up" else obs.now, obs.now)
         return Decision(action, reason, obs.now, target, over), done
 
+    def hold(reason: str) -> tuple[Decision, Memory]:
+        return Decision("hold", reason, obs.now, obs.target, over), mem
+
     if obs.target < spec.min_replicas:
         return act("up", f"{obs.target} replica(s), below --min-replicas {spec.min_replicas}", obs.target + 1)
     if obs.target > top:
@@ -312,10 +315,9 @@ def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision,
     waiting = f"{over or 'no answer from the replicas this tick'}; overloaded for {above} tick(s)"
     if above >= UP_TICKS:
         if obs.starting:
-            return Decision("hold", f"{waiting}, but {obs.starting} replica(s) still queued or starting count "
-                                    f"toward the target", obs.now, obs.target, over), mem
+            return hold(f"{waiting}, but {obs.starting} replica(s) still queued or starting count toward the target")
         if obs.target >= top:
-            return Decision("hold", f"{waiting}, but at {why_top} ({top})", obs.now, obs.target, over), mem
+            return hold(f"{waiting}, but at {why_top} ({top})")
         return act("up", waiting, obs.target + 1)
     if mem.calm_since is not None and obs.target > spec.min_replicas:
         calm_for = obs.now - mem.calm_since
@@ -324,12 +326,10 @@ def decide(spec: ScaleSpec, memory: Memory, obs: Observation) -> tuple[Decision,
             fit = f"{obs.running:g} running fit on {obs.target - 1}" if obs.running else "nothing running"
             return act("down", f"no request waiting for {short(calm_for)} and {fit}", obs.target - 1)
         wait = max(spec.down_idle_s - calm_for, spec.down_idle_s - since_change)
-        return Decision("hold", f"spare capacity; one replica fewer in {short(wait)} if it stays so", obs.now,
-                        obs.target, over), mem
+        return hold(f"spare capacity; one replica fewer in {short(wait)} if it stays so")
     if above:
-        return Decision("hold", f"{waiting}: one more tick and a replica is added", obs.now, obs.target, over), mem
+        return hold(f"{waiting}: one more tick and a replica is added")
     if obs.waiting is None:
-        return Decision("hold", "no replica in the router answered /metrics yet", obs.now, obs.target, over), mem
+        return hold("no replica in the router answered /metrics yet")
     state = "at --min-replicas" if obs.target <= spec.min_replicas else "no spare capacity"
-    return Decision("hold", f"{obs.waiting:g} waiting, {obs.running or 0:g} running; {state}", obs.now,
-                    obs.target, over), mem
+    return hold(f"{obs.waiting:g} waiting, {obs.running or 0:g} running; {state}")
