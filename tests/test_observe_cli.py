@@ -48,6 +48,9 @@ def test_metrics_and_bench_on_the_stand_in(standins: Path) -> None:
         results = json.loads(res.stdout)["results"]
         assert [r["completed"] for r in results] == [4, 4]
         assert all(r["total_output_tokens"] == 20 and r["failed"] == 0 for r in results)
+        # each level warmed up first, one request per slot as vLLM's client does (1 + 2), outside the figures
+        res = pbstk("metrics", job, "--json", "--interval", "0.1")
+        assert json.loads(res.stdout.splitlines()[-1])["totals"]["requests_success"] == 4 + 4 + 1 + 2
     finally:
         pbstk("cancel", job)
 

@@ -7,7 +7,8 @@
 #                                                    chat refused by vLLM, and both KV cache sizes from vLLM's log
 #   bash benchmarks/gpu/run_vl.sh OUT_DIR tune P,Q   `pbstk tune` of presets P,Q on image+text load (1 image of
 #                                                    512x512 + 128 tokens in, 256 out) at c=1,64,256, appended to
-#                                                    OUT_DIR/vl-tune.json (same method, so the table is one)
+#                                                    OUT_DIR/vl-tune.json (same method, so the table is one;
+#                                                    CLIENT=vllm for `vllm bench serve`, default pbstk's own)
 # GPUS=2 does the same on a 2-GPU machine (chat with dp2; tune dp2,tp2,tp2-eager there); PRESET picks chat's preset
 # (GPUS=1 PRESET=single: one GPU of a machine that runs something else on the others, CUDA_VISIBLE_DEVICES=3;
 # PORT and CACHE_ROOT as in run_models.sh).
@@ -56,8 +57,11 @@ case "$what" in
   tune)
     presets=${3:?tune PRESETS}
     stamp "tune $presets"
+    # CLIENT (default builtin): `vllm bench serve` spent ~30 s a level importing vLLM on the 4x H100 hosts, 90 s a
+    # preset, and two presets did not fit one call; pbstk's client starts at once and warms each level up as vLLM's
     pbstk tune "$model" --name vl --presets "$presets" "${common[@]}" --images 1 --image-size 512x512 \
-      -c 1,64,256 --input-len 128 --output-len 256 --rounds 2 --timeout 420 --output "$out/vl-tune.json" --append
+      -c 1,64,256 --input-len 128 --output-len 256 --rounds 2 --timeout 420 --client "${CLIENT:-builtin}" \
+      --output "$out/vl-tune.json" --append
     for dir in ~/pbstk-runs/*; do grep -hE "GPU KV cache size" -r "$dir" 2>/dev/null | head -1 | sed "s|^|[$(basename "$dir")] |"; done || true
     ;;
   *) echo "unknown phase: $what" >&2; exit 2 ;;

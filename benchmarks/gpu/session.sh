@@ -10,9 +10,10 @@
 # C, D: the VL model's `pbstk tune` on all four GPUs with images (30), split in two calls (one call is at most 600 s).
 # E: what A and B left open after session 10, in one call: GPUs 0,1 the autoscaled burst then the 1-replica service
 #    at c=512 (28, BURST1 prompts, default 4000), GPU 2 three models packed and alone, GPU 3 `run --each` (31).
-# What session 11 left open, in four calls: G, H the VL tune of baseline-eager,tp4 then tp2dp2,dp4 (30); I dp2 on
-# GPUs 0,1 beside the 2-replica service on GPUs 2,3 at c=256 and 1024, at the same time (28); J the 1.7B and 4B
-# alone on GPU 2 (31's packed against alone) beside their separate `pbstk run`s on GPU 3 (31's node-hours).
+# What session 11 left open, in four calls: G, H the VL tune of baseline-eager,dp4 then tp4,tp2dp2 (30; pbstk's own
+# client, see run_vl.sh); I dp2 on GPUs 0,1 beside the 2-replica service on GPUs 2,3 at c=256 and 1024, at the same
+# time (28); J the separate `pbstk run`s of the 1.7B (GPU 2) and the 4B (GPU 3), each the model alone on a whole
+# GPU (31's packed against alone) and its node-hours (31's `run --each` against separate runs).
 # STEP_S (default 540) bounds the whole step: every stream ends by then.
 set -uo pipefail
 out=${OUT:?OUT: where the results go}
@@ -46,7 +47,16 @@ case "$step" in
       [ -f "/root/qwen3-$size/config.json" ] || python3 benchmarks/gpu/mkmodel_qwen3.py "$size" "/root/qwen3-$size" &
     done
     [ -f /root/qwen3-vl-2b/config.json ] || python3 benchmarks/gpu/mkmodel_vl.py /root/qwen3-vl-2b &
+    # vLLM's registry probe of each model class (27-35 s of a first start here), once into the shared modelinfos
+    # every compile-cache key links to (docs/coldstart.md), so that no step's first start pays it
+    for arch in Qwen3ForCausalLM Qwen3VLForConditionalGeneration; do
+      VLLM_CACHE_ROOT=/tmp/vllm-compile-cache python3 -c 'import sys
+from vllm.model_executor.models.registry import ModelRegistry
+print(sys.argv[1], "probed:", ModelRegistry._try_inspect_model_cls(sys.argv[1]) is not None)' "$arch" 2>&1 | tail -1 &
+    done
     wait
+    for root in /tmp/vcc-packed /tmp/vcc-each; do mkdir -p "$root" && cp -r /tmp/vllm-compile-cache/modelinfos "$root/"; done
+    ls /tmp/vllm-compile-cache/modelinfos
     nvidia-smi -L; nproc; lscpu | grep -E 'Model name|Flags' | cut -c1-200
     python3 -c 'import vllm; print("vllm", vllm.__version__)' ;;
   A)
@@ -72,20 +82,20 @@ case "$step" in
     CUDA_VISIBLE_DEVICES=0,1 BURST=12000 stream s-burst bash benchmarks/gpu/run_service.sh "$out/s" autoscale-c512
     CUDA_VISIBLE_DEVICES=0,1 BURST=${BURST1:-4000} stream s-svc1 bash benchmarks/gpu/run_service.sh "$out/s1" svc1-c512
     wait ;;
-  G) clean; stream vl-tune-g bash benchmarks/gpu/run_vl.sh "$out/v" tune baseline-eager,tp4 ;;
-  H) clean; stream vl-tune-h bash benchmarks/gpu/run_vl.sh "$out/v" tune tp2dp2,dp4 ;;
+  G) clean; stream vl-tune-g bash benchmarks/gpu/run_vl.sh "$out/v" tune baseline-eager,dp4 ;;
+  H) clean; stream vl-tune-h bash benchmarks/gpu/run_vl.sh "$out/v" tune tp4,tp2dp2 ;;
   I)
     clean
     CUDA_VISIBLE_DEVICES=2,3 PORT=8200 LEVELS="256 1024" C1=0 PAIR=0 \
       stream s-service bash benchmarks/gpu/run_service.sh "$out/svc" service &
     CUDA_VISIBLE_DEVICES=0,1 LEVELS="256 1024" stream s-dp2 bash benchmarks/gpu/run_service.sh "$out/dp2" dp2
     wait ;;
-  J)
+  J)  # each separate run is also the model alone on a whole GPU: the same c=64 bench as packed's
     clean
-    CUDA_VISIBLE_DEVICES=2 PORT=8300 CACHE_ROOT=/tmp/vcc-packed PROMPTS=${PROMPTS31:-300} MODELS="q17:1.7b q4:4b" \
-      stream m-solo bash benchmarks/gpu/run_models.sh "$out/m" solo &
-    CUDA_VISIBLE_DEVICES=3 PORT=8400 CACHE_ROOT=/tmp/vcc-each PROMPTS=${PROMPTS31:-300} MODELS="q17:1.7b q4:4b" \
-      stream m-sep bash benchmarks/gpu/run_models.sh "$out/m" sep
+    CUDA_VISIBLE_DEVICES=2 PORT=8300 CACHE_ROOT=/tmp/vcc-packed PROMPTS=${PROMPTS31:-300} MODELS="q17:1.7b" \
+      stream m-sep-q17 bash benchmarks/gpu/run_models.sh "$out/m17" sep &
+    CUDA_VISIBLE_DEVICES=3 PORT=8400 CACHE_ROOT=/tmp/vcc-each PROMPTS=${PROMPTS31:-300} MODELS="q4:4b" \
+      stream m-sep-q4 bash benchmarks/gpu/run_models.sh "$out/m4" sep
     wait ;;
   C) clean; stream vl-tune-1 bash benchmarks/gpu/run_vl.sh "$out/v" tune dp4,baseline-eager ;;
   D) clean; stream vl-tune-2 bash benchmarks/gpu/run_vl.sh "$out/v" tune tp4,tp2dp2 ;;

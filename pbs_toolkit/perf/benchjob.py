@@ -101,7 +101,7 @@ def warmups_for(concurrency: int, vllm_version: str) -> int:
 
 
 def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int, output_len: int,
-                        num_prompts: int | None, rounds: int = 4, warmup: int = 2, client: str = "auto",
+                        num_prompts: int | None, rounds: int = 4, warmup: bool = True, client: str = "auto",
                         notice: Callable[[str], None] = lambda _msg: None,
                         runner: Runner | None = None, images: ImageLoad | None = None) -> list[LevelResult]:
     """One result per concurrency (``vllm bench serve`` field names plus ``concurrency``, ``client``).
@@ -134,7 +134,7 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
 
 
 def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: int, output_len: int,
-             num_prompts: int | None, rounds: int, warmup: int, images: ImageLoad | None) -> list[LevelResult]:
+             num_prompts: int | None, rounds: int, warmup: bool, images: ImageLoad | None) -> list[LevelResult]:
     record = st.record
     tunnel = None
     try:
@@ -142,12 +142,14 @@ def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: i
         if record.transport:  # compute nodes are not routable from here: go through the login node
             tunnel = start_tunnel(runner, st.address, st.port)
             base = tunnel.url
-        if warmup:
-            run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=1,
-                               num_prompts=warmup, input_len=input_len, output_len=min(output_len, 16), images=images)
         results = []
         for c in concurrencies:
             n = prompts_for(c, num_prompts, rounds)
+            if warmup:  # as vLLM's client: one short request per slot of the level first, at most MAX_WARMUPS
+                w = min(c, MAX_WARMUPS)
+                run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=w,
+                                   num_prompts=w, input_len=input_len, output_len=min(output_len, 16),
+                                   images=images)
             res = run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=c,
                                      num_prompts=n, input_len=input_len, output_len=output_len, images=images)
             results.append(LevelResult.of(res, c, n, "builtin"))
