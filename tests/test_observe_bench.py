@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,7 +20,7 @@ from pbs_toolkit.perf.bench import (
     run_benchmark_sync,
     vllm_bench_argv,
 )
-from pbs_toolkit.perf.benchjob import warmups_for
+from pbs_toolkit.perf.benchjob import benchmark_ready_job, warmups_for
 from pbs_toolkit.perf.images import ImageLoad
 
 
@@ -136,6 +137,18 @@ def test_the_clock_leaves_out_making_the_requests(serve, monkeypatch: pytest.Mon
     res = bench(serve(), concurrency=2, num_prompts=8, images=ImageLoad(count=1, height=4, width=4))
     assert res.completed == 8
     assert res.duration < 1.2, res.duration
+
+
+def test_the_builtin_client_never_sends_a_prompt_twice_across_levels_and_warmups(serve):
+    # a prompt (or image) sent again is served from vLLM's prefix (image) cache: a VL dp4's levels hit 60% (51%)
+    server = serve()
+    record = SimpleNamespace(transport="", served_model_name="fake", api_key=None)
+    st = SimpleNamespace(url=server.url + "/v1", record=record)
+    results = benchmark_ready_job(st, [1, 4], input_len=16, output_len=8, num_prompts=None, rounds=2,
+                                  client="builtin", runner=SimpleNamespace())
+    assert [(r.concurrency, r.completed) for r in results] == [(1, 8), (4, 8)]
+    prompts = [body["prompt"] for body in server.requests]
+    assert len(prompts) == 1 + 8 + 4 + 8 and len(set(prompts)) == len(prompts)
 
 
 def test_tokens_counted_from_chunks_without_usage(serve):

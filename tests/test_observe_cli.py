@@ -188,6 +188,9 @@ def test_bench_with_vllms_own_client_keeps_the_key_out_of_argv(standins: Path) -
         assert first[first.index("--base-url") + 1].startswith("http://127.0.0.1:")
         # each level warms up first, one request per slot (a first-use kernel compile stays out of the figures)
         assert [argv[argv.index("--num-warmups") + 1] for argv in calls] == ["1", "4"]
+        # and its own prompts: vLLM's dataset seed defaults to 0, the same prompts at every level (prefix-cache hits)
+        seeds = [argv[argv.index("--seed") + 1] for argv in calls]
+        assert len(set(seeds)) == 2
     finally:
         pbstk("cancel", job)
 

@@ -97,6 +97,14 @@ print(sys.argv[1], "probed:", ModelRegistry._try_inspect_model_cls(sys.argv[1]) 
     CUDA_VISIBLE_DEVICES=3 PORT=8400 CACHE_ROOT=/tmp/vcc-each PROMPTS=${PROMPTS31:-300} MODELS="q4:4b" \
       stream m-sep-q4 bash benchmarks/gpu/run_models.sh "$out/m4" sep
     wait ;;
+  K)  # 31's packed, `run --each` and the 0.6B's separate run on the machine of J (GPUs 1, 2, 3)
+    clean
+    CUDA_VISIBLE_DEVICES=1 PORT=8200 PROMPTS=${PROMPTS31:-300} stream m-packed bash benchmarks/gpu/run_models.sh "$out/m" packed &
+    CUDA_VISIBLE_DEVICES=2 PORT=8300 CACHE_ROOT=/tmp/vcc-packed PROMPTS=${PROMPTS31:-300} \
+      stream m-each bash benchmarks/gpu/run_models.sh "$out/e" each &
+    CUDA_VISIBLE_DEVICES=3 PORT=8400 CACHE_ROOT=/tmp/vcc-each PROMPTS=${PROMPTS31:-300} MODELS="q06:0.6b" \
+      stream m-sep-q06 bash benchmarks/gpu/run_models.sh "$out/m06" sep
+    wait ;;
   C) clean; stream vl-tune-1 bash benchmarks/gpu/run_vl.sh "$out/v" tune dp4,baseline-eager ;;
   D) clean; stream vl-tune-2 bash benchmarks/gpu/run_vl.sh "$out/v" tune tp4,tp2dp2 ;;
   *) echo "unknown step: $step" >&2; exit 2 ;;

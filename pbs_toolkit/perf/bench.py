@@ -371,6 +371,7 @@ def vllm_bench_argv(
     executable: Sequence[str] = ("vllm",),
     images: ImageLoad | None = None,
     warmups: int = 0,
+    seed: int | None = None,
 ) -> list[str]:
     """The ``vllm bench serve`` command line for a random-dataset run saved as JSON (``random-mm`` through the
     chat endpoint with ``images``).
@@ -378,6 +379,7 @@ def vllm_bench_argv(
     The API key is not an argument: export ``OPENAI_API_KEY`` for the command. ``executable`` replaces
     ``vllm`` where the console script does not work (e.g. ``("python", "-m", "vllm.entrypoints.cli.main")``).
     ``warmups``: requests sent (at the same concurrency) before the measured ones, ``--num-warmups`` (vLLM >= 0.11.1).
+    ``seed``: the dataset's ``--seed`` (vLLM's default, 0, gives every run the same prompts).
     """
     argv = [
         *executable,
@@ -409,4 +411,6 @@ def vllm_bench_argv(
     ]
     if warmups > 0:
         argv += ["--num-warmups", str(warmups)]
+    if seed is not None:
+        argv += ["--seed", str(seed)]
     return argv

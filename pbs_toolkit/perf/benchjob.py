@@ -10,6 +10,7 @@ Both gave the same numbers within run-to-run noise on an H200 (benchmarks/README
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -116,10 +117,12 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
     try:
         if client in ("auto", "vllm"):
             results: list[LevelResult] = []
+            seed = random.randrange(1 << 30)  # every level its own prompts and images, as _builtin's
             for c in concurrencies:
                 try:
                     n = prompts_for(c, num_prompts, rounds)
-                    results.append(_vllm_bench(runner, st, c, n, input_len, output_len, images))
+                    seed += 1
+                    results.append(_vllm_bench(runner, st, c, n, input_len, output_len, images, seed))
                 except PbstkError as exc:
                     if client == "vllm" or results:  # never mix clients within one result
                         raise
@@ -143,15 +146,21 @@ def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: i
             tunnel = start_tunnel(runner, st.address, st.port)
             base = tunnel.url
         results = []
+        # every level and every warm-up its own prompts and images: with shared ones vLLM served a VL dp4's levels
+        # from its prefix and image caches (hit rates 60% and 51% on 4x H200), which no evaluation gets
+        seed = random.randrange(1 << 30)
         for c in concurrencies:
             n = prompts_for(c, num_prompts, rounds)
             if warmup:  # as vLLM's client: one short request per slot of the level first, at most MAX_WARMUPS
                 w = min(c, MAX_WARMUPS)
+                seed += 1
                 run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=w,
                                    num_prompts=w, input_len=input_len, output_len=min(output_len, 16),
-                                   images=images)
+                                   images=images, seed=seed)
+            seed += 1
             res = run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=c,
-                                     num_prompts=n, input_len=input_len, output_len=output_len, images=images)
+                                     num_prompts=n, input_len=input_len, output_len=output_len, images=images,
+                                     seed=seed)
             results.append(LevelResult.of(res, c, n, "builtin"))
         return results
     finally:
@@ -160,13 +169,13 @@ def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: i
 
 
 def _vllm_bench(runner: Runner, st: Any, concurrency: int, n: int, input_len: int,
-                output_len: int, images: ImageLoad | None) -> LevelResult:
+                output_len: int, images: ImageLoad | None, seed: int) -> LevelResult:
     record = st.record
     filename = f"vllm-bench-c{concurrency}.json"
     result_dir = f"{record.run_dir}/bench"
     argv = vllm_bench_argv(st.url, record.served_model_name, record.model, concurrency, n, input_len,
                            output_len, result_dir, filename, images=images,
-                           warmups=warmups_for(concurrency, record.spec.vllm_version))
+                           warmups=warmups_for(concurrency, record.spec.vllm_version), seed=seed)
     venv = record.spec.venv or ""
     result = runner.run(["bash", "-c", _VLLM_BENCH, "pbstk-bench", record.run_dir, venv, *argv], timeout=None)
     if result.rc != 0:
