@@ -224,3 +224,13 @@ def test_top_level_must_be_mapping() -> None:
     path = write_config("- a\n- b\n")
     with pytest.raises(ConfigError, match=f"^{path}: expected a mapping"):
         resolve_settings({})
+
+
+def test_a_single_replica_runs_the_engine_of_a_data_parallel_rank() -> None:
+    # N `single` replicas behind `pbstk serve` stand for dpN: with 256 sequences where a dp2 rank had 512, a
+    # 2-replica service at c=1024 held 512 requests at once where dp2 held 1,024 (0.87x its tokens/s, 4x H200)
+    engine = ("--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization")
+    single = load_preset("single").vllm_args
+    for name in ("dp2", "dp4", "dp8"):
+        assert {flag: single.get(flag) for flag in engine} == {flag: load_preset(name).vllm_args.get(flag)
+                                                               for flag in engine}

@@ -106,7 +106,9 @@ count_replicas() {  # SERVICE: one line per second "t routable wanted" (its stat
 }
 
 burst=${BURST:-6000}
-svc_common=(--preset single --gpus-per-node 1 --policy power_of_two)
+# the c=512 runs keep sessions 10-11's replica (256 sequences; `single` has a DP rank's 512 since session 12), so that
+# one replica is over capacity under the burst and its figures compare
+svc_common=(--preset single --vllm-arg=--max-num-seqs=256 --gpus-per-node 1 --policy power_of_two)
 
 for what in "$@"; do
   start=$(date +%s)
