@@ -82,7 +82,9 @@ print(sys.argv[1], "probed:", ModelRegistry._try_inspect_model_cls(sys.argv[1]) 
     CUDA_VISIBLE_DEVICES=0,1 BURST=12000 stream s-burst bash benchmarks/gpu/run_service.sh "$out/s" autoscale-c512
     CUDA_VISIBLE_DEVICES=0,1 BURST=${BURST1:-4000} stream s-svc1 bash benchmarks/gpu/run_service.sh "$out/s1" svc1-c512
     wait ;;
-  G) clean; stream vl-tune-g bash benchmarks/gpu/run_vl.sh "$out/v" tune baseline-eager,dp4 ;;
+  G)  # first what pbstk's own client can drive on this host (its ceiling bounds the tune's figures)
+    clean; python3 scripts/bench_client_ceiling.py --prompts 256 2>&1 | tee "$out/client-ceiling.txt"
+    stream vl-tune-g bash benchmarks/gpu/run_vl.sh "$out/v" tune baseline-eager,dp4 ;;
   H) clean; stream vl-tune-h bash benchmarks/gpu/run_vl.sh "$out/v" tune tp4,tp2dp2 ;;
   I)
     clean
