@@ -4,9 +4,9 @@
 A server process of its own (standard library only) answers every request at once with ``--output-len`` streamed
 chat chunks, as fast as it can write them; the client (``pbs_toolkit.perf.bench.run_benchmark_sync``) keeps
 ``--concurrency`` requests open, first text only, then with ``--images`` base64 PNGs of ``--image-size`` each.
-Printed for each: requests/s, output tokens/s and the client's own CPU per request. A GPU figure near these came
-from the client, not from the server (4x H200, 2026-11-28: a VL dp4 and tp2dp2 both stopped near 30 requests/s at
-c=64 and c=256 with one 512x512 image a request).
+Printed for each: requests/s, output tokens/s and the client's own CPU per request. A GPU figure near these may be
+the client's, not the server's: on 4x H200 (2026-11-28) a VL dp4 and tp2dp2 both stopped near 30 requests/s at c=64
+and c=256 with one 512x512 image a request, whatever their decode speed.
 
     PYTHONPATH=$PWD python scripts/bench_client_ceiling.py [--concurrency 256] [--prompts 512] [--images 1]
 """
