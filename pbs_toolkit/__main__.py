@@ -2,4 +2,5 @@
 
 from pbs_toolkit.cli.main import main
 
-main()
+if __name__ == "__main__":  # not when a spawned process (perf/load_procs.py) imports the parent's main module
+    main()

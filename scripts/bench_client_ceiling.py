@@ -4,7 +4,9 @@
 A server process of its own (standard library only) answers every request at once with ``--output-len`` streamed
 chat chunks, as fast as it can write them; the client (``pbs_toolkit.perf.bench.run_benchmark_sync``) keeps
 ``--concurrency`` requests open, first text only, then with ``--images`` base64 PNGs of ``--image-size`` each.
-Printed for each: requests/s, output tokens/s and the client's own CPU per request. A GPU figure near these may be
+``--processes N`` (default: what ``tune`` and ``bench`` use at that concurrency on this host,
+``pbs_toolkit.perf.load_procs.auto_processes``) adds the same runs from N client processes. Printed for each:
+requests/s, output tokens/s and, from one process, the client's own CPU per request. A GPU figure near these may be
 the client's, not the server's: on 4x H200 (2026-11-28) a VL dp4 and tp2dp2 both stopped near 30 requests/s at c=64
 and c=256 with one 512x512 image a request, whatever their decode speed.
 
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pbs_toolkit.perf.bench import run_benchmark_sync  # noqa: E402
 from pbs_toolkit.perf.images import image_load  # noqa: E402
+from pbs_toolkit.perf.load_procs import auto_processes, run_benchmark_procs  # noqa: E402
 
 _CHUNK = ("data: " + json.dumps({"object": "chat.completion.chunk",
                                  "choices": [{"index": 0, "delta": {"content": " w"}}]}) + "\n\n").encode()
@@ -76,7 +79,9 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--images", type=int, default=1)
     parser.add_argument("--image-size", default="512x512")
+    parser.add_argument("--processes", type=int, default=None)
     args = parser.parse_args()
+    processes = args.processes or auto_processes(args.concurrency)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(4096)
@@ -88,17 +93,23 @@ def main() -> int:
     try:
         for count in sorted({0, args.images}):
             load = image_load(count, args.image_size)
+            what = f"{count} image(s) of {args.image_size}" if count else "text only"
             cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-            wall0 = time.perf_counter()
             res = run_benchmark_sync(url, "m", concurrency=args.concurrency, num_prompts=args.prompts,
                                      input_len=128, output_len=args.output_len, images=load)
-            wall = time.perf_counter() - wall0
             cpu1 = resource.getrusage(resource.RUSAGE_SELF)
             cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-            what = f"{count} image(s) of {args.image_size}" if count else "text only"
-            print(f"  {what:24} {res.completed}/{args.prompts} ok, {res.request_throughput:7.1f} requests/s, "
-                  f"{res.output_throughput:9.0f} tokens/s while timed; client CPU {1000 * cpu / args.prompts:.1f} ms "
-                  f"a request (making the requests included, {wall:.1f} s in all)")
+            print(f"  {what:24} 1 process:   {res.completed}/{args.prompts} ok, {res.request_throughput:7.1f} "
+                  f"requests/s, {res.output_throughput:9.0f} tokens/s; client CPU {1000 * cpu / args.prompts:.1f} "
+                  f"ms a request (making it included)")
+            if processes > 1:
+                wall0 = time.perf_counter()
+                res = run_benchmark_procs(url, "m", processes=processes, concurrency=args.concurrency,
+                                          num_prompts=args.prompts, input_len=128, output_len=args.output_len,
+                                          images=load)
+                print(f"  {what:24} {processes} processes: {res.completed}/{args.prompts} ok, "
+                      f"{res.request_throughput:7.1f} requests/s, {res.output_throughput:9.0f} tokens/s "
+                      f"({time.perf_counter() - wall0:.1f} s with starting the processes)")
     finally:
         server.terminate()
         server.join(5)

@@ -22,6 +22,7 @@ from pbs_toolkit.perf.bench import (
 )
 from pbs_toolkit.perf.benchjob import benchmark_ready_job, warmups_for
 from pbs_toolkit.perf.images import ImageLoad
+from pbs_toolkit.perf.load_procs import auto_processes, run_benchmark_procs, shares
 
 
 class FakeVLLM(BaseHTTPRequestHandler):
@@ -33,6 +34,16 @@ class FakeVLLM(BaseHTTPRequestHandler):
         pass
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        with self.server.lock:
+            self.server.active += 1
+            self.server.peak = max(self.server.peak, self.server.active)
+        try:
+            self.answer()
+        finally:
+            with self.server.lock:
+                self.server.active -= 1
+
+    def answer(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.server.lock:
             self.server.requests.append(body)
@@ -75,6 +86,7 @@ class FakeServer(ThreadingHTTPServer):
         self.mode, self.api_key, self.send_usage = mode, api_key, send_usage
         self.lock = threading.Lock()
         self.requests: list[dict] = []
+        self.active = self.peak = 0  # requests being answered now, and the most at once
 
     @property
     def url(self) -> str:
@@ -165,6 +177,29 @@ def test_the_builtin_client_never_sends_a_prompt_twice_across_levels_and_warmups
     assert [(r.concurrency, r.completed) for r in results] == [(1, 8), (4, 8)]
     prompts = [body["prompt"] for body in server.requests]
     assert len(prompts) == 1 + 8 + 4 + 8 and len(set(prompts)) == len(prompts)
+
+
+def test_a_level_split_between_client_processes_sends_what_one_process_would(serve):
+    # one client process tops out near 120 image requests a second on a 2-core EPYC: a wide level is spread
+    server = serve()
+    res = run_benchmark_procs(server.url, "fake", processes=2, concurrency=3, num_prompts=10, input_len=16,
+                              output_len=8, seed=7, timeout=30)
+    assert (res.completed, res.failed, res.total_output_tokens, res.max_concurrency) == (10, 0, 80, 3)
+    assert sorted(body["prompt"] for body in server.requests) == sorted(make_prompt(16, 7 * 1_000_003 + i)
+                                                                        for i in range(10))
+    assert server.peak <= 3 and res.duration > 0
+
+
+def test_a_split_level_reports_failures_as_one_does(serve):
+    with pytest.raises(ServerFailed, match="all 6 benchmark requests failed: HTTP 500"):
+        run_benchmark_procs(serve(mode="500").url, "fake", processes=2, concurrency=2, num_prompts=6, input_len=4,
+                            output_len=2, timeout=30)
+
+
+def test_how_many_client_processes_a_level_gets():
+    assert [auto_processes(c, cpus=64) for c in (1, 63, 64, 256)] == [1, 1, 4, 4]
+    assert [auto_processes(256, cpus=n) for n in (1, 2, 7, 8, 16)] == [1, 1, 1, 2, 4]
+    assert shares(256, 4) == [64] * 4 and shares(6, 4) == [2, 2, 1, 1]
 
 
 def test_tokens_counted_from_chunks_without_usage(serve):

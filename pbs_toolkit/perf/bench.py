@@ -65,7 +65,9 @@ class BenchResult:
 
 
 @dataclass
-class _Outcome:
+class Outcome:
+    """One request's fate (picklable: a run split between processes sends them back)."""
+
     ok: bool
     error: str = ""
     ttft: float = 0.0
@@ -116,13 +118,13 @@ def _carries_tokens(message: dict[str, Any]) -> bool:
     return "role" not in (choices[0].get("delta") or {})
 
 
-async def _one_request(client: Any, url: str, body: bytes, headers: dict[str, str]) -> _Outcome:
+async def _one_request(client: Any, url: str, body: bytes, headers: dict[str, str]) -> Outcome:
     """One streamed request of ``body`` (JSON, encoded already: encoding a request with a 1 MB image took the
     client ~5 ms of CPU, inside the clock when done here)."""
     import httpx
 
     start = time.perf_counter()
-    outcome = _Outcome(ok=False)
+    outcome = Outcome(ok=False)
     chunks = 0
     usage_tokens: int | None = None
     last = start
@@ -169,6 +171,63 @@ async def _one_request(client: Any, url: str, body: bytes, headers: dict[str, st
     return outcome
 
 
+def request_bodies(model: str, indices: Sequence[int], *, input_len: int, output_len: int, seed: int = 0,
+                   images: ImageLoad | None = None) -> list[bytes]:
+    """The encoded JSON bodies of requests ``indices`` of a run seeded ``seed`` (a request's text and images follow
+    from its index alone, so a run split between processes sends what one process would)."""
+    bodies = []
+    for index in indices:
+        prompt = make_prompt(input_len, seed * 1_000_003 + index)
+        body: dict[str, Any] = {
+            "model": model,
+            "max_tokens": output_len,
+            "min_tokens": output_len,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0.0,
+        }
+        if images:
+            body["messages"] = [{"role": "user", "content": images.chat_content(prompt, seed * 1_000_003 + index)}]
+        else:
+            body["prompt"] = prompt
+        bodies.append(json.dumps(body).encode())
+    return bodies
+
+
+def request_url(base_url: str, images: ImageLoad | None) -> str:
+    return _root_url(base_url) + ("/v1/chat/completions" if images else "/v1/completions")
+
+
+async def drive(url: str, bodies: Sequence[bytes], *, api_key: str | None, concurrency: int, timeout: float,
+                transport: Any = None) -> tuple[list[Outcome], float]:
+    """Send ``bodies``, at most ``concurrency`` at a time; their outcomes and the seconds it took."""
+    import httpx
+
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    semaphore = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def limited(client: httpx.AsyncClient, body: bytes) -> Outcome:
+        async with semaphore:
+            return await _one_request(client, url, body, headers)
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout), limits=limits, transport=transport,
+        trust_env=False,  # the endpoint is a node or a tunnel: a site's http_proxy cannot reach it
+    ) as client:
+        outcomes = await asyncio.gather(*(limited(client, body) for body in bodies))
+    return list(outcomes), time.perf_counter() - started
+
+
+def check_load(concurrency: int, num_prompts: int, input_len: int, output_len: int) -> None:
+    if concurrency < 1 or num_prompts < 1 or input_len < 1 or output_len < 1:
+        raise UsageError("concurrency, num_prompts, input_len and output_len must be at least 1")
+
+
 async def run_benchmark(
     base_url: str,
     model: str,
@@ -189,54 +248,19 @@ async def run_benchmark(
     passed to ``httpx.AsyncClient`` (tests use it). With ``images`` every request is a chat message with the
     text and those images. Raises ``ServerFailed`` when every request failed.
     """
-    import httpx
-
-    if concurrency < 1 or num_prompts < 1 or input_len < 1 or output_len < 1:
-        raise UsageError("concurrency, num_prompts, input_len and output_len must be at least 1")
-    url = _root_url(base_url) + ("/v1/chat/completions" if images else "/v1/completions")
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    semaphore = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-
-    def payload(index: int) -> dict[str, Any]:
-        prompt = make_prompt(input_len, seed * 1_000_003 + index)
-        body: dict[str, Any] = {
-            "model": model,
-            "max_tokens": output_len,
-            "min_tokens": output_len,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "temperature": 0.0,
-        }
-        if images:
-            body["messages"] = [{"role": "user", "content": images.chat_content(prompt, seed * 1_000_003 + index)}]
-        else:
-            body["prompt"] = prompt
-        return body
-
+    check_load(concurrency, num_prompts, input_len, output_len)
+    url = request_url(base_url, images)
     # every request is made, and encoded, before the clock starts: a 512x512 image takes the client ~17 ms, 512 of
     # them 9 s, which the level's duration (and the first requests' wait) must not count
-    payloads = [json.dumps(payload(i)).encode() for i in range(num_prompts)]
-
-    async def limited(client: httpx.AsyncClient, body: bytes) -> _Outcome:
-        async with semaphore:
-            return await _one_request(client, url, body, headers)
-
-    started = time.perf_counter()
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout), limits=limits, transport=transport,
-        trust_env=False,  # the endpoint is a node or a tunnel: a site's http_proxy cannot reach it
-    ) as client:
-        outcomes = await asyncio.gather(*(limited(client, body) for body in payloads))
-    duration = time.perf_counter() - started
-    return _summarize(outcomes, duration, concurrency, input_len)
+    bodies = request_bodies(model, range(num_prompts), input_len=input_len, output_len=output_len, seed=seed,
+                            images=images)
+    outcomes, duration = await drive(url, bodies, api_key=api_key, concurrency=concurrency, timeout=timeout,
+                                     transport=transport)
+    return summarize(outcomes, duration, concurrency, input_len)
 
 
-def _summarize(
-    outcomes: Sequence[_Outcome], duration: float, concurrency: int, input_len: int
+def summarize(
+    outcomes: Sequence[Outcome], duration: float, concurrency: int, input_len: int
 ) -> BenchResult:
     good = [o for o in outcomes if o.ok]
     errors: list[str] = []

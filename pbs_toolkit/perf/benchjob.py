@@ -18,6 +18,7 @@ from typing import Any
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 from pbs_toolkit.perf.bench import BenchResult, parse_vllm_bench_json, run_benchmark_sync, vllm_bench_argv
 from pbs_toolkit.perf.images import ImageLoad
+from pbs_toolkit.perf.load_procs import auto_processes, run_benchmark_procs
 from pbs_toolkit.settings.vllm_flags import version_tuple
 from pbs_toolkit.transports import Runner, open_runner
 from pbs_toolkit.transports.tunnel import start_tunnel
@@ -158,9 +159,11 @@ def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: i
                                    num_prompts=w, input_len=input_len, output_len=min(output_len, 16),
                                    images=images, seed=seed)
             seed += 1
-            res = run_benchmark_sync(base, record.served_model_name, api_key=record.api_key, concurrency=c,
-                                     num_prompts=n, input_len=input_len, output_len=output_len, images=images,
-                                     seed=seed)
+            level = dict(api_key=record.api_key, concurrency=c, num_prompts=n, input_len=input_len,
+                         output_len=output_len, images=images, seed=seed)
+            processes = auto_processes(c)  # a wide level from several client processes (perf/load_procs.py)
+            res = (run_benchmark_procs(base, record.served_model_name, processes=processes, **level) if processes > 1
+                   else run_benchmark_sync(base, record.served_model_name, **level))
             results.append(LevelResult.of(res, c, n, "builtin"))
         return results
     finally:
