@@ -180,7 +180,7 @@ def test_the_builtin_client_never_sends_a_prompt_twice_across_levels_and_warmups
 
 
 def test_a_level_split_between_client_processes_sends_what_one_process_would(serve):
-    # one client process tops out near 120 image requests a second on a 2-core EPYC: a wide level is spread
+    # one client process tops out near 200 requests a second on a 2-core EPYC: a wide level is spread
     server = serve()
     res = run_benchmark_procs(server.url, "fake", processes=2, concurrency=3, num_prompts=10, input_len=16,
                               output_len=8, seed=7, timeout=30)
