@@ -260,20 +260,18 @@ pbstk_start_models() {
 
 # pbstk_models_up: every other model listens: the markers list them, the swapper and the watcher start
 pbstk_models_up() {
-  local k j gk gj port
+  local k served swap gpus port entry
   [ -z "${CO_DONE:-}" ] || return 0
   CO_DONE=1
   for ((k = 1; k <= CO_MODELS; k++)); do
-    gk="CO_SERVED_$k"
+    served="CO_SERVED_$k" swap="CO_SWAP_$k" gpus="CO_GPUS_$k"
     pbstk_co_get port PORT "$k"
-    CO_LIST+="${CO_LIST:+ }${!gk}@$port"
-    j="CO_SWAP_$k"
-    [ "${!j}" = true ] || continue
-    gj="CO_GPUS_$k"
-    SWAP_ARGS+=(--model "${!gk}" "$port" "${!gj:-all}" "$RUN_DIR/vllm.model$((k + 1)).log")
+    CO_LIST+="${CO_LIST:+ }${!served}@$port"
+    [ "${!swap}" = true ] || continue
+    SWAP_ARGS+=(--model "${!served}" "$port" "${!gpus:-all}" "$RUN_DIR/vllm.model$((k + 1)).log")
   done
   local -a kept=()
-  for gk in "${MARKER_EXTRA[@]}"; do [[ $gk == models_starting=* ]] || kept+=("$gk"); done
+  for entry in "${MARKER_EXTRA[@]}"; do [[ $entry == models_starting=* ]] || kept+=("$entry"); done
   MARKER_EXTRA=("${kept[@]}")
   MARKER_EXTRA+=("models=$CO_LIST")
   pbstk_start_swapper
