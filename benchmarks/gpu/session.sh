@@ -14,10 +14,13 @@
 # client, see run_vl.sh); I dp2 on GPUs 0,1 beside the 2-replica service on GPUs 2,3 at c=256 and 1024, at the same
 # time (28); J the separate `pbstk run`s of the 1.7B (GPU 2) and the 4B (GPU 3), each the model alone on a whole
 # GPU (31's packed against alone) and its node-hours (31's `run --each` against separate runs).
+# On a lent 2-GPU machine (no 4-GPU kind lent, session 13): I2 is I with dp2 and then the service on GPUs 0,1, one
+# after the other (PROMPTS28 prompts a level, default 4000, so that both fit one call); V2 is what pbstk's client
+# drives on that host, then dp2's VL tune with images (30's common ceiling near 30 requests a second: client or server?).
 # STEP_S (default 540) bounds the whole step: every stream ends by then.
 set -uo pipefail
 out=${OUT:?OUT: where the results go}
-step=${1:?setup|A|B|C|D|E|G|H|I|J}
+step=${1:?setup|A|B|C|D|E|G|H|I|I2|J|K|V2}
 cap=${STEP_S:-540}
 # shellcheck source=benchmarks/gpu/setup_device.sh
 source benchmarks/gpu/setup_device.sh
@@ -92,6 +95,13 @@ print(sys.argv[1], "probed:", ModelRegistry._try_inspect_model_cls(sys.argv[1]) 
       stream s-service bash benchmarks/gpu/run_service.sh "$out/svc" service &
     CUDA_VISIBLE_DEVICES=0,1 LEVELS="256 1024" stream s-dp2 bash benchmarks/gpu/run_service.sh "$out/dp2" dp2
     wait ;;
+  I2)
+    clean
+    CUDA_VISIBLE_DEVICES=0,1 LEVELS="256 1024" C1=0 PAIR=0 PROMPTS=${PROMPTS28:-4000} \
+      stream s-dp2-service bash benchmarks/gpu/run_service.sh "$out/s" dp2 service ;;
+  V2)
+    clean; python3 scripts/bench_client_ceiling.py --prompts 256 2>&1 | tee "$out/client-ceiling.txt"
+    GPUS=2 stream vl-tune-dp2 bash benchmarks/gpu/run_vl.sh "$out/v" tune dp2 ;;
   J)  # each separate run is also the model alone on a whole GPU: the same c=64 bench as packed's
     clean
     CUDA_VISIBLE_DEVICES=2 PORT=8300 CACHE_ROOT=/tmp/vcc-packed PROMPTS=${PROMPTS31:-300} MODELS="q17:1.7b" \
