@@ -8,7 +8,9 @@
 # POLICIES="round_robin power_of_two" picks the router policies measured for `service` (default power_of_two, the
 # profile default); C1=0 skips the one-request level; PAIR=0 skips the direct pair;
 # PROMPTS (default 6000) is the number of prompts of each c=256 level (half of it for each side of the pair).
-# LEVELS="256 1024" adds levels to dp2 and service (each PROMPTS prompts, at least 4x the concurrency).
+# ISOLATION=none|netns sets the profile's router_isolation (default: the profile default, netns: behind the front).
+# LEVELS="256 1024" adds levels to dp2 and service (each PROMPTS prompts, at least 4x the concurrency), REPEAT times
+# each (default 1); C256=0 skips the c=256 level that dp2 and service otherwise always run.
 # Issue 28's load cases (the keeper's log of each kept in OUT_DIR/NAME-keeper.log, its router removals counted):
 #   svc1-c512       a 1-replica service (`serve --replicas 1`) under a c=512 burst of BURST prompts (default 6000)
 #   autoscale-c512  `serve --min-replicas 1 --max-replicas 2 --scale-up-waiting 1 --scale-down-idle 60s`, the same
@@ -26,7 +28,8 @@ profile="$out/profile.yaml"
 # PORT (default 8000): the first port tried, so that two runs on disjoint GPUs of one machine
 # (CUDA_VISIBLE_DEVICES=0,1 and 2,3) do not meet
 { sed -e 's/^name: .*/name: local-gpu2-router/' -e "s/^port: .*/port: ${PORT:-8000}/" benchmarks/gpu/local-h200x2.yaml
-  echo "router_command: /tmp/pbstk-site/bin/vllm-router"; } >"$profile"
+  echo "router_command: /tmp/pbstk-site/bin/vllm-router"
+  [ -z "${ISOLATION:-}" ] || echo "router_isolation: $ISOLATION"; } >"$profile"
 model=/root/qwen3-1.7b
 served=qwen3-1.7b
 prompts=${PROMPTS:-6000}
@@ -75,11 +78,13 @@ base_of() {  # JOB: its server's base URL, without /v1
   pbstk env "$1" --json | python3 -c 'import json, sys; print(json.load(sys.stdin)["base_url"].removesuffix("/v1"))'
 }
 
-levels() {  # LABEL-PREFIX: the c=256 level, then each of LEVELS past it (the router's load sampled for c=256 only)
-  local c
+levels() {  # LABEL-PREFIX: each of LEVELS past c=256 (which with_load measures), REPEAT times each (-1, -2, ...)
+  local c r n=${REPEAT:-1}
   for c in ${LEVELS:-}; do
     [ "$c" = 256 ] && continue
-    bench "$1-c$c" "$c" "$(( prompts > 4 * c ? prompts : 4 * c ))"
+    for r in $(seq "$n"); do
+      bench "$1-c$c$([ "$n" = 1 ] || echo "-$r")" "$c" "$(( prompts > 4 * c ? prompts : 4 * c ))"
+    done
   done
 }
 
@@ -122,8 +127,8 @@ for what in "$@"; do
       pbstk launch "$model" --name dp2 --preset dp2 --gpus-per-node 2 "${common[@]}" --wait --timeout 420
       eval "$(pbstk env dp2)"
       b=$(base_of dp2)
-      with_load dp2-c256 "$b" -- bench dp2-c256 256 "$prompts"
-      levels dp2
+      [ "${C256:-1}" = 0 ] || with_load dp2-c256 "$b" -- bench dp2-c256 256 "$prompts"
+      with_load dp2-levels "$b" -- levels dp2
       [ -z "${BURST_DP2:-}" ] || bench dp2-c512 512 "$burst"
       pbstk cancel dp2 ;;
     service)
@@ -135,8 +140,8 @@ for what in "$@"; do
         eval "$(pbstk env "$svc")"
         r0=$(base_of "$svc-r0"); r1=$(base_of "$svc-r1")
         [ "${C1:-1}" = 0 ] || bench "$svc-c1" 1 32
-        with_load "$svc-c256" "$r0 $r1" -- bench "$svc-c256" 256 "$prompts"
-        levels "$svc"
+        [ "${C256:-1}" = 0 ] || with_load "$svc-c256" "$r0 $r1" -- bench "$svc-c256" 256 "$prompts"
+        with_load "$svc-levels" "$r0 $r1" -- levels "$svc"
         keeper_log "$svc"
         # the direct pair: the same two replicas driven at once, half the load each (a perfect balancer)
         pair() { bench "$svc-pair-r0-c128" 128 $((prompts / 2)) "$r0" & local a=$!

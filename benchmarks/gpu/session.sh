@@ -15,12 +15,13 @@
 # time (28); J the separate `pbstk run`s of the 1.7B (GPU 2) and the 4B (GPU 3), each the model alone on a whole
 # GPU (31's packed against alone) and its node-hours (31's `run --each` against separate runs).
 # On a lent 2-GPU machine (no 4-GPU kind lent, session 13): I2 is I with dp2 and then the service on GPUs 0,1, one
-# after the other (PROMPTS28 prompts a level, default 4000, so that both fit one call); V2 is what pbstk's client
+# after the other (PROMPTS28 prompts a level, default 4000, so that both fit one call), and I2N its service without
+# the front (router_isolation: none), and R2 dp2 then the service at c=1024 three times each; V2 is what pbstk's client
 # drives on that host, then dp2's VL tune with images (30's common ceiling near 30 requests a second: client or server?).
 # STEP_S (default 540) bounds the whole step: every stream ends by then.
 set -uo pipefail
 out=${OUT:?OUT: where the results go}
-step=${1:?setup|A|B|C|D|E|G|H|I|I2|J|K|V2}
+step=${1:?setup|A|B|C|D|E|G|H|I|I2|I2N|R2|J|K|V2}
 cap=${STEP_S:-540}
 # shellcheck source=benchmarks/gpu/setup_device.sh
 source benchmarks/gpu/setup_device.sh
@@ -99,6 +100,14 @@ print(sys.argv[1], "probed:", ModelRegistry._try_inspect_model_cls(sys.argv[1]) 
     clean
     CUDA_VISIBLE_DEVICES=0,1 LEVELS="256 1024" C1=0 PAIR=0 PROMPTS=${PROMPTS28:-4000} \
       stream s-dp2-service bash benchmarks/gpu/run_service.sh "$out/s" dp2 service ;;
+  I2N)  # I2's service with its router reached directly (router_isolation: none), not through the front
+    clean
+    CUDA_VISIBLE_DEVICES=0,1 LEVELS="256 1024" C1=0 PAIR=0 PROMPTS=${PROMPTS28:-4000} ISOLATION=none \
+      stream s-service-none bash benchmarks/gpu/run_service.sh "$out/s" service ;;
+  R2)  # I2 at c=1024 only, three levels of each side (one pair of levels moved by more than the bar's 5%)
+    clean
+    CUDA_VISIBLE_DEVICES=0,1 LEVELS=1024 C256=0 REPEAT=3 C1=0 PAIR=0 PROMPTS=${PROMPTS28:-4096} \
+      stream s-repeat bash benchmarks/gpu/run_service.sh "$out/s" dp2 service ;;
   V2)
     clean; python3 scripts/bench_client_ceiling.py --prompts 256 2>&1 | tee "$out/client-ceiling.txt"
     GPUS=2 stream vl-tune-dp2 bash benchmarks/gpu/run_vl.sh "$out/v" tune dp2 ;;
