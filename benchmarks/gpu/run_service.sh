@@ -9,6 +9,8 @@
 # profile default); C1=0 skips the one-request level; PAIR=0 skips the direct pair;
 # PROMPTS (default 6000) is the number of prompts of each c=256 level (half of it for each side of the pair).
 # ISOLATION=none|netns sets the profile's router_isolation (default: the profile default, netns: behind the front).
+# CLIENT=builtin measures with `pbstk bench --client builtin` (several client processes; one `vllm bench serve`
+# process was at its own ceiling near 175 requests/s on 2x H200, session 13) instead of `vllm bench serve`.
 # LEVELS="256 1024" adds levels to dp2 and service (each PROMPTS prompts, at least 4x the concurrency), REPEAT times
 # each (default 1); C256=0 skips the c=256 level that dp2 and service otherwise always run.
 # Issue 28's load cases (the keeper's log of each kept in OUT_DIR/NAME-keeper.log, its router removals counted):
@@ -36,9 +38,23 @@ prompts=${PROMPTS:-6000}
 common=(--profile "$profile" --served-model-name "$served" --vllm-arg=--load-format=dummy --walltime 01:00:00)
 pbstk() { python3 -m pbs_toolkit "$@"; }
 
-bench() {  # LABEL CONCURRENCY PROMPTS [BASE_URL]: against BASE_URL or the current OPENAI_BASE_URL
+bench() {  # LABEL CONCURRENCY PROMPTS [BASE_URL [JOB]]: against BASE_URL (JOB's), else OPENAI_BASE_URL ($target's)
   local base=${4:-${OPENAI_BASE_URL%/v1}}
   echo "== $1: c=$2, $3 prompts against $base"
+  if [ "${CLIENT:-vllm}" = builtin ]; then  # pbstk's own client: one process per 4 CPUs (at most 4) from c=64
+    pbstk bench "${5:-$target}" -c "$2" --num-prompts "$3" --client builtin --json \
+      >"$out/$1.json" 2>"$out/$1.txt" || true
+    python3 -c 'import json, sys
+r = json.load(open(sys.argv[1]))["results"][0]
+for name, key in [("Successful requests", "completed"), ("Failed requests", "failed"),
+                  ("Benchmark duration (s)", "duration"), ("Output token throughput (tok/s)", "output_throughput"),
+                  ("Mean TTFT (ms)", "mean_ttft_ms"), ("P99 TTFT (ms)", "p99_ttft_ms"),
+                  ("Mean TPOT (ms)", "mean_tpot_ms")]:
+    value = r[key] if isinstance(r[key], int) else round(r[key] or 0, 2)
+    print((name + ":").ljust(40), value)' "$out/$1.json" \
+      2>/dev/null | sed "s/^/[$1] /" || tail -n 3 "$out/$1.txt"
+    return 0
+  fi
   vllm bench serve --backend openai --base-url "$base" --endpoint /v1/completions --model "$served" \
     --tokenizer "$model" --dataset-name random --random-input-len 128 --random-output-len 256 --ignore-eos \
     --max-concurrency "$2" --num-prompts "$3" --save-result --result-dir "$out" --result-filename "$1.json" \
@@ -120,12 +136,12 @@ for what in "$@"; do
   case "$what" in
     one)
       pbstk launch "$model" --name one --preset single --gpus-per-node 1 "${common[@]}" --wait --timeout 420
-      eval "$(pbstk env one)"
+      eval "$(pbstk env one)"; target=one
       bench one-c1 1 32; bench one-c128 128 $((prompts / 2))
       pbstk cancel one ;;
     dp2)
       pbstk launch "$model" --name dp2 --preset dp2 --gpus-per-node 2 "${common[@]}" --wait --timeout 420
-      eval "$(pbstk env dp2)"
+      eval "$(pbstk env dp2)"; target=dp2
       b=$(base_of dp2)
       [ "${C256:-1}" = 0 ] || with_load dp2-c256 "$b" -- bench dp2-c256 256 "$prompts"
       with_load dp2-levels "$b" -- levels dp2
@@ -137,22 +153,22 @@ for what in "$@"; do
         pbstk serve "$model" --name "$svc" --replicas 2 --preset single --gpus-per-node 1 \
           --policy "$policy" "${common[@]}" --wait --timeout 420
         pbstk status "$svc"
-        eval "$(pbstk env "$svc")"
+        eval "$(pbstk env "$svc")"; target=$svc
         r0=$(base_of "$svc-r0"); r1=$(base_of "$svc-r1")
         [ "${C1:-1}" = 0 ] || bench "$svc-c1" 1 32
         [ "${C256:-1}" = 0 ] || with_load "$svc-c256" "$r0 $r1" -- bench "$svc-c256" 256 "$prompts"
         with_load "$svc-levels" "$r0 $r1" -- levels "$svc"
         keeper_log "$svc"
         # the direct pair: the same two replicas driven at once, half the load each (a perfect balancer)
-        pair() { bench "$svc-pair-r0-c128" 128 $((prompts / 2)) "$r0" & local a=$!
-                 bench "$svc-pair-r1-c128" 128 $((prompts / 2)) "$r1"; wait "$a"; }
+        pair() { bench "$svc-pair-r0-c128" 128 $((prompts / 2)) "$r0" "$svc-r0" & local a=$!
+                 bench "$svc-pair-r1-c128" 128 $((prompts / 2)) "$r1" "$svc-r1"; wait "$a"; }
         [ "${PAIR:-1}" = 0 ] || with_load "$svc-pair" "$r0 $r1" -- pair
         pbstk status "$svc" --json >"$out/$svc-status.json" || true
         pbstk cancel "$svc"
       done ;;
     svc1-c512)
       pbstk serve "$model" --name svc1 --replicas 1 "${svc_common[@]}" "${common[@]}" --wait --timeout 420
-      eval "$(pbstk env svc1)"
+      eval "$(pbstk env svc1)"; target=svc1
       bench svc1-c512 512 "$burst"
       pbstk status svc1
       keeper_log svc1
@@ -160,7 +176,7 @@ for what in "$@"; do
     autoscale-c512)
       pbstk serve "$model" --name auto --min-replicas 1 --max-replicas 2 --scale-up-waiting 1 --scale-down-idle 60s \
         "${svc_common[@]}" "${common[@]}" --wait --timeout 420
-      eval "$(pbstk env auto)"
+      eval "$(pbstk env auto)"; target=auto
       count_replicas auto & counter=$!
       t0=$(date +%s)
       bench autoscale-c512 512 "$burst"

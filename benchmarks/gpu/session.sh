@@ -16,8 +16,11 @@
 # GPU (31's packed against alone) and its node-hours (31's `run --each` against separate runs).
 # On a lent 2-GPU machine (no 4-GPU kind lent, session 13): I2 is I with dp2 and then the service on GPUs 0,1, one
 # after the other (PROMPTS28 prompts a level, default 4000, so that both fit one call), and I2N its service without
-# the front (router_isolation: none), and R2 dp2 then the service at c=1024 three times each; V2 is what pbstk's client
-# drives on that host, then dp2's VL tune with images (30's common ceiling near 30 requests a second: client or server?).
+# the front (router_isolation: none), and R2 dp2 then the service at c=1024 three times each; V2 is what pbstk's
+# client drives on that host, then dp2's VL tune with images (30's common ceiling near 30 requests a second: client
+# or server?).
+# CLIENT=builtin measures I, I2, I2N and R2 with pbstk's own client in several processes (run_service.sh): at c=256
+# and 1024 one `vllm bench serve` process drove ~130-175 requests/s, about one client process's ceiling there.
 # STEP_S (default 540) bounds the whole step: every stream ends by then.
 set -uo pipefail
 out=${OUT:?OUT: where the results go}
@@ -135,3 +138,8 @@ grep -h -E '^\[|^== ' "$out"/*.log 2>/dev/null | grep -v -E '^\[ +[0-9]+s\]' | t
 # directories (vLLM's logs) without the servers' keys
 tar czf "$out/runs-$step.tgz" --exclude='api_key' --exclude='*api_key*' -C ~/pbstk-runs . 2>/dev/null || true
 (cd "$out" && tar czf "results-$step.tgz" --exclude='*.tgz' --exclude='endpoints.py' . 2>/dev/null) || true
+# a call returns at most 8 files: leave the two archives and the streams' logs, so that none of them is dropped
+# (session 13 lost a whole step's results to that limit when two steps shared one call)
+find "$out" -mindepth 2 -type f -delete 2>/dev/null || true
+find "$out" -maxdepth 1 -type f ! -name '*.tgz' ! -name '*.log' -delete 2>/dev/null || true
+find "$out" -mindepth 1 -depth -type d -empty -delete 2>/dev/null || true
