@@ -20,7 +20,7 @@
 # client drives on that host, then dp2's VL tune with images (30's common ceiling near 30 requests a second: client
 # or server?).
 # CLIENT=builtin measures I, I2, I2N and R2 with pbstk's own client in several processes (run_service.sh): at c=256
-# and 1024 one `vllm bench serve` process drove ~130-175 requests/s, about one client process's ceiling there.
+# and 1024 one `vllm bench serve` process drove 122-175 requests/s, about what one client process can there.
 # STEP_S (default 540) bounds the whole step: every stream ends by then.
 set -uo pipefail
 out=${OUT:?OUT: where the results go}
