@@ -10,8 +10,9 @@
 # PROMPTS (default 6000) is the number of prompts of each c=256 level (half of it for each side of the pair).
 # ISOLATION=none|netns sets the profile's router_isolation (default: the profile default, netns: behind the front).
 # CLIENT=builtin measures with `pbstk bench --client builtin` (several client processes) instead of one `vllm bench
-# serve` process, which looked like the limit at c=1024 on 2x H200 (session 13: the engines ran 300-650 of the 1,024
-# requests with none waiting, and drove about as many requests/s as one of pbstk's client processes can there).
+# serve` process, which looked like the limit at c=1024 on 2x H200 (session 13: dp2's engines and the service's ran
+# about 395 of the 1,024 requests on average, none waiting, at about the requests/s one of pbstk's client processes
+# makes there).
 # LEVELS="256 1024" adds levels to dp2 and service (each PROMPTS prompts, at least 4x the concurrency), REPEAT times
 # each (default 1); C256=0 skips the c=256 level that dp2 and service otherwise always run.
 # Issue 28's load cases (the keeper's log of each kept in OUT_DIR/NAME-keeper.log, its router removals counted):
