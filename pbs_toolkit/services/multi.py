@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.jobs.status_types import JobStatus
+from pbs_toolkit.jobs.status_types import JobStatus, ServerState
 from pbs_toolkit.services.health import worker_url
 from pbs_toolkit.services.record import ServiceRecord
 from pbs_toolkit.services.router_script import SEEDED_POLICIES
@@ -150,7 +150,7 @@ def model_rows(rec: ServiceRecord, statuses: dict[str, JobStatus],
         slot = rec.slots[m["job"] - 1] if m["job"] - 1 < len(rec.slots) else None
         st = statuses.get(slot.current or "") if slot is not None else None
         url = None
-        if st is not None and st.state.value == "READY":
+        if st is not None and st.state is ServerState.READY:
             if st.record.served_model_name == m["served_model_name"]:
                 url = worker_url(st)
             else:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import JobNotFound, PbstkError, ServerFailed, WaitTimeout
+from pbs_toolkit.jobs.status_types import ServerState
 from pbs_toolkit.schema import stamp
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services import restarts
@@ -148,7 +149,7 @@ def _swaps(session: ServiceSession, rec: ServiceRecord, statuses: Sequence[JobSt
         return {}
     out = {}
     for st in statuses:
-        if st.state.value != "READY":
+        if st.state is not ServerState.READY:
             continue
         try:
             data = json.loads(session.runner(rec.transport).read_bytes(f"{st.record.run_dir}/swap.json"))
