@@ -274,6 +274,9 @@ def test_local_launch_register_complete_metrics_doctor_bench(tiny_model: str, tm
         assert r["completed"] == 8 and r["failed"] == 0
         assert r["output_throughput"] > 0 and r["total_output_tokens"] == 8 * 32
         assert 0 < r["median_ttft_ms"] < 60_000 and r["median_tpot_ms"] > 0
+        # vLLM's own end-to-end time of the level's requests, from its /metrics before and after: some, and no
+        # more than the client waited (perf/server_time.py)
+        assert 0 < r["server_e2e_ms"] <= 1.02 * r["mean_e2el_ms"] + 5, r
 
     # doctor while 8 long requests compete for 2 sequence slots: requests wait, the KV cache stays idle. Sent on
     # connections of our own and never read: seconds each on 2 cores, 4 rounds of 2, so the queue stands long

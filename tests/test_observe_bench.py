@@ -170,8 +170,10 @@ def test_the_clock_leaves_out_encoding_the_requests(serve, monkeypatch: pytest.M
 def test_the_builtin_client_never_sends_a_prompt_twice_across_levels_and_warmups(serve):
     # a prompt (or image) sent again is served from vLLM's prefix (image) cache: a VL dp4's levels hit 60% (51%)
     server = serve()
-    record = SimpleNamespace(transport="", served_model_name="fake", api_key=None)
-    st = SimpleNamespace(url=server.url + "/v1", record=record)
+    record = SimpleNamespace(transport="", served_model_name="fake", api_key=None, job_id="1.fake")
+    # no address for /metrics: the level goes on without vLLM's own time (perf/server_time.py)
+    st = SimpleNamespace(url=server.url + "/v1", record=record, address=None, port=None,
+                         state=SimpleNamespace(value="READY"))
     results = benchmark_ready_job(st, [1, 4], input_len=16, output_len=8, num_prompts=None, rounds=2,
                                   client="builtin", runner=SimpleNamespace())
     assert [(r.concurrency, r.completed) for r in results] == [(1, 8), (4, 8)]

@@ -8,6 +8,7 @@ a server that rejects the key (reported as failures, not as zero latency), a rep
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,26 @@ def test_metrics_and_bench_on_the_stand_in(standins: Path) -> None:
         # each level warmed up first, one request per slot as vLLM's client does (1 + 2), outside the figures
         res = pbstk("metrics", job, "--json", "--interval", "0.1")
         assert json.loads(res.stdout.splitlines()[-1])["totals"]["requests_success"] == 4 + 4 + 1 + 2
+    finally:
+        pbstk("cancel", job)
+
+
+def test_bench_says_when_a_level_waited_mostly_outside_vllm(standins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the server's HTTP layer hands its engine one request at a time (as vLLM's API server, busy, holds requests it
+    # has read but not yet rendered): at c=8 each request waits ~7/8 of its time where vLLM's e2e clock does not run
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_ADMIT", "1")
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_TOKEN_S", "0.01")
+    job = launch_ready("outside")
+    try:
+        res = pbstk("bench", job, "--client", "builtin", "-c", "1,8", "--num-prompts", "16", "--input-len", "8",
+                    "--output-len", "10", "--json")
+        assert res.exit_code == 0, res.output
+        c1, c8 = json.loads(res.stdout)["results"]
+        assert c1["server_e2e_ms"] >= 0.8 * c1["mean_e2el_ms"]  # one at a time: the time is the engine's
+        assert 0 < c8["server_e2e_ms"] < 0.4 * c8["mean_e2el_ms"]
+        notes = [line for line in res.stderr.splitlines() if line.startswith("pbstk: note: c=")]
+        assert len(notes) == 1 and re.match(r"pbstk: note: c=8: vLLM had each request for \d+% of", notes[0]), notes
+        assert "the load generator" in notes[0]
     finally:
         pbstk("cancel", job)
 

@@ -210,6 +210,9 @@ def bench(job: str | None, concurrency: str, input_len: int, output_len: int, nu
             target, run = _ready_status(c, job, wait_ready, timeout), c.bench
         measured = run(target, levels, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
                        client=client, notice=lambda m: click.echo(f"pbstk: note: {m}", err=True), images=load)
+    for level in measured.results:  # a level that measured the client more than the server (perf/server_time.py)
+        if note := level.outside_note():
+            click.echo(f"pbstk: note: {note}", err=True)
     if as_json:
         echo_json(measured.to_dict())
         return

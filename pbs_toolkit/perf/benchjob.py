@@ -19,6 +19,7 @@ from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 from pbs_toolkit.perf.bench import BenchResult, parse_vllm_bench_json, run_benchmark_sync, vllm_bench_argv
 from pbs_toolkit.perf.images import ImageLoad
 from pbs_toolkit.perf.load_procs import auto_processes, run_benchmark_procs
+from pbs_toolkit.perf.server_time import ServerClock, outside_note, server_mean_ms
 from pbs_toolkit.settings.vllm_flags import version_tuple
 from pbs_toolkit.transports import Runner, open_runner
 from pbs_toolkit.transports.tunnel import start_tunnel
@@ -41,12 +42,16 @@ class LevelResult(BenchResult):
     num_prompts: int
     #: ``vllm`` or ``builtin``; ``None`` in reports that predate it
     client: str | None = None
+    #: vLLM's own mean end-to-end ms of this level's requests (perf/server_time.py); ``None`` where not seen
+    server_e2e_ms: float | None = None
     other: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         head: dict[str, Any] = {"concurrency": self.concurrency, "num_prompts": self.num_prompts}
         if self.client is not None:
             head["client"] = self.client
+        if self.server_e2e_ms is not None:
+            head["server_e2e_ms"] = round(self.server_e2e_ms, 2)
         stats = {f.name: getattr(self, f.name) for f in fields(BenchResult)}
         return {**head, **stats, "errors": list(self.errors), **self.other}
 
@@ -55,16 +60,22 @@ class LevelResult(BenchResult):
         known = {f.name for f in fields(cls)}
         stats: dict[str, Any] = {f.name: data.get(f.name, 0 if f.name in _COUNTS else None)
                  for f in fields(BenchResult) if f.name != "errors"}
-        client = data.get("client")
+        client, server = data.get("client"), data.get("server_e2e_ms")
         return cls(**stats, errors=[str(e) for e in data.get("errors") or []],
                    concurrency=int(data.get("concurrency") or 0), num_prompts=int(data.get("num_prompts") or 0),
                    client=str(client) if client is not None else None,
+                   server_e2e_ms=float(server) if isinstance(server, (int, float)) else None,
                    other={k: v for k, v in data.items() if k not in known})
 
     @classmethod
-    def of(cls, stats: BenchResult, concurrency: int, num_prompts: int, client: str) -> LevelResult:
+    def of(cls, stats: BenchResult, concurrency: int, num_prompts: int, client: str,
+           server_e2e_ms: float | None = None) -> LevelResult:
         return cls(**{f.name: getattr(stats, f.name) for f in fields(BenchResult)}, concurrency=concurrency,
-                   num_prompts=num_prompts, client=client)
+                   num_prompts=num_prompts, client=client, server_e2e_ms=server_e2e_ms)
+
+    def outside_note(self) -> str | None:
+        """A line when this level's requests waited mostly outside vLLM (perf/server_time.py)."""
+        return outside_note(self.concurrency, self.server_e2e_ms, self.mean_e2el_ms)
 
 # Constant script; every value arrives as a positional parameter.
 _VLLM_BENCH = r"""
@@ -105,8 +116,10 @@ def warmups_for(concurrency: int, vllm_version: str) -> int:
 def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int, output_len: int,
                         num_prompts: int | None, rounds: int = 4, warmup: bool = True, client: str = "auto",
                         notice: Callable[[str], None] = lambda _msg: None,
-                        runner: Runner | None = None, images: ImageLoad | None = None) -> list[LevelResult]:
-    """One result per concurrency (``vllm bench serve`` field names plus ``concurrency``, ``client``).
+                        runner: Runner | None = None, images: ImageLoad | None = None,
+                        server_time: bool = True) -> list[LevelResult]:
+    """One result per concurrency (``vllm bench serve`` field names plus ``concurrency``, ``client``, and
+    ``server_e2e_ms``, vLLM's own time of the level's requests, where ``server_time`` and the server tell it).
 
     ``runner``: the job's transport when the caller has one open (one SSH connection for everything).
     ``images``: every request also carries these images (chat endpoint).
@@ -115,6 +128,7 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
         raise UsageError(f"unknown benchmark client {client!r} (known: {', '.join(CLIENTS)})")
     own = runner is None
     runner = runner or open_runner(st.record.transport or None)
+    clock = ServerClock(runner, st, on=server_time)  # vLLM's own time of each level's requests, between levels
     try:
         if client in ("auto", "vllm"):
             results: list[LevelResult] = []
@@ -123,7 +137,10 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
                 try:
                     n = prompts_for(c, num_prompts, rounds)
                     seed += 1
-                    results.append(_vllm_bench(runner, st, c, n, input_len, output_len, images, seed))
+                    before = clock.look()
+                    level = _vllm_bench(runner, st, c, n, input_len, output_len, images, seed)
+                    level.server_e2e_ms = server_mean_ms(before, clock.look())
+                    results.append(level)
                 except PbstkError as exc:
                     if client == "vllm" or results:  # never mix clients within one result
                         raise
@@ -131,14 +148,15 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
                     break
             else:
                 return results
-        return _builtin(runner, st, concurrencies, input_len, output_len, num_prompts, rounds, warmup, images)
+        return _builtin(runner, st, concurrencies, input_len, output_len, num_prompts, rounds, warmup, images, clock)
     finally:
         if own:
             runner.close()
 
 
 def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: int, output_len: int,
-             num_prompts: int | None, rounds: int, warmup: bool, images: ImageLoad | None) -> list[LevelResult]:
+             num_prompts: int | None, rounds: int, warmup: bool, images: ImageLoad | None,
+             clock: ServerClock) -> list[LevelResult]:
     record = st.record
     tunnel = None
     try:
@@ -162,9 +180,10 @@ def _builtin(runner: Runner, st: Any, concurrencies: Sequence[int], input_len: i
             level = dict(api_key=record.api_key, concurrency=c, num_prompts=n, input_len=input_len,
                          output_len=output_len, images=images, seed=seed)
             processes = auto_processes(c)  # a wide level from several client processes (perf/load_procs.py)
+            before = clock.look()
             res = (run_benchmark_procs(base, record.served_model_name, processes=processes, **level) if processes > 1
                    else run_benchmark_sync(base, record.served_model_name, **level))
-            results.append(LevelResult.of(res, c, n, "builtin"))
+            results.append(LevelResult.of(res, c, n, "builtin", server_mean_ms(before, clock.look())))
         return results
     finally:
         if tunnel is not None:

@@ -309,6 +309,7 @@ def render_table(doc: TuneReport) -> str:
              f"output tokens/s (single runs); x = ratio to {doc.baseline or '-'}", "",
              table(rows, headers)]
     lines += [f"{run.preset}: {run.error}" for run in doc.runs if run.error]
+    lines += [f"{run.preset}: {note}" for run in doc.runs for level in run.results if (note := level.outside_note())]
     if doc.recommended:
         lines += ["", f"recommended: {doc.recommended} (highest output tokens/s at c={max(concurrencies)})"]
     return "\n".join(lines)

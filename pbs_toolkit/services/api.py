@@ -218,10 +218,12 @@ class ServiceMethods:
 
     def service_bench(self, name: str | ServiceRecord | ServiceStatus, concurrencies: Sequence[int] = (1, 8, 64),
                       **options: Any) -> BenchResult:
-        """``bench`` through the router's URL with the service's key (``options``: as for ``bench``)."""
+        """``bench`` through the router's URL with the service's key (``options``: as for ``bench``), without
+        vLLM's own time of each level: the router's ``/metrics`` is not a vLLM's."""
         from pbs_toolkit.services.observe import bench_status, serving_status
 
-        return self.bench(bench_status(serving_status(self.service_session(), name)), concurrencies, **options)
+        return self.bench(bench_status(serving_status(self.service_session(), name)), concurrencies,
+                          **{**options, "server_time": False})
 
     def service_log(self, name: str | ServiceRecord, lines: int = 50, follow: bool = False, *,
                     replica: int | None = None, pieces: bool = False, final_every: float = 5.0,

@@ -1,0 +1,72 @@
+"""How much of a benchmark level's time vLLM itself accounts for: a level limited outside vLLM's engines.
+
+A load generator that cannot keep its requests open, or a server whose API process cannot hand them to its engines
+as fast as they come, caps a level below what the engines can do; its tokens/s then describe the client or the
+front end, not the preset. On 2x H200 (session 13, benchmarks/README.md) dp2's engines ran about 395 of 1,024 open
+requests with none waiting. ``vllm:e2e_request_latency_seconds`` is vLLM's own time of each request: from when its API server begins
+rendering the prompt (after the HTTP request was read and parsed; images and tokenizing are inside) to the engine's
+last output for it (vLLM 0.22, ``renderers/base.py`` ``arrival_time``). Read before and after a level, its sum and
+count give vLLM's mean time of that level's requests (``vllm bench serve``'s warm-ups within a level are of the
+level's length and change little). Against the client's mean end-to-end latency it says how much of the waiting
+happened inside vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pbs_toolkit.errors import PbstkError
+from pbs_toolkit.perf.scrape import scrape
+from pbs_toolkit.transports import Runner
+from pbs_toolkit.vllm.prom import Histogram
+
+#: a level whose requests spent less than this share of the client's time inside vLLM gets a note
+INSIDE_SHARE_NOTE = 0.8
+#: a look at ``/metrics`` between levels: short, as a busy server's ``/metrics`` may not answer at once
+LOOK_TIMEOUT_S = 3.0
+
+
+class ServerClock:
+    """vLLM's ``e2e_request_latency_seconds`` histogram, looked at between levels.
+
+    After one look that fails or finds no such histogram (a router, a server of another kind) it looks no more:
+    one missing figure, not a delay at every level."""
+
+    def __init__(self, runner: Runner, st: Any, *, on: bool = True) -> None:
+        self._runner, self._st, self._on = runner, st, on
+
+    def look(self) -> Histogram | None:
+        if not self._on:
+            return None
+        try:
+            e2e = scrape(self._runner, self._st, timeout=LOOK_TIMEOUT_S).e2e
+        except PbstkError:
+            e2e = None
+        self._on = e2e is not None
+        return e2e
+
+
+def server_mean_ms(before: Histogram | None, after: Histogram | None) -> float | None:
+    """vLLM's mean end-to-end milliseconds of the requests that finished between two looks; ``None`` without both
+    looks, or when none finished (or the server restarted in between: its counts went down)."""
+    if before is None or after is None or after.count <= before.count or after.sum < before.sum:
+        return None
+    return 1000.0 * (after.sum - before.sum) / (after.count - before.count)
+
+
+def inside_share(server_ms: float | None, client_ms: float | None) -> float | None:
+    """vLLM's mean time of a request over the client's: 1.0 when all the waiting was in vLLM."""
+    if server_ms is None or not client_ms:
+        return None
+    return server_ms / client_ms
+
+
+def outside_note(concurrency: int, server_ms: float | None, client_ms: float | None) -> str | None:
+    """One line for a level whose requests waited mostly outside vLLM; ``None`` for one that did not."""
+    share = inside_share(server_ms, client_ms)
+    if share is None or share >= INSIDE_SHARE_NOTE or server_ms is None or client_ms is None:
+        return None
+    return (f"c={concurrency}: vLLM had each request for {share:.0%} of the time the client waited for it "
+            f"(mean {server_ms:,.0f} of {client_ms:,.0f} ms); the rest went before vLLM began on it or after its "
+            "last token (the load generator, the network, a router, vLLM's HTTP layer): this level measured those "
+            "more than the engines")
