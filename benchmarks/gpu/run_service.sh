@@ -51,7 +51,10 @@ r = json.load(open(sys.argv[1]))["results"][0]
 for name, key in [("Successful requests", "completed"), ("Failed requests", "failed"),
                   ("Benchmark duration (s)", "duration"), ("Output token throughput (tok/s)", "output_throughput"),
                   ("Mean TTFT (ms)", "mean_ttft_ms"), ("P99 TTFT (ms)", "p99_ttft_ms"),
-                  ("Mean TPOT (ms)", "mean_tpot_ms")]:
+                  ("Mean TPOT (ms)", "mean_tpot_ms"), ("Mean E2EL (ms)", "mean_e2el_ms"),
+                  ("vLLM mean E2E (ms)", "server_e2e_ms")]:
+    if key not in r:  # vLLM own time: not for a service (its router)
+        continue
     value = r[key] if isinstance(r[key], int) else round(r[key] or 0, 2)
     print((name + ":").ljust(40), value)' "$out/$1.json" \
       2>/dev/null | sed "s/^/[$1] /" || tail -n 3 "$out/$1.txt"
