@@ -1,14 +1,14 @@
 """How much of a benchmark level's time vLLM itself accounts for: a level limited outside vLLM's engines.
 
 A load generator that cannot keep its requests open, or a server whose API process cannot hand them to its engines
-as fast as they come, caps a level below what the engines can do; its tokens/s then describe the client or the
-front end, not the preset. On 2x H200 (session 13, benchmarks/README.md) dp2's engines ran about 395 of 1,024 open
-requests with none waiting. ``vllm:e2e_request_latency_seconds`` is vLLM's own time of each request: from when its API server begins
-rendering the prompt (after the HTTP request was read and parsed; images and tokenizing are inside) to the engine's
-last output for it (vLLM 0.22, ``renderers/base.py`` ``arrival_time``). Read before and after a level, its sum and
-count give vLLM's mean time of that level's requests (``vllm bench serve``'s warm-ups within a level are of the
-level's length and change little). Against the client's mean end-to-end latency it says how much of the waiting
-happened inside vLLM.
+as fast as they come, caps a level below what the engines can do; its tokens/s then describe the client or the front
+end, not the preset. On 2x H200 (session 13, benchmarks/README.md) dp2's engines ran about 395 of 1,024 open
+requests with none waiting. ``vllm:e2e_request_latency_seconds`` is vLLM's own time of each request: from when its
+API server begins rendering the prompt (after the HTTP request was read and parsed; images and tokenizing are
+inside) to the engine's last output for it (vLLM 0.22, ``renderers/base.py`` ``arrival_time``). Read before and
+after a level, its sum and count give vLLM's mean time of that level's requests (``vllm bench serve``'s warm-ups
+within a level are of the level's length and change little). Against the client's mean end-to-end latency it says
+how much of the waiting happened inside vLLM.
 """
 
 from __future__ import annotations
