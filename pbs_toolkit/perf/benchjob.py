@@ -51,7 +51,7 @@ class LevelResult(BenchResult):
         if self.client is not None:
             head["client"] = self.client
         if self.server_e2e_ms is not None:
-            head["server_e2e_ms"] = round(self.server_e2e_ms, 2)
+            head["server_e2e_ms"] = self.server_e2e_ms
         stats = {f.name: getattr(self, f.name) for f in fields(BenchResult)}
         return {**head, **stats, "errors": list(self.errors), **self.other}
 
