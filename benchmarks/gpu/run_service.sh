@@ -53,7 +53,7 @@ for name, key in [("Successful requests", "completed"), ("Failed requests", "fai
                   ("Mean TTFT (ms)", "mean_ttft_ms"), ("P99 TTFT (ms)", "p99_ttft_ms"),
                   ("Mean TPOT (ms)", "mean_tpot_ms"), ("Mean E2EL (ms)", "mean_e2el_ms"),
                   ("vLLM mean E2E (ms)", "server_e2e_ms")]:
-    if key not in r:  # vLLM own time: not for a service (its router)
+    if key not in r:  # the time vLLM itself counted: none for a service (its router)
         continue
     value = r[key] if isinstance(r[key], int) else round(r[key] or 0, 2)
     print((name + ":").ljust(40), value)' "$out/$1.json" \
