@@ -18,7 +18,7 @@ from typing import Any
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.perf.scrape import scrape
 from pbs_toolkit.transports import Runner
-from pbs_toolkit.vllm.prom import Histogram
+from pbs_toolkit.vllm.prom import Histogram, delta
 
 #: a level whose requests spent less than this share of the client's time inside vLLM gets a note
 INSIDE_SHARE_NOTE = 0.8
@@ -47,24 +47,22 @@ class ServerClock:
 
 
 def server_mean_ms(before: Histogram | None, after: Histogram | None) -> float | None:
-    """vLLM's mean end-to-end milliseconds of the requests that finished between two looks; ``None`` without both
-    looks, or when none finished (or the server restarted in between: its counts went down)."""
-    if before is None or after is None or after.count <= before.count or after.sum < before.sum:
+    """vLLM's mean end-to-end milliseconds of the requests that finished between two looks (``prom.delta``);
+    ``None`` without both looks, or when none finished, or when the server restarted in between (its count or sum
+    went down: the observations since then are not the level's)."""
+    if before is None or after is None or after.count < before.count or after.sum < before.sum:
         return None
-    return 1000.0 * (after.sum - before.sum) / (after.count - before.count)
-
-
-def inside_share(server_ms: float | None, client_ms: float | None) -> float | None:
-    """vLLM's mean time of a request over the client's: 1.0 when all the waiting was in vLLM."""
-    if server_ms is None or not client_ms:
-        return None
-    return server_ms / client_ms
+    mean = delta(before, after).mean()
+    return None if mean is None else 1000.0 * mean
 
 
 def outside_note(concurrency: int, server_ms: float | None, client_ms: float | None) -> str | None:
-    """One line for a level whose requests waited mostly outside vLLM; ``None`` for one that did not."""
-    share = inside_share(server_ms, client_ms)
-    if share is None or share >= INSIDE_SHARE_NOTE or server_ms is None or client_ms is None:
+    """One line for a level whose requests waited mostly outside vLLM (vLLM's mean time of a request under
+    ``INSIDE_SHARE_NOTE`` of the client's); ``None`` for one that did not, or where either time is unknown."""
+    if server_ms is None or not client_ms:
+        return None
+    share = server_ms / client_ms
+    if share >= INSIDE_SHARE_NOTE:
         return None
     return (f"c={concurrency}: vLLM had each request for {share:.0%} of the time the client waited for it "
             f"(mean {server_ms:,.0f} of {client_ms:,.0f} ms); the rest went before vLLM began on it or after its "
