@@ -14,11 +14,20 @@ def hist(total: float, count: float) -> Histogram:
 
 
 def test_the_mean_is_of_the_requests_between_the_two_looks() -> None:
-    assert server_mean_ms(hist(10.0, 4), hist(16.0, 8)) == 1500.0
-    assert server_mean_ms(None, hist(16.0, 8)) is None and server_mean_ms(hist(1.0, 1), None) is None
-    assert server_mean_ms(hist(10.0, 4), hist(10.0, 4)) is None  # nothing finished
-    assert server_mean_ms(hist(10.0, 4), hist(3.0, 6)) is None  # the server restarted: its sums went down
-    assert server_mean_ms(hist(10.0, 4), hist(12.0, 2)) is None
+    assert server_mean_ms((hist(10.0, 4),), (hist(16.0, 8),)) == 1500.0
+    assert server_mean_ms(None, (hist(16.0, 8),)) is None and server_mean_ms((hist(1.0, 1),), None) is None
+    assert server_mean_ms((hist(10.0, 4),), (hist(10.0, 4),)) is None  # nothing finished
+    assert server_mean_ms((hist(10.0, 4),), (hist(3.0, 6),)) is None  # the server restarted: its sums went down
+    assert server_mean_ms((hist(10.0, 4),), (hist(12.0, 2),)) is None
+
+
+def test_a_services_replicas_are_added_each_from_its_own_look() -> None:
+    before = (hist(10.0, 4), hist(100.0, 50))
+    # 4 requests in 6 s on the first, 2 in 1 s on the second: 7 s over 6 requests, not an average of the two means
+    assert server_mean_ms(before, (hist(16.0, 8), hist(101.0, 52))) == 7000.0 / 6
+    # the second restarted and served more since than it had before: the sum still grew, its own look did not
+    assert server_mean_ms(before, (hist(16.0, 8), hist(90.0, 60))) is None
+    assert server_mean_ms(before, (hist(16.0, 8),)) is None  # a replica fewer: not the same servers
 
 
 def test_a_note_only_for_a_level_that_waited_mostly_outside_vllm() -> None:

@@ -101,6 +101,8 @@ def test_a_service_name_works_for_wait_metrics_logs_doctor_and_bench(svc_profile
                           "--output-len", "4", "--json").stdout)
     assert (bench["job_id"], bench["preset"]) == ("service:ns", "service")
     assert [(r["completed"], r["failed"]) for r in bench["results"]] == [(8, 0)]
+    level = bench["results"][0]  # vLLM's own time: the replicas' histograms added (perf/server_time.py)
+    assert 0 < level["server_e2e_ms"] <= 1.02 * level["mean_e2el_ms"] + 5, level
     assert router_requests("ns") - before >= 8  # the 8 prompts (and the warm-up) went through the router
     by_vllm = json.loads(ok("bench", "ns", "--client", "vllm", "-c", "1", "--num-prompts", "8", "--json").stdout)
     assert by_vllm["results"][0]["client"] == "vllm"

@@ -68,17 +68,20 @@ class PerfMethods:
     def bench(self, job: Job | JobRecord | JobStatus | str | None = None, concurrencies: Sequence[int] = (1, 8, 64),
               *, input_len: int = 128, output_len: int = 256, num_prompts: int | None = None,
               client: str = "auto", notice: Callable[[str], None] | None = None,
-              images: ImageLoad | None = None, server_time: bool = True) -> BenchResult:
+              images: ImageLoad | None = None, server_time: bool | Sequence[JobStatus] = True) -> BenchResult:
         """Drive load against a READY job's endpoint, each concurrency in turn (``notice``: hears which load
         generator runs and why). A ``JobStatus`` is taken as READY (after ``wait``). ``images``: every request
         also carries these images (``perf.images.image_load``). ``server_time``: read vLLM's own time of each
-        level from the server's ``/metrics`` (off for a router, whose ``/metrics`` is not one vLLM's)."""
+        level from the server's ``/metrics``, or from these servers' together (a router's replicas: its own
+        ``/metrics`` is not one vLLM's); ``False``: not at all."""
         from pbs_toolkit.perf.observe import bench
 
         st = self._ready(job)
+        servers = server_time if isinstance(server_time, bool) else [
+            (self.runner(s.record.transport), s) for s in server_time]
         return bench(self.runner(st.record.transport), st, concurrencies, input_len=input_len,
                      output_len=output_len, num_prompts=num_prompts, client=client, notice=notice or _info,
-                     images=images, server_time=server_time)
+                     images=images, server_time=servers)
 
     def tune(self, model: str | RenderRequest, presets: Sequence[str], *, profile: str | None = None,
              concurrencies: Sequence[int] = (1, 8, 64), input_len: int = 128, output_len: int = 256,

@@ -117,9 +117,12 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
                         num_prompts: int | None, rounds: int = 4, warmup: bool = True, client: str = "auto",
                         notice: Callable[[str], None] = lambda _msg: None,
                         runner: Runner | None = None, images: ImageLoad | None = None,
-                        server_time: bool = True) -> list[LevelResult]:
+                        server_time: bool | Sequence[tuple[Runner, Any]] = True) -> list[LevelResult]:
     """One result per concurrency (``vllm bench serve`` field names plus ``concurrency``, ``client``, and
     ``server_e2e_ms``, vLLM's own time of the level's requests, where ``server_time`` and the server tell it).
+
+    ``server_time``: ``True`` reads it from the job's own ``/metrics``; (runner, status) pairs read it from those
+    servers', added up (a service's replicas behind the router that ``st`` names); ``False``: not at all.
 
     ``runner``: the job's transport when the caller has one open (one SSH connection for everything).
     ``images``: every request also carries these images (chat endpoint).
@@ -128,7 +131,8 @@ def benchmark_ready_job(st: Any, concurrencies: Sequence[int], *, input_len: int
         raise UsageError(f"unknown benchmark client {client!r} (known: {', '.join(CLIENTS)})")
     own = runner is None
     runner = runner or open_runner(st.record.transport or None)
-    clock = ServerClock(runner, st, on=server_time)  # vLLM's own time of each level's requests, between levels
+    # vLLM's own time of each level's requests, looked at between levels
+    clock = ServerClock([(runner, st)] if server_time is True else server_time or [])
     try:
         if client in ("auto", "vllm"):
             results: list[LevelResult] = []

@@ -136,9 +136,10 @@ def diagnose(runner: Runner, st: JobStatus) -> Diagnosis:
 
 def bench(runner: Runner, st: JobStatus, concurrencies: Sequence[int], *, input_len: int, output_len: int,
           num_prompts: int | None, client: str, notice: Callable[[str], None],
-          images: ImageLoad | None = None, server_time: bool = True) -> BenchResult:
+          images: ImageLoad | None = None,
+          server_time: bool | Sequence[tuple[Runner, JobStatus]] = True) -> BenchResult:
     """Drive load against a READY job's endpoint, each concurrency in turn (``notice``: which load generator
-    runs and why)."""
+    runs and why; ``server_time``: as ``benchmark_ready_job``'s)."""
     from pbs_toolkit.perf.benchjob import benchmark_ready_job
 
     results = benchmark_ready_job(st, list(concurrencies), input_len=input_len, output_len=output_len,

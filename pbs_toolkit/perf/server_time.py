@@ -9,10 +9,15 @@ inside) to the engine's last output for it (vLLM 0.22, ``renderers/base.py`` ``a
 after a level, its sum and count give vLLM's mean time of that level's requests (``vllm bench serve``'s warm-ups
 within a level are of the level's length and change little). Against the client's mean end-to-end latency it says
 how much of the waiting happened inside vLLM.
+
+A service's level (``pbstk bench SERVICE``) goes through its router; the clock then looks at every serving
+replica's histogram and adds their differences, each replica's own (one replica restarted: no figure), so that the
+note also tells a level limited by the router or its front from one limited by the replicas.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pbs_toolkit.errors import PbstkError
@@ -26,33 +31,49 @@ INSIDE_SHARE_NOTE = 0.8
 LOOK_TIMEOUT_S = 3.0
 
 
+#: one look: each server's histogram, in the order of the clock's servers
+Look = tuple[Histogram, ...]
+
+
 class ServerClock:
-    """vLLM's ``e2e_request_latency_seconds`` histogram, looked at between levels.
+    """vLLM's ``e2e_request_latency_seconds`` histogram of one server or of several (a service's replicas, whose
+    router's ``/metrics`` is not a vLLM's), looked at between levels.
 
-    After one look that fails or finds no such histogram (a router, a server of another kind) it looks no more:
-    one missing figure, not a delay at every level."""
+    After one look that fails or finds no such histogram on any of them (a router, a server of another kind, a
+    replica gone) it looks no more: one missing figure, not a delay at every level."""
 
-    def __init__(self, runner: Runner, st: Any, *, on: bool = True) -> None:
-        self._runner, self._st, self._on = runner, st, on
+    def __init__(self, servers: Sequence[tuple[Runner, Any]], *, on: bool = True) -> None:
+        self._servers, self._on = list(servers), on and bool(servers)
 
-    def look(self) -> Histogram | None:
+    def look(self) -> Look | None:
         if not self._on:
             return None
-        try:
-            e2e = scrape(self._runner, self._st, timeout=LOOK_TIMEOUT_S).e2e
-        except PbstkError:
-            e2e = None
-        self._on = e2e is not None
-        return e2e
+        found = []
+        for runner, st in self._servers:
+            try:
+                e2e = scrape(runner, st, timeout=LOOK_TIMEOUT_S).e2e
+            except PbstkError:
+                e2e = None
+            if e2e is None:
+                self._on = False
+                return None
+            found.append(e2e)
+        return tuple(found)
 
 
-def server_mean_ms(before: Histogram | None, after: Histogram | None) -> float | None:
-    """vLLM's mean end-to-end milliseconds of the requests that finished between two looks (``prom.delta``);
-    ``None`` without both looks, or when none finished, or when the server restarted in between (its count or sum
-    went down: the observations since then are not the level's)."""
-    if before is None or after is None or after.count < before.count or after.sum < before.sum:
+def server_mean_ms(before: Look | None, after: Look | None) -> float | None:
+    """vLLM's mean end-to-end milliseconds of the requests that finished between two looks, over every server
+    looked at (each one's ``prom.delta``, added); ``None`` without both looks, or when none finished, or when a
+    server restarted in between (its count or sum went down: the observations since then are not the level's)."""
+    if before is None or after is None or len(before) != len(after):
         return None
-    mean = delta(before, after).mean()
+    total = count = 0.0
+    for b, a in zip(before, after, strict=True):
+        if a.count < b.count or a.sum < b.sum:
+            return None
+        d = delta(b, a)
+        total, count = total + d.sum, count + d.count
+    mean = Histogram(sum=total, count=count).mean()
     return None if mean is None else 1000.0 * mean
 
 

@@ -218,12 +218,14 @@ class ServiceMethods:
 
     def service_bench(self, name: str | ServiceRecord | ServiceStatus, concurrencies: Sequence[int] = (1, 8, 64),
                       **options: Any) -> BenchResult:
-        """``bench`` through the router's URL with the service's key (``options``: as for ``bench``), without
-        vLLM's own time of each level: the router's ``/metrics`` is not a vLLM's."""
-        from pbs_toolkit.services.observe import bench_status, serving_status
+        """``bench`` through the router's URL with the service's key (``options``: as for ``bench``); vLLM's own
+        time of each level is that of its serving replicas together (the router's ``/metrics`` is not a vLLM's;
+        a multi-model service's servers are per model, and it has none)."""
+        from pbs_toolkit.services.observe import bench_status, serving, serving_status
 
-        return self.bench(bench_status(serving_status(self.service_session(), name)), concurrencies,
-                          **{**options, "server_time": False})
+        st = serving_status(self.service_session(), name)
+        replicas = [] if st.record.models else [js for _, js in serving(st)]
+        return self.bench(bench_status(st), concurrencies, **{**options, "server_time": replicas or False})
 
     def service_log(self, name: str | ServiceRecord, lines: int = 50, follow: bool = False, *,
                     replica: int | None = None, pieces: bool = False, final_every: float = 5.0,
