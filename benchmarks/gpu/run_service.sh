@@ -4,7 +4,8 @@
 # and in-process dp2, all measured with `vllm bench serve` (random 128 in / 256 out, --ignore-eos) in ONE call on ONE
 # machine, with levels long enough (>= 30 s) to be stable. While each level runs, every replica's
 # vllm:num_requests_running / _waiting is sampled each second into OUT_DIR/LABEL.load (how the router spreads load).
-# Usage, from the checkout root there:  bash benchmarks/gpu/run_service.sh OUT_DIR one|service|dp2 [...]
+# Usage, from the checkout root there:  bash benchmarks/gpu/run_service.sh OUT_DIR one|single|service|dp2 [...]
+# On one GPU: `single` (the service's replica as a plain job) and `service` with REPLICAS=1.
 # POLICIES="round_robin power_of_two" picks the router policies measured for `service` (default power_of_two, the
 # profile default); C1=0 skips the one-request level; PAIR=0 skips the direct pair;
 # PROMPTS (default 6000) is the number of prompts of each c=256 level (half of it for each side of the pair).
@@ -53,7 +54,7 @@ for name, key in [("Successful requests", "completed"), ("Failed requests", "fai
                   ("Mean TTFT (ms)", "mean_ttft_ms"), ("P99 TTFT (ms)", "p99_ttft_ms"),
                   ("Mean TPOT (ms)", "mean_tpot_ms"), ("Mean E2EL (ms)", "mean_e2el_ms"),
                   ("vLLM mean E2E (ms)", "server_e2e_ms")]:
-    if key not in r:  # the time vLLM itself counted: none for a service (its router)
+    if key not in r:  # the time vLLM itself counted (a service: its replicas together)
         continue
     value = r[key] if isinstance(r[key], int) else round(r[key] or 0, 2)
     print((name + ":").ljust(40), value)' "$out/$1.json" \
@@ -131,6 +132,16 @@ count_replicas() {  # SERVICE: one line per second "t routable wanted" (its stat
   done >>"$out/$1.replicas"
 }
 
+plain() {  # NAME PRESET GPUS: an in-process job of that preset, its levels (as a service's), then cancelled
+  pbstk launch "$model" --name "$1" --preset "$2" --gpus-per-node "$3" "${common[@]}" --wait --timeout 420
+  eval "$(pbstk env "$1")"; target=$1
+  local b; b=$(base_of "$1")
+  [ "${C256:-1}" = 0 ] || with_load "$1-c256" "$b" -- bench "$1-c256" 256 "$prompts"
+  with_load "$1-levels" "$b" -- levels "$1"
+  [ -z "${BURST_DP2:-}" ] || bench "$1-c512" 512 "$burst"
+  pbstk cancel "$1"
+}
+
 burst=${BURST:-6000}
 # the c=512 runs keep sessions 10-11's replica (256 sequences; `single` has a DP rank's 512 since session 12), so that
 # one replica is over capacity under the burst and its figures compare
@@ -144,30 +155,28 @@ for what in "$@"; do
       eval "$(pbstk env one)"; target=one
       bench one-c1 1 32; bench one-c128 128 $((prompts / 2))
       pbstk cancel one ;;
-    dp2)
-      pbstk launch "$model" --name dp2 --preset dp2 --gpus-per-node 2 "${common[@]}" --wait --timeout 420
-      eval "$(pbstk env dp2)"; target=dp2
-      b=$(base_of dp2)
-      [ "${C256:-1}" = 0 ] || with_load dp2-c256 "$b" -- bench dp2-c256 256 "$prompts"
-      with_load dp2-levels "$b" -- levels dp2
-      [ -z "${BURST_DP2:-}" ] || bench dp2-c512 512 "$burst"
-      pbstk cancel dp2 ;;
-    service)
+    dp2) plain dp2 dp2 2 ;;
+    single) plain single single 1 ;;  # a service's replica as a plain job: a 1-replica service's reference
+    service)  # REPLICAS (default 2) replicas, one GPU each
+      n=${REPLICAS:-2}
       for policy in ${POLICIES:-power_of_two}; do
-        svc="svc-${policy//_/-}"
-        pbstk serve "$model" --name "$svc" --replicas 2 --preset single --gpus-per-node 1 \
+        svc="svc-${policy//_/-}$([ "$n" = 2 ] || echo "-x$n")"
+        pbstk serve "$model" --name "$svc" --replicas "$n" --preset single --gpus-per-node 1 \
           --policy "$policy" "${common[@]}" --wait --timeout 420
         pbstk status "$svc"
         eval "$(pbstk env "$svc")"; target=$svc
-        r0=$(base_of "$svc-r0"); r1=$(base_of "$svc-r1")
+        urls=$(for i in $(seq 0 $((n - 1))); do base_of "$svc-r$i"; done | tr '\n' ' ')
         [ "${C1:-1}" = 0 ] || bench "$svc-c1" 1 32
-        [ "${C256:-1}" = 0 ] || with_load "$svc-c256" "$r0 $r1" -- bench "$svc-c256" 256 "$prompts"
-        with_load "$svc-levels" "$r0 $r1" -- levels "$svc"
+        [ "${C256:-1}" = 0 ] || with_load "$svc-c256" "$urls" -- bench "$svc-c256" 256 "$prompts"
+        with_load "$svc-levels" "$urls" -- levels "$svc"
         keeper_log "$svc"
         # the direct pair: the same two replicas driven at once, half the load each (a perfect balancer)
-        pair() { bench "$svc-pair-r0-c128" 128 $((prompts / 2)) "$r0" "$svc-r0" & local a=$!
-                 bench "$svc-pair-r1-c128" 128 $((prompts / 2)) "$r1" "$svc-r1"; wait "$a"; }
-        [ "${PAIR:-1}" = 0 ] || with_load "$svc-pair" "$r0 $r1" -- pair
+        if [ "${PAIR:-1}" != 0 ] && [ "$n" = 2 ]; then
+          r0=$(base_of "$svc-r0"); r1=$(base_of "$svc-r1")
+          pair() { bench "$svc-pair-r0-c128" 128 $((prompts / 2)) "$r0" "$svc-r0" & local a=$!
+                   bench "$svc-pair-r1-c128" 128 $((prompts / 2)) "$r1" "$svc-r1"; wait "$a"; }
+          with_load "$svc-pair" "$r0 $r1" -- pair
+        fi
         pbstk status "$svc" --json >"$out/$svc-status.json" || true
         pbstk cancel "$svc"
       done ;;
