@@ -5,7 +5,9 @@
 # machine, with levels long enough (>= 30 s) to be stable. While each level runs, every replica's
 # vllm:num_requests_running / _waiting is sampled each second into OUT_DIR/LABEL.load (how the router spreads load).
 # Usage, from the checkout root there:  bash benchmarks/gpu/run_service.sh OUT_DIR one|single|service|dp2 [...]
-# On one GPU: `single` (the service's replica as a plain job) and `service` with REPLICAS=1.
+# On one GPU: `single` (the service's replica as a plain job) and `service` with REPLICAS=1 (DIRECT=1: each of its
+# levels followed by the same level straight at the replica). CPU_TOP=1 samples each level's processes with `top`
+# (OUT_DIR/LABEL.cpu) and prints the mean cores of each kind (client, vllm-api, vllm-engine, router, front).
 # POLICIES="round_robin power_of_two" picks the router policies measured for `service` (default power_of_two, the
 # profile default); C1=0 skips the one-request level; PAIR=0 skips the direct pair;
 # PROMPTS (default 6000) is the number of prompts of each c=256 level (half of it for each side of the pair).
@@ -41,9 +43,34 @@ prompts=${PROMPTS:-6000}
 common=(--profile "$profile" --served-model-name "$served" --vllm-arg=--load-format=dummy --walltime 01:00:00)
 pbstk() { python3 -m pbs_toolkit "$@"; }
 
+cpu_sample() {  # LABEL: every 2 s each process over 5% of a core ("t %cpu command"), until killed
+  command -v top >/dev/null || return 0
+  top -b -d 2 -c -w 512 | awk '/^top -/ {t = $3} $1 ~ /^[0-9]+$/ && $9 + 0 >= 5 {
+    c = ""; for (i = 12; i <= NF; i++) c = c " " $i; print t, $9, substr(c, 1, 160); fflush()}' >>"$out/$1.cpu"
+}
+
+summarise_cpu() {  # LABEL: mean cores per kind of process over the samples (of the level's seconds)
+  [ -s "$out/$1.cpu" ] || return 0
+  awk '{k = "other"} /pbs_toolkit bench|multiprocessing|load_procs/ {k = "client"} /vllm serve|APIServer/ {k = "vllm-api"}
+    /EngineCore/ {k = "vllm-engine"} /router_front/ {k = "front"} /vllm::router|vllm-router/ {k = "router"}
+    /keeper/ {k = "keeper"} {s[k] += $2; if (!($1 in seen)) {seen[$1] = 1; n++}}
+    END {line = ""; for (k in s) line = line sprintf(" %s %.2f", k, s[k] / 100 / n); print "[" L "] cores:" line}' \
+    L="$1" "$out/$1.cpu"
+}
+
 bench() {  # LABEL CONCURRENCY PROMPTS [BASE_URL [JOB]]: against BASE_URL (JOB's), else OPENAI_BASE_URL ($target's)
-  local base=${4:-${OPENAI_BASE_URL%/v1}}
+  local base=${4:-${OPENAI_BASE_URL%/v1}} sampler=""
   echo "== $1: c=$2, $3 prompts against $base"
+  if [ "${CPU_TOP:-0}" = 1 ]; then cpu_sample "$1" & sampler=$!; fi
+  bench_level "$@"
+  if [ -n "$sampler" ]; then
+    pkill -P "$sampler" 2>/dev/null || true; kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true
+    summarise_cpu "$1"
+  fi
+}
+
+bench_level() {  # bench's arguments: one level, its figures printed
+  local base=${4:-${OPENAI_BASE_URL%/v1}}
   if [ "${CLIENT:-vllm}" = builtin ]; then  # pbstk's own client: one process per 4 CPUs (at most 4) from c=64
     pbstk bench "${5:-$target}" -c "$2" --num-prompts "$3" --client builtin --json \
       >"$out/$1.json" 2>"$out/$1.txt" || true
@@ -100,12 +127,14 @@ base_of() {  # JOB: its server's base URL, without /v1
   pbstk env "$1" --json | python3 -c 'import json, sys; print(json.load(sys.stdin)["base_url"].removesuffix("/v1"))'
 }
 
-levels() {  # LABEL-PREFIX: each of LEVELS past c=256 (which with_load measures), REPEAT times each (-1, -2, ...)
+levels() {  # LABEL-PREFIX [BASE JOB]: each of LEVELS past c=256 (which with_load measures), REPEAT times each (-1, -2,
+  # ...); with a replica's BASE URL and JOB, each one is followed by the same level straight at that replica (-direct)
   local c r n=${REPEAT:-1}
   for c in ${LEVELS:-}; do
     [ "$c" = 256 ] && continue
     for r in $(seq "$n"); do
       bench "$1-c$c$([ "$n" = 1 ] || echo "-$r")" "$c" "$(( prompts > 4 * c ? prompts : 4 * c ))"
+      [ -z "${2:-}" ] || bench "$1-direct-c$c$([ "$n" = 1 ] || echo "-$r")" "$c" "$(( prompts > 4 * c ? prompts : 4 * c ))" "$2" "$3"
     done
   done
 }
@@ -168,7 +197,12 @@ for what in "$@"; do
         urls=$(for i in $(seq 0 $((n - 1))); do base_of "$svc-r$i"; done | tr '\n' ' ')
         [ "${C1:-1}" = 0 ] || bench "$svc-c1" 1 32
         [ "${C256:-1}" = 0 ] || with_load "$svc-c256" "$urls" -- bench "$svc-c256" 256 "$prompts"
-        with_load "$svc-levels" "$urls" -- levels "$svc"
+        # DIRECT=1 (one replica): each level also straight at the replica, the router and its front left out
+        if [ "${DIRECT:-0}" = 1 ] && [ "$n" = 1 ]; then
+          with_load "$svc-levels" "$urls" -- levels "$svc" "$(base_of "$svc-r0")" "$svc-r0"
+        else
+          with_load "$svc-levels" "$urls" -- levels "$svc"
+        fi
         keeper_log "$svc"
         # the direct pair: the same two replicas driven at once, half the load each (a perfect balancer)
         if [ "${PAIR:-1}" != 0 ] && [ "$n" = 2 ]; then
