@@ -337,16 +337,23 @@ def test_a_failed_look_is_busy_while_the_router_sees_its_requests_end() -> None:
     health._SUCCEEDED_BEFORE.clear()
     first = {"1.x": _st("STARTING")}
     assert health.needs_router_view(first, {URL}) and not health.needs_router_view(first, set())
-    assert health.busy_at_router(first, {URL}, snap(10, 2)) == []  # the first look only sets the mark
+    why: dict[str, str] = {}
+    assert health.busy_at_router(first, {URL}, snap(10, 2), why) == []  # the first look only sets the mark
     assert first["1.x"].state is ServerState.STARTING
+    assert why == {"1.x": "the router's first count of its answers: nothing to compare yet"}
     moving = {"1.x": _st("STARTING")}
-    assert health.busy_at_router(moving, {URL}, snap(20, 5)) == ["1.x"]
+    why.clear()
+    assert health.busy_at_router(moving, {URL}, snap(20, 5), why) == ["1.x"] and why == {}
     assert moving["1.x"].state is ServerState.READY
     assert moving["1.x"].busy == "probe slow; 15 open at the router, 3 answered since the last look"
     hung = {"1.x": _st("STARTING")}
-    assert health.busy_at_router(hung, {URL}, snap(20, 5)) == [] and hung["1.x"].state is ServerState.STARTING
-    idle = {"1.x": _st("UNKNOWN")}  # requests ended, none open: nothing says it is busy
-    assert health.busy_at_router(idle, {URL}, snap(20, 20)) == [] and idle["1.x"].state is ServerState.UNKNOWN
+    assert health.busy_at_router(hung, {URL}, snap(20, 5), why) == [] and hung["1.x"].state is ServerState.STARTING
+    assert why == {"1.x": "15 open at the router, none answered since the last look"}
+    # requests ended, none open: nothing says it is busy (on one H200 a load sent straight to the replica, past
+    # the router, kept its probes timing out: three such looks took it out of the router)
+    idle = {"1.x": _st("UNKNOWN")}
+    assert health.busy_at_router(idle, {URL}, snap(20, 20), why) == [] and idle["1.x"].state is ServerState.UNKNOWN
+    assert why["1.x"] == "no request open to it at the router"
     ended = {"1.x": _st("FAILED")}
     assert health.busy_at_router(ended, {URL}, snap(30, 21)) == [] and ended["1.x"].state is ServerState.FAILED
     assert health.busy_at_router({"1.x": _st("STARTING")}, set(), snap(40, 30)) == []
@@ -367,3 +374,30 @@ def test_requests_failing_at_the_router_do_not_make_a_replica_busy() -> None:
     assert health.busy_at_router({"1.x": _st("STARTING")}, {URL}, snap(20, 5, 3)) == []
     dead = {"1.x": _st("STARTING")}
     assert health.busy_at_router(dead, {URL}, snap(30, 5, 9)) == [] and dead["1.x"].state is ServerState.STARTING
+
+
+def test_a_failed_look_the_router_cannot_vouch_for_counts_and_the_keepers_log_says_why(
+        isolated_user: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """A failed look that the router's figures cannot vouch for counts, and the keeper's log says why (on one H200
+    the log of a replica taken out after three failed looks said nothing of what the router saw)."""
+    import socket
+
+    from pbs_toolkit.client import Client
+    from pbs_toolkit.services import scaler
+
+    with socket.socket() as s:  # a port that nothing listens on: the router's Prometheus port, gone
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rec = _rec()
+    rec.router = {"host": "127.0.0.1", "port": port, "prometheus_port": port}
+    health._SUCCEEDED_BEFORE.clear()
+    with Client(on_removal=lambda r: None) as client:
+        session = client.service_session()
+        assert scaler.step(session, rec, {"1.x": _st("READY")}, {URL}) is None
+        assert capsys.readouterr().err == ""  # a READY look needs no verdict: the router is not asked
+        failed = {"1.x": _st("STARTING")}
+        assert scaler.step(session, rec, failed, {URL}) is None
+    log = capsys.readouterr().err
+    assert "the router's figures could not be read (" in log and f"127.0.0.1:{port}" in log, log
+    assert "a routable replica's failed look counts" in log and failed["1.x"].state is ServerState.STARTING
+    assert health.leave_router(rec, failed["1.x"], time.time()) is None  # one failed look of 3: still routed

@@ -145,7 +145,9 @@ keeper_log() {  # SERVICE: its keeper's log beside the results, and how often a 
   local removed added
   removed=$(grep -c 'from the router' "$out/$1-keeper.log" 2>/dev/null) || true
   added=$(grep -c 'added' "$out/$1-keeper.log" 2>/dev/null) || true
-  echo "[$1] keeper: ${removed:-0} removal(s) from the router, ${added:-0} addition(s)"
+  echo "[$1] keeper: ${removed:-0} removal(s) from the router, ${added:-0} addition(s)," \
+    "$(grep -c 'is busy (the router' "$out/$1-keeper.log") look(s) found busy by the router's view," \
+    "$(grep -c "router's figures could not be read" "$out/$1-keeper.log") without the router's figures"
   # the router's own complaints (the front's "a connection ended while ..." lines, a router panic, its errors):
   # where a client's "server disconnected" comes from
   pbstk logs "$1" -n 1000000 2>/dev/null | grep -E -i 'connection ended|panick|error|warn' | tail -n 300 \

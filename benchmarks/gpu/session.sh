@@ -19,13 +19,14 @@
 # the front (router_isolation: none), and R2 dp2 then the service at c=1024 three times each; V2 is what pbstk's
 # client drives on that host, then dp2's VL tune with images (30's common ceiling near 30 requests a second: client
 # or server?). On a lent 1-GPU machine (session 14): R1, the plain `single` job against a 1-replica service of it;
-# R1X, that service's levels each beside the same level straight at its replica, with each process's CPU.
+# R1X, that service's levels each beside the same level straight at its replica, with each process's CPU; R1K, the
+# service again after the keeper's fix.
 # CLIENT=builtin measures I, I2, I2N and R2 with pbstk's own client in several processes (run_service.sh): at c=256
 # and 1024 one `vllm bench serve` process drove 122-175 requests/s, about what one client process can there.
 # STEP_S (default 540) bounds the whole step: every stream ends by then.
 set -uo pipefail
 out=${OUT:?OUT: where the results go}
-step=${1:?setup|A|B|C|D|E|G|H|I|I2|I2N|R1|R1X|R2|J|K|V2}
+step=${1:?setup|A|B|C|D|E|G|H|I|I2|I2N|R1|R1X|R1K|R2|J|K|V2}
 cap=${STEP_S:-540}
 # shellcheck source=benchmarks/gpu/setup_device.sh
 source benchmarks/gpu/setup_device.sh
@@ -125,6 +126,11 @@ print(sys.argv[1], "probed:", ModelRegistry._try_inspect_model_cls(sys.argv[1]) 
       stream s-direct1 bash benchmarks/gpu/run_service.sh "$out/s" service
     CUDA_VISIBLE_DEVICES=0 LEVELS=1024 C256=0 REPEAT=2 C1=0 REPLICAS=1 CPU_TOP=1 ISOLATION=none \
       PROMPTS=${PROMPTS28:-4096} stream s-none1 bash benchmarks/gpu/run_service.sh "$out/n" service ;;
+  R1K)  # R1X's service again after the keeper's fix (a patient look at the router's figures, and a line when they
+         # cannot be read): at c=1024 its busy replica must stay in the router
+    clean
+    CUDA_VISIBLE_DEVICES=0 LEVELS=1024 C256=0 REPEAT=2 C1=0 REPLICAS=1 CPU_TOP=1 PROMPTS=${PROMPTS28:-4096} \
+      stream s-keeper1 bash benchmarks/gpu/run_service.sh "$out/s" service ;;
   V2)
     clean; python3 scripts/bench_client_ceiling.py --prompts 256 2>&1 | tee "$out/client-ceiling.txt"
     GPUS=2 stream vl-tune-dp2 bash benchmarks/gpu/run_vl.sh "$out/v" tune dp2 ;;

@@ -118,10 +118,12 @@ def needs_router_view(statuses: Mapping[str, JobStatus], in_router: Collection[s
     return any(routable(st, in_router) and not ready(st) for st in statuses.values())
 
 
-def busy_at_router(statuses: Mapping[str, JobStatus], in_router: Collection[str], snap: RouterSnapshot) -> list[str]:
+def busy_at_router(statuses: Mapping[str, JobStatus], in_router: Collection[str], snap: RouterSnapshot,
+                   unvouched: dict[str, str] | None = None) -> list[str]:
     """A routable replica whose look failed while the router has requests open to it and saw some of them succeed
     since the previous look (failures, a dead worker's refusals, do not count) is busy, not unhealthy: its status
-    becomes READY with ``busy`` saying why (what ``leave_router`` then keeps). Returns the job ids so marked."""
+    becomes READY with ``busy`` saying why (what ``leave_router`` then keeps). Returns the job ids so marked;
+    ``unvouched`` gets, for each other routable replica whose look failed, why the router's view did not vouch."""
     marked = []
     for gone in [u for u in _SUCCEEDED_BEFORE if u not in in_router]:  # workers the router no longer has
         del _SUCCEEDED_BEFORE[gone]
@@ -138,6 +140,11 @@ def busy_at_router(statuses: Mapping[str, JobStatus], in_router: Collection[str]
             st.state, st.phase, st.unreachable = ServerState.READY, Phase.READY.value, None
             st.busy = f"probe slow; {open_:g} open at the router, {done - before:g} answered since the last look"
             marked.append(st.record.job_id)
+        elif unvouched is not None:
+            unvouched[st.record.job_id] = (
+                "no request open to it at the router" if not open_ else
+                "the router's first count of its answers: nothing to compare yet" if before is None else
+                f"{open_:g} open at the router, none answered since the last look")
     return marked
 
 

@@ -98,14 +98,26 @@ def capacity(statuses: Mapping[str, JobStatus]) -> int | None:
     return None
 
 
+#: the wait for the router's figures when they decide whether a replica whose look failed is busy. Patient: the
+#: look comes under the very load it judges (a c=1024 stand-in load on 2 busy cores held the router's answer up to
+#: 1.6 s), and a look the router cannot vouch for counts toward taking the replica out
+ROUTER_VIEW_TIMEOUT_S = 10.0
+
+
 def router_look(session: ServiceSession, rec: ServiceRecord, timeout: float = 3.0) -> RouterSnapshot | None:
     """One request to the router's Prometheus port (``None``: it did not answer, or has no such port)."""
+    return router_view(session, rec, timeout)[0]
+
+
+def router_view(session: ServiceSession, rec: ServiceRecord,
+                timeout: float = ROUTER_VIEW_TIMEOUT_S) -> tuple[RouterSnapshot | None, str | None]:
+    """``router_look``, with why it found nothing (the transport's or the router's words)."""
     from pbs_toolkit.services.router_metrics import router_counters
 
     try:
-        return router_counters(session.runner(rec.transport), rec, timeout=timeout)
-    except PbstkError:
-        return None
+        return router_counters(session.runner(rec.transport), rec, timeout=timeout), None
+    except PbstkError as exc:
+        return None, exc.message
 
 
 def overload_watch(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
@@ -180,6 +192,26 @@ def observation(rec: ServiceRecord, statuses: Mapping[str, JobStatus], in_router
         answered=len(answered), refused=refused, in_flight=in_flight)
 
 
+def _router_verdict(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
+                    in_router: set[str]) -> RouterSnapshot | None:
+    """The router's figures this tick, where a routable replica's look failed (they decide whether it counts:
+    looked at patiently, and the keeper's log says what the router saw) or the service autoscales."""
+    snap = None
+    if health.needs_router_view(statuses, in_router):
+        snap, why = router_view(session, rec)
+        if snap is None:
+            keeper_log(f"the router's figures could not be read ({why}): a routable replica's failed look counts")
+    elif rec.scale:
+        snap = router_look(session, rec)
+    if snap is not None:
+        unvouched: dict[str, str] = {}
+        for job in health.busy_at_router(statuses, in_router, snap, unvouched):
+            keeper_log(f"{job} is busy (the router's view): {statuses[job].busy}")
+        for job, why in unvouched.items():  # its failed look counts
+            keeper_log(f"{job}: the router's view does not vouch for it: {why}")
+    return snap
+
+
 def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
          in_router: set[str], sighted: float | None = None) -> str | None:
     """This tick's look at the router (for every service whose routable replica's look failed: the router may
@@ -187,12 +219,7 @@ def step(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, Job
     when the keeper's watch saw the router's figure show the overload that woke this tick. Returns why the
     service must end now (idle), or ``None``."""
     silent = silent_looks(statuses, in_router)  # before the router's view marks some of them busy
-    snap = None
-    if rec.scale or health.needs_router_view(statuses, in_router):
-        snap = router_look(session, rec)
-    if snap is not None:
-        for job in health.busy_at_router(statuses, in_router, snap):
-            keeper_log(f"{job} is busy (the router's view): {statuses[job].busy}")
+    snap = _router_verdict(session, rec, statuses, in_router)
     if not rec.scale and not rec.idle_cancel_s:
         return None
     now = time.time()
