@@ -20,7 +20,7 @@
 # client drives on that host, then dp2's VL tune with images (30's common ceiling near 30 requests a second: client
 # or server?). On a lent 1-GPU machine (session 14): R1, the plain `single` job against a 1-replica service of it;
 # R1X, that service's levels each beside the same level straight at its replica, with each process's CPU; R1K, the
-# service again after the keeper's fix.
+# service again with its load through the router alone.
 # CLIENT=builtin measures I, I2, I2N and R2 with pbstk's own client in several processes (run_service.sh): at c=256
 # and 1024 one `vllm bench serve` process drove 122-175 requests/s, about what one client process can there.
 # STEP_S (default 540) bounds the whole step: every stream ends by then.
@@ -126,8 +126,8 @@ print(sys.argv[1], "probed:", ModelRegistry._try_inspect_model_cls(sys.argv[1]) 
       stream s-direct1 bash benchmarks/gpu/run_service.sh "$out/s" service
     CUDA_VISIBLE_DEVICES=0 LEVELS=1024 C256=0 REPEAT=2 C1=0 REPLICAS=1 CPU_TOP=1 ISOLATION=none \
       PROMPTS=${PROMPTS28:-4096} stream s-none1 bash benchmarks/gpu/run_service.sh "$out/n" service ;;
-  R1K)  # R1X's service again after the keeper's fix (a patient look at the router's figures, and a line when they
-         # cannot be read): at c=1024 its busy replica must stay in the router
+  R1K)  # R1X's service again with all its load through the router (R1X's levels straight at the replica took it
+         # out of the router), the keeper saying what the router saw: at c=1024 its busy replica must stay in it
     clean
     CUDA_VISIBLE_DEVICES=0 LEVELS=1024 C256=0 REPEAT=2 C1=0 REPLICAS=1 CPU_TOP=1 PROMPTS=${PROMPTS28:-4096} \
       stream s-keeper1 bash benchmarks/gpu/run_service.sh "$out/s" service ;;
