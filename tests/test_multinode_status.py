@@ -321,7 +321,7 @@ def test_status_wait_logs_cancel_on_a_real_job(job: tuple[str, Path], tmp_path: 
     assert first.startswith(f"pbstk: error: job {job_id} is FAILED: node 1 (fakenode1) failed with exit 1: ")
     assert first.endswith(f"(log: {run_dir}/vllm.node1.log)")
     assert any("CUDA out of memory" in line for line in details)
-    assert took < 5, took
+    assert took < 20, took  # the marker ends the wait, not its 60 s timeout (a loaded CI host took over 5 s once)
     print(f"wait failed {took:.2f} s after the worker's marker (the head's `stop` came after 1 s)")
     registry = tmp_path / "endpoints.py"
     result = _cli("update-endpoint", job_id, "--registry", str(registry), "--timeout", "60")
