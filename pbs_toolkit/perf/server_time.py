@@ -42,8 +42,8 @@ class ServerClock:
     After one look that fails or finds no such histogram on any of them (a router, a server of another kind, a
     replica gone) it looks no more: one missing figure, not a delay at every level."""
 
-    def __init__(self, servers: Sequence[tuple[Runner, Any]], *, on: bool = True) -> None:
-        self._servers, self._on = list(servers), on and bool(servers)
+    def __init__(self, servers: Sequence[tuple[Runner, Any]]) -> None:
+        self._servers, self._on = list(servers), bool(servers)
 
     def look(self) -> Look | None:
         if not self._on:
