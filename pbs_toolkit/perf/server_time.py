@@ -40,13 +40,13 @@ class ServerClock:
     router's ``/metrics`` is not a vLLM's), looked at between levels.
 
     After one look that fails or finds no such histogram on any of them (a router, a server of another kind, a
-    replica gone) it looks no more: one missing figure, not a delay at every level."""
+    replica gone) it forgets its servers and looks no more: one missing figure, not a delay at every level."""
 
     def __init__(self, servers: Sequence[tuple[Runner, Any]]) -> None:
-        self._servers, self._on = list(servers), bool(servers)
+        self._servers = list(servers)
 
     def look(self) -> Look | None:
-        if not self._on:
+        if not self._servers:
             return None
         found = []
         for runner, st in self._servers:
@@ -55,7 +55,7 @@ class ServerClock:
             except PbstkError:
                 e2e = None
             if e2e is None:
-                self._on = False
+                self._servers = []
                 return None
             found.append(e2e)
         return tuple(found)

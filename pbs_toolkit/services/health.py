@@ -26,7 +26,7 @@ restarted keeper goes on counting.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.jobs.status_types import ServerState
@@ -66,7 +66,7 @@ def worker_url(st: JobStatus) -> str | None:
     return endpoint_url(st)[: -len("/v1")]
 
 
-def ready(st: JobStatus | None) -> bool:
+def ready(st: JobStatus | None) -> TypeGuard[JobStatus]:
     """The job's last look says READY (busy included): the keeper may add it to the router."""
     return st is not None and st.state is ServerState.READY
 

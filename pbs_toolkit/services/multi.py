@@ -10,8 +10,8 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.jobs.status_types import JobStatus, ServerState
-from pbs_toolkit.services.health import worker_url
+from pbs_toolkit.jobs.status_types import JobStatus
+from pbs_toolkit.services.health import ready, worker_url
 from pbs_toolkit.services.record import ServiceRecord
 from pbs_toolkit.services.router_script import SEEDED_POLICIES
 from pbs_toolkit.settings.launch_settings import RenderRequest
@@ -150,7 +150,7 @@ def model_rows(rec: ServiceRecord, statuses: dict[str, JobStatus],
         slot = rec.slots[m["job"] - 1] if m["job"] - 1 < len(rec.slots) else None
         st = statuses.get(slot.current or "") if slot is not None else None
         url = None
-        if st is not None and st.state is ServerState.READY:
+        if ready(st):
             if st.record.served_model_name == m["served_model_name"]:
                 url = worker_url(st)
             else:

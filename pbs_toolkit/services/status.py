@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import JobNotFound, PbstkError, ServerFailed, WaitTimeout
-from pbs_toolkit.jobs.status_types import ServerState
 from pbs_toolkit.schema import stamp
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services import restarts
+from pbs_toolkit.services.health import ready
 from pbs_toolkit.services.keeper_process import keeper_alive, last_tick, poll_seconds
 from pbs_toolkit.services.multi import model_rows
 from pbs_toolkit.services.ready import RouteCheck, check_route, looks_routable, routable_count, still_starting
@@ -149,7 +149,7 @@ def _swaps(session: ServiceSession, rec: ServiceRecord, statuses: Sequence[JobSt
         return {}
     out = {}
     for st in statuses:
-        if st.state is not ServerState.READY:
+        if not ready(st):
             continue
         try:
             data = json.loads(session.runner(rec.transport).read_bytes(f"{st.record.run_dir}/swap.json"))
