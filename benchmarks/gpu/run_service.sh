@@ -129,12 +129,14 @@ base_of() {  # JOB: its server's base URL, without /v1
 
 levels() {  # LABEL-PREFIX [BASE JOB]: each of LEVELS past c=256 (which with_load measures), REPEAT times each (-1, -2,
   # ...); with a replica's BASE URL and JOB, each one is followed by the same level straight at that replica (-direct)
-  local c r n=${REPEAT:-1}
+  local c r n=${REPEAT:-1} count suffix
   for c in ${LEVELS:-}; do
     [ "$c" = 256 ] && continue
+    count=$(( prompts > 4 * c ? prompts : 4 * c ))
     for r in $(seq "$n"); do
-      bench "$1-c$c$([ "$n" = 1 ] || echo "-$r")" "$c" "$(( prompts > 4 * c ? prompts : 4 * c ))"
-      [ -z "${2:-}" ] || bench "$1-direct-c$c$([ "$n" = 1 ] || echo "-$r")" "$c" "$(( prompts > 4 * c ? prompts : 4 * c ))" "$2" "$3"
+      suffix=$([ "$n" = 1 ] || echo "-$r")
+      bench "$1-c$c$suffix" "$c" "$count"
+      [ -z "${2:-}" ] || bench "$1-direct-c$c$suffix" "$c" "$count" "$2" "$3"
     done
   done
 }
