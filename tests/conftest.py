@@ -119,11 +119,15 @@ def orphans() -> Iterator[list[int]]:
 
 @pytest.fixture
 def standins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """Stand-in `vllm` and `nvidia-smi` first on PATH; returns the directory where `vllm` records its argv."""
+    """Stand-in `vllm` and `nvidia-smi` first on PATH; returns the directory where `vllm` records its argv. The
+    stand-in GPUs (tests/standins/gpus.py: 4 of 80 GB unless PBSTK_TEST_GPUS/PBSTK_TEST_GPU_MIB say otherwise) are
+    this test's own: what its stand-in vLLMs hold, nvidia-smi shows, and a vLLM that finds too little free
+    refuses to start, as a real one does."""
     record = tmp_path / "record"
     record.mkdir()
     monkeypatch.setenv("PATH", f"{STANDINS}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("PBSTK_TEST_RECORD", str(record))
+    monkeypatch.setenv("PBSTK_TEST_GPU_DIR", str(tmp_path / "gpus"))
     return record
 
 

@@ -201,12 +201,24 @@ def kill_started_job(proc: subprocess.Popen[bytes] | None, server_pid: int) -> N
 # -- processes and services --------------------------------------------------------------------------------------
 
 def group_alive(pgid: int) -> bool:
-    """Whether any process of group ``pgid`` still runs."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    """Whether any process of group ``pgid`` still runs (a zombie does not: an orphan waits for init to reap it,
+    which takes seconds on some machines)."""
+    return bool(group_members(pgid))
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of group ``pgid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and fields[2] == str(pgid):
+            found.append(int(entry))
+    return found
 
 
 @contextmanager

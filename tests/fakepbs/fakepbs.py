@@ -72,6 +72,22 @@ class PbsError(Exception):
 # --------------------------------------------------------------------------- state on disk
 
 
+def session_pids(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (field 6 of /proc/PID/stat); a zombie is gone."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and fields[3] == str(sid):
+            found.append(int(entry))
+    return found
+
+
 def home() -> str:
     path = os.environ.get("FAKEPBS_HOME")
     if not path:
@@ -963,6 +979,8 @@ def run_job(key: str) -> None:
     out_fh = open(out_path, "wb")  # noqa: SIM115 - closed after the job ends
     err_fh = out_fh if joined else open(err_path, "wb")  # noqa: SIM115
     env = job_env(job, tmpdir, nodefile)
+    if env.get("PBSTK_TEST_GPU_DIR"):  # the stand-in GPUs: each job's nodes are its own, as where jobs take whole
+        env["PBSTK_TEST_GPU_NODE"] = job["id"]  # nodes (tests/standins/gpus.py): no two jobs share a GPU
     if internal["nchunks"] > 1:  # pbsdsh and mpiexec are there however the chunks were placed
         node_tools(env, job["id"], hosts[0])
     cwd = env.get("HOME", "/")
@@ -979,8 +997,11 @@ def run_job(key: str) -> None:
     last_usage = start
 
     def signal_group(sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
+        """The MoM signals every process of the job's session (OpenPBS kill_session), not one process group: a
+        process the job put in a group of its own (a vLLM the start script started so) is reached too."""
+        for pid in session_pids(proc.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
 
     while proc.poll() is None:
         time.sleep(POLL)
