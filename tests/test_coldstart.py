@@ -65,7 +65,9 @@ class Job:
 
     def start(self, **env: str) -> None:
         self.record.mkdir(exist_ok=True)
-        full = dict(os.environ, PBSTK_TEST_STANDIN_DELAY="0.1", PBSTK_TEST_RECORD=str(self.record))
+        # each job a node of its own (its own stand-in GPUs): jobs that share a compile cache, not a GPU
+        full = dict(os.environ, PBSTK_TEST_STANDIN_DELAY="0.1", PBSTK_TEST_RECORD=str(self.record),
+                    PBSTK_TEST_GPU_NODE=self.run_dir.name)
         full.pop("CUDA_VISIBLE_DEVICES", None)
         full.update(env)
         self.proc = subprocess.Popen(["bash", str(self.run_dir / "job.sh")], cwd=str(self.run_dir),  # noqa: S603,S607

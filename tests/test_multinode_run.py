@@ -8,6 +8,7 @@ another part of issue 14); everything else is the real rendered script.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -321,22 +322,29 @@ STANDIN = Path(__file__).parent / "standins" / "vllm"
 
 
 def _standin(*args: str, **env: str) -> subprocess.Popen[str]:
+    """The stand-in vLLM as one node's process (each one a node of its own: its own stand-in GPUs)."""
     return subprocess.Popen([str(STANDIN), "serve", "m", *args], text=True,  # noqa: S603
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PBSTK_TEST_STANDIN_DELAY": "0", **env})
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0,
+                            env={**os.environ, "PBSTK_TEST_STANDIN_DELAY": "0",
+                                 "PBSTK_TEST_GPU_NODE": f"node-{next(_NODES)}", **env})
+
+
+_NODES = itertools.count()
 
 
 def test_standin_second_head_on_the_same_rpc_port_fails(standins: Path) -> None:
     rpc, api = _free_port(), _free_port()
     flags = ("--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
              "--data-parallel-rpc-port", str(rpc))
-    first = _standin(*flags, "--port", str(api))
+    started = [_standin(*flags, "--port", str(api))]
     try:
         time.sleep(0.5)
         second = _standin(*flags, "--port", str(_free_port()))
+        started.append(second)
         out, _ = second.communicate(timeout=10)
         assert second.returncode == 1 and "cannot bind the data parallel RPC port" in out
         worker = _standin(*flags, "--headless", "--data-parallel-start-rank", "1")
+        started.append(worker)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # the head opens its API only once the worker joined
             try:
@@ -346,12 +354,16 @@ def test_standin_second_head_on_the_same_rpc_port_fails(standins: Path) -> None:
                 time.sleep(0.1)
         else:
             raise AssertionError("the head never opened its API port")
-        first.kill()
-        first.wait()
+        os.killpg(started[0].pid, signal.SIGKILL)  # the head and its engine core
+        started[0].wait()
         out, _ = worker.communicate(timeout=10)
         assert worker.returncode == 1 and "connection to the head was lost" in out
     finally:
-        first.kill()
+        for proc in started:  # each one with its engine core (a process group of its own)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_standin_rank_outside_the_layout_fails_and_a_lone_worker_gives_up(standins: Path) -> None:
@@ -434,6 +446,7 @@ def test_launch_on_the_local_scheduler_as_two_nodes(standins: Path, monkeypatch:
                                                     tmp_path: Path) -> None:
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-empty"))
     monkeypatch.setenv("PBSTK_TEST_STANDIN_DELAY", "0.1")
+    monkeypatch.setenv("PBSTK_TEST_GPUS", "8")  # the machine's 8 GPUs, two "nodes" of 4 each
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     result = _pbstk("launch", "Qwen/Qwen3-0.6B", "-P", "generic-pbspro", "--scheduler", "local", "--nodes", "2",
                     "--preset", "dp8", "--wait", "--timeout", "60")

@@ -97,6 +97,8 @@ START_PARTS = (
     "address.sh",  # the address this node is reached at
     "free_port.sh",  # the free-port rule (functions), shared with the router's start_router.sh
     "port.sh",  # the port: the requested one or a free one in its window
+    "groups.sh",  # each vLLM in a process group of its own, ended whole; the EXIT trap
+    "gpu_free.sh",  # a vLLM starts only on GPUs whose memory is free, else the job says what holds it
     "server.sh",  # what runs vLLM; the stop trap
     "peers.sh",  # several nodes: per-rank engine flags, head.json, the nodes watching each other
     "idle.sh",  # idle reclaim (--idle-cancel)

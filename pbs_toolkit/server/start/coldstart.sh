@@ -134,7 +134,7 @@ pbstk_compile_wait() {
     [ -e "$COMPILE_DONE" ] && break  # filled while we waited (checked first: its owner drops the lock after it)
     if mkdir "$COMPILE_LOCK" 2>/dev/null; then
       COMPILE_OWNER=true
-      trap pbstk_compile_release EXIT  # a start that fails or is cancelled before READY leaves the lock to the next
+      # (a start that fails or is cancelled before READY leaves the lock to the next: groups.sh's EXIT trap)
       printf '%s %s %s\n' "$(date +%s)" "$NODE" "${PBSTK_JOB_ID:-}" >"$COMPILE_LOCK/owner" 2>/dev/null
       [ "$waited" -gt 0 ] && pbstk_startup_mark compile-wait-end
       pbstk_log "compiling into $VLLM_CACHE_ROOT first (torch $JOB_TORCH: one compiler at a time; other engines wait for this one)"

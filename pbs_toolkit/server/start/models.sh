@@ -32,11 +32,13 @@ pbstk_pick_gpus() {
   printf -v "$var" '%s' "$out"
 }
 
-# shellcheck disable=SC2317  # invoked by the EXIT trap below
+# shellcheck disable=SC2317  # invoked by the EXIT trap (groups.sh)
 pbstk_kill_models() {
   local pid
   [ -n "${CO_WATCH_PID:-}" ] && kill "$CO_WATCH_PID" 2>/dev/null
   for pid in "${CO_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+  for pid in "${CO_PIDS[@]}"; do pbstk_wait_gone "$pid" "$END_GRACE_S"; done
+  for pid in "${CO_PIDS[@]}"; do pbstk_end_group "$pid" "the vLLM of another model (pid $pid)"; done  # groups.sh
   for pid in "${CO_PIDS[@]}"; do wait "$pid" 2>/dev/null; done
   CO_PIDS=()
 }
@@ -125,7 +127,7 @@ pbstk_root_cause() {
 # the background; CO_PID_K, CO_PORT_K, CO_SINCE_K (its log's size before it) and CO_SLOT_K (its entry in CO_PIDS and
 # CO_NAMES: a stop while it starts ends it too, by the EXIT trap) say where it is
 pbstk_launch_model() {
-  local k=$1 model served gpus swap co_port='' cvd log slot
+  local k=$1 model served gpus swap co_port='' cvd log slot pid
   local -a args cmd envs=() avoid=()
   model="CO_MODEL_$k" served="CO_SERVED_$k" gpus="CO_GPUS_$k" swap="CO_SWAP_$k"
   local ref="CO_ARGS_${k}[@]"
@@ -141,14 +143,16 @@ pbstk_launch_model() {
   for slot in "${CO_STARTING[@]}"; do pbstk_co_get slot PORT "$slot"; avoid+=("$slot"); done
   pbstk_free_port co_port "$PROBE_HOST" "$PORT_LO" "$PORT_HI" "${avoid[@]}" \
     || pbstk_fail "no free port in $PORT_LO..$PORT_HI on $NODE for model ${!served}"
+  pbstk_gpu_wait "model ${!served}" "${cvd:-${CUDA_VISIBLE_DEVICES:-}}" "$(pbstk_gpus_per_node)" "${args[@]}"
   pbstk_log "model ${!served}: starting vLLM on $ADDRESS:$co_port (GPUs ${cvd:-all of the job}), log $log"
   printf -v "CO_SINCE_$k" '%s' "$(stat -c %s "$log" 2>/dev/null || echo 0)"
-  env "${envs[@]}" "${cmd[@]}" "${args[@]}" --host "$BIND_HOST" --port "$co_port" "${API_KEY_ARGS[@]}" >>"$log" 2>&1 &
-  printf -v "CO_PID_$k" '%s' "$!"
+  pbstk_spawn pid env "${envs[@]}" "${cmd[@]}" "${args[@]}" --host "$BIND_HOST" --port "$co_port" \
+    "${API_KEY_ARGS[@]}" >>"$log" 2>&1  # in a process group of its own (groups.sh)
+  printf -v "CO_PID_$k" '%s' "$pid"
   printf -v "CO_PORT_$k" '%s' "$co_port"
   pbstk_co_get slot SLOT "$k"
   [ -n "$slot" ] || { slot=${#CO_NAMES[@]}; printf -v "CO_SLOT_$k" '%s' "$slot"; }  # CO_NAMES: never unset
-  CO_PIDS[slot]=$!
+  CO_PIDS[slot]=$pid
   CO_NAMES[slot]="${!served}@$co_port"
 }
 
@@ -186,6 +190,7 @@ pbstk_look_at_models() {
     left+=("$k")
     kill -0 "$pid" 2>/dev/null && continue
     wait "$pid" 2>/dev/null
+    pbstk_end_group "$pid" "model ${!served}'s vLLM (pid $pid)"  # what it left (groups.sh), before a new start
     pbstk_co_get races RACES "$k"
     if tail -c +"$((since + 1))" "$log" | grep -Eq "$PORT_IN_USE_RE" \
         && [ "$((races += 1))" -lt "$PORT_SPAN" ]; then
@@ -331,7 +336,7 @@ pbstk_watch_models() {
   done
 }
 
-trap 'pbstk_kill_models; pbstk_compile_release' EXIT  # the compile lock's release (coldstart.sh) kept
+# (however the script ends, groups.sh's EXIT trap ends the other models too: pbstk_kill_models)
 trap pbstk_model_failed USR1
 pbstk_state "$PHASE_STARTING"
 pbstk_start_models

@@ -33,7 +33,10 @@ pbstk_kill_server() {
   [ "${IDLE_PID:-0}" -gt 0 ] && kill "$IDLE_PID" 2>/dev/null  # the idle watcher (--idle-cancel), if any
   [ "${LEASE_PID:-0}" -gt 0 ] && kill "$LEASE_PID" 2>/dev/null  # the lease watcher (pbstk run), if any
   if [ "$SERVER_PID" -gt 0 ]; then
+    # vLLM's own shutdown first (its engine with it), then whatever of its group is left (groups.sh)
     kill -TERM "$SERVER_PID" 2>/dev/null
+    pbstk_wait_gone "$SERVER_PID" "$END_GRACE_S"
+    pbstk_end_group "$SERVER_PID" "vLLM (pid $SERVER_PID)"
     wait "$SERVER_PID" 2>/dev/null
   fi
   if [ "${RAY_PID:-0}" -gt 0 ]; then

@@ -25,10 +25,10 @@ pbstk_attempt() {
     pbstk_write_head
   fi
   ATTEMPT_START=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
+  pbstk_gpu_wait vLLM "${CUDA_VISIBLE_DEVICES:-}" "$(pbstk_gpus_per_node)" "${VLLM_ARGS[@]}" "${extra[@]}"
   pbstk_log "attempt $ATTEMPT: starting vLLM on $ADDRESS:$PORT: ${VLLM_CMD[*]} ${VLLM_ARGS[*]} --host $BIND_HOST --port $PORT ${extra[*]} ${API_KEY_ARGS[*]}"
-  "${LINE_BUFFERED[@]}" "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" "${extra[@]}" \
-    "${API_KEY_ARGS[@]}" &
-  SERVER_PID=$!
+  pbstk_spawn SERVER_PID "${LINE_BUFFERED[@]}" "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" \
+    "${extra[@]}" "${API_KEY_ARGS[@]}"
   pbstk_startup_mark vllm
   pbstk_state "$PHASE_STARTING"
   while kill -0 "$SERVER_PID" 2>/dev/null; do
@@ -45,6 +45,7 @@ pbstk_attempt() {
   done
   wait "$SERVER_PID"
   RC=$?
+  pbstk_end_group "$SERVER_PID" "vLLM (pid $SERVER_PID, exit $RC)"  # its engine outlives a SIGKILL (groups.sh)
 }
 
 EXTRA=()
