@@ -41,9 +41,54 @@ from pbs_toolkit.transports.base import Runner
 SPOOL = ".local-job"
 #: a job whose processes are gone without an exit status was killed hard (kill -9 of the group, a reboot)
 _SIGKILL = 9
+#: seconds a cancel waits for the job to end itself (its start script stops vLLM, then the supervisor ends the
+#: rest) before it kills what is left
+CANCEL_WAIT_S = 60
+
+# The end of a job, as a PBS MoM ends a job's session: every live process of the job's process group but the caller,
+# and every process anywhere that carries the job's token in its environment (one that left the group: a vLLM the
+# start script put in a group of its own, whose engine outlived a SIGKILL), gets SIGTERM, and SIGKILL after
+# $END_GRACE seconds. A zombie is gone (it holds nothing).
+_END_JOB = r"""
+job_left() {  # GROUP TOKEN: pids of the job's live processes, this shell (and this subshell) excluded
+  local e st rest found='' p
+  local -a f
+  if [ -n "$2" ]; then  # one grep over every environment, without the token in its own
+    found=$(env -u PBSTK_LOCAL_JOB_TOKEN grep -lzxF "PBSTK_LOCAL_JOB_TOKEN=$2" /proc/[0-9]*/environ 2>/dev/null)
+  fi
+  for e in /proc/[0-9]*; do
+    p=${e#/proc/}
+    [ "$p" = "$$" ] || [ "$p" = "$BASHPID" ] && continue
+    { read -r st <"$e/stat"; } 2>/dev/null || continue
+    rest=${st##*) }
+    read -r -a f <<<"$rest"
+    [ "${f[0]}" = Z ] && continue
+    if [ "${f[2]}" = "$1" ] || [[ $'\n'$found$'\n' == *$'\n'$e/environ$'\n'* ]]; then echo "$p"; fi
+  done
+}
+end_job() {  # GROUP TOKEN GRACE
+  local waited=0
+  local -a left
+  mapfile -t left < <(job_left "$1" "$2")
+  [ "${#left[@]}" -gt 0 ] || return 0
+  echo "$(date +%H:%M:%S) the job script ended; ending what it left running: ${left[*]}" >&2
+  kill -TERM "${left[@]}" 2>/dev/null
+  while [ "${#left[@]}" -gt 0 ]; do
+    sleep 0.2
+    waited=$((waited + 1))
+    mapfile -t left < <(job_left "$1" "$2")
+    if [ "${#left[@]}" -gt 0 ] && [ "$waited" -ge $(( $3 * 5 )) ]; then
+      echo "$(date +%H:%M:%S) still running $3 s after SIGTERM: ${left[*]}; killing them" >&2
+      kill -KILL "${left[@]}" 2>/dev/null
+      sleep 0.5
+      return 0
+    fi
+  done
+}
+"""
 
 # Constant scripts; every value arrives as a positional parameter, never spliced into the text.
-_SUPERVISOR = r"""
+_SUPERVISOR = _END_JOB + r"""
 spool=$1 script=$2
 exec </dev/null >"$spool/supervisor.log" 2>&1
 # a job that must wait says so before its pid exists: a job started `after` it must never see it started early
@@ -90,6 +135,8 @@ while :; do
   fi
 done
 [ "$rc" = 124 ] && [ ! -e "$spool/cancelled" ] && : >"$spool/walltime"
+trap '' TERM INT HUP  # a cancel's signal now must not cut the end short
+end_job "$$" "${PBSTK_LOCAL_JOB_TOKEN:-}" "${PBSTK_END_GRACE_S:-10}"
 echo "$rc" >"$spool/exit_status.tmp" && mv -f "$spool/exit_status.tmp" "$spool/exit_status"
 """
 # ours PGID TOKEN: is some process of group PGID carrying the job's token? (no token file: a job from an older
@@ -138,15 +185,20 @@ for d in "$@"; do
   [ "$b" -ge "$a" ] && echo "$((b - a)) $f" || echo "0 $f"
 done
 """
-_CANCEL = _OURS + r"""
+# A cancel: SIGTERM to the job's group (the supervisor passes it to the script, whose stop trap ends vLLM's group);
+# the supervisor ends the rest and writes the exit status. Should that not come within $2 seconds (a script that
+# ignores the signal), the job's group and every process with its token are killed here instead.
+_CANCEL = _OURS + _END_JOB + r"""
 s=$1/.local-job
 pid=$(cat "$s/pid" 2>/dev/null) || exit 3
 [ -e "$s/exit_status" ] && exit 2
-ours "$pid" "$(cat "$s/token" 2>/dev/null)" || exit 2
+tok=$(cat "$s/token" 2>/dev/null)
+ours "$pid" "$tok" || exit 2
 : >"$s/cancelled"
 kill -TERM -- "-$pid" 2>/dev/null || exit 2
-for _ in $(seq 1 100); do kill -0 -- "-$pid" 2>/dev/null || exit 0; sleep 0.1; done
+for _ in $(seq 1 $(( $2 * 10 ))); do [ -e "$s/exit_status" ] && exit 0; sleep 0.1; done
 kill -KILL -- "-$pid" 2>/dev/null
+end_job "$pid" "$tok" 0 2>/dev/null
 sleep 0.2
 [ -e "$s/exit_status" ] || echo 137 >"$s/exit_status"
 exit 0
@@ -257,7 +309,8 @@ class LocalScheduler(Scheduler):
                 for ref, line in zip(refs, lines) if re.fullmatch(r"\d+ [01]", line)}
 
     def cancel(self, runner: Runner, ref: JobRef) -> bool:
-        result = runner.run(["bash", "-c", _CANCEL, "pbstk-cancel", ref.run_dir], timeout=60)
+        result = runner.run(["bash", "-c", _CANCEL, "pbstk-cancel", ref.run_dir, str(CANCEL_WAIT_S)],
+                            timeout=CANCEL_WAIT_S + 60)
         if result.rc == 0:
             return True
         if result.rc in (2, 3):
