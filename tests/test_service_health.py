@@ -93,6 +93,31 @@ def test_a_busy_replica_stays_in_the_router_and_a_dead_one_leaves_it(monkeypatch
     assert pbstk("cancel", "hot").exit_code == 0
 
 
+@pytest.mark.parametrize("slow", [5, 8])
+def test_the_router_never_takes_out_a_replica_the_keeper_keeps(monkeypatch: pytest.MonkeyPatch, slow: int) -> None:
+    """vllm-router judges its workers too: its health checker (every 5 s as pbstk sets it, a 5 s timeout, 3 failures
+    in a row) took the one replica of a service out of rotation while its /health answered 5 s late under overload:
+    207 of 397 requests got 503 "No available workers" while the keeper kept it (issue 41). The keeper is the one
+    judge: the router's own checks never take out a worker it keeps, however late /health answers."""
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_SLOW_METRICS", "0")  # the keeper can tell busy from dead
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_SLOW_PROBES", str(slow))  # at and past the router's 5 s timeout
+    name = f"judge{slow}"
+    result = serve("--name", name, "--replicas", "1", "--vllm-arg=--max-num-seqs=2", "--wait", "--timeout", "60")
+    assert result.exit_code == 0, result.output
+    key = records.find(JobStore(), name).api_key
+    assert key
+    load = Load(service_json(name)["url"], key, workers=8, delay=0.5)  # 8 at once on a capacity of 2: 6 wait
+    try:
+        # 3 of the router's checks at 5 s intervals, each waiting out its 5 s timeout, fit in about 30 s of
+        # overload: 2 slots x 2 requests/s each
+        wait_for(lambda: load.ok >= 120 or load.failed > 0, 120, "30 s of overload")
+    finally:
+        load.finish()
+    assert load.failed == 0, (load.failed, load.ok, load.errors[:3])
+    assert "removed" not in keeper_log(name), keeper_log(name)
+    assert pbstk("cancel", name).exit_code == 0
+
+
 def autoscaled(name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], str]:
     """An autoscaled 1..2 service of stand-ins that take 2 requests into their engine (``PBSTK_TEST_STANDIN_ADMIT``)
     and hold the rest unreported, as vLLM's API server does; its ``status --json`` and its key."""
