@@ -244,6 +244,57 @@ def test_another_model_that_dies_ends_its_job_and_the_service_replaces_it(gpu_sv
     assert chat(rec.url, rec.api_key, "a").json()["model"] == "a"
 
 
+def test_the_service_lists_a_busy_model_at_once(gpu_svc: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GET /v1/models on a multi-model service lists every model the keeper keeps within a second or two, one whose
+    server is too busy to answer included (on one H200 the look took 10 s and left the busy model out, issue 41):
+    the front lists the router's registered models and asks their servers only to check the key."""
+    import threading
+    import time
+
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_SLOW_PROBES", "12")  # a full server answers /v1/models 12 s late
+    monkeypatch.setenv("PBSTK_TEST_STANDIN_SLOW_METRICS", "0")  # (the keeper still sees it busy, not dead)
+    alpha, beta = gpu_svc
+    result = pbstk("serve", f"{alpha}:name=a", f"{beta}:name=b", "--name", "busy", "--profile", "gpu1",
+                   "--vllm-arg=--max-num-seqs=1", "--wait", "--timeout", "90")
+    assert result.exit_code == 0, result.output
+    rec = records.find(JobStore(), "busy")
+    assert rec.url and rec.api_key
+    headers = {"Authorization": f"Bearer {rec.api_key}"}
+    first = requests.get(rec.url + "/models", headers=headers, timeout=30).json()["data"]
+    assert sorted(m["id"] for m in first) == ["a", "b"], first
+    body = {"model": "b", "prompt": "hi", "max_tokens": 2, "standin_delay_s": 15}
+    hold = threading.Thread(target=lambda: requests.post(rec.url + "/completions", json=body, headers=headers,
+                                                         timeout=60), daemon=True)
+    hold.start()  # model b's one sequence slot is taken: its server's probes answer late
+    wait_for(lambda: _running(rec.url, rec.api_key, "b"), 30, "model b's slot taken")
+    began = time.monotonic()
+    listed = requests.get(rec.url + "/models", headers=headers, timeout=30)
+    took = time.monotonic() - began
+    assert listed.status_code == 200, listed.text
+    assert sorted(m["id"] for m in listed.json()["data"]) == ["a", "b"], listed.text
+    assert took < 3.0, took
+    assert listed.json()["data"] == first  # the busy one as its server listed it before
+    wrong = requests.get(rec.url + "/models", headers={"Authorization": "Bearer wrong"}, timeout=30)
+    assert wrong.status_code == 401, wrong.text  # model a's server still checks the key
+    hold.join(60)
+
+
+def _running(url: str, key: str, model: str) -> bool:
+    """Whether ``model``'s server reports a request running (its own /metrics, on the job's node)."""
+    job = records.find(JobStore(), "busy").slots[0].current
+    marker = json.loads((Path(JobStore().find(job or "").run_dir) / "server.json").read_text())
+    ports = [marker.get("port"), *(int(w.rsplit("@", 1)[1]) for w in (marker.get("models") or "").split())]
+    for port in ports:
+        try:
+            text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        except requests.RequestException:
+            continue
+        if any(line.startswith("vllm:num_requests_running") and f'model_name="{model}"' in line
+               and not line.endswith(" 0.0") for line in text.splitlines()):
+            return True
+    return False
+
+
 def _answers(url: str, key: str, model: str) -> bool:
     try:
         return chat(url, key, model).status_code == 200

@@ -25,8 +25,6 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hmac
-import http.client
-import json
 import os
 import signal
 import socket
@@ -37,7 +35,8 @@ import threading
 from typing import Any
 from urllib.parse import urlsplit
 
-try:  # the package's copy (tests, mypy); on the router's host both files lie side by side in the run directory
+try:  # the package's copy (tests, mypy); on the router's host the files lie side by side in the run directory
+    from .router_models import ModelList
     from .router_relay import (
         BadRequest,
         Conn,
@@ -55,6 +54,7 @@ try:  # the package's copy (tests, mypy); on the router's host both files lie si
         shut,
     )
 except ImportError:
+    from router_models import ModelList  # type: ignore[no-redef]
     from router_relay import (  # type: ignore[no-redef]
         BadRequest,
         Conn,
@@ -192,6 +192,7 @@ class Front:
         self.upstreams = Upstreams()
         #: the router's multi-model mode (``--enable-igw``): ``GET /v1/models`` is answered by :meth:`models`
         self.models_mode = False
+        self.listing = ModelList()
         self.proxy_port = 0
 
     def inside(self, port: int) -> socket.socket:
@@ -218,7 +219,7 @@ class Front:
             length = body_framing(headers)
             if self.models_mode and method == b"GET" and path == "/v1/models":
                 stage = "listing the models of every worker"
-                status, body = self.models(headers)
+                status, body = self.listing.answer(headers, self.inside(self.router_port), self.proxy_port)
                 sock.sendall(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                              b"connection: close\r\n\r\n" % (status, b"OK" if status == 200 else b"Error",
                                                                   len(body)) + body)
@@ -244,40 +245,6 @@ class Front:
         except (ConnectionError, OSError, ValueError) as exc:
             # the connection just ends: said in the log, so that a client's "server disconnected" has a cause
             log(f"a connection ended while {stage}: {type(exc).__name__}: {exc}")
-
-    def models(self, headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes]:
-        """``GET /v1/models`` of a multi-model router (whose own answer, ``{"models": [...]}``, is no OpenAI list
-        and checks no key): each worker's own list, asked through the egress proxy with the client's
-        ``Authorization`` (each vLLM checks the key as for one model), merged. The first answer that is not 200
-        is passed on as it came (a 401 for a wrong key)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.router_port, timeout=10)
-        conn.sock = self.inside(self.router_port)
-        conn.request("GET", "/workers")
-        try:
-            workers = json.loads(conn.getresponse().read())["workers"]
-        except (ValueError, KeyError, TypeError):
-            return 502, b'{"error": "pbstk router front: the router did not list its workers"}'
-        finally:
-            conn.close()
-        auth = {n.decode("latin-1"): v.decode("latin-1") for n, v in headers if n == b"authorization"}
-        data: list[Any] = []
-        for worker in workers:
-            proxy = http.client.HTTPConnection("127.0.0.1", self.proxy_port, timeout=10)
-            try:
-                proxy.request("GET", str(worker["url"]).rstrip("/") + "/v1/models", headers=auth)
-                reply = proxy.getresponse()
-                body = reply.read()
-            except (OSError, http.client.HTTPException):
-                continue  # a worker that just went away: the others' models are still listed
-            finally:
-                proxy.close()
-            if reply.status != 200:
-                return reply.status, body
-            try:
-                data += [m for m in json.loads(body)["data"] if m.get("id") not in {d.get("id") for d in data}]
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
-        return 200, json.dumps({"object": "list", "data": data}).encode()
 
     def egress(self, sock: socket.socket) -> None:
         """The router's HTTP proxy (inside the namespace): its requests to workers, sent from the host's network."""

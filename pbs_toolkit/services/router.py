@@ -102,7 +102,8 @@ TOKEN_ENV = "PBSTK_ROUTER_TOKEN"
 LOG_FILE = "router.log"
 FRONT_SOURCE = Path(__file__).resolve().parent.parent / "server" / FRONT_FILE
 #: every file the front needs on the router's host (its data path is a module of its own), copied side by side
-FRONT_SOURCES = (FRONT_SOURCE, FRONT_SOURCE.with_name("router_relay.py"))
+#: the front and the modules it imports, copied side by side into the router's run directory
+FRONT_SOURCES = tuple(FRONT_SOURCE.with_name(name) for name in (FRONT_FILE, "router_relay.py", "router_models.py"))
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 # Constant scripts; every value arrives as a positional parameter, never spliced into the text.
