@@ -220,4 +220,5 @@ def _replace(session: ServiceSession, rec: ServiceRecord, slot: Slot, cur: JobSt
     launch_replica(session, rec, slot)
     restarts.restarted(slot)
     keeper_log(f"slot {slot.index}: {ended} ended unexpectedly; replacement {slot.current} launched "
-               f"(restart {slot.restarts})")
+               + (f"(restart {slot.restarts})" if not slot.held_waits else
+                  f"(another process held the GPU memory: no restart spent, wait {slot.held_waits})"))

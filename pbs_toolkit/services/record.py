@@ -61,6 +61,8 @@ class Slot:
     last_failure: str = ""
     retry_at: float | None = None
     gave_up: str = ""
+    #: replacements launched in a row that only waited for GPU memory another process held (no restart spent)
+    held_waits: int = 0
 
     def jobs(self) -> list[str]:
         return [j for j in (self.current, self.successor, self.draining) if j]

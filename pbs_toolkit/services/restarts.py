@@ -36,6 +36,10 @@ CAUSE_CHARS = 300
 RESTART = "restart"
 WAIT = "wait"
 STOP = "stop"
+#: the first words of the start script's failure when another process holds the GPU memory a replica needs
+#: (server/start/gpu_free.sh GPU_HELD_WORDS): no fault of the replica, so no restart is spent on it; the slot
+#: tries again after its backoff, and its last failure names the holder (pid, command, memory)
+GPU_HELD = "GPU memory is held by another process"
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,9 @@ def judge(pol: RestartPolicy, slot: Slot, job: str, cause: str, now: float | Non
         return STOP
     if slot.failed_job != job:  # first seen: note it, then wait out the backoff (or give up)
         slot.failed_job, slot.last_failure = job, cause
+        if GPU_HELD in cause:  # the GPU is another process's: wait for it, spending no restart
+            slot.retry_at = now + min(MAX_BACKOFF_S, pol.backoff_s * 2 ** min(slot.held_waits, 30))
+            return WAIT
         slot.restart_times = [t for t in slot.restart_times if now - t < pol.window_s]
         if len(slot.restart_times) >= pol.max_restarts:
             slot.retry_at = None
@@ -105,7 +112,13 @@ def judge(pol: RestartPolicy, slot: Slot, job: str, cause: str, now: float | Non
 
 
 def restarted(slot: Slot, now: float | None = None) -> None:
-    """The replacement was launched: one more restart in the window."""
+    """The replacement was launched: one more restart in the window (a replacement that only waited for GPU
+    memory another process held: one more such wait, no restart)."""
+    if GPU_HELD in slot.last_failure:
+        slot.held_waits += 1
+        slot.retry_at = None
+        return
+    slot.held_waits = 0
     slot.restarts += 1
     slot.restart_times.append(time.time() if now is None else now)
     slot.retry_at = None
