@@ -115,6 +115,55 @@ def test_each_runs_command_per_model_in_turn_and_exits_with_the_worst(pair: Any,
     assert sorted(m["model"] for m in doc["services"][0]["models"]) == ["a", "b"], doc["services"]
 
 
+#: COMMAND of the crash test: ASK's one request for argv[1] (exit 1 unless 200); after the model KILL_AFTER's run,
+#: SIGKILL of the API server of model KILL's vLLM (the oldest process whose command line names it: not its engine)
+ASK_THEN_KILL = textwrap.dedent("""\
+    import json, os, signal, subprocess, sys, urllib.error, urllib.request
+    model = sys.argv[1]
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).encode()
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body, headers={
+        "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+    try:
+        code = urllib.request.urlopen(req, timeout=30).status
+    except urllib.error.HTTPError as exc:
+        code = exc.code
+    print(f"asked={model} status={code}", flush=True)
+    if model == os.environ["KILL_AFTER"]:
+        pid = subprocess.check_output(["pgrep", "-o", "-f", "--", "--served-model-name " + os.environ["KILL"]])
+        os.kill(int(pid.split()[0]), signal.SIGKILL)
+    sys.exit(0 if code == 200 else 1)
+""")
+
+
+def test_each_waits_for_a_model_whose_job_is_replaced(isolated_user: Path, standins: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three models in one job; after the first run, the API server of the second model's vLLM is killed (kill -9,
+    as the OOM killer does): the job ends, all its models with it, and the keeper replaces it. The later runs wait
+    for their model's server instead of starting against none (issue 41: 0 of 10 and 1 of 10 requests answered),
+    say so, and every request gets its answer."""
+    _profile(isolated_user, "gpu1k", "local", "port: 8000\nrestart_backoff: 1s\n")
+    for key, value in (("PBSTK_SERVICE_POLL_S", "0.5"), ("PBSTK_TEST_STANDIN_DELAY", "0"),
+                       ("PBSTK_TEST_STANDIN_CHECK_MODEL", "1"), ("CUDA_VISIBLE_DEVICES", "0")):
+        monkeypatch.setenv(key, value)
+    root = isolated_user / "m"
+    models = [checkpoint(root, name, size) for name, size in (("ka", 1_200_000_000), ("kb", 1_300_000_000),
+                                                                ("kc", 1_400_000_000))]
+    script = tmp_path / "ask_then_kill.py"
+    script.write_text(ASK_THEN_KILL)
+    try:
+        ran = cli("run", f"{models[0]}:name=each-ka", f"{models[1]}:name=each-kb", f"{models[2]}:name=each-kc",
+                  "--profile", "gpu1k", "--name", "trio", "--each", "--",
+                  sys.executable, str(script), "{model}",
+                  env=_env(KILL_AFTER="each-ka", KILL="each-kb"), timeout=240)
+    finally:
+        _stop()
+    assert ran.stdout.splitlines() == ["asked=each-ka status=200", "asked=each-kb status=200",
+                                       "asked=each-kc status=200"], (ran.stdout, ran.stderr)
+    assert ran.returncode == 0, ran.stderr
+    assert re.search(r"\[2/3\] each-kb: waiting for its server \(", ran.stderr), ran.stderr
+    assert "[2/3] each-kb: its server answers again after" in ran.stderr, ran.stderr
+
+
 def test_without_each_command_runs_once_and_keep_then_reuse_each(pair: Any, tmp_path: Path) -> None:
     """No --each: COMMAND runs once; there is no one model, so PBSTK_MODEL is absent and PBSTK_MODELS lists the
     served names; the service is named run-DATE-TIME-PID when --name is not given. --keep leaves it up, and a

@@ -203,7 +203,8 @@ def _each_table(runs: list[Any]) -> None:
     from pbs_toolkit.durations import short
 
     rows = [[r.model, r.alias, "-" if r.child.code is None else str(r.child.code),
-             "-" if r.child.seconds is None else short(r.child.seconds), str(r.child.log or "-")] for r in runs]
+             "-" if r.child.seconds is None else short(r.child.seconds),
+             f"not run: {r.child.why}" if r.child.why else str(r.child.log or "-")] for r in runs]
     click.echo(table(rows, ["MODEL", "ALIAS", "EXIT", "DURATION", "LOG"]), err=True)
 
 

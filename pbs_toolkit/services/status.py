@@ -185,6 +185,15 @@ def _router_job_alive(session: ServiceSession, rec: ServiceRecord) -> tuple[bool
     return router_job.router_answers(session, RouterInfo.from_dict(rec.router)), seen.state.value
 
 
+def _with_models(rec: ServiceRecord, stopped: str) -> str:
+    """``stopped`` (restarts.reason) naming the models of a multi-model service's stopped jobs too."""
+    if not rec.models:
+        return stopped
+    gone = {s.index for s in restarts.stopped_slots(rec)}
+    names = [m["served_model_name"] for m in rec.models if m["job"] - 1 in gone]
+    return f"{stopped} (model(s) {', '.join(names)})" if names else stopped
+
+
 def look_all(session: ServiceSession, services: Sequence[ServiceRecord], jobs: Sequence[JobRecord] = ()
              ) -> tuple[list[ServiceStatus], list[JobStatus]]:
     """``look`` at each service and ``status`` of ``jobs`` from one scheduler query per transport: every active
@@ -227,8 +236,13 @@ def wait(session: ServiceSession, rec: ServiceRecord, timeout: float,
                 not st.keeper_running or not restarts.may_heal(st.record))):
             raise ServerFailed(f"service {st.record.name} is {st.state}: no replica can become ready"
                                + (f": {stopped}" if stopped else f" (`pbstk status {st.record.name}` shows each)"))
+        if stopped:  # a planned job failed for good: READY n/N can never come, so waiting on is waiting in vain
+            raise ServerFailed(f"service {st.record.name} is {st.summary} and cannot become READY: "
+                               f"{_with_models(st.record, stopped)}")
         if time.monotonic() - start > timeout:
-            raise WaitTimeout(f"service {st.record.name} is {st.summary} after {timeout:g} s")
+            causes = "; ".join(restarts.slot_text(s) for s in st.record.slots if s.last_failure)
+            raise WaitTimeout(f"service {st.record.name} is {st.summary} after {timeout:g} s"
+                              + (f" ({causes})" if causes else ""))
         step = next(intervals, step)
         until = min(time.monotonic() + step, start + timeout + 0.01)
         while time.monotonic() < until:
