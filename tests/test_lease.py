@@ -1,6 +1,6 @@
 """The lease of ``pbstk run`` (docs/campaigns.md "The lease"): the run renews ``RUN_DIR/lease`` while it lives; a
 run killed with ``kill -9`` renews nothing more, and its job drains and ends itself within the lease, ``status``
-naming the lapsed lease. Real parts: pbstk run as a subprocess (real SIGKILL), the local scheduler and the fake
+naming the lapsed lease; the run's COMMAND is ended within seconds by the watch beside it, and ``status`` says so. Real parts: pbstk run as a subprocess (real SIGKILL), the local scheduler and the fake
 PBS running the stand-in vLLM and the rendered start script in bash."""
 
 from __future__ import annotations
@@ -56,9 +56,12 @@ def _kill_run_during_command(tmp_path: Path, name: str, options: tuple[str, ...]
     finally:
         if proc.poll() is None:
             proc.kill()
+    # COMMAND does not outlive the run: the watch beside it ends its group within seconds (issue 41)
+    helpers.until(lambda: not helpers.group_alive(orphans[-1]), timeout=20, what="COMMAND ended with its run")
     st = helpers.wait_recorded(name, "FINISHED", timeout=120, interval=0.5)
     assert st["ended"] == "lease", st
     assert st["reason"].startswith("the lease of pbstk run lapsed (no renewal for 3s"), st
+    assert f"pbstk run (pid {proc.pid}) was gone: the watch ended its COMMAND at " in st["reason"], st
     assert st["exit_status"] == 0, st
     run_dir = Path(JobStore().find(name).run_dir)
     assert (run_dir / "ended_lease").is_file()
@@ -67,8 +70,7 @@ def _kill_run_during_command(tmp_path: Path, name: str, options: tuple[str, ...]
     human = helpers.pbstk("status", name)
     assert "the lease of pbstk run lapsed" in human.output, human.output
     assert read_endpoints(registry) == {}, "the registry entry outlived the job"
-    # what the lease does not reap or record (docs/campaigns.md): COMMAND, orphaned, still runs; no counters
-    assert helpers.group_alive(orphans[-1])
+    # what the lease does not record (docs/campaigns.md): the counters
     usage = _cli("usage", name, "--json")
     assert usage.returncode == 0, usage.stderr
     row = json.loads(usage.stdout)["jobs"][0]

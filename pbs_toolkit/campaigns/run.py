@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from pbs_toolkit.jobs.render import RenderRequest
     from pbs_toolkit.jobs.store import JobRecord
     from pbs_toolkit.services.record import ServiceRecord
+    from pbs_toolkit.services.session import ServiceSession
 
 #: the most the end looks for the scheduler to confirm the cancelled jobs ended (to record it)
 SETTLE_S = 30.0
@@ -180,7 +181,7 @@ def run(client: Client, plan: RunPlan, hooks: RunHooks | None = None) -> int:
             _start(client, plan, hooks, target, lambda: renewal.start(
                 _leased(client, plan, target), plan.request.lease_s if plan.request else 0))
             env = _environment(client, plan, target, hooks)
-            code = _run_commands(plan, target, env, hooks)
+            code = _run_commands(plan, target, env, hooks, client.service_session())
         except _Stopped as stop:
             hooks.notice(f"{signal.Signals(stop.signum).name} received before COMMAND ran")
             code = 128 + stop.signum
@@ -324,20 +325,38 @@ def _environment(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks
     return env
 
 
-def _run_commands(plan: RunPlan, target: _Target, env: dict[str, str], hooks: RunHooks) -> int:
+def _run_commands(plan: RunPlan, target: _Target, env: dict[str, str], hooks: RunHooks,
+                  session: ServiceSession | None = None) -> int:
     """COMMAND once (its exit status), or with ``each`` once per model (the worst status; ``128 + N`` when
-    signal N interrupted the runs)."""
+    signal N interrupted the runs); a service's runs wait while their model's job is replaced
+    (``each.ModelGate``)."""
+    watch = _watch_note(target)
     if not plan.each:
         hooks.notice(f"running {' '.join(plan.command)} against {env['OPENAI_BASE_URL']}")
-        return run_command(plan.command, env, hooks.notice)
+        return run_command(plan.command, env, hooks.notice, watch=watch)
     models = target.models(plan.order)
     hooks.notice(f"running {' '.join(plan.command)} for each of {len(models)} model(s) against "
                  f"{env['OPENAI_BASE_URL']}" + (f", {plan.parallel} at once" if plan.parallel > 1 else ""))
+    gate = (each.ModelGate(session, target.service.name, hooks.notice)
+            if target.service is not None and session is not None else None)
     runs, received = each.run_each(models, plan.command, env, hooks.notice, parallel=plan.parallel,
                                    logs=each.log_dir(target.name) if plan.parallel > 1 else None,
-                                   grace_s=grace_seconds())
+                                   grace_s=grace_seconds(), gate=gate, watch=watch)
     hooks.each_done(runs)
     return 128 + received[0] if received else each.worst(runs)
+
+
+def _watch_note(target: _Target) -> tuple[str, str]:
+    """Where the watch over COMMAND notes that it ended COMMAND because this run was gone, and what it says:
+    ``status`` of the run's job (or service) shows it (jobs/lease.py ``command_note``)."""
+    from pbs_toolkit.jobs.lease import command_note_path
+
+    key = f"service-{target.service.name}" if target.service is not None else \
+        target.record.job_id if target.record is not None else ""
+    with suppress(OSError):
+        os.unlink(command_note_path(key))  # an earlier run's
+    return (command_note_path(key) if key else "",
+            f"pbstk run (pid {os.getpid()}) was gone: the watch ended its COMMAND")
 
 
 def reachable(host: str | None, port: int | None, timeout: float = 3.0) -> bool:
@@ -352,11 +371,12 @@ def reachable(host: str | None, port: int | None, timeout: float = 3.0) -> bool:
 
 
 def run_command(command: Sequence[str], env: dict[str, str], notice: Callable[[str], None],
-                grace_s: float | None = None) -> int:
+                grace_s: float | None = None, watch: tuple[str, str] = ("", "")) -> int:
     """Run ``command`` in its own process group and return its exit status (``128 + N`` for signal N).
     Signals meanwhile are passed on to the group; ``grace_s`` after the first, the group is killed. Whatever
-    the command left running in its group when it ended is stopped too (campaigns/children.py)."""
-    child = Child(list(command), env)
+    the command left running in its group when it ended is stopped too, and so is the group should this process
+    die without a word (``watch``: the watch's note file and text; campaigns/children.py)."""
+    child = Child(list(command), env, note_file=watch[0], note=watch[1])
     run_children([child], notice, 1, grace_seconds() if grace_s is None else grace_s)
     assert child.code is not None
     return child.code

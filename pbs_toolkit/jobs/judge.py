@@ -323,6 +323,8 @@ def judge(record: JobRecord, sched: SchedulerJob | None, view: RunDirView, *, an
     # stopped by --idle-cancel, or by the lease of a lost pbstk run: says so
     st.reason = idle.idle_reason(st.state.value, view.lines) or lease.lease_reason(st.state.value, view.lines) \
         or st.reason
+    if view.command_note:  # the run that launched it died; the watch ended its COMMAND
+        st.reason = f"{st.reason}; {view.command_note}" if st.reason else view.command_note
     if view.nodes is not None:
         st = with_nodes(st, view.nodes, (view.marker or {}).get("reason"), view.lines)
     if view.identity is not None and view.identity.ours and view.marker:

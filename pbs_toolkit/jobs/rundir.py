@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pbs_toolkit.errors import ServerFailed
+from pbs_toolkit.jobs.lease import command_note
 from pbs_toolkit.jobs.logs import tail_lines
 from pbs_toolkit.jobs.nodes import NodesView, read_nodes
 from pbs_toolkit.jobs.store import JobRecord
@@ -54,6 +55,9 @@ class RunDirView:
     #: the server proved it is ours at this address before, ``/health`` did not answer in time, and its
     #: ``/metrics`` shows requests running or waiting: busy, not down (``probe slow; 8 running, 30 waiting``)
     busy: str | None = None
+    #: the note of the watch over the COMMAND of the ``pbstk run`` that launched it, once it ended that COMMAND
+    #: because the run was gone (jobs/lease.py ``command_note``)
+    command_note: str | None = None
 
 
 def _port(value: Any) -> int | None:
@@ -101,7 +105,7 @@ def read_marker(runner: Runner, run_dir: str) -> dict[str, Any] | None:
 def look(runner: Runner, record: JobRecord, sched: SchedulerJob | None) -> RunDirView:
     """Read the marker and the log tail, and probe the server (``/health``, then ``/v1/models`` with the job's
     key unless this address and port were verified before). Thread-safe: writes nothing."""
-    view = RunDirView()
+    view = RunDirView(command_note=command_note(record.job_id))
     if sched is not None and sched.state in (SchedState.QUEUED, SchedState.HELD):
         return view
     raw = None

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pbs_toolkit.jobs.lease import LEASE_FILE, lapsed_reason
+from pbs_toolkit.jobs.lease import LEASE_FILE, command_note, lapsed_reason
 from pbs_toolkit.perf.scrape import wait_drained
 from pbs_toolkit.services import scaler
 from pbs_toolkit.services.keeper_process import keeper_log, service_dir
@@ -37,6 +37,7 @@ class LeaseWatch:
 
     def __init__(self, name: str, lease_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.path: Path = service_dir(name) / LEASE_FILE
+        self.name = name
         self.lease_s = lease_s
         self._armed = bool(lease_s)
         self._clock = clock
@@ -68,7 +69,8 @@ class LeaseWatch:
             return None
         if now - self._since < self.lease_s:
             return None
-        return lapsed_reason(self.lease_s, "the service")
+        note = command_note(f"service-{self.name}") if self.name else None
+        return lapsed_reason(self.lease_s, "the service") + (f"; {note}" if note else "")
 
     def due(self) -> bool:
         """Whether the lease lapsed (a look, as :meth:`lapsed`): the keeper's wait ends, its next tick ends it."""
