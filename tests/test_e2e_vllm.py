@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from helpers import check_tune_report
+from helpers import check_tune_report, group_members
 
 from pbs_toolkit.cli.main import cli
 
@@ -535,3 +535,63 @@ def _status(port: int, method: str, path: str, key: str | None) -> int:
             return int(resp.status)
     except urllib.error.HTTPError as exc:
         return exc.code
+
+
+def test_kill_9_of_a_replicas_api_server_ends_its_job_whole_and_the_service_heals(
+        tiny_model: str, isolated_user: Path) -> None:
+    """vLLM's engine outlives a SIGKILLed API server (vllm-project/vllm#55510, FACTS section 11): on one H200 the
+    orphaned engine kept the GPU and every replacement failed. Here the engine runs in a process of its own, as on
+    a GPU (VLLM_ENABLE_V1_MULTIPROCESSING=1; the cpu preset turns it off): kill -9 of the one replica's API server
+    leaves no process of its job within 30 s, the job is FAILED with the cause, the replacement serves a request
+    with the key, and the cancelled service leaves no vLLM process."""
+    from pbs_toolkit.jobs.store import JobStore
+    from pbs_toolkit.services import record as records
+
+    router = Path(sys.executable).parent / "vllm-router"
+    if not router.exists():
+        pytest.skip("vllm-router is not installed next to this Python")
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / "e2e-heal.yaml").write_text(
+        "name: e2e-heal\nscheduler: local\nnodes: 1\ngpus_per_node: 0\ncpus_per_node: 2\nwalltime: '00:30:00'\n"
+        "address: loopback\nbind_host: 127.0.0.1\nvllm_version: '0.32.0'\nvllm_entrypoint: api_server\n"
+        f"hf_hub_offline: true\nrestart_backoff: 1s\nrouter_command: {router}\n")
+    res = pbstk("serve", tiny_model, "--name", "heal", "--replicas", "1", "--profile", "e2e-heal", "--preset", "cpu",
+                "--env", "VLLM_ENABLE_V1_MULTIPROCESSING=1", "--wait", "--timeout", READY_TIMEOUT, "--json")
+    assert json.loads(res.stdout)["state"] == "READY", res.stdout
+    first = records.find(JobStore(), "heal").slots[0].current or ""
+    api = int(server_json(first)["pid"])
+    spool = run_dir(first) / ".local-job"
+    supervisor = int((spool / "pid").read_text())
+    members = group_members(api)  # vLLM's own process group (server/start/groups.sh): the server, its engine...
+    assert len(members) >= 2, members  # ... in a process of its own, the case the bug needs
+    os.kill(api, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while (group_members(api) or group_members(supervisor)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not group_members(api), f"vLLM's processes outlived its API server: {group_members(api)}"
+    assert not group_members(supervisor), f"the job's own processes outlived it: {group_members(supervisor)}"
+    st = json.loads(pbstk("status", first, "--json").stdout)[0]
+    assert st["state"] == "FAILED" and "exited with code 137" in st["reason"], st
+    log = (run_dir(first) / "vllm.log").read_text()
+    assert "left processes running" in log, log[-2000:]  # the start script said what it ended
+
+    deadline = time.monotonic() + float(READY_TIMEOUT)
+    while time.monotonic() < deadline:
+        doc = json.loads(pbstk("status", "heal", "--json").stdout)[0]
+        if doc["state"] == "READY" and doc["jobs"][0]["job_id"] != first:
+            break
+        time.sleep(2)
+    else:
+        raise AssertionError(f"no replacement became READY: {doc}")
+    rec = records.find(JobStore(), "heal")
+    code, _ = post(f"{rec.url}/completions", {"model": rec.served_model_name, "prompt": "hi", "max_tokens": 4},
+                   rec.api_key)
+    assert code == 200
+    second = rec.slots[0].current or ""
+    api2 = int(server_json(second)["pid"])
+    assert pbstk("cancel", "heal").exit_code == 0
+    deadline = time.monotonic() + 60
+    while group_members(api2) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not group_members(api2), f"a vLLM process outlived the cancelled service: {group_members(api2)}"
