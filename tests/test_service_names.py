@@ -37,7 +37,7 @@ def router_requests(name: str) -> float:
 
 def test_a_service_name_works_for_wait_metrics_logs_doctor_and_bench(svc_profile: str,  # noqa: F811
                                                                       standins: Path) -> None:
-    assert serve("--replicas", "2", "--name", "ns").exit_code == 0
+    assert serve("--replicas", "2", "--name", "ns", "--vllm-arg=--enforce-eager").exit_code == 0
 
     # wait: until the service is READY (it used to say: unknown job 'ns')
     waited = json.loads(ok("wait", "ns", "--json", "--timeout", "60").stdout)
@@ -91,6 +91,9 @@ def test_a_service_name_works_for_wait_metrics_logs_doctor_and_bench(svc_profile
     assert diag["kind"] == "service_diagnosis" and diag["router"]["running"] and diag["router"]["keeper_running"]
     assert len(diag["router"]["workers"]) == 2 and not diag["findings"], diag["findings"]
     assert [(r["replica"], r["kind"]) for r in diag["replicas"]] == [(0, "diagnosis"), (1, "diagnosis")]
+    # a replica's eager mode is a finding, without a `pbstk launch` to relaunch it: the service brings it back
+    eager = [f for r in diag["replicas"] for f in r["findings"] if f["code"] == "eager-mode"]
+    assert len(eager) == 2 and all(f["relaunch"] is None for f in eager), eager
     one = json.loads(ok("doctor", "ns", "--replica", "1", "--json").stdout)
     assert [r["job_id"] for r in one["replicas"]] == [rec.slots[1].current]
     assert "service ns (READY): router running, 2 worker(s), keeper running" in ok("doctor", "ns").stdout

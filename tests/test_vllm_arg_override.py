@@ -1,5 +1,5 @@
 """A ``--vllm-arg`` replaces the preset's value for that flag (issue 21, item 14): the flag reaches vLLM once,
-and a note says the preset's value was overridden. Layout flags pbstk sized the job for are refused."""
+and a note says the preset's value was overridden. Layout flags are refused (tests/test_layout_flags.py)."""
 
 from __future__ import annotations
 
@@ -53,12 +53,13 @@ def test_the_override_is_what_vllm_gets(standins: Path) -> None:
 
 
 def test_layout_flags_are_refused_in_one_line() -> None:
-    assert "'-dp'" in pbstk("render", MODEL, *DP4, "--vllm-arg=-dp", "--vllm-arg=2").stderr
+    assert "--vllm-arg -dp 2: " in pbstk("render", MODEL, *DP4, "--vllm-arg=-dp", "--vllm-arg=2").stderr
     result = pbstk("render", MODEL, *DP4, "--vllm-arg=--data-parallel-size=2")
     assert result.exit_code == 2
     assert result.stderr.splitlines() == [
-        "pbstk: error: --vllm-arg '--data-parallel-size=2': preset dp4 sets the parallel layout pbstk sizes the "
-        "job for; pick a preset with the layout you want (`pbstk presets`)"]
+        "pbstk: error: --vllm-arg --data-parallel-size=2: pbstk sizes the job's GPUs and nodes for the layout of "
+        "preset dp4 (DP4) and renders its flags itself; for DP2 use --preset dp2 or tp2dp2 (`pbstk presets`; "
+        "--nodes/--gpus-per-node spread a preset over nodes)"]  # every form and flag: tests/test_layout_flags.py
 
 
 @pytest.mark.parametrize(("preset", "user", "kept"), [

@@ -137,9 +137,12 @@ def _append_line(path: str, line: str) -> None:
 def doctor(job: str | None, replica: int | None, as_json: bool) -> None:
     """Diagnose JOB's server from its flags, log and metrics; end with the preset to use and how.
 
+    A finding that a new launch fixes comes with the `pbstk launch` command that relaunches JOB with that fix.
+
     JOB may name a service (`pbstk serve`): the router's and keeper's state, then each replica (or --replica K)."""
     from pbs_toolkit.cli import service_cmds
     from pbs_toolkit.client import Client
+    from pbs_toolkit.jobs.status_types import ServerState
 
     with Client() as c:
         svc = service_cmds.named_service(c, job, replica)  # docs/services.md
@@ -161,11 +164,16 @@ def doctor(job: str | None, replica: int | None, as_json: bool) -> None:
         click.echo(f"\nrecommended preset: {d.recommended_preset} ({d.why})\n  {d.launch}")
     elif not d.findings:
         click.echo("nothing to report")
+    if (d.launch or any(f.relaunch for f in d.findings)) and not ServerState(d.state).final:
+        click.echo(f"\n(the job holds its name {record.name} while it runs: `pbstk cancel {d.job_id}` first)")
 
 
 def _show_findings(findings: Any) -> None:
+    """Each finding's lines; its relaunch command, where a launch applies the fix, on a line of its own."""
     for f in findings:
         click.echo(f"\n[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  fix:      {f.fix}")
+        if f.relaunch:
+            click.echo(f"  relaunch: {f.relaunch}")
 
 
 def image_options(command: Any) -> Any:

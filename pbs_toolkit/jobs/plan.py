@@ -30,6 +30,7 @@ from pbs_toolkit.settings.layout import (
     node_plan,
     nodes_needed,
 )
+from pbs_toolkit.settings.layout_flags import refuse_layout_flags
 from pbs_toolkit.settings.model_size import UNKNOWN_SIZE_NOTE, hf_cache_config, hub_lookup, json_file, model_weights
 from pbs_toolkit.settings.multimodal import multimodal_preset, text_only_setting
 from pbs_toolkit.settings.presets import Preset, load_preset, params_from_config, params_from_name, resolve_auto
@@ -348,8 +349,8 @@ def _vllm_args(
     every node: the start script adds each node's rank-specific flags (``NodePlan.parallel_args`` says which)."""
     notes: list[str] = []
     check_vllm_args(req.vllm_args, version)
-    kept, overridden = apply_overrides(_preset_flags(preset, profile, version, notes), req.vllm_args, preset.name,
-                                       layout=plan.parallel_args())
+    refuse_layout_flags(req.vllm_args, preset)
+    kept, overridden = apply_overrides(_preset_flags(preset, profile, version, notes), req.vllm_args, preset.name)
     return ["--served-model-name", served, *plan.parallel_args(), *kept, *req.vllm_args], notes + overridden
 
 

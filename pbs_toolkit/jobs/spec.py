@@ -114,3 +114,28 @@ def launch_options(req: Any, account: str | None) -> list[str]:
     for key, value in (getattr(req, "env", None) or {}).items():
         out += ["--env", f"{key}={value}"]
     return out
+
+
+#: the options :func:`launch_options` writes with a value in the next argument
+_VALUED = frozenset(flag for _, flag in _OPTIONS) | {"--env"}
+
+
+def split_vllm_args(options: list[str]) -> tuple[list[str], list[str]]:
+    """(``options`` without their ``--vllm-arg=...``, the vLLM arguments those carried): the inverse of the
+    ``--vllm-arg`` part of :func:`launch_options`, for a command rebuilt with other vLLM arguments (``doctor``'s
+    relaunch). A value that follows its option is never taken for a ``--vllm-arg``."""
+    rest: list[str] = []
+    vllm_args: list[str] = []
+    index = 0
+    while index < len(options):
+        option = options[index]
+        if option in _VALUED:
+            rest += options[index:index + 2]
+            index += 2
+            continue
+        if option.startswith("--vllm-arg="):
+            vllm_args.append(option[len("--vllm-arg="):])
+        else:
+            rest.append(option)
+        index += 1
+    return rest, vllm_args

@@ -1,14 +1,16 @@
 """``doctor``: find what makes a vLLM server slow or broken, with the evidence and a concrete fix.
 
 Every rule is a small function ``(ctx) -> list[Finding]`` listed in :data:`RULES`; add a rule by writing one
-and appending it. Numbers quoted in fixes come from docs/vllm.md "Measured performance" and benchmarks/README.md
-(2x H200 NVLink, vLLM 0.22.1, Qwen3-1.7B-shaped model, 128 in / 256 out).
+and appending it. A finding that a new launch fixes says how as a :class:`Remedy` (data, not text), which
+``perf/recommend.py`` turns into the job's own launch command with that change. Numbers quoted in fixes come
+from docs/vllm.md "Measured performance" and benchmarks/README.md (2x H200 NVLink, vLLM 0.22.1,
+Qwen3-1.7B-shaped model, 128 in / 256 out).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from pbs_toolkit.jobs.status_types import ServerState
@@ -55,15 +57,34 @@ class DoctorContext:
 
 
 @dataclass(frozen=True)
+class Remedy:
+    """What a new launch of the job changes to apply a finding's fix: ``drop`` these vLLM flags (any spelling)
+    from its ``--vllm-arg``s; ``set`` these (``--flag=value``, or a bare ``--flag``/``--no-flag`` that is needed
+    only against the preset's own spelling) in place of the user's; ``eager_off``: ``--no-eager`` when the preset
+    (or ``--eager``) made it eager; ``layout``: (TP, DP) of the preset to use instead."""
+
+    drop: tuple[str, ...] = ()
+    set: tuple[str, ...] = ()
+    eager_off: bool = False
+    layout: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
 class Finding:
     code: str
     severity: str
     title: str
     evidence: str
     fix: str
+    #: how a new launch applies the fix; ``None``: no launch does (the client's load, a failure's cause, ...)
+    remedy: Remedy | None = None
+    #: the ``pbstk launch`` command that relaunches the job with ``remedy`` applied (perf/recommend.py)
+    relaunch: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """One finding of a ``diagnosis`` (docs/json.md): the texts and ``relaunch``."""
+        return {"code": self.code, "severity": self.severity, "title": self.title, "evidence": self.evidence,
+                "fix": self.fix, "relaunch": self.relaunch}
 
 
 def _has_flag(args: Sequence[str], name: str) -> bool:
@@ -87,10 +108,12 @@ def rule_eager(ctx: DoctorContext) -> list[Finding]:
     if ctx.eager_fallback:
         return rule_eager_fallback(ctx)
     line = _log_line_with(ctx.log_lines, "Cudagraph is disabled under eager mode")
+    remedy = None
     if _has_flag(ctx.vllm_args, "--enforce-eager"):
         evidence = "the server runs with --enforce-eager"
+        remedy = Remedy(drop=("--enforce-eager",), eager_off=True)
     elif line:
-        evidence = f"log: {line!r}"
+        evidence = f"log: {line!r}"  # eager from something else (a compilation config): no flag to take away
     else:
         return []
     return [
@@ -103,6 +126,7 @@ def rule_eager(ctx: DoctorContext) -> list[Finding]:
             "tokens): 1 GPU with graphs 477 vs 85 output tok/s at concurrency 1 (5.6x), 18427 vs 4950 at 64 "
             "(3.7x), 24828 vs 15447 at 256 (1.6x). Start-up grows by 35-50 s (74 vs 38 s); a shared "
             "VLLM_CACHE_ROOT makes later starts faster.",
+            remedy,
         )
     ]
 
@@ -135,11 +159,11 @@ def rule_tp_small_model(ctx: DoctorContext) -> list[Finding]:
         return []
     replicas = ctx.tensor_parallel * max(ctx.data_parallel, 1)
     version = _version(ctx)
-    how = f"--tensor-parallel-size 1 --data-parallel-size {replicas}"
+    how = f"a DP{replicas} preset (vLLM's --tensor-parallel-size 1 --data-parallel-size {replicas})"
     if version is not None and version < (0, 14):
         how += (
-            f" (on vLLM {ctx.vllm_version}, {replicas} separate servers behind a balancer are safer: "
-            "DP ranks only run independently from about 0.14)"
+            f"; on vLLM {ctx.vllm_version}, {replicas} separate servers behind a balancer are safer: "
+            "DP ranks only run independently from about 0.14"
         )
     return [
         Finding(
@@ -151,6 +175,7 @@ def rule_tp_small_model(ctx: DoctorContext) -> list[Finding]:
             f"Use data parallelism instead: {how}. Measured with `pbstk tune` on 2x H200 NVLink (1.7B model): "
             "DP2 gave 21886 vs 20289 output tok/s for TP2 at concurrency 64 and 46068 vs 22682 (2.0x) at 256, "
             "while single-request speed was the same (474 vs 470); over PCIe the gap is larger.",
+            Remedy(layout=(1, replicas)),
         )
     ]
 
@@ -222,6 +247,7 @@ def rule_kv_underused(ctx: DoctorContext) -> list[Finding]:
                 f"{evidence}; the batch is capped by {limit}",
                 f"Raise --max-num-seqs{target}: the cache has room for several times more sequences. Watch "
                 "for preemptions after the change.",
+                Remedy(set=(f"--max-num-seqs={max_num_seqs * factor}",)) if max_num_seqs else None,
             )
         ]
     return [
@@ -257,6 +283,7 @@ def rule_small_batched_tokens(ctx: DoctorContext) -> list[Finding]:
             evidence,
             "Long prompts are prefilled in chunks of this size, which slows time to first token and total "
             "throughput. Use 8192 (the default on H100/H200) or at least 4096, or drop the flag.",
+            Remedy(set=("--max-num-batched-tokens=8192",)),
         )
     ]
 
@@ -272,6 +299,7 @@ def rule_prefix_caching_off(ctx: DoctorContext) -> list[Finding]:
             "the server runs with --no-enable-prefix-caching",
             "Drop the flag (prefix caching is on by default and cheap): shared system prompts and few-shot "
             "examples are then prefilled once. Keep it off only to measure cold-cache latency.",
+            Remedy(set=("--enable-prefix-caching",)),
         )
     ]
 
@@ -310,6 +338,7 @@ def rule_removed_flags(ctx: DoctorContext) -> list[Finding]:
         for name, since in REMOVED_ENV.items() if name in env_names
     ]
     for name, since, kind in used:
+        remedy = Remedy(drop=(name,)) if kind == "flag" else None
         if version is None:
             findings.append(
                 Finding(
@@ -319,6 +348,7 @@ def rule_removed_flags(ctx: DoctorContext) -> list[Finding]:
                     f"{kind} {name} is set and the vLLM version is unknown",
                     f"Remove {name}: vLLM {since} and newer "
                     + ("exit with 'unrecognized arguments'." if kind == "flag" else "ignore it."),
+                    remedy,
                 )
             )
         elif version >= version_tuple(since):
@@ -334,6 +364,7 @@ def rule_removed_flags(ctx: DoctorContext) -> list[Finding]:
                         if kind == "flag"
                         else ": it is ignored."
                     ),
+                    remedy,
                 )
             )
     return findings

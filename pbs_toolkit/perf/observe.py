@@ -123,14 +123,15 @@ def watch_metrics(runner: Runner, st: JobStatus, every: float = 5.0, count: int 
 
 
 def diagnose(runner: Runner, st: JobStatus) -> Diagnosis:
-    """Findings from the job's flags, log and metrics (scraped when READY), and the preset to use instead."""
+    """Findings from the job's flags, log and metrics (scraped when READY), each with the command that relaunches
+    the job with its fix where a launch can apply one, and the preset to use instead."""
     from pbs_toolkit.perf.doctor import diagnose as findings
-    from pbs_toolkit.perf.recommend import recommend
+    from pbs_toolkit.perf.recommend import recommend, with_relaunches
     from pbs_toolkit.perf.scrape import doctor_context, scrape
 
     ctx = doctor_context(runner, st, scrape(runner, st) if st.state is ServerState.READY else None)
     advice = recommend(st.record, ctx)
-    return Diagnosis(st.record.job_id, st.state.value, findings(ctx), *(
+    return Diagnosis(st.record.job_id, st.state.value, with_relaunches(st.record, findings(ctx)), *(
         (advice.preset, advice.why, advice.launch) if advice else ()))
 
 

@@ -25,6 +25,7 @@ from pbs_toolkit.services import record as records
 from pbs_toolkit.services.keeper_process import service_dir, spawn_keeper
 from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.settings.launch_settings import settings_of
+from pbs_toolkit.settings.layout_flags import refuse_layout_flags
 
 if TYPE_CHECKING:
     from pbs_toolkit.services.session import ServiceSession
@@ -159,6 +160,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
     opts = multi.check_options(opts, req)
     req = replace(req, name=None, served_model_name=served_model_name(req.model, req.served_model_name, name))
     settings = resolve_launch_settings(req)  # once for the checks, the router and every replica
+    refuse_layout_flags(req.vllm_args, settings.preset_name)  # a replica's render would, after the router started
     profile = settings.launchable()
     settings, req, opts, extra = configure_scaling(settings, req, opts)  # --min/--max-replicas, --idle-cancel
     check_fixed_port(profile, req, opts)

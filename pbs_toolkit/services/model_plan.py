@@ -17,6 +17,7 @@ from pbs_toolkit.services.packing import ModelNeed, PackingPlan, Resources, pack
 from pbs_toolkit.services.record import check_name
 from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, resolve_launch_settings
 from pbs_toolkit.settings.layout import bytes_per_param
+from pbs_toolkit.settings.layout_flags import refuse_layout_flags
 from pbs_toolkit.settings.model_size import model_weights
 from pbs_toolkit.settings.presets import context_length, kv_bytes_per_token, load_preset
 from pbs_toolkit.settings.vllm_overrides import flag_value, int_flag
@@ -96,6 +97,7 @@ def _need(spec: ModelSpec, settings: LaunchSettings) -> ModelNeed:
     """What one model asks: a named preset's GPUs, or ``auto``'s size from its weights, config.json or name."""
     profile = settings.written
     preset = load_preset(settings.preset_name)
+    refuse_layout_flags(settings.request.vllm_args, preset)  # the plan packs the preset's GPUs, not the flag's
     if (preset.device == "cpu") != (profile.gpus_per_node == 0):
         has = f"{profile.gpus_per_node} GPU(s) per node" if profile.gpus_per_node else "no GPUs"
         raise UsageError(f"model {spec.served_model_name}: preset {preset.name} runs on {preset.device.upper()} "

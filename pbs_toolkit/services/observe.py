@@ -321,14 +321,16 @@ class ServiceDiagnosis:
 def doctor(session: ServiceSession, st: ServiceStatus, job_doctor: Callable[[JobStatus | str], Diagnosis],
            replica: int | None = None) -> ServiceDiagnosis:
     """Findings about the router (running, its workers against the serving replicas, their health) and the
-    keeper, and ``job_doctor`` (``Client.doctor``) on each replica's job (``replica``: that one only)."""
+    keeper, and ``job_doctor`` (``Client.doctor``) on each replica's job (``replica``: that one only), without
+    the findings' relaunch commands."""
     rec = st.record
     by_id = {s.record.job_id: s for s in st.replicas}
     indexes = [replica] if replica is not None else [slot.index for slot in rec.slots]
     diagnoses = []
     for k in indexes:
-        job = replica_job(rec, k)
-        diagnoses.append((k, job_doctor(by_id.get(job) or job)))
+        d = job_doctor(by_id.get(replica_job(rec, k)) or replica_job(rec, k))
+        # a replica comes back through the keeper or `pbstk serve`, never a `pbstk launch` of its own
+        diagnoses.append((k, replace(d, findings=[replace(f, relaunch=None) for f in d.findings])))
     router, findings = _router_findings(session, st)
     return ServiceDiagnosis(rec.name, st.state, router, findings, diagnoses)
 

@@ -4,8 +4,8 @@ vLLM's argument parser lets the last of two equal flags win, silently; pbstk put
 ``--vllm-arg=--max-num-seqs=64`` on a preset with ``--max-num-seqs 512`` worked, but both reached vLLM and the
 command line (and the job record) said two things. Here the preset's flag is dropped instead and a note says
 so; ``--no-X`` and ``--X`` count as the same flag. The layout's own flags (``--tensor-parallel-size``, ...)
-are not a preset value to replace: pbstk sized the job for them, so a ``--vllm-arg`` that changes them is
-refused, naming the presets that give another layout.
+are not a preset value to replace: pbstk sized the job for them, so a ``--vllm-arg`` that sets one is refused
+before this runs (settings/layout_flags.py).
 """
 
 from __future__ import annotations
@@ -13,12 +13,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from pbs_toolkit.errors import UsageError
-
 #: a negative number is a value, not a flag
 _NUMBER = re.compile(r"^-\d")
-#: vLLM's short spellings of the layout flags
-_ALIASES = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-pp": "--pipeline-parallel-size"}
 
 
 def chunks(args: list[str]) -> list[list[str]]:
@@ -55,17 +51,13 @@ def int_flag(args: Sequence[str], name: str) -> int | None:
 
 
 def base_name(flag: str) -> str:
-    """``--no-enforce-eager`` and ``--enforce-eager=true`` -> ``--enforce-eager``; ``-tp`` ->
-    ``--tensor-parallel-size``."""
+    """``--no-enforce-eager`` and ``--enforce-eager=true`` -> ``--enforce-eager``."""
     name = flag.split("=", 1)[0]
-    return "--" + name[len("--no-"):] if name.startswith("--no-") else _ALIASES.get(name, name)
+    return "--" + name[len("--no-"):] if name.startswith("--no-") else name
 
 
-def apply_overrides(preset_args: list[str], user_args: list[str], preset: str, *,
-                    layout: Sequence[str] = ()) -> tuple[list[str], list[str]]:
-    """``preset_args`` without the flags ``user_args`` set again, and one note per flag dropped; a user flag
-    that sets one of the ``layout`` flags is refused (:func:`refuse_layout_flags`)."""
-    refuse_layout_flags(layout, user_args, preset)
+def apply_overrides(preset_args: list[str], user_args: list[str], preset: str) -> tuple[list[str], list[str]]:
+    """``preset_args`` without the flags ``user_args`` set again, and one note per flag dropped."""
     users = {base_name(c[0]): c for c in chunks(user_args) if c[0].startswith("-")}
     kept: list[str] = []
     notes: list[str] = []
@@ -77,11 +69,3 @@ def apply_overrides(preset_args: list[str], user_args: list[str], preset: str, *
             notes.append(f"--vllm-arg {' '.join(user)} overrides preset {preset}'s {' '.join(chunk)}")
     return kept, notes
 
-
-def refuse_layout_flags(layout_args: Sequence[str], user_args: list[str], preset: str) -> None:
-    """A ``--vllm-arg`` that sets one of the layout's flags (sized by pbstk: GPUs, nodes) is refused."""
-    owned = {base_name(c[0]) for c in chunks(list(layout_args))}
-    for chunk in chunks(user_args):
-        if base_name(chunk[0]) in owned:
-            raise UsageError(f"--vllm-arg {chunk[0]!r}: preset {preset} sets the parallel layout pbstk sizes the "
-                             "job for; pick a preset with the layout you want (`pbstk presets`)")
