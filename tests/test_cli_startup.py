@@ -1,6 +1,6 @@
 """``pbstk --help`` stays cheap: registering the commands imports the CLI layer only, never the schedulers,
 transports, job store or client (they are imported inside the command that needs them). How fast it is, is
-measured by scripts/bench_cli.py; this test pins what may be imported, which does not depend on the machine."""
+measured by benchmarks/cpu/bench_cli.py; this test pins what may be imported, which does not depend on the machine."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_lazy_choices_still_list_and_check_the_backends_and_streams() -> None:
 
 #: what ``pbstk logs JOB -n N`` may import from the package, beyond what ``--help`` does, for a job on this machine
 #: that JOB names by id or name: the job store, the local transport and the log reader. Its budget is 100 ms with
-#: the interpreter's start (scripts/bench_logs.py); the client, the service code, the scheduler backends, the
+#: the interpreter's start (benchmarks/cpu/bench_logs.py); the client, the service code, the scheduler backends, the
 #: registries, status and HTTP are not needed to read a file.
 LOGS_ALLOWED = ALLOWED | {
     "pbs_toolkit.paths", "pbs_toolkit.envvars",

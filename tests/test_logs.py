@@ -87,7 +87,8 @@ def test_tail_line_longer_than_a_chunk(tmp_path: Path) -> None:
 def test_tail_many_lines_exact(tmp_path: Path, final_newline: bool) -> None:
     """-n over hundreds of thousands of lines (of varying length, some empty, some longer than a block) gives
     exactly those lines, reading little more than the answer in few reads (each one a round trip over SFTP).
-    The old code was correct here but quadratic (a million lines: 103 s); scripts/bench_logs.py has the numbers."""
+    The old code was correct here but quadratic (a million lines: 103 s); benchmarks/cpu/bench_logs.py has the
+    numbers."""
     lines = [f"line {i} " + "x" * (i % 97) if i % 13 else "" for i in range(300_000)]
     lines[123_456] = "z" * 300_000
     text = "\n".join(lines) + ("\n" if final_newline else "")

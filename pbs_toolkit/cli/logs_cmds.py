@@ -60,7 +60,7 @@ def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | Non
 
 def _print_local_job_log(job: str | None, lines: int, stream: str, node: int | None) -> bool:
     """``logs -n`` of a job on this machine that JOB names by id or name (or the newest job), without the
-    client and the service code: half of the command's start (scripts/bench_logs.py). ``False``: anything
+    client and the service code: half of the command's start (benchmarks/cpu/bench_logs.py). ``False``: anything
     else (an id prefix or a service's name, a run directory, a job over SSH), for the client to answer."""
     from pbs_toolkit.jobs.nodes import job_log_text
     from pbs_toolkit.jobs.store import JobStore

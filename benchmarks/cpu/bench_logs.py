@@ -6,8 +6,8 @@ new line shown within 0.5 s).
 Runs against a fake job record in a temporary XDG state dir (no scheduler needed for ``-n``; ``-f`` uses the
 ``local`` scheduler's view of a job that is not final). Prints numbers; deletes the big file at the end.
 
-    python scripts/bench_logs.py [--size-mb 1024] [--runs 5] [--many-lines 1000000] [--only-many-lines]
-    python scripts/bench_logs.py --many-lines 0 --runs 21 --pbstk /other/venv/bin/pbstk   # another install
+    python benchmarks/cpu/bench_logs.py [--size-mb 1024] [--runs 5] [--many-lines 1000000] [--only-many-lines]
+    python benchmarks/cpu/bench_logs.py --many-lines 0 --runs 21 --pbstk /other/venv/bin/pbstk   # another install
 
 The CLI is timed as a user runs it: this environment's ``pbstk`` console script (``--pbstk``: another one, e.g.
 a checkout of an older commit in its own venv, for before/after numbers in one run on one machine), with
@@ -162,7 +162,7 @@ def main() -> None:
 
 def bench_all(args: argparse.Namespace, root: Path, env: dict[str, str], job: str, log: Path) -> None:
     """Every measurement but the many-lines one, in order; ``log`` is the job's vLLM log."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     if args.many_lines > 0:
         bench_many_lines(root, env, job, log, args.many_lines)
     if args.only_many_lines:
