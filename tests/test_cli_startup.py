@@ -101,9 +101,12 @@ LOGS_ALLOWED = ALLOWED | {
     "pbs_toolkit.jobs.nodes",
     "pbs_toolkit.transports", "pbs_toolkit.transports.base", "pbs_toolkit.transports.local_files",
 }
-#: never needed to print the end of a local file: running commands (subprocess, the command log's logging)
+#: never needed to print the end of a local file: running commands (subprocess, the command log's logging),
+#: temporary files (tempfile, with shutil and the compressors), and on Linux with the XDG directories set (as
+#: here) platformdirs, which pbs_toolkit/paths.py need not ask then
 LOGS_FORBIDDEN = {"ssl", "http.client", "hashlib", "secrets", "jinja2", "yaml", "paramiko", "httpx", "requests",
-                  "rich", "filelock", "prometheus_client", "socket", "subprocess", "logging"}
+                  "rich", "filelock", "prometheus_client", "socket", "subprocess", "logging", "tempfile", "shutil",
+                  *(["platformdirs"] if sys.platform == "linux" else [])}
 
 
 def test_logs_imports_only_what_reading_a_log_needs(tmp_path: Path) -> None:
