@@ -40,8 +40,8 @@ def one_run(root: Path, delay: float, index: int) -> float:
                                  env["PATH"]]),
     })
     pbstk = [sys.executable, "-m", "pbs_toolkit.cli.main"]
-    subprocess.run([*pbstk, "launch",  # noqa: S603 - argument list "Qwen/Qwen3-VL-2B-Instruct", "--preset", "dp4", "--profile",
-                    "generic-pbspro", "--port", "auto", "--name", f"bench{index}"],
+    subprocess.run([*pbstk, "launch", "Qwen/Qwen3-VL-2B-Instruct", "--preset", "dp4",  # noqa: S603 - argument list
+                    "--profile", "generic-pbspro", "--port", "auto", "--name", f"bench{index}"],
                    env=env, check=True, capture_output=True)
     registry = home / "endpoints.json"
     updater = subprocess.Popen([*pbstk, "update-endpoint", "--registry", str(registry), "--timeout", "60"],  # noqa: S603
