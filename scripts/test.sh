@@ -39,7 +39,7 @@ echo "== installing vLLM for CPU into .venv-vllm (the job's environment, separat
 bash scripts/setup_cpu_vllm.sh .venv-vllm
 
 echo "== ruff and mypy"
-.venv/bin/ruff check pbs_toolkit tests scripts
+.venv/bin/ruff check pbs_toolkit tests scripts benchmarks
 .venv/bin/mypy
 
 echo "== pytest"

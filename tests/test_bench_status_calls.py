@@ -1,4 +1,4 @@
-"""scripts/bench_status_calls.py counts what it claims: pbstk's status poll is one scheduler call whatever N,
+"""benchmarks/cpu/bench_status_calls.py counts what it claims: pbstk's status poll is one scheduler call whatever N,
 and the replay of vec-inf's ``status`` makes 1 + 2N calls against a real Slurm."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 from slurm_cluster import SlurmCluster
 
-SCRIPT = Path(__file__).parent.parent / "scripts" / "bench_status_calls.py"
+SCRIPT = Path(__file__).parent.parent / "benchmarks" / "cpu" / "bench_status_calls.py"
 
 
 def bench() -> ModuleType:

@@ -19,12 +19,15 @@ from sshd import SshdInfo, start_sshd
 
 from pbs_toolkit.errors import TransportError
 from pbs_toolkit.jobs.logs import decoded_pieces, follow, tail_bytes, tail_lines
+from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.transports.base import Runner
 from pbs_toolkit.transports.local import LocalRunner
+from pbs_toolkit.transports.local_files import LocalFiles
 
 
-class CountingReads(LocalRunner):
-    """Counts the bytes read, to show ``tail_bytes`` does not read the whole file."""
+class CountingReads(LocalFiles):
+    """Counts the bytes read, to show ``tail_bytes`` does not read the whole file (``LocalFiles``: what ``pbstk
+    logs -n`` of a local job reads with)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,7 +90,8 @@ def test_tail_line_longer_than_a_chunk(tmp_path: Path) -> None:
 def test_tail_many_lines_exact(tmp_path: Path, final_newline: bool) -> None:
     """-n over hundreds of thousands of lines (of varying length, some empty, some longer than a block) gives
     exactly those lines, reading little more than the answer in few reads (each one a round trip over SFTP).
-    The old code was correct here but quadratic (a million lines: 103 s); scripts/bench_logs.py has the numbers."""
+    The old code was correct here but quadratic (a million lines: 103 s); benchmarks/cpu/bench_logs.py has the
+    numbers."""
     lines = [f"line {i} " + "x" * (i % 97) if i % 13 else "" for i in range(300_000)]
     lines[123_456] = "z" * 300_000
     text = "\n".join(lines) + ("\n" if final_newline else "")
@@ -280,6 +284,66 @@ def test_follow_returns_at_once_for_an_ended_job(tmp_path: Path) -> None:
     begin = time.monotonic()
     follow(LocalRunner(), str(path), done.append, lines=5, is_final=lambda: True, poll=0.05)
     assert done == ["a", "b"] and time.monotonic() - begin < 1
+
+
+# -- the CLI on a job of this machine: -n reads the end of the file ---------------------------------------------
+
+
+def recorded_local_job(tmp_path: Path, log: bytes) -> tuple[str, Path]:
+    """A job of this machine in the job store, its vLLM log holding ``log`` (nothing runs: ``-n`` reads a file)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "vllm.log").write_bytes(log)
+    JobStore().add(JobRecord(job_id="7.local", scheduler="local", profile="local", model="m", served_model_name="m",
+                             preset="cpu", name="tail", run_dir=str(run_dir)))
+    return "7.local", run_dir / "vllm.log"
+
+
+LONG = b"y" * 200_000  # longer than the first backwards read (64 KiB) and than the second (128 KiB)
+
+
+@pytest.mark.parametrize(
+    ("log", "n", "expected"),
+    [
+        (b"first\n" + LONG + b"\nlast\n", 2, LONG + b"\nlast\n"),  # a line longer than a block
+        (b"first\n" + LONG + b"\nlast\n", 3, b"first\n" + LONG + b"\nlast\n"),
+        (b"a\nb\nc", 2, b"b\nc"),  # no final newline: the last line is still one
+        (b"a\nb\nc\n", 10, b"a\nb\nc\n"),  # N above the number of lines: all of them
+        (b"", 5, b""),  # an empty log
+        (b"x\r\ny\r\nz\r\n", 2, b"y\r\nz\r\n"),  # CRLF: lines end at \n, the \r is the line's own
+        (b"a\n\n\n", 2, b"\n\n"),  # empty lines count
+        ("é€😀\n".encode() * 30_000, 1, "é€😀\n".encode()),  # characters split between blocks stay whole
+    ],
+)
+def test_cli_logs_n_of_a_local_job(tmp_path: Path, log: bytes, n: int, expected: bytes) -> None:
+    job, _ = recorded_local_job(tmp_path, log)
+    result = pbstk("logs", job, "-n", str(n))
+    assert result.exit_code == 0 and result.stdout_bytes == expected, result.stdout_bytes[:200]
+
+
+def bytes_read_by_this_process() -> int:
+    """The kernel's count of the bytes this process has read so far (``rchar``: read and pread, any file)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux's /proc/self/io")
+def test_cli_logs_n_reads_the_end_of_a_4_gib_log_not_the_log(tmp_path: Path) -> None:
+    """``pbstk logs JOB -n 2`` on a 4 GiB log (sparse: it costs no disk) reads a block at its end, as the kernel
+    counts the bytes this process reads: not the file, whatever reads it (no reader replaced)."""
+    job, log = recorded_local_job(tmp_path, b"")
+    with open(log, "r+b") as fh:
+        fh.truncate(4 << 30)
+        fh.seek(4 << 30)
+        fh.write(b"\nfirst\nsecond\n")
+    assert pbstk("logs", job, "-n", "1").stdout == "second\n"  # imports and the store's first look, not measured
+    before = bytes_read_by_this_process()
+    result = pbstk("logs", job, "-n", "2")
+    read = bytes_read_by_this_process() - before
+    assert result.exit_code == 0 and result.stdout == "first\nsecond\n", result.output
+    assert read < 1 << 20, f"read {read} bytes of a {4 << 30}-byte log for its last 2 lines"
 
 
 # -- the CLI on real (fake PBS) jobs ----------------------------------------------------------------------

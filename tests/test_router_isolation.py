@@ -2,7 +2,7 @@
 (``server/router_front.py``: the router in a private network namespace), a stand-in replica with the service's key,
 and a rogue worker on loopback that another user re-adds through the public URL every 50 ms.
 
-The rogue runs 3 s here, not the 20 s of ``scripts/bench_router_rogue.py`` (which prints the counts): without the
+The rogue runs 3 s here, not the 20 s of ``benchmarks/cpu/bench_router_rogue.py`` (which prints the counts): without the
 front the router hands it about a third of the requests within the first second (the last test keeps that under
 test), so 3 s of round-robin traffic at tens of requests a second cannot miss it."""
 

@@ -92,7 +92,7 @@ print(sys.argv[1], "probed:", ModelRegistry._try_inspect_model_cls(sys.argv[1]) 
     CUDA_VISIBLE_DEVICES=0,1 BURST=${BURST1:-4000} stream s-svc1 bash benchmarks/gpu/run_service.sh "$out/s1" svc1-c512
     wait ;;
   G)  # first what pbstk's own client can drive on this host (its ceiling bounds the tune's figures)
-    clean; python3 scripts/bench_client_ceiling.py --prompts 256 2>&1 | tee "$out/client-ceiling.txt"
+    clean; python3 benchmarks/cpu/bench_client_ceiling.py --prompts 256 2>&1 | tee "$out/client-ceiling.txt"
     stream vl-tune-g bash benchmarks/gpu/run_vl.sh "$out/v" tune baseline-eager,dp4 ;;
   H) clean; stream vl-tune-h bash benchmarks/gpu/run_vl.sh "$out/v" tune tp4,tp2dp2 ;;
   I)
@@ -132,7 +132,7 @@ print(sys.argv[1], "probed:", ModelRegistry._try_inspect_model_cls(sys.argv[1]) 
     CUDA_VISIBLE_DEVICES=0 LEVELS=1024 C256=0 REPEAT=2 C1=0 REPLICAS=1 CPU_TOP=1 PROMPTS=${PROMPTS28:-4096} \
       stream s-keeper1 bash benchmarks/gpu/run_service.sh "$out/s" service ;;
   V2)
-    clean; python3 scripts/bench_client_ceiling.py --prompts 256 2>&1 | tee "$out/client-ceiling.txt"
+    clean; python3 benchmarks/cpu/bench_client_ceiling.py --prompts 256 2>&1 | tee "$out/client-ceiling.txt"
     GPUS=2 stream vl-tune-dp2 bash benchmarks/gpu/run_vl.sh "$out/v" tune dp2 ;;
   J)  # each separate run is also the model alone on a whole GPU: the same c=64 bench as packed's
     clean

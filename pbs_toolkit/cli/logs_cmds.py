@@ -60,17 +60,17 @@ def logs(job: str | None, follow: bool, lines: int, stream: str, node: int | Non
 
 def _print_local_job_log(job: str | None, lines: int, stream: str, node: int | None) -> bool:
     """``logs -n`` of a job on this machine that JOB names by id or name (or the newest job), without the
-    client and the service code: half of the command's start (scripts/bench_logs.py). ``False``: anything
+    client and the service code: half of the command's start (benchmarks/cpu/bench_logs.py). ``False``: anything
     else (an id prefix or a service's name, a run directory, a job over SSH), for the client to answer."""
     from pbs_toolkit.jobs.nodes import job_log_text
     from pbs_toolkit.jobs.store import JobStore
-    from pbs_toolkit.transports.local import LocalRunner
+    from pbs_toolkit.transports.local_files import LocalFiles  # reading a file needs no LocalRunner (subprocess)
 
     record = None if job and "/" in job else JobStore().job_named(job)
     if record is None or record.transport:
         return False
-    runner = LocalRunner()
-    for piece in job_log_text(record, lambda: runner, lines, stream, node):
+    files = LocalFiles()
+    for piece in job_log_text(record, lambda: files, lines, stream, node):
         click.echo(piece, nl=False)
     return True
 

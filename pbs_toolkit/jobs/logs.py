@@ -5,7 +5,7 @@ from __future__ import annotations
 import codecs
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pbs_toolkit.errors import UsageError
 
@@ -18,6 +18,15 @@ _MAX_CHUNK = 4 * 1024 * 1024
 
 #: the server's own stream; the scheduler's (``sched-out``, ``sched-err``) are files its backend names
 SERVER_STREAMS = {"vllm": "vllm.log"}
+
+
+class FileReader(Protocol):
+    """What reading the end of a file needs of a runner: any ``Runner``, or ``transports.local_files.LocalFiles``
+    alone (``pbstk logs -n`` of a job on this machine, which must not pay for running commands)."""
+
+    def size(self, path: str) -> int | None: ...
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes: ...
 
 
 def streams() -> tuple[str, ...]:
@@ -42,7 +51,7 @@ def stream_path(run_dir: str, scheduler: str, stream: str) -> str:
     return f"{run_dir}/{name}"
 
 
-def tail_blocks(runner: Runner, path: str, n: int) -> tuple[list[bytes], int]:
+def tail_blocks(runner: FileReader, path: str, n: int) -> tuple[list[bytes], int]:
     """The last ``n`` lines of ``path`` as blocks in file order (joined, they are ``tail_bytes``) and the size.
 
     Reads backwards in blocks (64 KiB first, doubling up to 4 MiB) and counts the newlines of each block once,
@@ -75,13 +84,13 @@ def tail_blocks(runner: Runner, path: str, n: int) -> tuple[list[bytes], int]:
     return blocks, size
 
 
-def tail_bytes(runner: Runner, path: str, n: int) -> tuple[bytes, int]:
+def tail_bytes(runner: FileReader, path: str, n: int) -> tuple[bytes, int]:
     """The bytes holding the last ``n`` lines of ``path`` and the file size read up to (see ``tail_blocks``)."""
     blocks, size = tail_blocks(runner, path, n)
     return b"".join(blocks), size
 
 
-def tail_lines(runner: Runner, path: str, n: int) -> list[str]:
+def tail_lines(runner: FileReader, path: str, n: int) -> list[str]:
     """The last ``n`` lines (decoded, without newlines); empty when the file does not exist."""
     try:
         data, _ = tail_bytes(runner, path, n)
@@ -287,7 +296,7 @@ def check_log_request(lines: int, stream: str, node: int | None, model: int | No
                          "streams are the job's: --replica K)")
 
 
-def tail_pieces(runner: Runner, path: str, lines: int, owner: str) -> Iterator[str]:
+def tail_pieces(runner: FileReader, path: str, lines: int, owner: str) -> Iterator[str]:
     """The last ``lines`` of ``path`` as decoded pieces (line ends kept); ``owner``: whose log, for the error
     when it does not exist yet."""
     try:
@@ -297,7 +306,7 @@ def tail_pieces(runner: Runner, path: str, lines: int, owner: str) -> Iterator[s
     return decoded_pieces(blocks)
 
 
-def last_lines(runner: Runner, path: str, lines: int, owner: str) -> Iterator[str]:
+def last_lines(runner: FileReader, path: str, lines: int, owner: str) -> Iterator[str]:
     """``tail_pieces`` as lines without their ends (refuses a log that does not exist yet, at once)."""
     pieces = tail_pieces(runner, path, lines, owner)
     return iter("".join(pieces).splitlines() if lines else ())

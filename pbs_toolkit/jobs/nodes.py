@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.jobs.logs import check_log_request, stream_path, tail_lines, tail_pieces
+from pbs_toolkit.jobs.logs import FileReader, check_log_request, stream_path, tail_lines, tail_pieces
 
 if TYPE_CHECKING:  # handed in: importing the transports here would load them for `pbstk logs` before it asks
     from pbs_toolkit.jobs.records import JobRecord
@@ -151,14 +151,14 @@ class NodesView:
         return next((k for k, ok in enumerate(self.up(head_ours)) if not ok), None)
 
 
-def _read(runner: Runner, path: str) -> bytes | None:
+def _read(runner: FileReader, path: str) -> bytes | None:
     try:
         return runner.read_bytes(path)
     except OSError:
         return None
 
 
-def node_count(runner: Runner, run_dir: str, server_marker: dict[str, Any] | None) -> int | None:
+def node_count(runner: FileReader, run_dir: str, server_marker: dict[str, Any] | None) -> int | None:
     """How many nodes the job runs on, as its run directory says (``None``: not known yet)."""
     count = _int((server_marker or {}).get("nnodes"))
     if count is not None and count >= 1:
@@ -225,7 +225,7 @@ def request_stop(runner: Runner, run_dir: str) -> bool:
     return True
 
 
-def _server_marker(runner: Runner, run_dir: str) -> dict[str, Any] | None:
+def _server_marker(runner: FileReader, run_dir: str) -> dict[str, Any] | None:
     """``server.json`` as a dict, ``None`` when missing or unusable (``rundir`` parses it field by field)."""
     raw = _read(runner, f"{run_dir}/server.json")
     try:
@@ -235,7 +235,7 @@ def _server_marker(runner: Runner, run_dir: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def node_log_path(runner: Runner, run_dir: str, job_id: str, rank: int) -> str:
+def node_log_path(runner: FileReader, run_dir: str, job_id: str, rank: int) -> str:
     """The log of node ``rank`` (``logs --node K``); a rank the job does not have is a ``UsageError`` naming
     how many nodes it has. Before the job started its node count is not known: any rank is taken then (``-f``
     waits for the file to appear)."""
@@ -250,7 +250,7 @@ def node_log_path(runner: Runner, run_dir: str, job_id: str, rank: int) -> str:
     return f"{run_dir}/{node_log_name(rank)}"
 
 
-def job_log_path(runner: Callable[[], Runner], run_dir: str, scheduler: str, job_id: str, stream: str,
+def job_log_path(runner: Callable[[], FileReader], run_dir: str, scheduler: str, job_id: str, stream: str,
                  node: int | None = None, model: int | None = None) -> str:
     """The file of a job's ``stream``; ``node``: that node's vLLM log (found through ``runner()``); ``model``:
     the vLLM log of the model at that place of a multi-model job (``model_log_name``)."""
@@ -261,7 +261,7 @@ def job_log_path(runner: Callable[[], Runner], run_dir: str, scheduler: str, job
     return stream_path(run_dir, scheduler, stream)
 
 
-def job_log_text(record: JobRecord, runner: Callable[[], Runner], lines: int, stream: str = "vllm",
+def job_log_text(record: JobRecord, runner: Callable[[], FileReader], lines: int, stream: str = "vllm",
                  node: int | None = None, model: int | None = None) -> Iterator[str]:
     """The last ``lines`` of the job's ``stream`` (``node``: that node's vLLM log; ``model``: that model's)
     exactly as the file holds them, in pieces, read from the end of the file (``Client.log_text``, ``pbstk

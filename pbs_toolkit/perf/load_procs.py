@@ -2,7 +2,7 @@
 
 A client process spends a few ms of CPU on each streamed request (reading 256 chunks through httpx: ~5 ms on a 2-core
 EPYC; sending a 1 MB image: more), so one process tops out near 200 requests a second there
-(``scripts/bench_client_ceiling.py``; two processes: 330-360), below what a multi-GPU server answers. Each worker
+(``benchmarks/cpu/bench_client_ceiling.py``; two processes: 330-360), below what a multi-GPU server answers. Each worker
 process takes every P-th request of the run (the same requests one process would send: a request follows from its
 index) and an equal share of the concurrency; all make their requests, then start together; the level's duration
 runs from the first start to the last finish. Workers are spawned, not forked: the caller may hold threads (an SSH

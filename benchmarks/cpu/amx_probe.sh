@@ -6,10 +6,10 @@
 # that asked, (d) in a child forked after asking; then from Python (ctypes) (e) plainly, (f) with the sitecustomize
 # that pbstk's start script writes on AMX CPUs (server/start/amx.sh), (g) in a multiprocessing "spawn" child of such
 # a process (how vLLM-CPU starts its workers).
-# Usage: bash scripts/amx_probe.sh   (needs cc and python3; prints one block per case)
+# Usage: bash benchmarks/cpu/amx_probe.sh   (needs cc and python3; prints one block per case)
 set -uo pipefail
 grep -qw amx_tile /proc/cpuinfo || { echo "no amx_tile on this CPU: nothing to probe"; exit 0; }
-here=$(cd "$(dirname "$0")/.." && pwd)
+here=$(cd "$(dirname "$0")/../.." && pwd)
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 cat >"$dir/tile.c" <<'C'

@@ -4,7 +4,7 @@ preflight (sizes from the manifest only), on a Hub cache laid out by hand in a t
 
 Usage::
 
-    PYTHONPATH=. python scripts/bench_stage.py [--mb 256] [--shards 4] [--files 12]
+    PYTHONPATH=. python benchmarks/cpu/bench_stage.py [--mb 256] [--shards 4] [--files 12]
 
 It prints one line per measurement. The numbers decide the design in docs/weights.md: the preflight runs at every
 launch, so it must not read the weights.
@@ -53,7 +53,7 @@ def build(hf_home: Path, mb: int, shards: int, small: int) -> None:
 def download(args: argparse.Namespace) -> None:
     """``stage_model`` of a model the stand-in Hub serves: loopback, so this is pbstk's and huggingface_hub's
     overhead plus hashing, not a network's speed."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from standins.hub import FakeHub
 
     from pbs_toolkit.weights.stage import stage_model

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run a command and print its wall time and the CPU time of its whole process tree, detached servers included.
 
-    python scripts/tree_time.py COMMAND [ARGS...]
+    python benchmarks/cpu/tree_time.py COMMAND [ARGS...]
 
 A job's vLLM is started in a session of its own and outlives the ``pbstk`` that launched it, so ``time`` does
 not count it. Here this process is a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``): every orphan of the

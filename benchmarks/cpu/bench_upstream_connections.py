@@ -9,7 +9,7 @@ connections, then on a new connection per request. Printed for each: requests/s 
 request (/proc: independent of how busy the machine is). Needs fastapi, uvicorn and aiohttp (a vLLM environment).
 ``--serve PORT`` only serves (the replicas of ``bench_service_latency.py --uvicorn PYTHON``):
 
-    /path/to/vllm-venv/bin/python scripts/bench_upstream_connections.py [--concurrency 64] [--seconds 10]
+    /path/to/vllm-venv/bin/python benchmarks/cpu/bench_upstream_connections.py [--concurrency 64] [--seconds 10]
 """
 
 from __future__ import annotations

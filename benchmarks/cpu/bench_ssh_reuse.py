@@ -13,7 +13,7 @@ time of a direct command (cold: a new SSH login each time), of a held command re
 a held command that must start the holder first (measured ``--cold`` times, each after ``pbstk ssh close``),
 and the cold/warm ratio. Everything lives in a temp directory removed at the end; every holder is closed.
 
-    python scripts/bench_ssh_reuse.py [--runs 20] [--jobs 3] [--cold 5]
+    python benchmarks/cpu/bench_ssh_reuse.py [--runs 20] [--jobs 3] [--cold 5]
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 from bench_status import FAKEPBS_BIN, JOB_SCRIPT, fresh_store  # noqa: E402
 

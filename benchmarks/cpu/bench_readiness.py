@@ -6,7 +6,7 @@ Each run launches a job under the fake PBS (``tests/fakepbs``) with the stand-in
 which starts answering after ``PBSTK_TEST_STANDIN_DELAY`` seconds. This script polls ``/v1/models`` itself
 in a tight loop to timestamp the first answer, and compares it with the registry file's mtime.
 
-    python scripts/bench_readiness.py [--runs 5] [--delay 2]
+    python benchmarks/cpu/bench_readiness.py [--runs 5] [--delay 2]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def one_run(root: Path, delay: float, index: int) -> float:
@@ -40,8 +40,8 @@ def one_run(root: Path, delay: float, index: int) -> float:
                                  env["PATH"]]),
     })
     pbstk = [sys.executable, "-m", "pbs_toolkit.cli.main"]
-    subprocess.run([*pbstk, "launch",  # noqa: S603 - argument list "Qwen/Qwen3-VL-2B-Instruct", "--preset", "dp4", "--profile",
-                    "generic-pbspro", "--port", "auto", "--name", f"bench{index}"],
+    subprocess.run([*pbstk, "launch", "Qwen/Qwen3-VL-2B-Instruct", "--preset", "dp4",  # noqa: S603 - argument list
+                    "--profile", "generic-pbspro", "--port", "auto", "--name", f"bench{index}"],
                    env=env, check=True, capture_output=True)
     registry = home / "endpoints.json"
     updater = subprocess.Popen([*pbstk, "update-endpoint", "--registry", str(registry), "--timeout", "60"],  # noqa: S603

@@ -1,6 +1,6 @@
 """Scheduler calls per status poll, for N jobs: pbstk against vec-inf's way of asking.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/bench_status_calls.py [--jobs 1,4,16]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/cpu/bench_status_calls.py [--jobs 1,4,16]
 
 Every scheduler client (qstat, squeue, sacct, scontrol) is wrapped in a counting shim placed first on PATH, N
 jobs are submitted for real, and one status poll is made; the shims' log is the measurement:
@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from pbs_toolkit.jobs.status import status  # noqa: E402

@@ -10,7 +10,7 @@ full, as vLLM's API server under overload. Once the service is READY, ``--burst`
 script prints the seconds from the burst's start to the keeper's ``scale up`` line, and the keeper's log from the
 burst on (the keeper logs a tick's duration when it is long).
 
-    python scripts/bench_scaleup.py [--poll 15] [--slow-probes 4] [--burst 16] [--capacity 2]
+    python benchmarks/cpu/bench_scaleup.py [--poll 15] [--slow-probes 4] [--burst 16] [--capacity 2]
 """
 
 from __future__ import annotations

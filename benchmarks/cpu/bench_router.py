@@ -12,7 +12,7 @@ adds (router minus direct), the throughput ratio (router / direct) and the CPU t
 request (from /proc: independent of how busy the machine is). The client, the backend and the router share this
 machine's cores, so latency and throughput are an upper bound of the router's cost on a real network path.
 
-    python scripts/bench_router.py [--seconds 5] [--concurrency 1,16,64] [--workers 1]
+    python benchmarks/cpu/bench_router.py [--seconds 5] [--concurrency 1,16,64] [--workers 1]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from pbs_toolkit.services.router import open_admin, start_router, stop_router  # noqa: E402
 from pbs_toolkit.transports.local import LocalRunner  # noqa: E402

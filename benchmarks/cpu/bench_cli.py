@@ -3,9 +3,9 @@
 the slowest imports of ``--help`` (``python -X importtime``). Goal: ``--help`` at most 120 ms, and at most 0.3x
 of vec-inf's ``--help`` measured on the same machine in the same run (absolute times vary with the machine).
 
-    python scripts/bench_cli.py            # N=15 runs each
-    python scripts/bench_cli.py -n 30 --top 20
-    python scripts/bench_cli.py --compare /tmp/vecinf/bin/vec-inf   # + the ratio to vec-inf 0.9.0's --help
+    python benchmarks/cpu/bench_cli.py            # N=15 runs each
+    python benchmarks/cpu/bench_cli.py -n 30 --top 20
+    python benchmarks/cpu/bench_cli.py --compare /tmp/vecinf/bin/vec-inf   # + the ratio to vec-inf 0.9.0's --help
 
 Runs with an empty temporary XDG config and HF_HOME so a user's config cannot change what is measured.
 """

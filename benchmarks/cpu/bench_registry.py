@@ -1,7 +1,7 @@
 """Time endpoint-registry writes: one write into a 100-entry registry, and 50 concurrent writers, per format;
 then the cost of one upsert into a large (default 4 MB) verifiers ``endpoints.py``.
 
-Usage: python scripts/bench_registry.py [--repeats N] [--writers N] [--big-mb MB]
+Usage: python benchmarks/cpu/bench_registry.py [--repeats N] [--writers N] [--big-mb MB]
 Prints plain numbers with units; nothing is written outside a temporary directory.
 """
 

@@ -14,7 +14,7 @@ that the replicas spent (/proc). ``--uvicorn PYTHON``: replicas on vLLM's API-se
 ``bench_upstream_connections.py --serve``), which keeps connections open as vLLM does.
 Everything shares this machine's cores: run it where the cores are not shared with other work.
 
-    python scripts/bench_service_latency.py [--concurrency 256] [--seconds 20] [--targets direct,router,front]
+    python benchmarks/cpu/bench_service_latency.py [--concurrency 256] [--seconds 20] [--targets direct,router,front]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from bench_router import ROUTER, cpu_seconds, free_port, pct  # noqa: E402
 
@@ -127,7 +127,7 @@ def start_replicas(n: int, tokens: int, token_ms: float, seqs: int,
     procs, urls = [], []
     for _ in range(n):
         port = free_port()
-        argv = [uvicorn, str(ROOT / "scripts" / "bench_upstream_connections.py"), "--serve", str(port), "--tokens",
+        argv = [uvicorn, str(Path(__file__).parent / "bench_upstream_connections.py"), "--serve", str(port), "--tokens",
                 str(tokens), "--token-ms", str(token_ms)] if uvicorn else [
             sys.executable, str(STANDIN), "serve", "m", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs",
             str(seqs)]

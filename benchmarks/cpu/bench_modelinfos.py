@@ -4,7 +4,7 @@ pbstk keys VLLM_CACHE_ROOT per torch/vLLM version, model and layout (server/star
 its registry learnt of a model class in VLLM_CACHE_ROOT/modelinfos; without an entry it learns it in a fresh
 Python process that imports torch and vLLM. Each measurement is a fresh interpreter that inspects one class:
 
-    .venv-vllm/bin/python scripts/bench_modelinfos.py [--arch Qwen3ForCausalLM]
+    .venv-vllm/bin/python benchmarks/cpu/bench_modelinfos.py [--arch Qwen3ForCausalLM]
 
 prints the seconds of the inspection under a new key alone (what every new model/layout paid before) and under a
 new key whose modelinfos is the shared one (what it pays now, after the first start of the class anywhere).

@@ -7,11 +7,11 @@ re-adds the rogue every 50 ms through the router's public URL (``POST /add_worke
 client sends authenticated chat requests through the same URL. Printed per isolation mode: the client's requests
 and answers, what the rogue received, the admin calls' answers, and the client's request rate.
 
-    python scripts/bench_router_rogue.py                    # 20 s, router_isolation netns, then none
-    python scripts/bench_router_rogue.py --seconds 5 --isolation netns
-    python scripts/bench_router_rogue.py --overhead --seconds 10   # what the front costs, no rogue
-    python scripts/bench_router_rogue.py --streams 128 --seconds 8  # streamed chunks/s, the front's CPU a chunk
-    python scripts/bench_router_rogue.py --streams 128 --pace-ms 5 --seconds 8  # a chunk every 5 ms a stream
+    python benchmarks/cpu/bench_router_rogue.py                    # 20 s, router_isolation netns, then none
+    python benchmarks/cpu/bench_router_rogue.py --seconds 5 --isolation netns
+    python benchmarks/cpu/bench_router_rogue.py --overhead --seconds 10   # what the front costs, no rogue
+    python benchmarks/cpu/bench_router_rogue.py --streams 128 --seconds 8  # streamed chunks/s, the front's CPU a chunk
+    python benchmarks/cpu/bench_router_rogue.py --streams 128 --pace-ms 5 --seconds 8  # a chunk every 5 ms a stream
 
 Measured here (2 shared CPU cores, loopback): netns: the rogue got 0 requests; none: about a third of them.
 """
@@ -34,7 +34,7 @@ from typing import Any
 
 import requests
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from pbs_toolkit.services.router import start_router, stop_router  # noqa: E402

@@ -4,9 +4,9 @@
 # runs, then the seconds until `pbstk status` says FINISHED, and its reason. Everything lives in a temporary
 # directory (user dirs, runs root); the orphaned COMMAND is stopped at the end.
 #
-#     bash scripts/lease_lapse.sh 3s 10s
+#     bash benchmarks/cpu/lease_lapse.sh 3s 10s
 set -euo pipefail
-repo=$(cd "$(dirname "$0")/.." && pwd)
+repo=$(cd "$(dirname "$0")/../.." && pwd)
 pbstk=$repo/.venv/bin/pbstk
 home=$(mktemp -d)
 trap 'rm -rf "$home"' EXIT

@@ -10,7 +10,7 @@ requests/s, output tokens/s and, from one process, the client's own CPU per requ
 the client's, not the server's: on 4x H200 (2026-11-28) a VL dp4 and tp2dp2 both stopped near 30 requests/s at c=64
 and c=256 with one 512x512 image a request, whatever their decode speed.
 
-    PYTHONPATH=$PWD python scripts/bench_client_ceiling.py [--concurrency 256] [--prompts 512] [--images 1]
+    PYTHONPATH=$PWD python benchmarks/cpu/bench_client_ceiling.py [--concurrency 256] [--prompts 512] [--images 1]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pbs_toolkit.perf.bench import run_benchmark_sync  # noqa: E402
 from pbs_toolkit.perf.images import image_load  # noqa: E402

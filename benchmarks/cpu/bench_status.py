@@ -16,7 +16,7 @@ reads every job's ``server.json`` and log tail: the per-job cost over SFTP shows
 connections and never answers (a wedged server). Probes run concurrently, so one status call should cost about
 one probe timeout (``PBSTK_PROBE_TIMEOUT_S``, default 3 s), not N of them.
 
-Runs standalone: ``python scripts/bench_status.py [--sizes 1,10,200] [--hung 10]``. Everything lives in a temp
+Runs standalone: ``python benchmarks/cpu/bench_status.py [--sizes 1,10,200] [--hung 10]``. Everything lives in a temp
 directory that is removed at the end; nothing of the user's ~/.config or job list is touched.
 """
 
@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAKEPBS_BIN = ROOT / "tests" / "fakepbs" / "bin"
 JOB_SCRIPT = "#!/bin/bash\n#PBS -N bench\n#PBS -l select=1:ncpus=1\n#PBS -l walltime=00:05:00\ntrue\n"
 

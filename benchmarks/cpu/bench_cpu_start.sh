@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One start of the tiny model with the cpu preset on this machine (the e2e tests' unit of cost): launch --wait,
-# optionally a short bench, cancel; under scripts/tree_time.py, which prints the wall time and the CPU seconds of
+# optionally a short bench, cancel; under benchmarks/cpu/tree_time.py, which prints the wall time and the CPU seconds of
 # everything, vLLM's processes included. Extra arguments go to `pbstk launch`.
-#   VLLM_VENV=/path/.venv-vllm bash scripts/bench_cpu_start.sh
-#   VLLM_VENV=... bash scripts/bench_cpu_start.sh --env VLLM_ENABLE_V1_MULTIPROCESSING=1   # the third process back
+#   VLLM_VENV=/path/.venv-vllm bash benchmarks/cpu/bench_cpu_start.sh
+#   VLLM_VENV=... bash benchmarks/cpu/bench_cpu_start.sh --env VLLM_ENABLE_V1_MULTIPROCESSING=1  # 3rd process back
 #   BENCH=1 ...   also `pbstk bench -c 1,8 --num-prompts 16 --input-len 32 --output-len 96` (output tok/s)
 # Writes only under a fresh mktemp -d (model, run directory, XDG dirs), removed at the end.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 : "${VLLM_VENV:?set VLLM_VENV to a venv made by scripts/setup_cpu_vllm.sh}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -34,4 +34,4 @@ fi
 "$1" cancel "$job" >/dev/null
 SH
 uptime
-python3 scripts/tree_time.py bash "$work/one.sh" "$pbstk" "$work/tiny" "$@"
+python3 benchmarks/cpu/tree_time.py bash "$work/one.sh" "$pbstk" "$work/tiny" "$@"

@@ -7,7 +7,7 @@ server), sends SIGKILL after a delay that sweeps the launch from its start to pa
 ``pbstk jobs --all --json`` which jobs it knows. An orphan is a job the fake PBS still runs that ``pbstk jobs``
 does not list: the user cannot see it nor cancel it with pbstk. Every job is deleted after each round.
 
-    python scripts/bench_launch_kill.py [--moments 15] [--slow-qsub 1.0]
+    python benchmarks/cpu/bench_launch_kill.py [--moments 15] [--slow-qsub 1.0]
 
 Everything lives in a temporary directory that is removed at the end.
 """
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAKEPBS_BIN = ROOT / "tests" / "fakepbs" / "bin"
 STANDINS = ROOT / "tests" / "standins"
 

@@ -16,8 +16,8 @@ serving replica out of the router (its log's ``removed ... from the router`` lin
 are full (``PBSTK_TEST_STANDIN_SLOW_PROBES``, as vLLM's API server under overload), with pbstk's probe timeout
 ``--probe-timeout`` (issue 28: one slow probe used to take the only replica out of the router).
 
-    python scripts/bench_autoscale.py [--max-replicas 3] [--capacity 4] [--burst 16] [--cycles 2]
-    python scripts/bench_autoscale.py --max-replicas 2 --slow-probes 2 --probe-timeout 0.5
+    python benchmarks/cpu/bench_autoscale.py [--max-replicas 3] [--capacity 4] [--burst 16] [--cycles 2]
+    python benchmarks/cpu/bench_autoscale.py --max-replicas 2 --slow-probes 2 --probe-timeout 0.5
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 
 import requests
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ROUTER = Path(sys.executable).parent / "vllm-router"
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 
