@@ -18,40 +18,15 @@ from typing import Any
 import libcst as cst
 
 from pbs_toolkit.endpoints.entry import EndpointEntry
+from pbs_toolkit.endpoints.py_dict import NEW_FILE
+from pbs_toolkit.endpoints.py_locate import NAME, chosen_assignment
 from pbs_toolkit.errors import RegistryError
 
-NAME = "ENDPOINTS"
-NEW_FILE = '''"""Endpoints for verifiers (``vf-eval -m ALIAS``).
-
-``key`` names the environment variable that holds the API key, not the key.
-pbstk edits this file in place: it replaces or appends one entry and leaves the rest as written.
-"""
-
-ENDPOINTS = {{
-{element}
-}}
-'''
 Gap = Any  # cst.BaseParenthesizableWhitespace: SimpleWhitespace, or ParenthesizedWhitespace (a line break)
 
 
 # ---------------------------------------------------------------- which dict (ast: the refusals and their lines)
-
-
-def _bindings(body: list[ast.stmt], top: bool, out: list[tuple[ast.stmt, ast.expr | None, bool]]) -> None:
-    for stmt in body:
-        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == NAME for t in stmt.targets):
-            out.append((stmt, stmt.value, top))
-        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == NAME:
-            if stmt.value is not None:
-                out.append((stmt, stmt.value, top))
-        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
-            if any((alias.asname or alias.name) == NAME for alias in stmt.names):
-                out.append((stmt, None, top))
-        elif not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            for block in ("body", "orelse", "finalbody"):
-                _bindings(getattr(stmt, block, None) or [], False, out)
-            for part in [*getattr(stmt, "handlers", []), *getattr(stmt, "cases", [])]:
-                _bindings(part.body, False, out)
+# (py_locate.chosen_assignment, shared with the byte-offset editor: a libcst-only pbstk would move it here)
 
 
 def _chosen(text: str, path: Path) -> tuple[ast.Module, ast.Dict | None]:
@@ -62,21 +37,13 @@ def _chosen(text: str, path: Path) -> tuple[ast.Module, ast.Dict | None]:
         raise RegistryError(f"{path}: cannot parse as Python: line {exc.lineno}: {exc.msg}") from exc
     except (ValueError, MemoryError, RecursionError) as exc:
         raise RegistryError(f"{path}: cannot parse as Python: {exc}") from exc
-    found: list[tuple[ast.stmt, ast.expr | None, bool]] = []
-    _bindings(tree.body, True, found)
-    if not found:
-        return tree, None
-    candidates = found[max((i for i, (_, _, top) in enumerate(found) if top), default=0):]
-    dicts = [value for _, value, _ in candidates if isinstance(value, ast.Dict)]
-    if len(dicts) > 1:
-        lines = ", ".join(str(value.lineno) for value in dicts)
-        raise RegistryError(f"{path}: {NAME} is assigned a dict on lines {lines} and which one Python keeps depends "
-                            "on how the file runs; pbstk will not guess: keep one literal and merge the others into it")
-    if dicts:
-        return tree, dicts[0]
-    stmt, value, _ = candidates[-1]
-    line = value.lineno if value is not None else stmt.lineno
-    raise RegistryError(f"{path}: line {line}: {NAME} is not a dict literal; pbstk will not edit it")
+    try:
+        value = chosen_assignment(tree)
+    except Exception as exc:  # two dicts of which Python may keep either: py_locate words the refusal
+        raise RegistryError(f"{path}: {exc}") from exc
+    if value is not None and not isinstance(value, ast.Dict):
+        raise RegistryError(f"{path}: line {value.lineno}: {NAME} is not a dict literal; pbstk will not edit it")
+    return tree, value
 
 
 def check(text: str, path: Path) -> None:
