@@ -1,7 +1,8 @@
 """The lease of ``pbstk run`` (docs/campaigns.md "The lease"): the run renews ``RUN_DIR/lease`` while it lives; a
 run killed with ``kill -9`` renews nothing more, and its job drains and ends itself within the lease, ``status``
-naming the lapsed lease; the run's COMMAND is ended within seconds by the watch beside it, and ``status`` says so. Real parts: pbstk run as a subprocess (real SIGKILL), the local scheduler and the fake
-PBS running the stand-in vLLM and the rendered start script in bash."""
+naming the lapsed lease; the run's COMMAND is ended within seconds by the watch beside it, and ``status`` says
+so. Real parts: pbstk run as a subprocess (real SIGKILL), the local scheduler and the fake PBS running the
+stand-in vLLM and the rendered start script in bash."""
 
 from __future__ import annotations
 

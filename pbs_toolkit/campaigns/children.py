@@ -201,3 +201,15 @@ def _reap(leftovers: dict[int, float]) -> None:
             with suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
             del leftovers[pgid]
+
+
+def run_command(command: Sequence[str], env: dict[str, str], notice: Callable[[str], None],
+                grace_s: float = 10.0, watch: tuple[str, str] = ("", "")) -> int:
+    """Run ``command`` in its own process group and return its exit status (``128 + N`` for signal N).
+    Signals meanwhile are passed on to the group; ``grace_s`` after the first, the group is killed. Whatever
+    the command left running in its group when it ended is stopped too, and so is the group should this process
+    die without a word (``watch``: the watch's note file and text)."""
+    child = Child(list(command), env, note_file=watch[0], note=watch[1])
+    run_children([child], notice, 1, grace_s)
+    assert child.code is not None
+    return child.code

@@ -190,7 +190,7 @@ def run_each(models: Sequence[tuple[str, str]], command: Sequence[str], env: dic
              watch: tuple[str, str] = ("", "")) -> tuple[list[ModelRun], list[int]]:
     """COMMAND once per ``(served name, alias)``, with ``PBSTK_MODEL``/``PBSTK_ALIAS`` set and the placeholders
     replaced; ``parallel`` > 1: that many at once, each writing to ``logs/K-SLUG.log``; ``gate`` (a
-    :class:`ModelGate`): whether a run's model can be served now; ``watch``: as ``run.run_command``'s. Returns the
+    :class:`ModelGate`): whether a run's model can be served now; ``watch``: as ``children.run_command``'s. Returns the
     runs (in the models' order) and the signals received (empty: none)."""
     runs = []
     for i, (model, alias) in enumerate(models, 1):

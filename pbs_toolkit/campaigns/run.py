@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.campaigns import counters, each, lease
-from pbs_toolkit.campaigns.children import SIGNALS, Child, run_children
+from pbs_toolkit.campaigns.children import SIGNALS, run_command
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 from pbs_toolkit.perf.scrape import wait_drained
@@ -333,7 +333,7 @@ def _run_commands(plan: RunPlan, target: _Target, env: dict[str, str], hooks: Ru
     watch = _watch_note(target)
     if not plan.each:
         hooks.notice(f"running {' '.join(plan.command)} against {env['OPENAI_BASE_URL']}")
-        return run_command(plan.command, env, hooks.notice, watch=watch)
+        return run_command(plan.command, env, hooks.notice, grace_seconds(), watch)
     models = target.models(plan.order)
     hooks.notice(f"running {' '.join(plan.command)} for each of {len(models)} model(s) against "
                  f"{env['OPENAI_BASE_URL']}" + (f", {plan.parallel} at once" if plan.parallel > 1 else ""))
@@ -349,14 +349,10 @@ def _run_commands(plan: RunPlan, target: _Target, env: dict[str, str], hooks: Ru
 def _watch_note(target: _Target) -> tuple[str, str]:
     """Where the watch over COMMAND notes that it ended COMMAND because this run was gone, and what it says:
     ``status`` of the run's job (or service) shows it (jobs/lease.py ``command_note``)."""
-    from pbs_toolkit.jobs.lease import command_note_path
+    from pbs_toolkit.jobs.lease import fresh_command_note
 
-    key = f"service-{target.service.name}" if target.service is not None else \
-        target.record.job_id if target.record is not None else ""
-    with suppress(OSError):
-        os.unlink(command_note_path(key))  # an earlier run's
-    return (command_note_path(key) if key else "",
-            f"pbstk run (pid {os.getpid()}) was gone: the watch ended its COMMAND")
+    key = f"service-{target.service.name}" if target.service else target.record.job_id if target.record else ""
+    return fresh_command_note(key), f"pbstk run (pid {os.getpid()}) was gone: the watch ended its COMMAND"
 
 
 def reachable(host: str | None, port: int | None, timeout: float = 3.0) -> bool:
@@ -368,18 +364,6 @@ def reachable(host: str | None, port: int | None, timeout: float = 3.0) -> bool:
             return True
     except OSError:
         return False
-
-
-def run_command(command: Sequence[str], env: dict[str, str], notice: Callable[[str], None],
-                grace_s: float | None = None, watch: tuple[str, str] = ("", "")) -> int:
-    """Run ``command`` in its own process group and return its exit status (``128 + N`` for signal N).
-    Signals meanwhile are passed on to the group; ``grace_s`` after the first, the group is killed. Whatever
-    the command left running in its group when it ended is stopped too, and so is the group should this process
-    die without a word (``watch``: the watch's note file and text; campaigns/children.py)."""
-    child = Child(list(command), env, note_file=watch[0], note=watch[1])
-    run_children([child], notice, 1, grace_seconds() if grace_s is None else grace_s)
-    assert child.code is not None
-    return child.code
 
 
 def _finish(client: Client, plan: RunPlan, target: _Target, hooks: RunHooks, interrupts: list[int]) -> None:

@@ -14,6 +14,8 @@ which ends COMMAND's process group and writes a note on this machine, under the 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -61,6 +63,16 @@ def command_note_path(key: str) -> str:
     run's job id, or ``service-NAME``."""
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in key)
     return str(user_state_dir() / "commands" / f"{safe}.ended")
+
+
+def fresh_command_note(key: str) -> str:
+    """:func:`command_note_path` of ``key`` with an earlier run's note removed; "" (no note) for no key."""
+    if not key:
+        return ""
+    path = command_note_path(key)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return path
 
 
 def command_note(key: str) -> str | None:

@@ -68,6 +68,8 @@ VLLM_ARGS=(
   --gpu-memory-utilization 0.95
 )
 EAGER=false
+# gpu or cpu (the preset's device): a start on GPUs waits for their memory to be free (gpu_free.sh)
+DEVICE=gpu
 # Graph/compile failures that an eager restart avoids (checked only when the server died before it was ready).
 # "Failed" too: torch reports "torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised: ...".
 COMPILE_ERROR_RE='(Error|Exception|[Ff]ailed).*([Dd]ynamo|[Ii]nductor|[Cc]ompil|[Gg]raph|[Cc]apturing|[Tt]riton)|([Dd]ynamo|[Ii]nductor|[Cc]ompil|[Cc]uda[Gg]raph|CUDA graph|[Tt]riton).*(Error|Exception|[Ff]ailed)'

@@ -6,7 +6,7 @@
 # a value keeps the header's, and a setting the header lacks stays unset (set -u stops at its first use).
 # tests/test_start_script.py checks this list against the header.
 declare RUN_DIR MODEL VENV PROXY HF_HOME_DIR HF_HUB_OFFLINE_ON VLLM_CACHE_DIR ADDRESS_MODE ADDRESS_SUFFIX BIND_HOST
-declare PORT_LO FIXED_PORT PORT_SPAN VLLM_ENTRYPOINT EAGER COMPILE_ERROR_RE PORT_IN_USE_RE IDLE_CANCEL_S LEASE_S
+declare PORT_LO FIXED_PORT PORT_SPAN VLLM_ENTRYPOINT EAGER DEVICE COMPILE_ERROR_RE PORT_IN_USE_RE IDLE_CANCEL_S LEASE_S
 declare NNODES NODE_ENGINE TP PP DP DP_LOCAL NODE_LAUNCHER NCCL_IFNAME GLOO_IFNAME
 declare PHASE_SETUP PHASE_STARTING PHASE_READY PHASE_FAILED PHASE_EXITED PHASE_CANCELLED
 declare CACHE_KEY_MODEL CACHE_KEY_LAYOUT CONTAINER_IMAGE CONTAINER_RUNTIME API_KEY_VIA
@@ -285,7 +285,7 @@ pbstk_compile_wait() {
     [ -e "$COMPILE_DONE" ] && break  # filled while we waited (checked first: its owner drops the lock after it)
     if mkdir "$COMPILE_LOCK" 2>/dev/null; then
       COMPILE_OWNER=true
-      trap pbstk_compile_release EXIT  # a start that fails or is cancelled before READY leaves the lock to the next
+      # (a start that fails or is cancelled before READY leaves the lock to the next: groups.sh's EXIT trap)
       printf '%s %s %s\n' "$(date +%s)" "$NODE" "${PBSTK_JOB_ID:-}" >"$COMPILE_LOCK/owner" 2>/dev/null
       [ "$waited" -gt 0 ] && pbstk_startup_mark compile-wait-end
       pbstk_log "compiling into $VLLM_CACHE_ROOT first (torch $JOB_TORCH: one compiler at a time; other engines wait for this one)"
@@ -685,6 +685,193 @@ else
   [ "$PORT_HI" -gt 65535 ] && PORT_HI=65535
 fi
 PORT_RACES=0
+# --- start body: each vLLM in a process group of its own, ended whole, so nothing it started outlives the job ---
+# vLLM's engine core and its workers outlive a SIGKILLed API server (vllm-project/vllm#55510; FACTS section 11):
+# reparented, they keep the GPU memory and every later start on those GPUs fails. So each vLLM (the job's own and
+# every other model's) starts as a background job with job control on for that one `&`: bash gives it a process
+# group of its own whose id is its pid, and everything vLLM starts inherits that group whoever becomes their
+# parent. When vLLM exits, however it exits, and when the job stops it, what is left of its group is ended:
+# SIGTERM, then SIGKILL END_GRACE_S seconds later. (setsid would also give it a group, but it leaves the job's
+# session too, which a batch scheduler ends when the job ends: the scheduler's own net under this one. pbstk's local
+# supervisor ends the job's group and every process that carries its token the same way.)
+: "${END_GRACE_S:=${PBSTK_END_GRACE_S:-15}}"
+
+# pbstk_spawn VAR CMD...: CMD in the background in a process group of its own; VAR = its pid (= the group's id)
+pbstk_spawn() {
+  local _var=$1
+  shift
+  set -m
+  "$@" &
+  printf -v "$_var" '%s' "$!"
+  set +m
+}
+
+# pbstk_group_left VAR PGID: VAR = "PID (NAME)" of each live process of group PGID (a zombie is gone: it holds no
+# memory), comma-separated; "" when none. Builtins and /proc only: it runs in loops a stop signal may interrupt.
+pbstk_group_left() {
+  local _f _st _rest _name _out=''
+  printf -v "$1" '%s' ''
+  kill -0 -- "-$2" 2>/dev/null || return 0  # no process at all in the group: the usual case, no scan
+  for _f in /proc/[0-9]*/stat; do
+    { read -r _st <"$_f"; } 2>/dev/null || continue
+    _rest=${_st##*) }  # after "(comm) ": state, ppid, pgrp, ...
+    [ "${_rest%% *}" = Z ] && continue
+    _rest=${_rest#* }
+    _rest=${_rest#* }
+    [ "${_rest%% *}" = "$2" ] || continue
+    _name=${_st#*(}
+    _name=${_name%) *}
+    _out+="${_out:+, }${_f:6:-5} ($_name)"
+  done
+  printf -v "$1" '%s' "$_out"
+}
+
+# pbstk_end_group PGID WHAT: end what is left of process group PGID (WHAT: whose group, for the log), SIGTERM then
+# SIGKILL after END_GRACE_S; returns once no live process of it is left (or, after SIGKILL, a few seconds later)
+pbstk_end_group() {
+  local pgid=$1 left until killed=false
+  [[ $pgid =~ ^[0-9]+$ ]] && [ "$pgid" -gt 1 ] || return 0
+  pbstk_group_left left "$pgid"
+  [ -n "$left" ] || return 0
+  pbstk_log "$2 left processes running: $left; ending them (SIGTERM, SIGKILL after ${END_GRACE_S} s)"
+  kill -TERM -- "-$pgid" 2>/dev/null
+  until=$((SECONDS + END_GRACE_S))
+  while [ -n "$left" ]; do
+    if [ "$SECONDS" -ge "$until" ]; then
+      if [ "$killed" = true ]; then
+        pbstk_log "still there 5 s after SIGKILL: $left"
+        return 1
+      fi
+      pbstk_log "still running ${END_GRACE_S} s after SIGTERM: $left; killing them"
+      kill -KILL -- "-$pgid" 2>/dev/null
+      killed=true
+      until=$((SECONDS + 5))
+    fi
+    sleep 0.2 &
+    wait $! 2>/dev/null
+    pbstk_group_left left "$pgid"
+  done
+  return 0
+}
+
+# pbstk_wait_gone PID SECONDS: wait at most SECONDS for process PID (a child of this script) to end; false if it
+# still runs then
+pbstk_wait_gone() {
+  local until=$((SECONDS + $2)) state
+  while [ "$SECONDS" -lt "$until" ]; do
+    state=Z
+    [ -r "/proc/$1/stat" ] && read -r _ _ state _ <"/proc/$1/stat" 2>/dev/null
+    [ "$state" = Z ] && return 0
+    sleep 0.2 &
+    wait $! 2>/dev/null
+  done
+  return 1
+}
+
+# pbstk_at_exit (the EXIT trap, set once here; the parts add no EXIT trap of their own): however the script ends
+# (vLLM's exit, a failure, a stop signal), the other models of the job (models.sh), what is left of vLLM's group,
+# and the compile lock (coldstart.sh)
+# shellcheck disable=SC2317  # invoked by the trap below
+pbstk_at_exit() {
+  declare -F pbstk_kill_models >/dev/null && pbstk_kill_models
+  [ "${SERVER_PID:-0}" -gt 0 ] && pbstk_end_group "$SERVER_PID" "vLLM (pid $SERVER_PID)"
+  pbstk_compile_release
+}
+trap pbstk_at_exit EXIT
+# --- start body: a vLLM starts only on GPUs whose memory is free ---
+# vLLM refuses to start when a GPU it uses has less free memory than its --gpu-memory-utilization asks of it
+# ("Free memory on device cuda:0 (4.93/139.8 GiB) on startup is less than desired GPU memory utilization"). Memory
+# that a process which just ended held is free again within seconds, so before each vLLM starts (each attempt,
+# each model of the job) the start waits for it, at most GPU_WAIT_S seconds (PBSTK_GPU_WAIT_S, 120 by default),
+# and then fails the job in one line that names what holds it: each process nvidia-smi lists on those GPUs, with
+# its pid, command and memory (services/restarts.py knows the line by its first words, GPU_HELD_WORDS, and does
+# not spend a restart on it). A CPU preset (DEVICE cpu), a node without nvidia-smi, or one whose nvidia-smi does not
+# answer, is not checked.
+: "${GPU_WAIT_S:=${PBSTK_GPU_WAIT_S:-120}}"
+[[ $GPU_WAIT_S =~ ^[0-9]+$ ]] || GPU_WAIT_S=120
+GPU_HELD_WORDS="GPU memory is held by another process"
+
+# pbstk_gpu_shortfall VAR GPUS N UTIL: VAR = "" when each GPU of GPUS (comma-separated indices; "" = the node's
+# first N) has at least UTIL of its memory free, else what does not and what holds it, in one line. Files, not
+# $(...): a stop signal may arrive while it runs (markers.sh).
+pbstk_gpu_shortfall() {
+  local _gpus="${TMPDIR:-/tmp}/pbstk-gpus.$$" _apps="${TMPDIR:-/tmp}/pbstk-apps.$$" _line=''
+  printf -v "$1" '%s' ''
+  nvidia-smi --query-gpu=index,uuid,memory.total,memory.free --format=csv,noheader,nounits >"$_gpus" 2>/dev/null \
+    || { rm -f "$_gpus"; return 0; }
+  : >"$_apps"
+  pbstk_gpu_awk "$2" "$3" "$4" "$_apps" "$_gpus" >"$_gpus.out"
+  IFS= read -r _line <"$_gpus.out" 2>/dev/null
+  if [ -n "$_line" ]; then  # short: what holds the memory (a second query, only then)
+    nvidia-smi --query-compute-apps=pid,process_name,used_memory,gpu_uuid --format=csv,noheader,nounits \
+      >"$_apps" 2>/dev/null || : >"$_apps"
+    pbstk_gpu_awk "$2" "$3" "$4" "$_apps" "$_gpus" >"$_gpus.out"
+    IFS= read -r _line <"$_gpus.out" 2>/dev/null
+  fi
+  rm -f "$_gpus" "$_apps" "$_gpus.out"
+  printf -v "$1" '%s' "$_line"
+}
+
+# pbstk_gpu_awk GPUS N UTIL APPS_FILE GPUS_FILE: pbstk_gpu_shortfall's line from nvidia-smi's two answers
+pbstk_gpu_awk() {
+  awk -F', *' -v want="$1" -v n="$2" -v util="$3" '
+    function gib(mib) { return sprintf("%.2f", mib / 1024) }
+    FILENAME == ARGV[1] { apps++; pid[apps] = $1; name[apps] = $2; mib[apps] = $3; on[apps] = $4; next }
+    { uuid[$1] = $2; total[$1] = $3; free[$1] = $4; order[++count] = $1 }
+    END {
+      if (want != "") split(want, picked, ","); else for (i = 1; i <= n && i <= count; i++) picked[i] = order[i]
+      out = ""
+      for (i = 1; i in picked; i++) {
+        g = picked[i]
+        if (!(g in total) || free[g] >= total[g] * util) continue
+        held = ""
+        for (a = 1; a <= apps; a++)
+          if (on[a] == uuid[g]) held = held (held == "" ? "" : ", ") "pid " pid[a] " (" name[a] ", " gib(mib[a]) " GiB)"
+        out = out (out == "" ? "" : "; ") "GPU " g ": " gib(free[g]) " of " gib(total[g]) " GiB free, vLLM needs " \
+          gib(total[g] * util) " GiB (--gpu-memory-utilization " util "), " \
+          (held == "" ? "held by processes nvidia-smi does not name here" : "held by " held)
+      }
+      print out
+    }' "$4" "$5" 2>/dev/null
+}
+
+# pbstk_gpu_wait WHAT GPUS N ARGS...: wait (at most GPU_WAIT_S) until the GPUs that vLLM with ARGS will use (GPUS,
+# or the node's first N) have the memory its --gpu-memory-utilization asks; else fail the job naming what holds it
+pbstk_gpu_wait() {
+  local what=$1 gpus=$2 n=$3 util short until
+  shift 3
+  [ "${DEVICE:-gpu}" = gpu ] && command -v nvidia-smi >/dev/null 2>&1 || return 0
+  pbstk_arg_value util --gpu-memory-utilization "$@"
+  [[ $util =~ ^0?\.[0-9]+$|^1(\.0*)?$ ]] || util=0.9  # vLLM's default
+  pbstk_gpu_shortfall short "$gpus" "$n" "$util"
+  [ -n "$short" ] || return 0
+  pbstk_log "$what waits for GPU memory (at most ${GPU_WAIT_S} s): $short"
+  pbstk_startup_mark gpu-wait
+  until=$((SECONDS + GPU_WAIT_S))
+  while [ -n "$short" ] && [ "$SECONDS" -lt "$until" ]; do
+    sleep 1 &
+    wait $! 2>/dev/null
+    pbstk_gpu_shortfall short "$gpus" "$n" "$util"
+  done
+  pbstk_startup_mark gpu-wait-end
+  [ -n "$short" ] && pbstk_fail "$GPU_HELD_WORDS: $what cannot start after ${GPU_WAIT_S} s: $short"
+  pbstk_log "$what: the GPU memory is free; starting"
+}
+
+# pbstk_arg_value VAR FLAG ARGS...: VAR = FLAG's value in ARGS (`--flag value` or `--flag=value`; the last wins,
+# as in vLLM's parser), "" when absent
+pbstk_arg_value() {
+  local _var=$1 _flag=$2 _value='' _next=false _a
+  shift 2
+  for _a in "$@"; do
+    if [ "$_next" = true ]; then _value=$_a; _next=false; continue; fi
+    case $_a in
+      "$_flag") _next=true ;;
+      "$_flag"=*) _value=${_a#*=} ;;
+    esac
+  done
+  printf -v "$_var" '%s' "$_value"
+}
 # --- the server ---
 if [ "$VLLM_ENTRYPOINT" = api_server ]; then
   VLLM_CMD=(python -m vllm.entrypoints.openai.api_server --model "$MODEL")
@@ -720,7 +907,10 @@ pbstk_kill_server() {
   [ "${IDLE_PID:-0}" -gt 0 ] && kill "$IDLE_PID" 2>/dev/null  # the idle watcher (--idle-cancel), if any
   [ "${LEASE_PID:-0}" -gt 0 ] && kill "$LEASE_PID" 2>/dev/null  # the lease watcher (pbstk run), if any
   if [ "$SERVER_PID" -gt 0 ]; then
+    # vLLM's own shutdown first (its engine with it), then whatever of its group is left (groups.sh)
     kill -TERM "$SERVER_PID" 2>/dev/null
+    pbstk_wait_gone "$SERVER_PID" "$END_GRACE_S"
+    pbstk_end_group "$SERVER_PID" "vLLM (pid $SERVER_PID)"
     wait "$SERVER_PID" 2>/dev/null
   fi
   if [ "${RAY_PID:-0}" -gt 0 ]; then
@@ -1093,10 +1283,10 @@ pbstk_attempt() {
     pbstk_write_head
   fi
   ATTEMPT_START=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
+  pbstk_gpu_wait vLLM "${CUDA_VISIBLE_DEVICES:-}" "$(pbstk_gpus_per_node)" "${VLLM_ARGS[@]}" "${extra[@]}"
   pbstk_log "attempt $ATTEMPT: starting vLLM on $ADDRESS:$PORT: ${VLLM_CMD[*]} ${VLLM_ARGS[*]} --host $BIND_HOST --port $PORT ${extra[*]} ${API_KEY_ARGS[*]}"
-  "${LINE_BUFFERED[@]}" "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" "${extra[@]}" \
-    "${API_KEY_ARGS[@]}" &
-  SERVER_PID=$!
+  pbstk_spawn SERVER_PID "${LINE_BUFFERED[@]}" "${VLLM_CMD[@]}" "${VLLM_ARGS[@]}" --host "$BIND_HOST" --port "$PORT" \
+    "${extra[@]}" "${API_KEY_ARGS[@]}"
   pbstk_startup_mark vllm
   pbstk_state "$PHASE_STARTING"
   while kill -0 "$SERVER_PID" 2>/dev/null; do
@@ -1113,6 +1303,7 @@ pbstk_attempt() {
   done
   wait "$SERVER_PID"
   RC=$?
+  pbstk_end_group "$SERVER_PID" "vLLM (pid $SERVER_PID, exit $RC)"  # its engine outlives a SIGKILL (groups.sh)
 }
 
 EXTRA=()
