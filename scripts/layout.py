@@ -44,7 +44,7 @@ OTHER_FILES = {
     "server/start/port.sh": "start body: the requested port, or a free one in its window",
     "server/start/server.sh": "start body: what runs vLLM (venv, container, launcher); the stop trap",
     "server/start/peers.sh": "start body: several nodes, per-rank engine flags, head.json, nodes watching each other",
-    "server/start/gpu_free.sh": "start body: a vLLM starts on GPUs whose memory is free, else the job names who holds it",
+    "server/start/gpu_free.sh": "start body: a vLLM starts on GPUs whose memory is free, else the job names the holder",
     "server/start/groups.sh": "start body: each vLLM in a process group of its own, ended whole; the EXIT trap",
     "server/start/idle.sh": "start body: idle reclaim (--idle-cancel), the head watches its own /metrics",
     "server/start/lease.sh": "start body: the lease of pbstk run, the job ends itself once the run stops renewing it",
