@@ -82,6 +82,11 @@ def isolated_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
     monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
     monkeypatch.setenv("PBSTK_RUNS_ROOT", str(home / "runs"))
     monkeypatch.setenv("PBSTK_JIT_DIR", str(home / "jit"))  # start scripts' node-local JIT caches (not /tmp)
+    # a home of the test's own: nothing under the real ~ (a profile's vllm_cache_root: ~/.cache/pbstk-vllm, which
+    # a job's start script creates; vLLM's and matplotlib's own caches)
+    (home / "home").mkdir()
+    monkeypatch.setenv("HOME", str(home / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / "home" / ".cache"))
     monkeypatch.setenv("PBSTK_POLL_INTERVALS", "0.3,0.5,1")
     monkeypatch.setenv("PBSTK_SSH_PERSIST", "0")  # no background SSH holders unless a test asks (test_ssh_holder)
     monkeypatch.setenv("PBSTK_HUB_LOOKUP", "0")  # never the Hub from a test: test_auto_size serves one on loopback

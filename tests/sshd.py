@@ -100,7 +100,11 @@ def start_sshd(tmp_path: Path, extra_env: dict[str, str] | None = None,
     _keygen(host_key, "pbstk-test-host")
     _keygen(user_key, "pbstk-test-user")
     user = getpass.getuser()
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(extra_env or {})}
+    # the login's home is one of the test's own (its shell's HOME, and where SFTP starts: `runner.home()`), so that
+    # nothing pbstk writes on the "login node" (a router's run directory, booked GPUs) lands in the real home
+    home = directory / "home"
+    home.mkdir(exist_ok=True)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), **(extra_env or {})}
     authorized = directory / "authorized_keys"
     authorized.write_text(_authorized_keys_line(user_key.with_suffix(".pub").read_text(), env))
     authorized.chmod(0o600)
@@ -129,7 +133,7 @@ def start_sshd(tmp_path: Path, extra_env: dict[str, str] | None = None,
                     "PermitUserEnvironment yes",
                     "AllowTcpForwarding yes",
                     "LogLevel VERBOSE",
-                    f"Subsystem sftp {sftp_server if os.path.exists(sftp_server) else 'internal-sftp'}",
+                    f"Subsystem sftp {sftp_server if os.path.exists(sftp_server) else 'internal-sftp'} -d {home}",
                     *(extra_config or []),
                     "",
                 ]

@@ -153,8 +153,9 @@ def test_files(runner: SSHRunner, tmp_path: Path) -> None:
     assert runner.size(str(target / "missing")) is None
     with pytest.raises(FileNotFoundError):
         runner.read_bytes(str(target / "missing"))
-    assert runner.home() == os.path.expanduser("~")
-    assert runner.expanduser("~/x") == os.path.expanduser("~/x")
+    assert runner.home().endswith("/sshd/home")  # the test login's own (sshd.py), never the real home
+    assert runner.expanduser("~/x") == runner.home() + "/x"
+    assert runner.run(["sh", "-c", 'printf %s "$HOME"']).stdout == runner.home()
 
 
 def test_one_connection_for_everything(runner: SSHRunner, tmp_path: Path, http_port: int) -> None:
