@@ -30,6 +30,9 @@ def runners_made(monkeypatch: pytest.MonkeyPatch) -> list[LocalRunner]:
         made.append(self)
         init(self, *args, **kw)
 
+    from pbs_toolkit.settings.machine_gpus import this_machine
+
+    this_machine("local")  # this machine's GPUs, asked once per process and environment: not a runner of the job
     monkeypatch.setattr(LocalRunner, "__init__", counting_init)
     return made
 

@@ -114,6 +114,9 @@ class CountingRunner(LocalRunner):
 def runners_made(monkeypatch: pytest.MonkeyPatch) -> list[Runner]:
     """Every ``LocalRunner`` constructed during the test, by anyone (``open_runner`` in any module included)."""
     made: list[Runner] = []
+    from pbs_toolkit.settings.machine_gpus import this_machine
+
+    this_machine("local")  # this machine's GPUs, asked once per process and environment: not a runner of the job
     monkeypatch.setattr(LocalRunner, "__init__", lambda self: made.append(self), raising=False)
     return made
 

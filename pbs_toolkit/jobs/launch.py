@@ -207,12 +207,14 @@ def _submit_and_record(store: JobStore, runner: Runner, scheduler: Scheduler, re
     """Write the run directory, submit, record the id (``submit_recorded``)."""
     submit_recorded(store, runner, scheduler, record, intent,
                     write=functools.partial(_write_run_dir, runner, rendered, key, record),
-                    walltime_s=walltime_seconds(rendered.profile.walltime), begin_at=begin_at, after=after)
+                    walltime_s=walltime_seconds(rendered.profile.walltime), begin_at=begin_at, after=after,
+                    gpus=rendered.profile.gpus)
 
 
 def submit_recorded(store: JobStore, runner: Runner, scheduler: Scheduler, record: JobRecord, intent: int, *,
                     write: Callable[[], None], walltime_s: int | None, begin_at: float | None = None,
-                    after: str | None = None, recorded: Callable[[JobRecord], None] | None = None) -> str:
+                    after: str | None = None, recorded: Callable[[JobRecord], None] | None = None,
+                    gpus: int = 0) -> str:
     """The one crash-safe submission, after ``store.add_intent(record)``: ``write`` the run directory, submit
     ``RUN_DIR/<script>`` under the wrapper that leaves ``RUN_DIR/job_id`` (signals held meanwhile), then record
     the id (``recorded``, default ``store.record_submitted``: it must retire the intent in the same transaction).
@@ -224,7 +226,7 @@ def submit_recorded(store: JobStore, runner: Runner, scheduler: Scheduler, recor
         with defer_interrupts():
             # the backend's submit leaves the id in RUN_DIR/job_id itself (Scheduler.submit, schedulers/marker.py)
             record.job_id = scheduler.submit(runner, f"{run_dir}/{scheduler.script_name}", run_dir, record.name,
-                                             walltime_s=walltime_s, begin_at=begin_at, after=after)
+                                             walltime_s=walltime_s, begin_at=begin_at, after=after, gpus=gpus)
             if recorded is None:
                 store.record_submitted(intent, record)
             else:

@@ -167,13 +167,15 @@ class Scheduler:
     # one without such programs (``local``) overrides the three methods instead.
 
     def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
-               walltime_s: int | None = None, begin_at: float | None = None, after: str | None = None) -> str:
+               walltime_s: int | None = None, begin_at: float | None = None, after: str | None = None,
+               gpus: int = 0) -> str:
         """Submit the job script; return the full job id. Raises ``SchedulerError`` with the scheduler's words.
 
         ``walltime_s``: the profile's walltime, for backends that enforce it themselves. ``begin_at``: the job
         must not start before this time (epoch seconds). ``after``: the job must not start before job ``after``
-        has started (a successor that overlaps its predecessor). A backend that cannot honour one raises
-        ``UsageError`` before submitting anything."""
+        has started (a successor that overlaps its predecessor). ``gpus``: the GPUs the job uses in all, for a
+        backend that books them itself (a scheduler's own backends read them from the script's request). A
+        backend that cannot honour one raises ``UsageError`` before submitting anything."""
         argv, env = self.submit_command(runner, script_path, begin_at=begin_at, after=after)
         result = run_with_retry(MarkingRunner(runner, run_dir, env), argv, self.is_transient)
         if result.rc != 0:
@@ -216,6 +218,11 @@ class Scheduler:
         return found
 
     # -- the hooks of the sequence
+
+    def machine_gpus(self, runner: Runner) -> list[Any] | None:
+        """The GPUs of the machine ``runner`` runs on, as this backend books them (``entry``, ``memory_mib``), for a
+        backend whose jobs run where they are submitted (``runs_on_submit_host``); ``None`` for the others."""
+        return None
 
     def submit_command(self, runner: Runner, script_path: str, *, begin_at: float | None,
                        after: str | None) -> tuple[list[str], dict[str, str]]:

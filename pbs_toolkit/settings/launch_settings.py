@@ -21,6 +21,7 @@ from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.schema import stamp
 from pbs_toolkit.settings.config import DEFAULT_PRESET, Settings, how_to_set, profile_kinds, resolve_settings
 from pbs_toolkit.settings.config import flag_name as setting_flag
+from pbs_toolkit.settings.machine_gpus import learn
 from pbs_toolkit.settings.placeholders import fill_profile, unfilled
 from pbs_toolkit.settings.profiles import Profile, load_profile_and_keys
 
@@ -194,7 +195,8 @@ def resolve_launch_settings(req: RenderRequest) -> LaunchSettings:
     overrides = dict(settings.profile_overrides)
     if settings.env_layers:
         overrides["env"] = settings.merged_env(base.env)
-    written = base.with_overrides(overrides)
+    written, learnt = learn(base.with_overrides(overrides),
+                            lambda key: key in from_file or key in settings.profile_overrides)
     try:
         filled, fill_error = fill_profile(written), None
     except PbstkError as exc:
@@ -206,7 +208,8 @@ def resolve_launch_settings(req: RenderRequest) -> LaunchSettings:
         preset_source = f"config.yaml (default_presets.{req.model})" if preset is not None else DEFAULT
     return LaunchSettings(
         request=_copy(req), written=written, profile=filled, profile_source=settings.sources.get("profile", DEFAULT),
-        sources=MappingProxyType({key: _source(key, settings, from_file, base.name) for key in profile_kinds()}),
+        sources=MappingProxyType({key: learnt.get(key) or _source(key, settings, from_file, base.name)
+                                  for key in profile_kinds()}),
         preset=preset, preset_source=preset_source, explicit=frozenset(settings.sources),
         gpus_given="gpus_per_node" in settings.profile_overrides, nodes_asked=_nodes_asked(settings, written),
         fill_error=fill_error)

@@ -35,6 +35,7 @@ from pbs_toolkit.schedulers.base import (
     SchedulerJob,
     first_line,
 )
+from pbs_toolkit.schedulers.local.gpus import BOOK, MachineGpu, machine_gpus, pool_dir
 from pbs_toolkit.schedulers.pbs import PBSKeys, PBSScheduler, validate_directives
 from pbs_toolkit.transports.base import Runner
 
@@ -88,25 +89,30 @@ end_job() {  # GROUP TOKEN GRACE
 """
 
 # Constant scripts; every value arrives as a positional parameter, never spliced into the text.
-_SUPERVISOR = _END_JOB + r"""
-spool=$1 script=$2
+_SUPERVISOR = _END_JOB + BOOK + r"""
+spool=$1 script=$2 gpus=${10:-0} pool=${11:-} pooldir=${12:-}
 exec </dev/null >"$spool/supervisor.log" 2>&1
 # a job that must wait says so before its pid exists: a job started `after` it must never see it started early
 if [ -n "$7" ]; then
   printf 'eligible at %s\n' "$(date -d "@$7" +%H:%M:%S 2>/dev/null || date -r "$7" +%H:%M:%S)" >"$spool/waiting"
 elif [ -n "$8" ]; then
   printf 'waiting for job %s to start\n' "$9" >"$spool/waiting"
+elif [ "$gpus" -gt 0 ]; then
+  printf 'waiting for %s free GPU(s)\n' "$gpus" >"$spool/waiting"
 fi
 echo "$$" >"$spool/pid"
 hostname >"$spool/nodefile"
 export PBS_JOBID=$3 PBS_JOBNAME=$4 PBS_O_WORKDIR=$5 PBS_NODEFILE="$spool/nodefile"
 export PBS_ENVIRONMENT=PBS_BATCH PBS_O_HOST="$(hostname)" PBS_QUEUE=local
 cd "$HOME" || exit 1
-# begin_at ($7, epoch seconds) / after ($8, another local job's spool): wait QUEUED, "$spool/waiting" holding the
-# comment; a cancel meanwhile ends the wait as a cancelled job. The pid marker is touched when the wait ends:
-# its mtime is when the job started.
-if [ -n "$7$8" ]; then
-  stop() { echo 143 >"$spool/exit_status.tmp" && mv -f "$spool/exit_status.tmp" "$spool/exit_status"; exit 143; }
+# begin_at ($7, epoch seconds) / after ($8, another local job's spool) / GPUs ($10 of the pool $11, booked under
+# $12): wait QUEUED, "$spool/waiting" holding the comment; a cancel meanwhile ends the wait as a cancelled job. The
+# pid marker is touched when the wait ends: its mtime is when the job started.
+if [ -n "$7$8" ] || [ "$gpus" -gt 0 ]; then
+  stop() {
+    [ "$gpus" -gt 0 ] && book_release "$pooldir"
+    echo 143 >"$spool/exit_status.tmp" && mv -f "$spool/exit_status.tmp" "$spool/exit_status"; exit 143
+  }
   trap stop TERM INT HUP
   if [ -n "$7" ]; then
     while [ "$(date +%s)" -lt "$7" ]; do sleep 0.5 & wait $!; done
@@ -117,6 +123,9 @@ if [ -n "$7$8" ]; then
       [ -e "$8/exit_status" ] && break
       sleep 0.5 & wait $!
     done
+  fi
+  if [ "$gpus" -gt 0 ]; then
+    book_gpus "$gpus" "$pool" "$pooldir" || { echo "cannot book GPUs under $pooldir" >&2; stop; }
   fi
   trap - TERM INT HUP
   rm -f "$spool/waiting"
@@ -137,6 +146,7 @@ done
 [ "$rc" = 124 ] && [ ! -e "$spool/cancelled" ] && : >"$spool/walltime"
 trap '' TERM INT HUP  # a cancel's signal now must not cut the end short
 end_job "$$" "${PBSTK_LOCAL_JOB_TOKEN:-}" "${PBSTK_END_GRACE_S:-10}"
+[ "$gpus" -gt 0 ] && book_release "$pooldir"
 echo "$rc" >"$spool/exit_status.tmp" && mv -f "$spool/exit_status.tmp" "$spool/exit_status"
 """
 # ours PGID TOKEN: is some process of group PGID carrying the job's token? (no token file: a job from an older
@@ -242,9 +252,18 @@ class LocalScheduler(Scheduler):
         host = re.sub(r"[^A-Za-z0-9-]+", "-", host.split(".", 1)[0]).strip("-") or "host"
         return f"{self.id_source()}.{host}.local"
 
+    def machine_gpus(self, runner: Runner) -> list[MachineGpu]:
+        """This machine's GPUs as local jobs book them (schedulers/local/gpus.py)."""
+        return machine_gpus(runner)
+
     def submit(self, runner: Runner, script_path: str, run_dir: str, job_name: str, *,
-               walltime_s: int | None = None, begin_at: float | None = None, after: str | None = None) -> str:
+               walltime_s: int | None = None, begin_at: float | None = None, after: str | None = None,
+               gpus: int = 0) -> str:
         after_spool = self._after_spool(after) if after else ""
+        pool = [g.entry for g in machine_gpus(runner)] if gpus > 0 else []
+        if pool and gpus > len(pool):
+            raise UsageError(f"the job asks for {gpus} GPU(s) but this machine has {len(pool)} ("
+                             f"{', '.join(pool)}; CUDA_VISIBLE_DEVICES, else nvidia-smi): it could never start")
         if runner.size(script_path) is None:
             raise SchedulerError(f"job script {script_path} does not exist")
         job_id = self.new_job_id(runner)
@@ -257,7 +276,8 @@ class LocalScheduler(Scheduler):
         runner.write_bytes(f"{run_dir}/job_id", f"{job_id}\n".encode(), 0o644)  # before it can run: adoptable
         begin = "" if begin_at is None else str(int(begin_at))
         argv = ["setsid", "-f", "bash", "-c", _SUPERVISOR, "pbstk-local", spool, script_path, job_id,
-                job_name, run_dir, f"{walltime}s", begin, after_spool, after or ""]
+                job_name, run_dir, f"{walltime}s", begin, after_spool, after or "",
+                str(gpus if pool else 0), ",".join(pool), pool_dir(runner) if pool else ""]
         # in the environment the supervisor starts with, so /proc/<group leader>/environ shows it too
         result = runner.run(argv, timeout=30, env={"PBSTK_LOCAL_JOB_TOKEN": token})
         if result.rc != 0:
