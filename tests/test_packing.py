@@ -20,7 +20,19 @@ def need(served: str, params_b: float | None, **kw: object) -> ModelNeed:
 
 
 def where(plan: PackingPlan) -> dict[str, tuple[int, int, tuple[int, ...], float | None, int]]:
-    return {p.served: (p.job, p.node, p.gpus, p.share, p.port) for p in plan.placements}
+    """Each model's job, node, GPUs, what it needs of them (the share it was placed by) and port."""
+    return {p.served: (p.job, p.node, p.gpus, p.need, p.port) for p in plan.placements}
+
+
+def filled(plan: PackingPlan) -> None:
+    """Every GPU shared by models that do not swap is given out whole: their shares add up to the cap, each at
+    least what it needs (issue 42: a 0.6B and a 1.7B got 0.10 each of an H200)."""
+    for gpu, total in shares_per_gpu(plan).items():
+        tenants = [p for p in plan.placements if (p.job, p.node) == gpu[:2] and gpu[2] in p.gpus]
+        if len(tenants) == 1 and len(tenants[0].gpus) > 1 or any(p.swap for p in tenants):
+            continue
+        assert round(total, 2) == SHARE_CAP or len(tenants) == 1 and total >= SHARE_CAP, (gpu, tenants)
+        assert all((p.share or 0) >= (p.need or 0) for p in tenants), tenants
 
 
 def shares_per_gpu(plan: PackingPlan) -> dict[tuple[int, int, int], float]:
@@ -41,14 +53,17 @@ def test_small_models_share_one_gpu_with_split_memory_shares() -> None:
     assert where(plan) == {"q06": (1, 0, (0,), 0.1, 8000), "q17": (1, 0, (0,), 0.1, 8001),
                            "q4": (1, 0, (0,), 0.15, 8002)}
     assert all(total <= SHARE_CAP < 0.95 for total in shares_per_gpu(plan).values())
-    for p in plan.placements:  # each share leaves its KV cache room: weights at most 70% of it
-        assert p.weights_gb is not None and p.share is not None and p.weights_gb <= 0.7 * p.share * 80
+    for p in plan.placements:  # each need leaves its KV cache room: weights at most 70% of it
+        assert p.weights_gb is not None and p.need is not None and p.weights_gb <= 0.7 * p.need * 80
+    filled(plan)
+    assert {p.served: p.share for p in plan.placements} == {"q06": 0.26, "q17": 0.26, "q4": 0.38}
 
 
 def test_models_that_cannot_share_a_gpu_take_a_job_each_on_one_gpu() -> None:
     plan = pack([need("m14", 14.0), need("m24", 24.0)], Resources(gpus_per_node=1, gpu_memory_gb=80))
     assert plan.jobs == 2  # 28 GB -> 0.50 and 48 GB -> 0.90 add up past the cap
     assert where(plan) == {"m24": (1, 0, (0,), 0.9, 8000), "m14": (2, 0, (0,), 0.5, 8000)}
+    filled(plan)
 
 
 def test_two_gpus_a_tensor_parallel_model_and_the_small_ones_in_the_next_job() -> None:
@@ -57,6 +72,7 @@ def test_two_gpus_a_tensor_parallel_model_and_the_small_ones_in_the_next_job() -
     # 64 GB of weights: TP2 (auto's rule: weights <= 70% of 0.95 x 80 GB per GPU); whole GPUs at the default 0.95
     assert where(plan) == {"m32": (1, 0, (0, 1), 0.95, 8000), "m8": (2, 0, (0,), 0.3, 8000),
                            "q06": (2, 0, (0,), 0.1, 8001)}
+    filled(plan)  # the small ones' GPU: 0.9 split 0.3 to 0.1
 
 
 def test_two_nodes_per_job_hold_what_took_two_jobs() -> None:
@@ -143,7 +159,8 @@ def test_max_awake_fills_free_gpus_first_and_swaps_only_where_needed() -> None:
     assert plan.jobs == 1
     assert sorted(p.gpus for p in placed.values()) == [(0,), (0,), (1,)]
     alone = [p for p in placed.values() if not p.swap]
-    assert len(alone) == 1 and alone[0].share == 0.6  # fits awake on its GPU: no sleep mode for it
+    assert len(alone) == 1 and alone[0].need == 0.6  # fits awake on its GPU: no sleep mode for it
+    assert alone[0].share == SHARE_CAP  # and, alone there, gets the whole of it
 
 
 def test_a_model_too_big_to_swap_beside_a_sleeper_gets_a_job_of_its_own() -> None:
@@ -167,17 +184,18 @@ Q17_KV_GB = 2 * 28 * 8 * 128 * 2 * 40960 / 1e9
 def test_a_packed_share_holds_one_full_length_request_beside_the_weights() -> None:
     plan = pack([need("q17", 1.72, kv_gb=Q17_KV_GB)], Resources(gpus_per_node=1, gpu_memory_gb=79))
     (p,) = plan.placements
-    assert p.share is not None and p.weights_gb is not None
+    assert p.need is not None and p.weights_gb is not None
     # weights 3.4 GB, one request 4.7 GB (x1.1), activations 1.5 GB: 10.1 GB of 79 -> 0.15 (was 0.10, by weights alone)
-    assert p.share == 0.15
-    assert p.share * 79 - p.weights_gb - 1.5 >= 1.1 * Q17_KV_GB
+    assert p.need == 0.15
+    assert p.need * 79 - p.weights_gb - 1.5 >= 1.1 * Q17_KV_GB
+    assert p.share == SHARE_CAP  # alone on its GPU: all of it
 
 
 def test_a_shorter_context_needs_less_and_a_model_of_unknown_shape_is_sized_by_its_weights() -> None:
     res = Resources(gpus_per_node=1, gpu_memory_gb=79)
     short = pack([need("q17", 1.72, kv_gb=Q17_KV_GB / 10)], res).placements[0]  # --max-model-len 4096
     unknown = pack([need("q17", 1.72)], res).placements[0]
-    assert short.share == unknown.share == 0.1
+    assert short.need == unknown.need == 0.1
 
 
 def test_a_swap_set_counts_each_models_full_length_request() -> None:

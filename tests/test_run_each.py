@@ -91,8 +91,9 @@ def test_each_runs_command_per_model_in_turn_and_exits_with_the_worst(pair: Any,
     registry = tmp_path / "endpoints.yaml"
     ran = cli("run", f"{alpha}:name=a", f"{beta}:name=b", "--profile", "gpu1", "--name", "duo", "--each",
               "--keep-alive", "--walltime", "00:30:00", "--registry", str(registry), "--", sys.executable, str(script),
-              "{model}", "{alias}",
-              "out/{{model}}-{model}.json", env=_env(CODES=json.dumps({"a": 0, "b": 3})), timeout=240)
+              "{model}", "{alias}", "out/{{model}}-{model}.json",
+              # keep-alive: the job and its successor each book a GPU of this machine (two of them)
+              env=_env(CODES=json.dumps({"a": 0, "b": 3}), CUDA_VISIBLE_DEVICES="0,1"), timeout=240)
     assert ran.returncode == 3, ran.stderr  # the worst of 0 and 3
     # one after the other, in the order given, each against its own model through the one URL
     assert ran.stdout.splitlines() == [

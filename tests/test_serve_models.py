@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import pbstk
@@ -66,9 +67,11 @@ def test_the_plan_as_a_table_packs_small_models_on_one_gpu(gpu_profile: str, mod
     assert lines[0] == "service evals: 3 model(s) in 2 job(s) of profile two-gpus (dry run: nothing written or queued)"
     rows = [line.split() for line in lines[2:]]
     assert lines[1].split() == ["MODEL", "JOB", "NODE/GPUS", "MEMORY", "PORT", "PRESET"]
-    assert rows == [["big", f"({big})", "job1", "n0:0,1", "0.95", "(152", "GB)", "8100", "auto"],
-                    ["mid17", f"({mid})", "job2", "n0:0", "0.10", "(8", "GB)", "8100", "auto"],
-                    ["small", f"({small})", "job2", "n0:0", "0.10", "(8", "GB)", "8101", "auto"]], lines
+    # each shared GPU given out whole (0.90 in proportion to the needs, 0.10 each), each model on its own GPUs'
+    # layout (issue 42)
+    assert rows == [["big", f"({big})", "job1", "n0:0,1", "0.95", "(152", "GB)", "8100", "auto", "(TP2)"],
+                    ["mid17", f"({mid})", "job2", "n0:0", "0.45", "(36", "GB)", "8100", "auto", "(TP1)"],
+                    ["small", f"({small})", "job2", "n0:0", "0.45", "(36", "GB)", "8101", "auto", "(TP1)"]], lines
     nothing_recorded()
 
 
@@ -85,9 +88,10 @@ def test_the_plan_as_json_and_from_a_models_file_is_the_same(gpu_profile: str, m
     plan = json.loads(by_args.stdout)
     assert plan == json.loads(by_file.stdout)
     assert (plan["kind"], plan["name"], plan["jobs"], plan["nodes_per_job"]) == ("model_plan", "evals", 1, 2)
-    assert [(m["served_model_name"], m["job"], m["node"], m["gpus"], m["gpu_memory_utilization"], m["port"])
-            for m in plan["models"]] == [("big", 1, 0, [0, 1], 0.95, 8100), ("mid17", 1, 1, [0], 0.1, 8101),
-                                         ("small", 1, 1, [0], 0.1, 8102)]
+    assert [(m["served_model_name"], m["job"], m["node"], m["gpus"], m["gpu_memory_utilization"],
+             m["gpu_memory_needed"], m["port"]) for m in plan["models"]] == [
+        ("big", 1, 0, [0, 1], 0.95, 0.95, 8100), ("mid17", 1, 1, [0], 0.45, 0.1, 8101),
+        ("small", 1, 1, [0], 0.45, 0.1, 8102)]
     assert plan["models"][0]["model"] == big and plan["models"][0]["tensor_parallel"] == 2
     nothing_recorded()
 
@@ -168,10 +172,11 @@ def test_a_vision_language_config_is_sized_by_its_nested_text_config(gpu_profile
     (path / "config.json").write_text(json.dumps({"architectures": ["Qwen3VLForConditionalGeneration"],
                                                   "torch_dtype": "bfloat16", "text_config": text,
                                                   "vision_config": {"depth": 27, "hidden_size": 1152}}))
-    result = pbstk("serve", str(path), "--profile", gpu_profile, "--dry-run", "--json")
+    tiny = checkpoint(tmp_path / "m", "tiny", 100_000_000)  # a second model: the packer plans (one is a replica)
+    result = pbstk("serve", str(path), tiny, "--name", "vlt", "--profile", gpu_profile, "--dry-run", "--json")
     assert result.exit_code == 0, result.output
-    [row] = json.loads(result.stdout)["models"]
-    assert 16 < row["weights_gb"] < 17.5 and row["gpu_memory_utilization"] == 0.3, row
+    row = next(m for m in json.loads(result.stdout)["models"] if m["served_model_name"] == "vl")
+    assert 16 < row["weights_gb"] < 17.5 and row["gpu_memory_needed"] == 0.3, row
 
 
 def test_a_packed_share_has_room_for_one_request_of_the_models_full_length(gpu_profile: str, tmp_path: Path) -> None:
@@ -184,10 +189,15 @@ def test_a_packed_share_has_room_for_one_request_of_the_models_full_length(gpu_p
         "architectures": ["Qwen3ForCausalLM"], "torch_dtype": "bfloat16", "hidden_size": 2048,
         "num_hidden_layers": 28, "intermediate_size": 6144, "num_attention_heads": 16, "num_key_value_heads": 8,
         "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 40960}))
-    full = pbstk("serve", str(path), "--profile", gpu_profile, "--dry-run", "--json")
-    short = pbstk("serve", str(path), "--profile", gpu_profile, "--dry-run", "--json",
+    tiny = checkpoint(tmp_path / "m", "tiny", 100_000_000)  # a second model: the packer plans (one is a replica)
+    full = pbstk("serve", str(path), tiny, "--name", "kv", "--profile", gpu_profile, "--dry-run", "--json")
+    short = pbstk("serve", str(path), tiny, "--name", "kv", "--profile", gpu_profile, "--dry-run", "--json",
                   "--vllm-arg=--max-model-len=4096")
     assert full.exit_code == 0 and short.exit_code == 0, full.output + short.output
-    [row] = json.loads(full.stdout)["models"]
-    assert row["gpu_memory_utilization"] == 0.15, row  # 3.4 GB weights + 1.1 x 4.7 GB + 1.5 GB of 80 GB
-    assert json.loads(short.stdout)["models"][0]["gpu_memory_utilization"] == 0.1
+
+    def need(result: Any) -> float:
+        return next(m["gpu_memory_needed"] for m in json.loads(result.stdout)["models"]
+                    if m["served_model_name"] == "q17")
+
+    assert need(full) == 0.15  # 3.4 GB weights + 1.1 x 4.7 GB + 1.5 GB of 80 GB
+    assert need(short) == 0.1

@@ -31,9 +31,10 @@ pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not 
 
 @pytest.fixture
 def pair(gpu_svc: Any, monkeypatch: pytest.MonkeyPatch) -> Any:  # noqa: F811 - the fixture, by name
-    """``gpu_svc``'s one 80 GB GPU (both small models share it), the real router and keeper looking every 0.5 s;
-    a predecessor is drained at most 3 s."""
+    """``gpu_svc``'s 80 GB GPUs (both small models share one), the real router and keeper looking every 0.5 s;
+    a predecessor is drained at most 3 s. Two GPUs of this machine: the successor books one of its own."""
     monkeypatch.setenv("PBSTK_SERVICE_DRAIN_S", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     return gpu_svc
 
 

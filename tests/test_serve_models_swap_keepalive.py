@@ -122,20 +122,8 @@ def test_keep_alive_of_swapping_models_without_gpus_for_the_successor_is_refused
     big, mid = swap_svc
     refused(pbstk("serve", f"{big}:name=a", f"{mid}:name=b", "--name", "k1", "--profile", "gpu1", "--max-awake",
                   "1", "--keep-alive", "--walltime", "00:01:00", "--handover", "45"),
-            "--keep-alive with --max-awake", "needs 2 GPU(s)", "this machine shows 1", "CUDA_VISIBLE_DEVICES")
-
-
-def test_over_ssh_the_local_scheduler_gives_no_successor_gpus_of_its_own(swap_svc: Any,  # noqa: F811
-                                                                        isolated_user: Path) -> None:
-    """A local-scheduler profile reached over ssh: pbstk picks no GPUs for its jobs there, so a successor would
-    share its predecessor's; refused the same way before anything is reached (the host answers nothing)."""
-    big, mid = swap_svc
-    profiles = isolated_user / "config" / "pbstk" / "profiles"
-    (profiles / "gpussh.yaml").write_text((profiles / "gpu1.yaml").read_text().replace("name: gpu1", "name: gpussh")
-                                          + "ssh_host: 'nobody@127.0.0.1:9'\n")
-    refused(pbstk("serve", f"{big}:name=a", f"{mid}:name=b", "--name", "k2", "--profile", "gpussh", "--max-awake",
-                  "1", "--keep-alive", "--walltime", "00:01:00", "--handover", "45"),
-            "--keep-alive with --max-awake", "needs 2 GPU(s)", "over ssh")
+            "needs 2 GPU(s) of this machine at once", "keep-alive successor overlap", "it has 1",
+            "CUDA_VISIBLE_DEVICES")
 
 
 def test_a_request_held_for_a_sleeping_model_keeps_its_job_from_being_drained(

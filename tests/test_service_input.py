@@ -185,34 +185,33 @@ def test_local_after_waits_until_that_job_has_started(tmp_path: Path, monkeypatc
         LocalScheduler().cancel(LocalRunner(), r)
 
 
-def test_local_replicas_get_their_own_gpus_when_the_machine_has_them(
-        isolated_user: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
+def test_the_local_pool_is_the_shells_gpus_else_nvidia_smis_and_serve_refuses_what_never_fits(
+        isolated_user: Path, standins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local scheduler books GPUs (schedulers/local/gpus.py): its pool is what CUDA_VISIBLE_DEVICES names (an
+    index or a UUID, in the user's order), else every GPU nvidia-smi lists; a service whose replicas could never
+    all hold theirs at once is refused before anything starts (before: the replicas past the machine's GPUs got
+    every GPU, shared)."""
+    from pbs_toolkit.schedulers.local.gpus import machine_gpus
 
-    from pbs_toolkit.services.manage import gpu_env
-
-    profile(isolated_user, "")
-    (isolated_user / "config" / "pbstk" / "profiles" / "svc.yaml").write_text(
-        "name: svc\nscheduler: local\ngpus_per_node: 2\naddress: loopback\n")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/bin/sh\nfor i in 0 1 2 3; do echo \"GPU $i: H200 (UUID: GPU-$i)\"; done\n")
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    svc = rec(3)
-    svc.scheduler, svc.request = "local", {"model": MODEL, "profile": "svc"}
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert [gpu_env(svc, s) for s in svc.slots] == [
-        {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}, {}]  # no 5th and 6th GPU: left alone
-    # the user's shell keeps pbstk to some GPUs of the machine: the replicas get those, never others
+    assert [(g.entry, g.memory_mib) for g in machine_gpus(LocalRunner())] == [(str(i), 81559) for i in range(4)]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert [gpu_env(svc, s) for s in svc.slots] == [{"CUDA_VISIBLE_DEVICES": "2,3"}, {}, {}]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-3,GPU-1,GPU-0,GPU-2")  # UUIDs, in the user's order
-    assert [gpu_env(svc, s) for s in svc.slots] == [
-        {"CUDA_VISIBLE_DEVICES": "GPU-3,GPU-1"}, {"CUDA_VISIBLE_DEVICES": "GPU-0,GPU-2"}, {}]
-    svc.transport = "login1"
-    assert gpu_env(svc, svc.slots[0]) == {}  # only on this machine's local scheduler
+    assert [g.entry for g in machine_gpus(LocalRunner())] == ["2", "3"]
+    uuids = "GPU-dddddddd-3333-3333-3333-333333333333,GPU-bbbbbbbb-1111-1111-1111-111111111111"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuids)
+    assert [(g.entry, g.memory_mib) for g in machine_gpus(LocalRunner())] == [(u, 81559) for u in uuids.split(",")]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert machine_gpus(LocalRunner()) == []  # the shell hides every GPU: nothing to book
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    (isolated_user / "config" / "pbstk" / "profiles").mkdir(parents=True, exist_ok=True)
+    (isolated_user / "config" / "pbstk" / "profiles" / "svc2.yaml").write_text(
+        "name: svc2\nscheduler: local\ngpus_per_node: 2\naddress: loopback\nrouter_command: /bin/true\n")
+    result = pbstk("serve", MODEL, "--profile", "svc2", "--preset", "dp2", "--replicas", "3", "--name", "three")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        "pbstk: error: the service needs 6 GPU(s) of this machine at once (3 job(s) of 2 GPU(s)), but it has 4 "
+        "(CUDA_VISIBLE_DEVICES, else nvidia-smi): the rest would wait for ever; serve fewer replicas or models")
+    assert not JobStore().service_rows("three") and not JobStore().all()
 
 
 def test_a_job_with_exactly_that_name_wins_over_a_service(isolated_user: Path) -> None:
@@ -235,7 +234,8 @@ def test_a_replica_launch_that_fails_stops_the_router_and_ends_the_service(isola
     import json
 
     profile(isolated_user)
-    result = pbstk("serve", MODEL, "--profile", "svc", "--preset", "nosuch-preset", "--name", "half")
+    # a --vllm-arg only a replica's own render refuses (pbstk sets the port itself): after the router started
+    result = pbstk("serve", MODEL, "--profile", "svc", "--preset", "single", "--vllm-arg=--port=9", "--name", "half")
     assert result.exit_code == 2 and result.stderr.startswith("pbstk: error: "), result.output
     rows = JobStore().service_rows("half")
     assert rows and rows[0]["ended"] is not None and json.loads(rows[0]["data"])["state"] == "ENDED"

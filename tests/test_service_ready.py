@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -117,20 +116,22 @@ def test_status_counts_what_the_router_routes_and_a_dead_router_is_down_0_of_n(s
 
 def test_a_keep_alive_successor_gets_a_free_gpu_not_its_predecessors(svc_profile: str, standins: Path) -> None:  # noqa: F811
     """The local scheduler, 4 GPUs (the stand-in nvidia-smi), 1 GPU per replica: the successor overlaps its
-    predecessor, so it must not be given the predecessor's GPU while others are free."""
-    result = serve("--replicas", "1", "--name", "gp", "--keep-alive", "--handover", "60", "--wait", "--timeout", "60")
+    predecessor, so it books a GPU its predecessor does not hold (schedulers/local/gpus.py)."""
+    result = serve("--replicas", "1", "--name", "gp", "--keep-alive", "--walltime", "00:01:10", "--handover", "60",
+                   "--wait", "--timeout", "60")
     assert result.exit_code == 0, result.output
     slot = wait_for(lambda: (s := records.find(JobStore(), "gp").slots[0]).successor and s, 15, "a queued successor")
 
-    def gpus(job: str) -> str:
-        script = Path(JobStore().find(job).run_dir, "start_vllm.sh").read_text()
-        match = re.search(r"CUDA_VISIBLE_DEVICES=([0-9,]+)", script)
-        assert match, script[:2000]
-        return match.group(1)
+    def booked(job: str) -> str | None:  # what the local scheduler gave the job, once it started
+        path = Path(JobStore().find(job).run_dir, ".local-job", "gpus")
+        return path.read_text().strip() if path.exists() else None
 
-    started = [json.loads(line)["env"].get("CUDA_VISIBLE_DEVICES") for line in
-               (standins / "argv.jsonl").read_text().splitlines()]
-    assert started == ["0"], started  # what the running predecessor's server really got
-    assert (gpus(slot.current), gpus(slot.successor)) == ("0", "1")
+    assert booked(slot.current or "") == "0"
+    wait_for(lambda: booked(slot.successor or ""), 60, "the successor started (10 s before the handover)")
+    assert booked(slot.successor or "") == "1"  # beside its predecessor, on a GPU of its own
+    started = wait_for(lambda: len(s := [json.loads(line)["env"].get("CUDA_VISIBLE_DEVICES") for line in
+                                         (standins / "argv.jsonl").read_text().splitlines()]) == 2 and s, 30,
+                       "both servers started")
+    assert started == ["0", "1"], started  # what each server really got
     assert pbstk("cancel", "gp").exit_code == 0
 

@@ -36,7 +36,8 @@ def single_or_plan(models: tuple[str, ...], models_file: str | None, dry_run: bo
             raise UsageError("several models need --name NAME, the service's name")
         render = {k: v for k, v in kw.items() if k not in ("replicas", "min_replicas", "max_replicas",
                                                           "scale_up_waiting", "scale_down_idle")}
-        plan = plan_service(specs, build_request(specs[0].model, **render), name, swapping.get("max_awake", 0))
+        plan = plan_service(specs, build_request(specs[0].model, **render), name, swapping.get("max_awake", 0),
+                            kw.get("replicas") or kw.get("min_replicas") or 1)
         if not dry_run:  # served: the plan's rows, the first job's first model as the service's model
             rows = [{**row, **swapping} if row["swap"] else row for row in plan_rows(plan.to_dict())]
             return rows[0]["model"], {**kw, "models": rows, "served_model_name": rows[0]["served_model_name"]}

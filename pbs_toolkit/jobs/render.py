@@ -24,7 +24,7 @@ from pbs_toolkit.server.phases import bash_assignments
 from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, settings_of
 from pbs_toolkit.settings.layout import NodePlan
 from pbs_toolkit.settings.multimodal import compile_variant
-from pbs_toolkit.settings.presets import Preset
+from pbs_toolkit.settings.presets import Preset, preset_for_layout
 from pbs_toolkit.settings.profiles import Profile
 from pbs_toolkit.settings.vllm_flags import api_key_channel
 from pbs_toolkit.transports.base import Runner
@@ -112,6 +112,8 @@ def render(settings: LaunchSettings | RenderRequest, runner: Runner | None = Non
     (``None``: connecting nowhere). Raises ``UsageError``/``ConfigError`` on bad input (``plan_launch``)."""
     main, models = co_models(settings_of(settings), runner)
     plan = plan_launch(main, runner)
+    if models:  # the job asks the scheduler for every GPU its models use, not only its first model's
+        plan = replace(plan, profile=replace(plan.profile, gpus_per_node=job_gpus(main.request.models)))
     context = {**script_context(plan), **multi_context(main, models)}
     backend = backend_class(plan.profile.scheduler)
     jenv = template_environment(backend.template_dir)
@@ -153,17 +155,37 @@ def co_models(settings: LaunchSettings, runner: Runner | None) -> tuple[LaunchSe
     req = settings.request
     if len(req.models) < 2:
         return settings, []
-    main = settings.with_request(vllm_args=[*req.vllm_args, *_share_args(req.models[0])])
+    first = req.models[0]
+    main = settings_of(replace(req, vllm_args=[*req.vllm_args, *_share_args(first)], **_own_layout(first, req)))
     others = []
     for m in req.models[1:]:
-        sub = settings_of(replace(req, model=m["model"], preset=m.get("preset") or req.preset,
-                                  served_model_name=m["served_model_name"], models=[],
-                                  vllm_args=[*req.vllm_args, *_share_args(m)]))
+        sub = settings_of(replace(req, model=m["model"], served_model_name=m["served_model_name"], models=[],
+                                  vllm_args=[*req.vllm_args, *_share_args(m)], **_own_layout(m, req)))
         p = plan_launch(sub, runner)
         others.append({"model_path": p.model_path, "served": p.served_model_name, "vllm_args": p.vllm_args,
                        "gpus": ",".join(str(g) for g in m.get("gpus") or ()), "arg_lines": _pair_flags(p.vllm_args),
                        "swap": bool(m.get("swap"))})
     return main, others
+
+
+def _own_layout(model: dict[str, Any], req: RenderRequest) -> dict[str, Any]:
+    """A packed model's layout is that of its own planned GPUs, never the node's (a model ``auto`` would size as
+    DP4 on a node of 4 GPUs got --data-parallel-size 4 with one GPU visible, and died): ``auto`` becomes the
+    tensor-parallel preset of its GPU count (``single`` for one), a named preset stays; either is planned on one
+    node of exactly its GPUs."""
+    gpus = list(model.get("gpus") or ())
+    preset = model.get("preset") or req.preset
+    if not gpus:  # a CPU job: the node's CPUs, as planned
+        return {"preset": preset}
+    if preset in (None, "auto"):
+        preset = preset_for_layout(len(gpus), 1)
+    return {"preset": preset, "gpus_per_node": len(gpus), "nodes": 1}
+
+
+def job_gpus(models: list[dict[str, Any]]) -> int:
+    """The GPUs a job of several models asks its scheduler for: every GPU a model of it is planned on."""
+    used = {int(g) for m in models for g in m.get("gpus") or ()}
+    return max(used) + 1 if used else 0
 
 
 def _share_args(model: dict[str, Any]) -> list[str]:

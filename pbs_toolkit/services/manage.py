@@ -19,13 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.jobs.launch import new_api_key
-from pbs_toolkit.schedulers import runs_on_submit_host
+from pbs_toolkit.jobs.plan import plan_layout
+from pbs_toolkit.jobs.render import job_gpus
+from pbs_toolkit.schedulers import backend_class, runs_on_submit_host
 from pbs_toolkit.services import multi, restarts
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.keeper_process import service_dir, spawn_keeper
 from pbs_toolkit.services.record import ServiceRecord, Slot
-from pbs_toolkit.settings.launch_settings import settings_of
 from pbs_toolkit.settings.layout_flags import refuse_layout_flags
+from pbs_toolkit.settings.machine_gpus import this_machine
 
 if TYPE_CHECKING:
     from pbs_toolkit.services.session import ServiceSession
@@ -66,25 +68,32 @@ def check_keep_alive(profile: Profile, replicas: int, handover_s: float, walltim
                          f"successor would start before its predecessor")
 
 
-def check_swap_overlap(profile: Profile, req: RenderRequest, opts: ServeOptions) -> None:
-    """Keep-alive of swapping models on the local scheduler: a successor runs beside its predecessor on this
-    machine, and the predecessor's models hold their shares of its GPUs, asleep (CUDA context and graphs) or awake;
-    a swap set fills its GPUs by design (docs/multi-model.md "Swapping"), so a successor sharing them could not
-    start on real GPUs. ``gpu_env`` gives each job GPUs of its own only while the machine has enough: every
-    planned job's GPUs twice (each job and its successor). Refused in one line when it has fewer."""
-    if not opts.keep_alive or not runs_on_submit_host(profile.scheduler) or not any(m.get("swap")
-                                                                                    for m in opts.models):
+def check_local_gpus(session: ServiceSession, profile: Profile, req: RenderRequest, opts: ServeOptions) -> None:
+    """On a scheduler whose jobs run on this machine (``local``), every job of the service books its GPUs of this
+    machine as a scheduler would, and waits QUEUED while they are held (schedulers/local/gpus.py). A service whose
+    jobs can never all hold theirs at once (its replicas, or its planned jobs; with ``--keep-alive`` twice, each
+    job and its overlapping successor: a predecessor's models hold their memory until it ends) would wait for
+    ever: refused in one line, naming what it needs and what the machine has (over ssh: the login host's, as the
+    scheduler books them there)."""
+    if not runs_on_submit_host(profile.scheduler):
         return
-    rows = list(opts.models)
-    need = 2 * sum(settings_of(multi.job_request(req, rows, job)).written.gpus_per_node
-                   for job in sorted({m["job"] for m in rows}))
-    have = 0 if profile.ssh_host else len(_local_gpus())
-    if have < need:
-        where = (f"pbstk picks no GPUs for the jobs of profile {profile.name} over ssh" if profile.ssh_host else
-                 f"this machine shows {have} (CUDA_VISIBLE_DEVICES, else nvidia-smi -L)")
-        raise UsageError(f"--keep-alive with --max-awake on the local scheduler needs {need} GPU(s), each job's "
-                         f"and its successor's apart (the predecessor's models, asleep or awake, hold their shares "
-                         f"of its GPUs until it ends), but {where}; leave out --keep-alive or --max-awake")
+    if opts.models:
+        per_job = [job_gpus(list(m for m in opts.models if m["job"] == job)) for job in {m["job"] for m in opts.models}]
+    else:
+        preset, nodes, _ = plan_layout(req)
+        per_job = [preset.gpus if preset.device == "gpu" else 0] * opts.replicas
+    need = sum(per_job) * (2 if opts.keep_alive else 1)
+    if profile.ssh_host:
+        have = len(backend_class(profile.scheduler)().machine_gpus(session.runner(profile.ssh_host)) or [])
+    else:
+        have = len(this_machine(profile.scheduler))
+    if need == 0 or not have or need <= have:
+        return
+    what = f"{len(per_job)} job(s) of {'/'.join(str(g) for g in sorted(set(per_job)))} GPU(s)"
+    twice = ", twice: each job and its keep-alive successor overlap" if opts.keep_alive else ""
+    raise UsageError(f"the service needs {need} GPU(s) of this machine at once ({what}{twice}), but it has {have} "
+                     f"(CUDA_VISIBLE_DEVICES, else nvidia-smi): the rest would wait for ever; serve fewer "
+                     f"replicas or models{', or leave out --keep-alive' if opts.keep_alive else ''}")
 
 
 def check_fixed_port(profile: Profile, req: RenderRequest, opts: ServeOptions) -> None:
@@ -175,7 +184,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
 
             raise UsageError(KEEP_ALIVE_REFUSED)
         check_keep_alive(profile, opts.replicas, opts.handover_s, walltime_s)
-        check_swap_overlap(profile, req, opts)
+    check_local_gpus(session, profile, req, opts)
     command = shlex.split(profile.router_command)
     if place != "job":  # a router job looks for it on its node (and fails with its own line)
         check_router_command(session, profile, command)
@@ -298,64 +307,18 @@ def launch_replica(session: ServiceSession, rec: ServiceRecord, slot: Slot, role
     settings = settings or resolve_launch_settings(
         multi.job_request(base, rec.models, slot.index + 1) if rec.models else base)
     name = replica_name(rec.name, slot)
-    gpus = gpu_env(rec, slot, settings)
     slot.gen += 1
     intents.begin(slot, name, role)
     if not records.save(session.store, rec):
         intents.clear(slot)
         raise intents.ServiceEnded(f"service {rec.name} was ended; {name} is not launched")
-    settings = settings.with_request(name=name, env={**(settings.request.env or {}), **gpus})
+    settings = settings.with_request(name=name)
     result = session.launch(settings, api_key=rec.api_key, begin_at=begin_at)
     job = result.record.job_id
     intents.done(slot, job)
-    slot.gpus = {j: v for j, v in slot.gpus.items() if j in slot.jobs()}
-    if gpus:
-        slot.gpus[job] = gpus["CUDA_VISIBLE_DEVICES"]
+    slot.gpus = {}  # the local scheduler books each job's GPUs itself (schedulers/local/gpus.py)
     records.save(session.store, rec)
     return job
-
-
-def gpu_env(rec: ServiceRecord, slot: Slot, settings: LaunchSettings | None = None) -> dict[str, str]:
-    """On the local scheduler each job gets its own GPUs when this machine has them: the first ``g`` that none
-    of the service's jobs holds (a keep-alive successor overlaps its predecessor: it must not share its GPUs),
-    else replica ``k``'s ``k*g .. k*g+g-1`` as before (shared, when the machine has no free ones). The machine's
-    GPUs are those the submitting shell's ``CUDA_VISIBLE_DEVICES`` names, when it names any (a workstation
-    shared by GPU: ``CUDA_VISIBLE_DEVICES=2,3 pbstk serve ...`` keeps the service on GPUs 2 and 3)."""
-    if not runs_on_submit_host(rec.scheduler) or rec.transport:
-        return {}
-    from pbs_toolkit.settings.launch_settings import RenderRequest, settings_of
-
-    g = settings_of(settings or RenderRequest(**rec.request)).written.gpus_per_node
-    have = _local_gpus()
-    if g <= 0 or len(have) < g:
-        return {}
-
-    def usual(k: int) -> list[str]:  # replica k's own GPUs, when the machine has them
-        return have[k * g:k * g + g] if len(have) >= k * g + g else []
-
-    def held(s: Slot, job: str) -> list[str]:  # a job recorded without GPUs (older records): its replica's usual
-        text = s.gpus.get(job)
-        return [i.strip() for i in text.split(",") if i.strip()] if text else usual(s.index)
-
-    busy = {gpu for s in rec.slots for job in s.jobs() for gpu in held(s, job)}
-    free = [i for i in have if i not in busy]
-    chosen = free[:g] if len(free) >= g else usual(slot.index)
-    return {"CUDA_VISIBLE_DEVICES": ",".join(chosen)} if chosen else {}
-
-
-def _local_gpus() -> list[str]:
-    """This machine's GPUs as ``CUDA_VISIBLE_DEVICES`` entries: the shell's own list, else every GPU
-    ``nvidia-smi -L`` lists (by index)."""
-    import subprocess
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip():
-        return [entry.strip() for entry in visible.split(",") if entry.strip()]
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False)  # noqa: S607
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [str(i) for i in range(sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")))]
 
 
 __all__ = ["ServeOptions", "start"]

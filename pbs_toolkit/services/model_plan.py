@@ -10,13 +10,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.jobs.plan import model_size, resolve_model
+from pbs_toolkit.jobs.plan import model_size, plan_layout, resolve_model
 from pbs_toolkit.schema import stamp
 from pbs_toolkit.services.model_spec import ModelSpec
-from pbs_toolkit.services.packing import ModelNeed, PackingPlan, Resources, pack
+from pbs_toolkit.services.packing import ModelNeed, PackingPlan, Placement, Resources, pack
 from pbs_toolkit.services.record import check_name
 from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, resolve_launch_settings
-from pbs_toolkit.settings.layout import bytes_per_param
+from pbs_toolkit.settings.layout import DEFAULT_MEMORY_UTILIZATION, bytes_per_param
 from pbs_toolkit.settings.layout_flags import refuse_layout_flags
 from pbs_toolkit.settings.model_size import model_weights
 from pbs_toolkit.settings.presets import context_length, kv_bytes_per_token, load_preset
@@ -38,7 +38,8 @@ class ModelPlan:
         res = self.packing.resources
         models = [{"served_model_name": p.served, "model": p.model, "preset": p.preset, "job": p.job,
                    "node": p.node, "gpus": list(p.gpus), "tensor_parallel": p.tensor_parallel,
-                   "gpu_memory_utilization": p.share, "memory_gb": p.memory_gb(res.gpu_memory_gb),
+                   "gpu_memory_utilization": p.share, "gpu_memory_needed": p.need,
+                   "memory_gb": p.memory_gb(res.gpu_memory_gb),
                    "weights_gb": None if p.weights_gb is None else round(p.weights_gb, 2), "port": p.port,
                    "swap": p.swap}
                   for p in self.packing.placements]
@@ -64,17 +65,24 @@ class ModelPlan:
             memory = "-" if p.share is None else f"{p.share:.2f}"
             if (gb := p.memory_gb(res.gpu_memory_gb)) is not None:
                 memory += f" ({gb:g} GB)"
-            row = [shown, f"job{p.job}", where, memory, str(p.port), p.preset]
+            # what runs: an `auto` model of a packed job takes the layout of its own GPUs (jobs/render.py)
+            preset = f"auto (TP{p.tensor_parallel})" if p.preset == "auto" and p.gpus else p.preset
+            row = [shown, f"job{p.job}", where, memory, str(p.port), preset]
             if self.swaps:
                 row.append(f"<= {res.max_awake} awake" if p.swap else "-")
             out.append(row)
         return out
 
 
-def plan_service(specs: Sequence[ModelSpec], request: RenderRequest, name: str, max_awake: int = 0) -> ModelPlan:
+def plan_service(specs: Sequence[ModelSpec], request: RenderRequest, name: str, max_awake: int = 0,
+                 replicas: int = 1) -> ModelPlan:
     """Size ``specs`` (each with the settings ``request`` resolves for it) and pack them on its profile; with
-    ``max_awake`` K, models that fit nowhere awake swap on shared GPUs, at most K awake (services/packing.py)."""
+    ``max_awake`` K, models that fit nowhere awake swap on shared GPUs, at most K awake (services/packing.py).
+    One model is served as ``replicas`` copies of its own launch: the plan is then that launch's, each copy a job
+    of the preset's GPUs and memory share (:func:`plan_replicas`)."""
     check_name(name)
+    if len(specs) == 1 and not max_awake:
+        return plan_replicas(specs[0], request, name, replicas)
     needs, profile = [], None
     for spec in specs:
         settings = resolve_launch_settings(replace(request, model=spec.model, preset=spec.preset or request.preset))
@@ -91,6 +99,26 @@ def plan_service(specs: Sequence[ModelSpec], request: RenderRequest, name: str, 
     res = Resources(gpus_per_node=profile.gpus_per_node, gpu_memory_gb=profile.gpu_memory_gb,
                     nodes_per_job=profile.nodes, max_jobs=profile.max_running_jobs, port=port, max_awake=max_awake)
     return ModelPlan(name=name, profile=profile.name, packing=pack(needs, res))
+
+
+def plan_replicas(spec: ModelSpec, request: RenderRequest, name: str, replicas: int) -> ModelPlan:
+    """The plan of one model served alone: each of its ``replicas`` is one job of exactly what its launch runs
+    (the preset ``auto`` sizes for the profile's nodes: ``auto (DP4)`` on GPUs 0-3 at 0.95 each), not the share
+    a packed model would get (``serve M --dry-run`` once showed one GPU at 0.15, then ran DP4 at 0.95)."""
+    settings = resolve_launch_settings(replace(request, model=spec.model, preset=spec.preset or request.preset))
+    profile = settings.written
+    preset, nodes, params = plan_layout(settings)
+    refuse_layout_flags(settings.request.vllm_args, preset)
+    per_node = preset.gpus // max(1, nodes.nnodes) if preset.device == "gpu" else 0
+    util = preset.vllm_args.get("--gpu-memory-utilization", DEFAULT_MEMORY_UTILIZATION)
+    share = float(util) if per_node and isinstance(util, (int, float, str)) and not isinstance(util, bool) else None
+    port = int(request.port) if isinstance(request.port, (int, str)) and str(request.port).isdigit() else profile.port
+    weights = None if params is None else params * bytes_per_param(None)[0]
+    rows = tuple(Placement(spec.served_model_name, spec.model, preset.name, job, 0, tuple(range(per_node)), share,
+                           port, weights, need=share) for job in range(1, max(1, replicas) + 1))
+    res = Resources(gpus_per_node=per_node, gpu_memory_gb=profile.gpu_memory_gb, nodes_per_job=nodes.nnodes,
+                    max_jobs=profile.max_running_jobs, port=port)
+    return ModelPlan(name=name, profile=profile.name, packing=PackingPlan(len(rows), res, rows))
 
 
 def _need(spec: ModelSpec, settings: LaunchSettings) -> ModelNeed:

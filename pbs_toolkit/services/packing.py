@@ -6,11 +6,12 @@ asks for, and the profile's GPUs per node, GPU memory, nodes per job and job lim
 
 * a model gets the smallest tensor-parallel size ``auto`` would give it (settings/layout.py
   ``auto_by_memory``: weights at most ``WEIGHTS_SHARE`` of what vLLM may use, the rest KV cache);
-* a model small enough shares a GPU: its ``--gpu-memory-utilization`` is what it needs, rounded up to
-  ``SHARE_STEP`` and at least ``MIN_SHARE``: its weights at that rule, and at least its weights plus the KV cache
-  of one request of its full length (``KV_MARGIN`` of it: vLLM refuses to start without that room) plus
-  ``ACTIVATION_GB``; the shares on one GPU sum to at most ``SHARE_CAP``
-  (below vLLM's single-model default, leaving each extra process its CUDA context);
+* a model small enough shares a GPU: it is placed by what it needs, rounded up to ``SHARE_STEP`` and at least
+  ``MIN_SHARE``: its weights at that rule, and at least its weights plus the KV cache of one request of its full
+  length (``KV_MARGIN`` of it: vLLM refuses to start without that room) plus ``ACTIVATION_GB``; the needs on one
+  GPU sum to at most ``SHARE_CAP`` (below vLLM's single-model default, leaving each extra process its CUDA
+  context), and once every model is placed the GPU is given out whole: ``SHARE_CAP`` of it in proportion to
+  each model's need (its ``--gpu-memory-utilization``), the rest being KV cache;
 * models are placed largest first (GPUs, then share, then served name), each on the first GPUs free for it
   (job, node, GPU order), in a new job only when no job has room, never beyond the job limit;
 * a model that fits no node at all is refused before anything else, naming it, its need and the largest
@@ -101,6 +102,8 @@ class Placement:
     weights_gb: float | None
     #: one of a swap set: several models on these GPUs, at most ``Resources.max_awake`` of them awake
     swap: bool = False
+    #: what it needs of each of its GPUs, the share it was placed by (``share`` gives it more where a GPU is shared)
+    need: float | None = None
 
     @property
     def tensor_parallel(self) -> int:
@@ -132,6 +135,8 @@ class _Fit:
     want: float = SHARE_CAP
     #: planned into a swap set (:func:`_swap_shares`)
     swap: bool = False
+    #: the share it was placed by, once :func:`_fill` gave it more (``None``: ``share`` is still that)
+    needed: float | None = None
 
 
 @dataclass
@@ -168,7 +173,7 @@ def pack(needs: Sequence[ModelNeed], res: Resources) -> PackingPlan:
             cell.whole = cell.whole or not fit.shared or cell.used > SHARE_CAP + 1e-9  # a swap set: no more tenants
             cell.tenants.append(fit.need.served)
         placed.append((fit, job, node, gpus))
-    return PackingPlan(len(jobs), res, _with_ports(_swap_shares(placed, res), res))
+    return PackingPlan(len(jobs), res, _with_ports(_fill(_swap_shares(placed, res)), res))
 
 
 def _fit(need: ModelNeed, res: Resources) -> _Fit:
@@ -277,6 +282,32 @@ def _swap_shares(placed: list[tuple[_Fit, int, int, tuple[int, ...]]],
     return out
 
 
+def _fill(placed: list[tuple[_Fit, int, int, tuple[int, ...]]]) -> list[tuple[_Fit, int, int, tuple[int, ...]]]:
+    """Each shared GPU given out whole: the models on it (not a swap set, whose shares :func:`_swap_shares`
+    set) get ``SHARE_CAP`` of it between them, each in proportion to what it needs (its weights and one request's
+    KV cache: the rest is KV cache, more for the larger need), rounded down to 0.01. On one H200 a 0.6B and a
+    1.7B got 0.10 each and 0.8 of the GPU stayed unused: KV cache neither could use."""
+    tenants: dict[tuple[int, int, tuple[int, ...]], list[_Fit]] = {}
+    for fit, job, node, gpus in placed:
+        if fit.shared and not fit.swap and fit.share is not None:
+            tenants.setdefault((job, node, gpus), []).append(fit)
+    given: dict[str, float] = {}
+    for on in tenants.values():
+        given.update(_proportional([f.need.served for f in on], [f.share or 0.0 for f in on], SHARE_CAP))
+    return [(replace(fit, share=given[fit.need.served], needed=fit.share) if fit.need.served in given else fit,
+             job, node, gpus) for fit, job, node, gpus in placed]
+
+
+def _proportional(names: list[str], weights: list[float], total: float) -> dict[str, float]:
+    """``total`` split in proportion to ``weights``, in hundredths that add up to it exactly (each rounded down,
+    the hundredths left over to the largest remainders)."""
+    exact = [total * w / sum(weights) * 100 for w in weights]
+    cents = [math.floor(round(x, 6)) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: cents[i] - exact[i])[:round(total * 100) - sum(cents)]:
+        cents[i] += 1
+    return {name: c / 100 for name, c in zip(names, cents)}
+
+
 def _find(jobs: list[list[list[_Gpu]]], fit: _Fit) -> tuple[int, int, tuple[int, ...]] | None:
     """The first (job, node, GPUs) with room for ``fit``, in job, node, GPU order."""
     for j, nodes in enumerate(jobs):
@@ -304,5 +335,5 @@ def _with_ports(placed: list[tuple[_Fit, int, int, tuple[int, ...]]], res: Resou
         next_port[job] = port + 1
         n = fit.need
         rows.append(Placement(n.served, n.model, n.preset, job + 1, node, gpus, fit.share, port, n.weights_gb,
-                              swap=fit.swap))
+                              swap=fit.swap, need=fit.share if fit.needed is None else fit.needed))
     return tuple(rows)

@@ -32,8 +32,9 @@ def _seconds(name, default):
 
 
 class SleepMode:
-    def __init__(self, argv, running, log, memory=lambda _share: None):
-        self.memory = memory  # (share of its awake memory the engine holds now): the stand-in GPUs' ledger
+    def __init__(self, argv, running, log, memory=lambda _used, _awake, _kept: None):
+        # (bytes in use now, in use awake, kept asleep): the stand-in GPUs' ledger follows what sleep frees
+        self.memory = memory
         self.enabled = "--enable-sleep-mode" in argv
         self.dev = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
         self.running = running  # () -> requests running now
@@ -135,7 +136,7 @@ class SleepMode:
                 leak = int(float(os.environ.get("PBSTK_TEST_STANDIN_SLEEP_LEAK_GIB") or 0) * GIB)
                 self.gpu_bytes, self.kept_bytes = self.gpu_bytes + leak, self.kept_bytes + leak
                 freed = before - self.used_bytes()
-                self.memory(self.used_bytes() / self.gpu_bytes)
+                self.memory(self.used_bytes(), self.gpu_bytes, self.kept_bytes)
             self.log(f"INFO 11-22 02:40:00 [gpu_worker.py:326] Sleep mode freed {freed / GIB:.2f} GiB memory, "
                      f"{self.used_bytes() / GIB:.2f} GiB memory is still in use.")
             self.log(f"INFO 11-22 02:40:00 [abstract.py:390] It took {took:.6f} seconds to fall asleep.")
@@ -158,7 +159,7 @@ class SleepMode:
                 time.sleep(took)
                 with self.lock:
                     self.asleep -= set(wanted or TAGS)
-                    self.memory(self.used_bytes() / self.gpu_bytes)
+                    self.memory(self.used_bytes(), self.gpu_bytes, self.kept_bytes)
                 self.log(f"INFO 11-22 02:40:01 [abstract.py:409] It took {took:.6f} seconds to wake up tags "
                          f"{wanted or list(TAGS)}.")
         with self.lock:
