@@ -128,11 +128,13 @@ with open(sys.argv[1], "w") as out:
 
 def test_a_lapsed_lease_drains_the_request_still_running(standins: Path, tmp_path: Path) -> None:
     """The run is killed while its COMMAND's request runs (8 s, longer than the 2 s lease): the job waits for it
-    before it stops vLLM (the stand-in, like a SIGKILL, drops what runs when it gets SIGTERM)."""
+    before it stops vLLM (the stand-in, like a SIGKILL, drops what runs when it gets SIGTERM). The client runs in a
+    session of its own, which the watch over COMMAND does not end (its group it does), so it can see its answer."""
     client, result = tmp_path / "slow.py", tmp_path / "result"
     client.write_text(SLOW_CLIENT)
+    command = ["sh", "-c", 'setsid "$0" "$1" "$2" & wait', sys.executable, str(client), str(result)]
     proc = subprocess.Popen([sys.executable, "-m", "pbs_toolkit", "run", MODEL, *LOCAL, "--name", "ld",  # noqa: S603
-                             "--lease", "2s", "--", sys.executable, str(client), str(result)], env=_env(),
+                             "--lease", "2s", "--", *command], env=_env(),
                             text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         helpers.until(lambda: Path(f"{result}.started").exists(), timeout=120, what="the request")

@@ -66,7 +66,8 @@ def test_kill_9_of_a_service_run_ends_the_service_after_its_request(tmp_path: Pa
     done = helpers.wait_for(lambda: (d := service_json("sl"))["state"] == "ENDED" and d, 120,
                             "the service to end by itself")
     assert done["end_reason"].startswith("the lease of pbstk run lapsed (no renewal for 2s"), done
-    assert done["end_reason"].endswith("the service ended itself"), done
+    assert "the service ended itself; pbstk run (pid " in done["end_reason"], done  # and its COMMAND was ended
+    assert "was gone: the watch ended its COMMAND at " in done["end_reason"], done
     assert result.read_text() == "200"  # finished before the teardown: the keeper drained first
     assert "ended: the lease of pbstk run lapsed" in helpers.pbstk("status", "sl").stdout
     for job in [j for j in JobStore().all() if j.name.startswith("sl-r")]:
