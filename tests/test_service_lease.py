@@ -49,7 +49,9 @@ def test_kill_9_of_a_service_run_ends_the_service_after_its_request(tmp_path: Pa
     (2 s) lapse, lets the request finish with 200, then ends the whole service; ``status`` says why."""
     client, result, pidfile = tmp_path / "slow.py", tmp_path / "result", tmp_path / "command.pid"
     client.write_text(SLOW_CLIENT)
-    command = f'echo $$ > "{pidfile}"; exec "{sys.executable}" "{client}" "{result}"'
+    # the client in a session of its own (the watch over COMMAND ends COMMAND's group, not it): it sees its answer;
+    # setsid in a background job is no group leader, so it execs the client at once and $! is the client's pid
+    command = f'setsid "{sys.executable}" "{client}" "{result}" & echo $! > "{pidfile}"; wait'
     proc = _run("sl", "--lease", "2s", "--", "sh", "-c", command)
     try:
         helpers.until(lambda: Path(f"{result}.started").exists(), timeout=180, what="COMMAND's request")

@@ -9,6 +9,8 @@
 #           against a fresh `pbstk launch` of the same 8B to READY; the swapper's log and `status`
 #   each    `pbstk run` of the three packed models with `--each` running one `vllm bench serve` per model,
 #           against three separate `pbstk run`s of the same command; then `pbstk usage --json` of both
+#           (SOLO=0: without its second half; WIDE=q4:4b:256: also that model alone at c=256, through the
+#           service; the models' KV cache lines of vLLM's logs in packed-kv.txt)
 #   solo    only packed's second half (each model launched alone); sep: only each's second half (the separate runs);
 #           MODELS="q17:1.7b q4:4b" picks which (NAME:SIZE, default all three)
 # Usage, from the checkout root there:  bash benchmarks/gpu/run_models.sh OUT_DIR packed|swap|each|solo|sep [...]
@@ -109,8 +111,16 @@ for what in "$@"; do
       for m in q06:0.6b q17:1.7b q4:4b; do bench "packed-${m%%:*}-alone" "${m%%:*}" "/root/qwen3-${m##*:}" 64; done
       for m in q06:0.6b q17:1.7b q4:4b; do bench "packed-${m%%:*}-together" "${m%%:*}" "/root/qwen3-${m##*:}" 64 & done
       wait
+      if [ -n "${WIDE:-}" ]; then  # NAME:SIZE:C, e.g. q4:4b:256: a level where the KV cache a share gives matters
+        bench "packed-${WIDE%%:*}-c${WIDE##*:}" "${WIDE%%:*}" "/root/qwen3-$(cut -d: -f2 <<<"$WIDE")" "${WIDE##*:}"
+      fi
+      # each model's memory as vLLM counted it (its share, weights, KV cache): what the plan gave out, used
+      for f in ~/pbstk-runs/packed-*/vllm*.log; do
+        grep -E 'Model loading took|Available KV cache memory|GPU KV cache size|Maximum concurrency' "$f" \
+          | sed "s|^|[packed-kv] $(basename "$f"): |" || true
+      done | tee "$out/packed-kv.txt"
       pbstk cancel packed
-      solo "$p" ;;
+      [ "${SOLO:-1}" = 0 ] || solo "$p" ;;
     solo)  # only the models alone (MODELS), for a call that packed's cut left without them
       solo "$(profile packed1 1 "$real_gb")" ;;
     swap)

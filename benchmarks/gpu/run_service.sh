@@ -16,6 +16,7 @@
 # serve` process, which looked like the limit at c=1024 on 2x H200 (session 13: dp2's engines and the service's ran
 # about 395 of the 1,024 requests on average, none waiting, at about the requests/s one of pbstk's client processes
 # makes there).
+# API_SERVERS=N gives every server N vLLM API-server processes.
 # LEVELS="256 1024" adds levels to dp2 and service (each PROMPTS prompts, at least 4x the concurrency), REPEAT times
 # each (default 1); C256=0 skips the c=256 level that dp2 and service otherwise always run.
 # Issue 28's load cases (the keeper's log of each kept in OUT_DIR/NAME-keeper.log, its router removals counted):
@@ -41,6 +42,8 @@ model=/root/qwen3-1.7b
 served=qwen3-1.7b
 prompts=${PROMPTS:-6000}
 common=(--profile "$profile" --served-model-name "$served" --vllm-arg=--load-format=dummy --walltime 01:00:00)
+# API_SERVERS=N: every server of this run with N vLLM API-server processes (`--api-server-count N`)
+[ -z "${API_SERVERS:-}" ] || common+=("--vllm-arg=--api-server-count=$API_SERVERS")
 pbstk() { python3 -m pbs_toolkit "$@"; }
 
 cpu_sample() {  # LABEL: every 2 s each process over 5% of a core ("t %cpu command"), until killed

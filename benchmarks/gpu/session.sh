@@ -23,10 +23,14 @@
 # service again with its load through the router alone.
 # CLIENT=builtin measures I, I2, I2N and R2 with pbstk's own client in several processes (run_service.sh): at c=256
 # and 1024 one `vllm bench serve` process drove 122-175 requests/s, about what one client process can there.
+# Session 15 (1 GPU, issues 41-43): X, the kill -9 of a replica's API server and two one-GPU launches on the one GPU
+# (run_crash.sh); P, three models packed with the GPU given out whole, each alone, together and the 4B at c=256, with
+# vLLM's memory lines (run_models.sh); AS, the API-server count 1, 2, 4 at c=256, 512, 1024 (run_api_servers.sh);
+# S1, the plain `single` against its 1-replica service at c=512 and 1024 with API_SERVERS (default 2) processes.
 # STEP_S (default 540) bounds the whole step: every stream ends by then.
 set -uo pipefail
 out=${OUT:?OUT: where the results go}
-step=${1:?setup|A|B|C|D|E|G|H|I|I2|I2N|R1|R1X|R1K|R2|J|K|V2}
+step=${1:?setup|A|B|C|D|E|G|H|I|I2|I2N|R1|R1X|R1K|R2|J|K|V2|X|P|AS|S1}
 cap=${STEP_S:-540}
 # shellcheck source=benchmarks/gpu/setup_device.sh
 source benchmarks/gpu/setup_device.sh
@@ -149,6 +153,15 @@ print(sys.argv[1], "probed:", ModelRegistry._try_inspect_model_cls(sys.argv[1]) 
     CUDA_VISIBLE_DEVICES=3 PORT=8400 CACHE_ROOT=/tmp/vcc-each PROMPTS=${PROMPTS31:-300} MODELS="q06:0.6b" \
       stream m-sep-q06 bash benchmarks/gpu/run_models.sh "$out/m06" sep
     wait ;;
+  X) clean; stream crash bash benchmarks/gpu/run_crash.sh "$out/x" crash booking ;;
+  P)
+    clean
+    SOLO=0 WIDE=q4:4b:256 PROMPTS=${PROMPTS31:-300} stream m-packed bash benchmarks/gpu/run_models.sh "$out/m" packed ;;
+  AS) clean; stream api-servers bash benchmarks/gpu/run_api_servers.sh "$out/a" "${COUNTS:-1 2 4}" ;;
+  S1)
+    clean
+    CUDA_VISIBLE_DEVICES=0 LEVELS="512 1024" C256=0 C1=0 REPLICAS=1 CLIENT=builtin API_SERVERS=${API_SERVERS:-2} \
+      PROMPTS=${PROMPTS28:-4096} stream s-plain-service bash benchmarks/gpu/run_service.sh "$out/s" single service ;;
   C) clean; stream vl-tune-1 bash benchmarks/gpu/run_vl.sh "$out/v" tune dp4,baseline-eager ;;
   D) clean; stream vl-tune-2 bash benchmarks/gpu/run_vl.sh "$out/v" tune tp4,tp2dp2 ;;
   *) echo "unknown step: $step" >&2; exit 2 ;;

@@ -59,6 +59,8 @@ class BenchResult:
     mean_e2el_ms: float | None
     max_concurrency: int | None
     errors: list[str] = field(default_factory=list)
+    #: the builtin client's, and ``vllm bench serve``'s where its ``--percentile-metrics`` named ``e2el``
+    p99_e2el_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -297,6 +299,7 @@ def summarize(
         mean_e2el_ms=1000.0 * sum(e2e) / len(e2e),
         max_concurrency=concurrency,
         errors=errors,
+        p99_e2el_ms=_ms_stats(e2e)[2],
     )
 
 
@@ -382,6 +385,7 @@ def parse_vllm_bench_json(text: str, path: str) -> BenchResult:
         mean_e2el_ms=number("mean_e2el_ms"),
         max_concurrency=int(max_concurrency) if isinstance(max_concurrency, (int, float)) else None,
         errors=errors,
+        p99_e2el_ms=number("p99_e2el_ms"),
     )
 
 
