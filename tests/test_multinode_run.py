@@ -127,7 +127,8 @@ def make_multi(standins: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         header = {"NNODES": str(nnodes), "NODE_ENGINE": engine, "TP": str(tp), "PP": str(pp), "DP": str(dp),
                   "DP_LOCAL": str(dp_local if engine == "dp" else 1), "NODE_LAUNCHER": launcher,
                   "NCCL_IFNAME": "lo", "GLOO_IFNAME": "lo"}
-        script = _multinode_script(rendered.start_script, header)
+        # a one-GPU preset's API servers (settings/front_servers.py) are not a DP head's: peers.sh sets those
+        script = _multinode_script(rendered.start_script.replace("\n  --api-server-count 4\n", "\n"), header)
         if args:
             script = script.replace("VLLM_ARGS=(\n", "VLLM_ARGS=(\n  " + " ".join(args) + "\n", 1)
         run_dir.mkdir()

@@ -66,6 +66,7 @@ def test_two_models_swap_on_one_gpu_and_a_request_wakes_its_model(swap_svc: Any,
     for start in starts:  # sleep mode, its development endpoints, and their guard: in every model's vLLM
         argv, env = start["argv"], start["env"]
         assert "--enable-sleep-mode" in argv and argv[argv.index("--middleware") + 1] == "pbstk_dev_guard.DevGuard"
+        assert "--api-server-count" not in argv  # the guard counts requests in one process (front_servers.py)
         assert env.get("VLLM_SERVER_DEV_MODE") == "1" and env.get("PBSTK_DEV_GUARD_KEY_FILE", "").endswith("api_key")
     assert sorted(a[a.index("--served-model-name") + 1] for a in argv_of(standins)) == ["big", "mid"]
     wait_for(lambda: awake("sw") == {"big"}, 30, "the swapper's first view: the job's own model awake, mid asleep")

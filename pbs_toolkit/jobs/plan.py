@@ -21,6 +21,7 @@ from pbs_toolkit.errors import UsageError
 from pbs_toolkit.schedulers import backend_class
 from pbs_toolkit.server.coldstart import container_command, container_note
 from pbs_toolkit.server.phases import bash_assignments
+from pbs_toolkit.settings.front_servers import front_preset
 from pbs_toolkit.settings.launch_settings import LaunchSettings, NodesAsked, RenderRequest, settings_of
 from pbs_toolkit.settings.layout import (
     DEFAULT_MEMORY_UTILIZATION,
@@ -102,6 +103,8 @@ def plan_launch(settings: LaunchSettings, runner: Runner | None = None) -> Launc
     version = version_tuple(profile.vllm_version)
     text_only = text_only_setting(profile.text_only, settings.sources["text_only"], preset)
     preset, mm_notes = multimodal_preset(preset, req.model, config, version, text_only)  # settings/multimodal.py
+    preset, front_notes = front_preset(preset, req.vllm_args, preset.name.startswith("auto ("))
+    mm_notes += front_notes
     job_name = _job_name(req)
     served = served_model_name(req.model, req.served_model_name, job_name)
     args, notes = _vllm_args(req, preset, profile, served, version, nodes)

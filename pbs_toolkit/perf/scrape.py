@@ -17,7 +17,7 @@ from pbs_toolkit.perf.doctor import DoctorContext
 from pbs_toolkit.transports import Runner
 from pbs_toolkit.transports import http as probe
 from pbs_toolkit.vllm.engine_log import EngineStats, iter_engine_stats
-from pbs_toolkit.vllm.prom import MetricsSnapshot, parse_metrics
+from pbs_toolkit.vllm.prom import MetricsSnapshot, parse_metrics, settle
 
 
 def scrape(runner: Runner, st: JobStatus, timeout: float = 5.0) -> MetricsSnapshot:
@@ -32,7 +32,15 @@ def scrape_at(runner: Runner, host: str, port: int, *, api_key: str | None = Non
     """One vLLM ``/metrics`` snapshot of the server at ``host:port`` (``transports/http.py`` ``metrics_text``;
     ``ServerFailed`` when nothing answered, the answer was not 200 or not Prometheus text)."""
     text = probe.metrics_text(runner, host, port, api_key=api_key, timeout=timeout)
-    return parse_metrics(text, time.time())
+    snap = parse_metrics(text, time.time())
+    _PROGRESS[(host, port)] = settle(snap, _PROGRESS.get((host, port)))
+    return snap
+
+
+#: each server's last progress seen by this process (``prom.settle``): a server of several API-server processes
+#: whose engine made none since an earlier look runs nothing, whatever its gauges say; the keeper, the lease's
+#: and a drain's loops, ``metrics``' two scrapes look more than once
+_PROGRESS: dict[tuple[str, int], tuple[tuple[float | None, ...], float]] = {}
 
 
 def engine_history(runner: Runner, st: JobStatus, lines: int = 5000) -> list[EngineStats]:

@@ -79,6 +79,19 @@ class MetricsSnapshot:
     tpot: Histogram | None = None
     engines: list[str] = field(default_factory=list)
     model_names: list[str] = field(default_factory=list)
+    #: engine steps (``vllm:iteration_tokens_total``'s count): they move while the engine works on anything
+    steps: float | None = None
+    #: the server runs several API-server processes (``--api-server-count``): its ``/metrics`` comes from vLLM's
+    #: multi-process directory (no ``python_``/``process_`` samples, which one process shows), and its gauges
+    #: keep their last busy value once the engine is idle (vLLM 0.22.1 on an H200: "7 running" minutes after the
+    #: load ended). Whoever looks twice: :func:`settle`
+    several_processes: bool = False
+    #: ``running``/``waiting`` were such stale values, set to 0 by :func:`settle`
+    gauges_stale: bool = False
+
+    def progress(self) -> tuple[float | None, ...]:
+        """What moves while the engine works: steps, tokens and finished requests."""
+        return (self.steps, self.prompt_tokens, self.generation_tokens, self.requests_success)
 
 
 def _le(text: str) -> float:
@@ -93,8 +106,19 @@ class _Samples:
         self.buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
         self.engines: set[str] = set()
         self.models: set[str] = set()
+        self.per_pid: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self.default_collectors = False
+
+    def settle(self) -> None:
+        """Each engine value that every process reported once (a ``pid`` label): taken once, the largest."""
+        for (name, labels), value in self.per_pid.items():
+            self.add(name, dict(labels), value)
 
     def add(self, name: str, labels: dict[str, str], value: float) -> None:
+        if "pid" in labels:  # a multi-process gauge in vLLM's "all" mode: each process's copy of one engine value
+            key = (name, tuple(sorted((k, v) for k, v in labels.items() if k != "pid")))
+            self.per_pid[key] = max(self.per_pid.get(key, value), value)
+            return
         if "engine" in labels:
             self.engines.add(labels["engine"])
         if "model_name" in labels:
@@ -136,11 +160,16 @@ def parse_metrics(text: str, timestamp: float) -> MetricsSnapshot:
             for sample in family.samples:
                 if sample.name.startswith("vllm:"):
                     samples.add(sample.name, sample.labels, sample.value)
+                elif sample.name.startswith(("python_", "process_")):
+                    samples.default_collectors = True
     except ValueError as exc:
         raise ServerFailed(f"/metrics is not in Prometheus text format: {exc}") from exc
 
+    samples.settle()
     snapshot = MetricsSnapshot(timestamp=timestamp, engines=sorted(samples.engines),
-                               model_names=sorted(samples.models))
+                               model_names=sorted(samples.models),
+                               several_processes=bool(samples.values) and not samples.default_collectors)
+    snapshot.steps = samples.total(("vllm:iteration_tokens_total_count",))
     for attr, names in _GAUGES.items():
         setattr(snapshot, attr, samples.total(names))
     for attr, names in _COUNTERS.items():
@@ -153,6 +182,25 @@ def parse_metrics(text: str, timestamp: float) -> MetricsSnapshot:
             snapshot.kv_cache_usage_max = max(samples.values[name])
             break
     return snapshot
+
+
+#: seconds without progress (steps, tokens, finished requests) after which a server of several API-server processes
+#: is taken to run nothing, whatever its gauges still say: a working engine steps many times a second
+STALE_AFTER_S = 1.0
+
+
+def settle(snap: MetricsSnapshot, last_progress: tuple[tuple[float | None, ...], float] | None,
+           ) -> tuple[tuple[float | None, ...], float]:
+    """``snap`` with the stale gauges of a server of several API-server processes set to 0 (``gauges_stale``):
+    its progress has not moved since ``last_progress`` (what it was, and the earliest time it was seen so) at
+    least ``STALE_AFTER_S`` before ``snap``. Returns the progress to remember for the next look."""
+    now = snap.progress()
+    if last_progress is None or last_progress[0] != now or None in now[1:]:
+        return now, snap.timestamp
+    if (snap.several_processes and (snap.running or snap.waiting)
+            and snap.timestamp - last_progress[1] >= STALE_AFTER_S):
+        snap.running, snap.waiting, snap.gauges_stale = 0.0, 0.0, True
+    return last_progress
 
 
 def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
@@ -246,6 +294,8 @@ def summarize(prev: MetricsSnapshot | None, cur: MetricsSnapshot) -> dict[str, A
         "window": "interval" if prev is not None else "cumulative",
         "running": cur.running,
         "waiting": cur.waiting,
+        "several_api_servers": cur.several_processes,
+        "gauges_stale": cur.gauges_stale,
         "kv_cache_usage_pct": _round(None if cur.kv_cache_usage is None else 100.0 * cur.kv_cache_usage),
         "prefix_cache_hit_rate_pct": _round(hit_rate),
         "preemptions": cur.preemptions,
@@ -289,6 +339,10 @@ def combine(snapshots: list[MetricsSnapshot]) -> MetricsSnapshot:
     if usage:
         out.kv_cache_usage = sum(u * n for u, n in usage) / sum(n for _, n in usage)
         out.kv_cache_usage_max = max(s.kv_cache_usage_max for s in snapshots if s.kv_cache_usage_max is not None)
+    steps = [s.steps for s in snapshots if s.steps is not None]
+    out.steps = sum(steps) if steps else None
+    out.several_processes = any(s.several_processes for s in snapshots)
+    out.gauges_stale = any(s.gauges_stale for s in snapshots)
     out.engines = [f"{i}:{e}" for i, s in enumerate(snapshots) for e in s.engines]
     out.model_names = sorted({m for s in snapshots for m in s.model_names})
     return out

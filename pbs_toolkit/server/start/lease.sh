@@ -7,11 +7,13 @@
 LEASE_PID=0
 LEASE_DRAIN_S=30
 # shellcheck disable=SC2317  # runs in the background watcher
-pbstk_lease_drain() {
-  local running waiting _success until=$((SECONDS + LEASE_DRAIN_S))
+pbstk_lease_drain() {  # (several API servers: drained once the engine made no progress for a second, idle.sh)
+  local running waiting _success progress several last='' until=$((SECONDS + LEASE_DRAIN_S))
   while [ "$SECONDS" -lt "$until" ] && kill -0 "$SERVER_PID" 2>/dev/null; do
-    read -r running waiting _success < <(pbstk_idle_metrics 2>/dev/null) || return 0
+    read -r running waiting _success progress several < <(pbstk_idle_metrics 2>/dev/null) || return 0
     [ "$((running + waiting))" -gt 0 ] || return 0
+    [ "$several" = 1 ] && [ "$progress" = "$last" ] && return 0
+    last=$progress
     sleep 1
   done
 }
