@@ -207,3 +207,34 @@ def test_a_batched_json_status_lists_every_job_on_this_server(realpbs: None, iso
     remembered = isolated_user / "state" / "pbstk" / "pbs-json-batching.json"
     assert remembered.exists() == quirk
     ok("cancel", *jobs)
+
+
+STUBBORN = """  - '(trap "" TERM; exec -a pbstk-stubborn sleep 600) & echo $! >"$RUN_DIR/stubborn.pid"'
+env:
+  PBSTK_TEST_STANDIN_MODE: exit-after-ready
+  PBSTK_TEST_STANDIN_SECONDS: "5"
+"""
+
+
+def test_a_child_that_ignores_sigterm_is_gone_once_its_job_ends(realpbs: None, isolated_user: Path) -> None:
+    """Issue 41: a PBS MoM ends every process of a job's session when the job script exits, one that ignores
+    SIGTERM too (pbstk's `local` scheduler does the same for its jobs since then). The job's setup starts such a
+    child, vLLM (the stand-in) exits on its own 5 s after READY, and the child must be gone with the job."""
+    profiles = isolated_user / "config" / "pbstk" / "profiles"
+    text = PROFILE.format(name="realpbs-stubborn", cpus=1, runs=isolated_user / "runs", standins=STANDINS)
+    (profiles / "realpbs-stubborn.yaml").write_text(text + STUBBORN)
+    job = launch("--profile", "realpbs-stubborn", "--name", "stubborn", "--wait", "--timeout", "120")
+    from pbs_toolkit.jobs.store import JobStore
+
+    pid = int(poll(lambda: (f := Path(JobStore().find(job).run_dir, "stubborn.pid")).exists() and f.read_text(), 30,
+                   "the child's pid"))
+    assert Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"pbstk-stubborn"), "the child is not running"
+    poll(lambda: (s := status(job)[0])["scheduler_state"] == "F" and s, 120, f"{job} to end by itself")
+
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    assert gone(), f"pid {pid} (it ignores SIGTERM) outlived its job"
