@@ -122,7 +122,7 @@ def test_completed_requests_and_finite_numbers(serve):
     assert result.total_output_tokens == 12 * 8 and result.total_input_tokens == 12 * 7  # from usage
     assert result.max_concurrency == 4
     numbers = {k: v for k, v in result.to_dict().items() if isinstance(v, float)}
-    assert len(numbers) == 12 and all(math.isfinite(v) and v > 0 for v in numbers.values())
+    assert len(numbers) == 13 and all(math.isfinite(v) and v > 0 for v in numbers.values())
     # milliseconds, not seconds: the server sleeps 2 ms a chunk, so 7 gaps span >= 14 ms; a loaded machine may read
     # a request's first chunk late (shrinking its gaps), never by 10 ms on average over 12 requests
     assert result.mean_tpot_ms >= 0.5 and result.mean_itl_ms >= 0.5

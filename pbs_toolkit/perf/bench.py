@@ -63,7 +63,10 @@ class BenchResult:
     p99_e2el_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["p99_e2el_ms"] is None:  # results saved before the field existed round-trip unchanged
+            del data["p99_e2el_ms"]
+        return data
 
 
 @dataclass
