@@ -24,7 +24,7 @@ from pbs_toolkit.jobs.status import JobStatus, ServerState
 from pbs_toolkit.jobs.store import Intent, JobRecord, JobStore
 from pbs_toolkit.services.manage import ServeOptions
 from pbs_toolkit.services.record import ServiceRecord, Slot
-from pbs_toolkit.services.router import RouterInfo
+from pbs_toolkit.services.router.process import RouterInfo
 from pbs_toolkit.services.status import ServiceStatus
 
 KEY = "sk-notebook-SECRET-4f2c"
@@ -134,7 +134,7 @@ def test_launched_is_the_new_name_and_serve_warns_but_works() -> None:
 def test_launch_keywords_are_the_render_request_fields_one_for_one() -> None:
     params = inspect.signature(Client.launch).parameters
     keywords = {name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    # ``models``: a multi-model service's job, written by serve's plan (services/multi.py), not a launch option
+    # ``models``: a multi-model service's job, written by serve's plan (services/models/multi.py), not a launch option
     fields = {f.name for f in dataclasses.fields(RenderRequest)} - {"model", "preset", "profile", "models"}
     assert keywords == fields | {"api_key", "use_api_key"}
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())  # completion sees them all

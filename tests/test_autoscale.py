@@ -1,4 +1,4 @@
-"""The autoscaling policy (services/autoscale.py) rule by rule: pure, no process."""
+"""The autoscaling policy (services/keeper/autoscale.py) rule by rule: pure, no process."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.services.autoscale import Memory, Observation, ScaleSpec, decide
+from pbs_toolkit.services.keeper.autoscale import Memory, Observation, ScaleSpec, decide
 
 SPEC = ScaleSpec(min_replicas=1, max_replicas=3, up_waiting=1, down_idle_s=60)
 
@@ -42,7 +42,7 @@ def test_two_ticks_above_w_add_one_replica_and_one_tick_does_not() -> None:
 def test_the_look_that_confirms_an_overload_comes_sooner_than_a_poll() -> None:
     """2x H200: with the keeper's 15 s poll, 31 s passed between a burst and the decision; the second look now
     comes CONFIRM_S after the first overloaded one, and only then."""
-    from pbs_toolkit.services.autoscale import CONFIRM_S, confirm_within
+    from pbs_toolkit.services.keeper.autoscale import CONFIRM_S, confirm_within
 
     _, mem = decide(SPEC, Memory(), obs(0, waiting=5))
     assert confirm_within({"memory": mem.to_dict()}, 0) == CONFIRM_S < 15
@@ -56,7 +56,7 @@ def test_the_look_that_confirms_an_overload_comes_sooner_than_a_poll() -> None:
 def test_an_overload_sighted_between_ticks_is_confirmed_from_that_moment() -> None:
     """The keeper's watch saw the router's figure show the overload at 100 and woke the tick, whose look (slow
     probes) ended at 106: the confirming look is due at 105, at once, not 5 s after the tick."""
-    from pbs_toolkit.services.autoscale import CONFIRM_S, confirm_within, news
+    from pbs_toolkit.services.keeper.autoscale import CONFIRM_S, confirm_within, news
 
     seen = Observation(now=106, target=1, starting=0, waiting=None, running=None, capacity=2, in_flight=16,
                        sighted=100)
@@ -71,7 +71,7 @@ def test_an_overload_sighted_between_ticks_is_confirmed_from_that_moment() -> No
 
 
 def test_the_router_watch_wakes_a_tick_only_when_the_tick_could_act() -> None:
-    from pbs_toolkit.services.autoscale import router_overload
+    from pbs_toolkit.services.keeper.autoscale import router_overload
 
     def look(**kw: Any) -> Observation:
         base = {"now": 0, "target": 1, "starting": 0, "waiting": 3, "running": 2, "capacity": 2, "answered": 1,
@@ -89,7 +89,7 @@ def test_the_router_watch_wakes_a_tick_only_when_the_tick_could_act() -> None:
 
 
 def test_the_keeper_logs_an_overload_seen_and_one_dismissed_but_no_quiet_tick() -> None:
-    from pbs_toolkit.services.autoscale import news
+    from pbs_toolkit.services.keeper.autoscale import news
 
     before = Memory()
     d, first = decide(SPEC, before, obs(0, waiting=5))
@@ -278,7 +278,7 @@ def test_bad_specs(spec: ScaleSpec, words: str) -> None:
         spec.check(1000)
 
 
-# -- services/scaler.py's pure parts: the idle watch of a service, retiring a slot, the status line -----------------
+# -- services/keeper/scaler.py's pure parts: the idle watch of a service, retiring a slot, the status line -------------
 
 def _st(job: str, state: str = "READY", port: int = 9000, args: tuple[str, ...] = ()) -> Any:
     from pbs_toolkit.jobs.spec import LaunchSpec
@@ -303,7 +303,7 @@ def _rec(**kw: Any) -> Any:
 
 
 def test_a_service_is_idle_only_when_nothing_ran_waited_or_finished_for_the_duration() -> None:
-    from pbs_toolkit.services.scaler import idle_end
+    from pbs_toolkit.services.keeper.scaler import idle_end
 
     rec = _rec(idle_cancel_s=10)
     assert idle_end(rec, {"a": _snap(success=3)}, 1, 0) is None  # first look: the counter is new
@@ -320,8 +320,8 @@ def test_a_service_is_idle_only_when_nothing_ran_waited_or_finished_for_the_dura
 
 
 def test_retiring_a_slot_drains_what_serves_and_cancels_the_rest() -> None:
+    from pbs_toolkit.services.keeper.scaler import capacity, retire_jobs, to_cancel
     from pbs_toolkit.services.record import Slot
-    from pbs_toolkit.services.scaler import capacity, retire_jobs, to_cancel
 
     statuses = {"j1": _st("j1", port=9001, args=("--max-num-seqs", "6")), "j2": _st("j2", "PENDING", 9002)}
     slot = Slot(3, current="j1", successor="j2", retiring=True)
@@ -338,7 +338,7 @@ def test_retiring_a_slot_drains_what_serves_and_cancels_the_rest() -> None:
 
 
 def test_the_status_line() -> None:
-    from pbs_toolkit.services.scaler import summary
+    from pbs_toolkit.services.keeper.scaler import summary
 
     scale = {"spec": {"min_replicas": 1, "max_replicas": 4}, "last": {"action": "up", "reason": "7 waiting", "at": 0},
              "now": {"action": "hold", "reason": "spare capacity"}}

@@ -199,7 +199,7 @@ def test_switching_the_scheduler_switches_the_section() -> None:
     tried with ``--scheduler local`` keeps its PBS keys: local runs the PBS template)."""
     from pbs_toolkit.schedulers.pbs import PBSKeys
     from pbs_toolkit.schedulers.slurm import SlurmKeys
-    from pbs_toolkit.services.router_job import job_profile
+    from pbs_toolkit.services.router.job import job_profile
 
     polaris = load_profile("polaris")
     local = polaris.with_overrides({"scheduler": "local"})

@@ -23,8 +23,8 @@ from test_serve_models_run import ROUTER
 from test_service import _stop_services
 
 from pbs_toolkit.jobs.store import JobStore
-from pbs_toolkit.services import packing
 from pbs_toolkit.services import record as records
+from pbs_toolkit.services.models import packing
 
 pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
 

@@ -149,7 +149,7 @@ def test_router_figures_and_the_workers_doctor_names():
     """vllm-router 0.1.17's /metrics (its own exposition: blank lines between families; lines as it prints them,
     one worker's circuit opened by a killed backend): the figures ``metrics NAME`` shows and doctor's findings."""
     from pbs_toolkit.services.observe import router_summary, worker_findings
-    from pbs_toolkit.services.router_metrics import parse_router_metrics
+    from pbs_toolkit.services.router.metrics import parse_router_metrics
 
     text = (DATA / "vllm-router-0.1.17-metrics.txt").read_text()
     first = parse_router_metrics(text, 10.0)

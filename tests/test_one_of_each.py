@@ -83,7 +83,7 @@ def shell_functions(text: str) -> set[str]:
 def test_one_free_port_rule_in_the_start_scripts() -> None:
     """Every port search of the scripts that run on the nodes is ``server/start/free_port.sh``'s: no other file
     defines a port-picking function, and no Python asks the kernel for a free port (the snippet that was written
-    both in ``services/router.py`` and ``start_router.sh``)."""
+    both in ``services/router/process.py`` and ``start_router.sh``)."""
     pickers = {}
     for path in sorted(PACKAGE.rglob("*")):
         if path.suffix not in (".sh", ".j2") or not path.is_file():
@@ -129,12 +129,12 @@ def test_the_free_port_rule_skips_ports_in_use_and_those_named(tmp_path: Path) -
 
 def test_one_router_start_procedure() -> None:
     """A router started from here (``router: local``/``login``) and a router job run the same ``start_router.sh``:
-    the router's command line is built only where that script is rendered (``services/router_script.py``), and
+    the router's command line is built only where that script is rendered (``services/router/script.py``), and
     ``start_router`` renders it."""
     modules = library_modules()
     builders = sorted(rel for rel, tree in modules.items() for node in ast.walk(tree)
                       if isinstance(node, ast.Call) and called(node) == "router_argv")
-    assert builders == ["services/router_script.py"]
-    start = next(node for node in ast.walk(modules["services/router.py"])
+    assert builders == ["services/router/script.py"]
+    start = next(node for node in ast.walk(modules["services/router/process.py"])
                  if isinstance(node, ast.FunctionDef) and node.name == "start_router")
     assert "render_start_script" in {called(node) for node in ast.walk(start) if isinstance(node, ast.Call)}

@@ -1,4 +1,4 @@
-"""The packing planner (services/packing.py, issue 31): pure, so every rule is checked on plain values.
+"""The packing planner (services/models/packing.py, issue 31): pure, so every rule is checked on plain values.
 
 Before: no planner; `pbstk serve` took one model and every model was a job of its own.
 """
@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from pbs_toolkit.errors import UsageError
-from pbs_toolkit.services.packing import ASLEEP_GB, SHARE_CAP, ModelNeed, PackingPlan, Resources, pack
+from pbs_toolkit.services.models.packing import ASLEEP_GB, SHARE_CAP, ModelNeed, PackingPlan, Resources, pack
 
 
 def need(served: str, params_b: float | None, **kw: object) -> ModelNeed:

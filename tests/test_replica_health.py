@@ -72,8 +72,8 @@ def test_routable_is_in_the_router_and_not_ended_and_scale_down_takes_a_slow_one
 
 
 def test_scale_down_drains_a_slow_serving_replica_and_picks_a_brisk_one_first() -> None:
-    from pbs_toolkit.services.autoscale import Decision
-    from pbs_toolkit.services.scaler import shrink, to_cancel
+    from pbs_toolkit.services.keeper.autoscale import Decision
+    from pbs_toolkit.services.keeper.scaler import shrink, to_cancel
 
     one = JobStatus(record=_record("1.x"), state=ServerState.READY, address="127.0.0.1", port=9001)
     two = JobStatus(record=_record("2.x"), state=ServerState.STARTING, address="127.0.0.1", port=9002)
@@ -207,7 +207,8 @@ def test_the_autoscaler_reads_the_requests_the_real_router_failed(isolated_user:
     import requests
 
     from pbs_toolkit.client import Client
-    from pbs_toolkit.services import router, scaler
+    from pbs_toolkit.services.keeper import scaler
+    from pbs_toolkit.services.router import process as router
 
     binary = Path(sys.executable).parent / "vllm-router"
     if not binary.exists():
@@ -274,7 +275,8 @@ def test_the_autoscaler_reads_the_requests_open_at_the_real_router(isolated_user
     import requests
 
     from pbs_toolkit.client import Client
-    from pbs_toolkit.services import router, scaler
+    from pbs_toolkit.services.keeper import scaler
+    from pbs_toolkit.services.router import process as router
 
     binary = Path(sys.executable).parent / "vllm-router"
     if not binary.exists():
@@ -327,7 +329,7 @@ def test_a_failed_look_is_busy_while_the_router_sees_its_requests_end() -> None:
     """vLLM's /metrics times out with its /health under overload: the router's view decides. Requests open to the
     replica and some ended since the previous look: READY (busy); none ended (a hung engine): the failed look
     stands; a replica out of the router or one that ended is never marked."""
-    from pbs_toolkit.services.router_metrics import parse_router_metrics
+    from pbs_toolkit.services.router.metrics import parse_router_metrics
 
     def snap(processed: int, ended: int) -> Any:
         return parse_router_metrics(f'vllm_router_processed_requests_total{{worker="{URL}"}} {processed}\n'
@@ -361,7 +363,7 @@ def test_a_failed_look_is_busy_while_the_router_sees_its_requests_end() -> None:
 
 def test_requests_failing_at_the_router_do_not_make_a_replica_busy() -> None:
     """A dead worker's requests end too, as failures: only successes since the previous look show progress."""
-    from pbs_toolkit.services.router_metrics import parse_router_metrics
+    from pbs_toolkit.services.router.metrics import parse_router_metrics
 
     def snap(processed: int, ok: int, failed: int) -> Any:
         return parse_router_metrics(f'vllm_router_processed_requests_total{{worker="{URL}"}} {processed}\n'
@@ -383,7 +385,7 @@ def test_a_failed_look_the_router_cannot_vouch_for_counts_and_the_keepers_log_sa
     import socket
 
     from pbs_toolkit.client import Client
-    from pbs_toolkit.services import scaler
+    from pbs_toolkit.services.keeper import scaler
 
     with socket.socket() as s:  # a port that nothing listens on: the router's Prometheus port, gone
         s.bind(("127.0.0.1", 0))

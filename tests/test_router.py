@@ -24,8 +24,8 @@ import requests
 from conftest import STANDINS
 from helpers import until
 
-from pbs_toolkit.services import router as router_mod
-from pbs_toolkit.services.router import (
+from pbs_toolkit.services.router import process as router_mod
+from pbs_toolkit.services.router.process import (
     RouterError,
     RouterInfo,
     http_status,
@@ -35,7 +35,7 @@ from pbs_toolkit.services.router import (
     start_router,
     stop_router,
 )
-from pbs_toolkit.services.router_script import ROUTER_RETRIES
+from pbs_toolkit.services.router.script import ROUTER_RETRIES
 from pbs_toolkit.transports.local import LocalRunner
 
 ROUTER = Path(sys.executable).parent / "vllm-router"

@@ -27,7 +27,7 @@ import requests
 from conftest import STANDINS
 from helpers import until
 
-from pbs_toolkit.services.router import ADMIN_HEADER, RouterInfo, open_admin, start_router, stop_router
+from pbs_toolkit.services.router.process import ADMIN_HEADER, RouterInfo, open_admin, start_router, stop_router
 from pbs_toolkit.transports.local import LocalRunner
 
 ROUTER = Path(sys.executable).parent / "vllm-router"
@@ -235,7 +235,7 @@ def test_no_python3_on_the_routers_host_or_a_bad_isolation_key_is_one_clear_erro
 
     from helpers import MODEL, pbstk
 
-    from pbs_toolkit.services.router import RouterError
+    from pbs_toolkit.services.router.process import RouterError
 
     bin_dir = tmp_path / "bin"  # a host with bash and the router, but no python3 (next to the router or on PATH)
     bin_dir.mkdir()
@@ -257,7 +257,7 @@ def test_no_python3_on_the_routers_host_or_a_bad_isolation_key_is_one_clear_erro
 def test_where_user_namespaces_are_off_the_front_refuses_in_one_line(tmp_path: Path) -> None:
     """A host whose limit on user namespaces is 0 (set here in a namespace of the test's own, so nothing else
     is touched): the front says why and what to do, exits 1, and starts no router."""
-    from pbs_toolkit.services.router import FRONT_SOURCE
+    from pbs_toolkit.services.router.process import FRONT_SOURCE
 
     marker = tmp_path / "router-started"
     script = 'echo 0 >/proc/sys/user/max_user_namespaces && exec "$@"'

@@ -23,7 +23,7 @@ from helpers import MODEL, group_alive, interrupting, local_service_profile, pbs
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services.keeper_process import keeper_alive, service_dir
+from pbs_toolkit.services.keeper.process import keeper_alive, service_dir
 
 ROUTER = Path(sys.executable).parent / "vllm-router"
 pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
@@ -141,7 +141,7 @@ def test_serve_killed_while_its_router_starts_is_stopped_by_cancel(slow_router_p
 def test_a_router_recorded_before_its_pid_is_stopped_by_its_token(tmp_path: Path) -> None:
     """What ``start_router`` records first (pid 0: not known yet) is enough to stop the router: it is found by the
     token its wrapper carries, and only its own process group is signalled."""
-    from pbs_toolkit.services.router import RouterInfo, router_alive, start_router, stop_router
+    from pbs_toolkit.services.router.process import RouterInfo, router_alive, start_router, stop_router
     from pbs_toolkit.transports.local import LocalRunner
 
     heard: list[RouterInfo] = []

@@ -22,7 +22,7 @@ from pbs_toolkit.jobs.spec import LaunchSpec
 from pbs_toolkit.jobs.status_types import JobStatus, ServerState
 from pbs_toolkit.jobs.store import JobRecord, JobStore
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services.restarts import CAUSE_CHARS, failure_cause
+from pbs_toolkit.services.keeper.restarts import CAUSE_CHARS, failure_cause
 from pbs_toolkit.vllm.logline import LOG_PREFIX_RE
 from pbs_toolkit.vllm.startup import EXCEPTION_RE, FATAL_WRAPPER_RE, find_fatal
 

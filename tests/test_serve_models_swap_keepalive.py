@@ -23,8 +23,8 @@ from test_service import Load
 
 from pbs_toolkit.client import Client
 from pbs_toolkit.jobs.store import JobStore
-from pbs_toolkit.services import keeper_slots
 from pbs_toolkit.services import record as records
+from pbs_toolkit.services.keeper import slots as keeper_slots
 from pbs_toolkit.services.record import Slot
 
 pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")

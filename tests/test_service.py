@@ -23,7 +23,7 @@ from helpers import MODEL, local_service_profile, pbstk, wait_for
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services.keeper_process import keeper_alive
+from pbs_toolkit.services.keeper.process import keeper_alive
 
 ROUTER = Path(sys.executable).parent / "vllm-router"
 pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
@@ -292,7 +292,7 @@ def test_keep_alive_replaces_a_lost_replica_now_and_resume_restarts_a_killed_kee
 
 
 def records_dir() -> Path:
-    from pbs_toolkit.services.keeper_process import service_dir
+    from pbs_toolkit.services.keeper.process import service_dir
 
     return service_dir("x").parent
 

@@ -26,8 +26,8 @@ from test_service_pbs import pbs_svc  # noqa: F401  (fixture)
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services import router
-from pbs_toolkit.services.keeper_process import keeper_alive, service_dir
+from pbs_toolkit.services.keeper.process import keeper_alive, service_dir
+from pbs_toolkit.services.router import process as router
 from pbs_toolkit.transports.local import LocalRunner
 
 pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
@@ -199,7 +199,7 @@ def _failed_replica(name: str) -> tuple[records.ServiceRecord, str]:
 
 def _ticks_ok(name: str) -> None:
     """The keeper completes a tick after now, and status has no warning about it."""
-    from pbs_toolkit.services.keeper_process import last_tick
+    from pbs_toolkit.services.keeper.process import last_tick
 
     now = time.time()
     wait_for(lambda: (last_tick(name).get("ok_at") or 0) > now and not last_tick(name).get("error"), 15,
@@ -301,7 +301,7 @@ def test_serve_killed_while_its_router_job_is_submitted_the_router_job_is_not_lo
 def test_a_keeper_whose_ticks_stopped_completing_is_reported_without_any_error() -> None:
     """A tick that hangs (a qstat, a tunnel) logs no error: a last successful tick older than 3 polls plus the
     grace is reported too; a recent one, or a keeper not running, is not."""
-    from pbs_toolkit.services.keeper_process import poll_seconds
+    from pbs_toolkit.services.keeper.process import poll_seconds
     from pbs_toolkit.services.status import STUCK_GRACE_S, ServiceStatus
 
     svc = records.ServiceRecord(name="h", model="m", served_model_name="m", profile="p", replicas=1, request={})

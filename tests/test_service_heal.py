@@ -19,7 +19,7 @@ from test_service import ROUTER, Load, chat, serve, service_json, svc_profile  #
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services.keeper_process import keeper_alive, service_dir
+from pbs_toolkit.services.keeper.process import keeper_alive, service_dir
 
 pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
 

@@ -19,7 +19,7 @@ from test_service_autoscale import Load, serve
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services.keeper_process import last_tick, service_dir
+from pbs_toolkit.services.keeper.process import last_tick, service_dir
 
 pytestmark = [pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python"),
               pytest.mark.usefixtures("svc_profile")]
@@ -143,7 +143,7 @@ def test_an_autoscaled_service_under_a_burst_grows_with_no_failed_request(monkey
     finally:
         load.finish()
     last = grown["autoscale"]["last"]
-    # up at the first tick the policy allows (services/autoscale.py UP_TICKS = 2), never held back by its one
+    # up at the first tick the policy allows (services/keeper/autoscale.py UP_TICKS = 2), never held back by its one
     # busy replica: its slow probes neither reset the count nor made it "starting"
     assert last["action"] == "up" and "overloaded for 2 tick(s)" in last["reason"], grown["autoscale"]
     assert "queued before the engines" in last["reason"] or "above the capacity" in last["reason"], last

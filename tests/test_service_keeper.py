@@ -19,8 +19,9 @@ from helpers import HealthOnly
 
 from pbs_toolkit.client import Client
 from pbs_toolkit.errors import PbstkError
-from pbs_toolkit.services import keeper, router
+from pbs_toolkit.services.keeper import loop as keeper
 from pbs_toolkit.services.record import ServiceRecord
+from pbs_toolkit.services.router import process as router
 from pbs_toolkit.transports.local import LocalRunner
 
 ROUTER = Path(sys.executable).parent / "vllm-router"

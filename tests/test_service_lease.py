@@ -18,7 +18,7 @@ from test_service import ROUTER, service_json, svc_profile  # noqa: F401 - the f
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services.keeper_process import service_dir
+from pbs_toolkit.services.keeper.process import service_dir
 from pbs_toolkit.services.lease import LeaseWatch
 
 pytestmark = [pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python"),

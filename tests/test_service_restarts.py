@@ -1,5 +1,5 @@
-"""The restart policy of a service's replicas (services/restarts.py): pure rules, then the options and profile keys
-that set it (one ``pbstk: error:`` line, nothing started)."""
+"""The restart policy of a service's replicas (services/keeper/restarts.py): pure rules, then the options and profile
+keys that set it (one ``pbstk: error:`` line, nothing started)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from test_service import svc_profile  # noqa: F401  (fixture)
 
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.store import JobStore
-from pbs_toolkit.services import restarts
+from pbs_toolkit.services.keeper import restarts
 from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.services.state import service_state
 

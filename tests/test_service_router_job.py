@@ -20,7 +20,7 @@ from helpers import MODEL, pbstk, wait_for
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services import router_job
+from pbs_toolkit.services.router import job as router_job
 from pbs_toolkit.settings.profiles import Profile, validate
 
 ROUTER = Path(sys.executable).parent / "vllm-router"
@@ -294,7 +294,7 @@ def test_router_job_starts_the_router_with_the_login_command_line(policy: str, t
     worker (the router's own Prometheus port, twice) included, and removed by both."""
     from dataclasses import replace
 
-    from pbs_toolkit.services.router import router_argv, start_router, stop_router
+    from pbs_toolkit.services.router.process import router_argv, start_router, stop_router
     from pbs_toolkit.transports.local import LocalRunner
 
     record = tmp_path / "argv.jsonl"
@@ -333,7 +333,7 @@ def test_router_job_starts_the_router_with_the_login_command_line(policy: str, t
 def test_router_job_command_line_behind_the_front_is_the_builders(tmp_path: Path) -> None:
     """Behind the front (router_isolation netns) the job's command line is ``router_argv``'s too, with the
     front's Python and this node's ports put into its slots by the script's own lines."""
-    from pbs_toolkit.services.router import router_argv
+    from pbs_toolkit.services.router.process import router_argv
 
     prof = _profile("local", bind_host="0.0.0.0", address="loopback")
     command = ["vllm-router", "--log-level", "warn"]
@@ -355,7 +355,7 @@ def test_router_body_declares_the_header_settings(tmp_path: Path) -> None:
     alone knows them and flags a misspelt one (``$SEED_UR``)."""
     import re
 
-    body_path = Path(router_job.__file__).parent.parent / "server" / "start_router.sh"
+    body_path = Path(router_job.__file__).parent.parent.parent / "server" / "start_router.sh"
     body = body_path.read_text()
     free_port = (body_path.parent / "start" / "free_port.sh").read_text()  # the free-port rule, before the body
     start = router_job.render_start_script(_profile("local"), "/runs/r1", "svc", ["vllm-router"], "round_robin")

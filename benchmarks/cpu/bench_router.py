@@ -3,7 +3,7 @@
 
 A trivial, fast HTTP/1.1 backend (asyncio, keep-alive, a fixed chat-completion answer: no model, so what is
 measured is the HTTP path itself) runs in its own process on 127.0.0.1; the real router (``vllm-router`` next to
-this Python, started by ``pbs_toolkit.services.router.start_router`` exactly as a service starts it) has it as
+this Python, started by ``pbs_toolkit.services.router.process.start_router`` exactly as a service starts it) has it as
 its only worker (``--workers N``: N backends behind the router, direct traffic spread over them round-robin). A
 closed-loop client (``http.client`` connections with keep-alive, one thread per concurrent request) sends
 ``POST /v1/chat/completions`` for ``--seconds`` per level, first straight to the backend, then to the router, at
@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from pbs_toolkit.services.router import open_admin, start_router, stop_router  # noqa: E402
+from pbs_toolkit.services.router.process import open_admin, start_router, stop_router  # noqa: E402
 from pbs_toolkit.transports.local import LocalRunner  # noqa: E402
 
 ROUTER = Path(sys.executable).parent / "vllm-router"

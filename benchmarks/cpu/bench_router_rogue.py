@@ -37,7 +37,7 @@ import requests
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from pbs_toolkit.services.router import start_router, stop_router  # noqa: E402
+from pbs_toolkit.services.router.process import start_router, stop_router  # noqa: E402
 from pbs_toolkit.transports.local import LocalRunner  # noqa: E402
 
 ROUTER = Path(sys.executable).parent / "vllm-router"

@@ -4,7 +4,7 @@ alone (``router_isolation: none``) and through vllm-router behind pbstk's front 
 
 ``--replicas`` stand-in vLLM servers (``tests/standins/vllm``, each streaming ``--tokens`` tokens
 ``--token-ms`` apart, ``--max-num-seqs`` above the load so nothing queues in them) run on 127.0.0.1; the routers
-are started by ``pbs_toolkit.services.router.start_router`` exactly as a service starts them (``--policy``, the
+are started by ``pbs_toolkit.services.router.process.start_router`` exactly as a service starts them (``--policy``, the
 defaults pbstk adds, ``--router-arg`` appended). A closed-loop client of ``--procs`` processes (asyncio, a new
 connection per request, as ``vllm bench serve`` opens them) keeps ``--concurrency`` streaming chat requests open
 for ``--seconds`` per target; TTFT is the time from connect to the first body byte (the stand-in sends its first
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from bench_router import ROUTER, cpu_seconds, free_port, pct  # noqa: E402
 
-from pbs_toolkit.services.router import start_router, stop_router  # noqa: E402
+from pbs_toolkit.services.router.process import start_router, stop_router  # noqa: E402
 from pbs_toolkit.transports.local import LocalRunner  # noqa: E402
 
 STANDIN = ROOT / "tests" / "standins" / "vllm"

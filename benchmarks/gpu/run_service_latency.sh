@@ -46,11 +46,11 @@ base_of() {  # JOB: its server's base URL, without /v1
   pbstk env "$1" --json | python3 -c 'import json, sys; print(json.load(sys.stdin)["base_url"].removesuffix("/v1"))'
 }
 
-# the second router, as pbstk starts one (services/router.py start_router), without the front
+# the second router, as pbstk starts one (services/router/process.py start_router), without the front
 plain_router() {  # start|stop RUN_DIR [WORKER_URL...]
   python3 - "$router" "$@" <<'EOF'
 import sys
-from pbs_toolkit.services.router import load_info, start_router, stop_router
+from pbs_toolkit.services.router.process import load_info, start_router, stop_router
 from pbs_toolkit.transports.local import LocalRunner
 command, what, run_dir, *workers = sys.argv[1:]
 if what == "start":

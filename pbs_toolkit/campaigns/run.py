@@ -35,7 +35,7 @@ from pbs_toolkit.campaigns.children import SIGNALS, run_command
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 from pbs_toolkit.perf.scrape import wait_drained
-from pbs_toolkit.services.keeper_process import service_dir
+from pbs_toolkit.services.keeper.process import service_dir
 from pbs_toolkit.signal_scope import handled_by
 
 if TYPE_CHECKING:

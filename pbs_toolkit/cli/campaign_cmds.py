@@ -185,7 +185,7 @@ def _models(models: list[str], models_file: str | None, several: bool, kw: dict[
     (its ``:preset=``/``:name=`` applied), several as `serve M1 M2` plans them (``kw["models"]``, the plan's
     rows, largest first; the service named ``run-YYYYmmdd-HHMMSS-PID`` unless --name)."""
     from pbs_toolkit.cli.multi_model import single_or_plan
-    from pbs_toolkit.services.model_spec import parse_models
+    from pbs_toolkit.services.models.spec import parse_models
 
     if several and not kw.get("name"):
         import time

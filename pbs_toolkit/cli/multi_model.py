@@ -11,9 +11,9 @@ from pbs_toolkit.cli.options import build_request, echo_json, table
 from pbs_toolkit.durations import parse
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.plan import slug
-from pbs_toolkit.services.model_plan import plan_service
-from pbs_toolkit.services.model_spec import parse_models, split_options
-from pbs_toolkit.services.multi import plan_rows
+from pbs_toolkit.services.models.multi import plan_rows
+from pbs_toolkit.services.models.plan import plan_service
+from pbs_toolkit.services.models.spec import parse_models, split_options
 
 
 def single_or_plan(models: tuple[str, ...], models_file: str | None, dry_run: bool, as_json: bool,

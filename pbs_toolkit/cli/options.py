@@ -158,7 +158,7 @@ STAGE_OPTION = click.option(
 
 
 def scale_options(f: F) -> F:
-    """Autoscaling options of a service (``serve``; services/autoscale.py): ``scale_spec`` turns them into one."""
+    """Autoscaling options of a service (``serve``; services/keeper/autoscale.py); ``scale_spec`` makes them one."""
     options = [
         click.option("--min-replicas", type=BoundedInt(1, 1000), help="Autoscale: never fewer replicas (start here)."),
         click.option("--max-replicas", type=BoundedInt(1, 1000), help="Autoscale: never more replicas."),
@@ -176,7 +176,7 @@ def scale_spec(replicas: int | None, min_replicas: int | None, max_replicas: int
                down_idle: str | None) -> Any:
     """The ``ScaleSpec`` the autoscaling options ask for, or ``None`` (a fixed ``--replicas``)."""
     from pbs_toolkit.durations import parse
-    from pbs_toolkit.services.autoscale import DEFAULT_DOWN_IDLE_S, DEFAULT_UP_WAITING, ScaleSpec
+    from pbs_toolkit.services.keeper.autoscale import DEFAULT_DOWN_IDLE_S, DEFAULT_UP_WAITING, ScaleSpec
 
     if min_replicas is None and max_replicas is None:
         if up_waiting is not None or down_idle is not None:

@@ -159,7 +159,7 @@ def keeper_note(st: Any) -> str | None:
         return (f"pbstk: warning: service {st.record.name} is not stopped yet (an interrupted cancel?): its router "
                 f"or replicas may still run; `pbstk cancel {st.record.name}` finishes it")
     if st.keeper_stuck:
-        from pbs_toolkit.services.keeper_process import service_dir
+        from pbs_toolkit.services.keeper.process import service_dir
 
         return (f"pbstk: warning: the keeper of service {st.record.name} runs but makes no progress "
                 f"({st.keeper_stuck}); see {service_dir(st.record.name) / 'keeper.log'}")
@@ -286,7 +286,7 @@ def swap_cells(row: dict[str, Any]) -> list[str]:
 def scaling_line(st: Any) -> None:
     """Autoscaling (target, routable replicas, the last change and its reason), the service's idle cancel and
     lease, and an end the keeper chose."""
-    from pbs_toolkit.services.scaler import summary
+    from pbs_toolkit.services.keeper.scaler import summary
 
     rec = st.record
     text = summary(rec.scale, rec.replicas, st.ready)
@@ -301,7 +301,7 @@ def scaling_line(st: Any) -> None:
 
 def restart_lines(rec: Any) -> None:
     """The restart policy, each slot's restarts and last failure, and why the service is short for good."""
-    from pbs_toolkit.services import restarts
+    from pbs_toolkit.services.keeper import restarts
 
     click.echo(f"restarts: {restarts.RestartPolicy.from_dict(rec.restart).text}")
     for slot in rec.slots:
@@ -312,8 +312,8 @@ def restart_lines(rec: Any) -> None:
 
 
 def restart_note(st: Any) -> str | None:
-    """``status``'s one line for a service short of a replica for good (services/restarts.py)."""
-    from pbs_toolkit.services import restarts
+    """``status``'s one line for a service short of a replica for good (services/keeper/restarts.py)."""
+    from pbs_toolkit.services.keeper import restarts
 
     why = restarts.reason(st.record) if st.record.ended is None else None
     return f"pbstk: warning: service {st.record.name} is {st.state}: {why}" if why else None

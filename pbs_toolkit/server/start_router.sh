@@ -1,7 +1,7 @@
 
 # --- the body of start_router.sh: static; every setting is a variable of the header above -------------------
 # shellcheck shell=bash
-# The settings the header assigns (services/router_script.py render_start_script), declared so that shellcheck
+# The settings the header assigns (services/router/script.py render_start_script), declared so that shellcheck
 # of this body alone flags a misspelt one; `declare NAME` without a value keeps the header's. SPARE_PORT_LO and
 # SPARE_PORT_HI come with the free-port rule (server/start/free_port.sh), between the header and this body.
 declare RUN_DIR BIND_HOST ADVERTISE ADDRESS_MODE ADDRESS_SUFFIX POLICY SEED_URL VENV START_WAIT_S STOP_WAIT_S ISOLATE
@@ -107,7 +107,7 @@ for attempt in 1 2 3 4; do
   fi
   pbstk_log "starting ${ROUTER_CMD[0]} on $BIND_HOST:$PORT (prometheus $PROM_PORT), attempt $attempt"
   log_from=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
-  # the command line pbstk built (services/router.py router_argv), with this node's ports and Python put in; a
+  # the command line pbstk built (services/router/process.py router_argv), with this node's ports and Python put in; a
   # policy the router refuses to start with fewer than 2 workers (power_of_two) has its own Prometheus endpoint
   # (bound before the router waits for workers) as its start-up worker, removed before router.json is written
   argv=("${ROUTER_ARGV[@]//"@PORT@"/$PORT}")

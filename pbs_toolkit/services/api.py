@@ -68,10 +68,10 @@ class ServiceMethods:
               restart_window: str | None = None, restart_backoff: str | None = None,
               models: Any = (), **options: Any) -> ServiceRecord:
         """Start a service: ``replicas`` jobs of ``model`` behind one vllm-router, one URL and one key, kept by
-        a detached keeper; returns at once (``wait_service`` waits). ``scale``: a services/autoscale.py
+        a detached keeper; returns at once (``wait_service`` waits). ``scale``: a services/keeper/autoscale.py
         ``ScaleSpec`` (autoscaling instead of a fixed count). ``max_restarts``, ``restart_window`` (``30m``),
         ``restart_backoff`` (``10s``): the restart policy of a failed replica (``None``: the profile's).
-        ``models``: a multi-model service's plan (services/multi.py ``plan_rows``; docs/multi-model.md).
+        ``models``: a multi-model service's plan (services/models/multi.py ``plan_rows``; docs/multi-model.md).
         ``options``: as for ``launch``."""
         from pbs_toolkit.services.manage import ServeOptions, start
 
@@ -132,13 +132,13 @@ class ServiceMethods:
 
     def resume_service(self, name: str) -> int:
         """Start the service's keeper again (after a reboot, a kill); its pid. A running keeper is kept."""
-        from pbs_toolkit.services.keeper_process import resume
+        from pbs_toolkit.services.keeper.process import resume
 
         return resume(self.store, name)
 
     def keep_service(self, name: str) -> int:
         """Be the keeper of service ``name`` until it ends (``pbstk _keeper NAME``, detached); its exit status."""
-        from pbs_toolkit.services.keeper import run
+        from pbs_toolkit.services.keeper.loop import run
 
         return run(name, self.service_session())
 
@@ -252,10 +252,10 @@ class ServiceMethods:
     def _model_log(self, rec: ServiceRecord, model: str, lines: int, follow: bool, *, replica: int | None,
                    pieces: bool, final_every: float, notice: Callable[[str], None] | None, stream: str,
                    node: int | None) -> Iterator[str]:
-        """``service_log`` of one model (services/per_model.py ``position``): its job's log of its place."""
+        """``service_log`` of one model (services/models/per_model.py ``position``): its job's log of its place."""
         from pbs_toolkit.errors import UsageError
+        from pbs_toolkit.services.models.per_model import position
         from pbs_toolkit.services.observe import replica_job
-        from pbs_toolkit.services.per_model import position
 
         index, place = position(rec, model)
         if replica is not None and replica != index:

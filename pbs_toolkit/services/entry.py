@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.errors import ServerFailed
 from pbs_toolkit.jobs.launch import key_env_name
 from pbs_toolkit.jobs.store import JobRecord
-from pbs_toolkit.services.keeper_process import service_dir
+from pbs_toolkit.services.keeper.process import service_dir
 from pbs_toolkit.services.record import ServiceRecord, find
 
 if TYPE_CHECKING:

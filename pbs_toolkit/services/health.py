@@ -35,7 +35,7 @@ from pbs_toolkit.server.phases import Phase
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.status import JobStatus
     from pbs_toolkit.services.record import ServiceRecord, Slot
-    from pbs_toolkit.services.router_metrics import RouterSnapshot
+    from pbs_toolkit.services.router.metrics import RouterSnapshot
 
 #: consecutive failed looks before a routable replica leaves the router (``PBSTK_SERVICE_UNHEALTHY_LOOKS``) ...
 DEFAULT_UNHEALTHY_LOOKS = 3

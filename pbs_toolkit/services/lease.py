@@ -1,7 +1,7 @@
 """The lease of a service that ``pbstk run --replicas N`` started, as its keeper watches it (docs/campaigns.md
 "The lease").
 
-The run rewrites ``lease`` in the service's directory on this machine (services/keeper_process.py
+The run rewrites ``lease`` in the service's directory on this machine (services/keeper/process.py
 ``service_dir``) every ``lease / 5`` seconds (campaigns/lease.py ``Renewal``), a new content each time; its
 replicas have no lease of their own (``LEASE_S=0``): the keeper, which runs on the same machine, watches that
 file, comparing its content by its own monotonic clock from its start. Once the content has not changed for the
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from pbs_toolkit.jobs.lease import LEASE_FILE, command_note, lapsed_reason
 from pbs_toolkit.perf.scrape import wait_drained
-from pbs_toolkit.services import scaler
-from pbs_toolkit.services.keeper_process import keeper_log, service_dir
+from pbs_toolkit.services.keeper import scaler
+from pbs_toolkit.services.keeper.process import keeper_log, service_dir
 from pbs_toolkit.services.record import ServiceRecord
 
 if TYPE_CHECKING:

@@ -1,10 +1,10 @@
 """Start a service: N replica jobs behind one vllm-router, one URL and one key (looking at one: status.py;
-stopping one: stop.py; its keeper process: keeper_process.py).
+stopping one: stop.py; its keeper process: keeper/process.py).
 
 Replica ``k`` is an ordinary pbstk job named ``NAME-r<k>`` (its keep-alive successors ``NAME-r<k>-g<gen>``),
 launched through the normal launch path with the service's key, so the one key works through the router (the
 router passes the client's ``Authorization`` header on to the worker). Replica jobs never get registry entries
-of their own: the service's entry is the router's URL. The keeper (services/keeper.py) then adds READY
+of their own: the service's entry is the router's URL. The keeper (services/keeper/loop.py) then adds READY
 replicas to the router, removes the ones that end, and with keep-alive launches successors.
 """
 
@@ -22,9 +22,10 @@ from pbs_toolkit.jobs.launch import new_api_key
 from pbs_toolkit.jobs.plan import plan_layout
 from pbs_toolkit.jobs.render import job_gpus
 from pbs_toolkit.schedulers import backend_class, runs_on_submit_host
-from pbs_toolkit.services import multi, restarts
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services.keeper_process import service_dir, spawn_keeper
+from pbs_toolkit.services.keeper import restarts
+from pbs_toolkit.services.keeper.process import service_dir, spawn_keeper
+from pbs_toolkit.services.models import multi
 from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.settings.layout_flags import refuse_layout_flags
 from pbs_toolkit.settings.machine_gpus import this_machine
@@ -46,7 +47,7 @@ def replica_name(service: str, slot: Slot) -> str:
 
 def router_place(profile: Profile) -> str:
     """Where the router runs: ``auto`` is this machine without an SSH host, the login node with one; ``job`` a
-    small CPU job of the profile's scheduler (services/router_job.py)."""
+    small CPU job of the profile's scheduler (services/router/job.py)."""
     place = profile.router
     if place == "auto":
         place = "login" if profile.ssh_host else "local"
@@ -131,15 +132,15 @@ class ServeOptions:
     policy: str | None = None
     nodes_per_replica: int | None = None
     api_key: str | None = field(default=None, repr=False)
-    scale: Any = None  # services/autoscale.py ScaleSpec: autoscaling between its min and max replicas
+    scale: Any = None  # services/keeper/autoscale.py ScaleSpec: autoscaling between its min and max replicas
     #: stage a Hub model an offline profile's nodes lack before anything starts (weights/preflight.py)
     stage: bool = False
-    #: the restart policy (services/restarts.py): ``None`` takes the profile's ``max_restarts``,
+    #: the restart policy (services/keeper/restarts.py): ``None`` takes the profile's ``max_restarts``,
     #: ``restart_window``, ``restart_backoff``
     max_restarts: int | None = None
     restart_window: str | None = None
     restart_backoff: str | None = None
-    #: a multi-model service: the plan's rows (services/multi.py ``plan_rows``), one slot per planned job
+    #: a multi-model service: the plan's rows (services/models/multi.py ``plan_rows``), one slot per planned job
     models: tuple[dict[str, Any], ...] = ()
 
 
@@ -180,7 +181,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
     walltime_s = walltime_seconds(profile.walltime)
     if opts.keep_alive:
         if place == "job":  # the router's own job would end at its walltime, and the URL with it
-            from pbs_toolkit.services.router_job import KEEP_ALIVE_REFUSED
+            from pbs_toolkit.services.router.job import KEEP_ALIVE_REFUSED
 
             raise UsageError(KEEP_ALIVE_REFUSED)
         check_keep_alive(profile, opts.replicas, opts.handover_s, walltime_s)
@@ -219,7 +220,7 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
 
 
 def _restarts(profile: Profile, opts: ServeOptions) -> dict[str, Any]:
-    """The record's restart policy: ``serve``'s options, else the profile's keys (services/restarts.py)."""
+    """The record's restart policy: ``serve``'s options, else the profile's keys (services/keeper/restarts.py)."""
     return restarts.policy(profile.max_restarts if opts.max_restarts is None else opts.max_restarts,
                            opts.restart_window or profile.restart_window,
                            opts.restart_backoff or profile.restart_backoff).to_dict()
@@ -265,10 +266,10 @@ def configure_scaling(settings: LaunchSettings, req: RenderRequest, opts: ServeO
 
 def _start_router(session: ServiceSession, rec: ServiceRecord, profile: Profile, command: list[str],
                   place: str) -> None:
-    from pbs_toolkit.services.router import RouterInfo, start_router
+    from pbs_toolkit.services.router.process import RouterInfo, start_router
 
     if place == "job":
-        from pbs_toolkit.services import router_job
+        from pbs_toolkit.services.router import job as router_job
 
         router_job.submit(session, rec, profile, command)  # recorded with the service before the wait
         rec.router = router_job.wait_router(session, rec).to_dict()

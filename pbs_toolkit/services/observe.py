@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
 from pbs_toolkit.services import health
-from pbs_toolkit.services.per_model import model_servers, pick
-from pbs_toolkit.services.router_metrics import (
+from pbs_toolkit.services.models.per_model import model_servers, pick
+from pbs_toolkit.services.router.metrics import (
     ROUTER_COUNTERS,
     RouterSnapshot,
     router_counters,
@@ -70,7 +70,7 @@ def replica_job(rec: ServiceRecord, index: int) -> str:
 
 def router_log(rec: ServiceRecord) -> str:
     """The path of the router's log on the router's host (the transport's machine)."""
-    from pbs_toolkit.services.router import LOG_FILE
+    from pbs_toolkit.services.router.process import LOG_FILE
 
     run_dir = (rec.router_job or {}).get("run_dir") or (rec.router or {}).get("run_dir")
     if not run_dir:
@@ -123,7 +123,7 @@ def serving_status(session: ServiceSession, name: str | ServiceRecord | ServiceS
 def scrape_router(runner: Runner, rec: ServiceRecord, timeout: float = 5.0) -> RouterSnapshot:
     """One scrape of the router's Prometheus port, as the router's host reaches it, its workers those it routes
     to now."""
-    from pbs_toolkit.services.router import list_workers
+    from pbs_toolkit.services.router.process import list_workers
 
     info = rec.router or {}
     snap = router_counters(runner, rec, timeout)
@@ -189,7 +189,7 @@ class _Round:
 
 class _Scraper:
     """The serving replicas of one look at the service, scraped together with the router. A multi-model
-    service's servers are its models' (services/per_model.py), each scraped on its own, keyed by served name;
+    service's servers are its models' (services/models/per_model.py), each scraped on its own, keyed by served name;
     a replica is then the sum of its models (``model``: that one model only)."""
 
     def __init__(self, session: ServiceSession, st: ServiceStatus, model: str | None = None) -> None:

@@ -62,7 +62,7 @@ class RouteCheck:
 
 def check_route(session: ServiceSession, rec: ServiceRecord) -> RouteCheck:
     """The router's workers and one authenticated ``GET /v1/models`` through it (two requests, no scheduler)."""
-    from pbs_toolkit.services.router import RouterInfo, http_request, list_workers
+    from pbs_toolkit.services.router.process import RouterInfo, http_request, list_workers
 
     info = RouterInfo.from_dict(rec.router)
     runner = session.runner(info.transport)

@@ -45,7 +45,7 @@ class Slot:
     launching_since: float = 0.0
     #: the local scheduler: the GPUs (``CUDA_VISIBLE_DEVICES``) each of the slot's jobs was given
     gpus: dict[str, str] = field(default_factory=dict)
-    #: the autoscaler removes this slot (services/scaler.py): out of the router, drained, cancelled, dropped
+    #: the autoscaler removes this slot (services/keeper/scaler.py): out of the router, drained, cancelled, dropped
     retiring: bool = False
     #: each job's worker URL as the keeper saw it: a job whose status no longer has its address (recorded final)
     #: is still known as the service's own, never a foreign worker
@@ -53,7 +53,7 @@ class Slot:
     #: a multi-model service: each job's worker URLs, one per model (URL -> served name), as the keeper saw them,
     #: so that a job that ended still takes all its workers out of the router, each named by its model
     model_urls: dict[str, dict[str, str]] = field(default_factory=dict)
-    #: restarts (services/restarts.py): replacements launched after a failure, when (those in the window count),
+    #: restarts (services/keeper/restarts.py): replacements launched after a failure, when (those in the window count),
     #: the failed job last noted and why it failed, when the next replacement may start, why no more will
     restarts: int = 0
     restart_times: list[float] = field(default_factory=list)
@@ -90,7 +90,7 @@ class ServiceRecord:
     walltime_s: int = 0
     policy: str = "round_robin"
     slots: list[Slot] = field(default_factory=list)
-    #: services/router.py ``RouterInfo.to_dict()``; empty until the router runs (its token: not in ``repr``)
+    #: services/router/process.py ``RouterInfo.to_dict()``; empty until the router runs (its token: not in ``repr``)
     router: dict[str, Any] = field(default_factory=dict, repr=False)
     #: ``router: job``: the router's own job (``job_id``, ``run_dir``, ``scheduler``); empty otherwise
     router_job: dict[str, Any] = field(default_factory=dict)
@@ -102,10 +102,10 @@ class ServiceRecord:
     ever_ready: bool = False
     created: float = field(default_factory=time.time)
     ended: float | None = None
-    #: autoscaling (services/scaler.py): ``spec`` (min/max, W, D), the policy's ``memory``, this tick's decision
+    #: autoscaling (services/keeper/scaler.py): ``spec`` (min/max, W, D), the policy's ``memory``, this tick's decision
     #: (``now``) and the last change (``last``), ``next_index``, ``job_cap``, ``capacity``; empty: fixed replicas
     scale: dict[str, Any] = field(default_factory=dict)
-    #: the restart policy of its replicas (services/restarts.py ``RestartPolicy.to_dict``); empty: the defaults
+    #: the restart policy of its replicas (services/keeper/restarts.py ``RestartPolicy.to_dict``); empty: the defaults
     restart: dict[str, Any] = field(default_factory=dict)
     #: ``--idle-cancel`` of the whole service in seconds (0: off), and the idle watch's ``since``/``sig``
     idle_cancel_s: float = 0.0
@@ -118,7 +118,7 @@ class ServiceRecord:
     health: dict[str, Any] = field(default_factory=dict)
     #: the profile's ``replica_unhealthy_looks`` and ``replica_unhealthy_after`` at ``serve``: ``looks``, ``seconds``
     health_rule: dict[str, Any] = field(default_factory=dict)
-    #: a multi-model service (services/multi.py): each model's row of the plan (served name, model, preset,
+    #: a multi-model service (services/models/multi.py): each model's row of the plan (served name, model, preset,
     #: job, node, GPUs, memory share, port); empty: one model
     models: list[dict[str, Any]] = field(default_factory=list)
     #: secret: never in ``to_dict``

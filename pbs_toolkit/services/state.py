@@ -4,7 +4,7 @@
 n/N until the service was READY N/N once (while replicas are still on their way: a normal start with one of two
 up is STARTING 1/2, not DEGRADED), READY n/N (all), DEGRADED n/N (some, after having been READY, e.g. a predecessor
 ended before its late successor ran; or some while the others ended for good, or are no longer restarted),
-DOWN (none, after having been up, or none and some replica no longer restarted: services/restarts.py; or 0/N
+DOWN (none, after having been up, or none and some replica no longer restarted: services/keeper/restarts.py; or 0/N
 whenever the router is gone), then CANCELLED or ENDED once recorded so (STOPPING between: a teardown that has not
 finished).
 """
@@ -46,7 +46,7 @@ def service_state(record: ServiceRecord, ready: int, starting: bool = True) -> S
         return ServiceState(record.state) if record.state in _END_STATES else ServiceState.ENDED
     if ready >= record.replicas:
         return ServiceState.READY
-    # a replica no longer restarted (services/restarts.py) will not come: short of it for good, never STARTING
+    # a replica no longer restarted (services/keeper/restarts.py) will not come: short of it for good, never STARTING
     stopped = any(s.gave_up and not s.retiring for s in record.slots)
     if ready == 0:
         return ServiceState.DOWN if record.ever_ready or stopped else ServiceState.STARTING

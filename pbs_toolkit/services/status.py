@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.errors import JobNotFound, PbstkError, ServerFailed, WaitTimeout
 from pbs_toolkit.schema import stamp
 from pbs_toolkit.services import record as records
-from pbs_toolkit.services import restarts
 from pbs_toolkit.services.health import ready
-from pbs_toolkit.services.keeper_process import keeper_alive, last_tick, poll_seconds
-from pbs_toolkit.services.multi import model_rows
+from pbs_toolkit.services.keeper import restarts
+from pbs_toolkit.services.keeper.process import keeper_alive, last_tick, poll_seconds
+from pbs_toolkit.services.keeper.scaler import status_fields
+from pbs_toolkit.services.models.multi import model_rows
 from pbs_toolkit.services.ready import RouteCheck, check_route, looks_routable, routable_count, still_starting
 from pbs_toolkit.services.record import ServiceRecord
-from pbs_toolkit.services.scaler import status_fields
 from pbs_toolkit.services.state import ServiceState, service_state
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class ServiceStatus:
     router_job_state: str | None = None
     #: what the router said (its workers, a request with the key through it); ``None``: not asked (not running)
     route: RouteCheck | None = None
-    #: the keeper's heartbeat (services/keeper.py ``last_tick``): ``ok_at``, ``error``, ``error_at``, ``failures``
+    #: the keeper's heartbeat (services/keeper/loop.py ``last_tick``): ``ok_at``, ``error``, ``error_at``, ``failures``
     keeper_tick: dict[str, Any] = field(default_factory=dict)
     #: a service whose models swap: each running job's ``swap.json`` (its swapper's view), by job id
     swaps: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -78,7 +78,7 @@ class ServiceStatus:
 
     @property
     def models(self) -> list[dict[str, Any]]:
-        """A multi-model service's rows, one per model (services/multi.py ``model_rows``); none for one model."""
+        """A multi-model service's rows, one per model (services/models/multi.py ``model_rows``); none for one model."""
         if not self.record.models:
             return []
         return model_rows(self.record, {s.record.job_id: s for s in self.replicas}, self.swaps)
@@ -108,7 +108,7 @@ class ServiceStatus:
 def look(session: ServiceSession, rec: ServiceRecord, known: Mapping[str, JobStatus] | None = None) -> ServiceStatus:
     """One status query over the service's jobs, the router and the keeper: what ``status NAME`` shows.
     ``known``: statuses already taken in a larger batch (``Client.service_statuses``): no query of its own."""
-    from pbs_toolkit.services.router import RouterInfo, router_alive
+    from pbs_toolkit.services.router.process import RouterInfo, router_alive
 
     jobs = [j for s in rec.slots for j in s.jobs()]
     if known is not None:
@@ -169,8 +169,8 @@ def _recorded(session: ServiceSession, jobs: list[str]) -> list[Any]:
 def _router_job_alive(session: ServiceSession, rec: ServiceRecord) -> tuple[bool, str | None]:
     """(router running, the router job's state): the job runs and its router answers."""
     from pbs_toolkit.schedulers import SchedState
-    from pbs_toolkit.services import router_job
-    from pbs_toolkit.services.router import RouterInfo
+    from pbs_toolkit.services.router import job as router_job
+    from pbs_toolkit.services.router.process import RouterInfo
 
     if not rec.router_job.get("job_id"):
         return False, "submitting"  # its submission was interrupted: `pbstk cancel NAME` settles it

@@ -15,7 +15,7 @@ from pbs_toolkit.errors import JobNotFound, PbstkError
 from pbs_toolkit.services import intents
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.entry import service_job_record
-from pbs_toolkit.services.keeper_process import poll_seconds, stop_keeper
+from pbs_toolkit.services.keeper.process import poll_seconds, stop_keeper
 from pbs_toolkit.services.record import ServiceRecord
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def teardown(session: ServiceSession, rec: ServiceRecord, final: str, *, keep_en
             problems.append(f"the submission of {slot.launching} has not finished (`pbstk jobs` names it)")
     for r in (fresh, rec):
         if r.router_job and not r.router_job.get("job_id"):
-            from pbs_toolkit.services import router_job
+            from pbs_toolkit.services.router import job as router_job
 
             if not router_job.settle(session, r, wait_s=SETTLE_WAIT_S):
                 problems.append(f"the submission of the router job {r.router_job['name']} has not finished")
@@ -81,7 +81,7 @@ SETTLE_WAIT_S = 30.0
 def _stop_routers(session: ServiceSession, recs: list[ServiceRecord],
                   problems: list[str]) -> list[tuple[str, str, bool]]:
     """Stop the router (or cancel the router job) each record names, once each."""
-    from pbs_toolkit.services.router import RouterInfo, stop_router
+    from pbs_toolkit.services.router.process import RouterInfo, stop_router
 
     done, seen = [], set()
     for r in recs:
@@ -90,7 +90,7 @@ def _stop_routers(session: ServiceSession, recs: list[ServiceRecord],
             continue
         seen.add(key)
         if r.router_job:
-            from pbs_toolkit.services import router_job
+            from pbs_toolkit.services.router import job as router_job
 
             rj = r.router_job
             try:

@@ -115,7 +115,7 @@ class Profile:
     idle_cancel: str = ""
     #: a vision-language model serves text only: no image or video per prompt (settings/multimodal.py)
     text_only: bool = False
-    #: a service's restart policy (services/restarts.py; docs/services.md "Self-healing"): a failed replica is
+    #: a service's restart policy (services/keeper/restarts.py; docs/services.md "Self-healing"): a failed replica is
     #: replaced at most max_restarts times in restart_window, waiting restart_backoff (doubling) before each
     max_restarts: int = 3
     restart_window: str = "30m"

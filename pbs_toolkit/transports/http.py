@@ -105,7 +105,7 @@ def http_request(
 def metrics_text(runner: Runner, host: str, port: int, *, api_key: str | None = None, timeout: float = 5.0,
                  what: str = "") -> str:
     """The ``/metrics`` text of the server at ``host:port``: the one fetch of every Prometheus scrape (a vLLM
-    server's, ``perf/scrape.py``; the router's, ``services/router_metrics.py``; status's busy check). Raises
+    server's, ``perf/scrape.py``; the router's, ``services/router/metrics.py``; status's busy check). Raises
     ``ServerFailed`` when nothing answered or the answer was not 200 (``what`` names the server in the message);
     a ``PbstkError`` of the transport (an SSH connection that did not open) passes through."""
     where = what or f"{host}:{port}/metrics"

@@ -784,7 +784,7 @@ trap pbstk_at_exit EXIT
 # that a process which just ended held is free again within seconds, so before each vLLM starts (each attempt,
 # each model of the job) the start waits for it, at most GPU_WAIT_S seconds (PBSTK_GPU_WAIT_S, 120 by default),
 # and then fails the job in one line that names what holds it: each process nvidia-smi lists on those GPUs, with
-# its pid, command and memory (services/restarts.py knows the line by its first words, GPU_HELD_WORDS, and does
+# its pid, command and memory (services/keeper/restarts.py knows the line by its first words, GPU_HELD_WORDS, and does
 # not spend a restart on it). A CPU preset (DEVICE cpu), a node without nvidia-smi, or one whose nvidia-smi does not
 # answer, is not checked.
 : "${GPU_WAIT_S:=${PBSTK_GPU_WAIT_S:-120}}"

@@ -1,7 +1,7 @@
-"""The keeper's work on one replica slot in a tick (services/keeper.py runs the ticks): the router's worker list
+"""The keeper's work on one replica slot in a tick (services/keeper/loop.py runs the ticks): the router's worker list
 kept true to the slot's jobs (services/health.py decides who is routable and who leaves), the hand-over from a
 predecessor to its READY successor, the drain and cancel of the predecessor, the replacement of an ended job under
-the restart policy (services/restarts.py), and the sweep of workers that are none of the service's jobs."""
+the restart policy (services/keeper/restarts.py), and the sweep of workers that are none of the service's jobs."""
 
 from __future__ import annotations
 
@@ -12,17 +12,18 @@ from typing import TYPE_CHECKING
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.status_types import ServerState
-from pbs_toolkit.services import health, restarts
+from pbs_toolkit.services import health
 from pbs_toolkit.services.health import worker_url
-from pbs_toolkit.services.keeper_process import keeper_log
+from pbs_toolkit.services.keeper import restarts
+from pbs_toolkit.services.keeper.process import keeper_log
 from pbs_toolkit.services.manage import launch_replica
-from pbs_toolkit.services.multi import add_workers, label, remove_workers, served_names, worker_urls
+from pbs_toolkit.services.models.multi import add_workers, label, remove_workers, served_names, worker_urls
 from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.transports.http import held_requests
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.status import JobStatus
-    from pbs_toolkit.services.router import RouterAdmin
+    from pbs_toolkit.services.router.process import RouterAdmin
     from pbs_toolkit.services.session import ServiceSession
 
 #: a drained predecessor is looked at no sooner than this after leaving the router (requests in flight)
@@ -189,7 +190,7 @@ def _leave_router(slot: Slot, cur: JobStatus | None, admin: RouterAdmin, in_rout
 def _replace(session: ServiceSession, rec: ServiceRecord, slot: Slot, cur: JobStatus | None,
              suc: JobStatus | None) -> None:
     """The current job has ended: a successor already starting (or queued past its begin time) takes its place;
-    otherwise it failed, and the restart policy (services/restarts.py) says whether a replacement is launched
+    otherwise it failed, and the restart policy (services/keeper/restarts.py) says whether a replacement is launched
     now, after its backoff, or never again (with keep-alive, a successor still waiting for its handover time,
     state W, is cancelled when the replacement is launched)."""
     if slot.current is None and slot.successor is None and not slot.launching:

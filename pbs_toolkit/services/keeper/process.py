@@ -1,5 +1,5 @@
 """The detached keeper process of a service: its directory, starting it, whether it runs, stopping it, and
-the heartbeat it leaves for ``status`` (the keeper's ticks themselves: services/keeper.py)."""
+the heartbeat it leaves for ``status`` (the keeper's ticks themselves: services/keeper/loop.py)."""
 
 from __future__ import annotations
 

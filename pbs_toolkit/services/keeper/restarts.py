@@ -2,7 +2,7 @@
 job, its walltime without keep-alive) is replaced, after a backoff, at most ``max_restarts`` times in a window;
 then its slot is no longer restarted and the service says why (DEGRADED, or DOWN with none left).
 
-Pure: the keeper (services/keeper_slots.py ``_replace``) asks ``judge`` once per tick for a slot whose job ended and
+Pure: the keeper (services/keeper/slots.py ``_replace``) asks ``judge`` once per tick for a slot whose job ended and
 launches the replacement itself; ``status`` reads what the slot keeps (``restarts``, ``last_failure``,
 ``gave_up``). A scale-down retirement and a keep-alive handover never come here: they are no failure.
 """

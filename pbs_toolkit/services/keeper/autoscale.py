@@ -1,7 +1,7 @@
 """The autoscaling policy of a service (``pbstk serve --min-replicas N --max-replicas M``): a pure function from one
 tick's observations to a decision, so every rule is tested without a process (tests/test_autoscale.py).
 
-The keeper (services/keeper.py, through services/scaler.py) observes once per tick and applies the decision:
+The keeper (services/keeper/loop.py, through services/keeper/scaler.py) observes once per tick and applies the decision:
 
 * **up** when the service is overloaded for ``UP_TICKS`` ticks in a row (the tick after a first overloaded one comes
   ``CONFIRM_S`` after the overload was first seen, not a whole poll interval later; between ticks the keeper

@@ -1,5 +1,5 @@
 """``start_router.sh``: the one start procedure of a service's vllm-router, on this machine or a login node
-(``router: local``/``login``, :func:`~pbs_toolkit.services.router.start_router` runs it detached) and inside a
+(``router: local``/``login``, :func:`~pbs_toolkit.services.router.process.start_router` runs it detached) and inside a
 router job (``router: job``, the job runs it): a header of quoted settings rendered here, then the free-port rule
 (``server/start/free_port.sh``, the start script's own) and the static body ``server/start_router.sh``.
 
@@ -28,7 +28,7 @@ INFO_FILE = "router.json"
 FRONT_FILE = "router_front.py"
 #: the front's admin token in the run directory (0600; the script reads it into PBSTK_ROUTER_TOKEN)
 TOKEN_FILE = "router.token"
-_BODY = Path(__file__).resolve().parent.parent / "server" / ENTRY_SCRIPT
+_BODY = Path(__file__).resolve().parent.parent.parent / "server" / ENTRY_SCRIPT
 #: the free-port rule, shared with the servers' start script
 FREE_PORT_PART = START_DIR / "free_port.sh"
 #: seconds the router gets to answer once started, and to drain after SIGTERM before it is killed
@@ -131,7 +131,7 @@ def render_start_script(settings: ScriptSettings) -> str:
         "# shellcheck disable=SC2034  # settings the body below reads",
         f"RUN_DIR={sh_path(s.run_dir)}",
         f"ROUTER_CMD={_array(s.command)}",
-        "# the router's command line (services/router_script.py router_argv): the body puts in the",
+        "# the router's command line (services/router/script.py router_argv): the body puts in the",
         f"# ports it picks ({PORT_SLOT}, {PROM_PORT_SLOT}) and the front's Python ({PYTHON_SLOT})",
         f"ROUTER_ARGV={_array(argv)}",
         f"BIND_HOST={shlex.quote(s.bind)}",

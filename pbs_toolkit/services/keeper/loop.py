@@ -14,7 +14,7 @@ one ``session.status`` over the service's jobs (one scheduler query), then for e
   routed to it by then) the predecessor is removed, drained (its ``/metrics`` shows no running request, at most
   ``PBSTK_SERVICE_DRAIN_S``, default 60) and cancelled;
 * a job that ends unexpectedly (crash, OOM, node failure, killed), with or without keep-alive, is replaced under
-  the service's restart policy (services/restarts.py): after a backoff, at most K times in a window, then the
+  the service's restart policy (services/keeper/restarts.py): after a backoff, at most K times in a window, then the
   slot is no longer restarted and the service says why;
 * a service that ``pbstk run`` started and whose lease it no longer renews is drained and ended
   (services/lease.py);
@@ -31,17 +31,17 @@ answering, not up to a tick later (a replica may cut the wait short ``WAKES_PER_
 answers but that ``status`` does not call READY, e.g. a foreign server on its port, cannot turn that into a
 scheduler query every ``PROBE_S``). For an autoscaled service it also looks at the router's open requests every
 ``ROUTER_WATCH_S`` (one request to its Prometheus port): when they alone show an overload the next tick could act
-on (services/autoscale.py ``router_overload``), that tick runs at once, and the overload counts as seen from that
+on (services/keeper/autoscale.py ``router_overload``), that tick runs at once, and the overload counts as seen from that
 moment; so a burst is acted on within about ``CONFIRM_S`` and two ticks of its start, whatever the poll interval.
 
 The log stays short for a service that runs for days: a line per change, per overload seen (saying when the watch
-sighted it) or dismissed (services/autoscale.py ``news``), per replica whose answer brought a tick forward, and a
+sighted it) or dismissed (services/keeper/autoscale.py ``news``), per replica whose answer brought a tick forward, and a
 tick's duration (with where it went) only when it took longer than ``LONG_TICK_S``. A sighting that the tick does
 not count writes nothing.
 
 It stops when the service is recorded ended (``pbstk cancel NAME``) or its record is gone.
 
-This module runs the ticks; what a tick does to each slot is services/keeper_slots.py.
+This module runs the ticks; what a tick does to each slot is services/keeper/slots.py.
 """
 
 from __future__ import annotations
@@ -56,10 +56,11 @@ from typing import TYPE_CHECKING, Any
 
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.readiness import scheduler_intervals
-from pbs_toolkit.services import autoscale, health, restarts, scaler
+from pbs_toolkit.services import health
 from pbs_toolkit.services import record as records
 from pbs_toolkit.services.health import routable_count, still_starting, worker_url
-from pbs_toolkit.services.keeper_process import (
+from pbs_toolkit.services.keeper import autoscale, restarts, scaler
+from pbs_toolkit.services.keeper.process import (
     TICK_FILE,
     heartbeat,
     hold_keeper_lock,
@@ -67,7 +68,7 @@ from pbs_toolkit.services.keeper_process import (
     poll_seconds,
     service_dir,
 )
-from pbs_toolkit.services.keeper_slots import drain, drain_seconds, reconcile, remove_foreign
+from pbs_toolkit.services.keeper.slots import drain, drain_seconds, reconcile, remove_foreign
 from pbs_toolkit.services.lease import LeaseWatch
 from pbs_toolkit.services.lease import drain as drain_all
 from pbs_toolkit.services.record import ServiceRecord, Slot
@@ -75,7 +76,7 @@ from pbs_toolkit.services.state import service_state
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.status import JobStatus
-    from pbs_toolkit.services.router import RouterAdmin
+    from pbs_toolkit.services.router.process import RouterAdmin
     from pbs_toolkit.services.session import ServiceSession
 
 #: seconds between two ``/health`` probes of a starting replica while the keeper waits for its next tick
@@ -182,11 +183,11 @@ def _ended(session: ServiceSession, name: str) -> bool:
 def watch(session: ServiceSession, seen: Look, seconds: float, wakes: dict[str, int],
           ended: Callable[[], bool] = lambda: False, overload: Callable[[], str | None] | None = None) -> str | None:
     """Wait ``seconds``, probing ``/health`` of every starting replica every ``PROBE_S`` meanwhile, and with
-    ``overload`` (services/scaler.py ``overload_watch``) the router's open requests every ``ROUTER_WATCH_S``; why
+    ``overload`` (services/keeper/scaler.py ``overload_watch``) the router's open requests every ``ROUTER_WATCH_S``; why
     the next tick runs at once (``JOB answers``, or ``overload at the router: ...``), or ``None`` once the time is
     up or the service ended (a store read every ``PROBE_S``: ``cancel`` does not wait out a whole poll interval for
     the keeper)."""
-    from pbs_toolkit.services.router import http_request
+    from pbs_toolkit.services.router.process import http_request
 
     deadline = time.monotonic() + seconds
     router_due = time.monotonic() + min(ROUTER_WATCH_S, seconds / 2)
@@ -228,7 +229,7 @@ class AdminLink:
         self.opened = 0
 
     def get(self, rec: ServiceRecord) -> RouterAdmin:
-        from pbs_toolkit.services.router import RouterInfo, open_admin
+        from pbs_toolkit.services.router.process import RouterInfo, open_admin
 
         if self._admin is not None and self._for == rec.router:
             return self._admin
@@ -317,7 +318,7 @@ def tick(session: ServiceSession, rec: ServiceRecord, link: AdminLink | None = N
 
 def _scale(session: ServiceSession, rec: ServiceRecord, statuses: dict[str, JobStatus], in_router: set[str],
            failed: list[str], lease: LeaseWatch | None = None, sighted: float | None = None) -> str | None:
-    """The lease of pbstk run, autoscaling and ``--idle-cancel`` (services/scaler.py), before the slots, which
+    """The lease of pbstk run, autoscaling and ``--idle-cancel`` (services/keeper/scaler.py), before the slots, which
     carry a decision out; why the service must end now (its lease lapsed: once the replicas drained; idle), or
     ``None``. A failure (a launch refused) is this tick's error."""
     lapsed = lease.lapsed() if lease is not None else None
@@ -347,7 +348,7 @@ def _end_idle(session: ServiceSession, rec: ServiceRecord, why: str, seen: Look)
 def _retire(session: ServiceSession, rec: ServiceRecord, slot: Slot, statuses: dict[str, JobStatus],
             admin: RouterAdmin, in_router: set[str]) -> None:
     """A slot the autoscaler removes: its jobs leave the router; the one serving drains like a handed-over
-    predecessor (keeper_slots.py ``drain``), the others are cancelled now; the tick drops the slot once it holds
+    predecessor (slots.py ``drain``), the others are cancelled now; the tick drops the slot once it holds
     no job."""
     routed = set(in_router)  # before its jobs leave: which of them served (and is drained, not cut off)
     for url in scaler.retire_jobs(slot, statuses, in_router):

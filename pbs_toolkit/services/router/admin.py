@@ -4,7 +4,7 @@ Every request goes through ``transports/http.py`` as the runner's host sees the 
 ``direct-tcpip`` channel for a router on a login node): :class:`RouterAdmin` (:func:`open_admin`) for the admin
 API, :func:`http_request` and :func:`http_status` for probes and for calls before the router's URL is handed to
 anyone. What the router does with these calls (idempotence, waits, no authentication of its own), and how it is
-started and stopped: ``services/router.py``, which re-exports these names.
+started and stopped: ``services/router/process.py``, which re-exports these names.
 """
 
 from __future__ import annotations

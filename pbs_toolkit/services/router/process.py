@@ -36,7 +36,7 @@ docs/services.md "## The router"):
   non-streaming request in flight when it died) are retried on another worker (``--retry-max-retries`` 5,
   backoff 50 ms x1.5); after 5 failures its circuit breaker opens and it gets no traffic for 60 s, then one probe
   (vllm-router's default is 10: a request's 6 attempts could all pick a dead worker; pbstk sets 5,
-  ``router_script.py`` ``DEFAULT_ARGS``).
+  ``script.py`` ``DEFAULT_ARGS``).
   Measured: 3 workers, 8 clients, one worker SIGKILLed, 4907 requests, 0 failed with the router's defaults
   (tests/test_router.py keeps that measurement). A streaming response already under way is not retried: when its
   worker dies the stream just ends (HTTP 200, no ``data: [DONE]``), so streaming clients should check for a
@@ -64,7 +64,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pbs_toolkit.services.router_admin import (
+from pbs_toolkit.services.router.admin import (
     ADD_WAIT_S,
     ADMIN_HEADER,
     RouterAdmin,
@@ -74,7 +74,7 @@ from pbs_toolkit.services.router_admin import (
     list_workers,
     open_admin,
 )
-from pbs_toolkit.services.router_script import (
+from pbs_toolkit.services.router.script import (
     DEFAULT_ARGS,
     ENTRY_SCRIPT,
     FRONT_FILE,
@@ -90,7 +90,7 @@ from pbs_toolkit.services.router_script import (
 )
 from pbs_toolkit.transports.base import Runner
 
-#: the admin client lives in ``router_admin.py``, the start script in ``router_script.py``; callers may import
+#: the admin client lives in ``admin.py``, the start script in ``script.py``; callers may import
 #: them from here with the rest of the router
 __all__ = [
     "ADD_WAIT_S", "ADMIN_HEADER", "DEFAULT_ARGS", "SEEDED_POLICIES", "RouterAdmin", "RouterError", "RouterInfo",
@@ -100,7 +100,7 @@ __all__ = [
 
 TOKEN_ENV = "PBSTK_ROUTER_TOKEN"
 LOG_FILE = "router.log"
-FRONT_SOURCE = Path(__file__).resolve().parent.parent / "server" / FRONT_FILE
+FRONT_SOURCE = Path(__file__).resolve().parent.parent.parent / "server" / FRONT_FILE
 #: every file the front needs on the router's host (its data path is a module of its own), copied side by side
 #: the front and the modules it imports, copied side by side into the router's run directory
 FRONT_SOURCES = tuple(FRONT_SOURCE.with_name(name) for name in (FRONT_FILE, "router_relay.py", "router_models.py"))
@@ -267,7 +267,7 @@ def start_router(
 ) -> RouterInfo:
     """Start a router detached on the runner's host and return once it answers ``GET /list_workers``.
 
-    It runs the router job's own start procedure, ``start_router.sh`` (``router_script.py``), under a small
+    It runs the router job's own start procedure, ``start_router.sh`` (``script.py``), under a small
     wrapper that leads its process group and carries the identity token: the script picks the ports, starts the
     router, retries a lost bind race, removes a seeded policy's start-up worker and writes ``router.json``.
     ``bind``: the address it listens on (its Prometheus endpoint too); ``advertise``: the address clients use

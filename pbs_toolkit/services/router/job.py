@@ -2,7 +2,7 @@
 
 For sites where nothing long-running may stay on a login node. The router job goes through the normal backend
 (``submit``/``query``/``cancel``) and is rendered from the very same job template as a server, with another entry
-script: ``start_router.sh``, the start procedure of every router (``router_script.py``), with the profile's settings.
+script: ``start_router.sh``, the start procedure of every router (``script.py``), with the profile's settings.
 It asks for one node, two CPUs and no GPU (a select statement without ``ngpus``), in ``router_job_queue``
 (default: the profile's queue) for ``router_job_walltime`` (default: the profile's walltime). On the node it
 picks free ports, binds ``bind_host``, and once the router answers ``/list_workers`` writes ``router.json``
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.envvars import env_float
 from pbs_toolkit.errors import PbstkError, UsageError
 from pbs_toolkit.schedulers import JobRef, SchedState, backend_class, get_scheduler
-from pbs_toolkit.services.router import (
+from pbs_toolkit.services.router.process import (
     FRONT_SOURCES,
     INFO_FILE,
     LOG_FILE,
@@ -40,14 +40,14 @@ from pbs_toolkit.services.router import (
     RouterInfo,
     http_status,
 )
-from pbs_toolkit.services.router_script import (
+from pbs_toolkit.services.router.script import (
     ENTRY_SCRIPT,
     PORT_SLOT,
     PROM_PORT_SLOT,
     TOKEN_FILE,
     ScriptSettings,
 )
-from pbs_toolkit.services.router_script import render_start_script as render_router_script
+from pbs_toolkit.services.router.script import render_start_script as render_router_script
 
 if TYPE_CHECKING:
     from pbs_toolkit.schedulers import SchedulerJob
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from pbs_toolkit.settings.profiles import Profile
     from pbs_toolkit.transports import Runner
 
-#: the start script's slots for the ports it picks on its node (``router_script.py``), for callers of this module
+#: the start script's slots for the ports it picks on its node (``script.py``), for callers of this module
 __all__ = ["PORT_SLOT", "PROM_PORT_SLOT"]
 #: CPUs the router job asks for: the router is one small process
 ROUTER_JOB_CPUS = 2
@@ -103,7 +103,7 @@ class _NoPreset:
 
 
 def render_start_script(profile: Profile, run_dir: str, service: str, command: list[str], policy: str) -> str:
-    """``start_router.sh`` for the router job: the one start procedure of every router (``router_script.py``),
+    """``start_router.sh`` for the router job: the one start procedure of every router (``script.py``),
     with the profile's bind address, address rule and venv; the node picks the ports."""
     return render_router_script(ScriptSettings(
         run_dir=run_dir, command=command, policy=policy, bind=profile.router_bind or profile.bind_host,

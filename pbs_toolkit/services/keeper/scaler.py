@@ -1,5 +1,6 @@
-"""What the keeper does each tick for an autoscaling service (``--min-replicas/--max-replicas``) and for one with
-``--idle-cancel``: observe the replicas' ``/metrics``, ask the policy (services/autoscale.py), apply its decision.
+"""What the keeper does each tick for an autoscaling service (``--min-replicas/--max-replicas``) and for one
+with ``--idle-cancel``: observe the replicas' ``/metrics``, ask the policy (services/keeper/autoscale.py), apply its
+decision.
 
 * **up**: a new replica slot (its index never reused, so job names stay unique) is launched through the same
   path as every replica (services/manage.py ``launch_replica``: the intent saved first, the service's key);
@@ -26,15 +27,16 @@ from typing import TYPE_CHECKING, Any
 from pbs_toolkit.durations import short
 from pbs_toolkit.errors import PbstkError
 from pbs_toolkit.jobs.status_types import ServerState
-from pbs_toolkit.services import autoscale, health
+from pbs_toolkit.services import health
 from pbs_toolkit.services.health import worker_url
-from pbs_toolkit.services.keeper_process import keeper_log
+from pbs_toolkit.services.keeper import autoscale
+from pbs_toolkit.services.keeper.process import keeper_log
 from pbs_toolkit.services.record import ServiceRecord, Slot
 from pbs_toolkit.settings.vllm_overrides import int_flag
 
 if TYPE_CHECKING:
     from pbs_toolkit.jobs.status import JobStatus
-    from pbs_toolkit.services.router_metrics import RouterSnapshot
+    from pbs_toolkit.services.router.metrics import RouterSnapshot
     from pbs_toolkit.services.session import ServiceSession
     from pbs_toolkit.vllm.prom import MetricsSnapshot
 
@@ -60,9 +62,9 @@ def snapshots(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str
     ``SCRAPE_TIMEOUT_S`` for the slowest); a replica that does not answer is left out, and so is one in
     ``silent``: this tick's status look already found its ``/health`` and ``/metrics`` unanswered (a second try
     would only cost the tick another timeout). A multi-model service's replica is every model of its job, summed
-    (services/per_model.py): busy when any model is, left out when any model does not answer."""
+    (services/models/per_model.py): busy when any model is, left out when any model does not answer."""
     from pbs_toolkit.perf.scrape import scrape
-    from pbs_toolkit.services.per_model import job_snapshot
+    from pbs_toolkit.services.models.per_model import job_snapshot
 
     look = job_snapshot if rec.models else scrape
     serving = [st for slot in active(rec) if (st := health.serving_job(slot, statuses, in_router)) is not None
@@ -112,7 +114,7 @@ def router_look(session: ServiceSession, rec: ServiceRecord, timeout: float = 3.
 def router_view(session: ServiceSession, rec: ServiceRecord,
                 timeout: float = ROUTER_VIEW_TIMEOUT_S) -> tuple[RouterSnapshot | None, str | None]:
     """``router_look``, with why it found nothing (the transport's or the router's words)."""
-    from pbs_toolkit.services.router_metrics import router_counters
+    from pbs_toolkit.services.router.metrics import router_counters
 
     try:
         return router_counters(session.runner(rec.transport), rec, timeout=timeout), None
@@ -123,7 +125,7 @@ def router_view(session: ServiceSession, rec: ServiceRecord,
 def overload_watch(session: ServiceSession, rec: ServiceRecord, statuses: Mapping[str, JobStatus],
                    in_router: set[str]) -> Callable[[], str | None] | None:
     """For the keeper's wait between ticks: a look at the router's open requests alone (one request to its
-    Prometheus port) that says why a tick is due now (services/autoscale.py ``router_overload``), or ``None``;
+    Prometheus port) that says why a tick is due now (services/keeper/autoscale.py ``router_overload``), or ``None``;
     no such look for a service that does not autoscale or whose router has no Prometheus port."""
     if not rec.scale or not (rec.router or {}).get("prometheus_port"):
         return None

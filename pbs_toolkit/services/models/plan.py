@@ -1,5 +1,5 @@
 """The plan of a multi-model service (issue 31; docs/multi-model.md): each model sized as ``auto`` sizes one
-(offline, from what is readable here), then packed into jobs by services/packing.py. What ``pbstk serve M1 M2
+(offline, from what is readable here), then packed into jobs by services/models/packing.py. What ``pbstk serve M1 M2
 --dry-run`` prints; it writes, submits and records nothing.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.plan import model_size, plan_layout, resolve_model
 from pbs_toolkit.schema import stamp
-from pbs_toolkit.services.model_spec import ModelSpec
-from pbs_toolkit.services.packing import ModelNeed, PackingPlan, Placement, Resources, pack
+from pbs_toolkit.services.models.packing import ModelNeed, PackingPlan, Placement, Resources, pack
+from pbs_toolkit.services.models.spec import ModelSpec
 from pbs_toolkit.services.record import check_name
 from pbs_toolkit.settings.launch_settings import LaunchSettings, RenderRequest, resolve_launch_settings
 from pbs_toolkit.settings.layout import DEFAULT_MEMORY_UTILIZATION, bytes_per_param
@@ -77,7 +77,7 @@ class ModelPlan:
 def plan_service(specs: Sequence[ModelSpec], request: RenderRequest, name: str, max_awake: int = 0,
                  replicas: int = 1) -> ModelPlan:
     """Size ``specs`` (each with the settings ``request`` resolves for it) and pack them on its profile; with
-    ``max_awake`` K, models that fit nowhere awake swap on shared GPUs, at most K awake (services/packing.py).
+    ``max_awake`` K, models that fit nowhere awake swap on shared GPUs, at most K awake (services/models/packing.py).
     One model is served as ``replicas`` copies of its own launch: the plan is then that launch's, each copy a job
     of the preset's GPUs and memory share (:func:`plan_replicas`)."""
     check_name(name)

@@ -13,7 +13,7 @@ from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.status_types import JobStatus
 from pbs_toolkit.services.health import ready, worker_url
 from pbs_toolkit.services.record import ServiceRecord
-from pbs_toolkit.services.router_script import SEEDED_POLICIES
+from pbs_toolkit.services.router.script import SEEDED_POLICIES
 from pbs_toolkit.settings.launch_settings import RenderRequest
 
 #: the router's multi-model mode: workers registered with a model id, requests routed by their ``model``
@@ -30,7 +30,7 @@ class Admin(Protocol):
 
 
 def plan_rows(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    """The service record's ``models``, from a ``model_plan`` object (services/model_plan.py ``to_dict``);
+    """The service record's ``models``, from a ``model_plan`` object (services/models/plan.py ``to_dict``);
     refuses what this slice does not run yet: a job over several nodes."""
     rows = [{k: m[k] for k in _KEPT} for m in plan["models"]]
     if any(m["node"] for m in rows):
