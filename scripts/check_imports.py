@@ -11,7 +11,10 @@ Prints, and exits 1 when there is any:
 * every import that goes UP a floor of ``LAYERS`` (below), at module level or inside a function, and every
   top-level module or package that ``LAYERS`` does not place (a new one is given its floor here).
   An import under ``if TYPE_CHECKING:`` counts too: to name the type of a value a caller above passes in,
-  declare a ``Protocol`` of what is used (``services/cancel_all.py``'s ``Stopper``, ``services/api.py``).
+  declare a ``Protocol`` of what is used (``services/cancel_all.py``'s ``Stopper``, ``services/api.py``);
+* every import, counted the same way, that goes UP a rung of ``RUNGS`` (below): the subpackages of one package,
+  ordered the way ``LAYERS`` orders packages (``services/router`` below ``services/models`` below
+  ``services/keeper``).
 
 An edge goes to the module an import names: ``from pbs_toolkit.jobs import store`` is an edge to
 ``pbs_toolkit.jobs.store``, ``from pbs_toolkit.jobs.store import JobStore`` too. The package ``__init__`` a
@@ -53,6 +56,16 @@ LAYERS: dict[str, int] = {
     "errors": 0, "paths": 0, "envvars": 0, "durations": 0, "schema": 0, "signal_scope": 0, "textutil": 0,
     "version": 0,
     "settings.yamlio": 0,  # the YAML loader and the user's config.yaml: neutral, kept beside its main users
+}
+
+#: Inside a package, its subpackages as ``LAYERS`` has the packages: ``package.subpackage`` -> its rung. A module of
+#: one imports its own subpackage and those on LOWER rungs, never a peer or one above. The package's modules outside
+#: every rung (``services``' own top level: the service's life, record to stop) are not ranked: they may import any
+#: rung, and any rung may import them (the cycle check still holds between modules).
+RUNGS: dict[str, int] = {
+    "services.keeper": 3,  # the keeper's ticks: replicas routed, replaced, scaled; reads models and the router
+    "services.models": 2,  # multi-model services: specs, plan, packing, one job's models; knows the router's policies
+    "services.router": 1,  # the router: its process, its job, admin API, start script and figures
 }
 
 
@@ -124,6 +137,18 @@ def _upward(module: str, target: str) -> bool:
     return LAYERS[theirs] >= LAYERS[mine] and not LAYERS[mine] == LAYERS[theirs] == 0
 
 
+def _rung(module: str) -> str:
+    """The ``RUNGS`` name of the subpackage a module is in, or "" for one outside every rung."""
+    name = ".".join(module.split(".")[1:3])
+    return name if name in RUNGS else ""
+
+
+def _up_a_rung(module: str, target: str) -> bool:
+    """Whether ``module`` importing ``target`` goes to a peer subpackage of its own or one above it."""
+    mine, theirs = _rung(module), _rung(target)
+    return bool(mine and theirs) and mine != theirs and RUNGS[theirs] >= RUNGS[mine]
+
+
 def _unplaced(known: dict[str, Path]) -> list[str]:
     """Top-level names the floors do not place, when the package is one ``LAYERS`` describes at all."""
     names = {_floor_name(m) for m in known} - {"__init__"}
@@ -155,6 +180,11 @@ def check(root: Path) -> list[str]:
                 layers.append(f"layer: {where} imports {target} from floor {LAYERS[_floor_name(target)]} "
                               f"above its own {_floor_name(module)} (floor {LAYERS[_floor_name(module)]})"
                               + (" under TYPE_CHECKING: declare a Protocol instead" if hint else ""))
+            if target in known and _up_a_rung(module, target) and f"{where} imports {target} " not in (
+                    layers[-1] if layers else ""):
+                layers.append(f"layer: {where} imports {target} from {_rung(target)} (rung {RUNGS[_rung(target)]}) "
+                              f"above its own {_rung(module)} (rung {RUNGS[_rung(module)]})"
+                              + (" under TYPE_CHECKING" if hint else ""))
             if target != module and name and _private(name):
                 private.append(f"private: {where} imports {name} from {target}")
             elif not name and any(_private(part) for part in target.split(".")):
@@ -237,7 +267,7 @@ def main(argv: list[str]) -> int:
         print(line)
     if not problems:
         print(f"{root.name}: no module over {MAX_LINES} lines, no import cycle, no private cross-module import, "
-              "no import up a floor")
+              "no import up a floor or a rung")
     return 1 if problems else 0
 
 

@@ -1,7 +1,7 @@
 """The package's shape (issue 22): no module over 500 lines, no import cycle (function-level and
-TYPE_CHECKING imports count), no private name imported across modules, no import up a floor (issue 29).
-``scripts/check_imports.py`` checks; these tests run it on the package, and on small packages made to break each
-rule (so the check can fail)."""
+TYPE_CHECKING imports count), no private name imported across modules, no import up a floor (issue 29) or a rung
+(issue 44). ``scripts/check_imports.py`` checks; these tests run it on the package, and on small packages made to
+break each rule (so the check can fail)."""
 
 from __future__ import annotations
 
@@ -118,3 +118,27 @@ def test_a_module_placed_apart_from_its_package_obeys_its_own_floor(tmp_path: Pa
     write(pkg, {"settings/yamlio.py": "def f():\n    from pkg.settings import config\n"})
     assert check(pkg) == (1, ["layer: pkg/settings/yamlio.py:2 imports pkg.settings.config from floor 4 above its "
                               "own settings.yamlio (floor 0)"])
+
+
+#: services' subpackages on their rungs (scripts/check_imports.py RUNGS): router below models below keeper
+RUNGS = {**FLOORS, "services/__init__.py": "", "services/record.py": "", "services/manage.py": "from pkg.services."
+         "keeper import slots\n", "services/router/__init__.py": "", "services/router/job.py": "from pkg.services "
+         "import record\n", "services/models/__init__.py": "", "services/models/multi.py": "from pkg.services.router "
+         "import job\n", "services/models/packing.py": "", "services/keeper/__init__.py": "",
+         "services/keeper/slots.py": "", "services/keeper/loop.py": "from pkg.services.models import multi\n"
+         "from pkg.services.router.job import x\nfrom pkg.services import manage\n"}
+
+
+def test_a_subpackage_imports_only_rungs_below_its_own(tmp_path: Path) -> None:
+    """The keeper may read models and the router, models the router; services' own top-level modules (record,
+    manage...) are on no rung: every rung may import them and they may import every rung."""
+    pkg = write(tmp_path / "pkg", RUNGS)
+    assert check(pkg) == (0, [])
+    write(pkg, {"services/models/multi.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from pkg.services.keeper.slots import A, B\n",
+                "services/router/job.py": "def f():\n    from pkg.services.models import packing\n"})
+    assert check(pkg) == (1, [
+        "layer: pkg/services/models/multi.py:3 imports pkg.services.keeper.slots from services.keeper (rung 3) "
+        "above its own services.models (rung 2) under TYPE_CHECKING",
+        "layer: pkg/services/router/job.py:2 imports pkg.services.models.packing from services.models (rung 2) "
+        "above its own services.router (rung 1)"])
