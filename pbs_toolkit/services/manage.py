@@ -198,11 +198,19 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
                         slots=[Slot(k) for k in range(opts.replicas)],
                         api_key=opts.api_key or new_api_key(), models=list(opts.models), **extra)
     records.create(session.store, rec)  # refuses a second active service of that name
+    _bring_up(session, rec, profile, command, place, settings)
+    return rec
+
+
+def _bring_up(session: ServiceSession, rec: ServiceRecord, profile: Profile, command: list[str], place: str,
+              settings: LaunchSettings) -> None:
+    """Start the recorded service's router, launch its replicas, start its keeper; on any failure (a Ctrl-C too),
+    tear down what started, then raise."""
     try:
         _start_router(session, rec, profile, command, place)
         for slot in rec.slots:  # a multi-model service's jobs: each its own request (resolved in launch_replica)
             launch_replica(session, rec, slot, settings=None if rec.models else settings)
-        spawn_keeper(name)
+        spawn_keeper(rec.name)
     except BaseException:
         from pbs_toolkit.jobs.launch import defer_interrupts
 
@@ -216,7 +224,6 @@ def start(session: ServiceSession, req: RenderRequest, opts: ServeOptions) -> Se
 
                 sys.stderr.write(f"pbstk: warning: {exc.message}\n")
         raise
-    return rec
 
 
 def _restarts(profile: Profile, opts: ServeOptions) -> dict[str, Any]:
