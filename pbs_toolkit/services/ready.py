@@ -76,11 +76,12 @@ def check_route(session: ServiceSession, rec: ServiceRecord) -> RouteCheck:
 
 
 def looks_routable(session: ServiceSession, rec: ServiceRecord) -> bool:
-    """Cheap: the router lists at least N workers and answers the key (then a full look confirms)."""
+    """Cheap: the router lists at least N workers (a multi-model service: one per model) and answers the key
+    (then a full look confirms)."""
     from pbs_toolkit.errors import PbstkError
 
     try:
         route = check_route(session, rec)
     except PbstkError:
         return False
-    return route.ok and route.workers is not None and len(route.workers) >= rec.replicas
+    return route.ok and route.workers is not None and len(route.workers) >= (len(rec.models) or rec.replicas)
