@@ -42,6 +42,9 @@ class OneLineUsageError(click.UsageError):
         click.echo(f"pbstk: error: {one_line(self.format_message())}{hint}", err=True)
 
 
+PASS_THROUGH: tuple[type[Exception], ...] = (OneLineUsageError, *HELP_NOT_ERROR)  # shown as they are
+
+
 class PbstkGroup(click.Group):
     """The ``pbstk`` group: commands are imported when called (cli/index.py says where each one lives), the
     listing of ``pbstk --help`` comes from the index, and every ``PbstkError`` becomes one line."""
@@ -69,7 +72,7 @@ class PbstkGroup(click.Group):
                      **extra: Any) -> click.Context:
         try:
             return super().make_context(info_name, args, parent, **extra)
-        except (OneLineUsageError, *HELP_NOT_ERROR):
+        except PASS_THROUGH:
             raise
         except click.UsageError as exc:  # pbstk's own options (``pbstk --bogus``)
             raise OneLineUsageError(exc) from None
@@ -77,7 +80,7 @@ class PbstkGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (OneLineUsageError, *HELP_NOT_ERROR):
+        except PASS_THROUGH:
             raise
         except click.UsageError as exc:  # an unknown command, a subcommand's arguments, options or values
             raise OneLineUsageError(exc) from None
