@@ -46,6 +46,8 @@ def launch(model: str, scheduler: str | None, ssh_host: str | None, accept_new_h
         result = c.launch_request(req, api_key=_read_key_env(api_key_env), use_api_key=not no_api_key,
                                   dry_run=dry_run, stage=stage_weights)
         _show_launch(result, dry_run, as_json)  # the id at once: a long queue must not hide which job it is
+        if not dry_run and (note := c.shared_name_note(result.record.name, "job")):  # a service of that name
+            click.echo(f"pbstk: note: {note}", err=True)
         ready = None
         if wait_ready and not dry_run:
             with interrupt_hint(result.record.job_id), progress_printer(as_json) as show:

@@ -66,9 +66,10 @@ def _print_local_job_log(job: str | None, lines: int, stream: str, node: int | N
     from pbs_toolkit.jobs.store import JobStore
     from pbs_toolkit.transports.local_files import LocalFiles  # reading a file needs no LocalRunner (subprocess)
 
-    record = None if job and "/" in job else JobStore().job_named(job)
-    if record is None or record.transport:
-        return False
+    store = JobStore()
+    record = None if job and "/" in job else store.job_named(job)
+    if record is None or record.transport or (job and record.final_state and store.service_rows(job)):
+        return False  # an ended job under a service's name: the client decides which one NAME means
     files = LocalFiles()
     for piece in job_log_text(record, lambda: files, lines, stream, node):
         click.echo(piece, nl=False)

@@ -105,6 +105,8 @@ def serve(models: tuple[str, ...], models_file: str | None, dry_run: bool, repli
                       api_key=read_key_env(api_key_env, os.environ), stage=stage_weights,
                       max_restarts=max_restarts, restart_window=restart_window, restart_backoff=restart_backoff,
                       models=planned)
+        if note := c.shared_name_note(rec.name, "service"):  # a job of that name too: say which one NAME means
+            click.echo(f"pbstk: note: {note}", err=True)
         if not as_json and planned:
             click.echo(f"service {rec.name}: {len(planned)} models in {rec.replicas} job(s) submitted, router at "
                        f"{rec.url}")

@@ -38,6 +38,8 @@ class ModelList:
         workers = self._router_workers(router)
         if workers is None:
             return 502, b'{"error": "pbstk router front: the router did not list its workers"}'
+        if not workers:  # as the router itself answers: a completion gets 503 too, so no empty 200 list
+            return 503, b'{"error": "No models available: the router has no worker"}'
         auth = {n.decode("latin-1"): v.decode("latin-1") for n, v in headers if n == b"authorization"}
         answers: dict[int, tuple[int, bytes]] = {}
         asks = [threading.Thread(target=self._ask_models, daemon=True,

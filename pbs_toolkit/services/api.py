@@ -88,10 +88,36 @@ class ServiceMethods:
         return all_services(self.store, include_ended=all)
 
     def service(self, ref: str | None) -> ServiceRecord | None:
-        """The service ``ref`` names, when no job has that exact id or name (a job of that name wins)."""
-        from pbs_toolkit.services.record import unless_a_job
+        """The service ``ref`` names, unless a job answers to it (services/record.py ``unless_a_job``: its exact
+        id; its name while the job is active or the service ended too: active beats ended)."""
+        from pbs_toolkit.services.record import load, unless_a_job
 
+        found = load(self.store, ref) if ref else None
+        if found is not None and found.active:
+            self.settle_named(found.name)
         return unless_a_job(self.store, ref)
+
+    def settle_named(self, name: str) -> None:
+        """Ask once after the jobs named ``name`` whose end is not recorded yet (``status`` records an end), so
+        that one that has ended does not stand for an active service of that name; no query when there are none
+        (the usual case), and an unanswered one stays active."""
+        from pbs_toolkit.errors import PbstkError
+
+        unsettled = [r for r in self.store.all() if r.name == name and not r.final_state]
+        if unsettled:
+            try:
+                self._status_of(unsettled)
+            except PbstkError:
+                pass
+
+    def shared_name_note(self, name: str, made: str) -> str | None:
+        """``serve NAME`` / ``launch --name NAME`` over a job or service of that name: which one later commands
+        act on (services/record.py ``shared_name_note``), after the jobs of that name were settled."""
+        from pbs_toolkit.services.record import shared_name_note
+
+        if made == "service":
+            self.settle_named(name)
+        return shared_name_note(self.store, name, made)
 
     def service_status(self, name: str | ServiceRecord) -> ServiceStatus:
         """The service's state (``READY 3/4 replicas``), each replica's status, whether keeper and router run."""

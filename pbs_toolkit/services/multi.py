@@ -6,6 +6,7 @@ vLLM with its served name, so that a request's ``model`` field picks the worker.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -139,12 +140,18 @@ def remove_workers(urls: list[str], admin: Admin, in_router: set[str]) -> list[s
     return out
 
 
-def model_rows(rec: ServiceRecord, statuses: dict[str, JobStatus],
-               swaps: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def model_rows(rec: ServiceRecord, statuses: dict[str, JobStatus], swaps: dict[str, dict[str, Any]] | None = None,
+               routed: Collection[str] | None = None, finals: Mapping[str, str] | None = None
+               ) -> list[dict[str, Any]]:
     """``status NAME``'s rows of a multi-model service, one per model: served name, what vLLM loads, state,
     job, GPUs, memory share, the URL clients use (the service's, once this model is READY) and its own
     server's (``server``, the router's worker); a swapping model also ``swap`` (its swapper's view, ``swaps``
-    by job id: awake, wakes, sleeps, the last wake's and sleep's seconds)."""
+    by job id: awake, wakes, sleeps, the last wake's and sleep's seconds).
+
+    READY means what the service's line counts (services/health.py): the model's server is among ``routed``, the
+    router's workers that requests reach; a server that answers but is not there (yet: the keeper adds it on its
+    next look; or the router refuses the key) is STARTING, never READY under a service that is not. An ended
+    service's rows read each job's recorded final state (``finals``, by job id), else ENDED: no job is asked."""
     out = []
     for m in rec.models:
         slot = rec.slots[m["job"] - 1] if m["job"] - 1 < len(rec.slots) else None
@@ -156,12 +163,15 @@ def model_rows(rec: ServiceRecord, statuses: dict[str, JobStatus],
             else:
                 url = next((u for u, s in co_urls(st).items() if s == m["served_model_name"]), None)
         state = "PENDING" if st is None else st.state.value
-        if state == "READY" and url is None:
+        if state == "READY" and (url is None or (routed is not None and url not in routed)):
             state = "STARTING"
-        out.append({"served_model_name": m["served_model_name"], "model": m["model"], "state": state,
-                    "job": None if st is None else st.record.job_id, "gpus": list(m["gpus"]),
-                    "gpu_memory_utilization": m["gpu_memory_utilization"],
-                    "url": rec.url if url is not None else None, "server": url,
+        job = None if st is None else st.record.job_id
+        if rec.ended is not None:
+            job = slot.current if slot is not None else None
+            state = (finals or {}).get(job or "") or "ENDED"
+        out.append({"served_model_name": m["served_model_name"], "model": m["model"], "state": state, "job": job,
+                    "gpus": list(m["gpus"]), "gpu_memory_utilization": m["gpu_memory_utilization"],
+                    "url": rec.url if state == "READY" else None, "server": url,
                     **({"swap": _swap_view(swaps or {}, st, m["served_model_name"])} if m.get("swap") else {})})
     return out
 

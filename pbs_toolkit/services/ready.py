@@ -5,7 +5,10 @@ in the router's worker list, where the keeper puts only READY ones, and its job 
 while a request with the service's key through the service URL succeeds (``GET /v1/models`` through the router:
 it proves the router routes and the key is accepted, and costs no generation). So ``serve --wait``
 returns, and ``status`` says READY n/N, only when a client's first request will be served, never while the router
-still has no worker (its ``503 No available workers``). A dead router: DOWN 0/N.
+still has no worker (its ``503 No available workers``). A router that lists no worker is not asked at all: a
+completion gets 503 there whatever ``/v1/models`` says (a multi-model router's front answered it 200 with no
+model), so ``status NAME`` says ``0 worker(s), a request with the key: 503 (the router has no worker to serve
+it)``, never ``200``. A dead router: DOWN 0/N.
 
 Costs: ``check_route`` is two HTTP requests to the router (over the SSH connection for a login-node router), no
 scheduler query; ``wait`` asks the scheduler on the usual ramp (2, 4, 8, 30 s) and the router every
@@ -27,6 +30,12 @@ if TYPE_CHECKING:
 __all__ = ["RouteCheck", "check_route", "looks_routable", "routable_count", "still_starting", "worker_url"]
 
 
+#: what vllm-router answers any request while it has no worker (0.1.17, both modes; measured): ``check_route``
+#: asks nothing then
+NO_WORKER_STATUS = 503
+NO_WORKER = "(the router has no worker to serve it)"
+
+
 @dataclass
 class RouteCheck:
     """What the router said: its workers (``None``: ``/list_workers`` did not answer) and the status of one
@@ -38,7 +47,7 @@ class RouteCheck:
 
     @property
     def ok(self) -> bool:
-        return self.workers is not None and self.status == 200
+        return bool(self.workers) and self.status == 200
 
     @property
     def routed(self) -> list[str]:
@@ -69,6 +78,8 @@ def check_route(session: ServiceSession, rec: ServiceRecord) -> RouteCheck:
     workers = list_workers(runner, info.host, info.port)
     if workers is None:
         return RouteCheck(None, None)
+    if not workers:  # what any request gets (not asked: a multi-model router's front listed no model with 200)
+        return RouteCheck(workers, NO_WORKER_STATUS, NO_WORKER)
     headers = {"Authorization": f"Bearer {rec.api_key}"} if rec.api_key else {}
     status, body = http_request(runner, info.host, info.port, "/v1/models", headers=headers, body_limit=200)
     detail = "" if status == 200 else body.decode(errors="replace").strip()[:120]
@@ -76,11 +87,12 @@ def check_route(session: ServiceSession, rec: ServiceRecord) -> RouteCheck:
 
 
 def looks_routable(session: ServiceSession, rec: ServiceRecord) -> bool:
-    """Cheap: the router lists at least N workers and answers the key (then a full look confirms)."""
+    """Cheap: the router lists at least N workers (a multi-model service: one per model) and answers the key
+    (then a full look confirms)."""
     from pbs_toolkit.errors import PbstkError
 
     try:
         route = check_route(session, rec)
     except PbstkError:
         return False
-    return route.ok and route.workers is not None and len(route.workers) >= rec.replicas
+    return route.ok and route.workers is not None and len(route.workers) >= (len(rec.models) or rec.replicas)

@@ -265,10 +265,40 @@ def check_name(name: str) -> None:
 
 
 def unless_a_job(store: JobStore, ref: str | None) -> ServiceRecord | None:
-    """The service ``ref`` names, when no job has that exact id or name (a job of that name wins)."""
+    """The service ``ref`` names, unless a job answers to it: a job of that exact id, or of that name while the
+    job is active or the service has ended too. Active beats ended (a job's end is its recorded final state);
+    both active or both ended: the job (docs/services.md "Names")."""
     if not ref:
         return None
     found = load(store, ref)
-    if found is None or store.job_named(ref) is not None:
+    if found is None:
         return None
-    return found
+    named = [r for r in store.all() if r.job_id == ref or r.name == ref]
+    if not named:
+        return found
+    if found.active and all(r.name == ref and r.final_state for r in named):
+        return found  # the jobs of that name have ended, the service runs: it is the one meant
+    return None
+
+
+def shared_name_note(store: JobStore, name: str, made: str) -> str | None:
+    """What ``serve NAME`` (``made="service"``) or ``launch --name NAME`` (``made="job"``) says when a job and a
+    service share NAME: which one later commands naming it act on (``unless_a_job``); ``None`` when none does."""
+    jobs = [r for r in store.all() if r.name == name]
+    svc = load(store, name)
+    if made == "service":
+        if not jobs:
+            return None
+        job = next((r for r in jobs if not r.final_state), jobs[0])
+        if job.final_state:
+            return (f"job {job.job_id} was named {name} too and has ended ({job.final_state}): `pbstk status {name}`, "
+                    f"`pbstk cancel {name}` and the other commands naming {name} act on this service; name that "
+                    f"job by its id")
+        return (f"job {job.job_id} named {name} is still active: commands naming {name} act on that job while it "
+                f"runs, not on this service (an active job wins); cancel it, or serve under another --name")
+    if svc is None:
+        return None
+    if svc.active:
+        return (f"service {name} is active too: commands naming {name} act on this job while it runs (an active "
+                f"job wins), not on the service; pass another --name to keep them apart")
+    return f"service {name} has ended ({svc.state}): commands naming {name} act on this job"

@@ -39,12 +39,14 @@ class ServiceState(str, enum.Enum):
 _END_STATES = (ServiceState.CANCELLED, ServiceState.ENDED, ServiceState.STOPPING)
 
 
-def service_state(record: ServiceRecord, ready: int, starting: bool = True) -> ServiceState:
-    """The word for ``ready`` of ``record.replicas`` routable replicas, given whether the service was ever READY
-    N/N (``record.ever_ready``) and whether some replica not routable yet is still on its way (``starting``)."""
+def service_state(record: ServiceRecord, ready: int, starting: bool = True, wanted: int | None = None
+                  ) -> ServiceState:
+    """The word for ``ready`` of ``record.replicas`` routable replicas (``wanted``: of that many instead, a
+    multi-model service's models), given whether the service was ever READY N/N (``record.ever_ready``) and
+    whether some replica not routable yet is still on its way (``starting``)."""
     if record.ended is not None:
         return ServiceState(record.state) if record.state in _END_STATES else ServiceState.ENDED
-    if ready >= record.replicas:
+    if ready >= (record.replicas if wanted is None else wanted):
         return ServiceState.READY
     # a replica no longer restarted (services/restarts.py) will not come: short of it for good, never STARTING
     stopped = any(s.gave_up and not s.retiring for s in record.slots)

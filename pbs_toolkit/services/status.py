@@ -49,6 +49,8 @@ class ServiceStatus:
     keeper_tick: dict[str, Any] = field(default_factory=dict)
     #: a service whose models swap: each running job's ``swap.json`` (its swapper's view), by job id
     swaps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: an ended multi-model service: each job's final state as the job store recorded it, by job id
+    finals: dict[str, str] = field(default_factory=dict)
 
     @property
     def keeper_stuck(self) -> str | None:
@@ -78,10 +80,13 @@ class ServiceStatus:
 
     @property
     def models(self) -> list[dict[str, Any]]:
-        """A multi-model service's rows, one per model (services/multi.py ``model_rows``); none for one model."""
+        """A multi-model service's rows, one per model (services/multi.py ``model_rows``); none for one model.
+        A row is READY only when its server is among the router's workers that requests reach, the facts the
+        service's line counts."""
         if not self.record.models:
             return []
-        return model_rows(self.record, {s.record.job_id: s for s in self.replicas}, self.swaps)
+        routed = self.route.routed if self.route is not None else []
+        return model_rows(self.record, {s.record.job_id: s for s in self.replicas}, self.swaps, routed, self.finals)
 
     def to_dict(self) -> dict[str, Any]:
         """A ``service`` object (docs/json.md): no key in it."""
@@ -138,8 +143,30 @@ def look(session: ServiceSession, rec: ServiceRecord, known: Mapping[str, JobSta
     if rec.ended is None and not router and rec.router:
         state = ServiceState.DOWN  # and 0/N: nothing is reachable through the URL
     running = keeper_alive(rec.name) if rec.ended is None else False
-    return ServiceStatus(rec, state, ready, statuses, running, router, job_state, route,
-                         keeper_tick=last_tick(rec.name) if running else {}, swaps=_swaps(session, rec, statuses))
+    out = ServiceStatus(rec, state, ready, statuses, running, router, job_state, route,
+                        keeper_tick=last_tick(rec.name) if running else {}, swaps=_swaps(session, rec, statuses),
+                        finals=_finals(session, rec))
+    if rec.models and rec.ended is None and out.state != ServiceState.DOWN:
+        out.state = _models_state(rec, out.models)  # the line counts what the rows show: one set of facts
+    return out
+
+
+def _models_state(rec: ServiceRecord, rows: Sequence[dict[str, Any]]) -> ServiceState:
+    """A multi-model service's state from its model rows (``READY 2/3 models``): READY only with every model's
+    server routable, STARTING while one not yet is on its way, DEGRADED or DOWN as for replicas."""
+    from pbs_toolkit.jobs.status_types import ServerState
+
+    up = sum(r["state"] == "READY" for r in rows)
+    starting = any(r["state"] != "READY" and not ServerState(r["state"]).final for r in rows)
+    return service_state(rec, up, starting, wanted=len(rows))
+
+
+def _finals(session: ServiceSession, rec: ServiceRecord) -> dict[str, str]:
+    """An ended multi-model service's jobs' final states as the job store recorded them (no scheduler query)."""
+    if rec.ended is None or not rec.models:
+        return {}
+    jobs = {j for s in rec.slots for j in s.jobs()}
+    return {r.job_id: r.final_state for r in session.store.all() if r.job_id in jobs and r.final_state}
 
 
 def _swaps(session: ServiceSession, rec: ServiceRecord, statuses: Sequence[JobStatus]) -> dict[str, dict[str, Any]]:

@@ -1153,38 +1153,46 @@ RAY_PID=0
 [ "$NODE_ROLE" = true ] && [ "$NODE_ENGINE" = ray ] && pbstk_ray_head
 
 # --- idle reclaim (--idle-cancel; docs/idle.md): the head watches its own /metrics in the background ---
-# No request running or waiting and no request finished (vllm:request_success_total unchanged) for IDLE_CANCEL_S
-# seconds: it writes RUN_DIR/ended_idle, logs "ended idle: ..." (pbstk status reads that line) and stops vLLM with
-# SIGTERM (vLLM finishes what it runs); the job then ends with code 0. A /metrics that does not answer is not idle.
+# No request running or waiting and no progress (vllm:request_success_total, the token counters and the engine's steps
+# unchanged) for IDLE_CANCEL_S seconds: it writes RUN_DIR/ended_idle, logs "ended idle: ..." (pbstk status reads that
+# line) and stops vLLM with SIGTERM (vLLM finishes what it runs); the job then ends with code 0. A /metrics that does
+# not answer is not idle. With several API-server processes (`--api-server-count`: no python_/process_ samples in
+# /metrics) the requests gauges keep the last busy step's value once the engine is idle (vLLM 0.22.1 said "7
+# running" minutes after the load): there only progress counts (perf/scrape.py does the same).
 IDLE_PID=0
 # shellcheck disable=SC2317  # the reads below run in the background watcher
-pbstk_idle_metrics() {
-  local line running=0 waiting=0 success=
+pbstk_idle_metrics() {  # prints "RUNNING WAITING SUCCESS PROGRESS SEVERAL" (SEVERAL: 1 with several API servers)
+  local line value running=0 waiting=0 success='' progress='' several=1
   exec 3<>"/dev/tcp/$PROBE_HOST/$PORT" || return 1
   printf 'GET /metrics HTTP/1.0\r\nHost: %s\r\nConnection: close\r\n\r\n' "$PROBE_HOST" >&3
   while IFS= read -r -t 10 line <&3; do
     line=${line%$'\r'}
-    case $line in
-      vllm:num_requests_running*) line=${line##* }; running=$((running + ${line%%.*})) ;;
-      vllm:num_requests_waiting*) line=${line##* }; waiting=$((waiting + ${line%%.*})) ;;
-      vllm:request_success_total*) success+="${line##* },"
+    value=${line##* }
+    case $line in  # (not vllm:num_requests_waiting_by_reason, which splits the same requests again)
+      'vllm:num_requests_running{'* | 'vllm:num_requests_running '*) running=$((running + ${value%%.*})) ;;
+      'vllm:num_requests_waiting{'* | 'vllm:num_requests_waiting '*) waiting=$((waiting + ${value%%.*})) ;;
+      vllm:request_success_total*) success+="$value," ;;
+      vllm:generation_tokens_total* | vllm:prompt_tokens_total* | vllm:iteration_tokens_total_count*)
+        progress+="$value," ;;
+      python_* | process_*) several=0 ;;
     esac
   done
   exec 3<&-
-  echo "$running $waiting ${success:-none}"
+  echo "$running $waiting ${success:-none} ${progress:-none} $several"
 }
 pbstk_idle_watch() {
-  local since=$SECONDS last='' running waiting success step=$((IDLE_CANCEL_S / 6))
+  local since=$SECONDS last='' last_progress='' running waiting success progress several step=$((IDLE_CANCEL_S / 6))
   [ "$step" -lt 1 ] && step=1
   [ "$step" -gt 30 ] && step=30
   rm -f "$RUN_DIR/ended_idle"
   while kill -0 "$SERVER_PID" 2>/dev/null; do
     sleep "$step"
-    if ! read -r running waiting success < <(pbstk_idle_metrics 2>/dev/null) || [ -z "$success" ] ||
-      [ "$running" -gt 0 ] || [ "$waiting" -gt 0 ] || [ "$success" != "$last" ]; then
+    if ! read -r running waiting success progress several < <(pbstk_idle_metrics 2>/dev/null) || [ -z "$success" ] ||
+      [ "$success" != "$last" ] || [ "$progress" != "$last_progress" ] ||
+      { [ "$several" = 0 ] && [ $((running + waiting)) -gt 0 ]; }; then
       since=$SECONDS
     fi
-    last=$success
+    last=$success last_progress=$progress
     # -gt: SECONDS counts whole seconds, so "2 more" may be 1.01 s of real time; never stop early
     if [ $((SECONDS - since)) -gt "$IDLE_CANCEL_S" ]; then
       date +%s >"$RUN_DIR/ended_idle"
@@ -1219,11 +1227,13 @@ pbstk_watched_end() {  # WATCHER_PID MARKER
 LEASE_PID=0
 LEASE_DRAIN_S=30
 # shellcheck disable=SC2317  # runs in the background watcher
-pbstk_lease_drain() {
-  local running waiting _success until=$((SECONDS + LEASE_DRAIN_S))
+pbstk_lease_drain() {  # (several API servers: drained once the engine made no progress for a second, idle.sh)
+  local running waiting _success progress several last='' until=$((SECONDS + LEASE_DRAIN_S))
   while [ "$SECONDS" -lt "$until" ] && kill -0 "$SERVER_PID" 2>/dev/null; do
-    read -r running waiting _success < <(pbstk_idle_metrics 2>/dev/null) || return 0
+    read -r running waiting _success progress several < <(pbstk_idle_metrics 2>/dev/null) || return 0
     [ "$((running + waiting))" -gt 0 ] || return 0
+    [ "$several" = 1 ] && [ "$progress" = "$last" ] && return 0
+    last=$progress
     sleep 1
   done
 }
