@@ -51,15 +51,21 @@ def test_a_service_name_works_for_wait_metrics_logs_doctor_and_bench(svc_profile
     for _ in range(6):
         assert chat(url, key).status_code == 200
 
-    # metrics: per replica, their sum, and the router's own figures
-    doc = json.loads(ok("metrics", "ns", "--json", "--interval", "0.2").stdout)
+    # metrics: per replica, their sum, and the router's own figures. Each replica runs several API servers (the
+    # one-GPU preset's): their requests gauges keep the last busy step's value, read as 0 once the engine has made
+    # no progress for a second (vllm/prom.py): the look that counts is the first that says nothing runs
+    def settled() -> dict[str, Any] | None:
+        look = json.loads(ok("metrics", "ns", "--json", "--interval", "0.2").stdout)
+        return look if look["aggregate"]["running"] == 0 else None
+
+    doc = wait_for(settled, 10, "the replicas' stale running gauges read as 0")
     assert doc["kind"] == "service_metrics" and doc["name"] == "ns"
     assert [r["replica"] for r in doc["replicas"]] == [0, 1]
     assert {r["job_id"] for r in doc["replicas"]} == {s.current for s in rec.slots}
     per = [r["totals"]["generation_tokens"] for r in doc["replicas"]]
     assert all(p and p > 0 for p in per), per  # round robin: both replicas served some of the 6 requests
     assert doc["aggregate"]["totals"]["generation_tokens"] == sum(per) == 6 * 3
-    assert doc["aggregate"]["replicas"] == 2 and doc["aggregate"]["running"] == 0
+    assert doc["aggregate"]["replicas"] == 2
     router = doc["router"]
     assert router["requests_total"] >= 6 and router["active_workers"] == 2
     assert sorted(w["url"] for w in router["workers"]) == sorted(requests.get(url[:-3] + "/list_workers",

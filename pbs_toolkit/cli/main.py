@@ -1,6 +1,7 @@
 """``pbstk``: the group, the error boundary, and command registration.
 
-Every ``PbstkError`` becomes one line on stderr (plus any detail lines) and its documented exit code;
+Every ``PbstkError`` becomes one line on stderr (plus any detail lines) and its documented exit code, and so does
+every Click usage error (exit 2);
 Ctrl-C exits 130. Heavy modules are imported inside commands so ``pbstk --help`` stays fast.
 """
 
@@ -22,6 +23,26 @@ def one_line(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+# a group called with nothing (``pbstk ssh``) shows its help, as Click does: that is no error line
+HELP_NOT_ERROR: tuple[type[Exception], ...] = tuple(
+    c for c in (getattr(click.exceptions, "NoArgsIsHelpError", None),) if c is not None)
+
+
+class OneLineUsageError(click.UsageError):
+    """A usage error (missing argument, unknown command or option, bad value) shown as the one ``pbstk: error:``
+    line every other error gets, instead of Click's ``Usage:`` / ``Try`` / ``Error:`` block; exit 2."""
+
+    def __init__(self, error: click.UsageError) -> None:
+        super().__init__(error.format_message(), error.ctx)
+
+    def show(self, file: Any = None) -> None:
+        hint = f" Try '{self.ctx.command_path} --help'." if self.ctx is not None else ""
+        click.echo(f"pbstk: error: {one_line(self.format_message())}{hint}", err=True)
+
+
+PASS_THROUGH: tuple[type[Exception], ...] = (OneLineUsageError, *HELP_NOT_ERROR)  # shown as they are
 
 
 class PbstkGroup(click.Group):
@@ -47,9 +68,22 @@ class PbstkGroup(click.Group):
                 formatter.write_dl([(name, click.Command(name, help=text).get_short_help_str(limit))
                                     for name, text in shown])
 
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except PASS_THROUGH:
+            raise
+        except click.UsageError as exc:  # pbstk's own options (``pbstk --bogus``)
+            raise OneLineUsageError(exc) from None
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except PASS_THROUGH:
+            raise
+        except click.UsageError as exc:  # an unknown command, a subcommand's arguments, options or values
+            raise OneLineUsageError(exc) from None
         except PbstkError as exc:
             click.echo(f"pbstk: error: {one_line(exc.message)}", err=True)
             for line in exc.details:

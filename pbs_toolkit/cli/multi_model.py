@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from pbs_toolkit.cli.options import build_request, echo_json, table
+from pbs_toolkit.cli.options import build_request, echo_json, scale_spec, table
 from pbs_toolkit.durations import parse
 from pbs_toolkit.errors import UsageError
 from pbs_toolkit.jobs.plan import slug
@@ -30,6 +30,9 @@ def single_or_plan(models: tuple[str, ...], models_file: str | None, dry_run: bo
             if kw.get(key) is not None:
                 raise UsageError(f"{flag} is for one model; several models take :name=... each and run one "
                                  "copy each")
+    if dry_run:  # what a real serve refuses, a dry run refuses too (docs/settings.md "Durations")
+        scale_spec(kw.get("replicas"), kw.get("min_replicas"), kw.get("max_replicas"), kw.get("scale_up_waiting"),
+                   kw.get("scale_down_idle"))
     if dry_run or several:
         name = kw.get("name") or (None if several else slug(specs[0].model))
         if name is None:

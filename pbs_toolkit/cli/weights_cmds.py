@@ -31,8 +31,8 @@ def stage(model: str, revision: str, verify_only: bool, accept_new_host_key: boo
     the shards its index names, and says the file list itself was not checked.
 
     \b
-      pbstk stage Qwen/Qwen3-8B --profile polaris
-      pbstk stage Qwen/Qwen3-8B --profile polaris --verify-only --json
+      pbstk stage Qwen/Qwen3-8B --profile polaris --account MYPROJ
+      pbstk stage Qwen/Qwen3-8B --profile polaris --account MYPROJ --verify-only --json
     """
     from pbs_toolkit.client import Client
     from pbs_toolkit.weights.stage import require_ok
