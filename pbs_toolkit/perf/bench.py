@@ -63,10 +63,16 @@ class BenchResult:
     p99_e2el_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        if data["p99_e2el_ms"] is None:  # results saved before the field existed round-trip unchanged
-            del data["p99_e2el_ms"]
-        return data
+        return without_unmeasured(asdict(self))
+
+
+#: statistics added after results were first saved: written only where measured, so older files round-trip unchanged
+LATER_STATS = ("p99_e2el_ms",)
+
+
+def without_unmeasured(stats: dict[str, Any]) -> dict[str, Any]:
+    """``stats`` less each of :data:`LATER_STATS` that is ``None``."""
+    return {k: v for k, v in stats.items() if not (k in LATER_STATS and v is None)}
 
 
 @dataclass

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pbs_toolkit.errors import PbstkError, ServerFailed, UsageError
-from pbs_toolkit.perf.bench import BenchResult, parse_vllm_bench_json, run_benchmark_sync, vllm_bench_argv
+from pbs_toolkit.perf.bench import (
+    BenchResult,
+    parse_vllm_bench_json,
+    run_benchmark_sync,
+    vllm_bench_argv,
+    without_unmeasured,
+)
 from pbs_toolkit.perf.images import ImageLoad
 from pbs_toolkit.perf.load_procs import auto_processes, run_benchmark_procs
 from pbs_toolkit.perf.server_time import ServerClock, outside_note, server_mean_ms
@@ -52,7 +58,7 @@ class LevelResult(BenchResult):
             head["client"] = self.client
         if self.server_e2e_ms is not None:
             head["server_e2e_ms"] = self.server_e2e_ms
-        stats = {f.name: getattr(self, f.name) for f in fields(BenchResult)}
+        stats = without_unmeasured({f.name: getattr(self, f.name) for f in fields(BenchResult)})
         return {**head, **stats, "errors": list(self.errors), **self.other}
 
     @classmethod
