@@ -69,6 +69,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: not item.nodeid.startswith(FIRST))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def direct_python3(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``python3`` on PATH is this run's interpreter itself, first: the stand-ins and the fake PBS tools
+    (``#!/usr/bin/env python3``) start hundreds of times a run, and a version manager's shim in front of the
+    interpreter (pyenv's: a dozen bash processes a call) made each start cost 2.4x its CPU. Only a ``python3``
+    link, in this run's temp dir; nothing else on PATH moves."""
+    real = Path(sys.base_prefix) / "bin" / "python3"
+    if not real.exists():
+        return
+    link = tmp_path_factory.mktemp("python3-on-path")
+    (link / "python3").symlink_to(real)
+    os.environ["PATH"] = f"{link}{os.pathsep}{os.environ['PATH']}"
+
+
 @pytest.fixture(autouse=True)
 def isolated_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     for key in list(os.environ):

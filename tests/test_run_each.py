@@ -119,7 +119,7 @@ def test_each_runs_command_per_model_in_turn_and_exits_with_the_worst(pair: Any,
 #: COMMAND of the crash test: ASK's one request for argv[1] (exit 1 unless 200); after the model KILL_AFTER's run,
 #: SIGKILL of the API server of model KILL's vLLM (the oldest process whose command line names it: not its engine)
 ASK_THEN_KILL = textwrap.dedent("""\
-    import json, os, signal, subprocess, sys, urllib.error, urllib.request
+    import json, os, signal, subprocess, sys, time, urllib.error, urllib.request
     model = sys.argv[1]
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).encode()
     req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body, headers={
@@ -130,8 +130,15 @@ ASK_THEN_KILL = textwrap.dedent("""\
         code = exc.code
     print(f"asked={model} status={code}", flush=True)
     if model == os.environ["KILL_AFTER"]:
-        pid = subprocess.check_output(["pgrep", "-o", "-f", "--", "--served-model-name " + os.environ["KILL"]])
+        match = ["pgrep", "-f", "--", "--served-model-name " + os.environ["KILL"]]
+        pid = subprocess.check_output([*match[:1], "-o", *match[1:]])
         os.kill(int(pid.split()[0]), signal.SIGKILL)
+        # killed during this run: its job ends the processes the kill left (its other API servers) before this run
+        # ends, as a crash does long before the next run in a campaign (the replacement's wait at least 1 s off)
+        for _ in range(600):
+            if subprocess.run(match, stdout=subprocess.DEVNULL).returncode:
+                break
+            time.sleep(0.05)
     sys.exit(0 if code == 200 else 1)
 """)
 
