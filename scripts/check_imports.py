@@ -3,7 +3,8 @@
 
 Prints, and exits 1 when there is any:
 
-* every module of ``pbs_toolkit`` over 500 lines (data files and templates are not modules: ``.py`` only);
+* every module of ``pbs_toolkit`` over 500 lines (data files and templates are not modules: ``.py`` only), and
+  every function or method over 60 lines (its ``def`` to its last line, docstring included);
 * every import cycle between ``pbs_toolkit`` modules, counting EVERY import: top-level, inside a function,
   under ``if TYPE_CHECKING:``. A function-level import only hides a circle, it does not remove it.
   One line per strongly connected group of modules, with one concrete circle through it;
@@ -32,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 MAX_LINES = 500
+MAX_FUNCTION_LINES = 60
 
 #: The floors, CONTRIBUTING.md "Layout: read this first" in one table: the first name under the package -> its
 #: floor. A module imports its own package and packages on LOWER floors only; packages sharing a floor are peers
@@ -171,6 +173,7 @@ def check(root: Path) -> list[str]:
         lines = len(path.read_text(encoding="utf-8").splitlines())
         if lines > MAX_LINES:
             problems.append(f"size: {path.relative_to(root.parent)} has {lines} lines (over {MAX_LINES})")
+        problems += _long_functions(path, root)
         for target, name, line, hint in imports(module, path, known):
             if target in known and target != module:
                 graph[module].add(target)
@@ -192,6 +195,18 @@ def check(root: Path) -> list[str]:
     for group in _cycles(graph):
         problems.append(f"cycle: {' -> '.join(_circle(graph, group))}  (group: {', '.join(sorted(group))})")
     return problems + private + layers
+
+
+def _long_functions(path: Path, root: Path) -> list[str]:
+    """A line for each function of ``path`` over :data:`MAX_FUNCTION_LINES`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"size: {path.relative_to(root.parent)}:{node.lineno} {node.name} has {length} lines "
+                             f"(over {MAX_FUNCTION_LINES})")
+    return found
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
@@ -266,8 +281,8 @@ def main(argv: list[str]) -> int:
     for line in problems:
         print(line)
     if not problems:
-        print(f"{root.name}: no module over {MAX_LINES} lines, no import cycle, no private cross-module import, "
-              "no import up a floor or a rung")
+        print(f"{root.name}: no module over {MAX_LINES} lines, no function over {MAX_FUNCTION_LINES}, no import "
+              "cycle, no private cross-module import, no import up a floor or a rung")
     return 1 if problems else 0
 
 

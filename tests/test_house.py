@@ -1,4 +1,4 @@
-"""The package's shape (issue 22): no module over 500 lines, no import cycle (function-level and
+"""The package's shape (issue 22): no module over 500 lines nor function over 60, no import cycle (function-level and
 TYPE_CHECKING imports count), no private name imported across modules, no import up a floor (issue 29) or a rung
 (issue 44). ``scripts/check_imports.py`` checks; these tests run it on the package, and on small packages made to
 break each rule (so the check can fail)."""
@@ -64,6 +64,17 @@ def test_private_names_and_long_modules_are_named(tmp_path: Path) -> None:
     rc, problems = check(pkg)
     assert rc == 1
     assert problems == ["size: pkg/a.py has 502 lines (over 500)", "private: pkg/b.py:2 imports _x from pkg.a"]
+
+
+def test_a_function_over_60_lines_is_named_and_60_pass(tmp_path: Path) -> None:
+    body = "x = 1\n" * 58
+    indented = "".join("        " + line for line in body.splitlines(keepends=True))
+    pkg = write(tmp_path / "pkg", {"__init__.py": "", "a.py": "def ok():\n" + body.replace("x", "    x") +
+                                   "    return x\n\n\nclass C:\n    def long(self):\n" + indented +
+                                   "        x = 2\n        return x\n"})
+    rc, problems = check(pkg)
+    assert rc == 1
+    assert problems == ["size: pkg/a.py:64 long has 61 lines (over 60)"]
 
 
 #: a small package with the real floors' names (scripts/check_imports.py LAYERS): jobs above schedulers and errors

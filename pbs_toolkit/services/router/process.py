@@ -284,12 +284,7 @@ def start_router(
     runner.makedirs(run_dir, 0o700)
     _refuse_running(runner, run_dir)
     if isolate:
-        python = runner.run(["bash", "-c", _FRONT_PYTHON, "pbstk-python", command[0]], timeout=30).stdout.strip()
-        if not python:
-            raise RouterError(f"python3 not found on {_where(runner)}: the router's front needs it "
-                              "(or set router_isolation: none in the profile: the router's admin API is then open)")
-        for source in FRONT_SOURCES:
-            runner.write_bytes(f"{run_dir}/{source.name}", source.read_bytes(), 0o600)
+        _stage_front(runner, run_dir, command[0])
     token = secrets.token_hex(16)
     host = advertise or (bind if bind not in _WILDCARDS else _default_advertise(runner))
     script = render_start_script(ScriptSettings(
@@ -313,6 +308,16 @@ def start_router(
     if record is not None:
         record(info)
     return info
+
+
+def _stage_front(runner: Runner, run_dir: str, router: str) -> None:
+    """The front's sources into ``run_dir``, once a ``python3`` to run them is known to be there."""
+    python = runner.run(["bash", "-c", _FRONT_PYTHON, "pbstk-python", router], timeout=30).stdout.strip()
+    if not python:
+        raise RouterError(f"python3 not found on {_where(runner)}: the router's front needs it "
+                          "(or set router_isolation: none in the profile: the router's admin API is then open)")
+    for source in FRONT_SOURCES:
+        runner.write_bytes(f"{run_dir}/{source.name}", source.read_bytes(), 0o600)
 
 
 def _launch(runner: Runner, run_dir: str, token: str) -> None:
