@@ -20,6 +20,7 @@ from test_service import ROUTER, chat, serve, svc_profile  # noqa: F401 - svc_pr
 
 from pbs_toolkit.jobs.store import JobStore
 from pbs_toolkit.services import record as records
+from pbs_toolkit.settings.front_servers import ONE_GPU_SERVERS
 
 pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed next to this Python")
 
@@ -50,6 +51,11 @@ def test_a_service_name_works_for_wait_metrics_logs_doctor_and_bench(svc_profile
              "both replicas in the router")
     for _ in range(6):
         assert chat(url, key).status_code == 200
+    # issue 43: the hop a service's requests waited at was the replica's one vLLM API-server process; each
+    # one-GPU replica now runs several behind its port, and the router's requests reach them
+    for slot in rec.slots:
+        log = Path(JobStore().find(slot.current or "").run_dir, "vllm.log").read_text()
+        assert f"Started {ONE_GPU_SERVERS} API server processes" in log, log[-2000:]
 
     # metrics: per replica, their sum, and the router's own figures. Each replica runs several API servers (the
     # one-GPU preset's): their requests gauges keep the last busy step's value, read as 0 once the engine has made
