@@ -23,20 +23,44 @@ dpkg -s libnuma1 >/dev/null 2>&1 || need+=(libnuma1)
 [ -x /usr/sbin/slurmd ] || need+=(slurmd)
 command -v sbatch >/dev/null 2>&1 || need+=(slurm-client)
 [ -x /usr/sbin/munged ] || need+=(munge)
-if [ "${#need[@]}" -gt 0 ]; then
-  SUDO=""
-  [ "$(id -u)" = 0 ] || SUDO=sudo
-  echo "== installing ${need[*]} (Debian packages)"
+SUDO=""
+[ "$(id -u)" = 0 ] || SUDO=sudo
+apt_install() {
+  echo "== installing $* (Debian packages)"
   $SUDO apt-get update -qq
-  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+# The three installs wait on disks and archives more than on CPU: they run side by side (a minute or more less on
+# a fresh 2-core machine), each into a log of its own that is shown when it fails. python3-venv comes first when
+# it is missing: both venvs need it.
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+if [[ " ${need[*]} " == *" python3-venv "* ]]; then
+  apt_install "${need[@]}"
+  need=()
 fi
-
+step() {  # NAME COMMAND...: in the background, its output in $logs/NAME
+  "${@:2}" >"$logs/$1" 2>&1 &
+  pids+=("$!") names+=("$1")
+}
+pids=() names=()
+[ "${#need[@]}" -gt 0 ] && step apt apt_install "${need[@]}"
 echo "== installing pbs-toolkit with its test extras into .venv"
-[ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
-
+step tool bash -c '{ [ -x .venv/bin/python ] || python3 -m venv .venv; } &&
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"'
 echo "== installing vLLM for CPU into .venv-vllm (the job's environment, separate from the tool's)"
-bash scripts/setup_cpu_vllm.sh .venv-vllm
+step vllm bash scripts/setup_cpu_vllm.sh .venv-vllm
+failed=0
+for i in "${!pids[@]}"; do
+  if ! wait "${pids[$i]}"; then
+    echo "== ${names[$i]} failed:" >&2
+    cat "$logs/${names[$i]}" >&2
+    failed=1
+  fi
+done
+[ "$failed" = 0 ] || exit 1
+rm -rf "$logs"
+trap - EXIT
 
 echo "== ruff and mypy"
 .venv/bin/ruff check pbs_toolkit tests scripts benchmarks

@@ -28,3 +28,20 @@ def test_tune_p_is_checked_like_presets_before_anything_is_submitted(standins: P
     both = pbstk("tune", "Qwen/Qwen3-1.7B", "-p", "single", "--presets", "single,single-eager")
     assert both.exit_code == 2 and both.stderr == "pbstk: error: tune takes --presets or -p/--preset, not both\n"
     assert JobStore().all() == []
+
+
+def test_tune_compares_two_presets_and_prints_what_it_saved(standins: Path, tmp_path: Path) -> None:
+    """Two presets one after the other on the stand-ins (the real vLLM's tune in tests/test_e2e_vllm.py runs one):
+    a run per preset, each measured at every level, and the table and recommendation agree with the saved report."""
+    from helpers import check_tune_report
+
+    out = tmp_path / "tune.json"
+    small = [a for a in SMALL if a != "--json"]
+    small[small.index("-c") + 1] = "1,4"
+    result = pbstk("tune", "Qwen/Qwen3-1.7B", "--presets", "single,single-eager", "--output", str(out), *small)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert [run["preset"] for run in doc["runs"]] == ["single", "single-eager"] and doc["concurrencies"] == [1, 4]
+    assert all("error" not in run and run["results"] for run in doc["runs"]), doc
+    check_tune_report(doc, result.stdout)
+    assert pbstk("tune", "--report", str(out)).stdout == result.stdout
