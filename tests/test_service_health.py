@@ -180,6 +180,9 @@ def test_a_burst_right_after_a_tick_scales_up_without_waiting_for_the_next_poll(
     assert "above the capacity of the replicas (1 x --max-num-seqs 2" in lines[seen], lines[seen]
     assert "s earlier, between ticks: this tick came at once)" in lines[seen], lines[seen]  # the watch's sighting
     assert "overloaded for 2 tick(s)" in lines[up] and grown["autoscale"]["last"]["action"] == "up"
-    assert "dismissed" not in keeper_log("sudden") and "removed" not in keeper_log("sudden")
+    # the sighting was not dismissed before it was confirmed (after the scale-up, the 2 replicas may see the
+    # burst as an overload again and dismiss it once the load ends: the scaler's rule, not a fault)
+    assert not any("dismissed" in x for x in lines[seen:up]), lines
+    assert "removed" not in keeper_log("sudden")
     assert load.failed == 0, load.errors[:3]
     assert pbstk("cancel", "sudden").exit_code == 0
