@@ -26,7 +26,6 @@ command -v sbatch >/dev/null 2>&1 || need+=(slurm-client)
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO=sudo
 apt_install() {
-  echo "== installing $* (Debian packages)"
   $SUDO apt-get update -qq
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
@@ -36,35 +35,50 @@ apt_install() {
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 if [[ " ${need[*]} " == *" python3-venv "* ]]; then
+  echo "== installing ${need[*]} (Debian packages)"
   apt_install "${need[@]}"
   need=()
 fi
 step() {  # NAME COMMAND...: in the background, its output in $logs/NAME
   "${@:2}" >"$logs/$1" 2>&1 &
-  pids+=("$!") names+=("$1")
+  pid[$1]=$!
 }
-pids=() names=()
-[ "${#need[@]}" -gt 0 ] && step apt apt_install "${need[@]}"
+finish() {  # NAME...: wait for these steps; the log of each that failed is shown, and the run ends
+  local name failed=0
+  for name in "$@"; do
+    [ -n "${pid[$name]:-}" ] || continue
+    if ! wait "${pid[$name]}"; then
+      echo "== $name failed:" >&2
+      cat "$logs/$name" >&2
+      failed=1
+    fi
+    unset "pid[$name]"
+  done
+  [ "$failed" = 0 ] && return 0
+  for name in "${!pid[@]}"; do kill "${pid[$name]}" 2>/dev/null || true; done
+  exit 1
+}
+declare -A pid=()
+echo "== installing vLLM for CPU into .venv-vllm (the job's environment, separate from the tool's)"
+step vllm bash scripts/setup_cpu_vllm.sh .venv-vllm
+if [ "${#need[@]}" -gt 0 ]; then
+  echo "== installing ${need[*]} (Debian packages)"
+  step apt apt_install "${need[@]}"
+fi
 echo "== installing pbs-toolkit with its test extras into .venv"
 step tool bash -c '{ [ -x .venv/bin/python ] || python3 -m venv .venv; } &&
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"'
-echo "== installing vLLM for CPU into .venv-vllm (the job's environment, separate from the tool's)"
-step vllm bash scripts/setup_cpu_vllm.sh .venv-vllm
-failed=0
-for i in "${!pids[@]}"; do
-  if ! wait "${pids[$i]}"; then
-    echo "== ${names[$i]} failed:" >&2
-    cat "$logs/${names[$i]}" >&2
-    failed=1
-  fi
-done
-[ "$failed" = 0 ] || exit 1
+finish tool
+
+# while vLLM still installs (the longest of the three)
+echo "== ruff and mypy"
+lint=0
+.venv/bin/ruff check pbs_toolkit tests scripts benchmarks || lint=1
+.venv/bin/mypy || lint=1
+[ "$lint" = 0 ] || { pid_list=("${pid[@]}"); kill "${pid_list[@]}" 2>/dev/null || true; exit 1; }
+finish apt vllm
 rm -rf "$logs"
 trap - EXIT
-
-echo "== ruff and mypy"
-.venv/bin/ruff check pbs_toolkit tests scripts benchmarks
-.venv/bin/mypy
 
 echo "== pytest"
 export PBSTK_TEST_VLLM_VENV="$PWD/.venv-vllm"
