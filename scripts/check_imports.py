@@ -101,10 +101,9 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return found
 
 
-def imports(module: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str, str, int, bool]]:
+def imports(module: str, path: Path, known: dict[str, Path], tree: ast.AST) -> Iterator[tuple[str, str, int, bool]]:
     """(imported module, name taken from it or "", line, under ``if TYPE_CHECKING:``) for every import anywhere
-    in ``path``."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    in ``path`` (parsed: ``tree``)."""
     is_package = path.name == "__init__.py"
     typing_only = _type_checking_only(tree)
     for node in ast.walk(tree):
@@ -170,11 +169,13 @@ def check(root: Path) -> list[str]:
     layers = [f"layer: {root.name}.{name} is on no floor: give it one in LAYERS (scripts/check_imports.py)"
               for name in _unplaced(known)]
     for module, path in known.items():
-        lines = len(path.read_text(encoding="utf-8").splitlines())
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text, str(path))
+        lines = len(text.splitlines())
         if lines > MAX_LINES:
             problems.append(f"size: {path.relative_to(root.parent)} has {lines} lines (over {MAX_LINES})")
-        problems += _long_functions(path, root)
-        for target, name, line, hint in imports(module, path, known):
+        problems += _long_functions(tree, path, root)
+        for target, name, line, hint in imports(module, path, known, tree):
             if target in known and target != module:
                 graph[module].add(target)
             where = f"{path.relative_to(root.parent)}:{line}"
@@ -197,10 +198,10 @@ def check(root: Path) -> list[str]:
     return problems + private + layers
 
 
-def _long_functions(path: Path, root: Path) -> list[str]:
-    """A line for each function of ``path`` over :data:`MAX_FUNCTION_LINES`."""
+def _long_functions(tree: ast.AST, path: Path, root: Path) -> list[str]:
+    """A line for each function of ``path`` (parsed: ``tree``) over :data:`MAX_FUNCTION_LINES`."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             length = (node.end_lineno or node.lineno) - node.lineno + 1
             if length > MAX_FUNCTION_LINES:
