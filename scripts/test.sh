@@ -54,7 +54,10 @@ finish() {  # NAME...: wait for these steps; the log of each that failed is show
     fi
     unset "pid[$name]"
   done
-  [ "$failed" = 0 ] && return 0
+  [ "$failed" = 0 ] || stop_all
+}
+stop_all() {  # a step or the lint failed: the steps still running go, and the run ends
+  local name
   for name in "${!pid[@]}"; do kill "${pid[$name]}" 2>/dev/null || true; done
   exit 1
 }
@@ -75,7 +78,7 @@ echo "== ruff and mypy"
 lint=0
 .venv/bin/ruff check pbs_toolkit tests scripts benchmarks || lint=1
 .venv/bin/mypy || lint=1
-[ "$lint" = 0 ] || { pid_list=("${pid[@]}"); kill "${pid_list[@]}" 2>/dev/null || true; exit 1; }
+[ "$lint" = 0 ] || stop_all
 finish apt vllm
 rm -rf "$logs"
 trap - EXIT
