@@ -95,4 +95,4 @@ def looks_routable(session: ServiceSession, rec: ServiceRecord) -> bool:
         route = check_route(session, rec)
     except PbstkError:
         return False
-    return route.ok and route.workers is not None and len(route.workers) >= (len(rec.models) or rec.replicas)
+    return route.ok and len(route.workers or []) >= (len(rec.models) or rec.replicas)
