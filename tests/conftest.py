@@ -71,16 +71,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def direct_python3(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """``python3`` on PATH is this run's interpreter itself, first: the stand-ins and the fake PBS tools
-    (``#!/usr/bin/env python3``) start hundreds of times a run, and a version manager's shim in front of the
-    interpreter (pyenv's: a dozen bash processes a call) made each start cost 2.4x its CPU. Only a ``python3``
-    link, in this run's temp dir; nothing else on PATH moves."""
+    """``python3`` on PATH is this run's interpreter itself, first, and starts without the base interpreter's
+    site-packages: the stand-ins and the fake PBS tools (``#!/usr/bin/env python3``) start thousands of times a
+    run. A version manager's shim in front of the interpreter (pyenv's: a dozen bash processes a call) made each
+    start cost 2.4x its CPU; the base interpreter's ``.pth`` files (a sandbox's certifi hook, setuptools'
+    distutils hack) were 24 of its 37 ms of CPU (``python3 -c pass``, 20 starts). So: a venv of this run's
+    own (``pyvenv.cfg`` beside a ``bin/python3`` link to the base interpreter), whose one ``.pth`` names the
+    test venv's site-packages: the packages pbstk itself runs with (PyYAML for the stand-in vLLM's
+    ``--config``), and their ``.pth`` files are not run. Nothing else on PATH moves."""
     real = Path(sys.base_prefix) / "bin" / "python3"
     if not real.exists():
         return
-    link = tmp_path_factory.mktemp("python3-on-path")
-    (link / "python3").symlink_to(real)
-    os.environ["PATH"] = f"{link}{os.pathsep}{os.environ['PATH']}"
+    root = tmp_path_factory.mktemp("python3-on-path")
+    (root / "bin").mkdir()
+    (root / "bin" / "python3").symlink_to(real)
+    (root / "pyvenv.cfg").write_text(f"home = {real.parent}\ninclude-system-site-packages = false\n")
+    site = root / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "test-venv.pth").write_text("".join(f"{path}\n" for path in sysconfig_site_packages()))
+    os.environ["PATH"] = f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}"
+
+
+def sysconfig_site_packages() -> list[str]:
+    """This venv's own site-packages directories (not the base interpreter's)."""
+    import site
+
+    return [path for path in site.getsitepackages() if path.startswith(sys.prefix)]
 
 
 @pytest.fixture(autouse=True)
