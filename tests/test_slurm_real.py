@@ -85,6 +85,10 @@ def test_launch_ready_logs_cancel(slurm_cluster: SlurmCluster, cli: Any, tmp_pat
     cancelled = cli("cancel", job)
     assert cancelled.returncode == 0, cancelled.stderr
     st = _wait_state(cli, job, ("CANCELLED",), 60)
+    deadline = time.monotonic() + 60  # Slurm says COMPLETING until the job's processes are gone (the start script
+    while st["scheduler_state"] == "COMPLETING" and time.monotonic() < deadline:  # ends what vLLM left: up to 15 s)
+        time.sleep(1)
+        st = _status(cli, job)
     assert st["scheduler_state"] == "CANCELLED" and st["final_state"] == "CANCELLED", st
     again = cli("cancel", job)  # already gone: not an error
     assert again.returncode == 0, again.stderr
