@@ -85,7 +85,7 @@ trap - EXIT
 
 # The bytecode of pbs_toolkit and of the tests' stand-ins, written once now: the suite starts about a thousand
 # Python processes that import them (keepers, routers' fronts, fake PBS tools, stand-ins), and where
-# PYTHONDONTWRITEBYTECODE is set (it is in some CI containers) none of them may write it, so each compiled what
+# PYTHONDONTWRITEBYTECODE is set (this workplace's machines set it) none of them may write it, so each compiled what
 # it imported, every time (a keeper's imports: 285 instead of 189 ms of CPU). pip did the same for the venvs.
 .venv/bin/python -m compileall -q -j 0 pbs_toolkit tests >/dev/null
 

@@ -88,11 +88,11 @@ def direct_python3(tmp_path_factory: pytest.TempPathFactory) -> None:
     (root / "pyvenv.cfg").write_text(f"home = {real.parent}\ninclude-system-site-packages = false\n")
     site = root / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
     site.mkdir(parents=True)
-    (site / "test-venv.pth").write_text("".join(f"{path}\n" for path in sysconfig_site_packages()))
+    (site / "test-venv.pth").write_text("".join(f"{path}\n" for path in own_site_packages()))
     os.environ["PATH"] = f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}"
 
 
-def sysconfig_site_packages() -> list[str]:
+def own_site_packages() -> list[str]:
     """This venv's own site-packages directories (not the base interpreter's)."""
     import site
 
