@@ -22,10 +22,10 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:  # qstat and qdel start hundreds of times a test run: what only qsub or a job's runner needs
-    from typing import Any  # is imported where it is used
+# qstat and qdel start hundreds of times a test run: what only qsub or a job's runner needs (subprocess, shutil,
+# getpass) is imported where it is used
 
 PBS_VERSION = "23.06.06"
 # PBS error numbers, as the client tools exit with them (mod 256).
