@@ -483,6 +483,28 @@ def test_sigterm_cancels_and_stops_vllm(make_job: Any) -> None:
     assert "received a stop signal" in job.log
 
 
+def test_a_stop_during_the_site_setup_says_so_and_marks_the_job_cancelled(make_job: Any, tmp_path: Path) -> None:
+    """A cancel before vLLM starts (here a slow venv activation; on a cluster the compile wait or a module load)
+    used to kill the script with no word in the log and the marker left at "setup" (CI saw `pbstk logs -f` end
+    with nothing after a cancel)."""
+    venv = tmp_path / "slow-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text("echo activating the slow venv\nsleep 30\n")
+    job = make_job(venv=str(venv))
+    job.start()
+    deadline = time.monotonic() + 15
+    while "activating the slow venv" not in job.log:
+        assert time.monotonic() < deadline, job.log
+        time.sleep(0.05)
+    assert job.proc is not None
+    os.killpg(job.proc.pid, signal.SIGTERM)  # PBS, Slurm and the local scheduler signal the whole session
+    assert job.wait_exit() == 143
+    state = job.state()
+    assert state["phase"] == "cancelled" and state["exit_code"] == 143
+    assert "received a stop signal before vLLM started" in job.log
+    assert not job.starts()  # vLLM never started
+
+
 # --- the static body and the marker ----------------------------------------------------------------------
 
 #: the static body: server/start/'s parts, concatenated in START_PARTS order, as every start script ends

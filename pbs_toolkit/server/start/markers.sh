@@ -89,3 +89,16 @@ pbstk_fail() {
   exit "${2:-1}"
 }
 
+# A stop signal before vLLM runs (a cancel during the site setup, the compile wait, the node launch) ends the job
+# as a stopped one, from the first line the log gets: the log says so and the marker says cancelled (143), as
+# after vLLM started. server.sh's and launcher.sh's traps replace this one once there is something to stop.
+# shellcheck disable=SC2317  # invoked by the trap below
+pbstk_stop_early() {
+  trap '' TERM INT HUP  # once (see pbstk_stop)
+  pbstk_log "received a stop signal before vLLM started; ending the job"
+  [ "$NNODES" -gt 1 ] && : >>"$RUN_DIR/stop"
+  pbstk_state "$PHASE_CANCELLED" 143
+  exit 143
+}
+trap pbstk_stop_early TERM INT HUP
+
