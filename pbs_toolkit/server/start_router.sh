@@ -19,7 +19,7 @@ cd "$RUN_DIR" || exit 1
 LOG="$RUN_DIR/router.log"
 rm -f "$RUN_DIR/router.json"
 
-pbstk_log() { printf '%s pbstk-router: %s\n' "$(date '+%Y-%m-%dT%H:%M:%S%z')" "$*" >>"$LOG"; }
+pbstk_log() { printf '%(%Y-%m-%dT%H:%M:%S%z)T pbstk-router: %s\n' -1 "$*" >>"$LOG"; }  # builtin time
 pbstk_fail() { pbstk_log "error: $1"; echo "pbstk: $1" >&2; exit "${2:-1}"; }
 
 if [ -n "$VENV" ]; then

@@ -54,7 +54,9 @@ SERVER_PID=0
 ADDRESS=
 REASON=
 
-pbstk_log() { echo "pbstk: $(date '+%H:%M:%S') $*"; }
+# The time from printf's builtin, not $(date): no process per line, and a stop signal's trap is never held up by a
+# command substitution (markers.sh pbstk_marker_get says why that matters).
+pbstk_log() { printf 'pbstk: %(%H:%M:%S)T %s\n' -1 "$*"; }
 # One second in the background: a stop signal's trap runs at once (bash defers it until a foreground command ends).
 pbstk_sleep() { sleep 1 & wait $! 2>/dev/null; }
 
