@@ -36,22 +36,26 @@ START_WAIT_S = 60
 STOP_WAIT_S = 20
 #: what ``start_router.sh`` puts into the router's command line once it has chosen them on its host
 PORT_SLOT, PROM_PORT_SLOT, PYTHON_SLOT = "@PORT@", "@PROM_PORT@", "@PYTHON@"
-#: retries of a request that failed to reach its worker (vllm-router's own default, written out for the next line)
+#: attempts of a request that fails to reach its worker (``--retry-max-retries``, vllm-router's own default written
+#: out): 5 attempts in all, the first one counted (measured: 5 failed sends to a dead worker, then a 500)
 ROUTER_RETRIES = 5
+#: consecutive failures that open a worker's circuit (``--cb-failure-threshold``): fewer than a request's attempts,
+#: so a dead worker's circuit opens while a request still has an attempt left, and that one goes to a live worker
+ROUTER_CB_FAILURES = ROUTER_RETRIES - 1
 #: the router's own health checker never marks a worker unhealthy: the keeper is the one judge of a replica's
 #: health (services/health.py), patient with a busy one, quick with a dead one (its job ended: out at once)
 ROUTER_HEALTH_NEVER = 1_000_000_000
 #: added before ``extra_args`` (argparse: a later repeat of an option wins, so callers can override each).
-#: ``--cb-failure-threshold`` at most the retries: a dead worker's circuit opens within one request's retries,
-#: so its next attempt goes to a live worker. vllm-router's default, 10, let a request's 6 attempts all land on
-#: a replica killed a moment before (power_of_two between two idle workers picks either: a 500 for the client,
-#: tests/test_router.py); the keeper takes such a replica out only at its next look. A busy worker fails no
-#: request, so its circuit stays closed. ``--health-failure-threshold``: the router's health checker (a 5 s
-#: timeout, 3 failures by default) took the one replica of a service out while its ``/health`` answered 5 s late
-#: under overload, and 207 of 397 requests got 503 while the keeper kept it (issue 41): it now never does.
+#: ``--cb-failure-threshold`` below the attempts: vllm-router's default, 10, let a request's attempts all land on a
+#: replica killed a moment before (power_of_two between two idle workers picks either: a 500 for the client,
+#: tests/test_router.py), and so did 5, equal to the attempts (1 run in 6 on 2 cores); the keeper takes such a
+#: replica out only at its next look. A busy worker fails no request, so its circuit stays closed.
+#: ``--health-failure-threshold``: the router's health checker (a 5 s timeout, 3 failures by default) took the one
+#: replica of a service out while its ``/health`` answered 5 s late under overload, and 207 of 397 requests got 503
+#: while the keeper kept it (issue 41): it now never does.
 DEFAULT_ARGS: tuple[str, ...] = (
     "--retry-max-retries", str(ROUTER_RETRIES),
-    "--cb-failure-threshold", str(ROUTER_RETRIES),
+    "--cb-failure-threshold", str(ROUTER_CB_FAILURES),
     "--health-check-interval-secs", "5",
     "--health-failure-threshold", str(ROUTER_HEALTH_NEVER),
     "--worker-startup-timeout-secs", "20",
