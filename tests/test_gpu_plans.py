@@ -142,9 +142,10 @@ def test_the_local_scheduler_books_gpus(isolated_user: Path, standins: Path, mon
     first = json.loads(pbstk("launch", "Qwen/Qwen3-0.6B", "--name", "one", *launch).stdout)["job_id"]
     wait_for(lambda: status_of(first)["state"] == "READY", 60, "the first job READY")
     second = json.loads(pbstk("launch", "Qwen/Qwen3-0.6B", "--name", "two", *launch).stdout)["job_id"]
-    waiting = wait_for(lambda: (st := status_of(second))["state"] == "PENDING" and st.get("comment") and st, 30,
-                       "the second job queued with a reason")
-    assert re.search(rf"waiting for 1 free GPU of 1 \(held by {re.escape(first)}\)", waiting["comment"]), waiting
+    # the supervisor's first word, "waiting for 1 free GPU(s)", becomes the booking's reason within its first look
+    reason = re.compile(rf"waiting for 1 free GPU of 1 \(held by {re.escape(first)}\)")
+    wait_for(lambda: (st := status_of(second))["state"] == "PENDING" and reason.search(st.get("comment") or ""), 30,
+             "the second job queued with the booking's reason")
     listed = pbstk("status")  # every active job, the queued one with its reason
     assert "waiting for 1 free GPU of 1" in listed.stdout, listed.stdout
     assert pbstk("cancel", first).exit_code == 0
