@@ -69,6 +69,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: not item.nodeid.startswith(FIRST))
 
 
+#: (nodeid, the failed attempt's error lines) of each test run again (``--reruns``): pytest-rerunfailures names them
+#: at the end ("RERUN ...") but prints no traceback, so a flaky test on CI could not be read, only guessed at
+_RERUNS: list[tuple[str, list[str]]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.outcome == "rerun" and report.longrepr is not None:
+        lines = report.longreprtext.splitlines()
+        errors = [line for line in lines if line.startswith("E ")][:12]
+        _RERUNS.append((report.nodeid, [*errors, *lines[-1:]]))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Why each rerun test failed its first attempt(s): its ``E`` lines and where it failed."""
+    if _RERUNS:
+        terminalreporter.section("failed attempts of rerun tests")
+        for nodeid, lines in _RERUNS:
+            terminalreporter.write_line(f"{nodeid}:")
+            for line in lines:
+                terminalreporter.write_line(f"    {line[:300]}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def direct_python3(tmp_path_factory: pytest.TempPathFactory) -> None:
     """``python3`` on PATH is this run's interpreter itself, first, and starts without the base interpreter's

@@ -257,7 +257,11 @@ def job(fakepbs: Path, standins: Path) -> tuple[str, Path]:
                    "--name", "mn", "--wait", "--timeout", "30")
     assert result.exit_code == 0, result.output
     job_id = result.stdout.splitlines()[0].split()[1]
-    return job_id, Path(JobStore().find(job_id).run_dir)
+    run_dir = Path(JobStore().find(job_id).run_dir)
+    # READY is pbstk's answer from the server; the start script sees the port up to a second later and logs on
+    # ("compile cache filled", "vLLM is listening"): the tests compare reads of a log that no longer grows
+    wait_for(lambda: "vLLM is listening" in (run_dir / "vllm.log").read_text(), 15, "the start script's READY line")
+    return job_id, run_dir
 
 
 def _cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
