@@ -153,7 +153,9 @@ def test_follow_missing_then_appended_then_truncated(tmp_path: Path) -> None:
     f = Follower(LocalRunner(), path, lines=2)
     until(lambda: f.notices, what="the waiting notice")
     assert "waiting for" in f.notices[0] and "to appear" in f.notices[0]
-    path.write_text("one\ntwo\nthree\n")
+    # appears whole (a rename): a follower that looked between a create and its write would rightly show all three
+    (tmp_path / "vllm.log.new").write_text("one\ntwo\nthree\n")
+    os.rename(tmp_path / "vllm.log.new", path)
     f.wait_for("three")
     assert f.lines == ["two", "three"]  # the last 2 lines first
     with open(path, "a") as fh:
