@@ -89,7 +89,7 @@ START_DIR = SERVER_DIR / "start"
 START_PARTS = (
     "settings.sh",  # the header's settings declared, strict mode
     "node-role.sh",  # this copy's node, role and rank; its log and marker paths
-    "markers.sh",  # server.json, nodes/K.json, head.json
+    "markers.sh",  # server.json, nodes/K.json, head.json; the stop trap until server.sh sets its own
     "coldstart.sh",  # the start-up timeline, the keyed compile cache, containers (functions)
     "setup.sh",  # the profile's site setup, TMPDIR, the API key, GPU UUIDs
     "amx.sh",  # AMX CPUs: every Python process asks for the AMX tile permission first
